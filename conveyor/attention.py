@@ -1,0 +1,71 @@
+"""Attention over the paged KV cache for one flattened ragged batch (selective batching).
+
+The model runs every token-wise operation on all of the batch's tokens at once; only attention
+needs to know which tokens belong to which request. `AttentionMetadata` carries that: where each
+new token's K/V goes (`slot_mapping`), and which cache slots each query may read. Decode rows
+(one query each) are attended together in one padded call; prefill chunks, few per step, one call
+each. `AttentionBackend` is the interface a faster kernel can implement later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One request's prefill chunk: queries `[q_start, q_start + q_len)` of the batch."""
+
+    q_start: int
+    q_len: int
+    kv_slots: torch.Tensor  # [context_len] cache slots of positions 0 .. context_len - 1
+    mask: torch.Tensor | None  # [q_len, context_len] bool, None when the chunk starts at position 0
+
+
+@dataclass
+class AttentionMetadata:
+    """Index tensors shared by every layer of one forward pass. Decode rows come first."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    num_decodes: int = 0
+    decode_kv_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padding reads slot 0)
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool, True = attend
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class AttentionBackend:
+    """Writes the new K/V into the cache and attends each query to its request's context."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Pure PyTorch (gather + scaled_dot_product_attention); runs on CPU and CUDA."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        gqa = q.shape[1] != k.shape[1]
+        nd = meta.num_decodes
+        if nd:
+            keys = kv_cache[0][meta.decode_kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+            values = kv_cache[1][meta.decode_kv_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                               scale=scale, enable_gqa=gqa)
+            out[:nd] = o.squeeze(2)
+        for span in meta.prefills:
+            qs = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            keys = kv_cache[0][span.kv_slots].transpose(0, 1).unsqueeze(0)
+            values = kv_cache[1][span.kv_slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
+                                               scale=scale, enable_gqa=gqa)
+            out[span.q_start:span.q_start + span.q_len] = o.squeeze(0).transpose(0, 1)
+        return out

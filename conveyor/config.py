@@ -1,0 +1,70 @@
+"""`ContinuousBatchingConfig`: every knob of the engine, validated once at start (SPEC section 10)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of its allowed range."""
+
+
+SCHEDULER_TYPES = ("fifo", "prefill_first")
+
+
+@dataclass
+class ContinuousBatchingConfig:
+    """Engine configuration. Field names follow transformers' continuous batching.
+
+    page_size: tokens of K/V per page (one layer); a block is one page per layer.
+    num_blocks: cache capacity in full-model blocks; None sizes the pool from free memory.
+    max_batch_tokens: token budget of one forward pass (query tokens of all requests).
+    max_memory_percent: share of free memory the KV pool may take when `num_blocks` is None.
+    max_requests_per_batch: most requests in one forward pass (bounds the logits tensor).
+    max_batch_pages: cache budget, the most KV pages read in one pass; None = the pool's size.
+    scheduler_type: "fifo" (decodes first) or "prefill_first".
+    safety_margin: below this free-cache fraction, new prefills wait; None = scheduler default.
+    allow_block_sharing: prefix caching across requests (full-attention models only).
+    cpu_offload_space: GiB of host memory for swapping out KV blocks of preempted requests.
+    q_padding_interval_size / kv_padding_interval_size: shape padding for CUDA graphs.
+    use_cuda_graph / use_async_batching: None = auto-detect (off on CPU).
+    """
+
+    page_size: int = 16
+    num_blocks: int | None = None
+    max_batch_tokens: int = 512
+    max_memory_percent: float = 0.5
+    max_requests_per_batch: int = 64
+    max_batch_pages: int | None = None
+    scheduler_type: str = "fifo"
+    safety_margin: float | None = None
+    allow_block_sharing: bool = True
+    cpu_offload_space: float = 0.0
+    q_padding_interval_size: int = 16
+    kv_padding_interval_size: int = 256
+    use_cuda_graph: bool | None = None
+    use_async_batching: bool | None = None
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in ("page_size", "max_batch_tokens", "max_requests_per_batch",
+                     "q_padding_interval_size", "kv_padding_interval_size"):
+            positive(name)
+        if self.num_blocks is not None:
+            positive("num_blocks")
+        if self.max_batch_pages is not None:
+            positive("max_batch_pages")
+        if not 0.0 < self.max_memory_percent <= 1.0:
+            raise ConfigError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
+        if self.scheduler_type not in SCHEDULER_TYPES:
+            raise ConfigError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+        if self.safety_margin is None:
+            self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
+        if not 0.0 <= self.safety_margin < 1.0:
+            raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
+        if self.cpu_offload_space < 0:
+            raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")

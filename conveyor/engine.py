@@ -1,0 +1,225 @@
+"""The engine loop: one `step()` = schedule, run one forward pass, append tokens, finish requests.
+
+The batch is rebuilt every step (continuous batching): a request that finishes returns its blocks
+at once and a waiting one can take its place in the next pass. Requests are validated before they
+are queued; anything that goes wrong with one request inside the loop fails that request alone.
+The engine is single-threaded: the manager drives it from its own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from .allocator import FullAttentionCacheAllocator
+from .cache_pool import CachePool, plan_num_chunks
+from .config import ContinuousBatchingConfig
+from .model_runner import ModelRunner
+from .models.llama import LlamaForCausalLM
+from .offload import choose_victims
+from .request import Request, RequestState
+from .sampling_params import SamplingParams
+from .scheduler import SchedulerOutput, make_scheduler
+
+logger = logging.getLogger("conveyor")
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot be served as given (empty, too long, bad token ids)."""
+
+
+class Engine:
+    def __init__(self, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
+                 config: ContinuousBatchingConfig, device: torch.device) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = device
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = model.max_model_len
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+        shape = dict(page_size=config.page_size, num_layers=model.num_layers,
+                     num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+        hidden = model.config.hidden_size
+        activation_bytes = (config.max_batch_tokens * (8 * hidden + 3 * model.config.intermediate_size)
+                            + 3 * config.max_requests_per_batch * self.vocab_size) * 4
+        num_chunks = plan_num_chunks(
+            num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
+            bytes_per_chunk=CachePool.bytes_per_chunk(dtype=self.dtype, **shape),
+            activation_bytes=activation_bytes,
+            max_useful_chunks=config.max_requests_per_batch * -(-self.max_model_len // config.page_size),
+            device=device)
+        self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
+        self.allocator = FullAttentionCacheAllocator(self.pool)
+        self.scheduler = make_scheduler(config, self.allocator)
+        self.runner = ModelRunner(model, self.pool, self.allocator, device)
+        self.requests: dict[str, Request] = {}
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.pool.num_usable, config.page_size,
+                    self.capacity_tokens)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_usable * self.config.page_size
+
+    def _eos_token_ids(self) -> tuple[int, ...]:
+        ids = set()
+        for source in (getattr(self.model.config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return tuple(sorted(ids))
+
+    # -- requests in ------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Tokenize and validate; raises InvalidRequestError naming the limit. Safe from any thread."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)")
+        total = len(token_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
+                f"model's context length of {self.max_model_len} tokens")
+        if len(token_ids) > self.capacity_tokens:
+            raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
+                                      f"{self.capacity_tokens} tokens")
+        pages = -(-total // self.config.page_size)
+        if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
+            raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
+                                      f"{self.config.max_batch_pages}")
+        request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        if params.seed is not None and not params.greedy:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return request
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def cancel_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._finish(request, RequestState.CANCELLED, "abort")
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Run one forward pass; return the requests that produced a token or ended."""
+        out = self._schedule()
+        if not out.chunks:
+            return self._fail_unschedulable(out)
+        try:
+            result = self.runner.execute(out.chunks)
+        except Exception as exc:  # a broken batch fails its own requests, not the engine
+            logger.exception("forward pass failed")
+            failed = [c.request for c in out.chunks]
+            for request in failed:
+                self._finish(request, RequestState.FAILED, "error", error=f"forward pass failed: {exc}")
+            return failed
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        now = time.monotonic()
+        for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
+            try:
+                self._append_token(request, token, logprob, now)
+            except Exception as exc:
+                logger.exception("request %s failed", request.request_id)
+                self._finish(request, RequestState.FAILED, "error", error=str(exc))
+        return result.requests
+
+    def _schedule(self) -> SchedulerOutput:
+        """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""
+        out = self.scheduler.schedule()
+        while out.stalled:
+            scheduled = {c.request.request_id for c in out.chunks}
+            victims = choose_victims(self.scheduler.active, scheduled, out.stalled, self.allocator)
+            for victim in victims:
+                self._soft_reset(victim)
+            if out.chunks or not victims:
+                break
+            out = self.scheduler.schedule()
+        return out
+
+    def _soft_reset(self, request: Request) -> None:
+        self.allocator.free(request.request_id)
+        self.scheduler.requeue_front(request)
+        request.num_computed_tokens = 0
+        request.state = RequestState.PENDING
+
+    def _fail_unschedulable(self, out: SchedulerOutput) -> list[Request]:
+        """Nothing fits and nothing can be offloaded: the stalled request can never grow; fail it.
+        With the cache empty and nothing active, the head of the queue can never start; fail it too."""
+        failed = [r for r, _ in out.stalled]
+        if not failed and not self.scheduler.active and self.scheduler.waiting:
+            failed = [self.scheduler.waiting[0]]
+        for request in failed:
+            self._finish(request, RequestState.FAILED, "error",
+                         error=f"request needs more KV cache than the pool's {self.capacity_tokens} tokens")
+        return failed
+
+    def _append_token(self, request: Request, token: int, logprob: dict[int, float] | None, now: float) -> None:
+        request.output_token_ids.append(token)
+        request.state = RequestState.DECODING
+        request.metrics.token_times.append(now)
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if request.logprobs is not None:
+            request.logprobs.append(logprob or {})
+        if token in request.stop_token_ids:
+            self._finish(request, RequestState.FINISHED, "stop")
+            return
+        delta = self._detokenize(request, token)
+        if delta and request.params.stop and self._truncate_at_stop(request, len(delta)):
+            self._finish(request, RequestState.FINISHED, "stop")
+        elif len(request.output_token_ids) >= request.params.max_new_tokens or request.num_tokens >= self.max_model_len:
+            self._finish(request, RequestState.FINISHED, "length")
+
+    def _detokenize(self, request: Request, token: int) -> str:
+        """Incremental detokenization; text waits until a token completes its characters."""
+        request.detok_ids.append(token)
+        ids, start, read = request.detok_ids, request.detok_prefix_offset, request.detok_read_offset
+        prefix = self.tokenizer.decode(ids[start:read], skip_special_tokens=True)
+        full = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        delta = full[len(prefix):]
+        request.detok_prefix_offset, request.detok_read_offset = read, len(ids)
+        request.text += delta
+        return delta
+
+    @staticmethod
+    def _truncate_at_stop(request: Request, delta_len: int) -> bool:
+        """Cut the text before the earliest stop string that the new text completes, even across tokens."""
+        longest = max(len(s) for s in request.params.stop)
+        start = max(len(request.text) - delta_len - longest + 1, 0)
+        hits = [i for i in (request.text.find(s, start) for s in request.params.stop) if i >= 0]
+        if not hits:
+            return False
+        request.text = request.text[:min(hits)]
+        return True
+
+    def _finish(self, request: Request, state: RequestState, reason: str, error: str | None = None) -> None:
+        if request.is_finished:
+            return
+        self.scheduler.remove(request)
+        request.state, request.finish_reason, request.error = state, reason, error
+        request.metrics.finished_time = time.monotonic()
+        self.requests.pop(request.request_id, None)

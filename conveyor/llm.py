@@ -1,0 +1,129 @@
+"""`LLM`: the offline entry point. Loads a model, builds the engine, generates through the manager."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from .config import ContinuousBatchingConfig
+from .engine import Engine
+from .manager import ContinuousBatchingManager
+from .models.llama import LlamaForCausalLM
+from .models.loader import load_checkpoint
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("conveyor")
+
+Prompt = str | list[int]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """fp32 on CPU (bf16 matmuls are slower there); bf16 on CUDA, unless asked otherwise."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"dtype must be one of {sorted(names)} or 'auto', got {dtype!r}")
+        return names[dtype]
+    return dtype
+
+
+class LLM:
+    """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device = "auto", config: ContinuousBatchingConfig | None = None) -> None:
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        started = time.monotonic()
+        checkpoint = load_checkpoint(model, dtype=self.dtype)
+        net = LlamaForCausalLM.from_state_dict(checkpoint.config, checkpoint.state_dict, self.dtype, self.device)
+        self.model_path = checkpoint.path
+        self.tokenizer = checkpoint.tokenizer
+        self.engine = Engine(net, self.tokenizer, config or ContinuousBatchingConfig(), self.device)
+        self.manager = ContinuousBatchingManager(self.engine)
+        logger.info("loaded %s (%s, %s) in %.1f s", self.model_path.name, self.device, self.dtype,
+                    time.monotonic() - started)
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text or token ids); outputs in input order.
+
+        All prompts are validated before any is queued, so one bad prompt raises and runs nothing.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        requests = [self.engine.make_request(self.manager.new_request_id(), prompt, p)
+                    for prompt, p in zip(prompts, params)]
+        started_here = not self.manager.is_running()
+        self.manager.start()
+        try:
+            for request in requests:
+                self.manager.submit(request)
+            return self._collect([r.request_id for r in requests], use_tqdm)
+        except BaseException:
+            for request in requests:
+                self.manager.cancel_request(request.request_id)
+            raise
+        finally:
+            if started_here:
+                self.manager.stop()
+
+    def _collect(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        results: dict[str, RequestOutput] = {}
+        started = time.monotonic()
+        generated = 0
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while pending:
+                output = self.manager.wait_any(pending)
+                pending.discard(output.request_id)
+                results[output.request_id] = output
+                generated += output.num_output_tokens
+                bar.set_postfix_str(f"{generated / max(time.monotonic() - started, 1e-9):.1f} output tok/s")
+                bar.update(1)
+        return [results[i] for i in ids]
+
+    def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's own chat template."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.render_chat(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def render_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+        if not conversation:
+            raise ValueError("conversation is empty: it needs at least one message")
+        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -1,0 +1,178 @@
+"""`ContinuousBatchingManager`: the engine loop on a background thread, with transformers' method names.
+
+Callers on any thread `add_request` (validated at once, so bad input raises in the caller),
+`cancel_request`, and collect results with `get_result` (finished requests) or
+`request_id_iter` (streamed outputs of a request added with `streaming=True`). Only the loop
+thread touches the engine; everything else reaches it through an inbox queue.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+from .engine import Engine
+from .request import Request, RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("conveyor")
+
+
+class ContinuousBatchingManager:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
+        self._streams: dict[str, queue.Queue[RequestOutput]] = {}
+        self._results: dict[str, RequestOutput] = {}
+        self._done = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> "ContinuousBatchingManager":
+        if self.is_running():
+            return self
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="conveyor-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the loop; requests still in flight end with finish_reason "abort"."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        self._thread.join(timeout)
+        self._thread = None
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def __enter__(self) -> "ContinuousBatchingManager":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None, streaming: bool = False) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError on bad input."""
+        request_id = request_id if request_id is not None else self.new_request_id()
+        request = self.engine.make_request(request_id, prompt, sampling_params or SamplingParams())
+        self.submit(request, streaming)
+        return request_id
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def submit(self, request: Request, streaming: bool = False) -> None:
+        """Queue a request already built (and validated) by `engine.make_request`."""
+        if request.request_id in self._streams or request.request_id in self._results:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if streaming:
+            self._streams[request.request_id] = queue.Queue()
+        self._inbox.put(("add", request))
+
+    def cancel_request(self, request_id: str) -> None:
+        """Ask the loop to abort the request; it ends with finish_reason "abort" and frees its blocks."""
+        self._inbox.put(("cancel", request_id))
+
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> RequestOutput | None:
+        """The final output of `request_id` (or of any finished non-streaming request); None on timeout."""
+        return self.wait_any(None if request_id is None else {request_id}, timeout)
+
+    def wait_any(self, request_ids: set[str] | None, timeout: float | None = None) -> RequestOutput | None:
+        """The first finished output among `request_ids` (None = any); None on timeout."""
+        def ready() -> str | None:
+            for rid in self._results:
+                if request_ids is None or rid in request_ids:
+                    return rid
+            return None
+
+        with self._done:
+            if not self._done.wait_for(lambda: ready() is not None, timeout):
+                return None
+            return self._results.pop(ready())
+
+    def request_id_iter(self, request_id: str) -> Iterator[RequestOutput]:
+        """Outputs of a streaming request as its tokens arrive; the last one has `finished=True`."""
+        stream = self._streams.get(request_id)
+        if stream is None:
+            raise KeyError(f"{request_id!r} is not a streaming request (add it with streaming=True)")
+        try:
+            while True:
+                output = stream.get()
+                yield output
+                if output.finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+
+    # -- the loop thread --------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            if self._stopping.is_set() or not self.engine.has_unfinished_requests():
+                continue
+            try:
+                updated = self.engine.step()
+            except Exception:  # a bug in the loop must not strand every caller
+                logger.exception("engine step failed; aborting requests in flight")
+                updated = self._abort_all("error")
+            self._publish(updated)
+        self._publish(self._abort_all("abort"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            while True:
+                self._handle(*item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return
+
+    def _handle(self, kind: str, payload: object) -> None:
+        if kind == "add":
+            self.engine.add_request(payload)  # type: ignore[arg-type]
+        elif kind == "cancel":
+            request = self.engine.cancel_request(payload)  # type: ignore[arg-type]
+            if request is not None:
+                self._publish([request])
+
+    def _abort_all(self, reason: str) -> list[Request]:
+        aborted = list(self.engine.requests.values())
+        for request in aborted:
+            self.engine.cancel_request(request.request_id)
+            request.finish_reason = reason
+        while True:  # requests still in the inbox never reached the engine
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                request = payload  # type: ignore[assignment]
+                self.engine.add_request(request)
+                self.engine.cancel_request(request.request_id)
+                aborted.append(request)
+        return aborted
+
+    def _publish(self, requests: list[Request]) -> None:
+        finished = []
+        for request in requests:
+            stream = self._streams.get(request.request_id)
+            if stream is not None:
+                if request.is_finished or request.output_token_ids[request.sent_token_len:]:
+                    stream.put(request.to_output())
+            elif request.is_finished:
+                finished.append(request.to_output())
+        if finished:
+            with self._done:
+                for output in finished:
+                    self._results[output.request_id] = output
+                self._done.notify_all()

@@ -1,0 +1,1 @@
+"""Model code owned by the engine, and weight loading."""

@@ -1,0 +1,191 @@
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over one flattened ragged batch.
+
+Input is every scheduled token of every request, concatenated: `[num_tokens]` ids and positions.
+Norms, projections and the MLP run on all tokens at once; attention goes through the backend,
+which separates requests. q/k/v and gate/up are fused into single matmuls. The arithmetic
+follows transformers' eager implementation step by step (RMSNorm in fp32, rotate-half RoPE with
+cos/sin from fp32 positions) so greedy outputs match it token for token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from ..attention import AttentionBackend, AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_parameters(config: PretrainedConfig) -> dict:
+    """RoPE settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta`, `rope_scaling`)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return params
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for arbitrary positions; inverse frequencies from transformers' own RoPE initialisers."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+        super().__init__()
+        params = rope_parameters(config)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params["rope_theta"]
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        elif rope_type in ROPE_INIT_FUNCTIONS and not rope_type.startswith("dynamic"):
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        else:
+            raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, "
+                             "longrope)")
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
+        self.scale = head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        o = attention.forward(q, k, v, kv_cache, meta, self.scale)
+        x = x + self.o_proj(o.reshape(t, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only model of the Llama family; variants (biases, q/k norms, tying) come from the weights."""
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
+                 mlp_bias: bool = False, qk_norm: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence served: the context length, capped by a sliding window (full attention
+        equals sliding attention while the sequence fits in the window)."""
+        limit = self.config.max_position_embeddings
+        window = getattr(self.config, "sliding_window", None)
+        if window and getattr(self.config, "use_sliding_window", True):
+            limit = min(limit, window)
+        return limit
+
+    @classmethod
+    def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
+                        dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
+        """Build the model and load Hugging Face-named weights, fusing q/k/v and gate/up."""
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model type {config.model_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        p = "model.layers.0."
+        model = cls(config, qkv_bias=f"{p}self_attn.q_proj.bias" in state_dict,
+                    o_bias=f"{p}self_attn.o_proj.bias" in state_dict,
+                    mlp_bias=f"{p}mlp.gate_proj.bias" in state_dict,
+                    qk_norm=f"{p}self_attn.q_norm.weight" in state_dict)
+        if "lm_head.weight" not in state_dict:
+            model.tied, model.lm_head = True, None
+        fused: dict[str, torch.Tensor] = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
+                                          "norm.weight": state_dict["model.norm.weight"]}
+        if model.lm_head is not None:
+            fused["lm_head.weight"] = state_dict["lm_head.weight"]
+        for i in range(config.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias"):
+                if f"{src}self_attn.q_proj.{kind}" in state_dict:
+                    fused[f"{dst}qkv_proj.{kind}"] = torch.cat(
+                        [state_dict[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv"])
+                if f"{src}mlp.gate_proj.{kind}" in state_dict:
+                    fused[f"{dst}gate_up_proj.{kind}"] = torch.cat(
+                        [state_dict[f"{src}mlp.{n}_proj.{kind}"] for n in ("gate", "up")])
+                for name, hf in (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"),
+                                 ("input_layernorm", "input_layernorm"),
+                                 ("post_attention_layernorm", "post_attention_layernorm"),
+                                 ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")):
+                    if f"{src}{hf}.{kind}" in state_dict:
+                        fused[f"{dst}{name}.{kind}"] = state_dict[f"{src}{hf}.{kind}"]
+        model.load_state_dict(fused, strict=True)
+        return model.to(device=device, dtype=dtype).eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden]` after the final norm."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, attention)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the rows that sample (only those, not every prompt token)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

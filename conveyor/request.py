@@ -1,0 +1,141 @@
+"""Request lifecycle: PENDING -> PREFILLING -> DECODING -> FINISHED (or FAILED / CANCELLED), SPEC section 2.
+
+A request's token sequence is `prompt + generated`; `num_computed_tokens` of it have K/V in the
+cache. Each step processes the next slice of that sequence: a prefill chunk, or (once only the
+last generated token is missing from the cache) a single decode token. A soft reset just sets
+`num_computed_tokens` back to 0, so the generated tokens are re-prefilled as if they were prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class RequestState(enum.Enum):
+    PENDING = "pending"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL_STATES = (RequestState.FINISHED, RequestState.FAILED, RequestState.CANCELLED)
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock timestamps (time.monotonic) of the request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """What a user receives: the whole result so far, plus the delta since the previous output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class Request:
+    """Engine-side state of one generation request; touched only by the engine loop's thread."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.state = RequestState.PENDING
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.stop_token_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+        self.generator: torch.Generator | None = None  # set by the engine, on the model's device, for seeds
+        # Detokenization: output text so far, how much of it the user has been sent.
+        self.text = ""
+        self.sent_text_len = 0
+        self.sent_token_len = 0
+        self.detok_ids: list[int] = self.prompt_token_ids[-5:]
+        self.detok_prefix_offset = 0
+        self.detok_read_offset = len(self.detok_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens not yet in the cache: the rest of the prompt, or the last generated token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without concatenating the whole sequence."""
+        n_prompt = len(self.prompt_token_ids)
+        head = self.prompt_token_ids[start:end] if start < n_prompt else []
+        tail = self.output_token_ids[max(start - n_prompt, 0):end - n_prompt] if end > n_prompt else []
+        return head + tail
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in FINAL_STATES
+
+    def to_output(self, delta: bool = True) -> RequestOutput:
+        """Snapshot for the user; the held-back tail of text (a possible stop string) is not sent."""
+        visible = self.text if self.is_finished else self.text[: self._sendable_text_len()]
+        delta_text = visible[self.sent_text_len:]
+        delta_ids = self.output_token_ids[self.sent_token_len:]
+        if delta:
+            self.sent_text_len = len(visible)
+            self.sent_token_len = len(self.output_token_ids)
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            text=visible, token_ids=list(self.output_token_ids), finished=self.is_finished,
+            finish_reason=self.finish_reason, delta_text=delta_text, delta_token_ids=list(delta_ids),
+            logprobs=None if self.logprobs is None else list(self.logprobs), error=self.error,
+            metrics=self.metrics)
+
+    def _sendable_text_len(self) -> int:
+        hold = max((len(s) for s in self.params.stop), default=1) - 1
+        return max(len(self.text) - hold, self.sent_text_len)

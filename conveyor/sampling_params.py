@@ -1,0 +1,60 @@
+"""Per-request decoding parameters, validated before a request is queued."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is outside its allowed range."""
+
+
+@dataclass
+class SamplingParams:
+    """How one request decodes. `temperature=0` is greedy; the other filters then do nothing.
+
+    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1].
+    min_p: drop tokens below min_p x the top probability. repetition_penalty: > 1 discourages
+    tokens already in the prompt or output (as in transformers). seed: per-request generator, so
+    the same seed gives the same tokens whatever else is in the batch. stop: strings that end
+    generation (not included in the text). logprobs: return the top-n log-probabilities of each
+    generated token (computed from the raw model logits).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise SamplingParamsError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise SamplingParamsError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise SamplingParamsError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

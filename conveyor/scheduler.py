@@ -1,0 +1,167 @@
+"""Schedulers: which requests, and how many of their tokens, go into the next forward pass (SPEC 3-4).
+
+Every step fills one pass under three limits: the token budget (`max_batch_tokens` query tokens),
+the cache budget (`max_batch_pages` KV pages read) and `max_requests_per_batch`. Active requests
+(those holding cache blocks) come first, in the order the scheduler type prefers; then waiting
+requests in arrival order, unless free cache has fallen below `safety_margin`. A prompt that
+does not fit the remaining token budget is chunked: as many of its tokens as fit go now, the rest
+next step. Admission is all or nothing: a waiting request gets blocks for its whole chunk or
+nothing. An active request that cannot get the blocks it needs is reported as stalled, with the
+number of blocks it asked for, so the engine can offload others to make room.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .allocator import FullAttentionCacheAllocator
+from .config import ContinuousBatchingConfig
+from .request import Request, RequestState
+
+
+@dataclass
+class ScheduledChunk:
+    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`."""
+
+    request: Request
+    num_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    stalled: list[tuple[Request, int]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class _Budget:
+    """What is left of one pass's three limits."""
+
+    def __init__(self, config: ContinuousBatchingConfig, num_pages: int) -> None:
+        self.tokens = config.max_batch_tokens
+        self.requests = config.max_requests_per_batch
+        self.pages = config.max_batch_pages or num_pages
+
+    def exhausted(self) -> bool:
+        return self.tokens == 0 or self.requests == 0
+
+    def take(self, tokens: int, pages: int) -> None:
+        self.tokens -= tokens
+        self.requests -= 1
+        self.pages -= pages
+
+
+class Scheduler:
+    """Common mechanics; subclasses choose the order of active requests."""
+
+    def __init__(self, config: ContinuousBatchingConfig, allocator: FullAttentionCacheAllocator) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+
+    # -- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> int:
+        """Take a request out of the queues and free its blocks (finish, failure or cancel)."""
+        if request in self.active:
+            self.active.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        return self.allocator.free(request.request_id)
+
+    def requeue_front(self, request: Request) -> None:
+        """Put an offloaded request back at the head of the waiting queue."""
+        self.active.remove(request)
+        self.waiting.appendleft(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    # -- policy -----------------------------------------------------------------------------
+    def active_order(self) -> list[Request]:
+        raise NotImplementedError
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = _Budget(self.config, self.allocator.num_total_blocks)
+        for request in self.active_order():
+            if budget.exhausted():
+                break
+            self._schedule_active(request, budget, out)
+        if not self._hold_back_new():
+            while self.waiting and not budget.exhausted():
+                if not self._admit(self.waiting[0], budget, out):
+                    break
+                self.active.append(self.waiting.popleft())
+        return out
+
+    def _hold_back_new(self) -> bool:
+        free = self.allocator.num_free_blocks / self.allocator.num_total_blocks
+        return bool(self.active) and free < self.config.safety_margin
+
+    def _schedule_active(self, request: Request, budget: _Budget, out: SchedulerOutput) -> None:
+        n = min(request.num_remaining_tokens, budget.tokens)
+        if request.state is RequestState.PREFILLING:
+            # A running prefill may shrink its chunk to what its blocks plus the free pool can hold.
+            held = len(self.allocator.block_tables.get(request.request_id, ()))
+            room = (held + self.allocator.num_free_blocks) * self.allocator.page_size
+            n = min(n, room - request.num_computed_tokens)
+        if n <= 0:
+            out.stalled.append((request, self.allocator.blocks_needed(
+                request.request_id, request.num_computed_tokens + 1)))
+            return
+        end = request.num_computed_tokens + n
+        pages = self.allocator.blocks_for_tokens(end)
+        if pages > budget.pages:
+            return
+        if not self.allocator.allocate(request.request_id, end):
+            out.stalled.append((request, self.allocator.blocks_needed(request.request_id, end)))
+            return
+        budget.take(n, pages)
+        out.chunks.append(ScheduledChunk(request, n))
+
+    def _admit(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
+        n = min(request.num_remaining_tokens, budget.tokens)
+        end = request.num_computed_tokens + n
+        pages = self.allocator.blocks_for_tokens(end)
+        if pages > budget.pages or not self.allocator.allocate(request.request_id, end):
+            return False
+        request.state = RequestState.PREFILLING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = time.monotonic()
+        budget.take(n, pages)
+        out.chunks.append(ScheduledChunk(request, n))
+        return True
+
+
+class FIFOScheduler(Scheduler):
+    """Active decodes first, then active prefills, then new requests by arrival: finish what runs."""
+
+    def active_order(self) -> list[Request]:
+        decoding = [r for r in self.active if r.state is RequestState.DECODING]
+        prefilling = [r for r in self.active if r.state is RequestState.PREFILLING]
+        return decoding + prefilling
+
+
+class PrefillFirstScheduler(Scheduler):
+    """Active prefills first, so chunked prompts finish before decodes resume."""
+
+    def active_order(self) -> list[Request]:
+        prefilling = [r for r in self.active if r.state is RequestState.PREFILLING]
+        decoding = [r for r in self.active if r.state is RequestState.DECODING]
+        return prefilling + decoding
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
+
+
+def make_scheduler(config: ContinuousBatchingConfig, allocator: FullAttentionCacheAllocator) -> Scheduler:
+    return SCHEDULERS[config.scheduler_type](config, allocator)
