@@ -5,7 +5,9 @@ per layer) is exactly one chunk. K/V live in one tensor per layer, `[2, num_chun
 kv_heads, head_dim]`: the slot of token `t` in chunk `c` is `c * page_size + t`, which lets the
 model write and gather K/V for a whole ragged batch with one index tensor. Chunks 0 and 1 are
 reserved: padding tokens write into them and padded reads point at them, so no request's data is
-ever touched by padding.
+ever touched by padding. They are zeroed; the rest is left uninitialised (on CPU the pages are
+only committed as requests fill them), which is safe because nothing reads a slot before it is
+written except through padding, which reads the reserved chunks.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ class CachePool:
             raise ValueError(f"the KV pool needs more than {NUM_RESERVED_CHUNKS} chunks, got {num_chunks}")
         self.num_chunks = num_chunks
         self.page_size = page_size
-        self.kv = [torch.zeros(2, num_chunks * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.kv = [torch.empty(2, num_chunks * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
                    for _ in range(num_layers)]
+        for layer in self.kv:
+            layer[:, :NUM_RESERVED_CHUNKS * page_size].zero_()
         self._free: deque[int] = deque(range(NUM_RESERVED_CHUNKS, num_chunks))
 
     @staticmethod
@@ -63,12 +67,14 @@ def available_memory(device: torch.device) -> int:
     return info.get("MemAvailable", info.get("MemFree", 0))
 
 
-def plan_num_chunks(*, num_blocks: int | None, max_memory_percent: float, bytes_per_chunk: int,
+def plan_num_chunks(*, num_blocks: int | None, max_memory_percent: float | None, bytes_per_chunk: int,
                     activation_bytes: int, max_useful_chunks: int, device: torch.device) -> int:
     """Chunks for the pool (reserved ones included): `num_blocks` when given, else `max_memory_percent`
     of the memory left after one full-size pass's activations, capped at what could ever be used."""
     if num_blocks is not None:
         return num_blocks + NUM_RESERVED_CHUNKS
+    if max_memory_percent is None:
+        max_memory_percent = 0.9 if device.type == "cuda" else 0.5
     budget = int((available_memory(device) - activation_bytes) * max_memory_percent)
     fits = budget // bytes_per_chunk
     if fits <= NUM_RESERVED_CHUNKS:

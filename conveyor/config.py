@@ -19,7 +19,8 @@ class ContinuousBatchingConfig:
     page_size: tokens of K/V per page (one layer); a block is one page per layer.
     num_blocks: cache capacity in full-model blocks; None sizes the pool from free memory.
     max_batch_tokens: token budget of one forward pass (query tokens of all requests).
-    max_memory_percent: share of free memory the KV pool may take when `num_blocks` is None.
+    max_memory_percent: share of free memory the KV pool may take when `num_blocks` is None;
+        None = 0.9 on CUDA, 0.5 on CPU (which shares its memory with everything else).
     max_requests_per_batch: most requests in one forward pass (bounds the logits tensor).
     max_batch_pages: cache budget, the most KV pages read in one pass; None = the pool's size.
     scheduler_type: "fifo" (decodes first) or "prefill_first".
@@ -33,7 +34,7 @@ class ContinuousBatchingConfig:
     page_size: int = 16
     num_blocks: int | None = None
     max_batch_tokens: int = 512
-    max_memory_percent: float = 0.5
+    max_memory_percent: float | None = None
     max_requests_per_batch: int = 64
     max_batch_pages: int | None = None
     scheduler_type: str = "fifo"
@@ -58,7 +59,7 @@ class ContinuousBatchingConfig:
             positive("num_blocks")
         if self.max_batch_pages is not None:
             positive("max_batch_pages")
-        if not 0.0 < self.max_memory_percent <= 1.0:
+        if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
             raise ConfigError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
         if self.scheduler_type not in SCHEDULER_TYPES:
             raise ConfigError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")

