@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random Hugging Face models saved as directories, and the transformers reference."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from conveyor import LLM, ContinuousBatchingConfig
+
+VOCAB = 300
+TINY_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+TINY_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False),
+    "llama_tied": lambda: transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=False),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False),
+    "mistral": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=None, tie_word_embeddings=False),
+}
+
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """Word-level tokenizer: token i is the word "w{i}"; 0-2 are unk/bos/eos."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                                eos_token="</s>")
+
+
+class TinyModel:
+    """A random HF model saved to `path`; `reference` is the same model in transformers (eager, fp32)."""
+
+    def __init__(self, kind: str, path: Path) -> None:
+        torch.manual_seed(0)
+        config = TINY_CONFIGS[kind]()
+        config._attn_implementation = "eager"
+        self.reference = transformers.AutoModelForCausalLM.from_config(config).eval()
+        self.reference.generation_config.eos_token_id = None
+        self.reference.save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
+        self.path = path
+
+    def llm(self, **config: object) -> LLM:
+        return LLM(self.path, config=ContinuousBatchingConfig(**{"num_blocks": 256, **config}))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    return {kind: TinyModel(kind, tmp_path_factory.mktemp(kind)) for kind in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models: dict[str, TinyModel]) -> TinyModel:
+    return tiny_models["llama"]
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int,
+              **kwargs: object) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy continuation of one unpadded prompt, with its raw logits per step."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0, **kwargs)
+    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0].float()
+
+
+def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: torch.Tensor, label: str = "") -> None:
+    """Token-for-token equality; a first difference is accepted only as a numerical tie
+    (reference top-2 logits within 1e-4), which is reported as a warning."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = ref_logits[i].topk(2).values
+            gap = float(top2[0] - top2[1])
+            assert gap < 1e-4, f"{label}: first difference at token {i}: ours {a}, reference {b} (top-2 gap {gap:.3g})"
+            warnings.warn(f"{label}: numerical tie at token {i} (top-2 gap {gap:.2e}); ours {a}, reference {b}")
+            return
+    assert len(ours) == len(ref), f"{label}: length {len(ours)} vs reference {len(ref)}"

@@ -1,0 +1,107 @@
+"""Greedy outputs equal Hugging Face transformers' (fp32, eager attention), token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conveyor import LLM, SamplingParams
+from conveyor.models.loader import load_checkpoint
+
+from .conftest import TINY_CONFIGS, TinyModel, assert_greedy_match, hf_greedy, random_prompts
+
+LENGTHS = [1, 5, 17, 33, 64, 100, 7, 250]
+MAX_NEW = [12, 3, 20, 9, 16, 1, 24, 10]
+
+
+def run_and_compare(model: TinyModel, llm: LLM, prompts: list[list[int]], max_new: list[int], label: str) -> None:
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (prompt, n, out) in enumerate(zip(prompts, max_new, outputs)):
+        ref, logits = hf_greedy(model.reference, prompt, n)
+        assert out.finish_reason == "length"
+        assert out.prompt_token_ids == prompt
+        assert_greedy_match(out.token_ids, ref, logits, f"{label} prompt {i}")
+
+
+@pytest.mark.parametrize("kind", list(TINY_CONFIGS))
+def test_tiny_models_match_transformers(tiny_models: dict[str, TinyModel], kind: str) -> None:
+    model = tiny_models[kind]
+    llm = model.llm(max_batch_tokens=64)
+    run_and_compare(model, llm, random_prompts(LENGTHS), MAX_NEW, kind)
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+@pytest.mark.parametrize(("max_batch_tokens", "max_requests_per_batch", "page_size"), [
+    (16, 64, 4), (16, 1, 16), (4096, 64, 16), (4096, 1, 256), (16, 64, 256), (37, 3, 4)])
+def test_outputs_independent_of_batching_limits(tiny_llama: TinyModel, max_batch_tokens: int,
+                                                max_requests_per_batch: int, page_size: int) -> None:
+    llm = tiny_llama.llm(max_batch_tokens=max_batch_tokens, max_requests_per_batch=max_requests_per_batch,
+                         page_size=page_size, num_blocks=max(4096 // page_size, 16))
+    run_and_compare(tiny_llama, llm, random_prompts(LENGTHS), MAX_NEW,
+                    f"tokens={max_batch_tokens} requests={max_requests_per_batch} page={page_size}")
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+def test_outputs_independent_of_arrival_order(tiny_llama: TinyModel) -> None:
+    """Requests joining a running batch at different steps still get the reference output."""
+    llm = tiny_llama.llm(max_batch_tokens=32, page_size=4)
+    engine = llm.engine
+    prompts = random_prompts(LENGTHS, seed=3)
+    order = [5, 2, 7, 0, 1, 6, 3, 4]
+    requests = {}
+    for step, i in enumerate(order):
+        requests[i] = engine.make_request(f"r{i}", prompts[i], SamplingParams(max_new_tokens=MAX_NEW[i],
+                                                                              temperature=0, ignore_eos=True))
+        engine.add_request(requests[i])
+        for _ in range(step % 3):
+            engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    for i, prompt in enumerate(prompts):
+        ref, logits = hf_greedy(tiny_llama.reference, prompt, MAX_NEW[i])
+        assert_greedy_match(requests[i].output_token_ids, ref, logits, f"arrival prompt {i}")
+    assert engine.pool.num_free == engine.pool.num_usable
+
+
+def test_preempted_requests_keep_their_outputs(tiny_llama: TinyModel) -> None:
+    """A pool too small for every request at once forces soft resets; outputs stay exact."""
+    llm = tiny_llama.llm(page_size=4, num_blocks=40, max_batch_tokens=64, safety_margin=0.0)
+    prompts = random_prompts([30, 25, 40, 20, 35, 10], seed=5)
+    max_new = [40, 30, 20, 45, 25, 50]
+    resets = []
+    original = llm.engine._soft_reset
+    llm.engine._soft_reset = lambda r: (resets.append(r.request_id), original(r))
+    run_and_compare(tiny_llama, llm, prompts, max_new, "small pool")
+    assert resets, "the pool was meant to be too small to hold every request"
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+
+
+@pytest.mark.slow
+def test_builtin_smollm2_matches_transformers() -> None:
+    """The built-in model on 8 chat prompts of different lengths, all in one continuous batch."""
+    llm = LLM()
+    checkpoint = load_checkpoint(None)
+    reference = transformers.LlamaForCausalLM(checkpoint.config).eval()
+    reference.load_state_dict(checkpoint.state_dict, strict=False)
+    reference.tie_weights()
+    questions = ["Hi.", "Write one sentence about the moon.", "Give three facts about photosynthesis.",
+                 "Explain TCP handshakes to a child in a short paragraph.", "What is 2 + 2?",
+                 "Write a short poem about bread baking, with a title and two stanzas of four lines each.",
+                 "Translate 'good morning' into French.",
+                 "Summarise the plot of a story where a robot learns to paint, in three sentences, and then "
+                 "explain what the story says about creativity and whether machines can have it."]
+    prompts = [llm.render_chat([{"role": "user", "content": q}]) for q in questions]
+    assert len({len(p) for p in prompts}) == len(prompts)
+    max_new = [8, 20, 24, 16, 6, 24, 10, 18]
+    params = [SamplingParams(max_new_tokens=n, temperature=0) for n in max_new]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for i, (prompt, n, out) in enumerate(zip(prompts, max_new, outputs)):
+        ref, logits = hf_greedy(reference, prompt, n, eos_token_id=checkpoint.config.eos_token_id)
+        if ref and ref[-1] == checkpoint.config.eos_token_id:
+            assert out.finish_reason == "stop"
+        assert_greedy_match(out.token_ids, ref, logits, f"SmolLM2 prompt {i}")
+        assert out.text == llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
+    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    torch.testing.assert_close(llm.engine.model.embed_tokens.weight, checkpoint.state_dict["model.embed_tokens.weight"])
