@@ -119,12 +119,14 @@ class Scheduler:
                 request.request_id, request.num_computed_tokens + 1)))
             return
         end = request.num_computed_tokens + n
+        needed = self.allocator.blocks_needed(request.request_id, end)
+        if needed > self.allocator.num_free_blocks:
+            out.stalled.append((request, needed))
+            return
         pages = self.allocator.blocks_for_tokens(end)
         if pages > budget.pages:
             return
-        if not self.allocator.allocate(request.request_id, end):
-            out.stalled.append((request, self.allocator.blocks_needed(request.request_id, end)))
-            return
+        self.allocator.allocate(request.request_id, end)
         budget.take(n, pages)
         out.chunks.append(ScheduledChunk(request, n))
 

@@ -1,0 +1,208 @@
+"""Engine behaviour: validation, no leaked blocks, failure isolation, sampling parameters, stops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import LLM, ContinuousBatchingConfig, InvalidRequestError, RequestState, SamplingParams
+from conveyor.engine import Engine
+from conveyor.models.loader import ModelLoadError
+
+from .conftest import TinyModel, hf_greedy, random_prompts
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: TinyModel) -> LLM:
+    return tiny_llama.llm(page_size=4, num_blocks=128, max_batch_tokens=16)
+
+
+def greedy(n: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def run_all(engine: Engine) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+# -- bad input ------------------------------------------------------------------------------
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"temperature": -0.5}, "temperature must be >= 0"),
+    ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"min_p": 2.0}, "min_p must be in [0, 1]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+])
+def test_bad_sampling_params_raise(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_before_anything_is_queued(llm: LLM) -> None:
+    engine = llm.engine
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate([[1, 2, 3], ""], greedy(2), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="prompt is empty"):
+        llm.generate([[]], greedy(2), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"\(500 tokens\) \+ max_new_tokens \(100\) = 600 exceeds the "
+                                                  r"model's context length of 512"):
+        llm.generate([[5] * 500], greedy(100), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"integers in \[0, 300\)"):
+        llm.generate([[5, 300]], greedy(2), use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    assert engine.pool.num_free == engine.pool.num_usable
+    assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].num_output_tokens == 3
+
+
+def test_prompt_larger_than_the_cache_is_refused(tiny_llama: TinyModel) -> None:
+    small = tiny_llama.llm(page_size=4, num_blocks=8)
+    with pytest.raises(InvalidRequestError, match="exceeds the KV cache capacity of 32 tokens"):
+        small.generate([[5] * 40], greedy(1), use_tqdm=False)
+
+
+def test_bad_model_paths(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(tmp_path / "nope")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="Not a valid GGUF file"):
+        LLM(bad)
+
+
+def test_bad_config_raises() -> None:
+    with pytest.raises(ValueError, match="max_batch_tokens must be a positive integer"):
+        ContinuousBatchingConfig(max_batch_tokens=0)
+
+
+# -- blocks come back -----------------------------------------------------------------------
+def test_no_leaks_after_finish_cancel_and_failure(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = llm.engine
+    initial = engine.pool.num_free
+    prompts = random_prompts([60, 10, 12, 9], seed=1)
+    mid_prefill = engine.make_request("mid-prefill", prompts[0], greedy(5))
+    mid_decode = engine.make_request("mid-decode", prompts[1], greedy(50))
+    failing = engine.make_request("failing", prompts[2], greedy(50))
+    healthy = engine.make_request("healthy", prompts[3], greedy(20))
+    for r in (mid_decode, failing, healthy, mid_prefill):
+        engine.add_request(r)
+    original = engine._detokenize
+
+    def detokenize(request, token):
+        if request is failing and len(request.output_token_ids) == 3:
+            raise RuntimeError("injected detokenizer failure")
+        return original(request, token)
+
+    monkeypatch.setattr(engine, "_detokenize", detokenize)
+    for _ in range(4):
+        engine.step()
+    assert mid_prefill.state is RequestState.PREFILLING and 0 < mid_prefill.num_computed_tokens < 60
+    assert mid_decode.state is RequestState.DECODING
+    engine.cancel_request("mid-prefill")
+    engine.cancel_request("mid-decode")
+    assert mid_prefill.finish_reason == mid_decode.finish_reason == "abort"
+    run_all(engine)
+    assert failing.state is RequestState.FAILED and failing.finish_reason == "error"
+    assert "injected detokenizer failure" in failing.error
+    assert healthy.state is RequestState.FINISHED and len(healthy.output_token_ids) == 20
+    assert engine.pool.num_free == initial
+
+
+def test_failed_forward_pass_fails_its_batch_and_engine_keeps_serving(llm: LLM,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = llm.engine
+    initial = engine.pool.num_free
+    doomed = engine.make_request("doomed", [5, 6, 7], greedy(5))
+    engine.add_request(doomed)
+
+    def broken(chunks):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    engine.step()
+    monkeypatch.undo()
+    assert doomed.state is RequestState.FAILED and "device fell over" in doomed.error
+    assert engine.pool.num_free == initial
+    out = llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and out.num_output_tokens == 4
+
+
+def test_request_that_outgrows_the_whole_pool_fails_alone(tiny_llama: TinyModel) -> None:
+    small = tiny_llama.llm(page_size=4, num_blocks=10, safety_margin=0.0)
+    big, ok = small.generate([[5] * 30, [6] * 3], [greedy(60), greedy(3)], use_tqdm=False)
+    assert big.finish_reason == "error" and "40 tokens" in big.error
+    assert ok.finish_reason == "length" and ok.num_output_tokens == 3
+    assert small.engine.pool.num_free == small.engine.pool.num_usable
+
+
+# -- sampling -------------------------------------------------------------------------------
+def test_seeded_sampling_is_independent_of_batch_composition(llm: LLM) -> None:
+    prompt = random_prompts([20], seed=9)[0]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, top_k=50, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = llm.generate([prompt], params, use_tqdm=False)[0].token_ids
+    others = random_prompts([5, 40, 13], seed=10)
+    crowd = [SamplingParams(max_new_tokens=30, temperature=0.8, ignore_eos=True), greedy(10),
+             SamplingParams(max_new_tokens=16, temperature=1.2, seed=7, ignore_eos=True)]
+    batched = llm.generate(others[:2] + [prompt] + others[2:], crowd[:2] + [params] + crowd[2:], use_tqdm=False)
+    assert batched[2].token_ids == alone
+    different_seed = llm.generate([prompt], SamplingParams(max_new_tokens=24, temperature=1.0, top_k=50,
+                                                           top_p=0.95, seed=4321, ignore_eos=True),
+                                  use_tqdm=False)[0].token_ids
+    assert different_seed != alone
+
+
+@pytest.mark.parametrize("filters", [{"top_k": 1}, {"top_p": 1e-6}, {"min_p": 1.0}])
+def test_filters_that_leave_one_token_equal_greedy(llm: LLM, filters: dict) -> None:
+    prompt = random_prompts([15], seed=11)[0]
+    expected = llm.generate([prompt], greedy(12), use_tqdm=False)[0].token_ids
+    sampled = llm.generate([prompt], SamplingParams(max_new_tokens=12, temperature=1.5, ignore_eos=True, **filters),
+                           use_tqdm=False)[0].token_ids
+    assert sampled == expected
+
+
+def test_repetition_penalty_matches_transformers(tiny_llama: TinyModel, llm: LLM) -> None:
+    prompt = random_prompts([12], seed=12)[0]
+    ours = llm.generate([prompt], greedy(16, repetition_penalty=1.5), use_tqdm=False)[0].token_ids
+    ref, _ = hf_greedy(tiny_llama.reference, prompt, 16, repetition_penalty=1.5)
+    assert ours == ref
+    assert ours != llm.generate([prompt], greedy(16), use_tqdm=False)[0].token_ids
+
+
+def test_logprobs_are_the_reference_log_softmax(tiny_llama: TinyModel, llm: LLM) -> None:
+    prompt = random_prompts([10], seed=13)[0]
+    out = llm.generate([prompt], greedy(6, logprobs=3), use_tqdm=False)[0]
+    ref, logits = hf_greedy(tiny_llama.reference, prompt, 6)
+    assert len(out.logprobs) == 6
+    for token, entry, row in zip(out.token_ids, out.logprobs, torch.log_softmax(logits, -1)):
+        top = row.topk(3)
+        assert set(entry) == set(top.indices.tolist())
+        assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
+        assert entry[token] == max(entry.values())
+
+
+# -- stopping -------------------------------------------------------------------------------
+def test_stop_token_ids_and_eos(llm: LLM) -> None:
+    prompt = random_prompts([8], seed=14)[0]
+    free_run = llm.generate([prompt], greedy(20), use_tqdm=False)[0].token_ids
+    stop_at = next(i for i, t in enumerate(free_run) if i >= 2 and t not in free_run[:i])
+    out = llm.generate([prompt], greedy(20, stop_token_ids=[free_run[stop_at]]), use_tqdm=False)[0]
+    assert out.token_ids == free_run[:stop_at + 1] and out.finish_reason == "stop"
+    eos = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[]),
+                       use_tqdm=False)[0]
+    assert eos.finish_reason in ("stop", "length")
+    if eos.finish_reason == "stop":
+        assert eos.token_ids[-1] == 2
+
+
+def test_stop_string_across_a_token_boundary(llm: LLM) -> None:
+    prompt = random_prompts([8], seed=15)[0]
+    free = llm.generate([prompt], greedy(12), use_tqdm=False)[0]
+    words = free.text.split()  # one word per token with this tokenizer
+    stop = words[3][-1] + " " + words[4][:2]  # spans the boundary between tokens 4 and 5
+    cut = free.text.index(stop)
+    out = llm.generate([prompt], greedy(12, stop=[stop]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:cut]
+    assert out.token_ids == free.token_ids[:5]
