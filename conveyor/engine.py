@@ -183,11 +183,12 @@ class Engine:
             request.metrics.first_token_time = now
         if request.logprobs is not None:
             request.logprobs.append(logprob or {})
-        if token in request.stop_token_ids:
+        may_stop = len(request.output_token_ids) > request.params.min_tokens
+        if token in request.stop_token_ids and may_stop:
             self._finish(request, RequestState.FINISHED, "stop")
             return
         delta = self._detokenize(request, token)
-        if delta and request.params.stop and self._truncate_at_stop(request, len(delta)):
+        if delta and may_stop and request.params.stop and self._truncate_at_stop(request, len(delta)):
             self._finish(request, RequestState.FINISHED, "stop")
         elif len(request.output_token_ids) >= request.params.max_new_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, RequestState.FINISHED, "length")

@@ -18,11 +18,13 @@ class Sampler:
         """logits: fp32 `[rows, vocab]`, one row per request. Returns token ids and optional logprobs."""
         raw = logits
         params = [r.params for r in requests]
-        penalised = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if penalised:
+        adjusted = [i for i, (p, r) in enumerate(zip(params, requests))
+                    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                    or len(r.output_token_ids) < p.min_tokens]
+        if adjusted:
             logits = logits.clone()
-            for i in penalised:
-                self._apply_repetition_penalty(logits[i], requests[i], params[i].repetition_penalty)
+            for i in adjusted:
+                self._adjust_row(logits[i], requests[i])
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -44,11 +46,19 @@ class Sampler:
         return token_list, logprobs
 
     @staticmethod
-    def _apply_repetition_penalty(row: torch.Tensor, request: Request, penalty: float) -> None:
-        """transformers' rule: logits of seen tokens are divided by the penalty if positive, else multiplied."""
-        seen = torch.tensor(request.prompt_token_ids + request.output_token_ids, device=row.device).unique()
-        score = row[seen]
-        row[seen] = torch.where(score > 0, score / penalty, score * penalty)
+    def _adjust_row(row: torch.Tensor, request: Request) -> None:
+        """Penalties and min_tokens for one row (only rows that ask for them pay for this)."""
+        p = request.params
+        if p.repetition_penalty != 1.0:  # transformers' rule: divide positive logits, multiply negative ones
+            seen = torch.tensor(request.prompt_token_ids + request.output_token_ids, device=row.device).unique()
+            score = row[seen]
+            row[seen] = torch.where(score > 0, score / p.repetition_penalty, score * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
+            counts = torch.bincount(torch.tensor(request.output_token_ids, device=row.device),
+                                    minlength=row.shape[0])[:row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if len(request.output_token_ids) < p.min_tokens and request.stop_token_ids:
+            row[list(request.stop_token_ids)] = float("-inf")
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -15,7 +15,10 @@ class SamplingParams:
 
     top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1].
     min_p: drop tokens below min_p x the top probability. repetition_penalty: > 1 discourages
-    tokens already in the prompt or output (as in transformers). seed: per-request generator, so
+    tokens already in the prompt or output (as in transformers). presence_penalty /
+    frequency_penalty: OpenAI's additive penalties on tokens already generated (once, and per
+    occurrence). min_tokens: EOS, stop tokens and stop strings are ignored until this many tokens
+    have been generated. seed: per-request generator, so
     the same seed gives the same tokens whatever else is in the batch. stop: strings that end
     generation (not included in the text). logprobs: return the top-n log-probabilities of each
     generated token (computed from the raw model logits).
@@ -27,6 +30,9 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -50,6 +56,12 @@ class SamplingParams:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise SamplingParamsError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise SamplingParamsError(f"min_tokens must be an integer in [0, max_new_tokens={self.max_new_tokens}], "
+                                      f"got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise SamplingParamsError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -206,3 +206,29 @@ def test_stop_string_across_a_token_boundary(llm: LLM) -> None:
     assert out.finish_reason == "stop"
     assert out.text == free.text[:cut]
     assert out.token_ids == free.token_ids[:5]
+
+
+@torch.inference_mode()
+def test_presence_and_frequency_penalties_match_a_reference_loop(tiny_llama: TinyModel, llm: LLM) -> None:
+    prompt = random_prompts([6], seed=16)[0]
+    presence, frequency = 0.7, 1.3
+    ids = list(prompt)
+    for _ in range(14):
+        logits = tiny_llama.reference(torch.tensor([ids])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=logits.shape[0]).float()
+        ids.append(int((logits - frequency * counts - presence * (counts > 0).float()).argmax()))
+    ours = llm.generate([prompt], greedy(14, presence_penalty=presence, frequency_penalty=frequency),
+                        use_tqdm=False)[0].token_ids
+    assert ours == ids[len(prompt):]
+
+
+def test_min_tokens_holds_back_stops(llm: LLM) -> None:
+    prompt = random_prompts([8], seed=17)[0]
+    free_run = llm.generate([prompt], greedy(12), use_tqdm=False)[0]
+    first = free_run.token_ids[0]
+    stopped = llm.generate([prompt], greedy(12, stop_token_ids=[first]), use_tqdm=False)[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held = llm.generate([prompt], greedy(12, stop_token_ids=[first], min_tokens=4), use_tqdm=False)[0]
+    assert len(held.token_ids) >= 5 and first not in held.token_ids[:4]
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_new_tokens=3, min_tokens=4)
