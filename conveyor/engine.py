@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -29,6 +30,29 @@ logger = logging.getLogger("conveyor")
 
 class InvalidRequestError(ValueError):
     """A request that cannot be served as given (empty, too long, bad token ids)."""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's counters (cumulative) and gauges (now); the server's metrics read it."""
+
+    prompt_tokens: int = 0  # prompt tokens of every request admitted
+    generation_tokens: int = 0  # tokens sampled
+    prefill_tokens: int = 0  # tokens actually run through prefill (recomputation after a reset included)
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    offloads: int = 0
+    swap_ins: int = 0
+    soft_resets: int = 0
+    finished_requests: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 class Engine:
@@ -58,6 +82,7 @@ class Engine:
         self.scheduler = make_scheduler(config, self.allocator)
         self.runner = ModelRunner(model, self.pool, self.allocator, device)
         self.requests: dict[str, Request] = {}
+        self._stats = EngineStats()
         logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.pool.num_usable, config.page_size,
                     self.capacity_tokens)
 
@@ -110,6 +135,7 @@ class Engine:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.scheduler.add_request(request)
+        self._stats.prompt_tokens += len(request.prompt_token_ids)
 
     def cancel_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -119,6 +145,15 @@ class Engine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        """Counters so far plus the cache and queue gauges now (safe to read from another thread)."""
+        snapshot = EngineStats(**vars(self._stats))
+        snapshot.free_blocks = self.allocator.num_free_blocks
+        snapshot.total_blocks = self.allocator.num_total_blocks
+        snapshot.running_requests = len(self.scheduler.active)
+        snapshot.waiting_requests = len(self.scheduler.waiting)
+        return snapshot
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -135,7 +170,10 @@ class Engine:
                 self._finish(request, RequestState.FAILED, "error", error=f"forward pass failed: {exc}")
             return failed
         for chunk in out.chunks:
+            if chunk.request.state is RequestState.PREFILLING:
+                self._stats.prefill_tokens += chunk.num_tokens
             chunk.request.num_computed_tokens += chunk.num_tokens
+        self._stats.generation_tokens += len(result.token_ids)
         now = time.monotonic()
         for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
             try:
@@ -159,6 +197,8 @@ class Engine:
         return out
 
     def _soft_reset(self, request: Request) -> None:
+        self._stats.soft_resets += 1
+        self._stats.offloads += 1
         self.allocator.free(request.request_id)
         self.scheduler.requeue_front(request)
         request.num_computed_tokens = 0
@@ -224,3 +264,4 @@ class Engine:
         request.state, request.finish_reason, request.error = state, reason, error
         request.metrics.finished_time = time.monotonic()
         self.requests.pop(request.request_id, None)
+        self._stats.finished_requests += 1

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .config import ContinuousBatchingConfig
-from .engine import Engine
+from .engine import Engine, EngineStats
 from .manager import ContinuousBatchingManager
 from .models.llama import LlamaForCausalLM
 from .models.loader import load_checkpoint
@@ -65,6 +65,10 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def stats(self) -> EngineStats:
+        """Engine counters (tokens, preemptions, prefix cache) and cache/queue gauges now."""
+        return self.engine.stats()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

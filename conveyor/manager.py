@@ -12,9 +12,9 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from .engine import Engine
+from .engine import Engine, EngineStats
 from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
 
@@ -26,6 +26,7 @@ class ContinuousBatchingManager:
         self.engine = engine
         self._inbox: queue.Queue[tuple[str, object]] = queue.Queue()
         self._streams: dict[str, queue.Queue[RequestOutput]] = {}
+        self._callbacks: dict[str, Callable[[RequestOutput], None]] = {}
         self._results: dict[str, RequestOutput] = {}
         self._done = threading.Condition()
         self._ids = itertools.count()
@@ -71,13 +72,25 @@ class ContinuousBatchingManager:
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
-    def submit(self, request: Request, streaming: bool = False) -> None:
-        """Queue a request already built (and validated) by `engine.make_request`."""
-        if request.request_id in self._streams or request.request_id in self._results:
+    def submit(self, request: Request, streaming: bool = False,
+               on_output: Callable[[RequestOutput], None] | None = None) -> None:
+        """Queue a request already built (and validated) by `engine.make_request`.
+
+        With `on_output`, every output (token deltas, then the final one) is passed to it on the loop
+        thread instead of being queued: an asyncio server hands them to its event loop this way.
+        """
+        if request.request_id in self._callbacks or request.request_id in self._results:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if streaming:
-            self._streams[request.request_id] = queue.Queue()
+        if streaming and on_output is None:
+            stream: queue.Queue[RequestOutput] = queue.Queue()
+            self._streams[request.request_id] = stream
+            on_output = stream.put
+        if on_output is not None:
+            self._callbacks[request.request_id] = on_output
         self._inbox.put(("add", request))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def cancel_request(self, request_id: str) -> None:
         """Ask the loop to abort the request; it ends with finish_reason "abort" and frees its blocks."""
@@ -165,10 +178,15 @@ class ContinuousBatchingManager:
     def _publish(self, requests: list[Request]) -> None:
         finished = []
         for request in requests:
-            stream = self._streams.get(request.request_id)
-            if stream is not None:
+            callback = self._callbacks.get(request.request_id)
+            if callback is not None:
                 if request.is_finished or request.output_token_ids[request.sent_token_len:]:
-                    stream.put(request.to_output())
+                    if request.is_finished:
+                        del self._callbacks[request.request_id]
+                    try:
+                        callback(request.to_output())
+                    except Exception:  # a consumer's bug must not stop the loop
+                        logger.exception("output callback of %s failed", request.request_id)
             elif request.is_finished:
                 finished.append(request.to_output())
         if finished:

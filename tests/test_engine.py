@@ -232,3 +232,15 @@ def test_min_tokens_holds_back_stops(llm: LLM) -> None:
     assert len(held.token_ids) >= 5 and first not in held.token_ids[:4]
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_new_tokens=3, min_tokens=4)
+
+
+def test_stats_count_tokens_and_show_the_cache(tiny_llama: TinyModel) -> None:
+    fresh = tiny_llama.llm(page_size=4, num_blocks=64)
+    prompts = random_prompts([7, 12], seed=18)
+    outputs = fresh.generate(prompts, greedy(5), use_tqdm=False)
+    stats = fresh.stats()
+    assert stats.prompt_tokens == stats.prefill_tokens == 19
+    assert stats.generation_tokens == sum(o.num_output_tokens for o in outputs) == 10
+    assert stats.finished_requests == 2 and stats.soft_resets == 0
+    assert stats.free_blocks == stats.total_blocks == 64 and stats.kv_cache_usage == 0.0
+    assert stats.running_requests == stats.waiting_requests == 0
