@@ -298,3 +298,21 @@ def test_bad_safetensors_index_raises_model_load_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
     with pytest.raises(ModelLoadError, match="gone.safetensors"):
         load_checkpoint(tmp_path)
+
+
+def test_gguf_tokenizer_is_cached_and_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from conveyor.models.loader import _gguf_tokenizer
+
+    monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path))
+    path = default_model_path()
+    converted = _gguf_tokenizer(path)
+    saved = list(tmp_path.glob("tokenizers/*/tokenizer_config.json"))
+    assert len(saved) == 1
+    cached = _gguf_tokenizer(path)
+    text = "Héllo wörld 🙂  spaces   and\ttabs\n\nnewlines <|im_start|>x"
+    assert cached.encode(text) == converted.encode(text)
+    messages = [{"role": "user", "content": text}]
+    assert cached.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+        converted.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (converted.eos_token_id, converted.bos_token_id,
+                                                                       len(converted))

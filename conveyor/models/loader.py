@@ -8,6 +8,7 @@ its own compute, and exact parity with `transformers`' GGUF loader is tested.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import logging
@@ -185,8 +186,27 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
             weights = _undo_llama_rope_permute(weights, n_head)
         state_dict[hf_name] = torch.tensor(weights, dtype=dtype)
 
+    return Checkpoint(config, state_dict, _gguf_tokenizer(path), path)
+
+
+def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """The GGUF's tokenizer, converted by transformers once and then kept in a cache directory
+    (`$CONVEYOR_CACHE`, else `~/.cache/conveyor`) keyed by the file's path, size and mtime: the
+    conversion re-parses the whole file and takes seconds, loading the saved tokenizer does not."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
+    cache = Path(os.environ.get("CONVEYOR_CACHE", Path.home() / ".cache" / "conveyor")) / "tokenizers" / key.hexdigest()[:16]
+    if (cache / "tokenizer_config.json").is_file():
+        try:
+            return transformers.AutoTokenizer.from_pretrained(cache)
+        except Exception:  # a damaged cache entry: convert again below
+            logger.warning("ignoring unreadable tokenizer cache %s", cache)
     tokenizer = _load_tokenizer(path, path.parent, gguf_file=path.name)
-    return Checkpoint(config, state_dict, tokenizer, path)
+    try:
+        tokenizer.save_pretrained(cache)
+    except OSError as exc:  # a read-only home is no reason to fail
+        logger.info("could not cache the tokenizer in %s: %s", cache, exc)
+    return tokenizer
 
 
 _REQUIRED = object()
