@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .allocator import FullAttentionCacheAllocator
-from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, TorchPagedAttention
+from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, cache_slots, make_attention_backend
 from .cache_pool import CachePool
 from .models.llama import LlamaForCausalLM
 from .request import Request
@@ -36,15 +36,9 @@ class ModelRunner:
         self.pool = pool
         self.allocator = allocator
         self.device = device
-        self.attention = attention or TorchPagedAttention()
+        self.attention = attention or make_attention_backend(device, next(model.parameters()).dtype)
         self.sampler = Sampler()
         self.page_size = pool.page_size
-        self._page_offsets = torch.arange(self.page_size, device=device)
-
-    def _slots(self, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-        """Cache slots of positions `0 .. length-1` for each row of a `[rows, blocks]` table."""
-        slots = block_tables.unsqueeze(-1) * self.page_size + self._page_offsets
-        return slots.flatten(-2)[..., :length]
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                                list[int], list[Request]]:
@@ -56,20 +50,16 @@ class ModelRunner:
         samplers: list[Request] = []
         positions: list[torch.Tensor] = []
         slot_mapping: list[torch.Tensor] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=self.page_size, num_decodes=len(decodes))
         dev = self.device
         if decodes:
-            pos = [c.request.num_computed_tokens for c in decodes]
             tables = [self.allocator.block_table(c.request.request_id) for c in decodes]
             width = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-            pos_t = torch.tensor(pos, device=dev)
-            max_ctx = max(pos) + 1
-            slots = self._slots(bt, max_ctx)
-            visible = torch.arange(max_ctx, device=dev) <= pos_t.unsqueeze(1)
-            slot_mapping.append(slots.gather(1, pos_t.unsqueeze(1)).squeeze(1))
-            meta.decode_kv_slots = slots.masked_fill(~visible, 0)  # padding reads the reserved chunk
-            meta.decode_mask = visible[:, None, None, :]
+            pos_t = torch.tensor([c.request.num_computed_tokens for c in decodes], device=dev)
+            meta.decode_block_tables, meta.decode_context_lens = bt, pos_t + 1
+            page = bt.gather(1, (pos_t // self.page_size).unsqueeze(1)).squeeze(1)
+            slot_mapping.append(page * self.page_size + pos_t % self.page_size)
             positions.append(pos_t)
             for c in decodes:
                 r = c.request
@@ -79,7 +69,7 @@ class ModelRunner:
             start, n = r.num_computed_tokens, c.num_tokens
             end = start + n
             table = torch.tensor(self.allocator.block_table(r.request_id), device=dev)
-            kv_slots = self._slots(table, end)
+            kv_slots = cache_slots(table, self.page_size)[:end]
             pos_t = torch.arange(start, end, device=dev)
             mask = None if start == 0 else torch.arange(end, device=dev).unsqueeze(0) <= pos_t.unsqueeze(1)
             meta.prefills.append(PrefillSpan(q_start=len(ids), q_len=n, kv_slots=kv_slots, mask=mask))
@@ -93,6 +83,7 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 samplers.append(c.request)
         meta.slot_mapping = torch.cat(slot_mapping)
+        self.attention.prepare(meta)
         return torch.tensor(ids, device=dev), torch.cat(positions), meta, sample_rows, samplers
 
     @torch.inference_mode()
