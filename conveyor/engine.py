@@ -39,13 +39,13 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of every request admitted
     generation_tokens: int = 0  # tokens sampled
     prefill_tokens: int = 0  # tokens actually run through prefill (recomputation after a reset included)
-    prefix_cache_query_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (their prefill was skipped)
     offloads: int = 0
     swap_ins: int = 0
     soft_resets: int = 0
     finished_requests: int = 0
-    free_blocks: int = 0
+    free_blocks: int = 0  # uninitialized plus cached (reclaimable) blocks
     total_blocks: int = 0
     running_requests: int = 0
     waiting_requests: int = 0
@@ -78,13 +78,17 @@ class Engine:
             max_useful_chunks=config.max_requests_per_batch * -(-self.max_model_len // config.page_size),
             device=device)
         self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
-        self.allocator = FullAttentionCacheAllocator(self.pool)
+        # One allocator per attention type of the model; every supported model is full-attention only.
+        # Prefix caching needs every allocator to share blocks (a sliding-window one could not).
+        allocator_types = [FullAttentionCacheAllocator]
+        self.block_sharing = config.allow_block_sharing and all(t.supports_sharing for t in allocator_types)
+        self.allocator = FullAttentionCacheAllocator(self.pool, block_sharing=self.block_sharing)
         self.scheduler = make_scheduler(config, self.allocator)
         self.runner = ModelRunner(model, self.pool, self.allocator, device)
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens", self.pool.num_usable, config.page_size,
-                    self.capacity_tokens)
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; prefix caching %s", self.pool.num_usable,
+                    config.page_size, self.capacity_tokens, "on" if self.block_sharing else "off")
 
     @property
     def capacity_tokens(self) -> int:
@@ -173,6 +177,7 @@ class Engine:
             if chunk.request.state is RequestState.PREFILLING:
                 self._stats.prefill_tokens += chunk.num_tokens
             chunk.request.num_computed_tokens += chunk.num_tokens
+            self.allocator.register_full_blocks(chunk.request)  # completed blocks become matchable
         self._stats.generation_tokens += len(result.token_ids)
         now = time.monotonic()
         for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
@@ -185,7 +190,7 @@ class Engine:
 
     def _schedule(self) -> SchedulerOutput:
         """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""
-        out = self.scheduler.schedule()
+        out = self._schedule_once()
         while out.stalled:
             scheduled = {c.request.request_id for c in out.chunks}
             victims = choose_victims(self.scheduler.active, scheduled, out.stalled, self.allocator)
@@ -193,7 +198,13 @@ class Engine:
                 self._soft_reset(victim)
             if out.chunks or not victims:
                 break
-            out = self.scheduler.schedule()
+            out = self._schedule_once()
+        return out
+
+    def _schedule_once(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self._stats.prefix_cache_query_tokens += out.prefix_cache_query_tokens
+        self._stats.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
         return out
 
     def _soft_reset(self, request: Request) -> None:

@@ -26,6 +26,6 @@ def choose_victims(active: list[Request], scheduled: set[str], stalled: list[tup
         if request.request_id in scheduled:
             continue
         victims.append(request)
-        freed += len(allocator.block_tables.get(request.request_id, ()))
+        freed += allocator.exclusive_blocks(request.request_id)
         need.pop(request.request_id, None)
     return victims

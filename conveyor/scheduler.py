@@ -6,8 +6,11 @@ the cache budget (`max_batch_pages` KV pages read) and `max_requests_per_batch`.
 requests in arrival order, unless free cache has fallen below `safety_margin`. A prompt that
 does not fit the remaining token budget is chunked: as many of its tokens as fit go now, the rest
 next step. Admission is all or nothing: a waiting request gets blocks for its whole chunk or
-nothing. An active request that cannot get the blocks it needs is reported as stalled, with the
-number of blocks it asked for, so the engine can offload others to make room.
+nothing. With prefix caching, a waiting request first looks up the completed blocks that already
+hold the longest prefix of its sequence: it starts with them, their prefill skipped, and its chunk
+begins after them (the cache budget still counts them: shared pages are read too). An active
+request that cannot get the blocks it needs is reported as stalled, with the number of blocks it
+asked for, so the engine can offload others to make room.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     stalled: list[tuple[Request, int]] = field(default_factory=list)
+    prefix_cache_query_tokens: int = 0  # tokens of the requests admitted, looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached: their prefill is skipped
 
     @property
     def num_tokens(self) -> int:
@@ -131,11 +136,18 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(request, n))
 
     def _admit(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
-        n = min(request.num_remaining_tokens, budget.tokens)
-        end = request.num_computed_tokens + n
+        cached = self.allocator.match_prefix(request)  # [] without prefix caching
+        hit = len(cached) * self.allocator.page_size
+        start = request.num_computed_tokens + hit
+        n = min(request.num_tokens - start, budget.tokens)
+        end = start + n
         pages = self.allocator.blocks_for_tokens(end)
-        if pages > budget.pages or not self.allocator.allocate(request.request_id, end):
+        if pages > budget.pages or not self.allocator.allocate(request.request_id, end, shared=cached):
             return False
+        request.num_computed_tokens = start
+        if self.allocator.block_sharing:
+            out.prefix_cache_query_tokens += request.num_tokens
+            out.prefix_cache_hit_tokens += hit
         request.state = RequestState.PREFILLING
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.monotonic()

@@ -1,14 +1,18 @@
-"""Unit and property tests of the KV pool (`CachePool`) and `FullAttentionCacheAllocator`."""
+"""Unit and property tests of the KV pool (`CachePool`) and `FullAttentionCacheAllocator`, with and without
+block sharing (prefix caching)."""
 
 from __future__ import annotations
 
 import torch
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from conveyor.allocator import FullAttentionCacheAllocator
 from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool
+from conveyor.prefix_cache import block_digest
+from conveyor.request import Request
+from conveyor.sampling_params import SamplingParams
 
 RESERVED = set(range(NUM_RESERVED_CHUNKS))
 
@@ -212,3 +216,319 @@ def test_allocator_invariants_under_random_ops(num_chunks, page_size, ops):
         alloc.free(rid)
     assert alloc.num_free_blocks == usable
     assert sorted(pool._free) == list(range(NUM_RESERVED_CHUNKS, num_chunks))
+
+
+# -- FullAttentionCacheAllocator with block sharing (prefix caching) ---------------------------
+
+def make_request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_new_tokens=8, temperature=0))
+
+
+def compute(alloc: FullAttentionCacheAllocator, request: Request, end: int) -> None:
+    """What a step does for `request`: its tokens up to `end` get slots and K/V; completed blocks are indexed."""
+    assert alloc.allocate(request.request_id, end)
+    request.num_computed_tokens = end
+    alloc.register_full_blocks(request)
+
+
+def admit(alloc: FullAttentionCacheAllocator, request: Request, end: int | None = None) -> list[int] | None:
+    """Scheduler admission: match, then allocate the matched blocks plus the chunk up to `end`."""
+    matched = alloc.match_prefix(request)
+    start = len(matched) * alloc.page_size
+    if not alloc.allocate(request.request_id, end or request.num_tokens, shared=matched):
+        return None
+    request.num_computed_tokens = start
+    return matched
+
+
+def sharing_allocator(num_chunks: int, page_size: int = 4) -> FullAttentionCacheAllocator:
+    return FullAttentionCacheAllocator(make_pool(num_chunks, page_size), block_sharing=True)
+
+
+def check_allocator_invariants(alloc: FullAttentionCacheAllocator) -> None:
+    """Every block is uninitialized, held or cached, exactly one of them; ref counts are the holders;
+    the hash index is one to one, over held and cached blocks only; reserved chunks are never used."""
+    pool, cache = alloc.pool, alloc.prefix_cache
+    uninit = list(pool._free)
+    cached = list(cache._cached)
+    holders: dict[int, int] = {}
+    for table in alloc.block_tables.values():
+        assert len(table) == len(set(table)), "a block twice in one table"
+        for b in table:
+            holders[b] = holders.get(b, 0) + 1
+    assert holders == alloc.ref_counts, "ref counts differ from the number of tables holding each block"
+    assert all(n >= 1 for n in alloc.ref_counts.values())
+    every = uninit + list(holders) + cached
+    assert len(every) == len(set(every)), "a block in two states at once"
+    assert sorted(every) == list(range(NUM_RESERVED_CHUNKS, pool.num_chunks)), "blocks lost, or reserved ones used"
+    assert alloc.num_free_blocks == len(uninit) + len(cached)
+    assert pool.num_free + alloc.num_cached_blocks + len(holders) == alloc.num_total_blocks
+    assert {d: b for b, d in cache._digest_of.items()} == cache._block_of, "hash index not one to one"
+    assert set(cached) <= set(cache._digest_of), "a cached block without a digest"
+    assert set(cache._digest_of) <= set(holders) | set(cached), "an uninitialized block kept its digest"
+    if not alloc.block_sharing:
+        assert not cache._digest_of and not cached
+        assert all(n == 1 for n in alloc.ref_counts.values()), "a block held twice without sharing"
+
+
+def test_disabled_sharing_matches_nothing():
+    alloc = FullAttentionCacheAllocator(make_pool(20))
+    a = make_request("a", list(range(16)))
+    compute(alloc, a, 16)
+    assert alloc.match_prefix(make_request("b", list(range(16)) + [99])) == []
+    alloc.free("a")
+    assert alloc.num_cached_blocks == 0 and alloc.pool.num_free == 18
+    check_allocator_invariants(alloc)
+
+
+def test_allocator_that_cannot_share_refuses_sharing():
+    class NoSharing(FullAttentionCacheAllocator):
+        supports_sharing = False
+
+    with pytest.raises(ValueError, match="does not support block sharing"):
+        NoSharing(make_pool(4), block_sharing=True)
+    assert not NoSharing(make_pool(4)).block_sharing
+
+
+def test_shared_blocks_are_reference_counted_and_cached_when_freed():
+    alloc = sharing_allocator(20)  # 18 blocks of 4 tokens
+    a = make_request("a", list(range(100, 118)))  # 18 tokens: 4 full blocks + 2 tokens
+    compute(alloc, a, 18)
+    table_a = list(alloc.block_table("a"))
+    b = make_request("b", list(range(100, 112)) + [7, 7, 7])  # shares 3 blocks (12 tokens)
+    assert admit(alloc, b) == table_a[:3]
+    assert b.num_computed_tokens == 12
+    assert alloc.block_table("b")[:3] == table_a[:3] and alloc.block_table("b")[3] not in table_a
+    assert [alloc.ref_counts[x] for x in table_a] == [2, 2, 2, 1, 1]
+    check_allocator_invariants(alloc)
+    # a finishes: its unshared completed block is cached, its partial block goes back to the pool.
+    assert alloc.free("a") == 5
+    assert alloc.num_cached_blocks == 1 and alloc.prefix_cache.is_cached(table_a[3])
+    assert [alloc.ref_counts[x] for x in table_a[:3]] == [1, 1, 1]
+    assert alloc.num_free_blocks == 18 - 4
+    check_allocator_invariants(alloc)
+    alloc.free("b")
+    assert alloc.num_cached_blocks == 4 and alloc.num_free_blocks == 18 and not alloc.ref_counts
+    check_allocator_invariants(alloc)
+    # The whole chain is still matchable, and a match takes blocks out of the cached list.
+    c = make_request("c", list(range(100, 118)) + [5])
+    assert admit(alloc, c) == table_a[:4]
+    assert alloc.num_cached_blocks == 0 and c.num_computed_tokens == 16
+    check_allocator_invariants(alloc)
+
+
+def test_match_leaves_the_last_token_to_compute():
+    alloc = sharing_allocator(20)
+    prompt = list(range(50, 66))  # exactly 4 blocks
+    compute(alloc, make_request("a", prompt), 16)
+    assert len(alloc.match_prefix(make_request("same", prompt))) == 3  # (16 - 1) // 4
+    assert len(alloc.match_prefix(make_request("plus1", prompt + [1]))) == 4
+    assert len(alloc.match_prefix(make_request("short", prompt[:5]))) == 1
+    assert alloc.match_prefix(make_request("tiny", prompt[:4])) == []
+
+
+def test_match_is_longest_chained_prefix():
+    alloc = sharing_allocator(20)
+    compute(alloc, make_request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0]), 12)
+    # Same second block after a different first block: no match at all (digests are chained).
+    assert alloc.match_prefix(make_request("b", [0, 2, 3, 4, 5, 6, 7, 8, 0])) == []
+    assert len(alloc.match_prefix(make_request("c", [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 0]))) == 1
+    check_allocator_invariants(alloc)
+
+
+def test_duplicate_prefix_computed_twice_keeps_one_indexed_block():
+    alloc = sharing_allocator(20)
+    a, b = make_request("a", [3] * 9), make_request("b", [3] * 9)
+    assert admit(alloc, a) == [] and admit(alloc, b) == []  # admitted together: nothing computed yet
+    for r in (a, b):
+        r.num_computed_tokens = 9
+        alloc.register_full_blocks(r)
+    indexed = [x for x in alloc.block_table("a") + alloc.block_table("b") if alloc.prefix_cache.digest_of(x)]
+    assert indexed == alloc.block_table("a")[:2]  # a registered first; b's copies stay private
+    check_allocator_invariants(alloc)
+    alloc.free("b")
+    assert alloc.num_cached_blocks == 0 and alloc.pool.num_free == 18 - 3
+    check_allocator_invariants(alloc)
+
+
+def test_cached_blocks_are_reclaimed_newest_first():
+    alloc = sharing_allocator(9)  # 7 blocks of 4
+    a = make_request("a", list(range(10, 22)) + [0])  # 3 full blocks + 1 token
+    b = make_request("b", list(range(30, 38)) + [0])  # 2 full blocks + 1 token
+    compute(alloc, a, 13)
+    compute(alloc, b, 9)
+    ta, tb = list(alloc.block_table("a")), list(alloc.block_table("b"))
+    alloc.free("a")
+    alloc.free("b")
+    assert list(alloc.prefix_cache._cached) == ta[:3] + tb[:2]  # the order they became cached
+    assert alloc.pool.num_free == 2 and alloc.num_free_blocks == 7
+    # 4 new blocks: the two uninitialized ones, then the two most recently cached (b's, deepest first).
+    assert alloc.allocate("x", 16)
+    assert sorted(alloc.block_table("x")) == sorted([ta[3], tb[2]] + tb[:2])
+    assert alloc.block_table("x")[2:] == [tb[1], tb[0]]
+    assert list(alloc.prefix_cache._cached) == ta[:3]
+    assert alloc.match_prefix(make_request("b2", list(range(30, 38)) + [0])) == []  # evicted: no match
+    assert alloc.match_prefix(make_request("a2", list(range(10, 22)) + [0])) == ta[:3]
+    check_allocator_invariants(alloc)
+    assert alloc.allocate("x", 20)  # one more: a's deepest block goes
+    assert alloc.match_prefix(make_request("a3", list(range(10, 22)) + [0])) == ta[:2]
+    assert not alloc.allocate("x", 32)  # 3 more wanted, 2 reclaimable: nothing changes
+    assert list(alloc.prefix_cache._cached) == ta[:2] and len(alloc.block_table("x")) == 5
+    check_allocator_invariants(alloc)
+
+
+def test_admission_never_reclaims_its_own_matched_blocks():
+    alloc = sharing_allocator(8)  # 6 blocks of 4
+    a = make_request("a", list(range(40, 56)) + [1])  # 4 full blocks
+    compute(alloc, a, 17)
+    alloc.free("a")
+    assert alloc.num_cached_blocks == 4 and alloc.pool.num_free == 2
+    # 4 matched (all cached) + 3 new: 6 blocks count as free, but only 2 may be reclaimed for it.
+    b = make_request("b", list(range(40, 56)) + [9] * 12)
+    before = (list(alloc.prefix_cache._cached), dict(alloc.ref_counts), list(alloc.pool._free))
+    assert admit(alloc, b) is None
+    assert (list(alloc.prefix_cache._cached), dict(alloc.ref_counts), list(alloc.pool._free)) == before
+    assert "b" not in alloc.block_tables and b.num_computed_tokens == 0
+    # A smaller chunk fits: 4 matched + 2 new.
+    assert admit(alloc, b, end=24) is not None
+    assert b.num_computed_tokens == 16 and alloc.num_free_blocks == 0
+    check_allocator_invariants(alloc)
+
+
+def test_shared_blocks_only_start_a_table():
+    alloc = sharing_allocator(10)
+    compute(alloc, make_request("a", list(range(9))), 9)
+    alloc.allocate("b", 1)
+    with pytest.raises(ValueError, match="only start a table"):
+        alloc.allocate("b", 9, shared=alloc.block_table("a")[:1])
+
+
+def test_digests_are_computed_once_per_block():
+    alloc = sharing_allocator(40)
+    r = make_request("r", list(range(3, 35)))  # 8 blocks
+    calls = []
+    original = r.token_slice
+    r.token_slice = lambda s, e: calls.append((s, e)) or original(s, e)
+    admit(alloc, r, end=4)
+    for end in range(5, 33):
+        compute(alloc, r, end)
+    assert calls == [(0, 4)] + [(i, i + 4) for i in range(4, 32, 4)]
+
+
+# -- property test with sharing ----------------------------------------------------------------
+
+# (op, request, argument, number): admissions and computation dominate; frees and evictions interleave.
+_rids = st.sampled_from(REQUEST_IDS)
+_admit = st.tuples(st.just("admit"), _rids, st.integers(0, 3), st.integers(1, 16))  # sequence, chunk
+_compute = st.tuples(st.just("compute"), _rids, st.integers(0, 1), st.integers(1, 16))  # sampled token, chunk
+_free = st.tuples(st.just("free"), _rids, st.just(0), st.just(0))
+_evict = st.tuples(st.just("evict"), st.just("x"), st.just(0), st.integers(1, 4))  # blocks to reclaim
+sharing_ops = st.lists(st.one_of(_admit, _admit, _compute, _compute, _free, _evict), min_size=5, max_size=60)
+
+
+@st.composite
+def shared_prefix_sequences(draw) -> list[list[int]]:
+    """Up to 4 token sequences, each a cut of one common stem plus a suffix of its own."""
+    stem = draw(st.lists(st.integers(0, 1), min_size=1, max_size=20))
+    return [stem[:draw(st.integers(0, len(stem)))] + draw(st.lists(st.integers(0, 1), min_size=1, max_size=6))
+            for _ in range(draw(st.integers(1, 4)))]
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_chunks=st.integers(3, 16), page_size=st.integers(1, 4),
+       sequences=shared_prefix_sequences(), ops=sharing_ops)
+def test_allocator_sharing_invariants_under_random_ops(num_chunks, page_size, sequences, ops):
+    """Admit with a matching prefix / compute / free / evict (a fresh request forcing reclaims), in any order.
+
+    A shadow of the cache records which token every slot holds: every computed position of every
+    request must read its own token (so a matched block really holds the prefix), new tokens are only
+    written into blocks the request alone holds, and no digest is ever left pointing at other content."""
+    alloc = sharing_allocator(num_chunks, page_size)
+    shadow: dict[tuple[int, int], int] = {}  # (block, offset) -> token written there
+    requests: dict[str, Request] = {}
+
+    def snapshot():
+        return ({k: list(v) for k, v in alloc.block_tables.items()}, dict(alloc.ref_counts),
+                list(alloc.pool._free), list(alloc.prefix_cache._cached), dict(alloc.prefix_cache._block_of))
+
+    def write(r: Request, end: int) -> None:
+        table = alloc.block_table(r.request_id)
+        for p in range(r.num_computed_tokens, end):
+            block = table[p // page_size]
+            assert alloc.ref_counts[block] == 1 and alloc.prefix_cache.digest_of(block) is None, \
+                "new K/V written into a shared or indexed block"
+            shadow[block, p % page_size] = r.token_slice(p, p + 1)[0]
+        r.num_computed_tokens = end
+        alloc.register_full_blocks(r)
+
+    for op, rid, arg, n in ops:
+        before = snapshot()
+        if op == "admit" and rid not in requests:
+            r = make_request(rid, list(sequences[arg % len(sequences)]))
+            matched = alloc.match_prefix(r)
+            # Longest chained prefix, capped so the last token is computed.
+            digests, parent = [], b""
+            for i in range((r.num_tokens - 1) // page_size):
+                parent = block_digest(parent, r.token_slice(i * page_size, (i + 1) * page_size))
+                digests.append(parent)
+            expected = []
+            for d in digests:
+                if alloc.prefix_cache.lookup(d) is None:
+                    break
+                expected.append(alloc.prefix_cache.lookup(d))
+            assert matched == expected
+            assert snapshot() == before, "match_prefix changed something"
+            start = len(matched) * page_size
+            end = min(start + n, r.num_tokens)
+            free_before = alloc.num_free_blocks
+            newly_held = sum(alloc.prefix_cache.is_cached(b) for b in matched)
+            needed = ceil_div(end, page_size) - len(matched)
+            ok = alloc.allocate(rid, end, shared=matched)
+            assert ok == (needed <= free_before - newly_held)
+            event(f"admission: {'matched' if matched else 'no match'}, {'ok' if ok else 'refused'}")
+            if newly_held:
+                event("admission matched a cached block")
+            if ok:
+                requests[rid] = r
+                r.num_computed_tokens = start
+                assert alloc.block_table(rid)[:len(matched)] == matched
+                assert alloc.num_free_blocks == free_before - newly_held - needed
+                write(r, end)
+            else:
+                assert snapshot() == before, "a refused admission changed something"
+        elif op in ("admit", "compute") and rid in requests:
+            r = requests[rid]
+            if r.num_computed_tokens == r.num_tokens:
+                r.output_token_ids.append(arg % 2)  # a sampled token, to be computed next
+            end = min(r.num_computed_tokens + n, r.num_tokens)
+            if alloc.allocate(rid, end):
+                write(r, end)
+            else:
+                assert snapshot() == before
+        elif op == "free" and rid in requests:
+            held = alloc.block_table(rid)
+            assert alloc.free(rid) == len(held)
+            del requests[rid]
+        elif op == "evict":  # a request with fresh content takes every uninitialized block and `n` more
+            cached = list(alloc.prefix_cache._cached)
+            if alloc.allocate("x", (alloc.pool.num_free + n) * page_size):
+                event("evict reclaimed cached blocks")  # the most recently cached went, digests with them
+                assert list(alloc.prefix_cache._cached) == cached[:-n]
+                assert all(alloc.prefix_cache.digest_of(b) is None for b in cached[-n:])
+                assert set(cached[-n:]) <= set(alloc.block_table("x"))
+                check_allocator_invariants(alloc)
+                alloc.free("x")  # never computed: its blocks go straight back to the pool
+            else:
+                assert snapshot() == before
+        check_allocator_invariants(alloc)
+        for r in requests.values():  # every computed token reads back as itself
+            table = alloc.block_table(r.request_id)
+            for p in range(r.num_computed_tokens):
+                assert shadow.get((table[p // page_size], p % page_size)) == r.token_slice(p, p + 1)[0]
+        for block in alloc.prefix_cache._cached:  # cached blocks are complete (all slots written)
+            assert all((block, o) in shadow for o in range(page_size))
+
+    for rid in list(requests):
+        alloc.free(rid)
+    check_allocator_invariants(alloc)
+    assert not alloc.ref_counts and alloc.num_free_blocks == alloc.num_total_blocks

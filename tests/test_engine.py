@@ -53,7 +53,7 @@ def test_bad_prompts_raise_before_anything_is_queued(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match=r"integers in \[0, 300\)"):
         llm.generate([[5, 300]], greedy(2), use_tqdm=False)
     assert not engine.has_unfinished_requests()
-    assert engine.pool.num_free == engine.pool.num_usable
+    assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
     assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].num_output_tokens == 3
 
 
@@ -80,7 +80,7 @@ def test_bad_config_raises() -> None:
 # -- blocks come back -----------------------------------------------------------------------
 def test_no_leaks_after_finish_cancel_and_failure(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = llm.engine
-    initial = engine.pool.num_free
+    initial = engine.allocator.num_free_blocks
     prompts = random_prompts([60, 10, 12, 9], seed=1)
     mid_prefill = engine.make_request("mid-prefill", prompts[0], greedy(5))
     mid_decode = engine.make_request("mid-decode", prompts[1], greedy(50))
@@ -107,13 +107,13 @@ def test_no_leaks_after_finish_cancel_and_failure(llm: LLM, monkeypatch: pytest.
     assert failing.state is RequestState.FAILED and failing.finish_reason == "error"
     assert "injected detokenizer failure" in failing.error
     assert healthy.state is RequestState.FINISHED and len(healthy.output_token_ids) == 20
-    assert engine.pool.num_free == initial
+    assert engine.allocator.num_free_blocks == initial
 
 
 def test_failed_forward_pass_fails_its_batch_and_engine_keeps_serving(llm: LLM,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     engine = llm.engine
-    initial = engine.pool.num_free
+    initial = engine.allocator.num_free_blocks
     doomed = engine.make_request("doomed", [5, 6, 7], greedy(5))
     engine.add_request(doomed)
 
@@ -124,7 +124,7 @@ def test_failed_forward_pass_fails_its_batch_and_engine_keeps_serving(llm: LLM,
     engine.step()
     monkeypatch.undo()
     assert doomed.state is RequestState.FAILED and "device fell over" in doomed.error
-    assert engine.pool.num_free == initial
+    assert engine.allocator.num_free_blocks == initial
     out = llm.generate([[5, 6, 7]], greedy(4), use_tqdm=False)[0]
     assert out.finish_reason == "length" and out.num_output_tokens == 4
 
@@ -134,7 +134,7 @@ def test_request_that_outgrows_the_whole_pool_fails_alone(tiny_llama: TinyModel)
     big, ok = small.generate([[5] * 30, [6] * 3], [greedy(60), greedy(3)], use_tqdm=False)
     assert big.finish_reason == "error" and "40 tokens" in big.error
     assert ok.finish_reason == "length" and ok.num_output_tokens == 3
-    assert small.engine.pool.num_free == small.engine.pool.num_usable
+    assert small.engine.allocator.num_free_blocks == small.engine.allocator.num_total_blocks
 
 
 # -- sampling -------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, TinyModel], kind:
     model = tiny_models[kind]
     llm = model.llm(max_batch_tokens=64)
     run_and_compare(model, llm, random_prompts(LENGTHS), MAX_NEW, kind)
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 @pytest.mark.parametrize(("max_batch_tokens", "max_requests_per_batch", "page_size"), [
@@ -41,7 +41,7 @@ def test_outputs_independent_of_batching_limits(tiny_llama: TinyModel, max_batch
                          page_size=page_size, num_blocks=max(4096 // page_size, 16))
     run_and_compare(tiny_llama, llm, random_prompts(LENGTHS), MAX_NEW,
                     f"tokens={max_batch_tokens} requests={max_requests_per_batch} page={page_size}")
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 def test_outputs_independent_of_arrival_order(tiny_llama: TinyModel) -> None:
@@ -62,7 +62,7 @@ def test_outputs_independent_of_arrival_order(tiny_llama: TinyModel) -> None:
     for i, prompt in enumerate(prompts):
         ref, logits = hf_greedy(tiny_llama.reference, prompt, MAX_NEW[i])
         assert_greedy_match(requests[i].output_token_ids, ref, logits, f"arrival prompt {i}")
-    assert engine.pool.num_free == engine.pool.num_usable
+    assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
 
 
 def test_preempted_requests_keep_their_outputs(tiny_llama: TinyModel) -> None:
@@ -74,7 +74,7 @@ def test_preempted_requests_keep_their_outputs(tiny_llama: TinyModel) -> None:
     stats = llm.stats()
     assert stats.soft_resets > 0, "the pool was meant to be too small to hold every request"
     assert stats.prefill_tokens > sum(map(len, prompts)), "a soft reset recomputes the tokens it dropped"
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 @pytest.mark.slow
@@ -102,5 +102,5 @@ def test_builtin_smollm2_matches_transformers() -> None:
             assert out.finish_reason == "stop"
         assert_greedy_match(out.token_ids, ref, logits, f"SmolLM2 prompt {i}")
         assert out.text == llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
     torch.testing.assert_close(llm.engine.model.embed_tokens.weight, checkpoint.state_dict["model.embed_tokens.weight"])

@@ -157,7 +157,7 @@ def test_tiny_gguf_matches_transformers(arch: str, tmp_path: Path, monkeypatch: 
     path = tmp_path / f"{arch}.gguf"
     write_tiny_gguf(path, arch)
     # The toy vocabulary is not a real tokenizer; tokenizer conversion is covered by the built-in model.
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *args, **kwargs: "tokenizer")
+    monkeypatch.setattr("conveyor.models.loader._gguf_tokenizer", lambda path: "tokenizer")
     ckpt = load_checkpoint(path)
     assert ckpt.tokenizer == "tokenizer"
     assert not ckpt.config.tie_word_embeddings

@@ -36,7 +36,7 @@ def test_streams_tokens_as_they_arrive(llm: LLM) -> None:
             times = chunks[-1].metrics.token_times
             assert len(times) == 15 and times == sorted(times)
             assert chunks[-1].metrics.queue_time >= 0 and chunks[-1].metrics.time_to_first_token > 0
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 def test_cancel_request_ends_it_promptly(llm: LLM) -> None:
@@ -53,7 +53,7 @@ def test_cancel_request_ends_it_promptly(llm: LLM) -> None:
         assert last.finished and last.finish_reason == "abort" and last.num_output_tokens < 480
         other = manager.get_result(other_id, timeout=30)
         assert other is not None and other.finish_reason == "length" and other.num_output_tokens == 10
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 def test_get_result_any_order_and_timeout(llm: LLM) -> None:
@@ -77,7 +77,7 @@ def test_stop_aborts_requests_in_flight(llm: LLM) -> None:
     last = list(stream)[-1]
     assert last.finished and last.finish_reason == "abort" and last.num_output_tokens < 480
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.pool.num_free == llm.engine.pool.num_usable
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 def test_cli_generate(tiny_llama: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:

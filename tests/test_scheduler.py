@@ -1,8 +1,9 @@
 """Unit tests of the schedulers (FIFO / prefill-first), the engine config and offload victim choice.
 
 No model: the tests drive `schedule()` themselves, the way the engine does. After a step every chunk
-adds its `num_tokens` to `num_computed_tokens`; a request whose whole sequence is in the cache gets a
-fake sampled token and becomes DECODING; one with `max_new_tokens` outputs is removed.
+adds its `num_tokens` to `num_computed_tokens` (and, with block sharing, its completed blocks are
+indexed); a request whose whole sequence is in the cache gets a fake sampled token and becomes
+DECODING; one with `max_new_tokens` outputs is removed.
 """
 
 from __future__ import annotations
@@ -22,22 +23,26 @@ from conveyor.request import Request, RequestState
 from conveyor.sampling_params import SamplingParams
 from conveyor.scheduler import FIFOScheduler, PrefillFirstScheduler, Scheduler, SchedulerOutput, make_scheduler
 
+from .test_cache import check_allocator_invariants
+
 FAKE_TOKEN = 7
 
 
 # -- helpers -----------------------------------------------------------------------------------
 
 def make_scheduler_for(num_blocks: int, page_size: int = 4, cls: type[Scheduler] | None = None,
-                       **config) -> Scheduler:
+                       block_sharing: bool = False, **config) -> Scheduler:
     cfg = ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, **config)
     pool = CachePool(num_blocks + NUM_RESERVED_CHUNKS, page_size, num_layers=1, num_kv_heads=1, head_dim=1,
                      dtype=torch.float32, device=torch.device("cpu"))
-    allocator = FullAttentionCacheAllocator(pool)
+    allocator = FullAttentionCacheAllocator(pool, block_sharing=block_sharing)
     return cls(cfg, allocator) if cls is not None else make_scheduler(cfg, allocator)
 
 
-def make_request(rid: str, prompt_len: int, max_new_tokens: int = 4) -> Request:
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+def make_request(rid: str, prompt_len: int, max_new_tokens: int = 4, prompt: list[int] | None = None) -> Request:
+    """Prompts are `1, 2, ..., prompt_len` unless given: any two share their shorter one as a prefix."""
+    return Request(rid, prompt or list(range(1, prompt_len + 1)),
+                   SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
 
 
 def apply_step(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
@@ -47,6 +52,7 @@ def apply_step(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
         r = chunk.request
         r.num_computed_tokens += chunk.num_tokens
         assert r.num_computed_tokens <= r.num_tokens
+        sched.allocator.register_full_blocks(r)
         if r.num_computed_tokens == r.num_tokens:
             r.output_token_ids.append(FAKE_TOKEN)
             r.state = RequestState.DECODING
@@ -66,7 +72,8 @@ def pages_read(out: SchedulerOutput, page_size: int) -> int:
 
 
 def owned_blocks(sched: Scheduler) -> int:
-    return sum(len(t) for t in sched.allocator.block_tables.values())
+    """Blocks held by any request (a shared block counts once)."""
+    return len({b for t in sched.allocator.block_tables.values() for b in t})
 
 
 def soft_reset(sched: Scheduler, request: Request) -> None:
@@ -110,8 +117,8 @@ def workloads(draw, tight: bool):
 
 
 def simulate(page_size: int, num_blocks: int, config: dict, reqs: list[tuple[int, int, int]],
-             offload: bool) -> dict:
-    sched = make_scheduler_for(num_blocks, page_size, **config)
+             offload: bool, share: bool = False) -> dict:
+    sched = make_scheduler_for(num_blocks, page_size, block_sharing=share, **config)
     cfg, alloc = sched.config, sched.allocator
     usable = alloc.num_total_blocks
     assert alloc.num_free_blocks == usable == num_blocks
@@ -123,6 +130,7 @@ def simulate(page_size: int, num_blocks: int, config: dict, reqs: list[tuple[int
     arrival_rank = {requests[i].request_id: k for k, i in enumerate(arrivals)}
     first_start: dict[str, int] = {}
     num_stalls = 0
+    hit_tokens = 0
     finished: list[Request] = []
 
     def checked_schedule(step: int) -> SchedulerOutput:
@@ -157,7 +165,14 @@ def simulate(page_size: int, num_blocks: int, config: dict, reqs: list[tuple[int
         for r in admitted:
             first_start.setdefault(r.request_id, step)
             assert r.state is RequestState.PREFILLING
+            # A cached prefix is whole blocks, and the last token is always left to compute.
+            assert r.num_computed_tokens % page_size == 0 and r.num_computed_tokens < r.num_tokens
+            assert share or r.num_computed_tokens == 0
         assert list(sched.waiting) == waiting_before[len(admitted):]
+        assert out.prefix_cache_hit_tokens == sum(r.num_computed_tokens for r in admitted)
+        assert out.prefix_cache_query_tokens == (sum(r.num_tokens for r in admitted) if share else 0)
+        nonlocal hit_tokens
+        hit_tokens += out.prefix_cache_hit_tokens
         return out
 
     pending = list(arrivals)
@@ -191,6 +206,7 @@ def simulate(page_size: int, num_blocks: int, config: dict, reqs: list[tuple[int
         # Cache bookkeeping after every step.
         assert set(alloc.block_tables) <= {r.request_id for r in sched.active}
         assert alloc.num_free_blocks + owned_blocks(sched) == usable
+        check_allocator_invariants(alloc)
         for r in sched.active:
             assert len(alloc.block_tables[r.request_id]) >= math.ceil(r.num_computed_tokens / page_size)
         step += 1
@@ -200,11 +216,12 @@ def simulate(page_size: int, num_blocks: int, config: dict, reqs: list[tuple[int
         assert r.output_token_ids == [FAKE_TOKEN] * m
     assert alloc.num_free_blocks == usable
     assert alloc.block_tables == {}
+    check_allocator_invariants(alloc)
     # A later request never starts before an earlier one.
     starts = [first_start[rid] for rid in sorted(first_start, key=arrival_rank.get)]
     assert starts == sorted(starts)
     assert len(starts) == len(requests)
-    return {"stalls": num_stalls, "steps": step}
+    return {"stalls": num_stalls, "steps": step, "hit_tokens": hit_tokens}
 
 
 @settings(max_examples=50, deadline=None)
@@ -219,13 +236,28 @@ def test_random_workload_tight_pool_with_offload(workload):
     simulate(*workload, offload=True)
 
 
+@settings(max_examples=50, deadline=None)
+@given(workloads(tight=False))
+def test_random_workload_ample_pool_with_block_sharing(workload):
+    # Every prompt is a prefix of the longer ones: later requests reuse blocks of earlier ones.
+    simulate(*workload, offload=False, share=True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(workloads(tight=True))
+def test_random_workload_tight_pool_with_block_sharing(workload):
+    simulate(*workload, offload=True, share=True)
+
+
+@pytest.mark.parametrize("share", [False, True])
 @pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])
-def test_seeded_workload_really_stalls_and_finishes(scheduler_type):
+def test_seeded_workload_really_stalls_and_finishes(scheduler_type, share):
     # A fixed workload that must go through stalls and offloading, so the simulation's stall path is exercised.
     reqs = [(10, 6, 0), (12, 6, 0), (9, 6, 1), (11, 6, 1), (8, 6, 2)]
     stats = simulate(4, 5, dict(max_batch_tokens=8, max_requests_per_batch=4, max_batch_pages=None,
-                                scheduler_type=scheduler_type, safety_margin=0.0), reqs, offload=True)
+                                scheduler_type=scheduler_type, safety_margin=0.0), reqs, offload=True, share=share)
     assert stats["stalls"] > 0
+    assert (stats["hit_tokens"] > 0) == share
 
 
 # -- FIFO order --------------------------------------------------------------------------------
@@ -600,3 +632,96 @@ def test_victims_sum_needs_of_all_stalled():
 def test_no_victims_without_stalls():
     sched, active = _victim_setup([2, 2])
     assert choose_victims(sched.active, set(), [], sched.allocator) == []
+
+
+# -- admission with prefix caching -------------------------------------------------------------
+
+def _finished_sharer(sched: Scheduler, prompt_len: int) -> Request:
+    """Run a request with prompt 1..prompt_len to the end: its completed blocks stay cached."""
+    a = make_request("a", prompt_len, max_new_tokens=1)
+    sched.add_request(a)
+    while not a.is_finished:
+        apply_step(sched, sched.schedule())
+    return a
+
+
+def test_admission_skips_the_cached_prefix():
+    sched = make_scheduler_for(32, page_size=4, max_batch_tokens=64, safety_margin=0.0, block_sharing=True)
+    a = make_request("a", 18, max_new_tokens=10)
+    sched.add_request(a)
+    apply_step(sched, sched.schedule())  # a: 18 tokens computed, 4 full blocks indexed
+    b = make_request("b", 0, prompt=list(range(1, 13)) + [50, 51, 52])  # shares a's first 3 blocks
+    sched.add_request(b)
+    out = sched.schedule()
+    assert chunk_sizes(out) == [("a", 1), ("b", 3)]
+    assert b.num_computed_tokens == 12 and b.state is RequestState.PREFILLING
+    assert (out.prefix_cache_query_tokens, out.prefix_cache_hit_tokens) == (15, 12)
+    assert sched.allocator.block_table("b")[:3] == sched.allocator.block_table("a")[:3]
+    assert sched.allocator.block_table("b")[3] not in sched.allocator.block_table("a")
+    apply_step(sched, out)
+    assert b.output_token_ids == [FAKE_TOKEN]  # its prompt is complete: it samples after one chunk
+
+
+def test_whole_cached_prompt_still_computes_its_last_block():
+    sched = make_scheduler_for(32, page_size=4, max_batch_tokens=64, block_sharing=True)
+    _finished_sharer(sched, 16)
+    again = make_request("again", 16)  # exactly 4 blocks, all cached: the last one is recomputed
+    sched.add_request(again)
+    out = sched.schedule()
+    assert chunk_sizes(out) == [("again", 4)] and again.num_computed_tokens == 12
+    assert (out.prefix_cache_query_tokens, out.prefix_cache_hit_tokens) == (16, 12)
+    longer = make_request("longer", 17)  # 4 cached blocks + 1 token
+    sched.add_request(longer)
+    out = sched.schedule()
+    assert ("longer", 1) in chunk_sizes(out) and longer.num_computed_tokens == 16
+
+
+def test_admission_with_a_cached_prefix_is_all_or_nothing():
+    sched = make_scheduler_for(8, page_size=4, max_batch_tokens=64, safety_margin=0.0, block_sharing=True)
+    _finished_sharer(sched, 16)  # 4 blocks cached, 4 uninitialized
+    alloc = sched.allocator
+    hog = make_request("hog", 12, max_new_tokens=50, prompt=[90] * 12)
+    sched.add_request(hog)
+    apply_step(sched, sched.schedule())  # hog takes 3 uninitialized blocks (then its decode needs a 4th)
+    assert (alloc.pool.num_free, alloc.num_cached_blocks) == (1, 4)
+    b = make_request("b", 0, prompt=list(range(1, 17)) + [60] * 12)  # 4 cached blocks + 3 new
+    sched.add_request(b)
+    cached_before = list(alloc.prefix_cache._cached)
+    out = sched.schedule()
+    # 5 blocks count as free, but 4 of them are b's own prefix: hog's decode takes the 5th, b waits.
+    assert chunk_sizes(out) == [("hog", 1)]
+    assert list(sched.waiting) == [b] and b.num_computed_tokens == 0 and "b" not in alloc.block_tables
+    assert list(alloc.prefix_cache._cached) == cached_before  # b's matched blocks were not taken either
+    assert not set(cached_before) & alloc.ref_counts.keys()
+    check_allocator_invariants(alloc)
+
+
+def test_page_budget_counts_shared_pages():
+    sched = make_scheduler_for(32, page_size=4, max_batch_tokens=64, max_batch_pages=5, safety_margin=0.0,
+                               block_sharing=True)
+    _finished_sharer(sched, 13)  # 3 full blocks cached
+    d = make_request("d", 0, max_new_tokens=10, prompt=[60] * 5)
+    _activate(sched, d, 5, decoding=True)  # its decode reads 2 pages, leaving 3
+    b = make_request("b", 0, prompt=list(range(1, 13)) + [70])  # 3 shared pages + 1 new
+    sched.add_request(b)
+    out = sched.schedule()
+    assert chunk_sizes(out) == [("d", 1)]  # b would read 4 pages, though it needs only 1 new block
+    assert list(sched.waiting) == [b] and b.num_computed_tokens == 0
+    sched.remove(d)
+    out = sched.schedule()
+    assert chunk_sizes(out) == [("b", 1)] and pages_read(out, 4) == 4
+
+
+def test_cached_blocks_count_as_free_for_the_safety_margin():
+    sched = make_scheduler_for(10, page_size=4, max_batch_tokens=64, safety_margin=0.5, block_sharing=True)
+    _finished_sharer(sched, 33)  # 8 of 10 blocks cached
+    alloc = sched.allocator
+    assert alloc.pool.num_free == 2 and alloc.num_free_blocks == 10
+    big = make_request("big", 8, max_new_tokens=10, prompt=[80] * 8)
+    sched.add_request(big)
+    apply_step(sched, sched.schedule())  # big holds 2 (3 after its next decode) of 10: 80% still free
+    small = make_request("small", 2, prompt=[81, 82])
+    sched.add_request(small)
+    assert chunk_sizes(sched.schedule()) == [("big", 1), ("small", 2)]
+    assert alloc.num_cached_blocks == 6  # the 2 new blocks came from the cached ones, newest first
+    check_allocator_invariants(alloc)

@@ -1,0 +1,111 @@
+"""Prefix caching (SPEC section 6): content hashes of completed blocks, and the blocks kept for reuse.
+
+A block is *completed* when all `page_size` of its tokens have K/V in the cache. Its digest is
+`sha256(parent digest + its token ids as little-endian int64)`, chained from the sequence's first
+block (whose parent digest is empty), so equal digests mean equal token prefixes up to and
+including that block. The digest depends on nothing but the tokens: it is the same in every
+process and on every machine (Python's `hash` is salted per process, so it is never used).
+
+`PrefixCache` keeps the hash index, digest <-> block (one block per digest, one digest per
+block), and the *cached* blocks: completed blocks that no request holds any more, whose content
+and digest are kept so that a later request with the same prefix can reuse them. A block is in
+exactly one of three states:
+
+- uninitialized: in the `CachePool`'s free list, no digest;
+- held: in one or more requests' block tables (the allocator counts the holders); it may have a
+  digest, and then it can be matched;
+- cached: held by nobody, digest kept; it can be matched (and becomes held again), or evicted.
+
+Eviction, as SPEC section 6 words it: when the uninitialized pool runs out, the *most recently
+initialized* block, that is the one that most recently entered the cached state, goes back to
+uninitialized and loses its digest (LIFO over the cached blocks). A request's blocks enter the
+cached state in table order when it is freed, so the deepest block of a prefix goes first and the
+shorter prefix stays matchable the longest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import Protocol
+
+ROOT_DIGEST = b""
+
+
+def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """Digest of a completed block holding `token_ids`, after the block whose digest is `parent`."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+
+
+class TokenSource(Protocol):
+    def token_slice(self, start: int, end: int) -> list[int]: ...
+
+
+class BlockHashes:
+    """The chained digests of one sequence's leading completed blocks, each computed once."""
+
+    def __init__(self, page_size: int, tokens: TokenSource) -> None:
+        self.page_size = page_size
+        self.tokens = tokens
+        self.digests: list[bytes] = []
+
+    def digest(self, index: int) -> bytes:
+        """Digest of block `index` (its tokens must all exist), hashing the blocks before it if not done yet."""
+        while len(self.digests) <= index:
+            i = len(self.digests)
+            block = self.tokens.token_slice(i * self.page_size, (i + 1) * self.page_size)
+            assert len(block) == self.page_size, f"block {i} is not complete"
+            self.digests.append(block_digest(self.digests[-1] if self.digests else ROOT_DIGEST, block))
+        return self.digests[index]
+
+
+class PrefixCache:
+    """The hash index of completed blocks, and the cached blocks in the order they became cached."""
+
+    def __init__(self) -> None:
+        self._block_of: dict[bytes, int] = {}
+        self._digest_of: dict[int, bytes] = {}
+        self._cached: dict[int, None] = {}  # an insertion-ordered set: oldest first, evicted from the end
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def lookup(self, digest: bytes) -> int | None:
+        """The block holding the completed prefix with this digest, held or cached; None if none."""
+        return self._block_of.get(digest)
+
+    def digest_of(self, block: int) -> bytes | None:
+        return self._digest_of.get(block)
+
+    def register(self, block: int, digest: bytes) -> bool:
+        """Index a block that just completed. A digest already indexed keeps its block (two requests
+        computed the same prefix at the same time): this one stays unindexed and is simply freed later."""
+        assert block not in self._digest_of, f"block {block} completed twice"
+        if digest in self._block_of:
+            return False
+        self._block_of[digest] = block
+        self._digest_of[block] = digest
+        return True
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._cached
+
+    def park(self, block: int) -> bool:
+        """The last holder freed `block`: keep it cached if it has a digest (True); False means it has
+        none and goes back to the uninitialized pool."""
+        if block not in self._digest_of:
+            return False
+        self._cached[block] = None
+        return True
+
+    def reuse(self, block: int) -> None:
+        """A cached block was matched: it is held again."""
+        del self._cached[block]
+
+    def evict(self) -> int:
+        """Turn the most recently cached block back into an uninitialized one; its digest is dropped."""
+        block, _ = self._cached.popitem()
+        del self._block_of[self._digest_of.pop(block)]
+        return block
