@@ -1,8 +1,10 @@
 """`python -m conveyor.bench SUBCOMMAND ...` (and, once mounted, `conveyor bench ...`).
 
-Subcommands: `throughput` (offline throughput, optionally against transformers). Planned: serve,
-simulate, roofline. The project CLI can mount the suite with `add_subcommands(subparsers)` or
-simply call `main(argv)`.
+Subcommands: `throughput` (offline throughput, optionally against transformers), `simulate`
+(static versus continuous batching, step by step, also through Conveyor's scheduler), `roofline`
+(matmul rates and the dense-decode ceiling), `step` (Conveyor's decode step split, against that
+ceiling), `serve` (online serving benchmark of any OpenAI-compatible server, over HTTP). The
+project CLI can mount the suite with `add_subcommands(subparsers)` or simply call `main(argv)`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import throughput
+    from . import simulate, throughput
 
     p = subparsers.add_parser(
         "throughput", help="offline throughput of LLM.generate on a workload (optionally vs transformers)",
@@ -31,6 +33,45 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
                     "static generate on the same weights and compares greedy outputs.")
     throughput.add_arguments(p)
     p.set_defaults(func=throughput.run_from_args)
+
+    from . import roofline
+
+    p = subparsers.add_parser(
+        "roofline", help="matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
+        description="Times F.linear on each of the model's weight shapes at M = batch rows (GFLOP/s and the "
+                    "linear-only tok/s ceiling), then one decode step of the same model over contiguous K/V "
+                    "(batch sequences of context tokens, one SDPA per layer, no paging or scheduling): the "
+                    "dense ceiling.")
+    roofline.add_arguments(p)
+    p.set_defaults(func=roofline.run_from_args)
+    p = subparsers.add_parser(
+        "step", help="Conveyor's real decode step, split into forward / LM head + sampling / prepare / rest, "
+                     "against the dense ceiling",
+        description="Runs the roofline measurements, then prefills batch random prompts of context tokens in "
+                    "Conveyor's engine and times Engine.step() split into model forward, LM head + sampling, "
+                    "input preparation and the rest; prints the step's ratio to the dense ceiling of the same run.")
+    roofline.add_arguments(p, step=True)
+    p.set_defaults(func=roofline.run_from_args)
+
+    p = subparsers.add_parser(
+        "simulate", help="static vs continuous batching, step by step (the seeds' simulation; no model)",
+        description="Simulate static and continuous batching of requests with given output lengths on a number "
+                    "of slots, and replay them through Conveyor's real scheduler and KV allocator (no model): "
+                    "steps until all finish and the slots' busy fraction. Exit code 1 if Conveyor's scheduler "
+                    "needs a different number of steps than ideal continuous batching.")
+    simulate.add_arguments(p)
+    p.set_defaults(func=simulate.run_from_args)
+
+    from . import serve
+
+    p = subparsers.add_parser(
+        "serve", help="online serving benchmark of any OpenAI-compatible server over HTTP (like vllm bench serve)",
+        description="Streams a workload's requests to an OpenAI-compatible server (Conveyor's, vLLM, llama-server) "
+                    "with Poisson arrivals at --request-rate (or all at once) and an optional concurrency cap; "
+                    "reports request and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E "
+                    "latency in ms, as vllm bench serve does. Exit code 1 if any request failed.")
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run_from_args)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m conveyor.bench") -> int:

@@ -289,6 +289,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="override every request's max_new_tokens")
     parser.add_argument("--out", default=None, help="write the full report (all figures) as JSON here")
+    parser.add_argument("--plot", default=None, metavar="PNG",
+                        help="draw output and total tok/s per system as a bar chart (needs matplotlib)")
     syn = parser.add_argument_group("synthetic workload (instead of a file; random token ids, EOS ignored)")
     syn.add_argument("--synthetic-input-len", type=int, default=None)
     syn.add_argument("--synthetic-output-len", type=int, default=None)
@@ -325,6 +327,14 @@ def run_from_args(args: Any) -> int:
     if args.workload is None and not all(v is not None for v in synthetic):
         raise SystemExit("error: give a workload file, or all of --synthetic-input-len, --synthetic-output-len "
                          "and --num-prompts")
+    plot = getattr(args, "plot", None)
+    if plot:  # fail before the (long) run, not after it
+        from .plot import PlotDependencyError, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotDependencyError as exc:
+            raise SystemExit(f"error: {exc}") from None
     workload = None
     if args.workload is not None:
         try:
@@ -366,5 +376,10 @@ def run_from_args(args: Any) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"\nWrote {args.out}")
+    if plot:
+        from .plot import plot_throughput
+
+        plot_throughput(report, plot)
+        print(f"Wrote {plot}")
     failed = any(s["num_errors"] for s in report["systems"].values())
     return 1 if failed else 0

@@ -1,0 +1,540 @@
+"""How close is a decode step to what the hardware and the model allow? `roofline` and `step`.
+
+Three measurements, all on the same model object (`LlamaForCausalLM`):
+
+1. Matmul rate: `F.linear` on each distinct weight shape (fused qkv_proj, o_proj, gate_up_proj,
+   down_proj of one layer, and the LM head) at M = batch rows. FLOPs per token are 2 x the
+   parameters touched per token (every layer's linears plus the LM head), so the per-shape times,
+   weighted by how often each shape runs, give the tok/s ceiling of the linear layers alone.
+2. Dense ceiling: ONE decode step of `batch` sequences of `context` cached tokens through the
+   model's own `forward` with `DenseDecodeAttention`: contiguous per-layer K/V
+   `[batch, kv_heads, context + 1, head_dim]`, the new token's K/V written at position `context`,
+   one `scaled_dot_product_attention` per layer with no gather, no mask, no paging, no scheduling;
+   then `compute_logits` and an argmax. Everything Conveyor adds on top of this is overhead.
+3. Conveyor's real step (`step` only): `batch` requests with random `context`-token prompts are
+   prefilled, then `Engine.step()` is timed and split into model forward, LM head + sampling,
+   input preparation (`ModelRunner.prepare`) and the rest (scheduling, token append,
+   detokenization), by wrapping those methods on the instances for the duration of the timing.
+
+`roofline` reports 1 and 2; `step` reports 1, 2 and 3 and the ratio of Conveyor's step to the
+dense ceiling measured in the same run: there each dense step runs right after a timed engine
+step, so both see the same machine (on a shared CPU, contention comes and goes within minutes).
+Times are medians after warm-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionBackend
+
+# The issue's targets for a decode step at 64 running sequences of ~150 tokens.
+TARGET_STEP_OVER_DENSE = 1.25
+TARGET_OUTSIDE_FORWARD = 0.10
+MIN_SAMPLE_S = 2e-3  # matmul timing: repeat a call until one sample lasts at least this long
+
+
+# -- timing helpers ---------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _time_call(fn: Callable[[], Any], device: torch.device, repeats: int, warmup: int) -> float:
+    """Median seconds per call of `fn`; short calls are looped so one sample lasts >= MIN_SAMPLE_S."""
+    for _ in range(max(warmup, 1)):
+        fn()
+    _sync(device)
+    started = time.perf_counter()
+    fn()
+    _sync(device)
+    once = max(time.perf_counter() - started, 1e-7)
+    inner = max(1, min(1000, math.ceil(MIN_SAMPLE_S / once)))
+    samples = []
+    for _ in range(max(repeats, 1)):
+        _sync(device)
+        started = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - started) / inner)
+    return _median(samples)
+
+
+# -- 1. matmul rate ---------------------------------------------------------------------------------
+def linear_layers(model: Any) -> list[tuple[str, torch.Tensor, torch.Tensor | None, int]]:
+    """(name, weight, bias, times run per token) of each distinct linear layer shape of the model."""
+    layer = model.layers[0]
+    n = model.num_layers
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    return [("qkv_proj", layer.qkv_proj.weight, layer.qkv_proj.bias, n),
+            ("o_proj", layer.o_proj.weight, layer.o_proj.bias, n),
+            ("gate_up_proj", layer.gate_up_proj.weight, layer.gate_up_proj.bias, n),
+            ("down_proj", layer.down_proj.weight, layer.down_proj.bias, n),
+            ("lm_head", head, None, 1)]
+
+
+@torch.inference_mode()
+def measure_matmuls(model: Any, batch: int, *, repeats: int = 10, warmup: int = 3, seed: int = 0) -> dict[str, Any]:
+    """GFLOP/s of `F.linear` on each weight shape at M = batch rows, and the linear-only tok/s ceiling."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = []
+    step_flops = step_s = params = 0.0
+    for name, weight, bias, count in linear_layers(model):
+        out_f, in_f = weight.shape
+        x = torch.randn(batch, in_f, generator=g).to(device=weight.device, dtype=weight.dtype)
+        t = _time_call(lambda x=x, w=weight, b=bias: F.linear(x, w, b), weight.device, repeats, warmup)
+        flops = 2.0 * batch * in_f * out_f
+        shapes.append({"name": name, "out_features": out_f, "in_features": in_f, "count": count,
+                       "time_s": t, "gflops": flops / t / 1e9})
+        step_flops += flops * count
+        step_s += t * count
+        params += in_f * out_f * count
+    return {"m": batch, "shapes": shapes, "params_per_token": int(params), "flops_per_token": int(2 * params),
+            "time_per_step_s": step_s, "gflops": step_flops / step_s / 1e9, "tok_per_s": batch / step_s}
+
+
+# -- 2. dense ceiling ----------------------------------------------------------------------------------
+@dataclass
+class DenseDecodeMetadata:
+    """All a dense decode step needs: every sequence's new token goes to cache position `position`."""
+
+    position: int
+
+
+class DenseDecodeAttention(AttentionBackend):
+    """Decode attention over contiguous K/V: the floor that any paged implementation is measured against.
+
+    `kv_cache` (one per layer, as the model passes it) is `[2, batch, kv_heads, max_len, head_dim]`;
+    row b of the batch is sequence b. The new K/V is written at `meta.position` and each query
+    attends to positions `0 .. meta.position` of its own sequence with one SDPA call, no gather.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: DenseDecodeMetadata, scale: float) -> torch.Tensor:  # type: ignore[override]
+        """q: [B, H, D]; k, v: [B, Hkv, D]. Returns [B, H, D]."""
+        pos = meta.position
+        if q.shape[0] != kv_cache.shape[1] or pos >= kv_cache.shape[3]:
+            raise ValueError(f"dense decode: {q.shape[0]} queries at position {pos} do not fit a cache of "
+                             f"{kv_cache.shape[1]} sequences x {kv_cache.shape[3]} positions")
+        kv_cache[0, :, :, pos] = k
+        kv_cache[1, :, :, pos] = v
+        keys, values = (kv_cache[0], kv_cache[1]) if pos + 1 == kv_cache.shape[3] else \
+            (kv_cache[0, :, :, :pos + 1], kv_cache[1, :, :, :pos + 1])
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale,
+                                           enable_gqa=q.shape[1] != k.shape[1])
+        return o.squeeze(2)
+
+
+def dense_kv_caches(model: Any, batch: int, max_len: int, *, seed: int = 0) -> list[torch.Tensor]:
+    """One `[2, batch, kv_heads, max_len, head_dim]` tensor per layer, filled with random values."""
+    weight = model.embed_tokens.weight
+    g = torch.Generator().manual_seed(seed)
+    shape = (2, batch, model.num_kv_heads, max_len, model.head_dim)
+    return [torch.randn(shape, generator=g).to(device=weight.device, dtype=weight.dtype)
+            for _ in range(model.num_layers)]
+
+
+@torch.inference_mode()
+def dense_decode_step(model: Any, input_ids: torch.Tensor, kv_caches: list[torch.Tensor], position: int,
+                      attention: DenseDecodeAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of every sequence through the model's own forward: (fp32 logits, argmax ids)."""
+    positions = torch.full_like(input_ids, position)
+    hidden = model(input_ids, positions, kv_caches, DenseDecodeMetadata(position), attention or DenseDecodeAttention())
+    logits = model.compute_logits(hidden)
+    return logits, logits.argmax(dim=-1)
+
+
+class DenseBench:
+    """The dense ceiling's inputs, allocated once; `once()` times one decode step (forward, LM head + argmax)."""
+
+    def __init__(self, model: Any, batch: int, context: int, *, seed: int = 0) -> None:
+        self.model, self.batch, self.context = model, batch, context
+        self.device = model.embed_tokens.weight.device
+        self.kv = dense_kv_caches(model, batch, context + 1, seed=seed)
+        g = torch.Generator().manual_seed(seed + 1)
+        self.ids = torch.randint(0, model.config.vocab_size, (batch,), generator=g).to(self.device)
+        self.positions = torch.full_like(self.ids, context)
+        self.meta, self.attention = DenseDecodeMetadata(context), DenseDecodeAttention()
+        self.forward_s: list[float] = []
+        self.head_s: list[float] = []
+
+    @torch.inference_mode()
+    def once(self, record: bool = True) -> None:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        hidden = self.model(self.ids, self.positions, self.kv, self.meta, self.attention)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        t2 = time.perf_counter()
+        if record:
+            self.forward_s.append(t1 - t0)
+            self.head_s.append(t2 - t1)
+
+    def summary(self, interleaved: bool = False) -> dict[str, Any]:
+        steps = [f + h for f, h in zip(self.forward_s, self.head_s)]
+        step = _median(steps)
+        return {"batch": self.batch, "context": self.context, "repeats": len(steps), "interleaved": interleaved,
+                "step_s": step, "forward_s": _median(self.forward_s), "lm_head_argmax_s": _median(self.head_s),
+                "tok_per_s": self.batch / step, "step_samples_s": steps}
+
+
+def measure_dense(model: Any, batch: int, context: int, *, repeats: int = 10, warmup: int = 3,
+                  seed: int = 0) -> dict[str, Any]:
+    """Median time of one dense decode step (forward, then LM head + argmax) at `batch` x `context`."""
+    bench = DenseBench(model, batch, context, seed=seed)
+    for _ in range(max(warmup, 1)):
+        bench.once(record=False)
+    for _ in range(repeats):
+        bench.once()
+    return bench.summary()
+
+
+# -- 3. Conveyor's real decode step -----------------------------------------------------------------
+class _Probe:
+    """Wraps methods on instances (not classes) to accumulate their time within one engine step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.time: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap(self, obj: Any, attr: str, name: str) -> None:
+        had = attr in vars(obj)
+        previous = vars(obj).get(attr)
+        original = getattr(obj, attr)
+        self.time[name], self.calls[name] = 0.0, 0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            _sync(self.device)
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                _sync(self.device)
+                self.time[name] += time.perf_counter() - started
+                self.calls[name] += 1
+
+        object.__setattr__(obj, attr, timed)
+
+        def undo() -> None:
+            if had:
+                object.__setattr__(obj, attr, previous)
+            else:
+                object.__delattr__(obj, attr)
+
+        self._undo.append(undo)
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+@contextlib.contextmanager
+def instrument(engine: Any) -> Iterator[_Probe]:
+    """Time `runner.execute`, `runner.prepare`, `model.forward`, `model.compute_logits` and `runner.sampler`."""
+    runner = engine.runner
+    probe = _Probe(engine.device)
+    try:
+        probe.wrap(runner, "execute", "execute")
+        probe.wrap(runner, "prepare", "prepare")
+        probe.wrap(runner.model, "forward", "forward")
+        probe.wrap(runner.model, "compute_logits", "lm_head")
+        probe.wrap(runner, "sampler", "sampling")
+        yield probe
+    finally:
+        probe.restore()
+
+
+def random_prompts(batch: int, length: int, vocab_size: int, exclude: list[int], seed: int = 0) -> list[list[int]]:
+    """Random token ids, special tokens left out."""
+    excluded = set(exclude)
+    allowed = torch.tensor([t for t in range(vocab_size) if t not in excluded])
+    g = torch.Generator().manual_seed(seed)
+    return allowed[torch.randint(0, len(allowed), (batch, length), generator=g)].tolist()
+
+
+def step_config(batch: int, context: int, new_tokens: int, *, page_size: int = 16,
+                max_batch_tokens: int | None = None) -> Any:
+    """A config whose pool holds every request to its end; all prompts prefill in one pass by default
+    (so every sequence has exactly `context` tokens when decoding starts)."""
+    from .. import ContinuousBatchingConfig
+
+    blocks = batch * -(-(context + new_tokens) // page_size)
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=math.ceil(blocks / 0.8) + 4,
+                                    max_requests_per_batch=max(64, batch),
+                                    max_batch_tokens=max_batch_tokens or max(512, batch * context))
+
+
+def measure_step(llm: Any, batch: int, context: int, *, steps: int = 10, warmup_steps: int = 2,
+                 seed: int = 0, dense: DenseBench | None = None) -> dict[str, Any]:
+    """Prefill `batch` random `context`-token prompts, then time `steps` decode steps (after `warmup_steps`).
+
+    With `dense`, one dense-ceiling step runs (and is recorded) right after each engine step, so the
+    two are measured interleaved, under the same conditions, rather than minutes apart.
+    """
+    from .. import SamplingParams
+    from ..request import RequestState
+
+    engine = llm.engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine already has requests; the step benchmark needs an idle engine")
+    if batch > engine.config.max_requests_per_batch:
+        raise ValueError(f"batch {batch} exceeds max_requests_per_batch={engine.config.max_requests_per_batch}")
+    new_tokens = warmup_steps + steps + 4
+    special = list(getattr(llm.get_tokenizer(), "all_special_ids", []) or []) + list(engine.eos_token_ids)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    requests = [engine.make_request(f"roofline-step-{i}", prompt, params)
+                for i, prompt in enumerate(random_prompts(batch, context, engine.vocab_size, special, seed))]
+    free_before = engine.allocator.num_free_blocks
+    device = engine.device
+    try:
+        for r in requests:
+            engine.add_request(r)
+        started = time.perf_counter()
+        prefill_steps = 0
+        while not all(r.state is RequestState.DECODING for r in requests):
+            broken = [r for r in requests if r.is_finished]
+            if broken or prefill_steps > batch * context:
+                raise RuntimeError(f"prefill did not complete: {broken[0].request_id} ended "
+                                   f"({broken[0].finish_reason}: {broken[0].error})" if broken else
+                                   "prefill did not complete")
+            engine.step()
+            prefill_steps += 1
+        _sync(device)
+        prefill_s = time.perf_counter() - started
+        start_context = sorted(r.num_tokens - 1 for r in requests)  # tokens in cache before the first decode
+
+        rows: list[dict[str, float]] = []
+        contexts: list[int] = []
+        for i in range(warmup_steps + steps):
+            in_cache = [r.num_tokens - 1 for r in requests]
+            with instrument(engine) as probe:
+                _sync(device)
+                t0 = time.perf_counter()
+                stepped = engine.step()
+                _sync(device)
+                total = time.perf_counter() - t0
+            if len(stepped) != batch or any(r.is_finished for r in requests):
+                raise RuntimeError(f"decode step {i} advanced {len(stepped)} of {batch} requests")
+            if any(n != 1 for n in probe.calls.values()):
+                raise RuntimeError(f"the step timing hooks fired {probe.calls} times (expected once each): "
+                                   "ModelRunner or Engine changed shape; update conveyor/bench/roofline.py")
+            if dense is not None:  # right after, so both see the same machine (threads, contention, caches)
+                dense.once(record=i >= warmup_steps)
+            if i < warmup_steps:
+                continue
+            t = dict(probe.time)
+            rows.append({"step_s": total, "forward_s": t["forward"], "prepare_s": t["prepare"],
+                         "lm_head_sampling_s": t["execute"] - t["prepare"] - t["forward"],
+                         "lm_head_s": t["lm_head"], "sampling_s": t["sampling"],
+                         "rest_s": total - t["execute"], "outside_forward_s": total - t["forward"]})
+            contexts += [min(in_cache), max(in_cache)]
+    finally:
+        for r in requests:
+            engine.cancel_request(r.request_id)
+    if engine.allocator.num_free_blocks != free_before:
+        raise RuntimeError("the step benchmark leaked KV blocks")
+    medians = {key: _median([row[key] for row in rows]) for key in rows[0]}
+    return {"batch": batch, "context": context, "steps": steps, "warmup_steps": warmup_steps,
+            "prefill_steps": prefill_steps, "prefill_s": prefill_s,
+            "start_context": [start_context[0], start_context[-1]],
+            "timed_context": [min(contexts), max(contexts)],
+            **medians,
+            "outside_forward_fraction": _median([r["outside_forward_s"] / r["step_s"] for r in rows]),
+            "host_fraction": _median([(r["step_s"] - r["forward_s"] - r["lm_head_s"]) / r["step_s"] for r in rows]),
+            "tok_per_s": batch / medians["step_s"],
+            "step_samples_s": [r["step_s"] for r in rows]}
+
+
+# -- reports ------------------------------------------------------------------------------------------
+def load_model(model: str | None = None, *, device: str = "auto", dtype: str = "auto") -> tuple[Any, Path]:
+    """The model alone (no engine, no KV pool): `(LlamaForCausalLM, checkpoint path)`."""
+    from ..llm import resolve_device, resolve_dtype
+    from ..models.llama import LlamaForCausalLM
+    from ..models.loader import load_checkpoint
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    checkpoint = load_checkpoint(model, dtype=dt)
+    return LlamaForCausalLM.from_state_dict(checkpoint.config, checkpoint.state_dict, dt, dev), checkpoint.path
+
+
+def _header(benchmark: str, model: Any, path: Any, batch: int, context: int) -> dict[str, Any]:
+    from .throughput import environment
+
+    weight = model.embed_tokens.weight
+    c = model.config
+    return {"benchmark": benchmark, "batch": batch, "context": context,
+            "model": {"path": str(path), "device": str(weight.device),
+                      "dtype": str(weight.dtype).removeprefix("torch."),
+                      "num_layers": model.num_layers, "hidden_size": c.hidden_size,
+                      "intermediate_size": c.intermediate_size, "num_heads": c.num_attention_heads,
+                      "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim, "vocab_size": c.vocab_size},
+            "environment": environment()}
+
+
+def run_roofline(model: Any, *, batch: int = 64, context: int = 150, repeats: int = 10, warmup: int = 3,
+                 seed: int = 0, model_path: Any = None) -> dict[str, Any]:
+    """Matmul rates and the dense-decode ceiling of `model`; a JSON-able report."""
+    report = _header("roofline", model, model_path, batch, context)
+    report["matmul"] = measure_matmuls(model, batch, repeats=repeats, warmup=warmup, seed=seed)
+    report["dense"] = measure_dense(model, batch, context, repeats=repeats, warmup=warmup, seed=seed)
+    report["ratios"] = {"dense_over_linear_ceiling": report["dense"]["tok_per_s"] / report["matmul"]["tok_per_s"]}
+    return report
+
+
+def run_step(llm: Any, *, batch: int = 64, context: int = 150, steps: int = 10, warmup_steps: int = 2,
+             repeats: int = 10, warmup: int = 3, seed: int = 0) -> dict[str, Any]:
+    """Matmul rates, then Conveyor's real decode step, split, interleaved step by step with the dense
+    ceiling of the same model (so their ratio is measured under the same conditions)."""
+    model = llm.engine.model
+    report = _header("step", model, llm.model_path, batch, context)
+    report["conveyor_config"] = dict(vars(llm.engine.config))
+    report["matmul"] = measure_matmuls(model, batch, repeats=repeats, warmup=warmup, seed=seed)
+    dense = DenseBench(model, batch, context, seed=seed)
+    for _ in range(max(warmup, 1)):
+        dense.once(record=False)
+    report["step"] = measure_step(llm, batch, context, steps=steps, warmup_steps=warmup_steps, seed=seed, dense=dense)
+    report["dense"] = dense.summary(interleaved=True)
+    del dense
+    step, dense_r = report["step"], report["dense"]
+    report["ratios"] = {"dense_over_linear_ceiling": dense_r["tok_per_s"] / report["matmul"]["tok_per_s"],
+                        "step_over_dense": step["step_s"] / dense_r["step_s"],
+                        "forward_over_dense_forward": step["forward_s"] / dense_r["forward_s"],
+                        "step_over_dense_per_step": _median([a / b for a, b in zip(step["step_samples_s"],
+                                                                                   dense_r["step_samples_s"])])}
+    report["targets"] = {
+        "step_over_dense_max": TARGET_STEP_OVER_DENSE,
+        "step_over_dense_met": report["ratios"]["step_over_dense"] <= TARGET_STEP_OVER_DENSE,
+        "outside_forward_fraction_max": TARGET_OUTSIDE_FORWARD,
+        "outside_forward_met": step["outside_forward_fraction"] < TARGET_OUTSIDE_FORWARD}
+    return report
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    m, env, mm, d = report["model"], report["environment"], report["matmul"], report["dense"]
+    b = report["batch"]
+    lines = [f"Model {Path(m['path']).name} on {m['device']} ({m['dtype']}): {m['num_layers']} layers, hidden "
+             f"{m['hidden_size']}, {m['num_heads']}/{m['num_kv_heads']} heads; torch {env['torch']} "
+             f"({env['torch_threads']} threads)",
+             f"Batch {b} sequences, context {report['context']} tokens", "",
+             f"Linear layers at M = {b} rows (F.linear, median per call):"]
+    rows = [(s["name"], f"{s['out_features']} x {s['in_features']}", f"x{s['count']}", _ms(s["time_s"]),
+             f"{s['gflops']:.1f}") for s in mm["shapes"]]
+    rows.append(("all, per step", f"{mm['params_per_token'] / 1e6:.1f}M params", "", _ms(mm["time_per_step_s"]),
+                 f"{mm['gflops']:.1f}"))
+    header = ("shape", "out x in", "runs", "time", "GFLOP/s")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    fmt = lambda r: "  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])  # noqa: E731
+                                     for i, c in enumerate(r))
+    lines += [fmt(header)] + [fmt(r) for r in rows]
+    lines += [f"  linear-only ceiling: {mm['tok_per_s']:.1f} tok/s ({mm['flops_per_token'] / 1e6:.1f} MFLOP per token, "
+              "LM head included)", "",
+              f"Dense ceiling (same model, contiguous K/V, one SDPA per layer, no paging or scheduling), median of "
+              f"{d['repeats']}" + (", each run right after a timed Conveyor step:" if d.get("interleaved") else ":"),
+              f"  step {_ms(d['step_s'])} = forward {_ms(d['forward_s'])} + LM head & argmax "
+              f"{_ms(d['lm_head_argmax_s'])} -> {d['tok_per_s']:.1f} tok/s, "
+              f"{report['ratios']['dense_over_linear_ceiling']:.0%} of the linear-only ceiling"]
+    s = report.get("step")
+    if s:
+        r, t = report["ratios"], report["targets"]
+
+        def part(label: str, key: str) -> str:
+            return f"  {label:<36}{_ms(s[key]):>11}  {s[key] / s['step_s']:6.1%}"
+
+        lines += ["", f"Conveyor decode step ({b} running sequences, {s['timed_context'][0]}-{s['timed_context'][1]} "
+                  f"tokens in cache; median of {s['steps']} steps after {s['warmup_steps']} warm-up; "
+                  f"prefill took {s['prefill_s']:.1f} s in {s['prefill_steps']} steps):",
+                  part("step", "step_s"), part("model forward", "forward_s"),
+                  part("LM head + sampling", "lm_head_sampling_s"),
+                  f"    (LM head {_ms(s['lm_head_s'])}, sampler {_ms(s['sampling_s'])})",
+                  part("input preparation", "prepare_s"),
+                  part("rest (schedule, append, detokenize)", "rest_s"),
+                  f"  -> {s['tok_per_s']:.1f} tok/s",
+                  f"  outside the model forward: {s['outside_forward_fraction']:.1%} of the step (host work alone, "
+                  f"without the LM head: {s['host_fraction']:.1%}); target < {t['outside_forward_fraction_max']:.0%}: "
+                  f"{'met' if t['outside_forward_met'] else 'NOT met'}",
+                  f"  step / dense ceiling: {r['step_over_dense']:.2f}x (median of per-step pairs "
+                  f"{r['step_over_dense_per_step']:.2f}x; forward / dense forward "
+                  f"{r['forward_over_dense_forward']:.2f}x); "
+                  f"target <= {t['step_over_dense_max']}x: "
+                  f"{'met' if t['step_over_dense_met'] else 'NOT met'}"]
+    return "\n".join(lines)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def add_arguments(parser: Any, *, step: bool = False) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct GGUF)")
+    parser.add_argument("--batch", type=int, default=64, help="sequences decoded together (default 64)")
+    parser.add_argument("--context", type=int, default=150,
+                        help="tokens already in each sequence's cache (default 150)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's); on a shared machine use fewer than the cores")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
+    parser.add_argument("--repeats", type=int, default=10, help="timed repetitions of each matmul and dense step")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
+    parser.add_argument("--seed", type=int, default=0)
+    if step:
+        parser.add_argument("--steps", type=int, default=10, help="timed engine steps (default 10)")
+        parser.add_argument("--warmup-steps", type=int, default=2, help="untimed decode steps first (default 2)")
+        parser.add_argument("--page-size", type=int, default=16)
+        parser.add_argument("--max-batch-tokens", type=int, default=None,
+                            help="engine token budget (default: batch x context, so every prompt prefills in one "
+                                 "pass and all sequences decode at the same length)")
+    parser.add_argument("--out", default=None, help="write the full report (all figures) as JSON here")
+
+
+def run_from_args(args: Any) -> int:
+    step = getattr(args, "steps", None) is not None
+    for name in ("batch", "context", "repeats") + (("steps",) if step else ()):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} must be >= 1, got {getattr(args, name)}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SystemExit(f"error: --threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    if step:
+        from .. import LLM
+
+        config = step_config(args.batch, args.context, args.warmup_steps + args.steps + 4, page_size=args.page_size,
+                             max_batch_tokens=args.max_batch_tokens)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, config=config)
+        print(f"Loaded {llm.model_path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        report = run_step(llm, batch=args.batch, context=args.context, steps=args.steps,
+                          warmup_steps=args.warmup_steps, repeats=args.repeats, warmup=args.warmup, seed=args.seed)
+    else:
+        model, path = load_model(args.model, device=args.device, dtype=args.dtype)
+        print(f"Loaded {path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        report = run_roofline(model, batch=args.batch, context=args.context, repeats=args.repeats,
+                              warmup=args.warmup, seed=args.seed, model_path=path)
+    print(format_report(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"\nWrote {args.out}")
+    return 0

@@ -1,0 +1,200 @@
+"""Tests of `conveyor bench simulate` (static vs continuous batching, and the replay through Conveyor's
+real scheduler) and of the PNG plots in conveyor.bench.plot (matplotlib is part of the test extra)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import matplotlib  # noqa: F401  (a test dependency: plots must be covered, never skipped)
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor.bench import main
+from conveyor.bench.cli import build_parser
+from conveyor.bench.plot import (PlotDependencyError, plot_latency_percentiles, plot_rate_sweep,
+                                 plot_throughput, plot_timeline, require_matplotlib, summarize)
+from conveyor.bench.simulate import (DEFAULT_LENGTHS, DEFAULT_SLOTS, continuous_batching, replay_scheduler,
+                                     simulate, static_batching)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def assert_png(path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 5000
+
+
+# -- the documented figures -----------------------------------------------------------------------
+def test_static_batching_matches_the_documented_figures():
+    t = static_batching(DEFAULT_LENGTHS, DEFAULT_SLOTS)
+    assert list(DEFAULT_LENGTHS) == [5, 50, 8, 12, 40, 3, 30, 7] and DEFAULT_SLOTS == 4
+    assert t.steps == 90 == 50 + 40
+    assert (t.busy_slot_steps, t.slot_steps) == (155, 360)
+    assert t.busy_fraction == 155 / 360 and f"{t.busy_fraction:.0%}" == "43%"
+    # groups in order: requests 0-3 from step 0, requests 4-7 from step 50
+    assert [(s.request, s.slot, s.start) for s in t.segments] == [
+        (0, 0, 0), (1, 1, 0), (2, 2, 0), (3, 3, 0), (4, 0, 50), (5, 1, 50), (6, 2, 50), (7, 3, 50)]
+
+
+def test_continuous_batching_matches_the_documented_figures():
+    t = continuous_batching(DEFAULT_LENGTHS, DEFAULT_SLOTS)
+    assert t.steps == 50
+    assert (t.busy_slot_steps, t.slot_steps) == (155, 200)
+    assert t.busy_fraction == 155 / 200 and f"{t.busy_fraction:.0%}" == "78%"
+    # a freed slot is taken at the very next step: r4 follows r0 (step 5), r5 follows r2 (step 8), ...
+    starts = {s.request: (s.slot, s.start) for s in t.segments}
+    assert starts == {0: (0, 0), 1: (1, 0), 2: (2, 0), 3: (3, 0), 4: (0, 5), 5: (2, 8), 6: (2, 11), 7: (3, 12)}
+
+
+def test_scheduler_replay_gives_the_continuous_figures():
+    t = replay_scheduler(DEFAULT_LENGTHS, DEFAULT_SLOTS)
+    assert t.steps == 50 and (t.busy_slot_steps, t.slot_steps) == (155, 200)
+    assert f"{t.busy_fraction:.0%}" == "78%"
+    assert t.extra["max_requests_in_a_step"] == 4
+    ideal = continuous_batching(DEFAULT_LENGTHS, DEFAULT_SLOTS)
+    key = lambda s: s.request  # noqa: E731
+    assert sorted(t.segments, key=key) == sorted(ideal.segments, key=key)
+
+
+def test_simulate_report():
+    report = simulate()
+    systems = report["systems"]
+    assert [(s["steps"], s["busy_slot_steps"], s["slot_steps"]) for s in systems.values()] == [
+        (90, 155, 360), (50, 155, 200), (50, 155, 200)]
+    assert list(systems) == ["static", "continuous", "conveyor"]
+    assert report["total_tokens"] == 155 and report["static_over_continuous_steps"] == 90 / 50
+    json.dumps(report)
+
+
+# -- generalisation -------------------------------------------------------------------------------
+@pytest.mark.parametrize("lengths, slots", [([7] * 8, 4), ([3] * 5, 2), ([1], 1), ([9, 9, 9], 3)])
+def test_equal_lengths_give_equal_steps(lengths, slots):
+    static, continuous = static_batching(lengths, slots), continuous_batching(lengths, slots)
+    assert static.steps == continuous.steps == lengths[0] * math.ceil(len(lengths) / slots)
+
+
+@pytest.mark.parametrize("slots", [8, 9, 100])
+def test_enough_slots_for_everyone_takes_the_longest_request(slots):
+    for fn in (static_batching, continuous_batching, replay_scheduler):
+        t = fn(DEFAULT_LENGTHS, slots)
+        assert t.steps == max(DEFAULT_LENGTHS) and t.busy_slot_steps == 155
+
+
+def test_one_slot_runs_requests_back_to_back():
+    for fn in (static_batching, continuous_batching, replay_scheduler):
+        assert fn(DEFAULT_LENGTHS, 1).steps == sum(DEFAULT_LENGTHS)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=12), st.integers(1, 6),
+       st.sampled_from(["fifo", "prefill_first"]))
+def test_invariants_and_scheduler_matches_ideal_continuous(lengths, slots, scheduler_type):
+    static, ideal = static_batching(lengths, slots), continuous_batching(lengths, slots)
+    real = replay_scheduler(lengths, slots, scheduler_type=scheduler_type)
+    lower = max(max(lengths), math.ceil(sum(lengths) / slots))
+    assert lower <= ideal.steps <= static.steps
+    assert real.steps == ideal.steps and real.busy_slot_steps == sum(lengths)
+    for t in (static, ideal, real):
+        assert 0 < t.busy_fraction <= 1
+        assert sorted(s.request for s in t.segments) == list(range(len(lengths)))
+        # no slot ever holds two requests at once
+        for slot in range(slots):
+            spans = sorted((s.start, s.end) for s in t.segments if s.slot == slot)
+            assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        assert max(s.end for s in t.segments) == t.steps
+
+
+@pytest.mark.parametrize("lengths, slots", [([], 4), ([3, 0], 2), ([3], 0)])
+def test_bad_inputs_are_refused(lengths, slots):
+    with pytest.raises(ValueError):
+        static_batching(lengths, slots)
+
+
+# -- command line ---------------------------------------------------------------------------------
+def test_cli_simulate_prints_and_writes_json_and_png(tmp_path, capsys):
+    out, png = tmp_path / "sim.json", tmp_path / "plots" / "sim.png"
+    assert main(["simulate", "--out", str(out), "--plot", str(png)]) == 0
+    printed = capsys.readouterr().out
+    assert "90" in printed and "43%" in printed and "50" in printed and "78%" in printed
+    report = json.loads(out.read_text())
+    assert report["benchmark"] == "simulate" and report["lengths"] == list(DEFAULT_LENGTHS)
+    assert {k: (v["steps"], round(v["busy_fraction"], 4)) for k, v in report["systems"].items()} == {
+        "static": (90, round(155 / 360, 4)), "continuous": (50, 0.775), "conveyor": (50, 0.775)}
+    assert_png(png)
+
+
+def test_cli_simulate_custom_lengths(tmp_path):
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--lengths", "4,4,4", "--slots", "2", "--no-scheduler", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert list(report["systems"]) == ["static", "continuous"]
+    assert report["systems"]["static"]["steps"] == report["systems"]["continuous"]["steps"] == 8
+
+
+@pytest.mark.parametrize("argv", [["--lengths", "5,x"], ["--lengths", "5,0"], ["--slots", "0"]])
+def test_cli_simulate_rejects_bad_arguments(argv):
+    with pytest.raises(SystemExit):
+        main(["simulate", *argv])
+
+
+def test_throughput_accepts_plot_option():
+    args = build_parser().parse_args(["throughput", "w.json", "--plot", "t.png"])
+    assert args.plot == "t.png"
+
+
+def test_missing_matplotlib_gives_an_install_hint(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(PlotDependencyError, match=r"pip install matplotlib.*conveyor\[bench\]"):
+        require_matplotlib()
+    with pytest.raises(ImportError, match="pip install"):
+        plot_timeline([static_batching([1], 1)], tmp_path / "x.png")
+    with pytest.raises(SystemExit, match="pip install"):
+        main(["simulate", "--no-scheduler", "--plot", str(tmp_path / "x.png")])
+    assert not (tmp_path / "x.png").exists()
+
+
+# -- plots ----------------------------------------------------------------------------------------
+THROUGHPUT_REPORT = {
+    "benchmark": "throughput",
+    "workload": {"name": "chat-tiny"},
+    "model": {"path": "/models/SmolLM2-135M-Instruct.gguf", "device": "cpu"},
+    "systems": {"conveyor": {"output_tok_per_s": 412.5, "total_tok_per_s": 1630.2},
+                "hf_generate_batch": {"output_tok_per_s": 150.1, "total_tok_per_s": 590.4},
+                "hf_generate": {"output_tok_per_s": 98.0, "total_tok_per_s": 380.0}},
+    "ratios": {"hf_generate_batch": 412.5 / 150.1, "hf_generate": 412.5 / 98.0},
+}
+
+
+def test_plot_throughput(tmp_path):
+    assert_png(plot_throughput(THROUGHPUT_REPORT, tmp_path / "t.png"))
+    no_ratios = {"systems": {"conveyor": {"output_tok_per_s": 10.0, "total_tok_per_s": 20.0}}}
+    assert_png(plot_throughput(no_ratios, tmp_path / "t1.png"))
+    with pytest.raises(ValueError):
+        plot_throughput({"systems": {}}, tmp_path / "t2.png")
+
+
+def test_plot_timeline_from_objects_and_json(tmp_path):
+    report = json.loads(json.dumps(simulate(scheduler=False)))
+    assert_png(plot_timeline(list(report["systems"].values()), tmp_path / "a.png"))
+    many = [static_batching(list(range(1, 25)), 5), continuous_batching(list(range(1, 25)), 5)]
+    assert_png(plot_timeline(many, tmp_path / "b.png", title="24 requests"))
+
+
+def test_plot_latency_percentiles(tmp_path):
+    metrics = {"ttft_s": {"mean": 0.21, "median": 0.18, "p99": 0.92},
+               "tpot_s": {"mean": 0.031, "median": 0.029, "p99": 0.06},
+               "e2e_latency_s": [1.0, 2.0, 3.0, 10.0]}
+    assert_png(plot_latency_percentiles(metrics, tmp_path / "lat.png"))
+    assert summarize([1.0, 2.0, 3.0, 10.0]) == pytest.approx({"mean": 4.0, "median": 2.5, "p90": 7.9, "p99": 9.79})
+
+
+def test_plot_rate_sweep(tmp_path):
+    results = [{"system": s, "request_rate": r, "output_tok_per_s": tput * f, "ttft_p99_s": ttft / f}
+               for s, f in (("conveyor", 1.0), ("hf", 0.5))
+               for r, tput, ttft in ((1, 100.0, 0.1), (4, 350.0, 0.2), (16, 600.0, 1.5), (None, 650.0, 4.0))]
+    assert_png(plot_rate_sweep(results, tmp_path / "sweep.png"))
+    assert_png(plot_rate_sweep([{"request_rate": 2.0, "output_tok_per_s": 5.0, "ttft_p99_s": 0.5}],
+                               tmp_path / "one.png"))
