@@ -1,9 +1,10 @@
-"""Command line: `conveyor generate "prompt" ...` (and `conveyor bench ...`)."""
+"""Command line: `conveyor generate "prompt" ...`, `conveyor serve ...` (and `conveyor bench ...`)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from dataclasses import fields
 
@@ -51,6 +52,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .llm import LLM
+    from .server import ServerSettings, run_server
+
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, config=config_from_args(args))
+    settings = ServerSettings(served_model_names=args.served_model_name, api_key=args.api_key,
+                              max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+    run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                        "(default: $CONVEYOR_API_KEY, else no key)")
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="model name(s) accepted in requests; the first is reported (default: the model's "
+                        "file or directory name)")
+    parser.add_argument("--max-queue", type=int, default=512,
+                        help="most generations (prompts x n) accepted and unfinished; past it, 503 + Retry-After")
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(parser)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="Continuous-batching LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -68,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
+    add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `conveyor serve --help`)"))
     sub.add_parser("bench", help="benchmarks (see `conveyor bench --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -76,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return cmd_generate(args)
+        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,141 @@
+"""OpenAI-compatible HTTP server (`conveyor serve`): FastAPI + uvicorn over one shared engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
+events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
+POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
+object), `serving` (admission, the engine bridge, rendering), `metrics` (Prometheus), `app`
+(routes). `run_server` serves in the foreground with graceful SIGINT/SIGTERM handling;
+`BackgroundServer` serves on a thread (tests, notebooks).
+
+Behaviour where the OpenAI API leaves room (mostly as vLLM):
+- max_tokens: completions default to 16 (OpenAI's and vLLM's default); chat completions, and a
+  completion with `max_tokens: null`, default to the rest of the context (context - prompt).
+  `max_completion_tokens` wins over `max_tokens`. A prompt that leaves no room is a 400.
+- Sampling defaults are OpenAI's (temperature 1.0, top_p 1.0), not the model's generation_config.
+  top_k 0 or -1 = off. With `seed` and `n` > 1, choice i uses seed + i (per prompt), so choice 0
+  equals the same request with n = 1.
+- model: the served names (`--served-model-name`, several allowed, the first is reported;
+  default the model file or directory name) are accepted; a missing or empty `model` means the
+  served model; anything else is a 404 (no `default` alias: name it with --served-model-name).
+- Prompts: a string, a list of strings, a list of token ids or a list of lists; choices are
+  numbered prompt-major (prompt p, choice j -> index p * n + j); usage counts each prompt once.
+- Chat roles: system, user, assistant ("developer" is read as system); text content parts are
+  joined with newlines. The chat template always gets add_generation_prompt=True.
+- Not supported, answered 400 rather than ignored: echo, suffix, best_of != n, logit_bias,
+  tools, response_format other than text, top_logprobs without logprobs. At most 20 logprobs.
+  Unknown fields are ignored (as vLLM).
+- Errors are `{"error": {"message", "type", "param", "code"}}`: 400 invalid_request_error
+  (validation errors, FastAPI's 422 included), 401 invalid_api_key (only /v1/*, /tokenize and
+  /detokenize need the key; /health and /metrics stay open), 404 model_not_found, 500
+  server_error (the request failed inside the engine; in a stream: an error event, then [DONE]),
+  503 service_unavailable_error with Retry-After (queue full, or shutting down).
+- Admission: the server counts engine requests (prompts x n) accepted and not yet finished; a
+  request that would take the count past `max_queue` gets 503 at once. Accepted requests always
+  get their answer. A client that disconnects (streaming or not) cancels its requests at once.
+- Shutdown (SIGINT/SIGTERM): the server keeps listening but answers new requests (and /health)
+  with 503 while in-flight requests get `shutdown_timeout` seconds to finish; those still running
+  are then aborted (a 503 error object, or an error event in a stream); then uvicorn shuts down
+  and the process exits 0. A second signal shuts down at once.
+- Metrics: vLLM's names under `conveyor:` with a `model_name` label; request_success_total is
+  labelled finish_reason = stop | length | abort | error; kv_cache_usage_perc is a fraction (0-1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType
+
+import uvicorn
+
+from ..llm import LLM
+from .app import build_app
+from .serving import Serving, ServerSettings
+
+__all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer"]
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn's server that, on the first SIGINT/SIGTERM, drains the app while still listening (new
+    requests get 503) and only then shuts down; a second signal shuts down at once. It exits 0: it
+    does not re-raise the signal after the graceful shutdown as uvicorn does."""
+
+    def __init__(self, config: uvicorn.Config, serving: Serving) -> None:
+        super().__init__(config)
+        self.serving = serving
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.draining:
+            self.draining = True
+            if self.serving.request_shutdown(then=self._drained):
+                return
+        super().handle_exit(sig, frame)
+
+    def _drained(self) -> None:
+        self.should_exit = True
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
+               log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM: then new requests get 503, in-flight ones get `shutdown_timeout`
+    seconds to finish before they are aborted, and this returns (a second signal: at once)."""
+    settings.url = settings.url or f"http://{host}:{port}"
+    app = build_app(llm, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=5)  # after the app's own drain
+    _GracefulServer(config, app.state.serving).run()
+
+
+class BackgroundServer:
+    """`with BackgroundServer(llm, settings) as url:` serves on a free loopback port on a thread."""
+
+    def __init__(self, llm: LLM, settings: ServerSettings | None = None, host: str = "127.0.0.1",
+                 log_level: str = "warning") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        settings = settings or ServerSettings()
+        settings.url = self.url
+        self.app = build_app(llm, settings)
+        config = uvicorn.Config(self.app, log_level=log_level, lifespan="on", access_log=False,
+                                timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="conveyor-server", daemon=True)
+
+    def start(self, timeout: float = 60.0) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

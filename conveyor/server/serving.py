@@ -1,0 +1,299 @@
+"""The bridge between HTTP requests and the shared engine: admission, request building, results.
+
+One HTTP request becomes one engine request per (prompt, choice); they are submitted to the
+shared `ContinuousBatchingManager` with an `on_output` callback that hands every output to the
+event loop (`call_soon_threadsafe`), where they are merged on one asyncio queue. The server
+counts accepted engine requests until their final output arrives; past `max_queue` it answers
+503. Whatever ends the HTTP exchange (response sent, client gone, shutdown timeout) cancels the
+engine requests still running, so their KV blocks return to the pool within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import InvalidRequestError
+from ..llm import LLM
+from ..request import Request, RequestOutput
+from ..sampling_params import SamplingParams
+from .metrics import ServerMetrics
+from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+
+logger = logging.getLogger("conveyor.server")
+
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass
+class ServerSettings:
+    """served_model_names: names accepted in `model` (the first is reported); None = the model's
+    file or directory name. api_key: required as `Authorization: Bearer KEY` on /v1/*, /tokenize
+    and /detokenize. max_queue: most engine requests (prompts x n) accepted and not yet finished.
+    shutdown_timeout: seconds in-flight requests get to finish after SIGINT/SIGTERM."""
+
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    max_queue: int = 512
+    shutdown_timeout: float = 10.0
+    retry_after_s: int = 1
+    url: str | None = None  # for the start-up log line
+
+
+class Submission:
+    """The engine requests of one HTTP request, their outputs merged on one asyncio queue."""
+
+    def __init__(self, serving: Serving, requests: list[Request]) -> None:
+        self.serving = serving
+        self.requests = requests
+        self.index = {r.request_id: i for i, r in enumerate(requests)}
+        self.unfinished = set(self.index)
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def start(self) -> None:
+        serving, loop = self.serving, self.serving.loop
+        assert loop is not None, "the server's lifespan has not started"
+
+        def deliver(out: RequestOutput) -> None:  # on the engine thread
+            if out.finished:
+                serving.metrics.observe_finished(out)
+            try:
+                loop.call_soon_threadsafe(self._arrive, out)
+            except RuntimeError:  # the event loop is closed: nobody is waiting any more
+                pass
+
+        serving.in_flight += len(self.requests)
+        serving.active.add(self)
+        for request in self.requests:
+            serving.llm.manager.submit(request, on_output=deliver)
+
+    def _arrive(self, out: RequestOutput) -> None:
+        if out.finished and out.request_id in self.unfinished:
+            self.unfinished.discard(out.request_id)
+            self.serving.in_flight -= 1
+            if not self.unfinished:
+                self.serving.active.discard(self)
+        self.queue.put_nowait(out)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, output) as they arrive, until every request has finished."""
+        remaining = len(self.requests)
+        while remaining:
+            out = await self.queue.get()
+            remaining -= out.finished
+            yield self.index[out.request_id], out
+
+    def cancel(self) -> None:
+        """Cancel the requests still running (idempotent; their final "abort" outputs follow)."""
+        for request_id in self.unfinished:
+            self.serving.llm.manager.cancel_request(request_id)
+
+
+class Serving:
+    def __init__(self, llm: LLM, settings: ServerSettings) -> None:
+        self.llm = llm
+        self.settings = settings
+        self.names = list(settings.served_model_names or [llm.model_path.name])
+        self.model_name = self.names[0]
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len = llm.engine.max_model_len
+        self.metrics = ServerMetrics(llm.stats, self.model_name)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.in_flight = 0  # engine requests accepted and not yet finished
+        self.active: set[Submission] = set()
+        self.draining = False
+        self._drain_task: asyncio.Task[None] | None = None
+        self.created = int(time.time())
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def startup(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.llm.manager.start()
+        logger.info("serving %s (%s) at %s: context %d tokens, KV cache capacity %d tokens, max queue %d",
+                    self.model_name, self.llm.model_path, self.settings.url or "(given sockets)", self.max_model_len,
+                    self.llm.engine.capacity_tokens, self.settings.max_queue)
+
+    def request_shutdown(self, then: Callable[[], None]) -> bool:
+        """From a signal handler: drain on the event loop, then call `then` (there). False if not started."""
+        if self.loop is None or self.loop.is_closed():
+            return False
+        self.loop.call_soon_threadsafe(self.begin_drain, then)
+        return True
+
+    def begin_drain(self, then: Callable[[], None] | None = None) -> None:
+        """Stop admitting (503); abort what is still running after `shutdown_timeout` seconds; then `then()`."""
+        if not self.draining:
+            self.draining = True
+            logger.info("shutting down: %d request(s) in flight get %g s to finish", self.in_flight,
+                        self.settings.shutdown_timeout)
+            self._drain_task = asyncio.get_running_loop().create_task(self._drain())
+        if then is not None and self._drain_task is not None:
+            self._drain_task.add_done_callback(lambda _: then())
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.shutdown_timeout
+        while self.in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.in_flight:
+            logger.warning("shutdown timeout: aborting %d request(s)", self.in_flight)
+            for sub in list(self.active):
+                sub.cancel()
+            deadline = loop.time() + 5.0  # the aborts' final outputs, so that their clients are answered
+            while self.in_flight and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+
+    async def shutdown(self) -> None:
+        self.begin_drain()
+        if self._drain_task is not None:
+            await self._drain_task
+        await asyncio.to_thread(self.llm.manager.stop, 10.0)
+
+    # -- admission --------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model and model not in self.names:
+            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.names)}.",
+                           param="model", code="model_not_found")
+
+    def unavailable(self, message: str, code: str) -> APIError:
+        self.metrics.rejected.inc()
+        return APIError(503, message, type="service_unavailable_error", code=code,
+                        headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def submit(self, requests: list[Request]) -> Submission:
+        if self.draining:
+            raise self.unavailable("The server is shutting down.", "server_shutting_down")
+        limit = self.settings.max_queue
+        if len(requests) > limit:
+            raise APIError(400, f"the request asks for {len(requests)} generations (prompts x n), over the "
+                           f"server's max queue of {limit}", param="n")
+        if self.in_flight + len(requests) > limit:
+            raise self.unavailable(f"The server is at capacity ({self.in_flight} requests in flight, max queue "
+                                   f"{limit}); retry later.", "server_overloaded")
+        sub = Submission(self, requests)
+        sub.start()
+        return sub
+
+    # -- building requests ------------------------------------------------------------------
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts: list[Any] = [prompt]
+        elif not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        elif isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        ids = []
+        for p in prompts:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "prompt is empty", param="prompt")
+                ids.append(self.tokenizer.encode(p))
+            else:
+                ids.append(list(p))
+        return ids
+
+    def render_chat(self, messages: list[ChatMessage]) -> list[int]:
+        if not messages:
+            raise APIError(400, "messages is empty: it needs at least one message", param="messages")
+        conversation = []
+        for m in messages:
+            role = CHAT_ROLES.get(m.role)
+            if role is None:
+                raise APIError(400, f"unsupported message role {m.role!r} (supported: {', '.join(CHAT_ROLES)})",
+                               param="messages")
+            content = m.content
+            if isinstance(content, list):
+                if any(p.type != "text" for p in content):
+                    raise APIError(400, "only text content parts are supported", param="messages")
+                content = "\n".join(p.text or "" for p in content)
+            conversation.append({"role": role, "content": content or ""})
+        try:
+            return self.llm.render_chat(conversation)
+        except Exception as exc:  # no chat template, or the template rejected the conversation
+            raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
+
+    def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
+                       logprobs: int | None, param: str) -> list[Request]:
+        if body.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        top_k = body.top_k or 0
+        if body.seed is not None and not -2**63 <= body.seed <= 2**64 - body.n:
+            raise APIError(400, f"seed must be a 64-bit integer, got {body.seed}", param="seed")
+        requests = []
+        for p, ids in enumerate(prompts):
+            limit = max_tokens
+            if limit is None:  # vLLM: the rest of the context
+                limit = self.max_model_len - len(ids)
+                if limit < 1:
+                    raise APIError(400, f"prompt ({len(ids)} tokens) leaves no room to generate within the model's "
+                                   f"context length of {self.max_model_len} tokens", param=param,
+                                   code="context_length_exceeded")
+            for j in range(body.n):
+                try:
+                    params = SamplingParams(
+                        max_new_tokens=limit, temperature=1.0 if body.temperature is None else body.temperature,
+                        top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
+                        min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+                        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                        min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
+                        stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs)
+                    requests.append(self.llm.engine.make_request(f"{prefix}-{p * body.n + j}", ids, params))
+                except InvalidRequestError as exc:
+                    code = "context_length_exceeded" if "context length" in str(exc) else None
+                    raise APIError(400, str(exc), param=param, code=code) from exc
+                except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed
+                    raise APIError(400, str(exc)) from exc
+        return requests
+
+    # -- rendering --------------------------------------------------------------------------
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int,
+                            offset: int) -> dict[str, Any]:
+        tokens = [self.token_str(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [{self.token_str(i): v for i, v in list(lp.items())[:n]} for lp in logprobs],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int) -> list[dict[str, Any]]:
+        def entry(token_id: int, value: float | None) -> dict[str, Any]:
+            s = self.token_str(token_id)
+            return {"token": s, "logprob": value, "bytes": list(s.encode())}
+
+        return [entry(t, lp.get(t)) | {"top_logprobs": [entry(i, v) for i, v in list(lp.items())[:n]]}
+                for t, lp in zip(token_ids, logprobs)]
+
+
+def new_id(kind: str) -> str:
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def usage(prompts: Iterable[list[int]], finals: Iterable[RequestOutput | int]) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(f if isinstance(f, int) else f.num_output_tokens for f in finals)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def failure(out: RequestOutput) -> APIError | None:
+    """The error a request that ended badly answers with (None for "stop"/"length")."""
+    if out.finish_reason == "error":
+        return APIError(500, f"the request failed in the engine: {out.error}", type="server_error",
+                        code="engine_error")
+    if out.finish_reason == "abort":
+        return APIError(503, "the request was aborted (server shutting down)", type="service_unavailable_error",
+                        code="request_aborted")
+    return None

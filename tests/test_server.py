@@ -1,0 +1,338 @@
+"""The OpenAI-compatible server: a real uvicorn server on loopback over a tiny random Llama (in a
+thread, and once as a `conveyor serve` subprocess), plus one end-to-end run on the built-in model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
+from conveyor.server import BackgroundServer, ServerSettings
+
+from .conftest import TinyModel, random_prompts
+
+KEY = "sk-test"
+CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+                 "{% if add_generation_prompt %}w5{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama (context 512) whose word-level tokenizer has a simple chat template."""
+    path = tmp_path_factory.mktemp("server_tiny")
+    TinyModel("llama", path)
+    config_file = path / "tokenizer_config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cli_server(tiny_dir: Path):
+    """`conveyor serve` in a subprocess (max queue 3), started early so it loads while other tests run;
+    yields the process, its URL and its log file."""
+    port = free_port()
+    log = tiny_dir / "serve.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--model", str(tiny_dir), "--port",
+                                 str(port), "--max-queue", "3", "--num-blocks", "256", "--shutdown-timeout", "10"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    yield proc, f"http://127.0.0.1:{port}", log
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_dir: Path, cli_server) -> LLM:  # cli_server: start the subprocess first
+    return LLM(tiny_dir, config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=256))
+
+
+@pytest.fixture(scope="module")
+def url(tiny_llm: LLM):
+    with BackgroundServer(tiny_llm, ServerSettings(served_model_names=["tiny", "tiny-alias"], api_key=KEY)) as url:
+        yield url
+
+
+@pytest.fixture()
+def http(url: str):
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
+        yield client
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("server did not become healthy")
+
+
+# -- 1. the official client -----------------------------------------------------------------------
+def test_openai_client_matches_llm_generate(url: str, tiny_llm: LLM) -> None:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    prompts = [words(p) for p in random_prompts([5, 17], seed=1)]
+    expected = tiny_llm.generate(prompts, greedy(12), use_tqdm=False)
+
+    batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0)
+    assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [e.text for e in expected]
+    assert batch.model == "tiny"
+    assert batch.usage.prompt_tokens == sum(e.num_prompt_tokens for e in expected)
+    assert batch.usage.completion_tokens == sum(e.num_output_tokens for e in expected)
+    assert {c.finish_reason for c in batch.choices} == {e.finish_reason for e in expected}
+
+    stream = client.completions.create(model="tiny-alias", prompt=prompts[1], max_tokens=12, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[1].text
+    assert chunks[-1].usage.completion_tokens == expected[1].num_output_tokens and not chunks[-1].choices
+
+    conversation = [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w12 w13 w14"}]
+    [reply] = tiny_llm.chat([conversation], greedy(9), use_tqdm=False)
+    chat = client.chat.completions.create(model="tiny", messages=conversation, max_completion_tokens=9,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    assert chat.choices[0].message.content == reply.text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens == reply.num_prompt_tokens and chat.usage.completion_tokens == 9
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 9 and all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert content[0].logprob == pytest.approx(max(t.logprob for t in content[0].top_logprobs))  # greedy
+
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(
+        model="tiny", messages=conversation, max_tokens=9, temperature=0, stream=True)]
+    assert deltas[0].role == "assistant" and "".join(d.content or "" for d in deltas) == reply.text
+
+    # n choices with a seed: choice i is the request with seed + i.
+    seeded = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=6, n=2, seed=7, temperature=1.0)
+    singles = [client.completions.create(model="tiny", prompt=prompts[0], max_tokens=6, seed=s).choices[0].text
+               for s in (7, 8)]
+    assert [c.text for c in sorted(seeded.choices, key=lambda c: c.index)] == singles
+
+
+@pytest.mark.slow
+def test_builtin_model_with_openai_client() -> None:
+    llm = LLM(config=ContinuousBatchingConfig(num_blocks=256))
+    with BackgroundServer(llm) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        [model] = client.models.list().data
+        assert model.id == llm.model_path.name
+        prompt = "The capital of France is"
+        [ref] = llm.generate([prompt], greedy(8), use_tqdm=False)
+        out = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, temperature=0)
+        assert out.choices[0].text == ref.text and out.usage.completion_tokens == ref.num_output_tokens
+        messages = [{"role": "user", "content": "Write one sentence about the moon."}]
+        [reply] = llm.chat([messages], greedy(12), use_tqdm=False)
+        chat = client.chat.completions.create(model=model.id, messages=messages, max_tokens=12, temperature=0)
+        assert chat.choices[0].message.content == reply.text
+        assert chat.choices[0].finish_reason == reply.finish_reason
+        stream = client.chat.completions.create(model=model.id, messages=messages, max_tokens=12, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reply.text
+
+
+# -- 2. concurrency --------------------------------------------------------------------------------
+def test_32_concurrent_streams_match_non_streamed(url: str, http: httpx.Client) -> None:
+    prompts = random_prompts([3 + 7 * i % 40 for i in range(32)], seed=2)
+    body = {"model": "tiny", "max_tokens": 16, "temperature": 0}
+
+    async def stream_one(client: httpx.AsyncClient, prompt: list[int]) -> tuple[str, str | None]:
+        text, finish = [], None
+        async with client.stream("POST", "/v1/completions", json=body | {"prompt": prompt, "stream": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    choice = json.loads(line[6:])["choices"][0]
+                    text.append(choice["text"])
+                    finish = choice["finish_reason"] or finish
+        return "".join(text), finish
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+            return await asyncio.gather(*(stream_one(c, p) for p in prompts))
+
+    streamed = asyncio.run(main())
+    whole = http.post("/v1/completions", json=body | {"prompt": prompts}).json()
+    choices = sorted(whole["choices"], key=lambda c: c["index"])
+    assert [(c["text"], c["finish_reason"]) for c in choices] == streamed
+
+
+# -- 3. disconnects --------------------------------------------------------------------------------
+def test_dropped_clients_are_cancelled_and_free_their_cache(url: str, http: httpx.Client) -> None:
+    before = http.get("/metrics").text
+    idle_usage = metric(before, "conveyor:kv_cache_usage_perc")
+    aborted = metric(before, "conveyor:request_success_total", finish_reason="abort")
+    long = {"model": "tiny", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
+
+    with http.stream("POST", "/v1/completions", json=long | {"prompt": "w7 w8", "stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    # A non-streaming client that gives up once its request runs: it is cancelled too.
+    payload = json.dumps(long | {"prompt": "w9 w10"}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        deadline = time.monotonic() + 10
+        while metric(http.get("/metrics").text, "conveyor:num_requests_running") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+    deadline = time.monotonic() + 10
+    while True:
+        text = http.get("/metrics").text
+        if (metric(text, "conveyor:request_success_total", finish_reason="abort") == aborted + 2
+                and metric(text, "conveyor:kv_cache_usage_perc") == idle_usage
+                and metric(text, "conveyor:num_requests_running") == 0):
+            break
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    # Both stopped well before their 480 tokens.
+    assert metric(text, "conveyor:generation_tokens_total") - metric(before, "conveyor:generation_tokens_total") < 900
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "time_per_output_token_seconds",
+                 "e2e_request_latency_seconds", "request_queue_time_seconds"):
+        assert metric(text, f"conveyor:{name}_count") > 0, name
+    for name in ("num_requests_waiting", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "num_preemptions_total", "prompt_tokens_total"):
+        assert re.search(rf"^conveyor:{name}\{{", text, re.M), name
+    assert metric(text, "conveyor:request_success_total", finish_reason="length") > 0
+
+
+# -- 4. bad input ----------------------------------------------------------------------------------
+def test_bad_requests_get_openai_errors(url: str, http: httpx.Client) -> None:
+    def error(response: httpx.Response, status: int) -> dict:
+        assert response.status_code == status, response.text
+        err = response.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        return err
+
+    long = words([5] * 600)
+    err = error(http.post("/v1/completions", json={"prompt": long, "max_tokens": 8}), 400)
+    assert "600" in err["message"] and "512" in err["message"] and err["code"] == "context_length_exceeded"
+    err = error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long}]}), 400)
+    assert "60" in err["message"] and "512" in err["message"]
+    assert "temperature" in error(http.post("/v1/completions", json={"prompt": "w5", "temperature": -1}),
+                                  400)["message"]
+    assert "messages" in error(http.post("/v1/chat/completions", json={"messages": []}), 400)["message"]
+    error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}],
+                                                  "top_logprobs": 2}), 400)
+    error(http.post("/v1/completions", json={"prompt": [5, 999999]}), 400)
+    assert error(httpx.post(f"{url}/v1/completions", json={"prompt": "w5"}), 401)["code"] == "invalid_api_key"
+    error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
+    assert httpx.get(f"{url}/health").status_code == 200  # health stays open
+    assert error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "w5"}), 404)["param"] == "model"
+    assert error(http.post("/v1/completions", json={"prompt": 5}), 400)["param"] == "prompt"
+    assert "JSON" in error(http.post("/v1/completions", content=b"{not json",
+                                     headers={"Content-Type": "application/json"}), 400)["message"]
+    error(http.post("/v1/completions", json={"max_tokens": 3}), 400)  # no prompt
+
+    ok = http.post("/v1/completions", json={"prompt": "w5 w6", "max_tokens": 3, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
+                                                             "total_tokens": 5}
+    tokens = http.post("/tokenize", json={"prompt": "w5 w6"}).json()
+    assert tokens == {"count": 2, "max_model_len": 512, "tokens": [5, 6], "token_strs": None}
+    chat_tokens = http.post("/tokenize", json={"messages": [{"role": "user", "content": "w7"}]}).json()["tokens"]
+    assert chat_tokens == [3, 7, 4, 5]
+    assert http.post("/detokenize", json={"tokens": [5, 6]}).json() == {"prompt": "w5 w6"}
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "tiny-alias"]
+
+
+def test_engine_failure_is_a_500_or_a_stream_error_event(http: httpx.Client, tiny_llm: LLM,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(chunks: object) -> None:
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(tiny_llm.engine.runner, "execute", broken)
+    body = {"prompt": "w5 w6", "max_tokens": 4}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
+    with http.stream("POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}],
+                                                          "stream": True}) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["error"]["type"] == "server_error"
+    monkeypatch.undo()
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+# -- 5, 6. the CLI server: bounded queue, graceful SIGTERM ------------------------------------------
+def test_max_queue_rejects_with_503_and_loses_nothing(cli_server) -> None:
+    proc, url, log = cli_server
+    wait_healthy(proc, url, log)
+    body = {"prompt": "w5 w6 w7", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(10)))
+
+    responses = asyncio.run(main())
+    accepted = [r for r in responses if r.status_code == 200]
+    rejected = [r for r in responses if r.status_code != 200]
+    assert len(accepted) >= 3 and rejected
+    for r in rejected:
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "server_overloaded"
+    assert all(r.json()["usage"]["completion_tokens"] == 48 for r in accepted)
+    assert len({r.json()["choices"][0]["text"] for r in accepted}) == 1
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200  # room again
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(cli_server) -> None:
+    proc, url, log = cli_server
+    wait_healthy(proc, url, log)
+    body = {"prompt": "w5", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    choices, events = [], []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if not events:  # the stream is running: SIGTERM, then new requests get 503 while it finishes
+                proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                while httpx.get(f"{url}/health").status_code == 200:
+                    assert time.monotonic() - signalled < 5
+                refused = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 2})
+                assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+                assert refused.json()["error"]["code"] == "server_shutting_down"
+            events.append(line)
+            if line != "data: [DONE]":
+                choices.append(json.loads(line[6:])["choices"][0])
+    assert events[-1] == "data: [DONE]" and choices[-1]["finish_reason"] == "length"
+    assert proc.wait(timeout=15) == 0
+    text = log.read_text()
+    assert "KV cache capacity 4096 tokens" in text and "shutting down" in text
