@@ -20,7 +20,7 @@ from .cache_pool import CachePool, plan_num_chunks
 from .config import ContinuousBatchingConfig
 from .model_runner import ModelRunner
 from .models.llama import LlamaForCausalLM
-from .offload import choose_victims
+from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput, make_scheduler
@@ -41,14 +41,18 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens actually run through prefill (recomputation after a reset included)
     prefix_cache_query_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (their prefill was skipped)
-    offloads: int = 0
-    swap_ins: int = 0
-    soft_resets: int = 0
+    offloads: int = 0  # requests offloaded, either path
+    swap_outs: int = 0  # of those, requests whose blocks were swapped to host memory
+    swap_ins: int = 0  # swapped requests whose blocks were copied back (resumed without recomputation)
+    soft_resets: int = 0  # offloaded requests that took the soft-reset path
     finished_requests: int = 0
     free_blocks: int = 0  # uninitialized plus cached (reclaimable) blocks
     total_blocks: int = 0
     running_requests: int = 0
     waiting_requests: int = 0
+    swapped_requests: int = 0  # waiting requests whose blocks are in the swap pool
+    swap_free_blocks: int = 0
+    swap_total_blocks: int = 0
 
     @property
     def kv_cache_usage(self) -> float:
@@ -85,10 +89,16 @@ class Engine:
         self.allocator = FullAttentionCacheAllocator(self.pool, block_sharing=self.block_sharing)
         self.scheduler = make_scheduler(config, self.allocator)
         self.runner = ModelRunner(model, self.pool, self.allocator, device)
+        # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
+        swap_slots = SwapPool.num_slots_for(config.cpu_offload_space,
+                                            CachePool.bytes_per_chunk(dtype=self.dtype, **shape))
+        self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
+        self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens; prefix caching %s", self.pool.num_usable,
-                    config.page_size, self.capacity_tokens, "on" if self.block_sharing else "off")
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens; prefix caching %s; swap pool %d blocks",
+                    self.pool.num_usable, config.page_size, self.capacity_tokens,
+                    "on" if self.block_sharing else "off", swap_slots)
 
     @property
     def capacity_tokens(self) -> int:
@@ -157,6 +167,10 @@ class Engine:
         snapshot.total_blocks = self.allocator.num_total_blocks
         snapshot.running_requests = len(self.scheduler.active)
         snapshot.waiting_requests = len(self.scheduler.waiting)
+        if self.swap is not None:
+            snapshot.swapped_requests = len(self.swap.slots)
+            snapshot.swap_free_blocks = self.swap.num_free
+            snapshot.swap_total_blocks = self.swap.num_slots
         return snapshot
 
     # -- the loop ---------------------------------------------------------------------------
@@ -194,8 +208,7 @@ class Engine:
         while out.stalled:
             scheduled = {c.request.request_id for c in out.chunks}
             victims = choose_victims(self.scheduler.active, scheduled, out.stalled, self.allocator)
-            for victim in victims:
-                self._soft_reset(victim)
+            self._offload(victims)
             if out.chunks or not victims:
                 break
             out = self._schedule_once()
@@ -205,7 +218,49 @@ class Engine:
         out = self.scheduler.schedule()
         self._stats.prefix_cache_query_tokens += out.prefix_cache_query_tokens
         self._stats.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
+        self._swap_in([c.request for c in out.chunks if c.request.request_id in self._resume_state])
         return out
+
+    def _offload(self, victims: list[Request]) -> None:
+        """Swap out the victims whose blocks fit in the free swap slots (one batched copy), soft-reset
+        the rest; requeued in victim order either way. Freeing a victim only drops its references: a
+        block shared with another request stays (its swapped copy includes it all the same)."""
+        to_swap: dict[str, list[int]] = {}
+        room = self.swap.num_free if self.swap is not None else 0
+        for victim in victims:
+            table = self.allocator.block_tables.get(victim.request_id, [])
+            blocks = table[:self.allocator.blocks_for_tokens(victim.num_computed_tokens)]  # those with K/V
+            if blocks and len(blocks) <= room:
+                to_swap[victim.request_id] = blocks
+                room -= len(blocks)
+        if to_swap:
+            assert self.swap is not None
+            self.swap.swap_out(list(to_swap.items()))  # copied before any block is freed
+        for victim in victims:
+            if victim.request_id not in to_swap:
+                self._soft_reset(victim)
+                continue
+            self._stats.offloads += 1
+            self._stats.swap_outs += 1
+            self.allocator.free(victim.request_id)
+            self.scheduler.requeue_front(victim)
+            self._resume_state[victim.request_id] = victim.state
+            victim.state = RequestState.SWAPPED
+
+    def _swap_in(self, requests: list[Request]) -> None:
+        """Swapped requests just admitted (new blocks for all their computed tokens and their next chunk):
+        fill their leading blocks from the swap pool, batched, and let them go on where they stopped."""
+        if not requests:
+            return
+        assert self.swap is not None
+        entries = [(r.request_id, self.allocator.block_table(r.request_id)[:len(self.swap.slots[r.request_id])])
+                   for r in requests]
+        self.swap.swap_in(entries)
+        for request in requests:
+            request.state = self._resume_state.pop(request.request_id)
+            self._stats.swap_ins += 1
+            if self.block_sharing:  # nothing was looked up: it resumes with its own blocks
+                self._stats.prefix_cache_query_tokens -= request.num_tokens
 
     def _soft_reset(self, request: Request) -> None:
         self._stats.soft_resets += 1
@@ -272,6 +327,9 @@ class Engine:
         if request.is_finished:
             return
         self.scheduler.remove(request)
+        if self.swap is not None:
+            self.swap.release(request.request_id)
+        self._resume_state.pop(request.request_id, None)
         request.state, request.finish_reason, request.error = state, reason, error
         request.metrics.finished_time = time.monotonic()
         self.requests.pop(request.request_id, None)

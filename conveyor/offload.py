@@ -1,16 +1,33 @@
-"""Offloading: which active requests give up their cache when others stall (SPEC section 7).
+"""Offloading (SPEC section 7): which active requests give up their cache when others stall, and
+the host swap pool that keeps the KV blocks of those that fit.
 
 Demand-driven: the scheduler reports stalled requests and the blocks each asked for; we pick the
 fewest victims that free that many blocks, newest first (so older requests, already scheduled,
 keep their cache), never a request in the batch about to run, and never the last active request.
-A victim takes the soft-reset path: its blocks are freed and it goes back to the head of the
-waiting queue with `num_computed_tokens = 0`, so its prompt plus the tokens it already generated
-are prefilled again when room returns. What the user receives is unchanged.
+
+A victim takes one of two paths (the engine decides, `Engine._offload`):
+
+- swap, when `cpu_offload_space` > 0 and its blocks fit in the free slots of the `SwapPool`: every
+  block holding its computed tokens (shared prefix blocks included, so it can resume on its own)
+  is copied to host memory, all such victims of one step in one batched copy per layer; its device
+  blocks are freed and it waits at the head of the queue in the SWAPPED state with its
+  `num_computed_tokens` kept. When it is admitted again its new blocks are filled back from the
+  swap slots (batched too) and it resumes without recomputing anything.
+- soft reset, otherwise: its blocks are freed and it goes back to the head of the waiting queue
+  with `num_computed_tokens = 0`, so its prompt plus the tokens it already generated are
+  prefilled again when room returns.
+
+What the user receives is unchanged either way.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
+import torch
+
 from .allocator import FullAttentionCacheAllocator
+from .cache_pool import CachePool
 from .request import Request
 
 
@@ -29,3 +46,86 @@ def choose_victims(active: list[Request], scheduled: set[str], stalled: list[tup
         freed += allocator.exclusive_blocks(request.request_id)
         need.pop(request.request_id, None)
     return victims
+
+
+class SwapPool:
+    """Host memory for swapped-out blocks: `num_slots` slots, each one block (a page in every layer,
+    K and V), laid out like the device pool, one tensor per layer `[2, num_slots, page_size, kv_heads,
+    head_dim]`. Pinned when the device is CUDA (fast, DMA-able copies); plain memory on CPU. Tracks
+    which slots each swapped request holds, in the order of its block table."""
+
+    def __init__(self, num_slots: int, pool: CachePool) -> None:
+        if num_slots < 1:
+            raise ValueError(f"a swap pool needs at least one slot, got {num_slots}")
+        self.pool = pool
+        self.num_slots = num_slots
+        first = pool.kv[0]
+        self.device = first.device
+        pin = first.device.type == "cuda"
+        self.kv = [torch.empty(2, num_slots, pool.page_size, *layer.shape[2:], dtype=layer.dtype,
+                               device="cpu", pin_memory=pin) for layer in pool.kv]
+        self._free: deque[int] = deque(range(num_slots))
+        self.slots: dict[str, list[int]] = {}  # swapped request -> its slots, in block-table order
+
+    @staticmethod
+    def num_slots_for(space_gib: float, bytes_per_block: int) -> int:
+        return int(space_gib * 2**30) // bytes_per_block
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.slots
+
+    def _device_view(self, layer: int) -> torch.Tensor:
+        kv = self.pool.kv[layer]
+        return kv.view(2, self.pool.num_chunks, self.pool.page_size, *kv.shape[2:])
+
+    def swap_out(self, entries: list[tuple[str, list[int]]]) -> None:
+        """Copy each request's device blocks into newly taken slots: one gather and one copy per layer
+        for all of them. The caller has checked that they fit (`num_free`) and frees the device blocks."""
+        blocks = [b for _, bs in entries for b in bs]
+        if not blocks:
+            return
+        assert len(blocks) <= len(self._free), "swap pool overflow"
+        slots = [self._free.popleft() for _ in blocks]
+        start = 0
+        for rid, bs in entries:
+            assert rid not in self.slots, f"request {rid!r} is already swapped out"
+            self.slots[rid] = slots[start:start + len(bs)]
+            start += len(bs)
+        src = torch.tensor(blocks, device=self.device)
+        dst = torch.tensor(slots)
+        for layer, host in enumerate(self.kv):
+            staging = self._device_view(layer).index_select(1, src)  # on the device
+            host.index_copy_(1, dst, staging.to("cpu"))
+
+    def swap_in(self, entries: list[tuple[str, list[int]]]) -> None:
+        """Copy each request's slots back into the given device blocks (its new table's leading ones),
+        batched like `swap_out`, and free the slots."""
+        blocks: list[int] = []
+        slots: list[int] = []
+        for rid, bs in entries:
+            held = self.slots.pop(rid)
+            assert len(bs) == len(held), f"request {rid!r}: {len(held)} slots swapped, {len(bs)} blocks given"
+            blocks += bs
+            slots += held
+        if not blocks:
+            return
+        src = torch.tensor(slots)
+        dst = torch.tensor(blocks, device=self.device)
+        for layer, host in enumerate(self.kv):
+            staging = host.index_select(1, src)
+            self._device_view(layer).index_copy_(1, dst, staging.to(self.device))
+        self._free.extend(slots)
+
+    def release(self, request_id: str) -> int:
+        """Drop a swapped request's slots without copying (it was cancelled or failed); how many."""
+        held = self.slots.pop(request_id, [])
+        self._free.extend(held)
+        return len(held)

@@ -1,4 +1,5 @@
 """Request lifecycle: PENDING -> PREFILLING -> DECODING -> FINISHED (or FAILED / CANCELLED), SPEC section 2.
+An offloaded request goes back to PENDING (soft reset) or SWAPPED (its blocks in host memory), then on.
 
 A request's token sequence is `prompt + generated`; `num_computed_tokens` of it have K/V in the
 cache. Each step processes the next slice of that sequence: a prefill chunk, or (once only the
@@ -19,6 +20,7 @@ from .sampling_params import SamplingParams
 
 class RequestState(enum.Enum):
     PENDING = "pending"
+    SWAPPED = "swapped"  # offloaded with its KV blocks in the host swap pool, waiting to be copied back
     PREFILLING = "prefilling"
     DECODING = "decoding"
     FINISHED = "finished"
