@@ -7,7 +7,7 @@ import contextlib
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -171,31 +171,17 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         n_lp = body.logprobs
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            offsets = [0] * len(requests)  # characters of text sent per choice, for logprob text offsets
 
-            async def events() -> AsyncIterator[str]:
-                sent_tokens, counts, offsets = [0] * len(requests), [0] * len(requests), [0] * len(requests)
-                async for i, out in sub.outputs():
-                    counts[i] = len(out.token_ids)
-                    if (err := failure(out)) is not None:
-                        yield sse(err.body())
-                        break
-                    if not (out.delta_text or out.finished or (n_lp is not None and out.delta_token_ids)):
-                        continue
-                    lp = None
-                    if n_lp is not None:
-                        start, sent_tokens[i] = sent_tokens[i], len(out.token_ids)
-                        lp = serving.completion_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
-                    offsets[i] += len(out.delta_text)
-                    choice = {"index": i, "text": out.delta_text, "logprobs": lp,
-                              "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
-                    yield sse(head | {"choices": [choice]} | ({"usage": None} if include_usage else {}))
-                else:
-                    if include_usage:
-                        yield sse(head | {"choices": [], "usage": usage(prompts, counts)})
-                yield DONE
+            def completion_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
+                lp = None
+                if n_lp is not None:
+                    lp = serving.completion_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
+                offsets[i] += len(out.delta_text)
+                return {"index": i, "text": out.delta_text, "logprobs": lp,
+                        "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
 
-            return SSEResponse(events(), sub)
+            return stream_response(sub, head, prompts, body, n_lp, completion_choice)
 
         try:
             finals = await unless_disconnected(raw, collect(sub))
@@ -226,36 +212,18 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name}
 
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            chunk_head = head | {"object": "chat.completion.chunk"}
-            extra = {"usage": None} if include_usage else {}
+            def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
+                lp = None
+                if n_lp is not None:
+                    lp = {"content": serving.chat_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp)}
+                delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+                return {"index": i, "delta": delta, "logprobs": lp,
+                        "finish_reason": out.finish_reason if out.finished else None}
 
-            async def events() -> AsyncIterator[str]:
-                sent_tokens, counts = [0] * len(requests), [0] * len(requests)
-                for i in range(len(requests)):
-                    yield sse(chunk_head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                         "logprobs": None, "finish_reason": None}]} | extra)
-                async for i, out in sub.outputs():
-                    counts[i] = len(out.token_ids)
-                    if (err := failure(out)) is not None:
-                        yield sse(err.body())
-                        break
-                    if not (out.delta_text or out.finished or (n_lp is not None and out.delta_token_ids)):
-                        continue
-                    lp = None
-                    if n_lp is not None:
-                        start, sent_tokens[i] = sent_tokens[i], len(out.token_ids)
-                        lp = {"content": serving.chat_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp)}
-                    delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
-                    choice = {"index": i, "delta": delta, "logprobs": lp,
-                              "finish_reason": out.finish_reason if out.finished else None}
-                    yield sse(chunk_head | {"choices": [choice]} | extra)
-                else:
-                    if include_usage:
-                        yield sse(chunk_head | {"choices": [], "usage": usage([prompt], counts)})
-                yield DONE
-
-            return SSEResponse(events(), sub)
+            roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(len(requests))]
+            return stream_response(sub, head | {"object": "chat.completion.chunk"}, [prompt], body, n_lp,
+                                   chat_choice, first_choices=roles)
 
         try:
             finals = await unless_disconnected(raw, collect(sub))
@@ -269,6 +237,36 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         return JSONResponse(head | {"choices": choices, "usage": usage([prompt], finals)})
 
     return app
+
+
+def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[int]], body: Any, n_lp: int | None,
+                    render: Callable[[int, RequestOutput, int], dict[str, Any]],
+                    first_choices: Sequence[dict[str, Any]] = ()) -> SSEResponse:
+    """Server-sent events for a streaming completion or chat completion: one chunk per output that
+    carries text (or logprobs, or the end), `render(i, output, first_new_token)` shaping the choice;
+    an error event if a request fails; a usage chunk when asked; then [DONE]."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+
+    async def events() -> AsyncIterator[str]:
+        sent_tokens, counts = [0] * len(sub.requests), [0] * len(sub.requests)
+        for choice in first_choices:
+            yield sse(head | {"choices": [choice]} | extra)
+        async for i, out in sub.outputs():
+            counts[i] = len(out.token_ids)
+            if (err := failure(out)) is not None:
+                yield sse(err.body())
+                break
+            if not (out.delta_text or out.finished or (n_lp is not None and out.delta_token_ids)):
+                continue
+            start, sent_tokens[i] = sent_tokens[i], len(out.token_ids)
+            yield sse(head | {"choices": [render(i, out, start)]} | extra)
+        else:
+            if include_usage:
+                yield sse(head | {"choices": [], "usage": usage(prompts, counts)})
+        yield DONE
+
+    return SSEResponse(events(), sub)
 
 
 async def collect(sub: Submission) -> list[RequestOutput]:
