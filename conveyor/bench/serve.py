@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .workloads import BenchRequest, Workload, WorkloadError, load_workload
+from .workloads import BenchRequest, Workload, WorkloadError, check_synthetic_sizes, load_workload
 
 CHAT_ENDPOINT = "/v1/chat/completions"
 COMPLETIONS_ENDPOINT = "/v1/completions"
@@ -139,9 +139,7 @@ def synthetic_text_workload(input_len: int, output_len: int, num_prompts: int, *
     """`num_prompts` prompts of `input_len` random common English words (about one token each; the
     server's usage reports the exact count), each asking for exactly `output_len` tokens (EOS
     ignored). Text, not token ids, so that it works on every endpoint of every server."""
-    for name, value in (("input_len", input_len), ("output_len", output_len), ("num_prompts", num_prompts)):
-        if not isinstance(value, int) or value < 1:
-            raise WorkloadError(f"synthetic {name} must be an integer >= 1, got {value!r}")
+    check_synthetic_sizes(input_len, output_len, num_prompts)
     rng = random.Random(seed)
     requests = [BenchRequest(max_new_tokens=output_len, prompt=" ".join(rng.choices(_WORDS, k=input_len)),
                              ignore_eos=True)

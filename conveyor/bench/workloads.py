@@ -151,13 +151,18 @@ def _request_from_dict(item: dict[str, Any], default_max: Any, where: str) -> Be
         raise WorkloadError(f"{where}: {exc}") from None
 
 
+def check_synthetic_sizes(input_len: int, output_len: int, num_prompts: int) -> None:
+    """A synthetic workload needs positive integer sizes."""
+    for name, value in (("input_len", input_len), ("output_len", output_len), ("num_prompts", num_prompts)):
+        if not isinstance(value, int) or value < 1:
+            raise WorkloadError(f"synthetic {name} must be an integer >= 1, got {value!r}")
+
+
 def synthetic_workload(input_len: int, output_len: int, num_prompts: int, vocab_size: int, *,
                        seed: int = 0, exclude_token_ids: Iterable[int] = ()) -> Workload:
     """`num_prompts` prompts of `input_len` uniformly random token ids (special tokens excluded),
     each generating exactly `output_len` tokens (ignore_eos)."""
-    for name, value in (("input_len", input_len), ("output_len", output_len), ("num_prompts", num_prompts)):
-        if not isinstance(value, int) or value < 1:
-            raise WorkloadError(f"synthetic {name} must be an integer >= 1, got {value!r}")
+    check_synthetic_sizes(input_len, output_len, num_prompts)
     excluded = set(exclude_token_ids)
     allowed = [t for t in range(vocab_size) if t not in excluded]
     rng = random.Random(seed)

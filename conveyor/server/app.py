@@ -183,10 +183,7 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
 
             return stream_response(sub, head, prompts, body, n_lp, completion_choice)
 
-        try:
-            finals = await unless_disconnected(raw, collect(sub))
-        finally:
-            sub.cancel()
+        finals = await collect(sub, raw)
         choices = []
         for i, out in enumerate(finals):
             lp = None if n_lp is None else serving.completion_logprobs(out.token_ids, out.logprobs, n_lp, 0)
@@ -225,10 +222,7 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
             return stream_response(sub, head | {"object": "chat.completion.chunk"}, [prompt], body, n_lp,
                                    chat_choice, first_choices=roles)
 
-        try:
-            finals = await unless_disconnected(raw, collect(sub))
-        finally:
-            sub.cancel()
+        finals = await collect(sub, raw)
         choices = []
         for i, out in enumerate(finals):
             lp = None if n_lp is None else {"content": serving.chat_logprobs(out.token_ids, out.logprobs, n_lp)}
@@ -269,12 +263,20 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
     return SSEResponse(events(), sub)
 
 
-async def collect(sub: Submission) -> list[RequestOutput]:
-    """The final output of every request of the submission; raises the first failure's APIError."""
-    finals: list[RequestOutput | None] = [None] * len(sub.requests)
-    async for i, out in sub.outputs():
-        if out.finished:
-            if (err := failure(out)) is not None:
-                raise err
-            finals[i] = out
-    return finals  # type: ignore[return-value]
+async def collect(sub: Submission, raw: Request) -> list[RequestOutput]:
+    """The final output of every request of the submission; raises the first failure's APIError.
+    The submission is cancelled on the way out, whether it finished, failed or the client left."""
+
+    async def finals() -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(sub.requests)
+        async for i, out in sub.outputs():
+            if out.finished:
+                if (err := failure(out)) is not None:
+                    raise err
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    try:
+        return await unless_disconnected(raw, finals())
+    finally:
+        sub.cancel()
