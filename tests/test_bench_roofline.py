@@ -14,7 +14,7 @@ import torch
 
 from conveyor import SamplingParams
 from conveyor.bench import main
-from conveyor.bench.roofline import (DenseDecodeAttention, dense_decode_step, run_roofline, run_step,
+from conveyor.bench.roofline import (DenseDecodeAttention, dense_decode_step, run_step,
                                      step_config)
 from conveyor.request import RequestState
 

@@ -23,7 +23,7 @@ from ..llm import LLM
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 
 logger = logging.getLogger("conveyor.server")
 
