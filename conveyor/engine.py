@@ -259,8 +259,6 @@ class Engine:
         for request in requests:
             request.state = self._resume_state.pop(request.request_id)
             self._stats.swap_ins += 1
-            if self.block_sharing:  # nothing was looked up: it resumes with its own blocks
-                self._stats.prefix_cache_query_tokens -= request.num_tokens
 
     def _soft_reset(self, request: Request) -> None:
         self._stats.soft_resets += 1

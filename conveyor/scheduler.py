@@ -136,7 +136,8 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(request, n))
 
     def _admit(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
-        cached = self.allocator.match_prefix(request)  # [] without prefix caching
+        looked_up = self.allocator.block_sharing and request.num_computed_tokens == 0  # not a swapped request
+        cached = self.allocator.match_prefix(request) if looked_up else []
         hit = len(cached) * self.allocator.page_size
         start = request.num_computed_tokens + hit
         n = min(request.num_tokens - start, budget.tokens)
@@ -145,7 +146,7 @@ class Scheduler:
         if pages > budget.pages or not self.allocator.allocate(request.request_id, end, shared=cached):
             return False
         request.num_computed_tokens = start
-        if self.allocator.block_sharing:
+        if looked_up:
             out.prefix_cache_query_tokens += request.num_tokens
             out.prefix_cache_hit_tokens += hit
         request.state = RequestState.PREFILLING
