@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
         from .bench.__main__ import main as bench_main
-        return bench_main(argv[1:])
+        return bench_main(argv[1:], prog="conveyor bench")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

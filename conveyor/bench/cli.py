@@ -24,54 +24,42 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import simulate, throughput
+    from . import roofline, serve, simulate, throughput
 
-    p = subparsers.add_parser(
-        "throughput", help="offline throughput of LLM.generate on a workload (optionally vs transformers)",
-        description="Offline throughput: Conveyor's LLM.generate on all prompts at once (only the generate call "
-                    "is timed, after a small warm-up); --compare hf also runs transformers' generate_batch and "
-                    "static generate on the same weights and compares greedy outputs.")
-    throughput.add_arguments(p)
-    p.set_defaults(func=throughput.run_from_args)
-
-    from . import roofline
-
-    p = subparsers.add_parser(
-        "roofline", help="matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
-        description="Times F.linear on each of the model's weight shapes at M = batch rows (GFLOP/s and the "
-                    "linear-only tok/s ceiling), then one decode step of the same model over contiguous K/V "
-                    "(batch sequences of context tokens, one SDPA per layer, no paging or scheduling): the "
-                    "dense ceiling.")
-    roofline.add_arguments(p)
-    p.set_defaults(func=roofline.run_from_args)
-    p = subparsers.add_parser(
-        "step", help="Conveyor's real decode step, split into forward / LM head + sampling / prepare / rest, "
-                     "against the dense ceiling",
-        description="Runs the roofline measurements, then prefills batch random prompts of context tokens in "
-                    "Conveyor's engine and times Engine.step() split into model forward, LM head + sampling, "
-                    "input preparation and the rest; prints the step's ratio to the dense ceiling of the same run.")
-    roofline.add_arguments(p, step=True)
-    p.set_defaults(func=roofline.run_from_args)
-
-    p = subparsers.add_parser(
-        "simulate", help="static vs continuous batching, step by step (the seeds' simulation; no model)",
-        description="Simulate static and continuous batching of requests with given output lengths on a number "
-                    "of slots, and replay them through Conveyor's real scheduler and KV allocator (no model): "
-                    "steps until all finish and the slots' busy fraction. Exit code 1 if Conveyor's scheduler "
-                    "needs a different number of steps than ideal continuous batching.")
-    simulate.add_arguments(p)
-    p.set_defaults(func=simulate.run_from_args)
-
-    from . import serve
-
-    p = subparsers.add_parser(
-        "serve", help="online serving benchmark of any OpenAI-compatible server over HTTP (like vllm bench serve)",
-        description="Streams a workload's requests to an OpenAI-compatible server (Conveyor's, vLLM, llama-server) "
-                    "with Poisson arrivals at --request-rate (or all at once) and an optional concurrency cap; "
-                    "reports request and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E "
-                    "latency in ms, as vllm bench serve does. Exit code 1 if any request failed.")
-    serve.add_arguments(p)
-    p.set_defaults(func=serve.run_from_args)
+    commands = [
+        ("throughput", throughput, {},
+         "offline throughput of LLM.generate on a workload (optionally vs transformers)",
+         "Offline throughput: Conveyor's LLM.generate on all prompts at once (only the generate call is timed, "
+         "after a small warm-up); --compare hf also runs transformers' generate_batch and static generate on the "
+         "same weights and compares greedy outputs."),
+        ("roofline", roofline, {},
+         "matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
+         "Times F.linear on each of the model's weight shapes at M = batch rows (GFLOP/s and the linear-only "
+         "tok/s ceiling), then one decode step of the same model over contiguous K/V (batch sequences of context "
+         "tokens, one SDPA per layer, no paging or scheduling): the dense ceiling."),
+        ("step", roofline, {"step": True},
+         "Conveyor's real decode step, split into forward / LM head + sampling / prepare / rest, against the "
+         "dense ceiling",
+         "Runs the roofline measurements, then prefills batch random prompts of context tokens in Conveyor's "
+         "engine and times Engine.step() split into model forward, LM head + sampling, input preparation and the "
+         "rest; prints the step's ratio to the dense ceiling of the same run."),
+        ("simulate", simulate, {},
+         "static vs continuous batching, step by step (the seeds' simulation; no model)",
+         "Simulate static and continuous batching of requests with given output lengths on a number of slots, "
+         "and replay them through Conveyor's real scheduler and KV allocator (no model): steps until all finish "
+         "and the slots' busy fraction. Exit code 1 if Conveyor's scheduler needs a different number of steps "
+         "than ideal continuous batching."),
+        ("serve", serve, {},
+         "online serving benchmark of any OpenAI-compatible server over HTTP (like vllm bench serve)",
+         "Streams a workload's requests to an OpenAI-compatible server (Conveyor's, vLLM, llama-server) with "
+         "Poisson arrivals at --request-rate (or all at once) and an optional concurrency cap; reports request "
+         "and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E latency in ms, as vllm bench "
+         "serve does. Exit code 1 if any request failed."),
+    ]
+    for name, module, extra, help_text, description in commands:
+        p = subparsers.add_parser(name, help=help_text, description=description)
+        module.add_arguments(p, **extra)
+        p.set_defaults(func=module.run_from_args)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m conveyor.bench") -> int:
