@@ -8,8 +8,8 @@ from .request import RequestOutput, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import FIFOScheduler, PrefillFirstScheduler
 from .cache_pool import CachePool
-from .allocator import FullAttentionCacheAllocator
+from .allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
 
 __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatchingManager", "Engine", "EngineStats",
            "InvalidRequestError", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
-           "CachePool", "FullAttentionCacheAllocator"]
+           "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator"]

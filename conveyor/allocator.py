@@ -1,21 +1,28 @@
-"""Cache allocators: cut the pool's chunks into blocks and keep each request's block table.
+"""Cache allocators: cut the pool's chunks into blocks and keep each request's block tables.
 
-`FullAttentionCacheAllocator`: a request holds one block per `page_size` tokens of its sequence,
-in order; block `i` of its table holds tokens `[i * page_size, (i + 1) * page_size)`. Allocation
-is all or nothing.
+One allocator per attention type of the model (SPEC section 5), all drawing chunks from the one
+`CachePool`. A model's layers are split into groups of equal size (`cache_pool.layer_groups`), a
+chunk being one page in each layer of a group; an allocator serves the `num_groups` groups of its
+attention type, so one of its blocks (a page in every layer of that type) is `num_groups` chunks,
+one per group. Every count below (`num_free_blocks`, `blocks_needed`, ...) is in pool chunks, so a
+single allocator and the `HybridCacheAllocator` that combines several look the same to the
+scheduler and the engine; for a model with one attention type there is one group and a block is
+exactly one chunk.
 
-With block sharing on (prefix caching, SPEC section 6; see `prefix_cache.py`), completed blocks
-are hashed as they complete (`register_full_blocks`, which the engine calls after every step) and
-a new request starts its table with the blocks that already hold its longest cached prefix
-(`match_prefix`, then `allocate(..., shared=...)`). A block counts its holders; when the last one
-frees it, a completed block stays cached (content and digest kept) and any other block goes back
-to the pool. Cached blocks count as free: `allocate` reclaims them, newest first, once the pool's
-uninitialized blocks run out. Without sharing no block is ever hashed, so every freed block goes
-straight back to the pool.
+- `FullAttentionCacheAllocator`: a request holds one block per `page_size` tokens of its
+  sequence, in order; block `i` holds tokens `[i * page_size, (i + 1) * page_size)`.
+- `SlidingAttentionCacheAllocator`: a request holds at most `ceil(window / page_size)` blocks, used
+  as a ring: position `p` lives at ring index `p % window`, so the last `window` tokens are always
+  there and the request's blocks never grow with its length.
 
-An allocator whose blocks cannot be shared (a future sliding-window one, which recycles its
-pages) sets `supports_sharing = False`; the engine turns sharing on only if every allocator
-supports it.
+Allocation is all or nothing. With block sharing on (prefix caching, SPEC section 6; see
+`prefix_cache.py`, full attention with one group only), completed blocks are hashed as they
+complete (`register_full_blocks`, which the engine calls after every step) and a new request
+starts its table with the blocks that already hold its longest cached prefix (`match_prefix`,
+then `allocate(..., shared=...)`). A block counts its holders; when the last one frees it, a
+completed block stays cached (content and digest kept) and any other block goes back to the pool.
+Cached blocks count as free: `allocate` reclaims them, newest first, once the pool's uninitialized
+chunks run out. Without sharing no block is ever hashed, so every freed block goes straight back.
 """
 
 from __future__ import annotations
@@ -27,45 +34,197 @@ from .prefix_cache import BlockHashes, PrefixCache
 from .request import Request
 
 
-class FullAttentionCacheAllocator:
-    """Blocks for full-attention layers: one chunk per block, tables grow with the sequence."""
+class CacheAllocator:
+    """What the scheduler, the engine and the model runner ask of the cache, in pool chunks."""
 
-    attention_type = "full_attention"
-    supports_sharing = True
+    page_size: int
+    block_sharing: bool = False
 
-    def __init__(self, pool: CachePool, block_sharing: bool = False) -> None:
-        if block_sharing and not self.supports_sharing:
-            raise ValueError(f"{type(self).__name__} does not support block sharing")
-        self.pool = pool
-        self.page_size = pool.page_size
-        self.block_sharing = block_sharing
-        self.block_tables: dict[str, list[int]] = {}
-        self.ref_counts: dict[int, int] = {}  # held block -> number of requests holding it
-        self.prefix_cache = PrefixCache()
-        self._hashes: dict[str, BlockHashes] = {}  # request -> digests of its leading completed blocks
-        self._num_registered: dict[str, int] = {}  # request -> leading blocks already indexed (or matched)
-
-    # -- counts -----------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        """Blocks a request could get now: uninitialized ones plus cached ones (reclaimable)."""
-        return self.pool.num_free + self.prefix_cache.num_cached
+        raise NotImplementedError
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.prefix_cache.num_cached
+    def num_total_blocks(self) -> int:
+        raise NotImplementedError
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        """Chunks a sequence of `num_tokens` tokens occupies (and a pass over it reads)."""
+        raise NotImplementedError
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        """New chunks a request needs so that its first `num_tokens` tokens have slots."""
+        raise NotImplementedError
+
+    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+        raise NotImplementedError
+
+    def free(self, request_id: str) -> int:
+        raise NotImplementedError
+
+    def exclusive_blocks(self, request_id: str) -> int:
+        """Chunks that freeing this request would return (shared ones stay with their other users)."""
+        raise NotImplementedError
+
+    def chunks_holding(self, request_id: str, num_tokens: int) -> list[int]:
+        """The request's chunks that hold its first `num_tokens` tokens, in a fixed order (what a
+        swap copies out, and where it is copied back once the request has new blocks)."""
+        raise NotImplementedError
+
+    def match_prefix(self, request: Request) -> list[int]:
+        return []
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Index the blocks the request's `num_computed_tokens` has just completed (prefix caching)."""
+
+    def holds(self, request_id: str) -> bool:
+        raise NotImplementedError
+
+    def max_tokens(self, request_id: str, num_computed: int, upto: int) -> int:
+        """The longest sequence (at most `upto` tokens) the request could cover with the chunks it holds
+        plus the free ones; it already covers `num_computed`."""
+        lo, hi = num_computed, upto
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_needed(request_id, mid) <= self.num_free_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def capacity_tokens(self, limit: int) -> int:
+        """The longest sequence (at most `limit` tokens) one request could hold in the whole pool."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.blocks_for_tokens(mid) <= self.num_total_blocks:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+class AttentionTypeAllocator(CacheAllocator):
+    """Block tables for the `num_groups` layer groups of one attention type. A block is known by its
+    group-0 chunk; the chunks of the other groups are its siblings."""
+
+    attention_type = ""
+    supports_sharing = False
+    window: int | None = None  # sliding window in tokens; None for full attention
+
+    def __init__(self, pool: CachePool, num_groups: int = 1) -> None:
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.num_groups = num_groups
+        self.block_tables: dict[str, list[int]] = {}
+        self.ref_counts: dict[int, int] = {}  # held block -> number of requests holding it
+        self._siblings: dict[int, list[int]] = {}  # block -> its chunks in groups 1 .. num_groups - 1
+
+    def table_length(self, num_tokens: int) -> int:
+        """Blocks in the table of a request whose sequence has `num_tokens` tokens."""
+        raise NotImplementedError
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
 
     @property
     def num_total_blocks(self) -> int:
         return self.pool.num_usable
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
+        return self.table_length(num_tokens) * self.num_groups
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks a request needs so that its first `num_tokens` tokens have slots."""
         held = len(self.block_tables.get(request_id, ()))
-        return max(self.blocks_for_tokens(num_tokens) - held, 0)
+        return max(self.table_length(num_tokens) - held, 0) * self.num_groups
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.block_tables
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's chunks for one of this allocator's layer groups, in table order."""
+        table = self.block_tables[request_id]
+        return table if group == 0 else [self._siblings[b][group - 1] for b in table]
+
+    def chunks_holding(self, request_id: str, num_tokens: int) -> list[int]:
+        if request_id not in self.block_tables:
+            return []
+        n = self.table_length(num_tokens)
+        return [c for g in range(self.num_groups) for c in self.block_table(request_id, g)[:n]]
+
+    def exclusive_blocks(self, request_id: str) -> int:
+        return sum(1 for b in self.block_tables.get(request_id, ()) if self.ref_counts[b] == 1) * self.num_groups
+
+    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+        """Grow the request's table to cover `num_tokens` tokens; False (nothing changed) if no room."""
+        if shared:
+            raise ValueError(f"{type(self).__name__} does not share blocks")
+        needed = self.blocks_needed(request_id, num_tokens)
+        if needed > self.num_free_blocks:
+            return False
+        self.block_tables.setdefault(request_id, []).extend(self._take(needed // self.num_groups))
+        return True
+
+    def free(self, request_id: str) -> int:
+        """Give up every block the request holds; how many chunks it held. A block whose last holder
+        this was goes back to the pool (or, with prefix caching, may stay cached: `_release`)."""
+        blocks = self.block_tables.pop(request_id, [])
+        returned = []
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                del self.ref_counts[block]
+                if not self._release(block):
+                    returned.append(block)
+                    returned.extend(self._siblings.pop(block, ()))
+        self.pool.free(returned)
+        return len(blocks) * self.num_groups
+
+    def _release(self, block: int) -> bool:
+        """A block lost its last holder: True if it is kept (cached) instead of returned to the pool."""
+        return False
+
+    def _take(self, n: int) -> list[int]:
+        """`n` new blocks (each `num_groups` chunks) held once; the caller has checked there is room."""
+        chunks = self.pool.allocate(n * self.num_groups)
+        assert chunks is not None
+        blocks = chunks[:n]
+        for i, block in enumerate(blocks):
+            self.ref_counts[block] = 1
+            if self.num_groups > 1:
+                self._siblings[block] = chunks[n + i * (self.num_groups - 1):n + (i + 1) * (self.num_groups - 1)]
+        return blocks
+
+
+class FullAttentionCacheAllocator(AttentionTypeAllocator):
+    """Blocks for full-attention layers: tables grow with the sequence; blocks can be shared."""
+
+    attention_type = "full_attention"
+    supports_sharing = True
+
+    def __init__(self, pool: CachePool, block_sharing: bool = False, num_groups: int = 1) -> None:
+        super().__init__(pool, num_groups)
+        if block_sharing and num_groups != 1:
+            raise ValueError("block sharing needs a model with full attention only (one layer group)")
+        self.block_sharing = block_sharing
+        self.prefix_cache = PrefixCache()
+        self._hashes: dict[str, BlockHashes] = {}  # request -> digests of its leading completed blocks
+        self._num_registered: dict[str, int] = {}  # request -> leading blocks already indexed (or matched)
+
+    def table_length(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Chunks a request could get now: uninitialized ones plus cached ones (reclaimable)."""
+        return self.pool.num_free + self.prefix_cache.num_cached
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.prefix_cache.num_cached
 
     # -- prefix matching --------------------------------------------------------------------
     def match_prefix(self, request: Request) -> list[int]:
@@ -84,7 +243,6 @@ class FullAttentionCacheAllocator:
         return matched
 
     def register_full_blocks(self, request: Request) -> None:
-        """Index the request's blocks that its `num_computed_tokens` has just completed."""
         if not self.block_sharing:
             return
         rid = request.request_id
@@ -103,48 +261,29 @@ class FullAttentionCacheAllocator:
         """Grow the request's table to cover `num_tokens` tokens; False (nothing changed) if no room.
         `shared` (from `match_prefix`) starts a new table with blocks already computed: each gains a
         holder, and only the rest are taken from the free blocks."""
+        if not shared:
+            return super().allocate(request_id, num_tokens)
         held = len(self.block_tables.get(request_id, ()))
-        if shared and held:
+        if held:
             raise ValueError(f"shared blocks can only start a table; {request_id!r} already holds {held}")
-        needed = max(self.blocks_for_tokens(num_tokens) - held - len(shared), 0)
+        needed = max(self.table_length(num_tokens) - len(shared), 0)
         # A matched block that is cached now counts as free, but it cannot be reclaimed for this request.
         reclaimable = self.num_free_blocks - sum(self.prefix_cache.is_cached(b) for b in shared)
         if needed > reclaimable:
             return False
         for block in shared:
             self._hold(block)
-        new = self._take(needed)
-        for block in new:
-            self.ref_counts[block] = 1
-        table = self.block_tables.setdefault(request_id, [])
-        table.extend(shared)
-        table.extend(new)
-        if shared:
-            self._num_registered[request_id] = len(shared)
+        self.block_tables[request_id] = [*shared, *self._take(needed)]
+        self._num_registered[request_id] = len(shared)
         return True
 
     def free(self, request_id: str) -> int:
-        """Give up every block the request holds (and its digests); how many it held. A block whose
-        last holder this was stays cached if it is completed and indexed, else goes back to the pool."""
-        blocks = self.block_tables.pop(request_id, [])
         self._hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        uninitialized = []
-        for block in blocks:
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                del self.ref_counts[block]
-                if not self.prefix_cache.park(block):
-                    uninitialized.append(block)
-        self.pool.free(uninitialized)
-        return len(blocks)
+        return super().free(request_id)
 
-    def exclusive_blocks(self, request_id: str) -> int:
-        """Blocks that freeing this request would return (shared ones stay with their other users)."""
-        return sum(1 for b in self.block_tables.get(request_id, ()) if self.ref_counts[b] == 1)
-
-    def block_table(self, request_id: str) -> list[int]:
-        return self.block_tables[request_id]
+    def _release(self, block: int) -> bool:
+        return self.prefix_cache.park(block)  # completed and indexed: stays cached
 
     def _block_hashes(self, request: Request) -> BlockHashes:
         """The request's digests, kept until it is freed (a lookup that did not lead to admission keeps
@@ -160,10 +299,74 @@ class FullAttentionCacheAllocator:
         self.ref_counts[block] = self.ref_counts.get(block, 0) + 1
 
     def _take(self, n: int) -> list[int]:
-        """`n` blocks for new content; the caller has checked there are enough free ones. Cached
-        blocks are reclaimed (newest first) only for what the uninitialized pool lacks."""
-        for _ in range(n - self.pool.num_free):
+        """Cached blocks are reclaimed (newest first) only for what the uninitialized pool lacks."""
+        for _ in range(n * self.num_groups - self.pool.num_free):
             self.pool.free([self.prefix_cache.evict()])
-        blocks = self.pool.allocate(n)
-        assert blocks is not None
-        return blocks
+        return super()._take(n)
+
+
+class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
+    """Blocks for sliding-window layers: a ring of at most `ceil(window / page_size)` blocks per request.
+
+    Position `p` is stored at ring index `p % window` (block `(p % window) // page_size`), so writing
+    a token overwrites the one that just left the window. Rings are recycled, never shared."""
+
+    attention_type = "sliding_attention"
+
+    def __init__(self, pool: CachePool, window: int, num_groups: int = 1) -> None:
+        super().__init__(pool, num_groups)
+        if window < 1:
+            raise ValueError(f"sliding window must be >= 1 token, got {window}")
+        self.window = window
+        self.ring_blocks = -(-window // self.page_size)
+
+    def table_length(self, num_tokens: int) -> int:
+        return min(-(-num_tokens // self.page_size), self.ring_blocks)
+
+
+class HybridCacheAllocator(CacheAllocator):
+    """Several attention types' allocators over one pool, seen as one: admission is all or nothing
+    across them, and counts are the sums (every count is in chunks of the shared pool)."""
+
+    def __init__(self, allocators: Sequence[AttentionTypeAllocator]) -> None:
+        pools = {id(a.pool) for a in allocators}
+        if len(pools) != 1 or any(a.block_sharing for a in allocators):
+            raise ValueError("a hybrid allocator needs allocators over one pool, without block sharing")
+        self.allocators = list(allocators)
+        self.pool = allocators[0].pool
+        self.page_size = self.pool.page_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_usable
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return sum(a.blocks_for_tokens(num_tokens) for a in self.allocators)
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        return sum(a.blocks_needed(request_id, num_tokens) for a in self.allocators)
+
+    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+        if shared:
+            raise ValueError("hybrid models do not share blocks")
+        if self.blocks_needed(request_id, num_tokens) > self.pool.num_free:
+            return False
+        for a in self.allocators:
+            assert a.allocate(request_id, num_tokens)
+        return True
+
+    def free(self, request_id: str) -> int:
+        return sum(a.free(request_id) for a in self.allocators)
+
+    def exclusive_blocks(self, request_id: str) -> int:
+        return sum(a.exclusive_blocks(request_id) for a in self.allocators)
+
+    def chunks_holding(self, request_id: str, num_tokens: int) -> list[int]:
+        return [c for a in self.allocators for c in a.chunks_holding(request_id, num_tokens)]
+
+    def holds(self, request_id: str) -> bool:
+        return self.allocators[0].holds(request_id)

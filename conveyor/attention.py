@@ -3,7 +3,8 @@
 The model runs every token-wise operation on all of the batch's tokens at once; only attention
 needs to know which tokens belong to which request. `AttentionMetadata` carries that: where each
 new token's K/V goes (`slot_mapping`), and which cache slots each query may read. Decode rows
-(one query each) are attended together; prefill chunks, few per step, one call each.
+(one query each) are attended together; prefill chunks, few per step, one call each. Sliding
+windows need nothing here: the runner's metadata (ring slots, masks, context lengths) encodes them.
 `AttentionBackend` is the interface: `TorchPagedAttention` is pure PyTorch (CPU and CUDA), and
 `CpuPagedAttention` reads decode K/V straight from the pages with a native kernel (fp32 CPU).
 """
@@ -25,26 +26,49 @@ def cache_slots(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
 
 @dataclass
 class PrefillSpan:
-    """One request's prefill chunk: queries `[q_start, q_start + q_len)` of the batch."""
+    """One request's prefill chunk: queries `[q_start, q_start + q_len)` of the batch, which attend to
+    the cached context `ctx_slots` (positions before the chunk, in order) and to the chunk itself."""
 
     q_start: int
     q_len: int
-    kv_slots: torch.Tensor  # [context_len] cache slots of positions 0 .. context_len - 1
-    mask: torch.Tensor | None  # [q_len, context_len] bool, None when the chunk starts at position 0
+    ctx_slots: torch.Tensor  # [n_ctx] cache slots of the earlier positions this chunk may see
+    mask: torch.Tensor | None  # [q_len, n_ctx + q_len] bool, True = attend; None = plain causal
 
 
 @dataclass
 class AttentionMetadata:
-    """Index tensors shared by every layer of one forward pass. Decode rows come first."""
+    """Index tensors shared by every layer of one layer group in one forward pass. Decode rows first.
+
+    For a sliding-window group the slots are those of the request's ring and `decode_context_lens`
+    is at most the window: the ring then holds exactly the window, in ring order."""
 
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
     page_size: int
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with chunk 0
-    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, the new token included
+    decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64 slots to read, the new token's included
     decode_kv_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padding reads slot 0)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool, True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
+           scale: float, softcap: float | None) -> torch.Tensor:
+    """`q [B, H, n, D]` over `k, v [B, Hkv, L, D]`. SDPA, or (with logit soft-capping, which SDPA
+    lacks) the eager sequence transformers uses: scores, `tanh(s / cap) * cap`, mask, fp32 softmax."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if is_causal:
+        n, length = q.shape[2], k.shape[2]
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class AttentionBackend:
@@ -54,16 +78,18 @@ class AttentionBackend:
         """Derive any per-pass index tensors the backend needs (once per forward, not per layer)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
 class TorchPagedAttention(AttentionBackend):
     """Pure PyTorch (gather + scaled_dot_product_attention); runs on CPU and CUDA.
 
-    Each layer gathers its requests' K/V into one workspace reused by every layer and every step
+    Decode rows gather their requests' K/V into one workspace reused by every layer and every step
     (grown when a batch needs more), so the hot path allocates no large tensors: fresh large
-    allocations cost page faults on every call on CPU.
+    allocations cost page faults on every call on CPU. A prefill chunk reads its earlier context
+    from the cache before the new K/V is written (a sliding ring may reuse those slots for the
+    chunk's own tokens) and takes its own K/V straight from the batch.
     """
 
     def __init__(self) -> None:
@@ -90,35 +116,30 @@ class TorchPagedAttention(AttentionBackend):
             meta.decode_mask = visible[:, None, None, :]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
+        contexts = [(kv_cache[0].index_select(0, span.ctx_slots), kv_cache[1].index_select(0, span.ctx_slots))
+                    for span in meta.prefills]
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale)
-        self._prefill(q, kv_cache, meta, scale, out)
+            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap)
+        for span, (k_ctx, v_ctx) in zip(meta.prefills, contexts):
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            keys, values = ((torch.cat((ctx, new[rows])) if ctx.shape[0] else new[rows]).transpose(0, 1).unsqueeze(0)
+                            for ctx, new in ((k_ctx, k), (v_ctx, v)))  # [1, Hkv, n_ctx + q_len, D]
+            o = attend(q[rows].transpose(0, 1).unsqueeze(0), keys, values, span.mask, span.mask is None, scale,
+                       softcap)
+            out[rows] = o.squeeze(0).transpose(0, 1)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                softcap: float | None) -> torch.Tensor:
         nd, slots = q.shape[0], meta.decode_kv_slots
         keys, values = (x.view(nd, slots.shape[1], *kv_cache.shape[2:]).transpose(1, 2)  # [B, Hkv, L, D]
                         for x in self._gather(kv_cache, slots.flatten()))
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                           scale=scale, enable_gqa=q.shape[1] != kv_cache.shape[2])
-        return o.squeeze(2)
-
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                 out: torch.Tensor) -> None:
-        gqa = q.shape[1] != kv_cache.shape[2]
-        for span in meta.prefills:
-            qs = q[span.q_start:span.q_start + span.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            keys, values = (x.transpose(0, 1).unsqueeze(0) for x in self._gather(kv_cache, span.kv_slots))
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=span.mask, is_causal=span.mask is None,
-                                               scale=scale, enable_gqa=gqa)
-            out[span.q_start:span.q_start + span.q_len] = o.squeeze(0).transpose(0, 1)
-        return out
+        return attend(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale, softcap).squeeze(2)
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -132,10 +153,10 @@ class CpuPagedAttention(TorchPagedAttention):
     def prepare(self, meta: AttentionMetadata) -> None:
         """The kernel takes the block tables as they are: no gather indices to build."""
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                softcap: float | None) -> torch.Tensor:
         return self.kernel.paged_decode_attention(q.contiguous(), kv_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, meta.page_size, scale)
+                                                  meta.decode_context_lens, meta.page_size, scale, softcap or 0.0)
 
 
 def make_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:

@@ -1,9 +1,13 @@
 """`CachePool`: the fixed pool of KV memory chunks that every allocator draws from (SPEC section 5).
 
-A chunk is `page_size` token slots in every attention layer, so a full-attention block (one page
-per layer) is exactly one chunk. K/V live in one tensor per layer, `[2, num_chunks * page_size,
-kv_heads, head_dim]`: the slot of token `t` in chunk `c` is `c * page_size + t`, which lets the
-model write and gather K/V for a whole ragged batch with one index tensor. Chunks 0 and 1 are
+The model's layers are split into groups of equal size, each group of one attention type
+(`layer_groups`), and a chunk is `page_size` token slots in every layer of a group: K/V live in
+one tensor per layer of a group, `[2, num_chunks * page_size, kv_heads, head_dim]`, and layer `j`
+of every group uses tensor `j`. So a chunk serves any group, full or sliding, and the memory is
+shared between attention types. For a model with one attention type there is one group of all
+layers and a block (one page per layer) is exactly one chunk. The slot of token `t` in chunk `c`
+is `c * page_size + t`, which lets the model write and gather K/V for a whole ragged batch with
+one index tensor. Chunks 0 and 1 are
 reserved: padding tokens write into them and padded reads point at them, so no request's data is
 ever touched by padding. They are zeroed; the rest is left uninitialised (on CPU the pages are
 only committed as requests fill them), which is safe because nothing reads a slot before it is
@@ -12,15 +16,29 @@ written except through padding, which reads the reserved chunks.
 
 from __future__ import annotations
 
+import math
 from collections import deque
+from typing import Any
 
 import torch
 
 NUM_RESERVED_CHUNKS = 2
 
 
+def layer_groups(layer_types: list[str]) -> list[tuple[str, list[int]]]:
+    """Split layers into groups of one attention type and equal size: the largest size that divides
+    every type's layer count (as transformers' continuous batching does), in order of first layer.
+    E.g. 4 sliding + 2 full layers -> groups of 2: two sliding groups and one full group."""
+    by_type: dict[str, list[int]] = {}
+    for i, t in enumerate(layer_types):
+        by_type.setdefault(t, []).append(i)
+    size = math.gcd(*(len(layers) for layers in by_type.values()))
+    groups = [(t, layers[k:k + size]) for t, layers in by_type.items() for k in range(0, len(layers), size)]
+    return sorted(groups, key=lambda g: g[1][0])
+
+
 class CachePool:
-    """Owns the KV tensors and the list of free chunks."""
+    """Owns the KV tensors (`num_layers` of them: the layers of one group) and the list of free chunks."""
 
     def __init__(self, num_chunks: int, page_size: int, num_layers: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -67,10 +85,28 @@ def available_memory(device: torch.device) -> int:
     return info.get("MemAvailable", info.get("MemFree", 0))
 
 
+def working_memory_bytes(model: Any, config: Any, dtype: torch.dtype) -> int:
+    """Memory a full-size pass needs besides the pool, reserved before the pool is sized: activations
+    of `max_batch_tokens` tokens (residual, norms, q/k/v with their rotated copies, MLP), prefill
+    attention scores and probabilities (fp32, every head, queries by up to a whole context), logits
+    and sampling buffers of `max_requests_per_batch` rows (fp32), and the index tensors and masks of
+    every layer group (int64 slots and bool masks over whole contexts)."""
+    c = model.config
+    elem = torch.tensor([], dtype=dtype).element_size()
+    q, kv = c.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    tokens, rows, context = config.max_batch_tokens, config.max_requests_per_batch, model.max_model_len
+    activations = tokens * (4 * c.hidden_size + 3 * q + 4 * kv + 3 * c.intermediate_size) * elem
+    scores = 2 * c.num_attention_heads * tokens * context * 4
+    logits = 3 * rows * c.vocab_size * 4
+    index = len(layer_groups(model.layer_types)) * (rows + tokens) * context * (8 + 1)
+    return activations + scores + logits + index
+
+
 def plan_num_chunks(*, num_blocks: int | None, max_memory_percent: float | None, bytes_per_chunk: int,
                     activation_bytes: int, max_useful_chunks: int, device: torch.device) -> int:
     """Chunks for the pool (reserved ones included): `num_blocks` when given, else `max_memory_percent`
-    of the memory left after one full-size pass's activations, capped at what could ever be used."""
+    of the memory left after one full-size pass's working memory (`working_memory_bytes`), capped at
+    what `max_requests_per_batch` requests of the longest length could ever use."""
     if num_blocks is not None:
         return num_blocks + NUM_RESERVED_CHUNKS
     if max_memory_percent is None:

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .allocator import FullAttentionCacheAllocator
-from .cache_pool import CachePool, plan_num_chunks
+from .allocator import (AttentionTypeAllocator, CacheAllocator, FullAttentionCacheAllocator, HybridCacheAllocator,
+                        SlidingAttentionCacheAllocator)
+from .cache_pool import CachePool, layer_groups, plan_num_chunks, working_memory_bytes
 from .config import ContinuousBatchingConfig
 from .model_runner import ModelRunner
-from .models.llama import LlamaForCausalLM
+from .models.llama import CausalLM
 from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
@@ -60,7 +61,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerBase,
+    def __init__(self, model: CausalLM, tokenizer: PreTrainedTokenizerBase,
                  config: ContinuousBatchingConfig, device: torch.device) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -70,39 +71,51 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        shape = dict(page_size=config.page_size, num_layers=model.num_layers,
+        # The cache layout follows the model's attention types: layer groups of equal size (a chunk is
+        # a page in each layer of a group) and one allocator per type, all over one pool.
+        groups = layer_groups(model.layer_types)
+        shape = dict(page_size=config.page_size, num_layers=len(groups[0][1]),
                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
-        hidden = model.config.hidden_size
-        activation_bytes = (config.max_batch_tokens * (8 * hidden + 3 * model.config.intermediate_size)
-                            + 3 * config.max_requests_per_batch * self.vocab_size) * 4
+        page, window = config.page_size, model.sliding_window
+        chunks_per_request = sum(-(-self.max_model_len // page) if t == "full_attention"
+                                 else min(-(-self.max_model_len // page), -(-window // page)) for t, _ in groups)
+        working = working_memory_bytes(model, config, self.dtype)
+        bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
-            bytes_per_chunk=CachePool.bytes_per_chunk(dtype=self.dtype, **shape),
-            activation_bytes=activation_bytes,
-            max_useful_chunks=config.max_requests_per_batch * -(-self.max_model_len // config.page_size),
-            device=device)
+            bytes_per_chunk=bytes_per_chunk, activation_bytes=working,
+            max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)
         self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
-        # One allocator per attention type of the model; every supported model is full-attention only.
-        # Prefix caching needs every allocator to share blocks (a sliding-window one could not).
-        allocator_types = [FullAttentionCacheAllocator]
-        self.block_sharing = config.allow_block_sharing and all(t.supports_sharing for t in allocator_types)
-        self.allocator = FullAttentionCacheAllocator(self.pool, block_sharing=self.block_sharing)
+        # Prefix caching needs every allocator to share blocks: full-attention-only models.
+        self.block_sharing = config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
+        allocators: dict[str, AttentionTypeAllocator] = {}
+        runner_groups = []
+        for attention_type, layers in groups:
+            if attention_type not in allocators:
+                k = sum(t == attention_type for t, _ in groups)
+                allocators[attention_type] = (
+                    FullAttentionCacheAllocator(self.pool, self.block_sharing, num_groups=k)
+                    if attention_type == "full_attention"
+                    else SlidingAttentionCacheAllocator(self.pool, window, num_groups=k))
+            allocator = allocators[attention_type]
+            runner_groups.append((allocator, sum(a is allocator for a, _, _ in runner_groups), layers))
+        self.allocator: CacheAllocator = (next(iter(allocators.values())) if len(allocators) == 1
+                                          else HybridCacheAllocator(list(allocators.values())))
+        # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
+        self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
-        self.runner = ModelRunner(model, self.pool, self.allocator, device)
+        self.runner = ModelRunner(model, self.pool, runner_groups, device)
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
-        swap_slots = SwapPool.num_slots_for(config.cpu_offload_space,
-                                            CachePool.bytes_per_chunk(dtype=self.dtype, **shape))
+        swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
-        logger.info("KV cache: %d blocks of %d tokens = %d tokens; prefix caching %s; swap pool %d blocks",
-                    self.pool.num_usable, config.page_size, self.capacity_tokens,
-                    "on" if self.block_sharing else "off", swap_slots)
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.pool.num_usable * self.config.page_size
+        logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB "
+                    "kept for activations; prefix caching %s; swap pool %d chunks",
+                    self.pool.num_usable, page, shape["num_layers"],
+                    ", ".join(f"{a.num_groups} {t} group(s)" for t, a in allocators.items()),
+                    self.capacity_tokens, working / 2**20, "on" if self.block_sharing else "off", swap_slots)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set()
@@ -135,7 +148,7 @@ class Engine:
         if len(token_ids) > self.capacity_tokens:
             raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
                                       f"{self.capacity_tokens} tokens")
-        pages = -(-total // self.config.page_size)
+        pages = self.allocator.blocks_for_tokens(total)
         if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
             raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
                                       f"{self.config.max_batch_pages}")
@@ -228,8 +241,7 @@ class Engine:
         to_swap: dict[str, list[int]] = {}
         room = self.swap.num_free if self.swap is not None else 0
         for victim in victims:
-            table = self.allocator.block_tables.get(victim.request_id, [])
-            blocks = table[:self.allocator.blocks_for_tokens(victim.num_computed_tokens)]  # those with K/V
+            blocks = self.allocator.chunks_holding(victim.request_id, victim.num_computed_tokens)  # those with K/V
             if blocks and len(blocks) <= room:
                 to_swap[victim.request_id] = blocks
                 room -= len(blocks)
@@ -253,8 +265,7 @@ class Engine:
         if not requests:
             return
         assert self.swap is not None
-        entries = [(r.request_id, self.allocator.block_table(r.request_id)[:len(self.swap.slots[r.request_id])])
-                   for r in requests]
+        entries = [(r.request_id, self.allocator.chunks_holding(r.request_id, r.num_computed_tokens)) for r in requests]
         self.swap.swap_in(entries)
         for request in requests:
             request.state = self._resume_state.pop(request.request_id)

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .manager import ContinuousBatchingManager
-from .models.llama import LlamaForCausalLM
+from .models import build_model
 from .models.loader import load_checkpoint
 from .request import RequestOutput
 from .sampling_params import SamplingParams
@@ -55,7 +55,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, self.device)
         started = time.monotonic()
         checkpoint = load_checkpoint(model, dtype=self.dtype)
-        net = LlamaForCausalLM.from_state_dict(checkpoint.config, checkpoint.state_dict, self.dtype, self.device)
+        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device)
         self.model_path = checkpoint.path
         self.tokenizer = checkpoint.tokenizer
         self.engine = Engine(net, self.tokenizer, config or ContinuousBatchingConfig(), self.device)

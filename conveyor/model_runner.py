@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
-from .allocator import FullAttentionCacheAllocator
-from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, cache_slots, make_attention_backend
+from .allocator import AttentionTypeAllocator
+from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
 from .cache_pool import CachePool
-from .models.llama import LlamaForCausalLM
 from .request import Request
 from .sampler import Sampler
 from .scheduler import ScheduledChunk
@@ -30,66 +30,106 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, pool: CachePool, allocator: FullAttentionCacheAllocator,
-                 device: torch.device, attention: AttentionBackend | None = None) -> None:
+    """Runs the model over the pool. `groups` are the model's layer groups (see `cache_pool.layer_groups`),
+    each `(allocator, index of the group within that allocator, layers)`: every group gets its own
+    attention metadata, since each reads its own blocks (and a sliding group its own window)."""
+
+    def __init__(self, model: nn.Module, pool: CachePool,
+                 groups: list[tuple[AttentionTypeAllocator, int, list[int]]], device: torch.device,
+                 attention: AttentionBackend | None = None) -> None:
         self.model = model
         self.pool = pool
-        self.allocator = allocator
+        self.groups = [(allocator, index) for allocator, index, _ in groups]
+        self.layer_group = [0] * model.num_layers
+        self.layer_kv: list[torch.Tensor] = [pool.kv[0]] * model.num_layers
+        for g, (_, _, layers) in enumerate(groups):
+            for j, layer in enumerate(layers):
+                self.layer_group[layer], self.layer_kv[layer] = g, pool.kv[j]
         self.device = device
         self.attention = attention or make_attention_backend(device, next(model.parameters()).dtype)
         self.sampler = Sampler()
         self.page_size = pool.page_size
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata],
                                                                list[int], list[Request]]:
-        """Input ids, positions, attention metadata, and the batch rows (and requests) that sample."""
+        """Input ids, positions, attention metadata per layer, and the batch rows (and requests) that sample."""
         decodes = [c for c in chunks if c.num_tokens == 1]
         prefills = [c for c in chunks if c.num_tokens > 1]
         ids: list[int] = []
-        sample_rows: list[int] = []
-        samplers: list[Request] = []
         positions: list[torch.Tensor] = []
-        slot_mapping: list[torch.Tensor] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=self.page_size, num_decodes=len(decodes))
         dev = self.device
+        decode_pos = torch.tensor([c.request.num_computed_tokens for c in decodes], device=dev)
         if decodes:
-            tables = [self.allocator.block_table(c.request.request_id) for c in decodes]
-            width = max(len(t) for t in tables)
-            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-            pos_t = torch.tensor([c.request.num_computed_tokens for c in decodes], device=dev)
-            meta.decode_block_tables, meta.decode_context_lens = bt, pos_t + 1
-            page = bt.gather(1, (pos_t // self.page_size).unsqueeze(1)).squeeze(1)
-            slot_mapping.append(page * self.page_size + pos_t % self.page_size)
-            positions.append(pos_t)
+            positions.append(decode_pos)
             for c in decodes:
                 r = c.request
                 ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + 1))
         for c in prefills:
             r = c.request
-            start, n = r.num_computed_tokens, c.num_tokens
-            end = start + n
-            table = torch.tensor(self.allocator.block_table(r.request_id), device=dev)
-            kv_slots = cache_slots(table, self.page_size)[:end]
-            pos_t = torch.arange(start, end, device=dev)
-            mask = None if start == 0 else torch.arange(end, device=dev).unsqueeze(0) <= pos_t.unsqueeze(1)
-            meta.prefills.append(PrefillSpan(q_start=len(ids), q_len=n, kv_slots=kv_slots, mask=mask))
-            positions.append(pos_t)
-            slot_mapping.append(kv_slots[start:end])
-            ids.extend(r.token_slice(start, end))
+            positions.append(torch.arange(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens, device=dev))
+            ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens))
+        sample_rows: list[int] = []
+        samplers: list[Request] = []
         offset = 0
         for c in decodes + prefills:
             offset += c.num_tokens
             if c.request.num_computed_tokens + c.num_tokens == c.request.num_tokens:
                 sample_rows.append(offset - 1)
                 samplers.append(c.request)
-        meta.slot_mapping = torch.cat(slot_mapping)
-        self.attention.prepare(meta)
-        return torch.tensor(ids, device=dev), torch.cat(positions), meta, sample_rows, samplers
+        metas = [self._group_metadata(allocator, index, decodes, prefills, decode_pos)
+                 for allocator, index in self.groups]
+        for meta in metas:
+            self.attention.prepare(meta)
+        return (torch.tensor(ids, device=dev), torch.cat(positions), [metas[g] for g in self.layer_group],
+                sample_rows, samplers)
+
+    def _group_metadata(self, allocator: AttentionTypeAllocator, group: int, decodes: list[ScheduledChunk],
+                        prefills: list[ScheduledChunk], decode_pos: torch.Tensor) -> AttentionMetadata:
+        """Where this group's layers write the new K/V and which slots each query reads. Full attention:
+        position `p` is at slot `table[p // page] * page + p % page`. Sliding window `w`: the ring index
+        `p % w` takes the place of `p`, a decode reads the whole ring (at most `w` slots), a prefill
+        chunk its last `w - 1` positions, and a chunk longer than `w` writes only its last `w` tokens
+        (the earlier ones would be overwritten in the same pass; they go to the reserved chunk)."""
+        page, window, dev = self.page_size, allocator.window, self.device
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=len(decodes))
+        writes: list[torch.Tensor] = []
+        q_start = len(decodes)
+        if decodes:
+            tables = [allocator.block_table(c.request.request_id, group) for c in decodes]
+            width = max(len(t) for t in tables)
+            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+            ring = decode_pos if window is None else decode_pos % window
+            meta.decode_block_tables = bt
+            meta.decode_context_lens = decode_pos + 1 if window is None else (decode_pos + 1).clamp(max=window)
+            writes.append(bt.gather(1, (ring // page).unsqueeze(1)).squeeze(1) * page + ring % page)
+        for c in prefills:
+            start, n = c.request.num_computed_tokens, c.num_tokens
+            end = start + n
+            lo = 0 if window is None else max(0, start - window + 1)
+            table = torch.tensor(allocator.block_table(c.request.request_id, group), device=dev)
+            key_pos = torch.arange(lo, end, device=dev)
+            ring = key_pos if window is None else key_pos % window
+            slots = table[ring // page] * page + ring % page
+            write = slots[start - lo:]
+            if window is not None and n > window:
+                write = write.clone()
+                write[:n - window] = 0
+            mask = None
+            if start > lo or (window is not None and n > window):
+                q_pos = key_pos[start - lo:].unsqueeze(1)
+                mask = key_pos <= q_pos
+                if window is not None:
+                    mask &= key_pos > q_pos - window
+            meta.prefills.append(PrefillSpan(q_start=q_start, q_len=n, ctx_slots=slots[:start - lo], mask=mask))
+            writes.append(write)
+            q_start += n
+        meta.slot_mapping = torch.cat(writes)
+        return meta
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
-        input_ids, positions, meta, sample_rows, samplers = self.prepare(chunks)
-        hidden = self.model(input_ids, positions, self.pool.kv, meta, self.attention)
+        input_ids, positions, metas, sample_rows, samplers = self.prepare(chunks)
+        hidden = self.model(input_ids, positions, self.layer_kv, metas, self.attention)
         if not samplers:
             return StepResult([], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

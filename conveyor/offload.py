@@ -26,13 +26,13 @@ from collections import deque
 
 import torch
 
-from .allocator import FullAttentionCacheAllocator
+from .allocator import CacheAllocator
 from .cache_pool import CachePool
 from .request import Request
 
 
 def choose_victims(active: list[Request], scheduled: set[str], stalled: list[tuple[Request, int]],
-                   allocator: FullAttentionCacheAllocator) -> list[Request]:
+                   allocator: CacheAllocator) -> list[Request]:
     """Newest-first victims until the stalled requests that remain have the blocks they asked for."""
     need = {r.request_id: n for r, n in stalled}
     victims: list[Request] = []
@@ -49,10 +49,11 @@ def choose_victims(active: list[Request], scheduled: set[str], stalled: list[tup
 
 
 class SwapPool:
-    """Host memory for swapped-out blocks: `num_slots` slots, each one block (a page in every layer,
-    K and V), laid out like the device pool, one tensor per layer `[2, num_slots, page_size, kv_heads,
-    head_dim]`. Pinned when the device is CUDA (fast, DMA-able copies); plain memory on CPU. Tracks
-    which slots each swapped request holds, in the order of its block table."""
+    """Host memory for swapped-out chunks: `num_slots` slots, each one pool chunk (a page in every
+    layer of a layer group, K and V; a whole block for models with one attention type), laid out like
+    the device pool, one tensor per layer of a group `[2, num_slots, page_size, kv_heads, head_dim]`.
+    Pinned when the device is CUDA (fast, DMA-able copies); plain memory on CPU. Tracks which slots
+    each swapped request holds, in the order of `CacheAllocator.chunks_holding`."""
 
     def __init__(self, num_slots: int, pool: CachePool) -> None:
         if num_slots < 1:
@@ -65,7 +66,7 @@ class SwapPool:
         self.kv = [torch.empty(2, num_slots, pool.page_size, *layer.shape[2:], dtype=layer.dtype,
                                device="cpu", pin_memory=pin) for layer in pool.kv]
         self._free: deque[int] = deque(range(num_slots))
-        self.slots: dict[str, list[int]] = {}  # swapped request -> its slots, in block-table order
+        self.slots: dict[str, list[int]] = {}  # swapped request -> its slots, in `chunks_holding` order
 
     @staticmethod
     def num_slots_for(space_gib: float, bytes_per_block: int) -> int:
@@ -106,7 +107,7 @@ class SwapPool:
             host.index_copy_(1, dst, staging.to("cpu"))
 
     def swap_in(self, entries: list[tuple[str, list[int]]]) -> None:
-        """Copy each request's slots back into the given device blocks (its new table's leading ones),
+        """Copy each request's slots back into the given device chunks (its new blocks' `chunks_holding`),
         batched like `swap_out`, and free the slots."""
         blocks: list[int] = []
         slots: list[int] = []

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .allocator import FullAttentionCacheAllocator
+from .allocator import CacheAllocator
 from .config import ContinuousBatchingConfig
 from .request import Request, RequestState
 
@@ -64,7 +64,7 @@ class _Budget:
 class Scheduler:
     """Common mechanics; subclasses choose the order of active requests."""
 
-    def __init__(self, config: ContinuousBatchingConfig, allocator: FullAttentionCacheAllocator) -> None:
+    def __init__(self, config: ContinuousBatchingConfig, allocator: CacheAllocator) -> None:
         self.config = config
         self.allocator = allocator
         self.waiting: deque[Request] = deque()
@@ -116,9 +116,8 @@ class Scheduler:
         n = min(request.num_remaining_tokens, budget.tokens)
         if request.state is RequestState.PREFILLING:
             # A running prefill may shrink its chunk to what its blocks plus the free pool can hold.
-            held = len(self.allocator.block_tables.get(request.request_id, ()))
-            room = (held + self.allocator.num_free_blocks) * self.allocator.page_size
-            n = min(n, room - request.num_computed_tokens)
+            start = request.num_computed_tokens
+            n = self.allocator.max_tokens(request.request_id, start, start + n) - start
         if n <= 0:
             out.stalled.append((request, self.allocator.blocks_needed(
                 request.request_id, request.num_computed_tokens + 1)))
@@ -178,5 +177,5 @@ class PrefillFirstScheduler(Scheduler):
 SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
 
 
-def make_scheduler(config: ContinuousBatchingConfig, allocator: FullAttentionCacheAllocator) -> Scheduler:
+def make_scheduler(config: ContinuousBatchingConfig, allocator: CacheAllocator) -> Scheduler:
     return SCHEDULERS[config.scheduler_type](config, allocator)

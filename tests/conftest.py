@@ -15,6 +15,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from conveyor import LLM, ContinuousBatchingConfig
 
 VOCAB = 300
+WINDOW = 8  # sliding window of the tiny sliding/hybrid models
 TINY_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -29,6 +30,16 @@ TINY_CONFIGS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2_rope_linear": lambda: transformers.Qwen2Config(**TINY_COMMON, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    # Sliding-window and hybrid models, windows far shorter than the test prompts.
+    "mistral_sliding": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=WINDOW,
+                                                          tie_word_embeddings=False),
+    "gemma2": lambda: transformers.Gemma2Config(  # layers: sliding, full, sliding, full
+        **(TINY_COMMON | {"num_hidden_layers": 4}), head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+    "gemma3": lambda: transformers.Gemma3TextConfig(  # 5 sliding layers, then 1 full: groups of one layer
+        **(TINY_COMMON | {"num_hidden_layers": 6}), head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 100000.0, "factor": 2.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
 }
 
 

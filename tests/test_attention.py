@@ -26,15 +26,18 @@ def random_decode_batch(page_size: int, heads: int, kv_heads: int, seed: int = 0
     return q, kv, meta
 
 
-def reference_decode(q, kv, meta, scale):
-    """Each request's context gathered contiguously, plain softmax attention."""
+def reference_decode(q, kv, meta, scale, softcap=None):
+    """Each request's context gathered contiguously, plain softmax attention (scores soft-capped if asked)."""
     out = []
     group = q.shape[1] // kv.shape[2]
     for b, n in enumerate(meta.decode_context_lens.tolist()):
         slots = cache_slots(meta.decode_block_tables[b], meta.page_size)[:n]
         k = kv[0][slots].repeat_interleave(group, dim=1)  # [n, H, D]
         v = kv[1][slots].repeat_interleave(group, dim=1)
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) * scale, dim=-1)
+        scores = torch.einsum("hd,nhd->hn", q[b], k) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        weights = torch.softmax(scores, dim=-1)
         out.append(torch.einsum("hn,nhd->hd", weights, v))
     return torch.stack(out)
 
@@ -45,14 +48,17 @@ def test_native_cpu_kernel_builds() -> None:
     assert type(make_attention_backend(torch.device("cpu"), torch.bfloat16)) is TorchPagedAttention
 
 
+@pytest.mark.parametrize("softcap", [None, 0.5])
 @pytest.mark.parametrize(("page_size", "heads", "kv_heads"), [(4, 4, 2), (16, 9, 3), (8, 4, 4)])
-def test_decode_backends_match_reference(page_size: int, heads: int, kv_heads: int) -> None:
+def test_decode_backends_match_reference(page_size: int, heads: int, kv_heads: int, softcap: float | None) -> None:
     q, kv, meta = random_decode_batch(page_size, heads, kv_heads)
     scale = q.shape[-1] ** -0.5
-    expected = reference_decode(q, kv, meta, scale)
+    expected = reference_decode(q, kv, meta, scale, softcap)
+    if softcap is not None:  # the cap changes the result: the check below can fail
+        assert not torch.allclose(expected, reference_decode(q, kv, meta, scale), atol=1e-3)
     for backend in (TorchPagedAttention(), CpuPagedAttention(cpu_paged_attention())):
         backend.prepare(meta)
-        torch.testing.assert_close(backend._decode(q, kv, meta, scale), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(backend._decode(q, kv, meta, scale, softcap), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_pure_pytorch_backend_end_to_end(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:

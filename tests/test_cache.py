@@ -8,7 +8,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from conveyor.allocator import FullAttentionCacheAllocator
+from conveyor.allocator import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
 from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool
 from conveyor.prefix_cache import block_digest
 from conveyor.request import Request
@@ -281,13 +281,15 @@ def test_disabled_sharing_matches_nothing():
     check_allocator_invariants(alloc)
 
 
-def test_allocator_that_cannot_share_refuses_sharing():
-    class NoSharing(FullAttentionCacheAllocator):
-        supports_sharing = False
-
-    with pytest.raises(ValueError, match="does not support block sharing"):
-        NoSharing(make_pool(4), block_sharing=True)
-    assert not NoSharing(make_pool(4)).block_sharing
+def test_sharing_needs_one_full_attention_group():
+    with pytest.raises(ValueError, match="one layer group"):
+        FullAttentionCacheAllocator(make_pool(8), block_sharing=True, num_groups=2)
+    assert not SlidingAttentionCacheAllocator.supports_sharing
+    sliding = SlidingAttentionCacheAllocator(make_pool(8), window=8)
+    assert not sliding.block_sharing
+    assert sliding.match_prefix(make_request("a", list(range(20)))) == []
+    with pytest.raises(ValueError, match="does not share"):
+        sliding.allocate("a", 8, shared=[2])
 
 
 def test_shared_blocks_are_reference_counted_and_cached_when_freed():

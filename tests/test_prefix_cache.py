@@ -9,7 +9,6 @@ import struct
 import pytest
 
 from conveyor import LLM, SamplingParams
-from conveyor.allocator import FullAttentionCacheAllocator
 from conveyor.engine import Engine
 from conveyor.prefix_cache import BlockHashes, PrefixCache, block_digest
 from conveyor.request import Request
@@ -236,10 +235,9 @@ def test_preempted_requests_with_shared_prefixes_keep_their_outputs(tiny_llama: 
         assert_greedy_match(out, ref, logits, f"prompt {i}")
 
 
-def test_sharing_needs_every_allocator_to_support_it(tiny_llama: TinyModel, monkeypatch) -> None:
-    assert tiny_llama.llm(allow_block_sharing=False).engine.block_sharing is False
-    monkeypatch.setattr(FullAttentionCacheAllocator, "supports_sharing", False)
-    llm = tiny_llama.llm(page_size=PAGE)
+def test_sharing_turned_off_prefills_everything(tiny_llama: TinyModel) -> None:
+    """(Sliding and hybrid models, which cannot share, are checked in test_sliding.py.)"""
+    llm = tiny_llama.llm(page_size=PAGE, allow_block_sharing=False)
     assert llm.engine.block_sharing is False and llm.engine.allocator.block_sharing is False
     prompt = random_prompts([20], seed=41)[0]
     llm.generate([prompt, prompt], greedy(2), use_tqdm=False)

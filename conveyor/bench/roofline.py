@@ -1,6 +1,6 @@
 """How close is a decode step to what the hardware and the model allow? `roofline` and `step`.
 
-Three measurements, all on the same model object (`LlamaForCausalLM`):
+Three measurements, all on the same model object (a `CausalLM`):
 
 1. Matmul rate: `F.linear` on each distinct weight shape (fused qkv_proj, o_proj, gate_up_proj,
    down_proj of one layer, and the LM head) at M = batch rows. FLOPs per token are 2 x the
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionBackend
+from ..attention import AttentionBackend, attend
 
 # The issue's targets for a decode step at 64 running sequences of ~150 tokens.
 TARGET_STEP_OVER_DENSE = 1.25
@@ -127,7 +127,8 @@ class DenseDecodeAttention(AttentionBackend):
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: DenseDecodeMetadata, scale: float) -> torch.Tensor:  # type: ignore[override]
+                meta: DenseDecodeMetadata, scale: float,  # type: ignore[override]
+                softcap: float | None = None) -> torch.Tensor:
         """q: [B, H, D]; k, v: [B, Hkv, D]. Returns [B, H, D]."""
         pos = meta.position
         if q.shape[0] != kv_cache.shape[1] or pos >= kv_cache.shape[3]:
@@ -137,9 +138,7 @@ class DenseDecodeAttention(AttentionBackend):
         kv_cache[1, :, :, pos] = v
         keys, values = (kv_cache[0], kv_cache[1]) if pos + 1 == kv_cache.shape[3] else \
             (kv_cache[0, :, :, :pos + 1], kv_cache[1, :, :, :pos + 1])
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, scale=scale,
-                                           enable_gqa=q.shape[1] != k.shape[1])
-        return o.squeeze(2)
+        return attend(q.unsqueeze(2), keys, values, None, False, scale, softcap).squeeze(2)
 
 
 def dense_kv_caches(model: Any, batch: int, max_len: int, *, seed: int = 0) -> list[torch.Tensor]:
@@ -156,7 +155,8 @@ def dense_decode_step(model: Any, input_ids: torch.Tensor, kv_caches: list[torch
                       attention: DenseDecodeAttention | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode step of every sequence through the model's own forward: (fp32 logits, argmax ids)."""
     positions = torch.full_like(input_ids, position)
-    hidden = model(input_ids, positions, kv_caches, DenseDecodeMetadata(position), attention or DenseDecodeAttention())
+    metas = [DenseDecodeMetadata(position)] * model.num_layers
+    hidden = model(input_ids, positions, kv_caches, metas, attention or DenseDecodeAttention())
     logits = model.compute_logits(hidden)
     return logits, logits.argmax(dim=-1)
 
@@ -171,7 +171,7 @@ class DenseBench:
         g = torch.Generator().manual_seed(seed + 1)
         self.ids = torch.randint(0, model.config.vocab_size, (batch,), generator=g).to(self.device)
         self.positions = torch.full_like(self.ids, context)
-        self.meta, self.attention = DenseDecodeMetadata(context), DenseDecodeAttention()
+        self.metas, self.attention = [DenseDecodeMetadata(context)] * model.num_layers, DenseDecodeAttention()
         self.forward_s: list[float] = []
         self.head_s: list[float] = []
 
@@ -179,7 +179,7 @@ class DenseBench:
     def once(self, record: bool = True) -> None:
         _sync(self.device)
         t0 = time.perf_counter()
-        hidden = self.model(self.ids, self.positions, self.kv, self.meta, self.attention)
+        hidden = self.model(self.ids, self.positions, self.kv, self.metas, self.attention)
         _sync(self.device)
         t1 = time.perf_counter()
         self.model.compute_logits(hidden).argmax(dim=-1).tolist()
@@ -367,15 +367,15 @@ def measure_step(llm: Any, batch: int, context: int, *, steps: int = 10, warmup_
 
 # -- reports ------------------------------------------------------------------------------------------
 def load_model(model: str | None = None, *, device: str = "auto", dtype: str = "auto") -> tuple[Any, Path]:
-    """The model alone (no engine, no KV pool): `(LlamaForCausalLM, checkpoint path)`."""
+    """The model alone (no engine, no KV pool): `(CausalLM, checkpoint path)`."""
     from ..llm import resolve_device, resolve_dtype
-    from ..models.llama import LlamaForCausalLM
+    from ..models import build_model
     from ..models.loader import load_checkpoint
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     checkpoint = load_checkpoint(model, dtype=dt)
-    return LlamaForCausalLM.from_state_dict(checkpoint.config, checkpoint.state_dict, dt, dev), checkpoint.path
+    return build_model(checkpoint.config, checkpoint.state_dict, dt, dev), checkpoint.path
 
 
 def _header(benchmark: str, model: Any, path: Any, batch: int, context: int) -> dict[str, Any]:

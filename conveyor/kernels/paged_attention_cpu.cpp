@@ -3,7 +3,8 @@
 // One query token per request. Every query head is scored against the request's cached keys
 // page by page, softmaxed and used to weight the values, reading every cached K/V row exactly
 // once, without first gathering them into a contiguous copy (which costs a full extra read and
-// write of the context per layer).
+// write of the context per layer). `softcap` > 0 caps the scores as Gemma 2 does:
+// tanh(score / softcap) * softcap; 0 leaves them alone.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -16,7 +17,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                                      torch::Tensor kv_cache,      // [2, slots, Hkv, D]
                                      torch::Tensor block_tables,  // [B, max_blocks] int64
                                      torch::Tensor context_lens,  // [B] int64
-                                     int64_t page_size, double scale) {
+                                     int64_t page_size, double scale, double softcap) {
     TORCH_CHECK(q.scalar_type() == torch::kFloat32 && kv_cache.scalar_type() == torch::kFloat32, "fp32 only");
     TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
                 context_lens.is_contiguous(), "contiguous inputs only");
@@ -31,6 +32,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
     const int64_t* lens = context_lens.data_ptr<int64_t>();
     float* op = out.data_ptr<float>();
     const float fscale = static_cast<float>(scale);
+    const float fcap = static_cast<float>(softcap);
 
     // One task per request: its cached rows (all kv heads of a token, contiguous) are swept in
     // order, which the hardware prefetcher streams far better than one head's strided slices.
@@ -50,7 +52,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
                     for (int64_t d = 0; d < D; ++d) dot += qh[d] * k[d];
-                    scores[h * len + t] = dot * fscale;
+                    const float score = dot * fscale;
+                    scores[h * len + t] = fcap > 0.f ? std::tanh(score / fcap) * fcap : score;
                 }
             }
             for (int64_t h = 0; h < H; ++h) {

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over one flattened ragged batch.
+"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over one flattened ragged batch, and the
+pieces other families reuse (`CausalLM`, `RotaryEmbedding`, the fused decoder layer).
 
 Input is every scheduled token of every request, concatenated: `[num_tokens]` ids and positions.
 Norms, projections and the MLP run on all tokens at once; attention goes through the backend,
@@ -9,6 +10,8 @@ cos/sin from fp32 positions) so greedy outputs match it token for token.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,8 +19,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import AttentionBackend, AttentionMetadata
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from .linear import packed_lm_head
 
 
 class RMSNorm(nn.Module):
@@ -33,11 +35,29 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_parameters(config: PretrainedConfig) -> dict:
-    """RoPE settings from either transformers 5 (`rope_parameters`) or 4 (`rope_theta`, `rope_scaling`)."""
+def attention_layer_types(config: PretrainedConfig) -> list[str]:
+    """`full_attention` or `sliding_attention` per layer, from the model's own config: its `layer_types`,
+    else every layer sliding when it sets a `sliding_window` (Mistral). A window at least as long as
+    the context is full attention (same result, and full-attention blocks can be shared)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= config.max_position_embeddings:
+        return ["full_attention"] * n
+    types = list(getattr(config, "layer_types", None) or ["sliding_attention"] * n)
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported (supported: full_attention, "
+                         "sliding_attention)")
+    return types
+
+
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
+    """RoPE settings from either transformers 5 (`rope_parameters`, per layer type for Gemma 3) or 4
+    (`rope_theta`, `rope_scaling`)."""
     params = getattr(config, "rope_parameters", None)
     if params:
-        return dict(params)
+        params = dict(params)
+        return dict(params[layer_type]) if layer_type in params else params
     params = dict(getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_type", params.pop("type", "default"))
     params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
@@ -45,18 +65,20 @@ def rope_parameters(config: PretrainedConfig) -> dict:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for arbitrary positions; inverse frequencies from transformers' own RoPE initialisers."""
+    """cos/sin for arbitrary positions; inverse frequencies from transformers' own RoPE initialisers.
+    `layer_type` picks the settings of one layer type where they differ by type (Gemma 3)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    def __init__(self, config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> None:
         super().__init__()
-        params = rope_parameters(config)
+        params = rope_parameters(config, layer_type)
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             base = params["rope_theta"]
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             scaling = 1.0
         elif rope_type in ROPE_INIT_FUNCTIONS and not rope_type.startswith("dynamic"):
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+            kwargs = {"layer_type": layer_type} if layer_type in (getattr(config, "rope_parameters", None) or {}) else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
         else:
             raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, "
                              "longrope)")
@@ -93,11 +115,13 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
         self.scale = head_dim ** -0.5
+        self.softcap: float | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        """Fused q/k/v projection, optional q/k norms, RoPE, paged attention, output projection."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -105,52 +129,63 @@ class DecoderLayer(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        o = attention.forward(q, k, v, kv_cache, meta, self.scale)
-        x = x + self.o_proj(o.reshape(t, self.q_size))
+        o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        x = x + self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Decoder-only model of the Llama family; variants (biases, q/k norms, tying) come from the weights."""
+# Hugging Face names of per-layer tensors copied as they are (those a checkpoint has).
+_LAYER_TENSORS = (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"),
+                  ("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
+                  ("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
+                  ("post_feedforward_layernorm", "post_feedforward_layernorm"),
+                  ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"))
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
-                 mlp_bias: bool = False, qk_norm: bool = False) -> None:
+
+class CausalLM(nn.Module):
+    """A decoder-only model over the flattened ragged batch; subclasses build the layers.
+
+    `layer_types` (full or sliding attention per layer) decides the cache layout; nothing in the
+    model itself depends on it: the attention metadata of each layer carries its window."""
+
+    model_types: tuple[str, ...] = ()
+    final_softcap: float | None = None
+
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.config = config
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
+        self.layer_types = attention_layer_types(config)
+        self.sliding_window = config.sliding_window if "sliding_attention" in self.layer_types else None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, self.head_dim)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence served: the context length, capped by a sliding window (full attention
-        equals sliding attention while the sequence fits in the window)."""
-        limit = self.config.max_position_embeddings
-        window = getattr(self.config, "sliding_window", None)
-        if window and getattr(self.config, "use_sliding_window", True):
-            limit = min(limit, window)
-        return limit
+        return self.config.max_position_embeddings
+
+    @classmethod
+    def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "CausalLM":
+        """The model for this checkpoint's variant (biases, q/k norms), weights not loaded yet."""
+        raise NotImplementedError
 
     @classmethod
     def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
-                        dtype: torch.dtype, device: torch.device) -> "LlamaForCausalLM":
+                        dtype: torch.dtype, device: torch.device) -> "CausalLM":
         """Build the model and load Hugging Face-named weights, fusing q/k/v and gate/up."""
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model type {config.model_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        p = "model.layers.0."
-        model = cls(config, qkv_bias=f"{p}self_attn.q_proj.bias" in state_dict,
-                    o_bias=f"{p}self_attn.o_proj.bias" in state_dict,
-                    mlp_bias=f"{p}mlp.gate_proj.bias" in state_dict,
-                    qk_norm=f"{p}self_attn.q_norm.weight" in state_dict)
+        if config.model_type not in cls.model_types:
+            raise ValueError(f"model type {config.model_type!r} is not supported by {cls.__name__} "
+                             f"(supported: {', '.join(cls.model_types)})")
+        model = cls.build(config, state_dict)
         if "lm_head.weight" not in state_dict:
             model.tied, model.lm_head = True, None
         fused: dict[str, torch.Tensor] = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
@@ -166,26 +201,62 @@ class LlamaForCausalLM(nn.Module):
                 if f"{src}mlp.gate_proj.{kind}" in state_dict:
                     fused[f"{dst}gate_up_proj.{kind}"] = torch.cat(
                         [state_dict[f"{src}mlp.{n}_proj.{kind}"] for n in ("gate", "up")])
-                for name, hf in (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"),
-                                 ("input_layernorm", "input_layernorm"),
-                                 ("post_attention_layernorm", "post_attention_layernorm"),
-                                 ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm")):
+                for name, hf in _LAYER_TENSORS:
                     if f"{src}{hf}.{kind}" in state_dict:
                         fused[f"{dst}{name}.{kind}"] = state_dict[f"{src}{hf}.{kind}"]
         model.load_state_dict(fused, strict=True)
-        return model.to(device=device, dtype=dtype).eval()
+        model = model.to(device=device, dtype=dtype).eval()
+        model.lm_head_fn = packed_lm_head(model.lm_head_weight)
+        return model
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
-        """Hidden states `[num_tokens, hidden]` after the final norm."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin `[num_tokens, 1, head_dim]` for every layer (shared by all here)."""
+        cos, sin = self.rotary(positions, dtype)
+        return [(cos.unsqueeze(1), sin.unsqueeze(1))] * self.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden]` after the final norm; `kv_caches` and `metas` per layer."""
+        x = self.embed(input_ids)
+        for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),
+                                                     kv_caches, metas):
             x = layer(x, cos, sin, kv_cache, meta, attention)
         return self.norm(x)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for the rows that sample (only those, not every prompt token)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """fp32 logits for the rows that sample (only those, not every prompt token); through the packed
+        head (`linear.packed_lm_head`) once the weights are loaded."""
+        head = self.lm_head_fn
+        logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()
+
+
+class LlamaForCausalLM(CausalLM):
+    """The Llama family; variants (biases, q/k norms, tying) come from the weights."""
+
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
+                 mlp_bias: bool = False, qk_norm: bool = False) -> None:
+        super().__init__(config)
+        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    @classmethod
+    def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "LlamaForCausalLM":
+        p = "model.layers.0."
+        return cls(config, qkv_bias=f"{p}self_attn.q_proj.bias" in state_dict,
+                   o_bias=f"{p}self_attn.o_proj.bias" in state_dict,
+                   mlp_bias=f"{p}mlp.gate_proj.bias" in state_dict,
+                   qk_norm=f"{p}self_attn.q_norm.weight" in state_dict)

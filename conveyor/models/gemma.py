@@ -1,0 +1,99 @@
+"""Gemma 2 and Gemma 3 text models over one flattened ragged batch.
+
+Hybrid attention: sliding-window and global layers alternate (`config.layer_types`), each kind
+served by its own cache allocator. What differs from Llama, following transformers step by step:
+embeddings scaled by `sqrt(hidden_size)`, RMSNorm as `norm(x) * (1 + weight)` in fp32, a norm after
+attention and one before and after the MLP, GELU (tanh) MLP, attention scale
+`query_pre_attn_scalar ** -0.5`; Gemma 2 soft-caps attention scores and final logits
+(`tanh(x / cap) * cap`); Gemma 3 adds q/k norms and uses one RoPE base for sliding layers and
+another (possibly scaled) for global ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..attention import AttentionBackend, AttentionMetadata
+from .llama import CausalLM, DecoderLayer, RotaryEmbedding
+
+
+class GemmaRMSNorm(nn.Module):
+    """RMSNorm with a zero-centred weight, applied in fp32 before casting back (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    def __init__(self, config: PretrainedConfig, head_dim: int, qk_norm: bool) -> None:
+        bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(config, head_dim, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=False)
+        eps = config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.q_norm = GemmaRMSNorm(head_dim, eps) if qk_norm else None
+        self.k_norm = GemmaRMSNorm(head_dim, eps) if qk_norm else None
+        self.scale = config.query_pre_attn_scalar ** -0.5
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        h = self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
+        x = x + self.post_attention_layernorm(h)
+        gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
+        return x + self.post_feedforward_layernorm(self.down_proj(F.gelu(gate, approximate="tanh") * up))
+
+
+class GemmaForCausalLM(CausalLM):
+    """Gemma 2 (`gemma2`) and Gemma 3 text (`gemma3_text`) causal language models."""
+
+    model_types = ("gemma2", "gemma3_text")
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ValueError("Gemma with use_bidirectional_attention is not a causal language model")
+        activation = getattr(config, "hidden_activation", "gelu_pytorch_tanh")
+        if activation != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation {activation!r} is not supported (supported: gelu_pytorch_tanh)")
+        super().__init__(config)
+        gemma3 = config.model_type == "gemma3_text"
+        self.layers = nn.ModuleList(GemmaDecoderLayer(config, self.head_dim, qk_norm=gemma3)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.final_softcap = getattr(config, "final_logit_softcapping", None)
+        # Gemma 3 has RoPE settings per layer type; Gemma 2 one set for all layers.
+        # (by the config's layer types: `layer_types` may call a window longer than the context full attention)
+        per_type = gemma3 and "full_attention" in (getattr(config, "rope_parameters", None) or {})
+        self.rope_layer_types = list(config.layer_types) if per_type else []
+        self.rotaries = nn.ModuleDict({t: RotaryEmbedding(config, self.head_dim, t) for t in set(self.rope_layer_types)})
+        self.rotary = None if per_type else RotaryEmbedding(config, self.head_dim)
+        self.embed_scale = config.hidden_size ** 0.5
+
+    @classmethod
+    def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "GemmaForCausalLM":
+        return cls(config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * torch.tensor(self.embed_scale).to(x.dtype)
+
+    def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.rotary is not None:
+            return super().rotary_for_layer(positions, dtype)
+        by_type = {}
+        for t, rotary in self.rotaries.items():
+            cos, sin = rotary(positions, dtype)
+            by_type[t] = (cos.unsqueeze(1), sin.unsqueeze(1))
+        return [by_type[t] for t in self.rope_layer_types]

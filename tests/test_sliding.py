@@ -1,0 +1,227 @@
+"""Sliding-window and hybrid models: layer groups, `SlidingAttentionCacheAllocator`, `HybridCacheAllocator`
+(unit and property tests), and Mistral with a window, Gemma 2 and Gemma 3 against transformers, with
+prompts and generations far longer than the window, chunked prefill, offloading and bounded rings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conveyor import SamplingParams
+from conveyor.allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
+from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool, layer_groups
+from conveyor.engine import Engine
+from conveyor.models.llama import attention_layer_types
+
+from .conftest import TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, hf_greedy, random_prompts
+
+SLIDING_KINDS = ["mistral_sliding", "gemma2", "gemma3"]
+PROMPTS = random_prompts([3, 9, 20, 31], seed=3)  # up to ~4 windows long
+MAX_NEW = 20
+
+
+def make_pool(num_chunks: int, page_size: int = 4) -> CachePool:
+    return CachePool(num_chunks, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
+                     device=torch.device("cpu"))
+
+
+def greedy(n: int = MAX_NEW) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Engines stepped on the test's thread are much faster with one intra-op thread on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models: dict[str, TinyModel]) -> dict[str, list[tuple[list[int], torch.Tensor]]]:
+    return {kind: [hf_greedy(tiny_models[kind].reference, p, MAX_NEW) for p in PROMPTS] for kind in SLIDING_KINDS}
+
+
+def assert_matches(kind: str, outputs: list[list[int]], references: dict, label: str) -> None:
+    for i, (ours, (ref, logits)) in enumerate(zip(outputs, references[kind])):
+        assert_greedy_match(ours, ref, logits, f"{kind} {label} prompt {i}")
+
+
+def assert_nothing_held(engine: Engine) -> None:
+    assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
+    assert engine.pool.num_free == engine.pool.num_usable
+
+
+# -- layer groups and allocators ----------------------------------------------------------------
+
+def test_layer_groups_have_one_type_and_equal_size():
+    s, f = "sliding_attention", "full_attention"
+    assert layer_groups([f] * 4) == [(f, [0, 1, 2, 3])]
+    assert layer_groups([s, f, s, f]) == [(s, [0, 2]), (f, [1, 3])]
+    assert layer_groups([s] * 5 + [f]) == [(s, [0]), (s, [1]), (s, [2]), (s, [3]), (s, [4]), (f, [5])]
+    assert layer_groups([s, s, s, s, f, f]) == [(s, [0, 1]), (s, [2, 3]), (f, [4, 5])]
+
+
+def test_layer_types_come_from_the_model_config(tiny_models: dict[str, TinyModel]):
+    configs = {k: tiny_models[k].reference.config for k in ("llama", "mistral", "mistral_sliding", "gemma2", "gemma3")}
+    assert attention_layer_types(configs["llama"]) == ["full_attention"] * 2
+    assert attention_layer_types(configs["mistral"]) == ["full_attention"] * 2  # sliding_window=None
+    assert attention_layer_types(configs["mistral_sliding"]) == ["sliding_attention"] * 2
+    assert attention_layer_types(configs["gemma2"]) == ["sliding_attention", "full_attention"] * 2
+    assert attention_layer_types(configs["gemma3"]) == ["sliding_attention"] * 5 + ["full_attention"]
+    long_window = transformers.MistralConfig(**TINY_COMMON, sliding_window=512)
+    assert attention_layer_types(long_window) == ["full_attention"] * 2  # window >= context: same as full
+
+
+def test_sliding_ring_is_bounded_by_the_window():
+    alloc = SlidingAttentionCacheAllocator(make_pool(20, page_size=4), window=10)  # ring of 3 blocks
+    assert [alloc.table_length(n) for n in (0, 1, 4, 5, 12, 13, 1000)] == [0, 1, 1, 2, 3, 3, 3]
+    assert alloc.allocate("a", 6) and len(alloc.block_table("a")) == 2
+    assert alloc.blocks_needed("a", 500) == 1
+    assert alloc.allocate("a", 500) and len(alloc.block_table("a")) == 3
+    assert alloc.blocks_needed("a", 10_000) == 0 and alloc.allocate("a", 10_000)
+    assert alloc.chunks_holding("a", 5) == alloc.block_table("a")[:2]
+    assert alloc.free("a") == 3 and alloc.num_free_blocks == 18
+
+
+def test_multi_group_blocks_take_one_chunk_per_group():
+    pool = make_pool(14, page_size=2)  # 12 usable chunks
+    full = FullAttentionCacheAllocator(pool, num_groups=2)
+    sliding = SlidingAttentionCacheAllocator(pool, window=4, num_groups=3)  # ring of 2 blocks
+    hybrid = HybridCacheAllocator([full, sliding])
+    assert hybrid.blocks_for_tokens(3) == 2 * 2 + 2 * 3
+    assert hybrid.allocate("a", 3) and pool.num_free == 2
+    tables = [full.block_table("a", g) for g in range(2)] + [sliding.block_table("a", g) for g in range(3)]
+    chunks = [c for t in tables for c in t]
+    assert len(chunks) == len(set(chunks)) == 10 and all(len(t) == 2 for t in tables)
+    assert sorted(hybrid.chunks_holding("a", 3)) == sorted(chunks)
+    assert not hybrid.allocate("b", 1)  # needs 2 + 3 chunks, 2 free: nothing taken
+    assert pool.num_free == 2 and not full.holds("b") and not sliding.holds("b")
+    assert hybrid.exclusive_blocks("a") == 10
+    assert hybrid.capacity_tokens(100) == 6  # 12 chunks: the ring (6 chunks) + 3 full blocks (6 chunks)
+    assert hybrid.free("a") == 10 and pool.num_free == 12
+
+
+REQUESTS = ["r0", "r1", "r2"]
+hybrid_ops = st.lists(st.tuples(st.sampled_from(["alloc", "free"]), st.sampled_from(REQUESTS), st.integers(0, 30)),
+                      max_size=50)
+
+
+@settings(max_examples=100, deadline=None)
+@given(num_chunks=st.integers(3, 40), page_size=st.integers(1, 5), window=st.integers(1, 12),
+       full_groups=st.integers(1, 3), sliding_groups=st.integers(1, 3), ops=hybrid_ops)
+def test_hybrid_allocator_invariants_under_random_ops(num_chunks, page_size, window, full_groups, sliding_groups,
+                                                      ops):
+    pool = make_pool(num_chunks, page_size)
+    full = FullAttentionCacheAllocator(pool, num_groups=full_groups)
+    sliding = SlidingAttentionCacheAllocator(pool, window=window, num_groups=sliding_groups)
+    hybrid = HybridCacheAllocator([full, sliding])
+    ring = -(-window // page_size)
+    lengths: dict[str, int] = {}
+    for op, rid, tokens in ops:
+        free_before, need = hybrid.num_free_blocks, hybrid.blocks_needed(rid, tokens)
+        if op == "alloc":
+            ok = hybrid.allocate(rid, tokens)
+            assert ok == (need <= free_before)
+            assert hybrid.num_free_blocks == free_before - (need if ok else 0)
+            if ok:
+                lengths[rid] = max(lengths.get(rid, 0), tokens)
+        else:
+            held = hybrid.exclusive_blocks(rid)
+            assert hybrid.free(rid) == held and hybrid.num_free_blocks == free_before + held
+            lengths.pop(rid, None)
+        owned = [c for a in (full, sliding) for rid_ in a.block_tables for g in range(a.num_groups)
+                 for c in a.block_table(rid_, g)]
+        assert len(owned) == len(set(owned)), "a chunk is owned twice"
+        assert all(NUM_RESERVED_CHUNKS <= c < num_chunks for c in owned), "a reserved chunk was handed out"
+        assert hybrid.num_free_blocks + len(owned) == pool.num_usable
+        for r, n in lengths.items():
+            assert len(sliding.block_table(r)) == min(-(-n // page_size), ring) <= ring
+            assert len(full.block_table(r)) == -(-n // page_size)
+        assert all(count == 1 for a in (full, sliding) for count in a.ref_counts.values())
+    for rid in REQUESTS:
+        hybrid.free(rid)
+    assert pool.num_free == pool.num_usable and not full.ref_counts and not sliding.ref_counts
+
+
+# -- models against transformers ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", SLIDING_KINDS)
+@pytest.mark.parametrize("config", [
+    {"page_size": 4},
+    {"page_size": 3, "max_batch_tokens": 5},  # window not a page multiple; chunks shorter than the window
+    {"page_size": 16, "max_batch_tokens": 13},  # one page holds the window; chunks longer than it
+], ids=["page4", "page3-chunk5", "page16-chunk13"])
+def test_sliding_and_hybrid_models_match_transformers(kind, config, tiny_models, references):
+    llm = tiny_models[kind].llm(**config)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert_matches(kind, [o.token_ids for o in outs], references, str(config))
+    assert_nothing_held(llm.engine)
+
+
+@pytest.mark.parametrize("kind", ["mistral_sliding", "gemma2"])
+def test_pytorch_attention_path_matches_too(kind, tiny_models, references, monkeypatch):
+    monkeypatch.setenv("CONVEYOR_NATIVE_KERNELS", "0")
+    llm = tiny_models[kind].llm(page_size=4, max_batch_tokens=7)
+    assert type(llm.engine.runner.attention).__name__ == "TorchPagedAttention"
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    assert_matches(kind, [o.token_ids for o in outs], references, "pytorch attention")
+
+
+@pytest.mark.parametrize("kind", ["mistral_sliding", "gemma3"])
+def test_sliding_pages_stay_bounded_while_generating(kind, tiny_models):
+    llm = tiny_models[kind].llm(page_size=4)
+    engine = llm.engine
+    alloc = engine.allocator
+    sliding = alloc if isinstance(alloc, SlidingAttentionCacheAllocator) else alloc.allocators[0]
+    assert isinstance(sliding, SlidingAttentionCacheAllocator) and sliding.ring_blocks == WINDOW // 4
+    engine.add_request(engine.make_request("long", PROMPTS[3], greedy(60)))
+    lengths = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if sliding.holds("long"):
+            lengths.append(len(sliding.block_table("long")))
+    assert max(lengths) == sliding.ring_blocks  # 91 tokens, never more than the window's pages
+    assert_nothing_held(engine)
+
+
+def test_sliding_and_hybrid_models_never_share_blocks(tiny_models):
+    for kind in ("mistral_sliding", "gemma2"):
+        llm = tiny_models[kind].llm(page_size=4)
+        assert llm.engine.block_sharing is False and llm.engine.allocator.block_sharing is False
+        prompt = PROMPTS[3]
+        llm.generate([prompt, prompt], greedy(2), use_tqdm=False)
+        stats = llm.stats()
+        assert (stats.prefill_tokens, stats.prefix_cache_hit_tokens) == (2 * len(prompt), 0)
+
+
+@pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])
+@pytest.mark.parametrize("swap", [False, True], ids=["soft-reset", "swap"])
+def test_hybrid_offloading_keeps_outputs(scheduler_type, swap, tiny_models, references):
+    """A pool far too small for the four requests at once: requests are offloaded and resumed (by
+    swapping their full and sliding chunks, or by recomputation) and the outputs do not change."""
+    llm = tiny_models["gemma2"].llm(page_size=4, num_blocks=30, scheduler_type=scheduler_type,
+                                    cpu_offload_space=1.0 if swap else 0.0)
+    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    stats = llm.stats()
+    assert stats.offloads > 0
+    assert (stats.swap_ins > 0) == swap and (stats.soft_resets > 0) == (not swap)
+    assert_matches("gemma2", [o.token_ids for o in outs], references, f"offload {scheduler_type}")
+    assert_nothing_held(llm.engine)
+    if swap:
+        assert llm.engine.swap.num_free == llm.engine.swap.num_slots
+
+
+def test_hybrid_request_larger_than_the_pool_fails_alone(tiny_models, references):
+    llm = tiny_models["gemma2"].llm(page_size=4, num_blocks=24)  # a ring of 2 chunks + 22 full blocks
+    assert llm.engine.capacity_tokens == 88
+    too_long = random_prompts([llm.engine.capacity_tokens + 1], seed=9)[0]
+    with pytest.raises(ValueError, match="KV cache capacity"):
+        llm.generate([too_long], greedy(1), use_tqdm=False)
+    outs = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
+    assert_matches("gemma2", [o.token_ids for o in outs], references, "after a refused request")
+    assert_nothing_held(llm.engine)
