@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.models.linear import PackedMatmul, packed_lm_head, packing_enabled
+from conveyor.models.linear import PackedLinear, PackedMatmul, packed_lm_head, packing_enabled, prepack_linears
 
 pytestmark = pytest.mark.skipif(not packing_enabled(), reason="oneDNN linear ops unavailable")
 
@@ -42,18 +42,43 @@ def test_default_window_dispatch() -> None:
     torch.manual_seed(0)
     w = torch.randn(960, 576)
     kernel = PackedMatmul(w)
-    assert (kernel.min_rows, kernel.max_rows) == (2, 16)
+    assert (kernel.min_rows, kernel.max_rows) == (2, 96)
     assert PackedMatmul(torch.randn(20000, 64)).max_rows is None  # vocab-sized head: no upper bound
     with torch.inference_mode():
-        for rows in (0, 1, 17, 100):  # outside the window: exactly F.linear
+        for rows in (0, 1, 97, 300):  # outside the window: exactly F.linear
             x = torch.randn(rows, 576)
             assert torch.equal(kernel(x), F.linear(x, w))
-        x = torch.randn(8, 576)
-        assert_matches_linear(kernel(x), x, w, None)
+        for rows in (2, 8, 96):
+            x = torch.randn(rows, 576)
+            assert_matches_linear(kernel(x), x, w, None)
     x = torch.randn(8, 576, requires_grad=True)
     out = kernel(x)  # grad mode: F.linear, so backward works
     out.sum().backward()
     assert x.grad is not None
+
+
+def test_prepack_linears_replaces_and_matches() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(576, 960), nn.ReLU(), nn.Sequential(nn.Linear(960, 576, bias=False)))
+    x = torch.randn(3, 5, 576)  # 15 rows, leading dims kept
+    with torch.inference_mode():
+        ref = model(x)
+    keys = set(model.state_dict())
+    assert prepack_linears(model) == 2
+    assert isinstance(model[0], PackedLinear) and isinstance(model[2][0], PackedLinear)
+    assert set(model.state_dict()) == keys
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    assert prepack_linears(model) == 0  # already packed
+
+
+def test_prepack_linears_noop_when_disabled_or_not_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_PACKED_LINEAR", "0")
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert prepack_linears(model) == 0 and type(model[0]) is nn.Linear
+    monkeypatch.delenv("CONVEYOR_PACKED_LINEAR")
+    bf16 = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+    assert prepack_linears(bf16) == 0 and type(bf16[0]) is nn.Linear
 
 
 def test_packed_lm_head_is_plain_when_disabled_or_not_fp32(monkeypatch: pytest.MonkeyPatch) -> None:

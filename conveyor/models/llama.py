@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import AttentionBackend, AttentionMetadata
-from .linear import packed_lm_head
+from .linear import packed_lm_head, prepack_linears
 
 
 class RMSNorm(nn.Module):
@@ -206,7 +206,8 @@ class CausalLM(nn.Module):
                         fused[f"{dst}{name}.{kind}"] = state_dict[f"{src}{hf}.{kind}"]
         model.load_state_dict(fused, strict=True)
         model = model.to(device=device, dtype=dtype).eval()
-        model.lm_head_fn = packed_lm_head(model.lm_head_weight)
+        prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
+        model.lm_head_fn = model.lm_head if model.lm_head is not None else packed_lm_head(model.embed_tokens.weight)
         return model
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
