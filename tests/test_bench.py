@@ -150,9 +150,30 @@ def test_throughput_compare_hf_end_to_end(tmp_path, capsys):
         assert match == {"num_requests": 3, "exact_matches": 3, "mismatches": []}, name
         assert report["systems"][name]["token_ids"] == report["systems"]["conveyor"]["token_ids"]
 
+    # Engine counters of the timed run: every prompt token was either prefilled or found in the prefix cache.
+    engine = report["systems"]["conveyor"]["engine"]
+    assert engine["prefill_tokens"] + engine["prefix_cache_hit_tokens"] == report["workload"]["prompt_tokens"]
+    assert engine["offloads"] == 0 and engine["total_blocks"] > 0
+
     printed = capsys.readouterr().out
     assert "hf generate_batch" in printed and "3/3 identical" in printed
     assert format_report(report) in printed
+
+
+def test_throughput_engine_options_reach_the_config(tmp_path):
+    workload = write(tmp_path, "tiny.json", {"name": "tiny", "max_new_tokens": 2, "temperature": 0.0,
+                                             "prompts": ["Name a color.", "Name a fruit."]})
+    out = tmp_path / "report.json"
+    assert main(["throughput", str(workload), "--no-progress", "--out", str(out), "--page-size", "8",
+                 "--num-blocks", "300", "--scheduler-type", "prefill_first", "--cpu-offload-space", "0.25",
+                 "--no-prefix-caching"]) == 0
+    report = json.loads(out.read_text())
+    config = report["conveyor_config"]
+    assert (config["page_size"], config["num_blocks"], config["scheduler_type"], config["cpu_offload_space"],
+            config["allow_block_sharing"]) == (8, 300, "prefill_first", 0.25, False)
+    engine = report["systems"]["conveyor"]["engine"]
+    assert engine["prefill_tokens"] == report["workload"]["prompt_tokens"] and engine["prefix_cache_hit_tokens"] == 0
+    assert engine["total_blocks"] == 300
 
 
 def test_format_report_lists_every_mismatch_and_failure():

@@ -91,6 +91,11 @@ def environment() -> dict[str, Any]:
             "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
+# Engine counters reported for the timed run (differences of `LLM.stats()`; the warm-up excluded).
+ENGINE_COUNTERS = ("prefill_tokens", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "offloads", "swap_outs",
+                   "swap_ins", "soft_resets")
+
+
 def run_conveyor(llm: Any, prompts: list[list[int]], workload: Workload, *, progress: bool = True,
                  warmup_prompt: Sequence[int] | None = None):
     """One timed `LLM.generate` over all prompts, after a small untimed warm-up generate."""
@@ -107,15 +112,19 @@ def run_conveyor(llm: Any, prompts: list[list[int]], workload: Workload, *, prog
     cuda = llm.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(llm.device)
+    before = llm.stats()
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=progress)
     if cuda:
         torch.cuda.synchronize(llm.device)
     wall = time.perf_counter() - started
+    after = llm.stats()
+    engine = {k: getattr(after, k) - getattr(before, k) for k in ENGINE_COUNTERS}
+    engine["total_blocks"] = after.total_blocks
     return RunResult(token_ids=[list(o.token_ids) for o in outputs], wall_s=wall,
                      errors=[o.error or (f"finish_reason={o.finish_reason}" if o.finish_reason in ("error", "abort")
                                          else None) for o in outputs],
-                     extra={"finish_reasons": _count(o.finish_reason for o in outputs)})
+                     extra={"finish_reasons": _count(o.finish_reason for o in outputs), "engine": engine})
 
 
 def _count(values) -> dict[str, int]:
@@ -245,6 +254,15 @@ def format_report(report: dict[str, Any]) -> str:
     for name, s in report["systems"].items():
         if s.get("num_errors"):
             notes.append(f"{SYSTEM_LABELS.get(name, name)}: {s['num_errors']} requests FAILED: {s['errors'][:3]}")
+    engine = report["systems"].get(CONVEYOR, {}).get("engine")
+    if engine:
+        c = report["conveyor_config"]
+        notes.append(f"conveyor: page_size {c['page_size']}, {engine['total_blocks']} KV blocks, max_batch_tokens "
+                     f"{c['max_batch_tokens']}, {c['scheduler_type']}; prefilled {engine['prefill_tokens']} tokens, "
+                     f"prefix cache {engine['prefix_cache_hit_tokens']} of {engine['prefix_cache_query_tokens']} "
+                     f"queried tokens hit ({'on' if c['allow_block_sharing'] else 'off'}); offloads "
+                     f"{engine['offloads']} (swapped {engine['swap_outs']}, swapped in {engine['swap_ins']}, "
+                     f"soft resets {engine['soft_resets']})")
     cb = report["systems"].get(HF_CB)
     if cb:
         notes.append(f"hf generate_batch: {cb['api']}, attn {cb['attn_implementation']}, page_size {cb['page_size']}, "
@@ -306,6 +324,11 @@ def add_arguments(parser: Any) -> None:
                      help="Conveyor's per-pass token budget (default: ContinuousBatchingConfig's)")
     eng.add_argument("--max-requests-per-batch", type=int, default=None)
     eng.add_argument("--num-blocks", type=int, default=None, help="Conveyor's KV pool size in blocks")
+    eng.add_argument("--page-size", type=int, default=None)
+    eng.add_argument("--scheduler-type", choices=("fifo", "prefill_first"), default=None)
+    eng.add_argument("--cpu-offload-space", type=float, default=None, metavar="GIB",
+                     help="host swap space for offloaded requests' KV blocks (default 0: soft resets)")
+    eng.add_argument("--no-prefix-caching", action="store_true", help="allow_block_sharing=False")
     hf = parser.add_argument_group("transformers baselines")
     hf.add_argument("--hf-batch-size", type=int, default=16, help="batch size of static generate (default 16)")
     hf.add_argument("--hf-max-batch-tokens", type=int, default=-1,
@@ -353,7 +376,11 @@ def run_from_args(args: Any) -> int:
 
     overrides = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens),
                                    ("max_requests_per_batch", args.max_requests_per_batch),
-                                   ("num_blocks", args.num_blocks)) if v is not None}
+                                   ("num_blocks", args.num_blocks), ("page_size", args.page_size),
+                                   ("scheduler_type", args.scheduler_type),
+                                   ("cpu_offload_space", args.cpu_offload_space)) if v is not None}
+    if args.no_prefix_caching:
+        overrides["allow_block_sharing"] = False
     started = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, config=ContinuousBatchingConfig(**overrides))
     print(f"Loaded {llm.model_path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
