@@ -9,7 +9,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from conveyor.allocator import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
-from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool
+from conveyor import LLM, ContinuousBatchingConfig, cache_pool
+from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks, working_memory_bytes
 from conveyor.prefix_cache import block_digest
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
@@ -534,3 +535,28 @@ def test_allocator_sharing_invariants_under_random_ops(num_chunks, page_size, se
         alloc.free(rid)
     check_allocator_invariants(alloc)
     assert not alloc.ref_counts and alloc.num_free_blocks == alloc.num_total_blocks
+
+
+# -- sizing --------------------------------------------------------------------------------------
+
+def test_num_blocks_overrides_sizing():
+    assert plan_num_chunks(num_blocks=7, max_memory_percent=0.5, bytes_per_chunk=1, activation_bytes=0,
+                           max_useful_chunks=100, device=torch.device("cpu")) == 7 + NUM_RESERVED_CHUNKS
+
+
+def test_pool_is_sized_from_free_memory_after_the_working_memory(tiny_llama, monkeypatch):
+    """The pool takes max_memory_percent of what is left once one full pass's working memory (activations,
+    attention scores, logits, index tensors) is set aside; too little memory is a clear error."""
+    free = 32 << 20
+    monkeypatch.setattr(cache_pool, "available_memory", lambda device: free)
+    config = ContinuousBatchingConfig(max_memory_percent=0.5)
+    engine = LLM(tiny_llama.path, config=config).engine
+    working = working_memory_bytes(engine.model, config, torch.float32)
+    per_chunk = CachePool.bytes_per_chunk(16, 2, 2, 16, torch.float32)  # page 16, 2 layers, 2 kv heads, dim 16
+    assert 8 << 20 < working < free  # attention scores of 512 queries x 512 keys x 4 heads dominate
+    assert engine.pool.num_chunks == int((free - working) * 0.5) // per_chunk
+    bigger = ContinuousBatchingConfig(max_batch_tokens=1024, max_requests_per_batch=128)
+    assert working_memory_bytes(engine.model, bigger, torch.float32) > working
+    monkeypatch.setattr(cache_pool, "available_memory", lambda device: working + 4 * per_chunk)  # room for 2 chunks: only the reserved ones
+    with pytest.raises(MemoryError, match="not enough free memory for a KV cache"):
+        LLM(tiny_llama.path, config=config)
