@@ -12,9 +12,9 @@ from conveyor.kernels import cpu_paged_attention
 from .conftest import TinyModel, random_prompts
 
 
-def random_decode_batch(page_size: int, heads: int, kv_heads: int, seed: int = 0):
+def random_decode_batch(page_size: int, heads: int, kv_heads: int, seed: int = 0, dim: int = 32):
     g = torch.Generator().manual_seed(seed)
-    num_chunks, dim = 64, 32
+    num_chunks = 64
     kv = torch.randn(2, num_chunks * page_size, kv_heads, dim, generator=g)
     lens = torch.tensor([1, page_size, page_size + 1, 3 * page_size - 1, 5])
     width = int((lens.max() + page_size - 1) // page_size)
@@ -49,9 +49,11 @@ def test_native_cpu_kernel_builds() -> None:
 
 
 @pytest.mark.parametrize("softcap", [None, 0.5])
-@pytest.mark.parametrize(("page_size", "heads", "kv_heads"), [(4, 4, 2), (16, 9, 3), (8, 4, 4)])
-def test_decode_backends_match_reference(page_size: int, heads: int, kv_heads: int, softcap: float | None) -> None:
-    q, kv, meta = random_decode_batch(page_size, heads, kv_heads)
+@pytest.mark.parametrize(("page_size", "heads", "kv_heads", "dim"),
+                         [(4, 4, 2, 32), (16, 9, 3, 64), (8, 4, 4, 80), (4, 2, 1, 12)])  # 12: the kernel's scalar path
+def test_decode_backends_match_reference(page_size: int, heads: int, kv_heads: int, dim: int,
+                                         softcap: float | None) -> None:
+    q, kv, meta = random_decode_batch(page_size, heads, kv_heads, dim=dim)
     scale = q.shape[-1] ** -0.5
     expected = reference_decode(q, kv, meta, scale, softcap)
     if softcap is not None:  # the cap changes the result: the check below can fail

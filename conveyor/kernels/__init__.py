@@ -23,7 +23,7 @@ def cpu_paged_attention() -> ModuleType | None:
     source = Path(__file__).with_name("paged_attention_cpu.cpp")
     try:
         return load(name="conveyor_paged_attention_cpu", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"], extra_ldflags=["-fopenmp"],
                     verbose=False)
     except Exception as exc:  # no compiler, no headers: the PyTorch path still works
         logger.warning("CPU attention kernel unavailable, using PyTorch attention: %s", exc)
