@@ -166,7 +166,7 @@ def test_throughput_engine_options_reach_the_config(tmp_path):
     out = tmp_path / "report.json"
     assert main(["throughput", str(workload), "--no-progress", "--out", str(out), "--page-size", "8",
                  "--num-blocks", "300", "--scheduler-type", "prefill_first", "--cpu-offload-space", "0.25",
-                 "--no-prefix-caching"]) == 0
+                 "--no-block-sharing"]) == 0
     report = json.loads(out.read_text())
     config = report["conveyor_config"]
     assert (config["page_size"], config["num_blocks"], config["scheduler_type"], config["cpu_offload_space"],

@@ -328,7 +328,7 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--scheduler-type", choices=("fifo", "prefill_first"), default=None)
     eng.add_argument("--cpu-offload-space", type=float, default=None, metavar="GIB",
                      help="host swap space for offloaded requests' KV blocks (default 0: soft resets)")
-    eng.add_argument("--no-prefix-caching", action="store_true", help="allow_block_sharing=False")
+    eng.add_argument("--no-block-sharing", action="store_true", help="allow_block_sharing=False: no prefix caching")
     hf = parser.add_argument_group("transformers baselines")
     hf.add_argument("--hf-batch-size", type=int, default=16, help="batch size of static generate (default 16)")
     hf.add_argument("--hf-max-batch-tokens", type=int, default=-1,
@@ -379,7 +379,7 @@ def run_from_args(args: Any) -> int:
                                    ("num_blocks", args.num_blocks), ("page_size", args.page_size),
                                    ("scheduler_type", args.scheduler_type),
                                    ("cpu_offload_space", args.cpu_offload_space)) if v is not None}
-    if args.no_prefix_caching:
+    if args.no_block_sharing:
         overrides["allow_block_sharing"] = False
     started = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, config=ContinuousBatchingConfig(**overrides))
