@@ -370,3 +370,27 @@ class HybridCacheAllocator(CacheAllocator):
 
     def holds(self, request_id: str) -> bool:
         return self.allocators[0].holds(request_id)
+
+
+LayerGroup = tuple[AttentionTypeAllocator, int, list[int]]  # (its allocator, index within it, layers)
+
+
+def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], window: int | None,
+                     block_sharing: bool) -> tuple[CacheAllocator, list[LayerGroup]]:
+    """One allocator per attention type over `pool` for the model's layer `groups` (see
+    `cache_pool.layer_groups`): the allocator the scheduler sees (the only one, or a
+    `HybridCacheAllocator` over all), and per group its allocator and index within it."""
+    allocators: dict[str, AttentionTypeAllocator] = {}
+    out: list[LayerGroup] = []
+    for attention_type, layers in groups:
+        if attention_type not in allocators:
+            k = sum(t == attention_type for t, _ in groups)
+            if attention_type == "full_attention":
+                allocators[attention_type] = FullAttentionCacheAllocator(pool, block_sharing, num_groups=k)
+            else:
+                assert window is not None, "sliding layers need a window"
+                allocators[attention_type] = SlidingAttentionCacheAllocator(pool, window, num_groups=k)
+        allocator = allocators[attention_type]
+        out.append((allocator, sum(a is allocator for a, _, _ in out), layers))
+    types = list(allocators.values())
+    return (types[0] if len(types) == 1 else HybridCacheAllocator(types)), out

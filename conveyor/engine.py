@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .allocator import (AttentionTypeAllocator, CacheAllocator, FullAttentionCacheAllocator, HybridCacheAllocator,
-                        SlidingAttentionCacheAllocator)
+from .allocator import build_allocators
 from .cache_pool import CachePool, layer_groups, plan_num_chunks, working_memory_bytes
 from .config import ContinuousBatchingConfig
 from .model_runner import ModelRunner
@@ -88,19 +88,7 @@ class Engine:
         self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
         # Prefix caching needs every allocator to share blocks: full-attention-only models.
         self.block_sharing = config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
-        allocators: dict[str, AttentionTypeAllocator] = {}
-        runner_groups = []
-        for attention_type, layers in groups:
-            if attention_type not in allocators:
-                k = sum(t == attention_type for t, _ in groups)
-                allocators[attention_type] = (
-                    FullAttentionCacheAllocator(self.pool, self.block_sharing, num_groups=k)
-                    if attention_type == "full_attention"
-                    else SlidingAttentionCacheAllocator(self.pool, window, num_groups=k))
-            allocator = allocators[attention_type]
-            runner_groups.append((allocator, sum(a is allocator for a, _, _ in runner_groups), layers))
-        self.allocator: CacheAllocator = (next(iter(allocators.values())) if len(allocators) == 1
-                                          else HybridCacheAllocator(list(allocators.values())))
+        self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing)
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
@@ -111,11 +99,10 @@ class Engine:
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
-        logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB "
-                    "kept for activations; prefix caching %s; swap pool %d chunks",
-                    self.pool.num_usable, page, shape["num_layers"],
-                    ", ".join(f"{a.num_groups} {t} group(s)" for t, a in allocators.items()),
-                    self.capacity_tokens, working / 2**20, "on" if self.block_sharing else "off", swap_slots)
+        kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
+        logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
+                    "memory; prefix caching %s; swap pool %d chunks", self.pool.num_usable, page, shape["num_layers"],
+                    kinds, self.capacity_tokens, working / 2**20, "on" if self.block_sharing else "off", swap_slots)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .allocator import AttentionTypeAllocator
+from .allocator import AttentionTypeAllocator, LayerGroup
 from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
 from .cache_pool import CachePool
 from .request import Request
@@ -35,7 +35,7 @@ class ModelRunner:
     attention metadata, since each reads its own blocks (and a sliding group its own window)."""
 
     def __init__(self, model: nn.Module, pool: CachePool,
-                 groups: list[tuple[AttentionTypeAllocator, int, list[int]]], device: torch.device,
+                 groups: list[LayerGroup], device: torch.device,
                  attention: AttentionBackend | None = None) -> None:
         self.model = model
         self.pool = pool
