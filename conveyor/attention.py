@@ -11,11 +11,12 @@ windows need nothing here: the runner's metadata (ring slots, masks, context len
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from .kernels import cpu_paged_attention, native_kernels_enabled
 
 
 def cache_slots(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -162,8 +163,7 @@ class CpuPagedAttention(TorchPagedAttention):
 def make_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
     """The native CPU kernel for fp32 on CPU when it builds (unless `CONVEYOR_NATIVE_KERNELS=0`),
     else pure PyTorch."""
-    if device.type == "cpu" and dtype == torch.float32 and os.environ.get("CONVEYOR_NATIVE_KERNELS") != "0":
-        from .kernels import cpu_paged_attention
+    if device.type == "cpu" and dtype == torch.float32 and native_kernels_enabled():
 
         kernel = cpu_paged_attention()
         if kernel is not None:

@@ -92,8 +92,5 @@ class GemmaForCausalLM(CausalLM):
     def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.rotary is not None:
             return super().rotary_for_layer(positions, dtype)
-        by_type = {}
-        for t, rotary in self.rotaries.items():
-            cos, sin = rotary(positions, dtype)
-            by_type[t] = (cos.unsqueeze(1), sin.unsqueeze(1))
+        by_type = {t: rotary(positions, dtype) for t, rotary in self.rotaries.items()}
         return [by_type[t] for t in self.rope_layer_types]

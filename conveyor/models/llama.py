@@ -11,6 +11,7 @@ cos/sin from fp32 positions) so greedy outputs match it token for token.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import AttentionBackend, AttentionMetadata
+from ..kernels import cpu_fused_ops, native_kernels_enabled
 from .linear import packed_lm_head, prepack_linears
 
 
@@ -27,8 +29,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -116,6 +121,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
         self.scale = head_dim ** -0.5
         self.softcap: float | None = None
+        self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                   meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
@@ -127,15 +133,22 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if self.fused is not None:  # in place, on the qkv output (or the norms' outputs)
+            self.fused.rope_(q, cos, sin)
+            self.fused.rope_(k, cos, sin)
+        else:
+            q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
         o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
         x = x + self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
+        if self.fused is not None:
+            return x + self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 
@@ -207,16 +220,23 @@ class CausalLM(nn.Module):
         model.load_state_dict(fused, strict=True)
         model = model.to(device=device, dtype=dtype).eval()
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
+        if device.type == "cpu" and dtype == torch.float32 and native_kernels_enabled():
+            model.use_fused_ops(cpu_fused_ops())
         model.lm_head_fn = model.lm_head if model.lm_head is not None else packed_lm_head(model.embed_tokens.weight)
         return model
+
+    def use_fused_ops(self, ops: ModuleType | None) -> None:
+        """Run the Llama layers' norms, RoPE and SiLU * up through native fused ops (None: PyTorch)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, DecoderLayer)) and type(module) in (RMSNorm, DecoderLayer):
+                module.fused = ops
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
     def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin `[num_tokens, 1, head_dim]` for every layer (shared by all here)."""
-        cos, sin = self.rotary(positions, dtype)
-        return [(cos.unsqueeze(1), sin.unsqueeze(1))] * self.num_layers
+        """cos/sin `[num_tokens, head_dim]` for every layer (shared by all here)."""
+        return [self.rotary(positions, dtype)] * self.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                 metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
