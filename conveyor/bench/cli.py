@@ -34,7 +34,7 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "same weights and compares greedy outputs."),
         ("roofline", roofline, {},
          "matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
-         "Times F.linear on each of the model's weight shapes at M = batch rows (GFLOP/s and the linear-only "
+         "Times the model's linear layers on each of its weight shapes at M = batch rows (GFLOP/s and the linear-only "
          "tok/s ceiling), then one decode step of the same model over contiguous K/V (batch sequences of context "
          "tokens, one SDPA per layer, no paging or scheduling): the dense ceiling."),
         ("step", roofline, {"step": True},

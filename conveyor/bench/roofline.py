@@ -2,8 +2,9 @@
 
 Three measurements, all on the same model object (a `CausalLM`):
 
-1. Matmul rate: `F.linear` on each distinct weight shape (fused qkv_proj, o_proj, gate_up_proj,
-   down_proj of one layer, and the LM head) at M = batch rows. FLOPs per token are 2 x the
+1. Matmul rate: the model's own linear layers (as its forward runs them: oneDNN-packed on CPU
+   fp32) on each distinct weight shape (fused qkv_proj, o_proj, gate_up_proj, down_proj of one
+   layer, and the LM head) at M = batch rows. FLOPs per token are 2 x the
    parameters touched per token (every layer's linears plus the LM head), so the per-shape times,
    weighted by how often each shape runs, give the tok/s ceiling of the linear layers alone.
 2. Dense ceiling: ONE decode step of `batch` sequences of `context` cached tokens through the
@@ -78,28 +79,29 @@ def _time_call(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
 
 
 # -- 1. matmul rate ---------------------------------------------------------------------------------
-def linear_layers(model: Any) -> list[tuple[str, torch.Tensor, torch.Tensor | None, int]]:
-    """(name, weight, bias, times run per token) of each distinct linear layer shape of the model."""
+def linear_layers(model: Any) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor, int]]:
+    """(name, the model's own callable, weight, times run per token) of each distinct linear layer shape:
+    the modules the forward calls (oneDNN-packed on CPU fp32, see `models/linear.py`) and its LM head."""
     layer = model.layers[0]
     n = model.num_layers
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    return [("qkv_proj", layer.qkv_proj.weight, layer.qkv_proj.bias, n),
-            ("o_proj", layer.o_proj.weight, layer.o_proj.bias, n),
-            ("gate_up_proj", layer.gate_up_proj.weight, layer.gate_up_proj.bias, n),
-            ("down_proj", layer.down_proj.weight, layer.down_proj.bias, n),
-            ("lm_head", head, None, 1)]
+    head = model.lm_head_fn or (lambda h: F.linear(h, model.lm_head_weight))
+    return [("qkv_proj", layer.qkv_proj, layer.qkv_proj.weight, n),
+            ("o_proj", layer.o_proj, layer.o_proj.weight, n),
+            ("gate_up_proj", layer.gate_up_proj, layer.gate_up_proj.weight, n),
+            ("down_proj", layer.down_proj, layer.down_proj.weight, n),
+            ("lm_head", head, model.lm_head_weight, 1)]
 
 
 @torch.inference_mode()
 def measure_matmuls(model: Any, batch: int, *, repeats: int = 10, warmup: int = 3, seed: int = 0) -> dict[str, Any]:
-    """GFLOP/s of `F.linear` on each weight shape at M = batch rows, and the linear-only tok/s ceiling."""
+    """GFLOP/s of the model's linear layers at M = batch rows, and the linear-only tok/s ceiling."""
     g = torch.Generator().manual_seed(seed)
     shapes = []
     step_flops = step_s = params = 0.0
-    for name, weight, bias, count in linear_layers(model):
+    for name, fn, weight, count in linear_layers(model):
         out_f, in_f = weight.shape
         x = torch.randn(batch, in_f, generator=g).to(device=weight.device, dtype=weight.dtype)
-        t = _time_call(lambda x=x, w=weight, b=bias: F.linear(x, w, b), weight.device, repeats, warmup)
+        t = _time_call(lambda x=x, fn=fn: fn(x), weight.device, repeats, warmup)
         flops = 2.0 * batch * in_f * out_f
         shapes.append({"name": name, "out_features": out_f, "in_features": in_f, "count": count,
                        "time_s": t, "gflops": flops / t / 1e9})
@@ -441,7 +443,7 @@ def format_report(report: dict[str, Any]) -> str:
              f"{m['hidden_size']}, {m['num_heads']}/{m['num_kv_heads']} heads; torch {env['torch']} "
              f"({env['torch_threads']} threads)",
              f"Batch {b} sequences, context {report['context']} tokens", "",
-             f"Linear layers at M = {b} rows (F.linear, median per call):"]
+             f"Linear layers at M = {b} rows (the model's own, median per call):"]
     rows = [(s["name"], f"{s['out_features']} x {s['in_features']}", f"x{s['count']}", _ms(s["time_s"]),
              f"{s['gflops']:.1f}") for s in mm["shapes"]]
     rows.append(("all, per step", f"{mm['params_per_token'] / 1e6:.1f}M params", "", _ms(mm["time_per_step_s"]),
