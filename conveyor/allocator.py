@@ -34,19 +34,27 @@ from .prefix_cache import BlockHashes, PrefixCache
 from .request import Request
 
 
+def table_length(num_tokens: int, page_size: int, window: int | None) -> int:
+    """Blocks a request of `num_tokens` tokens holds: one per page for full attention (`window` None),
+    at most a ring of `ceil(window / page_size)` for a sliding window."""
+    pages = -(-num_tokens // page_size)
+    return pages if window is None else min(pages, -(-window // page_size))
+
+
 class CacheAllocator:
     """What the scheduler, the engine and the model runner ask of the cache, in pool chunks."""
 
+    pool: CachePool
     page_size: int
     block_sharing: bool = False
 
     @property
     def num_free_blocks(self) -> int:
-        raise NotImplementedError
+        return self.pool.num_free
 
     @property
     def num_total_blocks(self) -> int:
-        raise NotImplementedError
+        return self.pool.num_usable
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Chunks a sequence of `num_tokens` tokens occupies (and a pass over it reads)."""
@@ -124,15 +132,7 @@ class AttentionTypeAllocator(CacheAllocator):
 
     def table_length(self, num_tokens: int) -> int:
         """Blocks in the table of a request whose sequence has `num_tokens` tokens."""
-        raise NotImplementedError
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.pool.num_usable
+        return table_length(num_tokens, self.page_size, self.window)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return self.table_length(num_tokens) * self.num_groups
@@ -213,9 +213,6 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         self.prefix_cache = PrefixCache()
         self._hashes: dict[str, BlockHashes] = {}  # request -> digests of its leading completed blocks
         self._num_registered: dict[str, int] = {}  # request -> leading blocks already indexed (or matched)
-
-    def table_length(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
 
     @property
     def num_free_blocks(self) -> int:
@@ -318,10 +315,7 @@ class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
         if window < 1:
             raise ValueError(f"sliding window must be >= 1 token, got {window}")
         self.window = window
-        self.ring_blocks = -(-window // self.page_size)
-
-    def table_length(self, num_tokens: int) -> int:
-        return min(-(-num_tokens // self.page_size), self.ring_blocks)
+        self.ring_blocks = table_length(window, self.page_size, window)
 
 
 class HybridCacheAllocator(CacheAllocator):
@@ -335,14 +329,6 @@ class HybridCacheAllocator(CacheAllocator):
         self.allocators = list(allocators)
         self.pool = allocators[0].pool
         self.page_size = self.pool.page_size
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free
-
-    @property
-    def num_total_blocks(self) -> int:
-        return self.pool.num_usable
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return sum(a.blocks_for_tokens(num_tokens) for a in self.allocators)

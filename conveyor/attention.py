@@ -164,7 +164,6 @@ def make_attention_backend(device: torch.device, dtype: torch.dtype) -> Attentio
     """The native CPU kernel for fp32 on CPU when it builds (unless `CONVEYOR_NATIVE_KERNELS=0`),
     else pure PyTorch."""
     if device.type == "cpu" and dtype == torch.float32 and native_kernels_enabled():
-
         kernel = cpu_paged_attention()
         if kernel is not None:
             return CpuPagedAttention(kernel)

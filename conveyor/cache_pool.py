@@ -7,11 +7,10 @@ of every group uses tensor `j`. So a chunk serves any group, full or sliding, an
 shared between attention types. For a model with one attention type there is one group of all
 layers and a block (one page per layer) is exactly one chunk. The slot of token `t` in chunk `c`
 is `c * page_size + t`, which lets the model write and gather K/V for a whole ragged batch with
-one index tensor. Chunks 0 and 1 are
-reserved: padding tokens write into them and padded reads point at them, so no request's data is
-ever touched by padding. They are zeroed; the rest is left uninitialised (on CPU the pages are
-only committed as requests fill them), which is safe because nothing reads a slot before it is
-written except through padding, which reads the reserved chunks.
+one index tensor. Chunks 0 and 1 are reserved: padding tokens write into them and padded reads
+point at them, so no request's data is ever touched by padding. They are zeroed; the rest is left
+uninitialised (on CPU the pages are only committed as requests fill them), which is safe because
+nothing reads a slot before it is written except through padding, which reads the reserved chunks.
 """
 
 from __future__ import annotations

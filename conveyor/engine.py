@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .allocator import build_allocators
+from .allocator import build_allocators, table_length
 from .cache_pool import CachePool, layer_groups, plan_num_chunks, working_memory_bytes
 from .config import ContinuousBatchingConfig
 from .model_runner import ModelRunner
@@ -77,8 +77,8 @@ class Engine:
         shape = dict(page_size=config.page_size, num_layers=len(groups[0][1]),
                      num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
         page, window = config.page_size, model.sliding_window
-        chunks_per_request = sum(-(-self.max_model_len // page) if t == "full_attention"
-                                 else min(-(-self.max_model_len // page), -(-window // page)) for t, _ in groups)
+        chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
+                                 for t, _ in groups)
         working = working_memory_bytes(model, config, self.dtype)
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
         num_chunks = plan_num_chunks(

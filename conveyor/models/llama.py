@@ -228,7 +228,7 @@ class CausalLM(nn.Module):
     def use_fused_ops(self, ops: ModuleType | None) -> None:
         """Run the Llama layers' norms, RoPE and SiLU * up through native fused ops (None: PyTorch)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, DecoderLayer)) and type(module) in (RMSNorm, DecoderLayer):
+            if type(module) in (RMSNorm, DecoderLayer):  # not Gemma's subclasses
                 module.fused = ops
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
