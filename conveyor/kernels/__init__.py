@@ -1,47 +1,103 @@
 """Optional native kernels, compiled on first use with torch's C++ extension builder.
 
-Built once per machine (cached by torch under `~/.cache/torch_extensions`, or
-`$TORCH_EXTENSIONS_DIR`, ~40 s each the first time) and used for fp32 on CPU: the paged
-decode-attention kernel, and the fused elementwise ops of the decoder layer (RMSNorm, RoPE,
-SiLU * up). If one cannot be built (no compiler), the PyTorch code runs instead.
-`CONVEYOR_NATIVE_KERNELS=0` turns both off.
+Built once per machine and environment (cached by torch under `~/.cache/torch_extensions`, or
+`$TORCH_EXTENSIONS_DIR`, ~40 s each the first time) for CPU: paged attention, the fused
+elementwise ops of the decoder layer (RMSNorm, RoPE, SiLU * up), and the weight-streaming matmuls
+over quantized, bf16 and fp32 weights. Each extension's name carries a digest of its source, the
+compiler flags, the torch and Python versions and the CPU's vector-instruction flags, so two
+environments (or two CPUs sharing a home directory) never load or rebuild each other's builds.
+`-march=native` picks the instruction set of the CPU it is built on (AVX2, AVX-512, VNNI, BF16).
+If one cannot be built (no compiler), the PyTorch code runs instead. `CONVEYOR_NATIVE_KERNELS=0`
+turns them all off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import platform
+import sys
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 logger = logging.getLogger("conveyor")
 
+# CPU flags that change what -march=native compiles; read from /proc/cpuinfo where there is one.
+_VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                 "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
+
 
 def native_kernels_enabled() -> bool:
     return os.environ.get("CONVEYOR_NATIVE_KERNELS") != "0"
 
 
-def _build(name: str, source: str, *cflags: str) -> ModuleType | None:
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def vector_flags() -> list[str]:
+    """The vector-instruction flags of this CPU that matter to the kernels, for logs and figures."""
+    return [f for f in _VECTOR_FLAGS if f in cpu_flags()]
+
+
+def _build_key(sources: list[Path], cflags: list[str]) -> str:
+    import torch
+
+    digest = hashlib.sha256()
+    for source in sources:
+        digest.update(source.read_bytes())
+    digest.update(" ".join([*cflags, torch.__version__, sys.version, platform.machine(), *vector_flags()]).encode())
+    return digest.hexdigest()[:12]
+
+
+def _build(name: str, sources: list[str], *cflags: str) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
+    paths = [Path(__file__).with_name(s) for s in sources]
+    flags = ["-O3", "-march=native", *cflags, "-fopenmp"]
+    full_name = f"{name}_{_build_key(paths, flags)}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    fresh = not any(root.glob(f"*/{full_name}/*.so"))
+    if fresh:
+        logger.info("building native kernel %s (once per environment, ~40 s)", name)
+    started = time.monotonic()
     try:
-        return load(name=name, sources=[str(Path(__file__).with_name(source))],
-                    extra_cflags=["-O3", "-march=native", *cflags, "-fopenmp"], extra_ldflags=["-fopenmp"],
-                    verbose=False)
+        module = load(name=full_name, sources=[str(p) for p in paths], extra_cflags=flags,
+                      extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # no compiler, no headers: the PyTorch path still works
         logger.warning("native kernel %s unavailable, using PyTorch instead: %s", name, exc)
         return None
+    if fresh:
+        logger.info("built native kernel %s in %.0f s", name, time.monotonic() - started)
+    return module
 
 
 @cache
 def cpu_paged_attention() -> ModuleType | None:
     """The paged decode-attention extension, or None when the build fails."""
-    return _build("conveyor_paged_attention_cpu", "paged_attention_cpu.cpp", "-ffp-contract=fast")
+    return _build("conveyor_paged_attention_cpu", ["paged_attention_cpu.cpp"], "-ffp-contract=fast")
 
 
 @cache
 def cpu_fused_ops() -> ModuleType | None:
     """The fused elementwise ops (`rms_norm`, `rope_`, `silu_mul`), or None when the build fails. No
     contraction into fused multiply-adds, so each op rounds like the PyTorch ops it replaces."""
-    return _build("conveyor_fused_cpu", "fused_cpu.cpp", "-ffp-contract=off")
+    return _build("conveyor_fused_cpu", ["fused_cpu.cpp"], "-ffp-contract=off")
+
+
+@cache
+def cpu_matmul_ops() -> ModuleType | None:
+    """Weight-streaming matmuls over GGUF-quantized, int8, bf16 and fp32 weights (`matmul_cpu.cpp`),
+    or None when the build fails."""
+    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp"], "-ffp-contract=fast")
