@@ -92,7 +92,8 @@ class Engine:
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
-        self.runner = ModelRunner(model, self.pool, runner_groups, device)
+        # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
+        self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch)
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
         swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
@@ -135,6 +136,10 @@ class Engine:
         if len(token_ids) > self.capacity_tokens:
             raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
                                       f"{self.capacity_tokens} tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise InvalidRequestError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
+                                          f"got {getattr(params, name)}")
         pages = self.allocator.blocks_for_tokens(total)
         if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
             raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
@@ -187,6 +192,8 @@ class Engine:
             for request in failed:
                 self._finish(request, RequestState.FAILED, "error", error=f"forward pass failed: {exc}")
             return failed
+        for request, entries in result.prompt_logprobs:
+            request.prompt_logprobs.extend(entries)  # type: ignore[union-attr]  # set: it asked for them
         for chunk in out.chunks:
             if chunk.request.state is RequestState.PREFILLING:
                 self._stats.prefill_tokens += chunk.num_tokens

@@ -2,12 +2,13 @@
 
 One forward pass covers every scheduled chunk, flattened: single-token chunks (decodes) first,
 so attention can treat them as one padded group, then prefill chunks. Only the last token of a
-chunk that completes its request's sequence is sent through the LM head and the sampler.
+chunk that completes its request's sequence is sent through the LM head and the sampler, plus,
+for requests that ask for prompt logprobs, the prompt rows that score their next prompt token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -22,11 +23,18 @@ from .scheduler import ScheduledChunk
 
 @dataclass
 class StepResult:
-    """The requests that sampled this step, with their new tokens (and logprobs when asked)."""
+    """The requests that sampled this step, with their new tokens (and logprobs when asked), and the
+    prompt logprobs this pass computed, per request in prompt order (to append to what it has)."""
 
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = field(default_factory=list)
+
+
+def split_batch(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+    """Decodes (single-token chunks), then prefills: the order of the pass's rows."""
+    return [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
 
 
 class ModelRunner:
@@ -36,7 +44,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, pool: CachePool,
                  groups: list[LayerGroup], device: torch.device,
-                 attention: AttentionBackend | None = None) -> None:
+                 attention: AttentionBackend | None = None, max_logit_rows: int = 64) -> None:
         self.model = model
         self.pool = pool
         self.groups = [(allocator, index) for allocator, index, _ in groups]
@@ -49,12 +57,12 @@ class ModelRunner:
         self.attention = attention or make_attention_backend(device, next(model.parameters()).dtype)
         self.sampler = Sampler()
         self.page_size = pool.page_size
+        self.max_logit_rows = max_logit_rows  # LM head rows at a time for prompt logprobs (bounds the logits)
 
     def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata],
                                                                list[int], list[Request]]:
         """Input ids, positions, attention metadata per layer, and the batch rows (and requests) that sample."""
-        decodes = [c for c in chunks if c.num_tokens == 1]
-        prefills = [c for c in chunks if c.num_tokens > 1]
+        decodes, prefills = split_batch(chunks)
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         dev = self.device
@@ -130,8 +138,54 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
         input_ids, positions, metas, sample_rows, samplers = self.prepare(chunks)
         hidden = self.model(input_ids, positions, self.layer_kv, metas, self.attention)
+        prompt_logprobs = self._prompt_logprobs(chunks, hidden)
         if not samplers:
-            return StepResult([], [], [])
+            return StepResult([], [], [], prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
         token_ids, logprobs = self.sampler(logits, samplers)
-        return StepResult(samplers, token_ids, logprobs)
+        return StepResult(samplers, token_ids, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, chunks: list[ScheduledChunk],
+                         hidden: torch.Tensor) -> list[tuple[Request, list[dict[int, float]]]]:
+        """Log-softmax (fp32, raw logits) of the prompt rows of requests that ask for prompt logprobs: the
+        row at position `p` scores prompt token `p + 1`, with the top-n alternatives. Positions whose
+        entry is already recorded (a soft reset recomputes them) are skipped. The LM head takes at most
+        `max_logit_rows` rows at a time, so a long prompt chunk never holds all its logits at once."""
+        decodes, prefills = split_batch(chunks)
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[Request, int]] = []
+        offset = 0
+        for chunk in decodes + prefills:
+            request, start = chunk.request, chunk.request.num_computed_tokens
+            if request.needs_prompt_logprobs:
+                assert request.prompt_logprobs is not None
+                lo = max(start, len(request.prompt_logprobs) - 1)
+                hi = min(start + chunk.num_tokens, len(request.prompt_token_ids) - 1)
+                if lo < hi:
+                    rows.extend(range(offset + lo - start, offset + hi - start))
+                    targets.extend(request.prompt_token_ids[lo + 1:hi + 1])
+                    spans.append((request, hi - lo))
+            offset += chunk.num_tokens
+        if not rows:
+            return []
+        tops = [request.params.prompt_logprobs or 0 for request, n in spans for _ in range(n)]
+        row_index = torch.tensor(rows, device=self.device)
+        target_ids = torch.tensor(targets, device=self.device)
+        entries: list[dict[int, float]] = []
+        for s in range(0, len(rows), self.max_logit_rows):
+            part = slice(s, s + self.max_logit_rows)
+            lp = torch.log_softmax(self.model.compute_logits(hidden[row_index[part]]), dim=-1)
+            chosen = lp.gather(1, target_ids[part].unsqueeze(1)).squeeze(1).tolist()
+            k = max(tops[part])
+            top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            for n, ids, vals, token, value in zip(tops[part], top_ids.tolist(), top_vals.tolist(), targets[part],
+                                                  chosen):
+                entry = dict(zip(ids[:n], vals[:n]))
+                entry[token] = value
+                entries.append(entry)
+        result, at = [], 0
+        for request, n in spans:
+            result.append((request, entries[at:at + n]))
+            at += n
+        return result

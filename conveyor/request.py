@@ -64,6 +64,7 @@ class RequestOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # [None, {id: logprob}, ...], one per prompt token
     error: str | None = None
     metrics: RequestMetrics | None = None
 
@@ -91,6 +92,9 @@ class Request:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Filled as prefill chunks pass: entry i scores prompt token i (the first has nothing before it).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids))
@@ -120,6 +124,11 @@ class Request:
         return head + tail
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all recorded yet: its prompt must be computed, not reused."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.state in FINAL_STATES
 
@@ -135,7 +144,8 @@ class Request:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             text=visible, token_ids=list(self.output_token_ids), finished=self.is_finished,
             finish_reason=self.finish_reason, delta_text=delta_text, delta_token_ids=list(delta_ids),
-            logprobs=None if self.logprobs is None else list(self.logprobs), error=self.error,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs), error=self.error,
             metrics=self.metrics)
 
     def _sendable_text_len(self) -> int:

@@ -21,7 +21,9 @@ class SamplingParams:
     have been generated. seed: per-request generator, so
     the same seed gives the same tokens whatever else is in the batch. stop: strings that end
     generation (not included in the text). logprobs: return the top-n log-probabilities of each
-    generated token (computed from the raw model logits).
+    generated token (computed from the raw model logits). prompt_logprobs: the log-probability of
+    every prompt token after the first given the tokens before it, plus the top-n alternatives, as
+    vLLM's (for perplexity and scoring; such a request computes its whole prompt, no prefix cache).
     """
 
     max_new_tokens: int = 64
@@ -38,6 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -64,6 +67,8 @@ class SamplingParams:
                                       f"got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise SamplingParamsError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise SamplingParamsError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
 

@@ -8,7 +8,8 @@ does not fit the remaining token budget is chunked: as many of its tokens as fit
 next step. Admission is all or nothing: a waiting request gets blocks for its whole chunk or
 nothing. With prefix caching, a waiting request first looks up the completed blocks that already
 hold the longest prefix of its sequence: it starts with them, their prefill skipped, and its chunk
-begins after them (the cache budget still counts them: shared pages are read too). An active
+begins after them (the cache budget still counts them: shared pages are read too); a request that
+asks for prompt logprobs skips the lookup, since it needs every prompt position's logits. An active
 request that cannot get the blocks it needs is reported as stalled, with the number of blocks it
 asked for, so the engine can offload others to make room.
 """
@@ -135,7 +136,9 @@ class Scheduler:
         out.chunks.append(ScheduledChunk(request, n))
 
     def _admit(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
-        looked_up = self.allocator.block_sharing and request.num_computed_tokens == 0  # not a swapped request
+        # Not a swapped request, nor one whose prompt logprobs need every prompt position computed.
+        looked_up = (self.allocator.block_sharing and request.num_computed_tokens == 0
+                     and not request.needs_prompt_logprobs)
         cached = self.allocator.match_prefix(request) if looked_up else []
         hit = len(cached) * self.allocator.page_size
         start = request.num_computed_tokens + hit
