@@ -145,6 +145,24 @@ def test_openai_client_matches_llm_generate(url: str, tiny_llm: LLM) -> None:
     assert [c.text for c in sorted(seeded.choices, key=lambda c: c.index)] == singles
 
 
+def test_completion_prompt_logprobs_as_vllm(http: httpx.Client, tiny_llm: LLM) -> None:
+    prompt = random_prompts([9], seed=2)[0]
+    [expected] = tiny_llm.generate([prompt], SamplingParams(max_new_tokens=2, temperature=0, prompt_logprobs=2),
+                                   use_tqdm=False)
+    body = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
+                                              "prompt_logprobs": 2}).json()
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert len(entries) == len(prompt) and entries[0] is None
+    for token, entry, ours in zip(prompt[1:], entries[1:], expected.prompt_logprobs[1:]):
+        assert {int(t): e["logprob"] for t, e in entry.items()} == pytest.approx(ours)
+        assert [e["rank"] for e in entry.values()][:2] == [1, 2] and entry[str(token)]["decoded_token"] == f"w{token}"
+    plain = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
+    assert plain["choices"][0]["prompt_logprobs"] is None
+    for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
+        response = http.post("/v1/completions", json={"prompt": prompt} | bad)
+        assert response.status_code == 400 and "prompt_logprobs" in response.text
+
+
 @pytest.mark.slow
 def test_builtin_model_with_openai_client() -> None:
     llm = LLM(config=ContinuousBatchingConfig(num_blocks=256))

@@ -22,7 +22,10 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
 - Chat roles: system, user, assistant ("developer" is read as system); text content parts are
   joined with newlines. The chat template always gets add_generation_prompt=True.
 - Not supported, answered 400 rather than ignored: echo, suffix, best_of != n, logit_bias,
-  tools, response_format other than text, top_logprobs without logprobs. At most 20 logprobs.
+  tools, response_format other than text, top_logprobs without logprobs, prompt_logprobs with
+  stream. At most 20 logprobs (and prompt_logprobs).
+- prompt_logprobs (completions, vLLM's extra field): each choice gets `prompt_logprobs`, vLLM's
+  list of None (first token) or {token id: {logprob, rank, decoded_token}}; null when not asked.
   Unknown fields are ignored (as vLLM).
 - Errors are `{"error": {"message", "type", "param", "code"}}`: 400 invalid_request_error
   (validation errors, FastAPI's 422 included), 401 invalid_api_key (only /v1/*, /tokenize and

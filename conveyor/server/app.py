@@ -163,9 +163,12 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
                           ("best_of", body.best_of not in (None, body.n))):
             if bad:
                 raise APIError(400, f"{name} is not supported", param=name)
+        if body.stream and body.prompt_logprobs is not None:  # as vLLM
+            raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
         prompts = serving.completion_prompts(body)
         rid, created = new_id("cmpl"), int(time.time())
-        requests = serving.build_requests(rid, prompts, body, body.max_tokens, body.logprobs, "prompt")
+        requests = serving.build_requests(rid, prompts, body, body.max_tokens, body.logprobs, "prompt",
+                                          prompt_logprobs=body.prompt_logprobs)
         sub = serving.submit(requests)
         head = {"id": rid, "object": "text_completion", "created": created, "model": serving.model_name}
         n_lp = body.logprobs
@@ -187,8 +190,10 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         choices = []
         for i, out in enumerate(finals):
             lp = None if n_lp is None else serving.completion_logprobs(out.token_ids, out.logprobs, n_lp, 0)
+            plp = None if out.prompt_logprobs is None else serving.prompt_logprobs(out.prompt_logprobs,
+                                                                                   body.prompt_logprobs or 0)
             choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
-                            "stop_reason": None})
+                            "stop_reason": None, "prompt_logprobs": plp})
         return JSONResponse(head | {"choices": choices, "usage": usage(prompts, finals)})
 
     @app.post("/v1/chat/completions", dependencies=auth)

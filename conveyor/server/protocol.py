@@ -66,6 +66,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = the rest of the context
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

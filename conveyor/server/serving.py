@@ -221,7 +221,7 @@ class Serving:
             raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
-                       logprobs: int | None, param: str) -> list[Request]:
+                       logprobs: int | None, param: str, prompt_logprobs: int | None = None) -> list[Request]:
         if body.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -245,7 +245,8 @@ class Serving:
                         min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
                         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
-                        stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs)
+                        stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs)
                     requests.append(self.llm.engine.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
                     code = "context_length_exceeded" if "context length" in str(exc) else None
@@ -268,6 +269,15 @@ class Serving:
         return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
                 "top_logprobs": [{self.token_str(i): v for i, v in list(lp.items())[:n]} for lp in logprobs],
                 "text_offset": offsets}
+
+    def prompt_logprobs(self, entries: list[dict[int, float] | None], n: int) -> list[dict[str, Any] | None]:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}, the
+        top-n first (ranked 1..n), then the prompt token if it is not among them (rank unknown: null)."""
+        def entry(lp: dict[int, float]) -> dict[str, Any]:
+            return {str(t): {"logprob": v, "rank": i + 1 if i < n else None, "decoded_token": self.token_str(t)}
+                    for i, (t, v) in enumerate(lp.items())}
+
+        return [None if lp is None else entry(lp) for lp in entries]
 
     def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int) -> list[dict[str, Any]]:
         def entry(token_id: int, value: float | None) -> dict[str, Any]:
