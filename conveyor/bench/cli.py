@@ -3,7 +3,8 @@
 Subcommands: `throughput` (offline throughput, optionally against transformers), `simulate`
 (static versus continuous batching, step by step, also through Conveyor's scheduler), `roofline`
 (matmul rates and the dense-decode ceiling), `step` (Conveyor's decode step split, against that
-ceiling), `serve` (online serving benchmark of any OpenAI-compatible server, over HTTP). The
+ceiling), `serve` (online serving benchmark of any OpenAI-compatible server, over HTTP),
+`perplexity` (a model's perplexity on a text, in windows, through prompt logprobs). The
 project CLI can mount the suite with `add_subcommands(subparsers)` or simply call `main(argv)`.
 """
 
@@ -24,7 +25,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import roofline, serve, simulate, throughput
+    from . import perplexity, roofline, serve, simulate, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -55,6 +56,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "Poisson arrivals at --request-rate (or all at once) and an optional concurrency cap; reports request "
          "and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E latency in ms, as vllm bench "
          "serve does. Exit code 1 if any request failed."),
+        ("perplexity", perplexity, {},
+         "perplexity of a model on a text file, scored in windows through prompt logprobs",
+         "Tokenizes the text and scores it in windows of --window tokens (each one prompt with prompt_logprobs=0 "
+         "and max_new_tokens=1, all in one LLM.generate call); with --stride below the window only tokens not "
+         "scored before count (sliding-window perplexity). Reports perplexity, tokens scored, tokens/s and the "
+         "model, dtype and quantization. Exit code 1 if any window failed."),
     ]
     for name, module, extra, help_text, description in commands:
         p = subparsers.add_parser(name, help=help_text, description=description)
