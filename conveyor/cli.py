@@ -16,7 +16,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in "
                         "SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto (default)")
+    parser.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with native bf16, "
+                        "else fp32), float32 (the exact path), bfloat16 or float16")
+    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
+                        help="weight format (default: gguf for a quantized GGUF file unless --dtype float32, else none)")
     for f in fields(ContinuousBatchingConfig):
         if f.type in ("int", "int | None"):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=None)
@@ -41,7 +44,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
                             seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, config=config_from_args(args))
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+              config=config_from_args(args))
     if args.raw:
         outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
     else:
@@ -60,7 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, config=config_from_args(args))
+    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
+              config=config_from_args(args))
     settings = ServerSettings(served_model_names=args.served_model_name, api_key=args.api_key,
                               max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
     run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)

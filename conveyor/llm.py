@@ -15,7 +15,10 @@ from .config import ContinuousBatchingConfig
 from .engine import Engine, EngineStats
 from .manager import ContinuousBatchingManager
 from .models import build_model
+from .kernels import vector_flags
 from .models.loader import load_checkpoint
+from .models.quant_linear import describe_weights
+from .precision import resolve_precision, resolve_quantization
 from .request import RequestOutput
 from .sampling_params import SamplingParams
 
@@ -34,32 +37,30 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """fp32 on CPU (bf16 matmuls are slower there); bf16 on CUDA, unless asked otherwise."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, str):
-        names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-        if dtype not in names:
-            raise ValueError(f"dtype must be one of {sorted(names)} or 'auto', got {dtype!r}")
-        return names[dtype]
-    return dtype
+    """The compute dtype `dtype` means on `device` ("auto": see `precision`)."""
+    return resolve_precision(dtype, None, device, None).dtype
 
 
 class LLM:
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "auto", config: ContinuousBatchingConfig | None = None) -> None:
+                 quantization: str | None = None, device: str | torch.device = "auto",
+                 config: ContinuousBatchingConfig | None = None) -> None:
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        precision = resolve_precision(dtype, quantization, self.device, model)
+        self.dtype = precision.dtype
         started = time.monotonic()
-        checkpoint = load_checkpoint(model, dtype=self.dtype)
-        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device)
+        keep = precision.quantization in (None, "gguf") and self.device.type == "cpu"
+        checkpoint = load_checkpoint(model, dtype=self.dtype, keep_quantized=keep)
+        self.quantization = resolve_quantization(precision, checkpoint.quantized)
+        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
         self.model_path = checkpoint.path
         self.tokenizer = checkpoint.tokenizer
         self.engine = Engine(net, self.tokenizer, config or ContinuousBatchingConfig(), self.device)
         self.manager = ContinuousBatchingManager(self.engine)
+        logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
+                    " ".join(vector_flags()) or "unknown")
         logger.info("loaded %s (%s, %s) in %.1f s", self.model_path.name, self.device, self.dtype,
                     time.monotonic() - started)
 

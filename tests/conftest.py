@@ -65,8 +65,10 @@ class TinyModel:
         tiny_tokenizer().save_pretrained(path)
         self.path = path
 
-    def llm(self, **config: object) -> LLM:
-        return LLM(self.path, config=ContinuousBatchingConfig(**{"num_blocks": 256, **config}))
+    def llm(self, dtype: str = "float32", quantization: str | None = None, **config: object) -> LLM:
+        """The model in Conveyor; fp32 by default, the exact path the reference is compared with."""
+        return LLM(self.path, dtype=dtype, quantization=quantization,
+                   config=ContinuousBatchingConfig(**{"num_blocks": 256, **config}))
 
 
 @pytest.fixture(scope="session")

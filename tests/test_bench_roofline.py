@@ -100,7 +100,7 @@ def positive(d: dict, keys: list[str]) -> None:
 def test_step_report_has_every_figure(tiny: TinyModel) -> None:
     from conveyor import LLM
 
-    llm = LLM(tiny.path, config=step_config(4, 10, 2 + 1 + 4))
+    llm = LLM(tiny.path, dtype="float32", config=step_config(4, 10, 2 + 1 + 4))
     free = llm.engine.allocator.num_free_blocks
     report = run_step(llm, batch=4, context=10, steps=2, warmup_steps=1, repeats=2, warmup=1)
     assert llm.engine.allocator.num_free_blocks == free and not llm.engine.has_unfinished_requests()

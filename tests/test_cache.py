@@ -550,7 +550,7 @@ def test_pool_is_sized_from_free_memory_after_the_working_memory(tiny_llama, mon
     free = 32 << 20
     monkeypatch.setattr(cache_pool, "available_memory", lambda device: free)
     config = ContinuousBatchingConfig(max_memory_percent=0.5)
-    engine = LLM(tiny_llama.path, config=config).engine
+    engine = LLM(tiny_llama.path, dtype="float32", config=config).engine
     working = working_memory_bytes(engine.model, config, torch.float32)
     per_chunk = CachePool.bytes_per_chunk(16, 2, 2, 16, torch.float32)  # page 16, 2 layers, 2 kv heads, dim 16
     assert 8 << 20 < working < free  # attention scores of 512 queries x 512 keys x 4 heads dominate

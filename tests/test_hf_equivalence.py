@@ -80,7 +80,7 @@ def test_preempted_requests_keep_their_outputs(tiny_llama: TinyModel) -> None:
 @pytest.mark.slow
 def test_builtin_smollm2_matches_transformers() -> None:
     """The built-in model on 8 chat prompts of different lengths, all in one continuous batch."""
-    llm = LLM()
+    llm = LLM(dtype="float32")  # the exact path: the file's weights dequantized, fp32 everywhere
     checkpoint = load_checkpoint(None)
     reference = transformers.LlamaForCausalLM(checkpoint.config).eval()
     reference.load_state_dict(checkpoint.state_dict, strict=False)

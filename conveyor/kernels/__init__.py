@@ -61,12 +61,12 @@ def _build_key(sources: list[Path], cflags: list[str]) -> str:
     return digest.hexdigest()[:12]
 
 
-def _build(name: str, sources: list[str], *cflags: str) -> ModuleType | None:
+def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...] = ()) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     paths = [Path(__file__).with_name(s) for s in sources]
     flags = ["-O3", "-march=native", *cflags, "-fopenmp"]
-    full_name = f"{name}_{_build_key(paths, flags)}"
+    full_name = f"{name}_{_build_key(paths + [Path(__file__).with_name(h) for h in headers], flags)}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     fresh = not any(root.glob(f"*/{full_name}/*.so"))
     if fresh:
@@ -98,6 +98,7 @@ def cpu_fused_ops() -> ModuleType | None:
 
 @cache
 def cpu_matmul_ops() -> ModuleType | None:
-    """Weight-streaming matmuls over GGUF-quantized, int8, bf16 and fp32 weights (`matmul_cpu.cpp`),
-    or None when the build fails."""
-    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp"], "-ffp-contract=fast")
+    """Weight-streaming matmuls over GGUF-quantized, int8, bf16 and fp32 weights (`matmul_cpu.cpp`,
+    `quant_tiles.cpp`, `quant_rows.cpp`), or None when the build fails."""
+    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_rows.cpp"],
+                  "-ffp-contract=fast", headers=("quant.h",))

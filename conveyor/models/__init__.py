@@ -7,16 +7,17 @@ from transformers import PretrainedConfig
 
 from .gemma import GemmaForCausalLM
 from .llama import CausalLM, LlamaForCausalLM
+from .quant_linear import Weight
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM)
                                             for t in cls.model_types}
 
 
-def build_model(config: PretrainedConfig, state_dict: dict[str, torch.Tensor], dtype: torch.dtype,
-                device: torch.device) -> CausalLM:
-    """The engine's model for a checkpoint, by its `model_type`."""
+def build_model(config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
+                device: torch.device, quantization: str = "none") -> CausalLM:
+    """The engine's model for a checkpoint, by its `model_type`; `quantization` as `LLM` resolved it."""
     cls = MODEL_CLASSES.get(config.model_type)
     if cls is None:
         raise ValueError(f"model type {config.model_type!r} is not supported "
                          f"(supported: {', '.join(sorted(MODEL_CLASSES))})")
-    return cls.from_state_dict(config, state_dict, dtype, device)
+    return cls.from_state_dict(config, state_dict, dtype, device, quantization)

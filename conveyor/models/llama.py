@@ -22,6 +22,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from ..attention import AttentionBackend, AttentionMetadata
 from ..kernels import cpu_fused_ops, native_kernels_enabled
 from .linear import packed_lm_head, prepack_linears
+from .quant_linear import QuantEmbedding, QuantLinear, QuantMatmul, Weight, fuse_rows, plan_weights
+from .quantized import QuantizedTensor
 
 
 class RMSNorm(nn.Module):
@@ -181,6 +183,7 @@ class CausalLM(nn.Module):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.dtype = torch.float32  # the compute dtype, set when the weights are loaded
 
     @property
     def max_model_len(self) -> int:
@@ -192,38 +195,65 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     @classmethod
-    def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor],
-                        dtype: torch.dtype, device: torch.device) -> "CausalLM":
-        """Build the model and load Hugging Face-named weights, fusing q/k/v and gate/up."""
+    def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
+                        device: torch.device, quantization: str = "none") -> "CausalLM":
+        """Build the model and load Hugging Face-named weights, fusing q/k/v and gate/up; linear and
+        embedding weights quantized or kept quantized as `quantization` says (`quant_linear.plan_weights`)."""
         if config.model_type not in cls.model_types:
             raise ValueError(f"model type {config.model_type!r} is not supported by {cls.__name__} "
                              f"(supported: {', '.join(cls.model_types)})")
         model = cls.build(config, state_dict)
         if "lm_head.weight" not in state_dict:
             model.tied, model.lm_head = True, None
-        fused: dict[str, torch.Tensor] = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
-                                          "norm.weight": state_dict["model.norm.weight"]}
+        fused: dict[str, Weight | list[Weight]] = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
+                                                   "norm.weight": state_dict["model.norm.weight"]}
         if model.lm_head is not None:
             fused["lm_head.weight"] = state_dict["lm_head.weight"]
         for i in range(config.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):
                 if f"{src}self_attn.q_proj.{kind}" in state_dict:
-                    fused[f"{dst}qkv_proj.{kind}"] = torch.cat(
+                    fused[f"{dst}qkv_proj.{kind}"] = fuse_rows(
                         [state_dict[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv"])
                 if f"{src}mlp.gate_proj.{kind}" in state_dict:
-                    fused[f"{dst}gate_up_proj.{kind}"] = torch.cat(
+                    fused[f"{dst}gate_up_proj.{kind}"] = fuse_rows(
                         [state_dict[f"{src}mlp.{n}_proj.{kind}"] for n in ("gate", "up")])
                 for name, hf in _LAYER_TENSORS:
                     if f"{src}{hf}.{kind}" in state_dict:
                         fused[f"{dst}{name}.{kind}"] = state_dict[f"{src}{hf}.{kind}"]
-        model.load_state_dict(fused, strict=True)
+        matrices = {f"{name}.weight" for name, module in model.named_modules()
+                    if isinstance(module, (nn.Linear, nn.Embedding))}
+        planned = plan_weights(fused, quantization, dtype, matrices)
+        for name, parts in list(planned.items()):
+            if isinstance(parts, list):
+                model.set_submodule(name.removesuffix(".weight"), model.quantized_module(name, parts, dtype))
+                del planned[name]
+        model.load_state_dict(planned, strict=True)
         model = model.to(device=device, dtype=dtype).eval()
+        model.dtype = dtype
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
         if device.type == "cpu" and dtype == torch.float32 and native_kernels_enabled():
             model.use_fused_ops(cpu_fused_ops())
-        model.lm_head_fn = model.lm_head if model.lm_head is not None else packed_lm_head(model.embed_tokens.weight)
+        model.lm_head_fn = model.head_fn()
         return model
+
+    def quantized_module(self, name: str, parts: list[QuantizedTensor], dtype: torch.dtype) -> nn.Module:
+        """The quantized stand-in for the embedding or linear layer that holds weight `name`."""
+        old = self.get_submodule(name.removesuffix(".weight"))
+        if isinstance(old, nn.Embedding):
+            if len(parts) != 1:
+                raise ValueError(f"{name}: an embedding table must be one quantized tensor")
+            return QuantEmbedding(parts[0], dtype)
+        return QuantLinear(parts, bias=old.bias is not None, dtype=dtype)
+
+    def head_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """hidden -> logits: the LM head (the embedding's weight when tied), quantized, packed or plain."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantEmbedding):
+            return QuantMatmul([head.weight], out_dtype=torch.float32)
+        if isinstance(head, QuantLinear):
+            return QuantMatmul(head.kernel.segments, out_dtype=torch.float32)
+        return self.lm_head if self.lm_head is not None else packed_lm_head(self.embed_tokens.weight)
 
     def use_fused_ops(self, ops: ModuleType | None) -> None:
         """Run the Llama layers' norms, RoPE and SiLU * up through native fused ops (None: PyTorch)."""

@@ -2,8 +2,10 @@
 
 Everything downstream of the loader works with Hugging Face parameter names and a
 `transformers` config, whatever the file format was, so the engine has a single code
-path for building models. GGUF files are dequantized to float here: the engine does
-its own compute, and exact parity with `transformers`' GGUF loader is tested.
+path for building models. GGUF files are dequantized to float here (exact parity with
+`transformers`' GGUF loader is tested), or, with `keep_quantized`, their quantized tensors
+are kept as they are (`QuantizedTensor`: the file's bytes) wherever a native kernel takes
+their type.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import numpy as np
 import safetensors.torch
 import torch
 import transformers
+
+from .quantized import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +71,14 @@ class Checkpoint:
     """A loaded model: HF config, HF-named tensors, tokenizer, and where they came from."""
 
     config: transformers.PretrainedConfig
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, torch.Tensor | QuantizedTensor]
     tokenizer: transformers.PreTrainedTokenizerBase
     path: Path
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some tensors were kept quantized (a GGUF file loaded with `keep_quantized`)."""
+        return any(isinstance(t, QuantizedTensor) for t in self.state_dict.values())
 
 
 def default_model_path() -> Path:
@@ -94,11 +103,12 @@ def default_model_path() -> Path:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
 ) -> Checkpoint:
     """Load a HF model directory or a .gguf file; None loads the built-in model.
 
-    Floating-point tensors are cast to `dtype`.
+    Floating-point tensors are cast to `dtype`. With `keep_quantized`, a GGUF file's quantized
+    tensors stay quantized where a kernel takes their type; others are dequantized to `dtype`.
     """
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
@@ -106,7 +116,7 @@ def load_checkpoint(
     if path.is_dir():
         return _load_hf_directory(path, dtype)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, keep_quantized)
     raise ModelLoadError(
         f"Unsupported model file {path}: expected a Hugging Face model directory "
         "(config.json + *.safetensors) or a .gguf file"
@@ -158,7 +168,7 @@ def _load_tokenizer(path: Path, directory: Path, **kwargs: Any) -> transformers.
         raise ModelLoadError(f"Cannot load the tokenizer of {path}: {exc}") from exc
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> Checkpoint:
     try:
         reader = gguf.GGUFReader(path)
     # The GGUF parser raises arbitrary errors (ValueError, IndexError, ...) on malformed input.
@@ -172,20 +182,34 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         )
     config = _gguf_config(reader, path, arch)
 
-    state_dict: dict[str, torch.Tensor] = {}
+    state_dict: dict[str, torch.Tensor | QuantizedTensor] = {}
+    widened: set[str] = set()
     for tensor in reader.tensors:
         hf_name = _gguf_to_hf_name(tensor.name)
         if hf_name is None:
             logger.debug("Ignoring GGUF tensor %s in %s", tensor.name, path)
             continue
         # GGUF lists dimensions innermost first; HF/numpy order is the reverse.
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weights = weights.reshape(list(reversed(tensor.shape.tolist())))
+        shape = list(reversed(tensor.shape.tolist()))
+        permute_heads = None
         if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            n_head = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
-            weights = _undo_llama_rope_permute(weights, n_head)
+            permute_heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+        qtype = int(tensor.tensor_type)
+        if keep_quantized and qtype in KERNEL_TYPES and len(shape) == 2:
+            weight = QuantizedTensor(torch.from_numpy(np.array(tensor.data, dtype=np.uint8)), qtype, tuple(shape))
+            if permute_heads is not None:  # a permutation of whole rows: the blocks move as they are
+                weight = weight.index_rows(_undo_llama_rope_permute(np.arange(shape[0]), permute_heads))
+            state_dict[hf_name] = weight
+            continue
+        if keep_quantized and tensor.tensor_type not in FLOAT_TYPES:
+            widened.add(tensor.tensor_type.name)
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+        if permute_heads is not None:
+            weights = _undo_llama_rope_permute(weights, permute_heads)
         state_dict[hf_name] = torch.tensor(weights, dtype=dtype)
-
+    if widened:
+        logger.info("%s: no kernel takes %s tensors: dequantized to %s", path.name, ", ".join(sorted(widened)),
+                    str(dtype).removeprefix("torch."))
     return Checkpoint(config, state_dict, _gguf_tokenizer(path), path)
 
 

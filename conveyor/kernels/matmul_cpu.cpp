@@ -1,0 +1,319 @@
+// Weight-streaming matmuls on CPU: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for quantized
+// weights (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and our per-channel int8, I8), bf16 and fp32.
+//
+// Quantized weights: the activations are quantized once per call to int8 blocks of 32 (one fp32
+// scale per block, as ggml's Q8_0) and the weights are dotted in integer arithmetic (VNNI where the
+// CPU has it). Q4_0/Q4_1/Q8_0/I8 run on the 16-row tiled layout (quant_tiles.cpp: one vector
+// instruction advances 16 output rows), the K-quants on their own GGUF layout (quant_rows.cpp).
+// Threads split the output rows (tiles), so each streams its own contiguous slice of the weights:
+// the decode-sized products are bound by memory bandwidth. bf16 weights use vdpbf16ps where the
+// CPU has AVX512-BF16; fp32 weights plain FMAs. The instruction set is chosen at compile time (the
+// extension is built with -march=native on the machine that runs it); `isa()` says which.
+#include "quant.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+
+namespace conveyor {
+namespace {
+
+constexpr int kTile = 8;  // activation rows per pass over a dense weight row
+
+template <typename T>
+void quantize_typed(const T* x, int64_t ldx, int64_t M, int64_t K, Activations& a) {
+    a.M = M, a.K = K, a.nb = K / QK;
+    a.q.resize(M * K);
+    a.d.resize(M * a.nb);
+    a.s32.resize(M * a.nb);
+    a.s16.resize(M * a.nb * 2);
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+        float buf[QK];
+        for (int64_t m = begin; m < end; ++m) {
+            for (int64_t b = 0; b < a.nb; ++b) {
+                const T* src = x + m * ldx + b * QK;
+                float amax = 0.f;
+                for (int j = 0; j < QK; ++j) {
+                    buf[j] = static_cast<float>(src[j]);
+                    amax = std::max(amax, std::fabs(buf[j]));
+                }
+                const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+                int8_t* q = a.q.data() + m * K + b * QK;
+                int sum_lo = 0, sum_hi = 0;
+                for (int j = 0; j < QK; ++j) {
+                    q[j] = static_cast<int8_t>(std::nearbyint(buf[j] * inv));
+                    (j < 16 ? sum_lo : sum_hi) += q[j];
+                }
+                a.d[m * a.nb + b] = d;
+                a.s32[m * a.nb + b] = d * (sum_lo + sum_hi);
+                a.s16[(m * a.nb + b) * 2] = d * sum_lo;
+                a.s16[(m * a.nb + b) * 2 + 1] = d * sum_hi;
+            }
+        }
+    });
+}
+
+// ---- bf16 and fp32 weights -------------------------------------------------------------------------
+// One weight row against MB activation rows (fp32 copies, contiguous, ldx apart).
+template <int MB>
+void row_f32(const float* w, const float* x, int64_t ldx, int64_t K, float* out) {
+    int64_t k = 0;
+    float s[MB] = {};
+#if defined(__AVX512F__)
+    __m512 acc[MB][2];
+    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+        const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
+        for (int i = 0; i < MB; ++i) {
+            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * ldx + k), acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * ldx + k + 16), acc[i][1]);
+        }
+    }
+    for (int i = 0; i < MB; ++i) s[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+#elif defined(__AVX2__)
+    __m256 acc[MB][2];
+    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+        for (int i = 0; i < MB; ++i) {
+            acc[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), acc[i][1]);
+        }
+    }
+    for (int i = 0; i < MB; ++i) s[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+#endif
+    for (; k < K; ++k)
+        for (int i = 0; i < MB; ++i) s[i] += w[k] * x[i * ldx + k];
+    for (int i = 0; i < MB; ++i) out[i] = s[i];
+}
+
+// bf16 weights; activations as fp32 (xf) and, for vdpbf16ps, as bf16 (xb).
+template <int MB>
+void row_bf16(const c10::BFloat16* w, const float* xf, const c10::BFloat16* xb, int64_t ldx, int64_t K, float* out) {
+    int64_t k = 0;
+    float s[MB] = {};
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+    for (; k + 32 <= K; k += 32) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+        for (int i = 0; i < MB; ++i)
+            acc[i] = _mm512_dpbf16_ps(acc[i], wv, (__m512bh)_mm512_loadu_si512(xb + i * ldx + k));
+    }
+    for (int i = 0; i < MB; ++i) s[i] = _mm512_reduce_add_ps(acc[i]);
+#elif defined(__AVX2__)
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
+        const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+        for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + i * ldx + k), acc[i]);
+    }
+    for (int i = 0; i < MB; ++i) s[i] = hsum(acc[i]);
+    xb = nullptr;
+#else
+    xb = nullptr;
+#endif
+    for (; k < K; ++k)  // with bf16 products (vdpbf16ps) the tail also takes bf16 activations
+        for (int i = 0; i < MB; ++i) s[i] += static_cast<float>(w[k]) * (xb ? static_cast<float>(xb[i * ldx + k]) : xf[i * ldx + k]);
+    for (int i = 0; i < MB; ++i) out[i] = s[i];
+}
+
+void check_out(const torch::Tensor& out, int64_t M, int64_t N) {
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1,
+                "out must be [", M, ", ", N, "] with contiguous rows");
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16,
+                "out must be fp32 or bf16");
+}
+
+// Output rows (tiles) per task, at least: threads get contiguous slices of the weight.
+constexpr int64_t kRowGrain = 16;
+
+// An fp32 view to write results into: `out` itself when it is fp32, else a scratch copied back.
+struct Fp32Out {
+    torch::Tensor out, buf;
+    explicit Fp32Out(torch::Tensor o) : out(std::move(o)) {
+        buf = out.scalar_type() == torch::kFloat32 ? out : torch::empty(out.sizes(), out.options().dtype(torch::kFloat32));
+    }
+    float* data() { return buf.data_ptr<float>(); }
+    int64_t ld() const { return buf.stride(0); }
+    void finish(const c10::optional<torch::Tensor>& bias) {
+        if (bias.has_value() && bias->defined()) buf.add_(bias->to(torch::kFloat32));
+        if (!buf.is_same(out)) out.copy_(buf);
+    }
+};
+
+}  // namespace
+
+void quantize_activations(const torch::Tensor& x, Activations& a) {
+    if (x.scalar_type() == torch::kFloat32)
+        quantize_typed(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), a);
+    else
+        quantize_typed(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), x.size(1), a);
+}
+
+}  // namespace conveyor
+
+using namespace conveyor;
+
+// out [M, N] (contiguous rows: a column slice of a wider output is fine) = x [M, K] (fp32 or bf16)
+// times a quantized weight: tiled [ceil(N/16), tile_bytes] for Q4_0/Q4_1/Q8_0/I8 (I8 with row
+// scales padded to whole tiles), GGUF rows [N, row_bytes] for Q4_K/Q6_K; plus bias [N].
+void quant_matmul(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Tensor row_scales,
+                  c10::optional<torch::Tensor> bias, torch::Tensor out) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+    const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+    TORCH_CHECK(K % block_elems(type) == 0, "K = ", K, " is not a multiple of the block size ", block_elems(type));
+    check_out(out, M, N);
+    const bool tiled = is_tiled_type(type);
+    const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+    const int64_t width = tiled ? tile_bytes(type, K) : row_bytes(type, K);
+    TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() && weight.dim() == 2 &&
+                weight.size(0) == (tiled ? tiles : N) && weight.size(1) == width,
+                "weight must be contiguous uint8 [", tiled ? tiles : N, ", ", width, "]", tiled ? " (tiled)" : "");
+    const float* scales = nullptr;
+    if (type == I8) {
+        TORCH_CHECK(row_scales.scalar_type() == torch::kFloat32 && row_scales.numel() >= tiles * kTileRows,
+                    "I8 needs fp32 row scales for whole tiles");
+        scales = row_scales.data_ptr<float>();
+    }
+    thread_local Activations act;
+    quantize_activations(x, act);
+    Fp32Out res(out);
+    const uint8_t* wp = weight.data_ptr<uint8_t>();
+    float* op = res.data();
+    const int64_t ldo = res.ld();
+    const Activations& a = act;
+    if (tiled) {
+        at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { tiles_matmul(type, wp, scales, a, t0, t1, N, op, ldo); });
+    } else {
+        at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) { rows_matmul(type, wp, width, a, n0, n1, op, ldo); });
+    }
+    res.finish(bias);
+}
+
+// GGUF rows [N, row_bytes] of a tiled type -> the tiled layout [ceil(N/16), tile_bytes].
+torch::Tensor repack(torch::Tensor rows, int64_t type, int64_t K) {
+    TORCH_CHECK(is_tiled_type(type), "type ", type, " has no tiled layout");
+    TORCH_CHECK(rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && rows.size(1) == row_bytes(type, K),
+                "rows must be contiguous uint8 [N, ", row_bytes(type, K), "]");
+    const int64_t N = rows.size(0), tiles = (N + kTileRows - 1) / kTileRows;
+    auto out = torch::empty({tiles, tile_bytes(type, K)}, rows.options());
+    conveyor::repack_tiles(type, rows.data_ptr<uint8_t>(), N, K, out.data_ptr<uint8_t>());
+    return out;
+}
+
+// out [M, N] = x [M, K] times a dense fp32 or bf16 weight [N, K], plus bias: the weight-streaming
+// product for decode-sized inputs (a few rows), no packing.
+void dense_matmul(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, torch::Tensor out) {
+    TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() && x.size(1) == weight.size(1),
+                "x [M, K] and a contiguous weight [N, K] expected");
+    const auto wt = weight.scalar_type();
+    TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16, "weight must be fp32 or bf16");
+    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+    check_out(out, M, N);
+    auto xf = x.to(torch::kFloat32).contiguous();
+    torch::Tensor xb;
+    if (wt == torch::kBFloat16) xb = x.to(torch::kBFloat16).contiguous();
+    Fp32Out res(out);
+    float* op = res.data();
+    const int64_t ldo = res.ld();
+    const float* xp = xf.data_ptr<float>();
+    at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
+        float vals[kTile];
+        for (int64_t n = begin; n < end; ++n) {
+            for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+                const int mb = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+                const float* xm = xp + m0 * K;
+                if (wt == torch::kFloat32) {
+                    const float* w = weight.data_ptr<float>() + n * K;
+                    switch (mb) {
+                        case 1: row_f32<1>(w, xm, K, K, vals); break;
+                        case 2: row_f32<2>(w, xm, K, K, vals); break;
+                        case 3: row_f32<3>(w, xm, K, K, vals); break;
+                        case 4: row_f32<4>(w, xm, K, K, vals); break;
+                        case 5: row_f32<5>(w, xm, K, K, vals); break;
+                        case 6: row_f32<6>(w, xm, K, K, vals); break;
+                        case 7: row_f32<7>(w, xm, K, K, vals); break;
+                        default: row_f32<8>(w, xm, K, K, vals); break;
+                    }
+                } else {
+                    const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>() + n * K;
+                    const c10::BFloat16* xbm = xb.data_ptr<c10::BFloat16>() + m0 * K;
+                    switch (mb) {
+                        case 1: row_bf16<1>(w, xm, xbm, K, K, vals); break;
+                        case 2: row_bf16<2>(w, xm, xbm, K, K, vals); break;
+                        case 3: row_bf16<3>(w, xm, xbm, K, K, vals); break;
+                        case 4: row_bf16<4>(w, xm, xbm, K, K, vals); break;
+                        case 5: row_bf16<5>(w, xm, xbm, K, K, vals); break;
+                        case 6: row_bf16<6>(w, xm, xbm, K, K, vals); break;
+                        case 7: row_bf16<7>(w, xm, xbm, K, K, vals); break;
+                        default: row_bf16<8>(w, xm, xbm, K, K, vals); break;
+                    }
+                }
+                for (int i = 0; i < mb; ++i) op[(m0 + i) * ldo + n] = vals[i];
+            }
+        }
+    });
+    res.finish(bias);
+}
+
+// Rows `ids` of a quantized matrix (layout as in quant_matmul), dequantized into out [len(ids), K]
+// (fp32 or bf16): embedding lookups, and whole matrices for the fallback path.
+void dequantize_rows(torch::Tensor weight, int64_t type, torch::Tensor row_scales, torch::Tensor ids,
+                     int64_t num_rows, torch::Tensor out) {
+    TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(), "weight must be contiguous uint8");
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.numel(), "out must be [len(ids), K]");
+    const bool f32 = out.scalar_type() == torch::kFloat32;
+    TORCH_CHECK(f32 || out.scalar_type() == torch::kBFloat16, "out must be fp32 or bf16");
+    const int64_t K = out.size(1), width = weight.size(1);
+    const bool tiled = is_tiled_type(type);
+    TORCH_CHECK(width == (tiled ? tile_bytes(type, K) : row_bytes(type, K)), "weight rows do not hold ", K,
+                " elements of type ", type);
+    auto idx = ids.to(torch::kInt64).contiguous();
+    const int64_t* ip = idx.data_ptr<int64_t>();
+    for (int64_t r = 0; r < idx.numel(); ++r)
+        TORCH_CHECK(ip[r] >= 0 && ip[r] < num_rows, "row index ", ip[r], " out of range [0, ", num_rows, ")");
+    const float* scales = type == I8 ? row_scales.data_ptr<float>() : nullptr;
+    const uint8_t* wp = weight.data_ptr<uint8_t>();
+    at::parallel_for(0, idx.numel(), 8, [&](int64_t begin, int64_t end) {
+        std::vector<float> buf(f32 ? 0 : K);
+        for (int64_t r = begin; r < end; ++r) {
+            float* dst = f32 ? out.data_ptr<float>() + r * K : buf.data();
+            if (tiled) dequantize_tiled_row(type, wp, scales, K, ip[r], dst);
+            else dequantize_row(type, wp + ip[r] * width, 1.f, K, dst);
+            if (!f32) {
+                c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r * K;
+                for (int64_t k = 0; k < K; ++k) o[k] = static_cast<c10::BFloat16>(buf[k]);
+            }
+        }
+    });
+}
+
+std::string isa() {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    std::string s = "avx512-vnni";
+#elif defined(__AVXVNNI__)
+    std::string s = "avx2+avx-vnni";
+#elif defined(__AVX2__)
+    std::string s = "avx2";
+#else
+    std::string s = "scalar";
+#endif
+#if defined(__AVX512BF16__)
+    s += "+avx512-bf16";
+#endif
+    return s;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("quant_matmul", &quant_matmul, "x @ W.T for a quantized weight (CPU)");
+    m.def("repack_tiles", &repack, "GGUF rows of Q4_0/Q4_1/Q8_0/I8 -> the 16-row tiled layout");
+    m.def("dense_matmul", &dense_matmul, "x @ W.T for a few rows of x, fp32 or bf16 weight (CPU)");
+    m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as fp32/bf16 (CPU)");
+    m.def("row_bytes", &row_bytes, "bytes per GGUF-layout row of K elements");
+    m.def("tile_bytes", &tile_bytes, "bytes per 16-row tile of K elements");
+    m.def("isa", &isa, "the instruction set the kernels were compiled for");
+}

@@ -1,0 +1,71 @@
+// Shared by the quantized-matmul sources: GGUF block layouts, the 16-row tiled layout, and the
+// int8 activation blocks every quantized product takes.
+#pragma once
+
+#include <torch/extension.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <array>
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace conveyor {
+
+constexpr int64_t QK = 32;     // activation block, and the block of Q4_0/Q4_1/Q8_0/I8
+constexpr int64_t QK_K = 256;  // super-block of the K-quants
+constexpr int64_t kTileRows = 16;  // output rows interleaved in one tile
+
+// GGUF/ggml type ids (ggml.h) of the block types handled here, and our per-channel int8.
+enum WeightType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, I8 = 1000 };
+
+struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
+struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml block sizes");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml K-quant block sizes");
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    c10::Half v;
+    v.x = h;
+    return static_cast<float>(v);
+#endif
+}
+
+inline bool is_tiled_type(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == I8; }
+inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
+int64_t row_bytes(int64_t type, int64_t K);   // one row in GGUF's layout (I8: K bytes)
+int64_t tile_bytes(int64_t type, int64_t K);  // one tile of kTileRows rows in the tiled layout
+
+// Activations quantized to int8 blocks of 32 (scale amax / 127). Per row: q [K], d [K/32] (scale),
+// s32 [K/32] = d * sum(q) over each block, s16 [K/16] = d * sum over each half block.
+struct Activations {
+    int64_t M = 0, K = 0, nb = 0;
+    std::vector<int8_t> q;
+    std::vector<float> d, s32, s16;
+    const int8_t* qrow(int64_t m, int64_t block) const { return q.data() + m * K + block * QK; }
+};
+void quantize_activations(const torch::Tensor& x, Activations& a);
+
+// out[m, n] = sum_k x[m, k] W[n, k] (fp32, before bias) for all M rows of `a`: output rows [n0, n1) of a
+// GGUF-layout K-quant matrix, or tiles [t0, t1) of a tiled one (I8: times `row_scales`, padded to whole tiles).
+void rows_matmul(int64_t type, const uint8_t* w, int64_t row_stride, const Activations& a, int64_t n0, int64_t n1,
+                 float* out, int64_t ldo);
+void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
+                  int64_t t1, int64_t N, float* out, int64_t ldo);
+
+// One row of a GGUF-layout matrix, or of a tiled matrix (row `row` of `tiles`), as fp32.
+void dequantize_row(int64_t type, const uint8_t* src, float row_scale, int64_t K, float* y);
+void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
+                          float* y);
+// GGUF rows [N, row_bytes] -> tiles [ceil(N/16), tile_bytes] (rows past N are zero).
+void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst);
+
+}  // namespace conveyor

@@ -1,0 +1,295 @@
+// The 16-row tiled layout of Q4_0, Q4_1, Q8_0 and I8 weights, and its matmul.
+//
+// A tile holds 16 output rows; per block of 32 weights it stores the rows' quant bytes interleaved
+// four at a time (chunk j, row r: the 4 bytes j*4..j*4+3 of row r's block), then the 16 fp16
+// scales (Q4_0, Q4_1, Q8_0) and the 16 fp16 minimums (Q4_1). The bits are the file's: a Q4 block's
+// byte k holds weight k (low nibble) and weight k + 16 (high nibble), so chunk j of a Q4 block gives
+// weights 4j..4j+3 in its low nibbles and 4j+16..4j+19 in its high nibbles. One 16-lane integer dot
+// product (vpdpbusd: 4 unsigned weight bytes times 4 activation bytes, broadcast) then advances 16
+// output rows at once, and the per-row scales are a vector: no horizontal sums, no per-row scale
+// broadcasts. Q4_0's minimum is -8 d, computed; 8-bit weights are signed, biased by 128 for
+// vpdpbusd (the bias is taken back with the activation block sums).
+#include "quant.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+namespace conveyor {
+namespace {
+
+inline bool is4(int64_t type) { return type == Q4_0 || type == Q4_1; }
+inline int64_t quant_bytes(int64_t type) { return is4(type) ? 256 : 512; }
+inline int64_t block_bytes(int64_t type) {
+    return quant_bytes(type) + (type == I8 ? 0 : 32) + (type == Q4_1 ? 32 : 0);
+}
+
+// Weight (as a small int: Q4 nibble 0..15, 8-bit signed) `e` of row r in a tiled block.
+inline int tiled_weight(int64_t type, const uint8_t* blk, int r, int e) {
+    if (is4(type)) {
+        const uint8_t byte = blk[(e % 16 / 4) * 64 + r * 4 + e % 4];
+        return e < 16 ? byte & 0xF : byte >> 4;
+    }
+    return static_cast<int8_t>(blk[(e / 4) * 64 + r * 4 + e % 4]);
+}
+
+inline const uint16_t* tiled_scales(int64_t type, const uint8_t* blk) {
+    return reinterpret_cast<const uint16_t*>(blk + quant_bytes(type));
+}
+
+inline int32_t word(const int8_t* p) {
+    int32_t w;
+    std::memcpy(&w, p, 4);
+    return w;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// 16 output rows per vector; MB activation rows per pass over the tile's blocks.
+template <int MB>
+void tile_pass(int64_t type, const uint8_t* tile, const Activations& a, int64_t m0, __m512* result) {
+    const int64_t bb = block_bytes(type);
+    __m512 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* blk = tile + b * bb;
+        __m512i w[8];
+        __m512 wd, wm;
+        if (is4(type)) {
+            for (int j = 0; j < 4; ++j) {
+                const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
+                w[j] = _mm512_and_si512(raw, low4);
+                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            }
+            wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+            wm = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)))
+                              : _mm512_mul_ps(wd, _mm512_set1_ps(-8.f));
+        } else {
+            for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * j), bias);
+            wd = type == I8 ? _mm512_set1_ps(1.f)
+                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
+            wm = _mm512_mul_ps(wd, _mm512_set1_ps(-128.f));
+        }
+        for (int i = 0; i < MB; ++i) {
+            const int64_t m = m0 + i;
+            const int8_t* x = a.qrow(m, b);
+            __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+            if (is4(type)) {
+                for (int j = 0; j < 4; ++j) {
+                    d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(word(x + 4 * j)));
+                    d1 = _mm512_dpbusd_epi32(d1, w[j + 4], _mm512_set1_epi32(word(x + 16 + 4 * j)));
+                }
+            } else {
+                for (int j = 0; j < 8; j += 2) {
+                    d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(word(x + 4 * j)));
+                    d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(word(x + 4 * j + 4)));
+                }
+            }
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd, _mm512_set1_ps(a.d[m * a.nb + b])), acc[i]);
+            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.s32[m * a.nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; ++i) result[i] = acc[i];
+}
+
+constexpr int kPassRows = 8;
+
+template <int MB>
+void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Activations& a, int64_t m0,
+               int64_t n0, int64_t N, float* out, int64_t ldo) {
+    __m512 res[MB];
+    tile_pass<MB>(type, tile, a, m0, res);
+    const int64_t valid = std::min<int64_t>(kTileRows, N - n0);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    for (int i = 0; i < MB; ++i) {
+        __m512 v = res[i];
+        if (scales) v = _mm512_mul_ps(v, _mm512_loadu_ps(scales + n0));
+        _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n0, mask, v);
+    }
+}
+#elif defined(__AVX2__)
+// 8 output rows per vector: a tile is two halves, each swept over the blocks on its own (16 ymm
+// registers do not hold both halves' weights and accumulators).
+inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+template <int MB>
+void half_pass(int64_t type, const uint8_t* tile, int half, const Activations& a, int64_t m0, __m256* result) {
+    const int64_t bb = block_bytes(type);
+    __m256 acc[MB];
+    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < a.nb; ++b) {
+        const uint8_t* blk = tile + b * bb;
+        const uint16_t* sc = tiled_scales(type, blk) + 8 * half;
+        __m256i w[8];
+        __m256 wd, wm = _mm256_setzero_ps();
+        if (is4(type)) {
+            for (int j = 0; j < 4; ++j) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+                w[j] = _mm256_and_si256(raw, low4);
+                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+            }
+            wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+            wm = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))
+                              : _mm256_mul_ps(wd, _mm256_set1_ps(-8.f));
+        } else {
+            for (int j = 0; j < 8; ++j)
+                w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+            wd = type == I8 ? _mm256_set1_ps(1.f) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+        }
+        for (int i = 0; i < MB; ++i) {
+            const int64_t m = m0 + i;
+            const int8_t* x = a.qrow(m, b);
+            __m256i dot = _mm256_setzero_si256();
+            if (is4(type)) {
+                for (int j = 0; j < 4; ++j) {
+                    dot = dot_add(dot, w[j], _mm256_set1_epi32(word(x + 4 * j)));
+                    dot = dot_add(dot, w[j + 4], _mm256_set1_epi32(word(x + 16 + 4 * j)));
+                }
+            } else {  // signed weights: |w| times the activations carrying w's sign (no saturation)
+                for (int j = 0; j < 8; ++j) {
+                    const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(word(x + 4 * j)), w[j]);
+                    dot = dot_add(dot, _mm256_sign_epi8(w[j], w[j]), s);
+                }
+            }
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd, _mm256_set1_ps(a.d[m * a.nb + b])),
+                                     acc[i]);
+            if (is4(type)) acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.s32[m * a.nb + b]), acc[i]);
+        }
+    }
+    for (int i = 0; i < MB; ++i) result[i] = acc[i];
+}
+
+constexpr int kPassRows = 4;
+
+template <int MB>
+void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Activations& a, int64_t m0,
+               int64_t n0, int64_t N, float* out, int64_t ldo) {
+    for (int half = 0; half < 2; ++half) {
+        __m256 res[MB];
+        half_pass<MB>(type, tile, half, a, m0, res);
+        const int64_t base = n0 + 8 * half, valid = std::min<int64_t>(8, N - base);
+        if (valid <= 0) break;
+        for (int i = 0; i < MB; ++i) {
+            float vals[8];
+            _mm256_storeu_ps(vals, res[i]);
+            for (int r = 0; r < valid; ++r)
+                out[(m0 + i) * ldo + base + r] = scales ? vals[r] * scales[base + r] : vals[r];
+        }
+    }
+}
+#else
+constexpr int kPassRows = 1;
+
+template <int MB>
+void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Activations& a, int64_t m0,
+               int64_t n0, int64_t N, float* out, int64_t ldo) {
+    const int64_t bb = block_bytes(type), valid = std::min<int64_t>(kTileRows, N - n0);
+    for (int i = 0; i < MB; ++i) {
+        const int64_t m = m0 + i;
+        for (int r = 0; r < valid; ++r) {
+            float acc = 0.f;
+            for (int64_t b = 0; b < a.nb; ++b) {
+                const uint8_t* blk = tile + b * bb;
+                const uint16_t* sc = tiled_scales(type, blk);
+                const float d = type == I8 ? 1.f : half_to_float(sc[r]);
+                const float mn = type == Q4_1 ? half_to_float(sc[16 + r]) : type == Q4_0 ? -8.f * d : 0.f;
+                int dot = 0;
+                for (int e = 0; e < QK; ++e) dot += tiled_weight(type, blk, r, e) * a.qrow(m, b)[e];
+                acc += d * a.d[m * a.nb + b] * dot + mn * a.s32[m * a.nb + b];
+            }
+            out[m * ldo + n0 + r] = scales ? acc * scales[n0 + r] : acc;
+        }
+    }
+}
+#endif
+
+using TileFn = void (*)(int64_t, const uint8_t*, const float*, const Activations&, int64_t, int64_t, int64_t, float*,
+                        int64_t);
+
+template <int... I>
+constexpr auto make_table(std::integer_sequence<int, I...>) {
+    return std::array<TileFn, sizeof...(I)>{tile_rows<I + 1>...};
+}
+constexpr auto kTileFns = make_table(std::make_integer_sequence<int, kPassRows>{});
+
+}  // namespace
+
+int64_t tile_bytes(int64_t type, int64_t K) { return K / QK * block_bytes(type); }
+
+void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
+    const int64_t nb = K / QK, rb = row_bytes(type, K), bb = block_bytes(type), tiles = (N + kTileRows - 1) / kTileRows;
+    std::memset(dst, 0, tiles * nb * bb);
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+            for (int64_t b = 0; b < nb; ++b) {
+                uint8_t* blk = dst + (t * nb + b) * bb;
+                uint16_t* sc = reinterpret_cast<uint16_t*>(blk + quant_bytes(type));
+                for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
+                    const uint8_t* row = src + (t * kTileRows + r) * rb;
+                    const uint8_t* qs;
+                    switch (type) {
+                        case Q4_0: {
+                            auto* s = reinterpret_cast<const BlockQ4_0*>(row) + b;
+                            qs = s->qs, sc[r] = s->d;
+                            break;
+                        }
+                        case Q4_1: {
+                            auto* s = reinterpret_cast<const BlockQ4_1*>(row) + b;
+                            qs = s->qs, sc[r] = s->d, sc[16 + r] = s->m;
+                            break;
+                        }
+                        case Q8_0: {
+                            auto* s = reinterpret_cast<const BlockQ8_0*>(row) + b;
+                            qs = reinterpret_cast<const uint8_t*>(s->qs), sc[r] = s->d;
+                            break;
+                        }
+                        default:
+                            qs = row + b * QK;
+                    }
+                    for (int64_t j = 0; j < quant_bytes(type) / 64; ++j) std::memcpy(blk + j * 64 + r * 4, qs + 4 * j, 4);
+                }
+            }
+        }
+    });
+}
+
+void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
+                          float* y) {
+    const int64_t nb = K / QK, bb = block_bytes(type);
+    const uint8_t* tile = tiles + (row / kTileRows) * nb * bb;
+    const int r = static_cast<int>(row % kTileRows);
+    for (int64_t b = 0; b < nb; ++b, y += QK) {
+        const uint8_t* blk = tile + b * bb;
+        const uint16_t* sc = tiled_scales(type, blk);
+        if (type == I8) {
+            for (int e = 0; e < QK; ++e) y[e] = tiled_weight(type, blk, r, e) * row_scales[row];
+            continue;
+        }
+        const float d = half_to_float(sc[r]);
+        for (int e = 0; e < QK; ++e) {
+            const int q = tiled_weight(type, blk, r, e);
+            y[e] = type == Q4_1 ? q * d + half_to_float(sc[16 + r]) : type == Q4_0 ? (q - 8) * d : q * d;
+        }
+    }
+}
+
+void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
+                  int64_t t1, int64_t N, float* out, int64_t ldo) {
+    const int64_t tb = tile_bytes(type, a.K);
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t m0 = 0; m0 < a.M; m0 += kPassRows) {
+            const int mb = static_cast<int>(std::min<int64_t>(kPassRows, a.M - m0));
+            kTileFns[mb - 1](type, w + t * tb, row_scales, a, m0, t * kTileRows, N, out, ldo);
+        }
+    }
+}
+
+}  // namespace conveyor

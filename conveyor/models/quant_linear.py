@@ -1,0 +1,204 @@
+"""Linear layers and embeddings over quantized weights (`QuantizedTensor`), on CPU.
+
+Decode-sized inputs (up to `KERNEL_MAX_ROWS` rows) go through the native weight-streaming kernel
+(`kernels/matmul_cpu.cpp`): the weights are read in their quantized form, the activations
+quantized to int8 blocks of 32, integer dot products. Bigger inputs (prefill chunks) are compute
+bound: the weight is dequantized into a scratch buffer shared by every layer of that shape (not a
+second copy of the model: one matrix at a time) and multiplied by the BLAS/oneDNN kernel of the
+compute dtype (AMX for bf16 where the CPU has it). Without the native kernels, every input takes
+the dequantize path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import cpu_matmul_ops, native_kernels_enabled
+from .quantized import QuantizedTensor, cat_rows
+
+# Up to this many rows the weight-streaming kernel beats dequantize + BLAS (see DEVELOPERS.md).
+KERNEL_MAX_ROWS = 32
+
+def matmul_ops() -> object | None:
+    """The native kernels, or None (PyTorch fallbacks) when off or not buildable."""
+    return cpu_matmul_ops() if native_kernels_enabled() else None
+
+
+class _Scratch:
+    """One dequantized matrix per (shape, dtype) at a time, reused by every layer of that shape."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self.rows: dict[int, torch.Tensor] = {}
+
+    def dequantize(self, weight: QuantizedTensor, dtype: torch.dtype, ops: object | None) -> torch.Tensor:
+        if ops is None:
+            return weight.dequantize(dtype)
+        rows, cols = weight.shape
+        out = self.buffers.get((rows, cols, dtype))
+        if out is None:
+            out = self.buffers[(rows, cols, dtype)] = torch.empty(rows, cols, dtype=dtype)
+        ids = self.rows.get(rows)
+        if ids is None:
+            ids = self.rows[rows] = torch.arange(rows)
+        ops.dequantize_rows(weight.data, weight.qtype, weight.row_scales_or_empty(), ids, rows, out)
+        return out
+
+
+SCRATCH = _Scratch()
+
+
+def merge_segments(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Adjacent parts of one type concatenated: a fused q/k/v of one type is a single segment; then
+    tiled for the kernels where they are available (`QuantizedTensor.tiled`)."""
+    segments: list[list[QuantizedTensor]] = []
+    for part in parts:
+        if segments and (segments[-1][0].qtype, segments[-1][0].shape[1]) == (part.qtype, part.shape[1]):
+            segments[-1].append(part)
+        else:
+            segments.append([part])
+    merged = [group[0] if len(group) == 1 else cat_rows(group) for group in segments]
+    ops = matmul_ops()
+    return merged if ops is None else [m.tiled(ops) for m in merged]
+
+
+class QuantMatmul:
+    """`x -> x @ W.T (+ bias)` for a quantized `W` made of row segments (their types may differ:
+    K-quant GGUF files mix types inside one fused projection). A plain callable, so a tied LM head
+    can share the embedding's weight without registering it twice. `out_dtype` None = x's dtype."""
+
+    __slots__ = ("bias", "in_features", "out_dtype", "out_features", "segments")
+
+    def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> None:
+        self.segments = merge_segments(parts)
+        if len({s.shape[1] for s in self.segments}) != 1:
+            raise ValueError("every part of a quantized linear needs the same number of input features")
+        self.in_features = self.segments[0].shape[1]
+        self.out_features = sum(s.shape[0] for s in self.segments)
+        self.bias = bias
+        self.out_dtype = out_dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        dtype = self.out_dtype or x.dtype
+        ops = matmul_ops()
+        bias = None if self.bias is None else self.bias.detach()
+        if ops is not None and x2.shape[0] <= KERNEL_MAX_ROWS and x.device.type == "cpu":
+            out = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
+            start = 0
+            for seg in self.segments:
+                end = start + seg.shape[0]
+                ops.quant_matmul(x2, seg.data, seg.qtype, seg.row_scales_or_empty(),
+                                 None if bias is None else bias[start:end], out[:, start:end])
+                start = end
+        else:
+            outs, start = [], 0
+            for seg in self.segments:
+                end = start + seg.shape[0]
+                outs.append(F.linear(x2, SCRATCH.dequantize(seg, x.dtype, ops),
+                                     None if bias is None else bias[start:end]))
+                start = end
+            out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(dtype)
+        return out.view(*lead, self.out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for `nn.Linear` with quantized weights: `bias` stays a parameter (loaded from the
+    state dict as before), the weight segments are plain attributes outside the state dict."""
+
+    def __init__(self, parts: list[QuantizedTensor], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        out_features = sum(p.shape[0] for p in parts)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.kernel = QuantMatmul(parts, self.bias)  # the same Parameter: loading fills it in place
+        self.in_features, self.out_features = self.kernel.in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x)
+
+    def extra_repr(self) -> str:
+        types = "+".join(s.type_name for s in self.kernel.segments)
+        return f"in_features={self.in_features}, out_features={self.out_features}, weight={types}"
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over a quantized table: the looked-up rows are dequantized to `dtype`."""
+
+    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        ops = matmul_ops()
+        self.weight = weight if ops is None else weight.tiled(ops)  # shared with a tied head as it is
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ops = matmul_ops()
+        flat = ids.reshape(-1)
+        if ops is None:
+            return self.weight.index_rows(flat).dequantize(self.dtype).view(*ids.shape, self.embedding_dim)
+        out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.dtype)
+        ops.dequantize_rows(self.weight.data, self.weight.qtype, self.weight.row_scales_or_empty(), flat,
+                            self.num_embeddings, out)
+        return out.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, weight={self.weight.type_name}"
+
+
+Weight = torch.Tensor | QuantizedTensor
+QUANTIZATIONS = ("none", "int8", "int4", "gguf")
+
+
+def fuse_rows(parts: list[Weight]) -> torch.Tensor | list[Weight]:
+    """Fused q/k/v or gate/up: one dense tensor, or the parts as they are when some are quantized."""
+    return torch.cat(parts) if all(isinstance(p, torch.Tensor) for p in parts) else list(parts)
+
+
+def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, dtype: torch.dtype,
+                 quantizable: set[str]) -> dict[str, torch.Tensor | list[QuantizedTensor]]:
+    """Each weight as the model will hold it: a dense tensor, or quantized segments.
+
+    "none": everything dense (quantized GGUF tensors dequantized; the exact path). "gguf": the
+    file's quantized tensors stay as they are, dense ones stay dense. "int8"/"int4": every weight in
+    `quantizable` (linear and embedding weights) is quantized from its float values, a GGUF tensor
+    dequantized first; a matrix whose rows do not split into groups of 32 stays dense.
+    """
+    from .quantized import QUANTIZERS
+
+    planned: dict[str, torch.Tensor | list[QuantizedTensor]] = {}
+    for name, value in weights.items():
+        parts = value if isinstance(value, list) else [value]
+        quantized = any(isinstance(p, QuantizedTensor) for p in parts)
+        if quantization == "gguf" and quantized and all(isinstance(p, QuantizedTensor) for p in parts):
+            planned[name] = parts  # type: ignore[assignment]
+            continue
+        dense = torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p for p in parts])
+        if quantization in QUANTIZERS and name in quantizable and dense.dim() == 2 and dense.shape[1] % 32 == 0:
+            planned[name] = [QUANTIZERS[quantization](dense)]
+        else:
+            planned[name] = dense
+    return planned
+
+
+def describe_weights(model: nn.Module, quantization: str) -> str:
+    """For the start-up log: the weight format and the resident bytes of the model's weights."""
+    counts: dict[str, int] = {}
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        tensors = (module.kernel.segments if isinstance(module, QuantLinear)
+                   else [module.weight] if isinstance(module, QuantEmbedding) else [])
+        for t in tensors:
+            counts[t.type_name] = counts.get(t.type_name, 0) + 1
+            nbytes += t.nbytes
+    kinds = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
+    return f"{quantization}{f' ({kinds} matrices)' if kinds else ''}, {nbytes / 2**20:.0f} MiB"

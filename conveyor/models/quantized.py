@@ -1,0 +1,163 @@
+"""Quantized weight matrices: GGUF's own block formats kept as they are, and our int8 and int4.
+
+A `QuantizedTensor` is a `[rows, cols]` matrix stored as `rows` byte rows in one block layout:
+GGUF's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (ggml's layouts, the file's bytes unchanged, so a GGUF
+model takes its file size in memory), or I8, per-channel int8 (int8 rows, one fp32 scale per row).
+`quantize_int8` and `quantize_int4` make them from float weights: "int8" is I8; "int4" is Q4_1
+(groups of 32 weights with an fp16 scale and minimum each: 5 bits per weight), so both run through
+the same kernels as GGUF files. Rows are whole blocks: only row operations (select, concatenate,
+permute) are defined, which is all that loading and fusing q/k/v and gate/up need.
+
+For the kernels, Q4_0/Q4_1/Q8_0/I8 tensors are repacked once (`tiled`) into 16-row tiles: the same
+bits, interleaved so one vector instruction serves 16 output rows (see `kernels/quant_tiles.cpp`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import gguf
+import numpy as np
+import torch
+
+GGMLType = gguf.GGMLQuantizationType
+I8 = 1000  # our per-channel int8 (not a GGUF type); the kernels' id for it
+
+# Types the native kernels take, with their block size (weights per block).
+KERNEL_TYPES: dict[int, int] = {GGMLType.Q4_0: 32, GGMLType.Q4_1: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256,
+                                GGMLType.Q6_K: 256, I8: 32}
+# Types with a 16-row tiled layout (the others run on their GGUF rows).
+TILED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8)
+TILE_ROWS = 16
+# Float types GGUF files use for tensors that are not quantized.
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+
+
+def type_name(qtype: int) -> str:
+    return "I8" if qtype == I8 else GGMLType(qtype).name
+
+
+@dataclass
+class QuantizedTensor:
+    """`shape = (rows, cols)` weights as `data` uint8 in the layout of `qtype`: GGUF's rows
+    `[rows, row_bytes]` (`layout="rows"`), or 16-row tiles `[ceil(rows / 16), tile_bytes]`
+    (`layout="tiles"`); `row_scales` fp32 for I8 (None otherwise), padded to whole tiles when tiled."""
+
+    data: torch.Tensor
+    qtype: int
+    shape: tuple[int, int]
+    row_scales: torch.Tensor | None = None
+    layout: str = "rows"
+
+    def __post_init__(self) -> None:
+        rows, cols = self.shape
+        if self.qtype not in KERNEL_TYPES:
+            raise ValueError(f"no kernel takes {type_name(self.qtype)} tensors")
+        if cols % KERNEL_TYPES[self.qtype]:
+            raise ValueError(f"{type_name(self.qtype)} rows hold multiples of {KERNEL_TYPES[self.qtype]} weights, "
+                             f"got {cols}")
+        if self.layout == "rows":
+            expected = (rows, row_bytes(self.qtype, cols))
+        else:
+            expected = (-(-rows // TILE_ROWS), self.data.shape[1] if self.data.dim() == 2 else -1)
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != expected:
+            raise ValueError(f"{type_name(self.qtype)} data for {self.shape} ({self.layout}) must be uint8 "
+                             f"{list(expected)}, got {self.data.dtype} {list(self.data.shape)}")
+        self.data = self.data.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() + (0 if self.row_scales is None else self.row_scales.numel() * 4)
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.qtype)
+
+    def index_rows(self, index: torch.Tensor | np.ndarray) -> QuantizedTensor:
+        """The rows `index` (a row permutation or selection), still quantized (GGUF row layout)."""
+        self._need_rows("index_rows")
+        index = torch.as_tensor(index, dtype=torch.long)
+        scales = None if self.row_scales is None else self.row_scales[index]
+        return QuantizedTensor(self.data[index], self.qtype, (len(index), self.shape[1]), scales)
+
+    def tiled(self, ops: object) -> QuantizedTensor:
+        """The 16-row tiled form the kernels (`ops`, the native extension) take; self if it has none."""
+        if self.layout == "tiles" or self.qtype not in TILED_TYPES:
+            return self
+        scales = None
+        if self.row_scales is not None:
+            scales = torch.zeros(-(-self.shape[0] // TILE_ROWS) * TILE_ROWS)
+            scales[:self.shape[0]] = self.row_scales
+        return QuantizedTensor(ops.repack_tiles(self.data, int(self.qtype), self.shape[1]), self.qtype, self.shape,
+                               scales, "tiles")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float matrix. GGUF rows through gguf's own `dequantize` (what transformers' GGUF loader
+        uses, so the exact path keeps its parity with it); tiles through the native kernels."""
+        if self.layout == "tiles":
+            from ..kernels import cpu_matmul_ops
+
+            out = torch.empty(self.shape, dtype=dtype)
+            cpu_matmul_ops().dequantize_rows(self.data, int(self.qtype), self.row_scales_or_empty(),
+                                             torch.arange(self.shape[0]), self.shape[0], out)
+            return out
+        if self.qtype == I8:
+            w = self.data.view(torch.int8).float() * self.row_scales.float().unsqueeze(1)
+        else:
+            w = torch.from_numpy(gguf.quants.dequantize(self.data.cpu().numpy(), GGMLType(self.qtype)))
+        return w.reshape(self.shape).to(device=self.data.device, dtype=dtype)
+
+    def row_scales_or_empty(self) -> torch.Tensor:
+        return torch.empty(0) if self.row_scales is None else self.row_scales
+
+    def _need_rows(self, what: str) -> None:
+        if self.layout != "rows":
+            raise ValueError(f"{what} needs the GGUF row layout, this tensor is tiled")
+
+
+def row_bytes(qtype: int, cols: int) -> int:
+    if qtype == I8:
+        return cols
+    block, size = gguf.GGML_QUANT_SIZES[GGMLType(qtype)]
+    return cols // block * size
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Row-wise concatenation of tensors of one type (fused q/k/v, gate/up)."""
+    for p in parts:
+        p._need_rows("cat_rows")
+    kinds = {(p.qtype, p.shape[1]) for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot concatenate {sorted(type_name(t) for t, _ in kinds)} rows into one tensor")
+    scales = None if parts[0].row_scales is None else torch.cat([p.row_scales for p in parts])
+    return QuantizedTensor(torch.cat([p.data for p in parts]), parts[0].qtype,
+                           (sum(p.shape[0] for p in parts), parts[0].shape[1]), scales)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
+    """Per-channel symmetric int8: one fp32 scale per output row, `round(w / scale)` in [-127, 127]."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-30) / 127.0
+    q = torch.round(w / scales.unsqueeze(1)).clamp(-127, 127).to(torch.int8)
+    return QuantizedTensor(q.view(torch.uint8), I8, tuple(w.shape), scales)
+
+
+def quantize_int4(weight: torch.Tensor) -> QuantizedTensor:
+    """Group-wise asymmetric 4-bit, groups of 32, in GGUF's Q4_1 layout: per group an fp16 scale
+    `d = (max - min) / 15` and minimum `m`, values `q = round((w - m) / d)` in [0, 15], `w ~ d q + m`.
+    The scale and minimum are rounded to fp16 first and the values fitted to the rounded ones."""
+    rows, cols = weight.shape
+    if cols % 32:
+        raise ValueError(f"int4 groups are 32 weights: a row of {cols} does not split into them")
+    g = weight.detach().float().reshape(rows, cols // 32, 32)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    d = ((hi - lo) / 15.0).half()
+    m = lo.half()
+    df, mf = d.float().unsqueeze(-1), m.float().unsqueeze(-1)
+    q = torch.where(df > 0, torch.round((g - mf) / torch.where(df > 0, df, 1.0)), 0.0).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: element j (low nibble) and j + 16 (high nibble)
+    blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), packed], dim=-1)
+    return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLType.Q4_1, (rows, cols))
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}

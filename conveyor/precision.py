@@ -1,0 +1,87 @@
+"""Which dtype and which weight format a model runs in: `dtype` and `quantization`, resolved once.
+
+`dtype="auto"` (the default) is bf16 on CUDA; on CPU bf16 where the CPU has native bf16 dot
+products (AVX512-BF16 or AMX-BF16), fp32 elsewhere. `dtype="float32"` asked for explicitly is
+the exact path: dense fp32 weights (a GGUF file's quantized tensors dequantized), greedy outputs
+identical to transformers' fp32 eager, so it takes no quantization.
+
+`quantization`: "none" (dense weights), "int8" (per-channel int8), "int4" (groups of 32, 4-bit),
+"gguf" (a GGUF file's own quantized tensors, kept as they are). None = "gguf" for a GGUF file
+with quantized tensors unless the exact path was asked for, "none" otherwise. Quantized weights
+run on CPU only (their kernels are CPU kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .kernels import cpu_flags
+from .models.quant_linear import QUANTIZATIONS
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The resolved choice. `quantization` None = decided by the file (`resolve_quantization`)."""
+
+    dtype: torch.dtype
+    quantization: str | None
+    exact: bool  # dtype="float32" asked for explicitly
+    reason: str  # why this dtype, for the start-up log line
+
+
+def cpu_native_bf16() -> list[str]:
+    """The CPU flags that give native bf16 dot products (empty: none)."""
+    return [f for f in BF16_FLAGS if f in cpu_flags()]
+
+
+def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device: torch.device,
+                      model_path: str | Path | None) -> Precision:
+    """Validate `dtype` and `quantization` for this device and model file; ValueError names the choices."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None (auto), got {quantization!r}")
+    if isinstance(dtype, str) and dtype != "auto" and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
+    exact = dtype == torch.float32 or (isinstance(dtype, str) and _DTYPES.get(dtype) is torch.float32)
+    if exact and quantization not in (None, "none"):
+        raise ValueError(f"dtype='float32' is the exact path (dense fp32 weights): it takes no quantization "
+                         f"(got {quantization!r}); use dtype='auto' or 'bfloat16' with quantization={quantization!r}, "
+                         "or quantization='none' with float32")
+    if device.type != "cpu" and quantization not in (None, "none"):
+        raise ValueError(f"quantization={quantization!r} runs on CPU only; on {device.type} use quantization='none' "
+                         "(or None)")
+    is_gguf = model_path is None or Path(model_path).suffix.lower() == ".gguf"
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization='gguf' needs a GGUF file, {model_path} is not one; use 'int8', 'int4' or "
+                         "'none'")
+    if dtype == "auto":
+        if device.type == "cuda":
+            resolved, reason = torch.bfloat16, "bf16 on CUDA"
+        elif cpu_native_bf16():
+            resolved, reason = torch.bfloat16, f"bf16: the CPU has {', '.join(cpu_native_bf16())}"
+        else:
+            resolved, reason = torch.float32, "fp32: the CPU has no native bf16 dot products (avx512_bf16, amx_bf16)"
+    else:
+        resolved = dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
+        reason = f"{str(resolved).removeprefix('torch.')} as asked"
+    if device.type == "cpu" and quantization is None and not is_gguf:
+        quantization = "none"
+    if exact or device.type != "cpu":
+        quantization = "none"
+    return Precision(resolved, quantization, exact, reason)
+
+
+def resolve_quantization(precision: Precision, file_quantized: bool) -> str:
+    """The weight format once the file is read: None means "gguf" if it has quantized tensors."""
+    if precision.quantization is not None:
+        if precision.quantization == "gguf" and not file_quantized:
+            raise ValueError("quantization='gguf' needs quantized tensors, and this GGUF file has none a kernel "
+                             "takes; use 'int8', 'int4' or 'none'")
+        return precision.quantization
+    return "gguf" if file_quantized else "none"

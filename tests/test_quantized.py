@@ -1,0 +1,178 @@
+"""Quantized weights: GGUF block tensors and our int8/int4 through the native kernels equal a
+dequantized reference, and the quantizers' errors stay within their formats' bounds."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conveyor.kernels import cpu_matmul_ops
+from conveyor.models.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantMatmul, merge_segments
+from conveyor.models.quantized import (I8, TILED_TYPES, GGMLType, QuantizedTensor, cat_rows, quantize_int4,
+                                       quantize_int8)
+
+GGUF_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = cpu_matmul_ops()
+    assert built is not None, "the matmul kernels should build on this machine"
+    return built
+
+
+def gguf_tensor(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
+    """A tensor as a GGUF file holds it: gguf's own quantizer where it has one; for the K-quants (which
+    gguf cannot quantize) random blocks with sane fp16 super-block scales, every other byte random."""
+    rng = np.random.default_rng(seed)
+    if qtype in (GGMLType.Q4_K, GGMLType.Q6_K):
+        block, size = gguf.GGML_QUANT_SIZES[GGMLType(qtype)]
+        raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+        scales = (rng.uniform(0.5, 1.5, size=(rows, cols // block, 2)) * 0.01).astype(np.float16)
+        if qtype == GGMLType.Q4_K:
+            raw[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // block, 4)  # d, dmin
+        else:
+            raw[..., 208:210] = scales[..., :1].view(np.uint8).reshape(rows, cols // block, 2)  # d
+        data = raw.reshape(rows, -1)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLType(qtype))
+    return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(data)), int(qtype), (rows, cols))
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' activation quantization (int8 blocks of 32, scale amax / 127), dequantized."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
+    return (q * d).reshape(x.shape)
+
+
+def assert_close_scaled(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    scale = ref.abs().max().item()
+    err = (out.float() - ref.float()).abs().max().item()
+    assert err <= rel * scale, f"max error {err:.3g} over {rel:g} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: GGMLType(t).name)
+def test_dequantize_equals_gguf(ops, qtype: int) -> None:
+    """The kernels' dequantization (tiled where the type has tiles) is gguf's own, bit for bit, and
+    so is the tensor's `dequantize` in either layout."""
+    w = gguf_tensor(qtype, 37, 512)
+    ref = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), GGMLType(qtype))).reshape(w.shape)
+    assert torch.equal(w.dequantize(), ref)
+    kernel_w = w.tiled(ops)
+    assert kernel_w.layout == ("tiles" if qtype in TILED_TYPES else "rows")
+    ids = torch.tensor([0, 36, 5, 5, 17])
+    out = torch.empty(len(ids), 512)
+    ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), ids, 37, out)
+    assert torch.equal(out, ref[ids])
+    assert torch.equal(kernel_w.dequantize(), ref)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), torch.tensor([37]), 37, out[:1])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17])
+@pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: GGMLType(t).name)
+def test_gguf_matmul_matches_dequantized_reference(ops, qtype: int, rows: int) -> None:
+    """Against gguf's dequantized weights times the kernel's quantized activations: fp32 rounding
+    only; against the unquantized activations: within the activation quantization's error."""
+    torch.manual_seed(rows)
+    cols = 512  # two K-quant super-blocks, 16 blocks of 32
+    w = gguf_tensor(qtype, 45, cols, seed=rows)  # 45 output rows: not a multiple of the thread grain
+    ref_w = w.dequantize()
+    x = torch.randn(rows, cols)
+    out = torch.empty(rows, 45)
+    kw = w.tiled(ops)
+    ops.quant_matmul(x, kw.data, w.qtype, torch.empty(0), None, out)
+    assert_close_scaled(out, quantize_activations(x) @ ref_w.T, 2e-6)
+    assert_close_scaled(out, x @ ref_w.T, 2e-2)  # int8 activations: ~1/127 of each block's largest value
+
+
+def test_bias_bf16_and_column_slices(ops) -> None:
+    """bf16 inputs and outputs, a bias, and an output that is a column slice of a wider tensor."""
+    w = gguf_tensor(GGMLType.Q4_1, 40, 256)
+    x = torch.randn(3, 256).bfloat16()
+    bias = torch.randn(40)
+    wide = torch.zeros(3, 100, dtype=torch.bfloat16)
+    ops.quant_matmul(x, w.tiled(ops).data, w.qtype, torch.empty(0), bias, wide[:, 30:70])
+    ref = quantize_activations(x) @ w.dequantize().T + bias
+    assert_close_scaled(wide[:, 30:70], ref, 1e-2)  # bf16 output rounding
+    assert wide[:, :30].abs().sum() == 0 and wide[:, 70:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("cols", [64, 96, 576])
+def test_int8_per_channel(ops, cols: int) -> None:
+    torch.manual_seed(cols)
+    weight = torch.randn(33, cols) * torch.linspace(0.1, 3, 33).unsqueeze(1)  # rows of very different scales
+    q = quantize_int8(weight)
+    assert q.qtype == I8 and q.row_scales.shape == (33,)
+    deq = q.dequantize()
+    assert ((deq - weight).abs() <= q.row_scales.unsqueeze(1) / 2 + 1e-6).all()  # half a step per element
+    x = torch.randn(4, cols)
+    out = torch.empty(4, 33)
+    kq = q.tiled(ops)
+    assert kq.row_scales.shape == (48,)  # padded to whole tiles
+    ops.quant_matmul(x, kq.data, q.qtype, kq.row_scales, None, out)
+    torch.testing.assert_close(kq.dequantize(), deq)
+    assert_close_scaled(out, quantize_activations(x) @ deq.T, 2e-6)
+
+
+@pytest.mark.parametrize("cols", [32, 160, 576])
+def test_int4_groups_of_32(ops, cols: int) -> None:
+    torch.manual_seed(cols)
+    weight = torch.randn(20, cols)
+    q = quantize_int4(weight)
+    assert q.qtype == GGMLType.Q4_1
+    deq = q.dequantize()  # through gguf's own Q4_1 dequantization: the layout is GGUF's
+    groups = weight.reshape(20, -1, 32)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (deq - weight).reshape(20, -1, 32).abs().amax(-1)
+    assert (err <= step * 0.5 + step * 2e-3 + 1e-4).all()  # half a step, plus the fp16 rounding of scale and min
+    x = torch.randn(2, cols)
+    out = torch.empty(2, 20)
+    ops.quant_matmul(x, q.tiled(ops).data, q.qtype, torch.empty(0), None, out)
+    assert_close_scaled(out, quantize_activations(x) @ deq.T, 2e-6)
+    with pytest.raises(ValueError, match="groups are 32"):
+        quantize_int4(torch.randn(4, 40))
+
+
+def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
+    """A fused projection of two types (as K-quant files mix them): kernel rows and prefill-sized
+    inputs (dequantize + F.linear) agree with the dequantized weights."""
+    parts = [gguf_tensor(GGMLType.Q4_K, 24, 256, 1), gguf_tensor(GGMLType.Q4_K, 8, 256, 2),
+             gguf_tensor(GGMLType.Q6_K, 8, 256, 3)]
+    assert [s.shape[0] for s in merge_segments(parts)] == [32, 8]
+    bias = torch.randn(40)
+    matmul = QuantMatmul(parts, bias)
+    ref_w = torch.cat([p.dequantize() for p in parts])
+    for rows in (1, 7, KERNEL_MAX_ROWS + 5):
+        x = torch.randn(rows, 256)
+        out = matmul(x)
+        assert out.shape == (rows, 40)
+        exact = rows > KERNEL_MAX_ROWS  # the dequantize path has no activation quantization
+        ref = F.linear(x if exact else quantize_activations(x), ref_w, bias)
+        assert_close_scaled(out, ref, 1e-5)
+
+
+def test_quant_embedding_rows() -> None:
+    table = gguf_tensor(GGMLType.Q8_0, 50, 64)
+    ids = torch.tensor([[3, 0], [49, 3]])
+    out = QuantEmbedding(table, torch.bfloat16)(ids)
+    assert out.shape == (2, 2, 64) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, table.dequantize()[ids].bfloat16())
+
+
+def test_row_operations() -> None:
+    a, b = gguf_tensor(GGMLType.Q4_0, 6, 64), gguf_tensor(GGMLType.Q4_0, 3, 64, 1)
+    both = cat_rows([a, b])
+    assert both.shape == (9, 64)
+    torch.testing.assert_close(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    perm = torch.tensor([2, 0, 1, 5, 4, 3])
+    torch.testing.assert_close(a.index_rows(perm).dequantize(), a.dequantize()[perm])
+    with pytest.raises(ValueError, match="cannot concatenate"):
+        cat_rows([a, gguf_tensor(GGMLType.Q8_0, 2, 64)])
+    with pytest.raises(ValueError, match="multiples of 256"):
+        QuantizedTensor(torch.zeros(2, 144, dtype=torch.uint8), int(GGMLType.Q4_K), (2, 128))
