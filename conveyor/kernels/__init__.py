@@ -7,8 +7,9 @@ over quantized, bf16 and fp32 weights. Each extension's name carries a digest of
 compiler flags, the torch and Python versions and the CPU's vector-instruction flags, so two
 environments (or two CPUs sharing a home directory) never load or rebuild each other's builds.
 `-march=native` picks the instruction set of the CPU it is built on (AVX2, AVX-512, VNNI, BF16).
-If one cannot be built (no compiler), the PyTorch code runs instead. `CONVEYOR_NATIVE_KERNELS=0`
-turns them all off.
+`CONVEYOR_MARCH` overrides that target (e.g. `haswell` for the AVX2 paths, `x86-64` for the plain
+C++ ones: how the tests check the code paths this CPU would not take). If one cannot be built (no
+compiler), the PyTorch code runs instead. `CONVEYOR_NATIVE_KERNELS=0` turns them all off.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
     from torch.utils.cpp_extension import load
 
     paths = [Path(__file__).with_name(s) for s in sources]
-    flags = ["-O3", "-march=native", *cflags, "-fopenmp"]
+    flags = ["-O3", f"-march={os.environ.get('CONVEYOR_MARCH', 'native')}", *cflags, "-fopenmp"]
     full_name = f"{name}_{_build_key(paths + [Path(__file__).with_name(h) for h in headers], flags)}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     fresh = not any(root.glob(f"*/{full_name}/*.so"))

@@ -39,6 +39,15 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+#if defined(__AVX2__)
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 inline bool is_tiled_type(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == I8; }
 inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
 int64_t row_bytes(int64_t type, int64_t K);   // one row in GGUF's layout (I8: K bytes)
