@@ -22,6 +22,10 @@ TINY_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_
 TINY_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False),
     "llama_tied": lambda: transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=True),
+    # Weights at a real model's scale (logits spread like a trained model's, not the large random ones
+    # above): what the precision tests measure quality on.
+    "llama_smooth": lambda: transformers.LlamaConfig(**(TINY_COMMON | {"initializer_range": 0.05}),
+                                                     tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=False),
     "qwen3": lambda: transformers.Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False),
     "mistral": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=None, tie_word_embeddings=False),
