@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conveyor.bench import main
-from conveyor.bench.throughput import compare_outputs, first_difference, format_report
+from conveyor.bench.throughput_report import compare_outputs, first_difference, format_report
 from conveyor.bench.workloads import (BenchRequest, WorkloadError, load_workload, render_prompts,
                                       synthetic_workload)
 
@@ -100,6 +100,9 @@ def test_first_difference_and_compare_outputs():
     assert first_difference([], [4]) == 0
     result = compare_outputs([[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [5]], [None, None, "boom"])
     assert result["exact_matches"] == 1 and result["num_requests"] == 3
+    # agreement: 1 of 3 identical (an error counts as a mismatch); common prefixes 2, 1 and 1 token(s)
+    assert result["identical_fraction"] == pytest.approx(1 / 3)
+    assert result["mean_common_prefix"] == pytest.approx(4 / 3) and result["mean_conveyor_len"] == pytest.approx(5 / 3)
     assert result["mismatches"] == [
         {"index": 1, "first_diff": 1, "conveyor_len": 2, "baseline_len": 2},
         {"index": 2, "first_diff": None, "conveyor_len": 1, "baseline_len": 1, "error": "boom"}]
@@ -123,7 +126,7 @@ def test_throughput_compare_hf_end_to_end(tmp_path, capsys):
         "prompts": ["Write one sentence about the moon.", "What is 2+2?", "Name a color."]})
     out = tmp_path / "report.json"
     code = main(["throughput", str(workload), "--compare", "hf", "--max-new-tokens", "4", "--out", str(out),
-                 "--no-progress"])
+                 "--no-progress", "--dtype", "float32"])  # the exact path: transformers' tokens exactly
     assert code == 0
     report = json.loads(out.read_text())
 
@@ -141,13 +144,16 @@ def test_throughput_compare_hf_end_to_end(tmp_path, capsys):
         assert all(1 <= n <= 4 for n in system["output_lens"])
         assert system["output_tokens"] == sum(system["output_lens"])
     assert report["systems"]["hf_generate_batch"]["api"] == "generate_batch"
-    assert set(report["ratios"]) == {"hf_generate_batch", "hf_generate"}
-    assert all(r > 0 for r in report["ratios"].values())
+    assert set(report["ratios"]) == set(report["total_ratios"]) == {"hf_generate_batch", "hf_generate"}
+    assert all(r > 0 for r in report["ratios"].values()) and all(r > 0 for r in report["total_ratios"].values())
+    assert (report["model"]["dtype"], report["model"]["quantization"]) == ("float32", "none")
+    assert isinstance(report["environment"]["cpu_flags"], list)
 
     # Same weights, same prompt ids, greedy: every baseline must reproduce Conveyor's tokens exactly.
     for name in ("hf_generate_batch", "hf_generate"):
         match = report["greedy_match"][name]
-        assert match == {"num_requests": 3, "exact_matches": 3, "mismatches": []}, name
+        assert (match["exact_matches"], match["identical_fraction"], match["mismatches"]) == (3, 1.0, []), name
+        assert match["mean_common_prefix"] == match["mean_conveyor_len"], name
         assert report["systems"][name]["token_ids"] == report["systems"]["conveyor"]["token_ids"]
 
     # Engine counters of the timed run: every prompt token was either prefilled or found in the prefix cache.
@@ -182,17 +188,19 @@ def test_format_report_lists_every_mismatch_and_failure():
     report = {
         "workload": {"name": "w", "num_requests": 2, "prompt_tokens": 12, "max_prompt_len": 6,
                      "max_new_tokens": [4], "ignore_eos": False},
-        "model": {"path": "/m/model.gguf", "device": "cpu", "dtype": "float32"},
-        "environment": {"torch": "x", "torch_threads": 1, "transformers": "y"},
+        "model": {"path": "/m/model.gguf", "device": "cpu", "dtype": "float32", "quantization": "none"},
+        "environment": {"torch": "x", "torch_threads": 1, "transformers": "y", "cpu_flags": ["avx2", "fma"]},
         "systems": {"conveyor": system,
                     "hf_generate": {**system, "output_tok_per_s": 2.0, "num_errors": 1, "errors": ["boom"],
                                     "batch_size": 16, "attn_implementation": "sdpa"}},
-        "ratios": {"hf_generate": 2.0},
+        "ratios": {"hf_generate": 2.0}, "total_ratios": {"hf_generate": 1.25},
         "greedy_match": {"hf_generate": compare_outputs([[1, 2, 3, 4], [5, 6]], [[1, 2, 9, 4], []],
                                                         [None, "boom"])},
     }
     text = format_report(report)
-    assert "2.00x" in text and "0/2 identical, 2 MISMATCHED" in text
+    assert "2.00x" in text and "1.25x" in text
+    assert "0/2 identical; mean common prefix 1.0 of 3.0 tokens; 2 MISMATCHED" in text
+    assert "(float32, weights none; CPU flags avx2 fma)" in text
     assert "request 0: first difference at output token 2" in text
     assert "request 1: first difference at output token 0" in text and "error: boom" in text
     assert "1 requests FAILED" in text

@@ -5,7 +5,8 @@ warm-up generate. With `compare=("hf",)` the same chat-templated prompt token id
 `max_new_tokens` run greedily through transformers' continuous batching (`generate_batch`) and
 static `generate` (batches of 16, left-padded) on the same weights, and every request's greedy
 token ids are compared with Conveyor's: exact matches are counted and, for each mismatch, the
-index of the first differing token is reported (mismatches are listed, never dropped).
+index of the first differing token is reported (mismatches are listed, never dropped; see
+`throughput_report.py`).
 """
 
 from __future__ import annotations
@@ -22,40 +23,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .modes import add_mode_arguments, resolved_mode
+from .throughput_report import CONVEYOR, HF_CB, HF_STATIC, compare_outputs, count_values, format_report
 from .workloads import Workload, WorkloadError, render_prompts
 
 logger = logging.getLogger("conveyor.bench")
 
-CONVEYOR = "conveyor"
-HF_CB = "hf_generate_batch"
-HF_STATIC = "hf_generate"
-SYSTEM_LABELS = {CONVEYOR: "conveyor", HF_CB: "hf generate_batch", HF_STATIC: "hf generate"}
 # --compare values -> systems they run
 COMPARE_CHOICES = {"hf": (HF_CB, HF_STATIC), "hf-cb": (HF_CB,), "hf-generate": (HF_STATIC,)}
 WARMUP_PROMPT_LEN = 32
 WARMUP_NEW_TOKENS = 4
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """Index of the first differing token; the shorter length if one is a prefix of the other; None if equal."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def compare_outputs(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]],
-                    other_errors: Sequence[str | None] | None = None) -> dict[str, Any]:
-    """Per-request exact-match comparison of greedy token ids (reference = Conveyor)."""
-    mismatches = []
-    for i, (a, b) in enumerate(zip(reference, other)):
-        diff = first_difference(a, b)
-        error = other_errors[i] if other_errors else None
-        if diff is not None or error:
-            mismatches.append({"index": i, "first_diff": diff, "conveyor_len": len(a), "baseline_len": len(b),
-                               **({"error": error} if error else {})})
-    return {"num_requests": len(reference), "exact_matches": len(reference) - len(mismatches),
-            "mismatches": mismatches}
 
 
 def _summary(token_ids: list[list[int]], prompt_lens: list[int], wall_s: float,
@@ -78,8 +55,11 @@ def _warmup_prompt(vocab_size: int, special_ids: Sequence[int]) -> list[int]:
 
 
 def environment() -> dict[str, Any]:
+    """The software and machine a figure was measured on; `cpu_flags` decide the kernels "auto" picks."""
     import torch
     import transformers
+
+    from ..kernels import vector_flags
 
     try:
         version = importlib.metadata.version("conveyor")
@@ -87,7 +67,7 @@ def environment() -> dict[str, Any]:
         version = None
     return {"conveyor": version, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": torch.get_num_threads(), "cpu_flags": vector_flags(),
             "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
@@ -124,21 +104,14 @@ def run_conveyor(llm: Any, prompts: list[list[int]], workload: Workload, *, prog
     return RunResult(token_ids=[list(o.token_ids) for o in outputs], wall_s=wall,
                      errors=[o.error or (f"finish_reason={o.finish_reason}" if o.finish_reason in ("error", "abort")
                                          else None) for o in outputs],
-                     extra={"finish_reasons": _count(o.finish_reason for o in outputs), "engine": engine})
-
-
-def _count(values) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for v in values:
-        counts[str(v)] = counts.get(str(v), 0) + 1
-    return counts
+                     extra={"finish_reasons": count_values(o.finish_reason for o in outputs), "engine": engine})
 
 
 def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathLike[str] | None = None,
                    compare: Sequence[str] = (), device: str = "auto", dtype: str = "auto",
-                   config: Any = None, hf_batch_size: int = 16, hf_max_batch_tokens: int | None = -1,
-                   hf_max_requests_per_batch: int | None = -1, progress: bool = True,
-                   include_token_ids: bool = True) -> dict[str, Any]:
+                   quantization: str | None = None, config: Any = None, hf_batch_size: int = 16,
+                   hf_max_batch_tokens: int | None = -1, hf_max_requests_per_batch: int | None = -1,
+                   progress: bool = True, include_token_ids: bool = True) -> dict[str, Any]:
     """Run the workload on Conveyor (and the chosen baselines); return the report as a JSON-able dict.
 
     `compare` holds keys of COMPARE_CHOICES ("hf" = both transformers baselines).
@@ -158,7 +131,8 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
 
     if llm is None:
         started = time.perf_counter()
-        llm = LLM(model, device=device, dtype=dtype, config=config or ContinuousBatchingConfig())
+        llm = LLM(model, device=device, dtype=dtype, quantization=quantization,
+                  config=config or ContinuousBatchingConfig())
         logger.info("conveyor: loaded in %.1f s", time.perf_counter() - started)
     tokenizer = llm.get_tokenizer()
     prompts = render_prompts(workload, llm.render_chat)
@@ -177,12 +151,13 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
                      "max_prompt_len": max(prompt_lens), "max_new_tokens_total": sum(max_new),
                      "max_new_tokens": sorted(set(max_new)), "ignore_eos": any(ignore_eos),
                      "temperature": 0.0},
-        "model": {"path": str(llm.model_path), "device": str(llm.device), "dtype": str(llm.dtype).removeprefix("torch."),
+        "model": {"path": str(llm.model_path), "device": str(llm.device), **resolved_mode(llm),
                   "eos_token_ids": eos_ids},
         "environment": environment(),
         "conveyor_config": {k: v for k, v in vars(cb_cfg).items()},
         "systems": {},
         "ratios": {},
+        "total_ratios": {},
         "greedy_match": {},
     }
 
@@ -194,10 +169,18 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
         report["systems"][name] = entry
         logger.info("%s: %.2f s, %.1f output tok/s", name, result.wall_s, entry["output_tok_per_s"])
 
+    def baseline(name: str, result: Any) -> None:
+        record(name, result)
+        ours, theirs = report["systems"][CONVEYOR], report["systems"][name]
+        for key, ratios in (("output_tok_per_s", report["ratios"]), ("total_tok_per_s", report["total_ratios"])):
+            ratios[name] = ours[key] / theirs[key] if theirs[key] else None
+        report["greedy_match"][name] = compare_outputs(conveyor.token_ids, result.token_ids, result.errors)
+
     conveyor = run_conveyor(llm, prompts, workload, progress=progress, warmup_prompt=warm)
     record(CONVEYOR, conveyor)
 
-    if len(systems) > 1:
+    hf_systems = [s for s in systems if s in (HF_CB, HF_STATIC)]
+    if hf_systems:
         from .hf_baselines import load_hf_model, run_generate_batch, run_static_generate
 
         started = time.perf_counter()
@@ -210,7 +193,7 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
             return ours if value == -1 else value
 
         try:
-            for name in systems[1:]:
+            for name in hf_systems:
                 if name == HF_CB:
                     result = run_generate_batch(
                         hf, prompts, max_new, eos_ids, pad, ignore_eos,
@@ -220,79 +203,10 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
                 else:
                     result = run_static_generate(hf, prompts, max_new, eos_ids, pad, ignore_eos,
                                                  batch_size=hf_batch_size, progress=progress, warmup_prompt=warm)
-                record(name, result)
-                base = report["systems"][name]["output_tok_per_s"]
-                report["ratios"][name] = report["systems"][CONVEYOR]["output_tok_per_s"] / base if base else None
-                report["greedy_match"][name] = compare_outputs(conveyor.token_ids, result.token_ids, result.errors)
+                baseline(name, result)
         finally:
             del hf
     return report
-
-
-# -- presentation ---------------------------------------------------------------------------------
-def format_report(report: dict[str, Any]) -> str:
-    w, m, env = report["workload"], report["model"], report["environment"]
-    lines = [
-        f"Workload {w['name']}: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens "
-        f"(longest {w['max_prompt_len']}), max_new_tokens {_span(w['max_new_tokens'])}"
-        + (", EOS ignored" if w["ignore_eos"] else ", greedy, stop at EOS"),
-        f"Model {Path(m['path']).name} on {m['device']} ({m['dtype']}), torch {env['torch']} "
-        f"({env['torch_threads']} threads), transformers {env['transformers']}",
-        "",
-    ]
-    header = ("system", "wall s", "req/s", "out tok/s", "total tok/s", "out tokens", "conveyor is")
-    rows = []
-    for name, s in report["systems"].items():
-        ratio = report["ratios"].get(name)
-        rows.append((SYSTEM_LABELS.get(name, name), f"{s['wall_s']:.2f}", f"{s['requests_per_s']:.2f}",
-                     f"{s['output_tok_per_s']:.1f}", f"{s['total_tok_per_s']:.1f}", str(s["output_tokens"]),
-                     "-" if name == CONVEYOR else (f"{ratio:.2f}x" if ratio else "n/a")))
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    fmt = lambda r: "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(r))  # noqa: E731
-    lines += [fmt(header), fmt(tuple("-" * x for x in widths))] + [fmt(r) for r in rows]
-    notes = []
-    for name, s in report["systems"].items():
-        if s.get("num_errors"):
-            notes.append(f"{SYSTEM_LABELS.get(name, name)}: {s['num_errors']} requests FAILED: {s['errors'][:3]}")
-    engine = report["systems"].get(CONVEYOR, {}).get("engine")
-    if engine:
-        c = report["conveyor_config"]
-        notes.append(f"conveyor: page_size {c['page_size']}, {engine['total_blocks']} KV blocks, max_batch_tokens "
-                     f"{c['max_batch_tokens']}, {c['scheduler_type']}; prefilled {engine['prefill_tokens']} tokens, "
-                     f"prefix cache {engine['prefix_cache_hit_tokens']} of {engine['prefix_cache_query_tokens']} "
-                     f"queried tokens hit ({'on' if c['allow_block_sharing'] else 'off'}); offloads "
-                     f"{engine['offloads']} (swapped {engine['swap_outs']}, swapped in {engine['swap_ins']}, "
-                     f"soft resets {engine['soft_resets']})")
-    cb = report["systems"].get(HF_CB)
-    if cb:
-        notes.append(f"hf generate_batch: {cb['api']}, attn {cb['attn_implementation']}, page_size {cb['page_size']}, "
-                     f"num_blocks {cb['num_blocks']}, max_batch_tokens {cb['max_batch_tokens']}, "
-                     f"max_requests_per_batch {cb['max_requests_per_batch']}; wall excludes {cb['setup_s']:.2f} s of "
-                     f"manager/cache setup (whole call {cb['call_s']:.2f} s)")
-    st = report["systems"].get(HF_STATIC)
-    if st:
-        notes.append(f"hf generate: batches of {st['batch_size']}, left-padded, attn {st['attn_implementation']}")
-    if "hf_loaded_via" in m:
-        notes.append(f"hf model: {m['hf_loaded_via']}")
-    if notes:
-        lines += [""] + notes
-    if report["greedy_match"]:
-        lines += ["", "Greedy outputs vs conveyor (token ids, per request):"]
-        for name, g in report["greedy_match"].items():
-            label = SYSTEM_LABELS.get(name, name)
-            lines.append(f"  {label}: {g['exact_matches']}/{g['num_requests']} identical"
-                         + ("" if not g["mismatches"] else f", {len(g['mismatches'])} MISMATCHED:"))
-            for mm in g["mismatches"]:
-                detail = (f"first difference at output token {mm['first_diff']}" if mm["first_diff"] is not None
-                          else "same tokens")
-                err = f", error: {mm['error']}" if mm.get("error") else ""
-                lines.append(f"    request {mm['index']}: {detail} (conveyor {mm['conveyor_len']} tokens, "
-                             f"baseline {mm['baseline_len']}){err}")
-    return "\n".join(lines)
-
-
-def _span(values: list[int]) -> str:
-    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -319,7 +233,7 @@ def add_arguments(parser: Any) -> None:
                      help="torch intra-op threads for every system (default: torch's). On a machine shared with "
                           "other busy processes, fewer threads than cores avoids a many-fold slowdown")
     eng.add_argument("--device", default="auto")
-    eng.add_argument("--dtype", default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
+    add_mode_arguments(eng)
     eng.add_argument("--max-batch-tokens", type=int, default=None,
                      help="Conveyor's per-pass token budget (default: ContinuousBatchingConfig's)")
     eng.add_argument("--max-requests-per-batch", type=int, default=None)
@@ -382,7 +296,8 @@ def run_from_args(args: Any) -> int:
     if args.no_block_sharing:
         overrides["allow_block_sharing"] = False
     started = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, config=ContinuousBatchingConfig(**overrides))
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              config=ContinuousBatchingConfig(**overrides))
     print(f"Loaded {llm.model_path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if workload is None:
         tokenizer = llm.get_tokenizer()
