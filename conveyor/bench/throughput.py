@@ -6,7 +6,8 @@ warm-up generate. With `compare=("hf",)` the same chat-templated prompt token id
 static `generate` (batches of 16, left-padded) on the same weights, and every request's greedy
 token ids are compared with Conveyor's: exact matches are counted and, for each mismatch, the
 index of the first differing token is reported (mismatches are listed, never dropped; see
-`throughput_report.py`).
+`throughput_report.py`). With `compare=("vllm",)` vLLM's offline `LLM` runs the same prompts in its
+own interpreter (`vllm_compare.py`).
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from .modes import add_mode_arguments, resolved_mode
-from .throughput_report import CONVEYOR, HF_CB, HF_STATIC, compare_outputs, count_values, format_report
+from .throughput_report import CONVEYOR, HF_CB, HF_STATIC, VLLM, compare_outputs, count_values, format_report
 from .workloads import Workload, WorkloadError, render_prompts
 
 logger = logging.getLogger("conveyor.bench")
 
 # --compare values -> systems they run
-COMPARE_CHOICES = {"hf": (HF_CB, HF_STATIC), "hf-cb": (HF_CB,), "hf-generate": (HF_STATIC,)}
+COMPARE_CHOICES = {"hf": (HF_CB, HF_STATIC), "hf-cb": (HF_CB,), "hf-generate": (HF_STATIC,), "vllm": (VLLM,)}
 WARMUP_PROMPT_LEN = 32
 WARMUP_NEW_TOKENS = 4
 
@@ -111,10 +112,11 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
                    compare: Sequence[str] = (), device: str = "auto", dtype: str = "auto",
                    quantization: str | None = None, config: Any = None, hf_batch_size: int = 16,
                    hf_max_batch_tokens: int | None = -1, hf_max_requests_per_batch: int | None = -1,
-                   progress: bool = True, include_token_ids: bool = True) -> dict[str, Any]:
+                   vllm: Any = None, progress: bool = True, include_token_ids: bool = True) -> dict[str, Any]:
     """Run the workload on Conveyor (and the chosen baselines); return the report as a JSON-able dict.
 
-    `compare` holds keys of COMPARE_CHOICES ("hf" = both transformers baselines).
+    `compare` holds keys of COMPARE_CHOICES ("hf" = both transformers baselines; "vllm" needs `vllm`,
+    a `vllm_compare.VllmOptions`).
     `hf_max_batch_tokens` / `hf_max_requests_per_batch`: -1 (default) = the same as Conveyor's
     config, None = transformers' own defaults, or a number.
     """
@@ -128,6 +130,8 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
         if key not in COMPARE_CHOICES:
             raise ValueError(f"unknown --compare value {key!r}; choose from {sorted(COMPARE_CHOICES)}")
         systems += [s for s in COMPARE_CHOICES[key] if s not in systems]
+    if VLLM in systems and vllm is None:
+        raise ValueError("--compare vllm needs --vllm-python: an interpreter with vLLM installed")
 
     if llm is None:
         started = time.perf_counter()
@@ -206,6 +210,13 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
                 baseline(name, result)
         finally:
             del hf
+    if VLLM in systems:
+        from .vllm_compare import build_request, run_vllm
+
+        request = build_request(vllm, model=str(llm.model_path), dtype=llm.dtype, prompts=prompts, max_new=max_new,
+                                ignore_eos=ignore_eos, eos_ids=eos_ids, warmup_prompt=warm,
+                                warmup_new_tokens=WARMUP_NEW_TOKENS)
+        baseline(VLLM, run_vllm(vllm, request))
     return report
 
 
@@ -243,6 +254,14 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--cpu-offload-space", type=float, default=None, metavar="GIB",
                      help="host swap space for offloaded requests' KV blocks (default 0: soft resets)")
     eng.add_argument("--no-block-sharing", action="store_true", help="allow_block_sharing=False: no prefix caching")
+    vl = parser.add_argument_group("vLLM baseline (--compare vllm; run in its own interpreter, see vllm_compare.py)")
+    vl.add_argument("--vllm-python", default=None, metavar="PATH", help="a Python interpreter with vLLM installed")
+    vl.add_argument("--vllm-model", default=None,
+                    help="what vLLM loads (default: the model file Conveyor loaded); e.g. an HF directory")
+    vl.add_argument("--vllm-tokenizer", default=None, help="vLLM's tokenizer (default: vLLM's choice for the model)")
+    vl.add_argument("--vllm-kwargs", default=None, metavar="JSON",
+                    help="more vllm.LLM(...) arguments as a JSON object, e.g. '{\"max_model_len\": 2048}'")
+    vl.add_argument("--vllm-timeout", type=float, default=None, metavar="S", help="give up on vLLM after S seconds")
     hf = parser.add_argument_group("transformers baselines")
     hf.add_argument("--hf-batch-size", type=int, default=16, help="batch size of static generate (default 16)")
     hf.add_argument("--hf-max-batch-tokens", type=int, default=-1,
@@ -253,6 +272,25 @@ def add_arguments(parser: Any) -> None:
                          "0 = transformers' default")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--no-token-ids", action="store_true", help="leave per-request token ids out of --out")
+
+
+def vllm_options_from_args(args: Any) -> Any:
+    """`VllmOptions` for `--compare vllm` (None without it); argument errors exit before anything loads."""
+    if "vllm" not in args.compare:
+        given = [f"--{k.replace('_', '-')}" for k in ("vllm_python", "vllm_model", "vllm_tokenizer", "vllm_kwargs",
+                                                      "vllm_timeout") if getattr(args, k) is not None]
+        if given:
+            raise SystemExit(f"error: {', '.join(given)} only apply with --compare vllm")
+        return None
+    if args.vllm_python is None:
+        raise SystemExit("error: --compare vllm needs --vllm-python PATH (an interpreter with vLLM installed)")
+    from .vllm_compare import VllmOptions, parse_kwargs
+
+    try:
+        return VllmOptions(args.vllm_python, model=args.vllm_model, tokenizer=args.vllm_tokenizer,
+                           llm_kwargs=parse_kwargs(args.vllm_kwargs), timeout_s=args.vllm_timeout)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def run_from_args(args: Any) -> int:
@@ -272,6 +310,7 @@ def run_from_args(args: Any) -> int:
             require_matplotlib()
         except PlotDependencyError as exc:
             raise SystemExit(f"error: {exc}") from None
+    vllm = vllm_options_from_args(args)
     workload = None
     if args.workload is not None:
         try:
@@ -309,11 +348,16 @@ def run_from_args(args: Any) -> int:
     def hf_value(v: int) -> int | None:
         return None if v == 0 else v
 
-    report = run_throughput(workload, llm=llm, model=args.model, compare=args.compare,
-                            hf_batch_size=args.hf_batch_size,
-                            hf_max_batch_tokens=hf_value(args.hf_max_batch_tokens),
-                            hf_max_requests_per_batch=hf_value(args.hf_max_requests_per_batch),
-                            progress=not args.no_progress, include_token_ids=not args.no_token_ids)
+    from .vllm_compare import VllmError
+
+    try:
+        report = run_throughput(workload, llm=llm, model=args.model, compare=args.compare,
+                                hf_batch_size=args.hf_batch_size,
+                                hf_max_batch_tokens=hf_value(args.hf_max_batch_tokens),
+                                hf_max_requests_per_batch=hf_value(args.hf_max_requests_per_batch), vllm=vllm,
+                                progress=not args.no_progress, include_token_ids=not args.no_token_ids)
+    except VllmError as exc:
+        raise SystemExit(f"error: {exc}") from None
     print(format_report(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

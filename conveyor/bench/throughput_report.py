@@ -17,7 +17,8 @@ from .modes import describe_mode
 CONVEYOR = "conveyor"
 HF_CB = "hf_generate_batch"
 HF_STATIC = "hf_generate"
-SYSTEM_LABELS = {CONVEYOR: "conveyor", HF_CB: "hf generate_batch", HF_STATIC: "hf generate"}
+VLLM = "vllm"
+SYSTEM_LABELS = {CONVEYOR: "conveyor", HF_CB: "hf generate_batch", HF_STATIC: "hf generate", VLLM: "vllm"}
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -103,6 +104,10 @@ def format_report(report: dict[str, Any]) -> str:
     st = report["systems"].get(HF_STATIC)
     if st:
         notes.append(f"hf generate: batches of {st['batch_size']}, left-padded, attn {st['attn_implementation']}")
+    if VLLM in report["systems"]:
+        from .vllm_compare import describe
+
+        notes.append(describe(report["systems"][VLLM]))
     if "hf_loaded_via" in m:
         notes.append(f"hf model: {m['hf_loaded_via']}")
     if notes:
