@@ -12,10 +12,13 @@ import json
 import pytest
 import torch
 
-from conveyor import SamplingParams
+from conveyor import LLM, SamplingParams
 from conveyor.bench import main
-from conveyor.bench.roofline import (DenseDecodeAttention, dense_decode_step, run_step,
-                                     step_config)
+from conveyor.bench.roofline import DenseDecodeAttention, dense_decode_step, format_report, run_step, step_config
+from conveyor.bench.streaming import (format_streaming, last_level_cache_bytes, read_bandwidth, streaming_report,
+                                      weight_bytes)
+from conveyor.kernels import vector_flags
+from conveyor.models.quant_linear import QuantLinear, QuantMatmul
 from conveyor.request import RequestState
 
 from .conftest import TinyModel, random_prompts
@@ -98,8 +101,6 @@ def positive(d: dict, keys: list[str]) -> None:
 
 
 def test_step_report_has_every_figure(tiny: TinyModel) -> None:
-    from conveyor import LLM
-
     llm = LLM(tiny.path, dtype="float32", config=step_config(4, 10, 2 + 1 + 4))
     free = llm.engine.allocator.num_free_blocks
     report = run_step(llm, batch=4, context=10, steps=2, warmup_steps=1, repeats=2, warmup=1)
@@ -123,7 +124,11 @@ def test_step_report_has_every_figure(tiny: TinyModel) -> None:
                                 "step_over_dense_per_step"])
     assert dense["interleaved"] and dense["repeats"] == step["steps"]
     assert set(report["targets"]) == {"step_over_dense_max", "step_over_dense_met", "outside_forward_fraction_max",
-                                      "outside_forward_met"}
+                                      "outside_forward_met", "streaming_fraction_min", "streaming_met"}
+    # fp32 weights: 4 bytes per parameter of the linears and the head, the same count as the FLOPs
+    assert report["streaming"]["weights"]["total_bytes"] == 4 * mm["params_per_token"]
+    assert [s["weight_bytes"] for s in mm["shapes"]] == [4 * s["out_features"] * s["in_features"] for s in mm["shapes"]]
+    assert (report["model"]["dtype"], report["model"]["quantization"]) == ("float32", "none")
     json.dumps(report)
     # the hooks are gone: the model and runner are their plain selves again
     assert "forward" not in vars(llm.engine.model) and "prepare" not in vars(llm.engine.runner)
@@ -152,3 +157,105 @@ def test_step_cli_prints_split_and_ratio(tiny: TinyModel, tmp_path, capsys) -> N
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(SystemExit):
         main(["roofline", "--batch", "0"])
+
+
+# -- weight streaming (conveyor.bench.streaming) -----------------------------------------------------
+# 2 layers x (qkv 128x64 + o 64x64 + gate_up 256x64 + down 64x128), and the 300 x 64 head
+LAYER_PARAMS = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
+HEAD_PARAMS = 300 * 64
+
+
+def quantized_tensors(model) -> list:
+    """Every QuantizedTensor a decode step reads, found by walking the modules (not via streaming.py): the
+    layers' linears, and the head as `compute_logits` calls it (not the untied `lm_head` module, never called)."""
+    out = []
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m is not model.lm_head:
+            out += m.kernel.segments
+    head = model.lm_head_fn
+    return out + (list(head.segments) if isinstance(head, QuantMatmul) else [])
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied"])
+@pytest.mark.parametrize("quantization, per_fp32", [("int8", (0.25, 0.30)), ("int4", (0.15, 0.17))])
+def test_weight_bytes_of_quantized_models(tiny_models, kind, quantization, per_fp32) -> None:
+    """Quantized: the stored bytes of every linear and the head (I8: a byte and a row scale per weight row;
+    Q4_1: 20 bytes per 32 weights), tied head or not; fp32: 4 bytes per parameter."""
+    dense = weight_bytes(tiny_models[kind].llm().engine.model)
+    assert (dense["layers_bytes"], dense["lm_head_bytes"]) == (4 * LAYER_PARAMS, 4 * HEAD_PARAMS)
+    assert dense["layer_formats"] == ["float32"] and dense["lm_head_format"] == "float32"
+    model = tiny_models[kind].llm(dtype="auto", quantization=quantization).engine.model
+    w = weight_bytes(model)
+    assert w["total_bytes"] == sum(t.nbytes for t in quantized_tensors(model))
+    assert per_fp32[0] < w["total_bytes"] / dense["total_bytes"] < per_fp32[1]
+    expected = "I8" if quantization == "int8" else "Q4_1"
+    assert w["layer_formats"] == [expected] and w["lm_head_format"] == expected
+
+
+def test_read_bandwidth_probe_states_its_buffer() -> None:
+    probe = read_bandwidth(8 * 2**20, repeats=3)
+    assert probe["buffer_bytes"] == 8 * 2**20 and probe["repeats"] == len(probe["samples_gb_per_s"]) == 3
+    assert probe["gb_per_s"] > 0 and probe["threads"] == torch.get_num_threads()
+    cache = last_level_cache_bytes()
+    assert cache is None or cache > 0
+    assert probe["last_level_cache_bytes"] == cache
+
+
+def test_streaming_report_arithmetic_and_text() -> None:
+    weights = {"layers_bytes": 900_000_000, "lm_head_bytes": 100_000_000, "total_bytes": 1_000_000_000,
+               "layer_formats": ["Q4_1"], "lm_head_format": "Q4_1"}
+    bandwidth = {"buffer_bytes": 2**30, "last_level_cache_bytes": 2**31, "threads": 2, "repeats": 5, "gb_per_s": 20.0}
+    s = streaming_report(weights, 0.1, bandwidth)
+    assert s["gb_per_s"] == pytest.approx(10.0) and s["fraction_of_bandwidth"] == pytest.approx(0.5)
+    assert s["weights_fit_in_cache"]
+    text = "\n".join(format_streaming(s, 0.6))
+    assert "-> 10.0 GB/s" in text and "20.0 GB/s (torch.sum over a 1024 MiB fp32 buffer, 2 threads" in text
+    assert "50%; target >= 60%: NOT met" in text and "the weights fit in the last-level cache" in text
+    assert "the probe buffer fits in the last-level cache" in text
+
+
+def test_quantized_one_row_step_reports_streaming(tiny_models) -> None:
+    llm = LLM(tiny_models["llama_tied"].path, dtype="auto", quantization="int8", config=step_config(1, 10, 7))
+    report = run_step(llm, batch=1, context=10, steps=2, warmup_steps=1, repeats=2, warmup=1,
+                      bandwidth_buffer_bytes=8 * 2**20)
+    assert report["model"]["quantization"] == "int8" and report["model"]["dtype"] == str(llm.dtype)[6:]
+    s, step = report["streaming"], report["step"]
+    assert s["weights"] == weight_bytes(llm.engine.model) and s["bandwidth"]["buffer_bytes"] == 8 * 2**20
+    assert s["forward_lm_head_s"] == step["forward_lm_head_s"] > 0
+    assert s["gb_per_s"] == pytest.approx(s["weights"]["total_bytes"] / s["forward_lm_head_s"] / 1e9)
+    assert s["fraction_of_bandwidth"] == pytest.approx(s["gb_per_s"] / s["bandwidth"]["gb_per_s"])
+    assert report["targets"]["streaming_met"] == (s["fraction_of_bandwidth"] >= 0.6)
+    assert sum(x["weight_bytes"] * x["count"] for x in report["matmul"]["shapes"]) == s["weights"]["total_bytes"]
+    json.dumps(report)
+    text = format_report(report)
+    assert "weights int8" in text and "the same quantized weights" in text and "Weight streaming" in text
+
+
+def test_step_and_roofline_cli_take_dtype_and_quantization(tiny: TinyModel, tmp_path, capsys) -> None:
+    out = tmp_path / "step.json"
+    assert main(["step", "--model", str(tiny.path), "--batch", "1", "--context", "5", "--steps", "2",
+                 "--warmup-steps", "1", "--repeats", "2", "--warmup", "1", "--dtype", "bfloat16",
+                 "--quantization", "int4", "--bandwidth-buffer-mib", "8", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "(bfloat16, weights int4; CPU flags" in printed and "over a 8 MiB fp32 buffer" in printed
+    report = json.loads(out.read_text())
+    assert report["environment"]["cpu_flags"] == vector_flags() and report["streaming"]["gb_per_s"] > 0
+    assert main(["roofline", "--model", str(tiny.path), "--batch", "2", "--context", "4", "--repeats", "2",
+                 "--warmup", "1", "--quantization", "int8"]) == 0
+    assert "weights int8" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_builtin_one_row_step_streams_the_files_own_weights(tmp_path) -> None:
+    """Default mode on the built-in Q4_1 file: a step reads the file's quantized tensors as they are
+    (about 92 MiB: Q4_1 layers, the tied Q8_0 head), not widened copies."""
+    from conveyor.models.loader import default_model_path
+
+    out = tmp_path / "step.json"
+    assert main(["step", "--batch", "1", "--context", "16", "--steps", "2", "--warmup-steps", "1", "--repeats", "2",
+                 "--warmup", "1", "--bandwidth-buffer-mib", "64", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    w = report["streaming"]["weights"]
+    assert report["model"]["quantization"] == "gguf" and w["layer_formats"] == ["Q4_1"]
+    assert 80 * 2**20 < w["total_bytes"] < default_model_path().stat().st_size
+    assert report["streaming"]["gb_per_s"] > 0 and report["streaming"]["bandwidth"]["gb_per_s"] > 0

@@ -1,23 +1,28 @@
 """How close is a decode step to what the hardware and the model allow? `roofline` and `step`.
 
-Three measurements, all on the same model object (a `CausalLM`):
+Four measurements, all on the same model object (a `CausalLM`, as `LLM` builds it for the
+`--dtype` and `--quantization` asked for):
 
 1. Matmul rate: the model's own linear layers (as its forward runs them: oneDNN-packed on CPU
-   fp32) on each distinct weight shape (fused qkv_proj, o_proj, gate_up_proj, down_proj of one
-   layer, and the LM head) at M = batch rows. FLOPs per token are 2 x the
-   parameters touched per token (every layer's linears plus the LM head), so the per-shape times,
-   weighted by how often each shape runs, give the tok/s ceiling of the linear layers alone.
+   fp32, the quantized kernels for quantized weights) on each distinct weight shape (fused
+   qkv_proj, o_proj, gate_up_proj, down_proj of one layer, and the LM head) at M = batch rows.
+   FLOPs per token are 2 x the parameters touched per token (every layer's linears plus the LM
+   head), so the per-shape times, weighted by how often each shape runs, give the tok/s ceiling of
+   the linear layers alone; each shape's weight bytes over its time give its streaming rate.
 2. Dense ceiling: ONE decode step of `batch` sequences of `context` cached tokens through the
-   model's own `forward` with `DenseDecodeAttention`: contiguous per-layer K/V
-   `[batch, kv_heads, context + 1, head_dim]`, the new token's K/V written at position `context`,
-   one `scaled_dot_product_attention` per layer with no gather, no mask, no paging, no scheduling;
-   then `compute_logits` and an argmax. Everything Conveyor adds on top of this is overhead.
+   model's own `forward` (its own weights, quantized or not) with `DenseDecodeAttention`:
+   contiguous per-layer K/V `[batch, kv_heads, context + 1, head_dim]`, the new token's K/V
+   written at position `context`, one `scaled_dot_product_attention` per layer with no gather, no
+   mask, no paging, no scheduling; then `compute_logits` and an argmax. Everything Conveyor adds
+   on top of this is overhead.
 3. Conveyor's real step (`step` only): `batch` requests with random `context`-token prompts are
    prefilled, then `Engine.step()` is timed and split into model forward, LM head + sampling,
    input preparation (`ModelRunner.prepare`) and the rest (scheduling, token append,
    detokenization), by wrapping those methods on the instances for the duration of the timing.
+4. Weight streaming (`step` only, see `streaming.py`): the weight bytes a step reads over its
+   model forward + LM head time, against the machine's read bandwidth probed right after.
 
-`roofline` reports 1 and 2; `step` reports 1, 2 and 3 and the ratio of Conveyor's step to the
+`roofline` reports 1 and 2; `step` reports all four and the ratio of Conveyor's step to the
 dense ceiling measured in the same run: there each dense step runs right after a timed engine
 step, so both see the same machine (on a shared CPU, contention comes and goes within minutes).
 Times are medians after warm-up.
@@ -40,10 +45,16 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionBackend, attend
+from ..models.quant_linear import QuantMatmul
+from .modes import add_mode_arguments, describe_mode, resolved_mode
+from .streaming import (MIN_PROBE_BYTES, format_streaming, head_bytes, linear_bytes, read_bandwidth,
+                        streaming_report, weight_bytes)
 
 # The issue's targets for a decode step at 64 running sequences of ~150 tokens.
 TARGET_STEP_OVER_DENSE = 1.25
 TARGET_OUTSIDE_FORWARD = 0.10
+TARGET_STREAMING = 0.60  # the one-row step: its weights streamed at >= 60% of the measured read bandwidth
+ROOFLINE_POOL_BLOCKS = 8  # `roofline` runs the model alone; the engine's pool only has to exist
 MIN_SAMPLE_S = 2e-3  # matmul timing: repeat a call until one sample lasts at least this long
 
 
@@ -79,32 +90,41 @@ def _time_call(fn: Callable[[], Any], device: torch.device, repeats: int, warmup
 
 
 # -- 1. matmul rate ---------------------------------------------------------------------------------
-def linear_layers(model: Any) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], torch.Tensor, int]]:
-    """(name, the model's own callable, weight, times run per token) of each distinct linear layer shape:
-    the modules the forward calls (oneDNN-packed on CPU fp32, see `models/linear.py`) and its LM head."""
+def model_device(model: Any) -> torch.device:
+    """Where the model runs (its norms are dense parameters whatever the weight format)."""
+    return next(model.parameters()).device
+
+
+def linear_layers(model: Any) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], int, int, int, int]]:
+    """(name, the model's own callable, out_features, in_features, times run per token, weight bytes read
+    per call) of each distinct linear layer shape: the modules the forward calls (oneDNN-packed on CPU
+    fp32, see `models/linear.py`; quantized kernels, see `models/quant_linear.py`) and its LM head."""
     layer = model.layers[0]
     n = model.num_layers
     head = model.lm_head_fn or (lambda h: F.linear(h, model.lm_head_weight))
-    return [("qkv_proj", layer.qkv_proj, layer.qkv_proj.weight, n),
-            ("o_proj", layer.o_proj, layer.o_proj.weight, n),
-            ("gate_up_proj", layer.gate_up_proj, layer.gate_up_proj.weight, n),
-            ("down_proj", layer.down_proj, layer.down_proj.weight, n),
-            ("lm_head", head, model.lm_head_weight, 1)]
+    if isinstance(model.lm_head_fn, QuantMatmul):
+        head_shape = (model.lm_head_fn.out_features, model.lm_head_fn.in_features)
+    else:
+        head_shape = tuple(model.lm_head_weight.shape)
+    layers = [(name, getattr(layer, name)) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    return ([(name, m, m.out_features, m.in_features, n, linear_bytes(m)) for name, m in layers]
+            + [("lm_head", head, *head_shape, 1, head_bytes(model)[0])])
 
 
 @torch.inference_mode()
 def measure_matmuls(model: Any, batch: int, *, repeats: int = 10, warmup: int = 3, seed: int = 0) -> dict[str, Any]:
-    """GFLOP/s of the model's linear layers at M = batch rows, and the linear-only tok/s ceiling."""
+    """GFLOP/s (and weight GB/s) of the model's linear layers at M = batch rows, and the linear-only tok/s
+    ceiling."""
     g = torch.Generator().manual_seed(seed)
+    device = model_device(model)
     shapes = []
     step_flops = step_s = params = 0.0
-    for name, fn, weight, count in linear_layers(model):
-        out_f, in_f = weight.shape
-        x = torch.randn(batch, in_f, generator=g).to(device=weight.device, dtype=weight.dtype)
-        t = _time_call(lambda x=x, fn=fn: fn(x), weight.device, repeats, warmup)
+    for name, fn, out_f, in_f, count, nbytes in linear_layers(model):
+        x = torch.randn(batch, in_f, generator=g).to(device=device, dtype=model.dtype)
+        t = _time_call(lambda x=x, fn=fn: fn(x), device, repeats, warmup)
         flops = 2.0 * batch * in_f * out_f
         shapes.append({"name": name, "out_features": out_f, "in_features": in_f, "count": count,
-                       "time_s": t, "gflops": flops / t / 1e9})
+                       "time_s": t, "gflops": flops / t / 1e9, "weight_bytes": nbytes, "gb_per_s": nbytes / t / 1e9})
         step_flops += flops * count
         step_s += t * count
         params += in_f * out_f * count
@@ -145,10 +165,9 @@ class DenseDecodeAttention(AttentionBackend):
 
 def dense_kv_caches(model: Any, batch: int, max_len: int, *, seed: int = 0) -> list[torch.Tensor]:
     """One `[2, batch, kv_heads, max_len, head_dim]` tensor per layer, filled with random values."""
-    weight = model.embed_tokens.weight
     g = torch.Generator().manual_seed(seed)
     shape = (2, batch, model.num_kv_heads, max_len, model.head_dim)
-    return [torch.randn(shape, generator=g).to(device=weight.device, dtype=weight.dtype)
+    return [torch.randn(shape, generator=g).to(device=model_device(model), dtype=model.dtype)
             for _ in range(model.num_layers)]
 
 
@@ -168,7 +187,7 @@ class DenseBench:
 
     def __init__(self, model: Any, batch: int, context: int, *, seed: int = 0) -> None:
         self.model, self.batch, self.context = model, batch, context
-        self.device = model.embed_tokens.weight.device
+        self.device = model_device(model)
         self.kv = dense_kv_caches(model, batch, context + 1, seed=seed)
         g = torch.Generator().manual_seed(seed + 1)
         self.ids = torch.randint(0, model.config.vocab_size, (batch,), generator=g).to(self.device)
@@ -347,7 +366,8 @@ def measure_step(llm: Any, batch: int, context: int, *, steps: int = 10, warmup_
             t = dict(probe.time)
             rows.append({"step_s": total, "forward_s": t["forward"], "prepare_s": t["prepare"],
                          "lm_head_sampling_s": t["execute"] - t["prepare"] - t["forward"],
-                         "lm_head_s": t["lm_head"], "sampling_s": t["sampling"],
+                         "lm_head_s": t["lm_head"], "forward_lm_head_s": t["forward"] + t["lm_head"],
+                         "sampling_s": t["sampling"],
                          "rest_s": total - t["execute"], "outside_forward_s": total - t["forward"]})
             contexts += [min(in_cache), max(in_cache)]
     finally:
@@ -368,36 +388,33 @@ def measure_step(llm: Any, batch: int, context: int, *, steps: int = 10, warmup_
 
 
 # -- reports ------------------------------------------------------------------------------------------
-def load_model(model: str | None = None, *, device: str = "auto", dtype: str = "auto") -> tuple[Any, Path]:
-    """The model alone (no engine, no KV pool): `(CausalLM, checkpoint path)`."""
-    from ..llm import resolve_device, resolve_dtype
-    from ..models import build_model
-    from ..models.loader import load_checkpoint
+def load_model(model: str | None = None, *, device: str = "auto", dtype: str = "auto",
+               quantization: str | None = None) -> Any:
+    """The model as `LLM` builds it (same dtype and weight format resolution), with a token-sized KV pool:
+    the roofline runs the model alone."""
+    from .. import LLM, ContinuousBatchingConfig
 
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    checkpoint = load_checkpoint(model, dtype=dt)
-    return build_model(checkpoint.config, checkpoint.state_dict, dt, dev), checkpoint.path
+    return LLM(model, device=device, dtype=dtype, quantization=quantization,
+               config=ContinuousBatchingConfig(num_blocks=ROOFLINE_POOL_BLOCKS))
 
 
-def _header(benchmark: str, model: Any, path: Any, batch: int, context: int) -> dict[str, Any]:
+def _header(benchmark: str, llm: Any, batch: int, context: int) -> dict[str, Any]:
     from .throughput import environment
 
-    weight = model.embed_tokens.weight
-    c = model.config
+    model, c = llm.engine.model, llm.engine.model.config
     return {"benchmark": benchmark, "batch": batch, "context": context,
-            "model": {"path": str(path), "device": str(weight.device),
-                      "dtype": str(weight.dtype).removeprefix("torch."),
+            "model": {"path": str(llm.model_path), "device": str(model_device(model)), **resolved_mode(llm),
                       "num_layers": model.num_layers, "hidden_size": c.hidden_size,
                       "intermediate_size": c.intermediate_size, "num_heads": c.num_attention_heads,
                       "num_kv_heads": model.num_kv_heads, "head_dim": model.head_dim, "vocab_size": c.vocab_size},
             "environment": environment()}
 
 
-def run_roofline(model: Any, *, batch: int = 64, context: int = 150, repeats: int = 10, warmup: int = 3,
-                 seed: int = 0, model_path: Any = None) -> dict[str, Any]:
-    """Matmul rates and the dense-decode ceiling of `model`; a JSON-able report."""
-    report = _header("roofline", model, model_path, batch, context)
+def run_roofline(llm: Any, *, batch: int = 64, context: int = 150, repeats: int = 10, warmup: int = 3,
+                 seed: int = 0) -> dict[str, Any]:
+    """Matmul rates and the dense-decode ceiling of `llm`'s model; a JSON-able report."""
+    model = llm.engine.model
+    report = _header("roofline", llm, batch, context)
     report["matmul"] = measure_matmuls(model, batch, repeats=repeats, warmup=warmup, seed=seed)
     report["dense"] = measure_dense(model, batch, context, repeats=repeats, warmup=warmup, seed=seed)
     report["ratios"] = {"dense_over_linear_ceiling": report["dense"]["tok_per_s"] / report["matmul"]["tok_per_s"]}
@@ -405,11 +422,13 @@ def run_roofline(model: Any, *, batch: int = 64, context: int = 150, repeats: in
 
 
 def run_step(llm: Any, *, batch: int = 64, context: int = 150, steps: int = 10, warmup_steps: int = 2,
-             repeats: int = 10, warmup: int = 3, seed: int = 0) -> dict[str, Any]:
+             repeats: int = 10, warmup: int = 3, seed: int = 0,
+             bandwidth_buffer_bytes: int | None = None) -> dict[str, Any]:
     """Matmul rates, then Conveyor's real decode step, split, interleaved step by step with the dense
-    ceiling of the same model (so their ratio is measured under the same conditions)."""
+    ceiling of the same model (so their ratio is measured under the same conditions); then the step's
+    weight-streaming rate against the machine's read bandwidth, probed right after."""
     model = llm.engine.model
-    report = _header("step", model, llm.model_path, batch, context)
+    report = _header("step", llm, batch, context)
     report["conveyor_config"] = dict(vars(llm.engine.config))
     report["matmul"] = measure_matmuls(model, batch, repeats=repeats, warmup=warmup, seed=seed)
     dense = DenseBench(model, batch, context, seed=seed)
@@ -424,7 +443,11 @@ def run_step(llm: Any, *, batch: int = 64, context: int = 150, steps: int = 10, 
                         "forward_over_dense_forward": step["forward_s"] / dense_r["forward_s"],
                         "step_over_dense_per_step": _median([a / b for a, b in zip(step["step_samples_s"],
                                                                                    dense_r["step_samples_s"])])}
+    report["streaming"] = streaming_report(weight_bytes(model), step["forward_lm_head_s"],
+                                           read_bandwidth(bandwidth_buffer_bytes, device=model_device(model)))
     report["targets"] = {
+        "streaming_fraction_min": TARGET_STREAMING,
+        "streaming_met": report["streaming"]["fraction_of_bandwidth"] >= TARGET_STREAMING,
         "step_over_dense_max": TARGET_STEP_OVER_DENSE,
         "step_over_dense_met": report["ratios"]["step_over_dense"] <= TARGET_STEP_OVER_DENSE,
         "outside_forward_fraction_max": TARGET_OUTSIDE_FORWARD,
@@ -439,23 +462,25 @@ def _ms(seconds: float) -> str:
 def format_report(report: dict[str, Any]) -> str:
     m, env, mm, d = report["model"], report["environment"], report["matmul"], report["dense"]
     b = report["batch"]
-    lines = [f"Model {Path(m['path']).name} on {m['device']} ({m['dtype']}): {m['num_layers']} layers, hidden "
-             f"{m['hidden_size']}, {m['num_heads']}/{m['num_kv_heads']} heads; torch {env['torch']} "
+    quantized = m["quantization"] != "none"
+    lines = [f"Model {Path(m['path']).name} on {m['device']} ({describe_mode(m, env)}): {m['num_layers']} layers, "
+             f"hidden {m['hidden_size']}, {m['num_heads']}/{m['num_kv_heads']} heads; torch {env['torch']} "
              f"({env['torch_threads']} threads)",
              f"Batch {b} sequences, context {report['context']} tokens", "",
              f"Linear layers at M = {b} rows (the model's own, median per call):"]
     rows = [(s["name"], f"{s['out_features']} x {s['in_features']}", f"x{s['count']}", _ms(s["time_s"]),
-             f"{s['gflops']:.1f}") for s in mm["shapes"]]
+             f"{s['gflops']:.1f}", f"{s['gb_per_s']:.1f}") for s in mm["shapes"]]
     rows.append(("all, per step", f"{mm['params_per_token'] / 1e6:.1f}M params", "", _ms(mm["time_per_step_s"]),
-                 f"{mm['gflops']:.1f}"))
-    header = ("shape", "out x in", "runs", "time", "GFLOP/s")
+                 f"{mm['gflops']:.1f}", ""))
+    header = ("shape", "out x in", "runs", "time", "GFLOP/s", "weight GB/s")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     fmt = lambda r: "  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])  # noqa: E731
                                      for i, c in enumerate(r))
     lines += [fmt(header)] + [fmt(r) for r in rows]
     lines += [f"  linear-only ceiling: {mm['tok_per_s']:.1f} tok/s ({mm['flops_per_token'] / 1e6:.1f} MFLOP per token, "
               "LM head included)", "",
-              f"Dense ceiling (same model, contiguous K/V, one SDPA per layer, no paging or scheduling), median of "
+              f"Dense ceiling (same model{', the same quantized weights' if quantized else ''}: only the K/V are "
+              f"dense, contiguous, one SDPA per layer, no paging or scheduling), median of "
               f"{d['repeats']}" + (", each run right after a timed Conveyor step:" if d.get("interleaved") else ":"),
               f"  step {_ms(d['step_s'])} = forward {_ms(d['forward_s'])} + LM head & argmax "
               f"{_ms(d['lm_head_argmax_s'])} -> {d['tok_per_s']:.1f} tok/s, "
@@ -483,7 +508,8 @@ def format_report(report: dict[str, Any]) -> str:
                   f"{r['step_over_dense_per_step']:.2f}x; forward / dense forward "
                   f"{r['forward_over_dense_forward']:.2f}x); "
                   f"target <= {t['step_over_dense_max']}x: "
-                  f"{'met' if t['step_over_dense_met'] else 'NOT met'}"]
+                  f"{'met' if t['step_over_dense_met'] else 'NOT met'}", ""]
+        lines += format_streaming(report["streaming"], t["streaming_fraction_min"])
     return "\n".join(lines)
 
 
@@ -497,7 +523,7 @@ def add_arguments(parser: Any, *, step: bool = False) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's); on a shared machine use fewer than the cores")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto", help="auto = fp32 on CPU, bf16 on CUDA")
+    add_mode_arguments(parser)
     parser.add_argument("--repeats", type=int, default=10, help="timed repetitions of each matmul and dense step")
     parser.add_argument("--warmup", type=int, default=3, help="untimed repetitions first")
     parser.add_argument("--seed", type=int, default=0)
@@ -508,6 +534,9 @@ def add_arguments(parser: Any, *, step: bool = False) -> None:
         parser.add_argument("--max-batch-tokens", type=int, default=None,
                             help="engine token budget (default: batch x context, so every prompt prefills in one "
                                  "pass and all sequences decode at the same length)")
+        parser.add_argument("--bandwidth-buffer-mib", type=float, default=None,
+                            help="buffer of the read-bandwidth probe (default: twice the last-level cache, at least "
+                                 f"{MIN_PROBE_BYTES >> 20} MiB)")
     parser.add_argument("--out", default=None, help="write the full report (all figures) as JSON here")
 
 
@@ -526,15 +555,17 @@ def run_from_args(args: Any) -> int:
 
         config = step_config(args.batch, args.context, args.warmup_steps + args.steps + 4, page_size=args.page_size,
                              max_batch_tokens=args.max_batch_tokens)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, config=config)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization, config=config)
         print(f"Loaded {llm.model_path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        buffer = None if args.bandwidth_buffer_mib is None else int(args.bandwidth_buffer_mib * 2**20)
         report = run_step(llm, batch=args.batch, context=args.context, steps=args.steps,
-                          warmup_steps=args.warmup_steps, repeats=args.repeats, warmup=args.warmup, seed=args.seed)
+                          warmup_steps=args.warmup_steps, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
+                          bandwidth_buffer_bytes=buffer)
     else:
-        model, path = load_model(args.model, device=args.device, dtype=args.dtype)
-        print(f"Loaded {path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
-        report = run_roofline(model, batch=args.batch, context=args.context, repeats=args.repeats,
-                              warmup=args.warmup, seed=args.seed, model_path=path)
+        llm = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
+        print(f"Loaded {llm.model_path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+        report = run_roofline(llm, batch=args.batch, context=args.context, repeats=args.repeats,
+                              warmup=args.warmup, seed=args.seed)
     print(format_report(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
