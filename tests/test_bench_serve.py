@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from conveyor.bench import main
+from conveyor.kernels import vector_flags
 from conveyor.bench.serve import (RequestResult, api_urls, arrival_times, benchmark, build_payload,
                                   compute_metrics, percentile, summarize_ms, synthetic_text_workload)
 from conveyor.bench.workloads import BenchRequest, Workload
@@ -413,3 +414,52 @@ def test_cli_unreachable_server_is_a_clear_error():
     with pytest.raises(SystemExit, match="not both"):
         main(["serve", "--base-url", "http://127.0.0.1:1", "--request-rate", "1", "--request-rates", "1,2",
               "--num-prompts", "1", "--synthetic-input-len", "1", "--synthetic-output-len", "1"])
+
+
+def test_cli_reports_an_external_server_as_such(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    with FakeServer(ttft=0.0, itl=0.0) as server:
+        assert main(["serve", "--base-url", server.url, "--synthetic-input-len", "2", "--synthetic-output-len", "2",
+                     "--num-prompts", "1", "--no-progress", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["server"] == {"launched": False} and report["environment"]["cpu_flags"] == vector_flags()
+    assert "Server: external, in its own dtype and weights; this machine's CPU flags" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--base-url", "http://127.0.0.1:1", "--dtype", "bfloat16"], "--dtype apply only with --launch"),
+    (["--base-url", "http://127.0.0.1:1", "--quantization", "int8", "--launch-model", "m"],
+     "--launch-model, --quantization apply only with --launch"),
+    ([], "give --base-url of a running server, or --launch"),
+    (["--launch", "--base-url", "http://127.0.0.1:1"], "--base-url or --launch, not both"),
+    (["--launch", "--launch-args", "--num-blocks 64 --port=9"], r"drop \['--port=9'\]"),
+])
+def test_cli_launch_argument_errors(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["serve", *argv, "--synthetic-input-len", "1", "--synthetic-output-len", "1", "--num-prompts", "1"])
+
+
+def test_cli_launches_our_server_in_the_mode_asked_for(tiny_llama, tmp_path, capsys):
+    """--launch starts `conveyor serve` as a subprocess with --dtype/--quantization and the engine options,
+    reports what it resolved, and stops it (the port is free again afterwards)."""
+    out = tmp_path / "serve.json"
+    assert main(["serve", "--launch", "--launch-model", str(tiny_llama.path), "--quantization", "int8",
+                 "--launch-args", "--num-blocks 64 --max-batch-tokens 32", "--endpoint", "/v1/completions",
+                 "--synthetic-input-len", "3", "--synthetic-output-len", "2", "--num-prompts", "2", "--no-progress",
+                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    server = report["server"]
+    assert server["launched"] and server["quantization"] == "int8" and server["dtype"] in ("bfloat16", "float32")
+    assert server["model_path"] == str(tiny_llama.path) and server["cpu_flags"] == vector_flags()
+    assert server["command"][-4:] == ["--num-blocks", "64", "--max-batch-tokens", "32"]
+    assert report["results"][0]["completed"] == 2 and report["results"][0]["total_output_tokens"] == 4
+    assert f"Server: Conveyor launched for the run ({server['dtype']}, weights int8)" in capsys.readouterr().out
+    port = int(server["base_url"].rsplit(":", 1)[1])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # the server is gone
+
+
+def test_a_launched_server_that_dies_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit, match="exited with status"):
+        main(["serve", "--launch", "--launch-model", str(tmp_path / "missing"), "--synthetic-input-len", "1",
+              "--synthetic-output-len", "1", "--num-prompts", "1", "--no-progress"])

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .modes import add_mode_arguments
 from .workloads import BenchRequest, Workload, WorkloadError, check_synthetic_sizes, load_workload
 
 CHAT_ENDPOINT = "/v1/chat/completions"
@@ -583,9 +584,14 @@ def format_sweep(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def format_report(report: dict[str, Any]) -> str:
-    wl = report["workload"]
+    wl, server = report["workload"], report.get("server")
     parts = [f"Serve benchmark: {report['api_url']}, model {report['model_id']}, workload {wl['name']} "
              f"({wl['num_requests']} requests)"]
+    if server:  # set by run_from_args: what served, as far as the client can know
+        flags = " ".join(report["environment"]["cpu_flags"]) or "unknown"
+        parts[0] += ("\n" + (f"Server: Conveyor launched for the run ({server['dtype']}, weights "
+                              f"{server['quantization']}); CPU flags {flags}" if server["launched"] else
+                              f"Server: external, in its own dtype and weights; this machine's CPU flags {flags}"))
     for run in report["results"]:
         parts.append(format_run(run))
     if len(report["results"]) > 1:
@@ -633,8 +639,17 @@ def _rates(text: str) -> list[float]:
 
 
 def add_arguments(parser: Any) -> None:
-    parser.add_argument("--base-url", required=True,
-                        help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted)")
+    parser.add_argument("--base-url", default=None,
+                        help="the server, e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted); or --launch")
+    ours = parser.add_argument_group("Conveyor's server, started for the run (--launch; see launch.py)")
+    ours.add_argument("--launch", action="store_true",
+                      help="start `conveyor serve` on a free loopback port for the run and stop it after")
+    ours.add_argument("--launch-model", default=None, help="its model (default: the built-in one)")
+    add_mode_arguments(ours)
+    ours.add_argument("--launch-args", default="", metavar="ARGS",
+                      help="more `conveyor serve` options, one string, e.g. '--max-batch-tokens 256 --num-blocks 4096'")
+    ours.add_argument("--launch-timeout", type=float, default=600.0,
+                      help="seconds to wait for it to become healthy (default 600: a first start builds kernels)")
     parser.add_argument("--endpoint", default=CHAT_ENDPOINT,
                         help=f"{CHAT_ENDPOINT} (default; each prompt as one user message) or "
                              f"{COMPLETIONS_ENDPOINT} (the raw prompt text; vllm bench serve's default)")
@@ -706,10 +721,15 @@ def run_from_args(args: Any) -> int:
         raise SystemExit(f"error: --request-timeout must be > 0, got {args.request_timeout}")
     if not args.burstiness > 0:
         raise SystemExit(f"error: --burstiness must be > 0, got {args.burstiness}")
-    try:
-        url, _ = api_urls(args.base_url, args.endpoint)
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    from ..kernels import vector_flags
+    from .launch import launch_options, launched_server
+
+    launch = launch_options(args)
+    if args.base_url is not None:
+        try:
+            api_urls(args.base_url, args.endpoint)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
     try:
         import httpx  # noqa: F401
     except ImportError:
@@ -737,17 +757,21 @@ def run_from_args(args: Any) -> int:
                 "beyond it fail; raise it (ulimit -n) or pass --max-concurrency")
     except ImportError:  # not on POSIX
         pass
-    log(f"Workload {workload.name}: {len(workload)} requests, {workload.total_max_new_tokens} max new tokens "
-        f"in all, temperature {workload.temperature:g} -> {url}")
     try:
-        report = asyncio.run(benchmark(args.base_url, workload, endpoint=args.endpoint, model=args.model,
-                                       request_rates=rates, burstiness=args.burstiness,
-                                       max_concurrency=args.max_concurrency, seed=args.seed,
-                                       timeout_s=args.request_timeout, api_key=api_key,
-                                       test_request=not args.no_test_request, progress=not args.no_progress,
-                                       log=log))
+        with launched_server(**launch, log=log) if launch else contextlib.nullcontext() as server:
+            base_url = server["base_url"] if server else args.base_url
+            log(f"Workload {workload.name}: {len(workload)} requests, {workload.total_max_new_tokens} max new "
+                f"tokens in all, temperature {workload.temperature:g} -> {api_urls(base_url, args.endpoint)[0]}")
+            report = asyncio.run(benchmark(base_url, workload, endpoint=args.endpoint, model=args.model,
+                                           request_rates=rates, burstiness=args.burstiness,
+                                           max_concurrency=args.max_concurrency, seed=args.seed,
+                                           timeout_s=args.request_timeout, api_key=api_key,
+                                           test_request=not args.no_test_request, progress=not args.no_progress,
+                                           log=log))
     except RuntimeError as exc:
         raise SystemExit(f"error: {exc}") from None
+    report["server"] = {"launched": True, **server} if server else {"launched": False}
+    report["environment"] = {"cpu_flags": vector_flags()}
     print(format_report(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
