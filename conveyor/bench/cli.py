@@ -29,10 +29,11 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
 
     commands = [
         ("throughput", throughput, {},
-         "offline throughput of LLM.generate on a workload (optionally vs transformers)",
+         "offline throughput of LLM.generate on a workload (optionally vs transformers or vLLM)",
          "Offline throughput: Conveyor's LLM.generate on all prompts at once (only the generate call is timed, "
          "after a small warm-up); --compare hf also runs transformers' generate_batch and static generate on the "
-         "same weights and compares greedy outputs."),
+         "same weights and compares greedy outputs; --compare vllm runs vLLM's offline LLM in the interpreter "
+         "--vllm-python names, on the same prompt ids and settings, and reports its tok/s and greedy agreement."),
         ("roofline", roofline, {},
          "matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
          "Times the model's linear layers on each of its weight shapes at M = batch rows (GFLOP/s and the linear-only "
@@ -43,7 +44,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "dense ceiling",
          "Runs the roofline measurements, then prefills batch random prompts of context tokens in Conveyor's "
          "engine and times Engine.step() split into model forward, LM head + sampling, input preparation and the "
-         "rest; prints the step's ratio to the dense ceiling of the same run."),
+         "rest; prints the step's ratio to the dense ceiling of the same run, and its weight-streaming rate "
+         "(weight bytes per step over forward + LM head time) against the machine's measured read bandwidth."),
         ("simulate", simulate, {},
          "static vs continuous batching, step by step (the seeds' simulation; no model)",
          "Simulate static and continuous batching of requests with given output lengths on a number of slots, "
@@ -55,7 +57,8 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "Streams a workload's requests to an OpenAI-compatible server (Conveyor's, vLLM, llama-server) with "
          "Poisson arrivals at --request-rate (or all at once) and an optional concurrency cap; reports request "
          "and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E latency in ms, as vllm bench "
-         "serve does. Exit code 1 if any request failed."),
+         "serve does. --launch starts Conveyor's own server for the run, in the --dtype/--quantization asked "
+         "for. Exit code 1 if any request failed."),
         ("perplexity", perplexity, {},
          "perplexity of a model on a text file, scored in windows through prompt logprobs",
          "Tokenizes the text and scores it in windows of --window tokens (each one prompt with prompt_logprobs=0 "

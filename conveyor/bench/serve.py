@@ -21,7 +21,8 @@ and chunks without text (the usage chunk). A finish_reason "error" or "abort" fa
 
 Only HTTP: the server is any OpenAI-compatible one (Conveyor's `conveyor serve`, vLLM,
 llama.cpp's llama-server). The client talks only to `--base-url` (no redirects followed, proxy
-environment variables ignored) and every request ends by `--request-timeout`.
+environment variables ignored) and every request ends by `--request-timeout`. `--launch` starts
+Conveyor's own server for the run instead, in the `--dtype`/`--quantization` asked for (`launch.py`).
 
 Statistics are over the successful requests: mean, median, std, p90, p99 (numpy's default linear
 interpolation), in milliseconds; throughputs divide by the whole run's duration (first request
