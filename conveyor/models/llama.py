@@ -232,7 +232,7 @@ class CausalLM(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
-        if device.type == "cpu" and dtype == torch.float32 and native_kernels_enabled():
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
             model.use_fused_ops(cpu_fused_ops())
         model.lm_head_fn = model.head_fn()
         return model
