@@ -6,7 +6,7 @@ new token's K/V goes (`slot_mapping`), and which cache slots each query may read
 (one query each) are attended together; prefill chunks, few per step, one call each. Sliding
 windows need nothing here: the runner's metadata (ring slots, masks, context lengths) encodes them.
 `AttentionBackend` is the interface: `TorchPagedAttention` is pure PyTorch (CPU and CUDA), and
-`CpuPagedAttention` reads decode K/V straight from the pages with a native kernel (fp32 CPU).
+`CpuPagedAttention` reads K/V straight from the pages with native kernels (fp32 and bf16 on CPU).
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class AttentionMetadata:
     decode_kv_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padding reads slot 0)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool, True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
+    window: int | None = None  # the group's sliding window (None: full attention)
+    prefill_ctx_slots: torch.Tensor | None = None  # every chunk's ctx_slots, concatenated (native backend)
+    prefill_chunks: torch.Tensor | None = None  # [chunks, 4] int64: q_start, q_len, offset in prefill_ctx_slots, n_ctx
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -144,15 +147,37 @@ class TorchPagedAttention(AttentionBackend):
 
 
 class CpuPagedAttention(TorchPagedAttention):
-    """Decode rows through the native kernel, which reads K/V from the pages in place; prefill
-    chunks as in `TorchPagedAttention`. fp32 on CPU only."""
+    """Native kernels on CPU (fp32 and bf16) that read K/V from the pages in place: decode rows after
+    the new K/V is written, prefill chunks before (their context from the cache, a sliding ring's
+    included, their own K/V from the batch), so neither gathers, concatenates nor builds masks."""
 
     def __init__(self, kernel: object) -> None:
         super().__init__()
         self.kernel = kernel
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        """The kernel takes the block tables as they are: no gather indices to build."""
+        """The decode kernel takes the block tables as they are; the prefill kernel takes every chunk's
+        context slots in one tensor and one row of offsets per chunk."""
+        if meta.prefills:
+            offsets = [0]
+            for span in meta.prefills:
+                offsets.append(offsets[-1] + span.ctx_slots.numel())
+            meta.prefill_ctx_slots = torch.cat([span.ctx_slots for span in meta.prefills]).to(torch.int64)
+            meta.prefill_chunks = torch.tensor([[span.q_start, span.q_len, offset, span.ctx_slots.numel()]
+                                                for span, offset in zip(meta.prefills, offsets)], dtype=torch.int64)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if meta.prefills:
+            self.kernel.paged_prefill_attention(q, k, v, kv_cache, meta.prefill_ctx_slots, meta.prefill_chunks,
+                                                meta.window or 0, scale, softcap or 0.0, out)
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap)
+        return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 softcap: float | None) -> torch.Tensor:
@@ -161,9 +186,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
 
 def make_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The native CPU kernel for fp32 on CPU when it builds (unless `CONVEYOR_NATIVE_KERNELS=0`),
-    else pure PyTorch."""
-    if device.type == "cpu" and dtype == torch.float32 and native_kernels_enabled():
+    """The native CPU kernels for fp32 and bf16 on CPU when they build (unless
+    `CONVEYOR_NATIVE_KERNELS=0`), else pure PyTorch."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
         kernel = cpu_paged_attention()
         if kernel is not None:
             return CpuPagedAttention(kernel)

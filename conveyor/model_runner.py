@@ -99,7 +99,7 @@ class ModelRunner:
         chunk its last `w - 1` positions, and a chunk longer than `w` writes only its last `w` tokens
         (the earlier ones would be overwritten in the same pass; they go to the reserved chunk)."""
         page, window, dev = self.page_size, allocator.window, self.device
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=len(decodes))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=len(decodes), window=window)
         writes: list[torch.Tensor] = []
         q_start = len(decodes)
         if decodes:

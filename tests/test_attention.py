@@ -5,29 +5,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.attention import (AttentionMetadata, CpuPagedAttention, TorchPagedAttention, cache_slots,
+from conveyor.attention import (AttentionMetadata, CpuPagedAttention, PrefillSpan, TorchPagedAttention, cache_slots,
                                 make_attention_backend)
 from conveyor.kernels import cpu_paged_attention
 
 from .conftest import TinyModel, random_prompts
 
+# bf16 inputs: the kernels compute in fp32 from the same bf16 values, so they differ from an fp32
+# reference over those values by the final rounding to bf16 (2^-9 relative) and fp32 summation order.
+BF16_TOL = dict(atol=1e-2, rtol=1e-2)
 
-def random_decode_batch(page_size: int, heads: int, kv_heads: int, seed: int = 0, dim: int = 32):
+
+def random_decode_batch(page_size: int, heads: int, kv_heads: int, seed: int = 0, dim: int = 32,
+                        dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(seed)
     num_chunks = 64
-    kv = torch.randn(2, num_chunks * page_size, kv_heads, dim, generator=g)
+    kv = torch.randn(2, num_chunks * page_size, kv_heads, dim, generator=g).to(dtype)
     lens = torch.tensor([1, page_size, page_size + 1, 3 * page_size - 1, 5])
     width = int((lens.max() + page_size - 1) // page_size)
     tables = torch.stack([torch.randperm(num_chunks - 2, generator=g)[:width] + 2 for _ in lens])
     tables[0, 1:] = 0  # padding entries point at the reserved chunk
-    q = torch.randn(len(lens), heads, dim, generator=g)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), page_size=page_size,
                              num_decodes=len(lens), decode_block_tables=tables, decode_context_lens=lens)
     return q, kv, meta
 
 
 def reference_decode(q, kv, meta, scale, softcap=None):
-    """Each request's context gathered contiguously, plain softmax attention (scores soft-capped if asked)."""
+    """Each request's context gathered contiguously, plain fp32 softmax attention (scores soft-capped if asked)."""
+    q, kv = q.float(), kv.float()
     out = []
     group = q.shape[1] // kv.shape[2]
     for b, n in enumerate(meta.decode_context_lens.tolist()):
@@ -44,23 +50,136 @@ def reference_decode(q, kv, meta, scale, softcap=None):
 
 def test_native_cpu_kernel_builds() -> None:
     assert cpu_paged_attention() is not None, "the CPU attention kernel should build on this machine"
-    assert isinstance(make_attention_backend(torch.device("cpu"), torch.float32), CpuPagedAttention)
-    assert type(make_attention_backend(torch.device("cpu"), torch.bfloat16)) is TorchPagedAttention
+    for dtype in (torch.float32, torch.bfloat16):
+        assert isinstance(make_attention_backend(torch.device("cpu"), dtype), CpuPagedAttention)
+    assert type(make_attention_backend(torch.device("cpu"), torch.float16)) is TorchPagedAttention
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 0.5])
 @pytest.mark.parametrize(("page_size", "heads", "kv_heads", "dim"),
                          [(4, 4, 2, 32), (16, 9, 3, 64), (8, 4, 4, 80), (4, 2, 1, 12)])  # 12: the kernel's scalar path
 def test_decode_backends_match_reference(page_size: int, heads: int, kv_heads: int, dim: int,
-                                         softcap: float | None) -> None:
-    q, kv, meta = random_decode_batch(page_size, heads, kv_heads, dim=dim)
+                                         softcap: float | None, dtype: torch.dtype) -> None:
+    q, kv, meta = random_decode_batch(page_size, heads, kv_heads, dim=dim, dtype=dtype)
     scale = q.shape[-1] ** -0.5
     expected = reference_decode(q, kv, meta, scale, softcap)
     if softcap is not None:  # the cap changes the result: the check below can fail
         assert not torch.allclose(expected, reference_decode(q, kv, meta, scale), atol=1e-3)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
     for backend in (TorchPagedAttention(), CpuPagedAttention(cpu_paged_attention())):
         backend.prepare(meta)
-        torch.testing.assert_close(backend._decode(q, kv, meta, scale, softcap), expected, atol=1e-5, rtol=1e-5)
+        out = backend._decode(q, kv, meta, scale, softcap)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, **tol)
+
+
+def reference_prefill(q, k, v, kv, spans, window, scale, softcap):
+    """Every chunk's keys gathered (context from the cache, its own from the batch), fp64 masked softmax."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    group = q.shape[1] // kv.shape[2]
+    for start, n, slots in spans:
+        n_ctx = len(slots)
+        keys = torch.cat([kv[0][slots], k[start:start + n]]).double().repeat_interleave(group, 1)
+        values = torch.cat([kv[1][slots], v[start:start + n]]).double().repeat_interleave(group, 1)
+        scores = torch.einsum("ihd,jhd->hij", q[start:start + n].double(), keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        query = torch.arange(n)[:, None] + n_ctx
+        key = torch.arange(n_ctx + n)[None]
+        visible = (key <= query) & ((key > query - window) if window else True)
+        out[start:start + n] = torch.einsum("hij,jhd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
+                                            values)
+    return out
+
+
+def run_prefill(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]], window: int, softcap: float,
+                dtype: torch.dtype, contiguous_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefill kernel's output and the reference's. Queries, keys and values are views into one fused
+    projection (strided rows), as the layer passes them (keys contiguous after a q/k norm); each chunk's
+    context sits at random cache slots."""
+    g = torch.Generator().manual_seed(heads * dim + len(chunks))
+    total = sum(n for n, _ in chunks)
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
+    q, k, v = (x.view(total, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    if contiguous_k:
+        k = k.contiguous()
+    kv = torch.randn(2, 2048, kv_heads, dim, generator=g).to(dtype)
+    spans, rows, offset, start = [], [], 0, 0
+    for n, n_ctx in chunks:
+        spans.append((start, n, torch.randperm(2048, generator=g)[:n_ctx]))
+        rows.append([start, n, offset, n_ctx])
+        start, offset = start + n, offset + n_ctx
+    out = torch.full_like(q, float("nan"))
+    scale = dim ** -0.5
+    cpu_paged_attention().paged_prefill_attention(q, k, v, kv, torch.cat([s for *_, s in spans]), torch.tensor(rows),
+                                                  window, scale, softcap, out)
+    return out.double(), reference_prefill(q, k, v, kv, spans, window, scale, softcap)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "chunks", "window", "softcap", "dtype"), [
+    (9, 3, 64, [(70, 200)], 0, 0.0, torch.float32),  # SmolLM2's heads, causal chunk after a context
+    (4, 2, 12, [(37, 5), (3, 0), (70, 130)], 0, 0.0, torch.float32),  # several chunks, one without context
+    (4, 4, 80, [(100, 17)], 8, 0.0, torch.float32),  # a window shorter than the chunk
+    (6, 2, 33, [(100, 50)], 20, 3.0, torch.float32),  # odd head dim, window and soft-capping
+    (2, 1, 128, [(130, 100), (5, 7)], 64, 0.5, torch.float32),
+    (24, 2, 16, [(9, 300)], 0, 0.0, torch.float32),  # 12 query heads per kv head
+    (9, 3, 64, [(70, 200)], 0, 0.0, torch.bfloat16),
+    (6, 2, 33, [(40, 50)], 20, 3.0, torch.bfloat16),
+])
+def test_prefill_kernel_matches_reference(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]],
+                                          window: int, softcap: float, dtype: torch.dtype) -> None:
+    out, expected = run_prefill(heads, kv_heads, dim, chunks, window, softcap, dtype)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out, expected, **tol)
+
+
+def test_prefill_kernel_takes_keys_and_values_with_different_strides() -> None:
+    out, expected = run_prefill(4, 2, 32, [(20, 9)], 0, 0.0, torch.float32, contiguous_k=True)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def sliding_prefill_batch(dtype: torch.dtype):
+    """One decode row and one prefill chunk of a sliding layer (window 8, pages of 4: a ring of two pages), laid
+    out as the runner does: the chunk (positions 10-15) reads positions 3-9 from the ring, and its own tokens
+    land on ring slots that hold positions 3-7, so a kernel that read the ring after the write would be wrong."""
+    g = torch.Generator().manual_seed(1)
+    page, window, heads, kv_heads, dim = 4, 8, 4, 2, 16
+    kv = torch.randn(2, 16 * page, kv_heads, dim, generator=g).to(dtype)
+    ring = torch.tensor([5, 9])
+    key_pos = torch.arange(3, 16)
+    slots = cache_slots(ring, page)[key_pos % window]
+    q_pos = key_pos[7:].unsqueeze(1)
+    span = PrefillSpan(q_start=1, q_len=6, ctx_slots=slots[:7], mask=(key_pos <= q_pos) & (key_pos > q_pos - window))
+    decode_table = torch.tensor([[3, 4]])
+    meta = AttentionMetadata(slot_mapping=torch.cat([torch.tensor([4 * page + 2]), slots[7:]]), page_size=page,
+                             num_decodes=1, decode_block_tables=decode_table, decode_context_lens=torch.tensor([7]),
+                             prefills=[span], window=window)
+    q = torch.randn(7, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(7, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, kv, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backends_agree_on_a_sliding_ring_prefill(dtype: torch.dtype) -> None:
+    q, k, v, kv, meta = sliding_prefill_batch(dtype)
+    span = meta.prefills[0]
+    expected = reference_prefill(q, k, v, kv, [(span.q_start, span.q_len, span.ctx_slots)], meta.window, 0.25, 0.0)
+    written = kv.clone()
+    written[:, meta.slot_mapping] = torch.stack([k, v])
+    overwritten = reference_prefill(q, k, v, written, [(span.q_start, span.q_len, span.ctx_slots)], meta.window, 0.25,
+                                    0.0)
+    assert not torch.allclose(expected[1:], overwritten[1:], atol=1e-2)  # reading after the write would show
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
+    outs = []
+    for backend in (TorchPagedAttention(), CpuPagedAttention(cpu_paged_attention())):
+        cache = kv.clone()
+        backend.prepare(meta)
+        out = backend.forward(q, k, v, cache, meta, 0.25)
+        torch.testing.assert_close(out[1:].double(), expected[1:], check_dtype=False, **tol)
+        assert torch.equal(cache, written)  # both wrote the new K/V
+        outs.append(out)
+    torch.testing.assert_close(outs[1][:1].float(), outs[0][:1].float(), **tol)  # the decode row, after the write
 
 
 def test_pure_pytorch_backend_end_to_end(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
