@@ -1,4 +1,5 @@
-"""Tests for `conveyor bench roofline` / `step` (conveyor.bench.roofline) on a tiny random Llama.
+"""Tests for `conveyor bench roofline` / `step` (conveyor.bench.roofline, roofline_report, streaming) on tiny
+random Llamas.
 
 The dense ceiling is only a fair floor if it is the same model: one decode step through
 `DenseDecodeAttention`, over K/V copied out of Conveyor's paged cache, must give the logits that
@@ -14,7 +15,8 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench import main
-from conveyor.bench.roofline import DenseDecodeAttention, dense_decode_step, format_report, run_step, step_config
+from conveyor.bench.roofline import DenseDecodeAttention, dense_decode_step, step_config
+from conveyor.bench.roofline_report import format_report, run_step
 from conveyor.bench.streaming import (format_streaming, last_level_cache_bytes, read_bandwidth, streaming_report,
                                       weight_bytes)
 from conveyor.kernels import vector_flags

@@ -25,7 +25,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import perplexity, roofline, serve, simulate, throughput
+    from . import perplexity, roofline_report, serve, simulate, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -34,12 +34,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "after a small warm-up); --compare hf also runs transformers' generate_batch and static generate on the "
          "same weights and compares greedy outputs; --compare vllm runs vLLM's offline LLM in the interpreter "
          "--vllm-python names, on the same prompt ids and settings, and reports its tok/s and greedy agreement."),
-        ("roofline", roofline, {},
+        ("roofline", roofline_report, {},
          "matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
          "Times the model's linear layers on each of its weight shapes at M = batch rows (GFLOP/s and the linear-only "
          "tok/s ceiling), then one decode step of the same model over contiguous K/V (batch sequences of context "
          "tokens, one SDPA per layer, no paging or scheduling): the dense ceiling."),
-        ("step", roofline, {"step": True},
+        ("step", roofline_report, {"step": True},
          "Conveyor's real decode step, split into forward / LM head + sampling / prepare / rest, against the "
          "dense ceiling",
          "Runs the roofline measurements, then prefills batch random prompts of context tokens in Conveyor's "
