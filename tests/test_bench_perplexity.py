@@ -47,7 +47,7 @@ def test_perplexity_matches_transformers(tiny_llama: TinyModel, text_file: Path,
                                          stride: int, max_tokens: int | None,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "ppl.json"
-    argv = ["perplexity", str(text_file), "--model", str(tiny_llama.path), "--window", str(window), "--stride",
+    argv = ["perplexity", str(text_file), "--model", str(tiny_llama.path), "--dtype", "float32", "--window", str(window), "--stride",
             str(stride), "--num-blocks", "128", "--max-batch-tokens", "20", "--out", str(out), "--no-progress"]
     assert main(argv + (["--max-tokens", str(max_tokens)] if max_tokens else [])) == 0
     report = json.loads(out.read_text())

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels import cpu_matmul_ops
-from conveyor.models.quant_linear import KERNEL_MAX_ROWS, QuantEmbedding, QuantMatmul, merge_segments
+from conveyor.models.quant_linear import BF16_KERNEL_MAX_ROWS, QuantEmbedding, QuantMatmul, merge_segments
 from conveyor.models.quantized import (I8, TILED_TYPES, GGMLType, QuantizedTensor, cat_rows, quantize_int4,
                                        quantize_int8)
 
@@ -75,6 +75,13 @@ def test_dequantize_equals_gguf(ops, qtype: int) -> None:
     ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), ids, 37, out)
     assert torch.equal(out, ref[ids])
     assert torch.equal(kernel_w.dequantize(), ref)
+    if kernel_w.layout == "tiles":  # the whole-matrix (vectorized) dequantization of the prefill path
+        whole = torch.empty(37, 512)
+        ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), whole)
+        assert torch.equal(whole, ref)
+        halves = torch.empty(37, 512, dtype=torch.bfloat16)
+        ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), halves)
+        assert torch.equal(halves, ref.bfloat16())
     with pytest.raises(RuntimeError, match="out of range"):
         ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), torch.tensor([37]), 37, out[:1])
 
@@ -153,13 +160,14 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
     bias = torch.randn(40)
     matmul = QuantMatmul(parts, bias)
     ref_w = torch.cat([p.dequantize() for p in parts])
-    for rows in (1, 7, KERNEL_MAX_ROWS + 5):
-        x = torch.randn(rows, 256)
+    for dtype, rows in ((torch.float32, 1), (torch.float32, 90), (torch.bfloat16, 7),
+                        (torch.bfloat16, BF16_KERNEL_MAX_ROWS + 5)):
+        x = torch.randn(rows, 256).to(dtype)
         out = matmul(x)
-        assert out.shape == (rows, 40)
-        exact = rows > KERNEL_MAX_ROWS  # the dequantize path has no activation quantization
-        ref = F.linear(x if exact else quantize_activations(x), ref_w, bias)
-        assert_close_scaled(out, ref, 1e-5)
+        assert out.shape == (rows, 40) and out.dtype == dtype
+        kernel = dtype == torch.float32 or rows <= BF16_KERNEL_MAX_ROWS  # else no activation quantization
+        ref = F.linear(quantize_activations(x) if kernel else x.float(), ref_w, bias)
+        assert_close_scaled(out, ref, 1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def test_quant_embedding_rows() -> None:

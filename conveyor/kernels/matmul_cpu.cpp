@@ -292,6 +292,21 @@ void dequantize_rows(torch::Tensor weight, int64_t type, torch::Tensor row_scale
     });
 }
 
+// A whole tiled matrix dequantized into out [N, K] (fp32 or bf16): the prefill path's weight.
+void dequantize_matrix(torch::Tensor weight, int64_t type, torch::Tensor row_scales, torch::Tensor out) {
+    TORCH_CHECK(is_tiled_type(type), "dequantize_matrix takes tiled types");
+    TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out must be a contiguous [N, K]");
+    const bool bf16 = out.scalar_type() == torch::kBFloat16;
+    TORCH_CHECK(bf16 || out.scalar_type() == torch::kFloat32, "out must be fp32 or bf16");
+    const int64_t N = out.size(0), K = out.size(1), tiles = (N + kTileRows - 1) / kTileRows;
+    TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() && weight.size(0) == tiles &&
+                weight.size(1) == tile_bytes(type, K), "weight must be tiled uint8 [", tiles, ", ", tile_bytes(type, K), "]");
+    const float* scales = type == I8 ? row_scales.data_ptr<float>() : nullptr;
+    const uint8_t* wp = weight.data_ptr<uint8_t>();
+    void* op = out.data_ptr();
+    at::parallel_for(0, tiles, 4, [&](int64_t t0, int64_t t1) { dequantize_tiles(type, wp, scales, N, K, t0, t1, op, bf16); });
+}
+
 std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     std::string s = "avx512-vnni";
@@ -313,6 +328,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("repack_tiles", &repack, "GGUF rows of Q4_0/Q4_1/Q8_0/I8 -> the 16-row tiled layout");
     m.def("dense_matmul", &dense_matmul, "x @ W.T for a few rows of x, fp32 or bf16 weight (CPU)");
     m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as fp32/bf16 (CPU)");
+    m.def("dequantize_matrix", &dequantize_matrix, "a whole tiled matrix as fp32/bf16 (CPU)");
     m.def("row_bytes", &row_bytes, "bytes per GGUF-layout row of K elements");
     m.def("tile_bytes", &tile_bytes, "bytes per 16-row tile of K elements");
     m.def("isa", &isa, "the instruction set the kernels were compiled for");

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
@@ -74,6 +75,9 @@ void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const
 void dequantize_row(int64_t type, const uint8_t* src, float row_scale, int64_t K, float* y);
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
                           float* y);
+// Tiles [t0, t1) of a tiled N x K matrix into out [N, K], fp32 or (bf16 = true) bf16.
+void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t N, int64_t K, int64_t t0,
+                      int64_t t1, void* out, bool bf16);
 // GGUF rows [N, row_bytes] -> tiles [ceil(N/16), tile_bytes] (rows past N are zero).
 void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst);
 

@@ -261,22 +261,95 @@ void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_
     });
 }
 
+namespace {
+
+// Block b's 32 weights of row `row` (row r of its tile), as fp32: the reference of the layout.
+void dequantize_tiled_row_block(int64_t type, const uint8_t* blk, const float* row_scales, int64_t row, int r,
+                                float* y) {
+    const uint16_t* sc = tiled_scales(type, blk);
+    if (type == I8) {
+        for (int e = 0; e < QK; ++e) y[e] = tiled_weight(type, blk, r, e) * row_scales[row];
+        return;
+    }
+    const float d = half_to_float(sc[r]);
+    for (int e = 0; e < QK; ++e) {
+        const int q = tiled_weight(type, blk, r, e);
+        y[e] = type == Q4_1 ? q * d + half_to_float(sc[16 + r]) : type == Q4_0 ? (q - 8) * d : q * d;
+    }
+}
+
+}  // namespace
+
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
                           float* y) {
     const int64_t nb = K / QK, bb = block_bytes(type);
     const uint8_t* tile = tiles + (row / kTileRows) * nb * bb;
-    const int r = static_cast<int>(row % kTileRows);
-    for (int64_t b = 0; b < nb; ++b, y += QK) {
-        const uint8_t* blk = tile + b * bb;
-        const uint16_t* sc = tiled_scales(type, blk);
-        if (type == I8) {
-            for (int e = 0; e < QK; ++e) y[e] = tiled_weight(type, blk, r, e) * row_scales[row];
-            continue;
-        }
-        const float d = half_to_float(sc[r]);
-        for (int e = 0; e < QK; ++e) {
-            const int q = tiled_weight(type, blk, r, e);
-            y[e] = type == Q4_1 ? q * d + half_to_float(sc[16 + r]) : type == Q4_0 ? (q - 8) * d : q * d;
+    for (int64_t b = 0; b < nb; ++b, y += QK)
+        dequantize_tiled_row_block(type, tile + b * bb, row_scales, row, static_cast<int>(row % kTileRows), y);
+}
+
+// Rows [16 t0, 16 t1) of a tiled matrix into out [N, K] (fp32, or bf16 when `bf16`): the whole weight
+// at once for the prefill path (dequantize + the BLAS/AMX matmul). A row's quant bytes of a block
+// are its 4-byte words of each chunk, so each row unpacks like a GGUF row.
+void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t N, int64_t K, int64_t t0,
+                      int64_t t1, void* out, bool bf16) {
+    const int64_t nb = K / QK, bb = block_bytes(type);
+    float row[4 * QK];
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
+            const int64_t n = t * kTileRows + r;
+            for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+                const int64_t count = std::min<int64_t>(4, nb - b0);
+                for (int64_t b = b0; b < b0 + count; ++b) {
+                    const uint8_t* blk = tiles + (t * nb + b) * bb;
+                    const uint16_t* sc = tiled_scales(type, blk);
+                    float* y = row + (b - b0) * QK;
+#if defined(__AVX512F__)
+                    if (is4(type)) {
+                        alignas(16) uint8_t qs[16];
+                        for (int j = 0; j < 4; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
+                        const __m128i raw = _mm_load_si128(reinterpret_cast<const __m128i*>(qs));
+                        const __m128i mask = _mm_set1_epi8(0x0F);
+                        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+                        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+                        const float d = half_to_float(sc[r]);
+                        if (type == Q4_1) {  // q * d + m, as ggml
+                            const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(half_to_float(sc[16 + r]));
+                            _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(lo, dv), mv));
+                            _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(hi, dv), mv));
+                        } else {  // (q - 8) * d
+                            const __m512 dv = _mm512_set1_ps(d), eight = _mm512_set1_ps(8.f);
+                            _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_sub_ps(lo, eight), dv));
+                            _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_sub_ps(hi, eight), dv));
+                        }
+                        continue;
+                    }
+                    alignas(32) int8_t qs[32];
+                    for (int j = 0; j < 8; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
+                    const float d = type == I8 ? row_scales[n] : half_to_float(sc[r]);
+                    const __m512 dv = _mm512_set1_ps(d);
+                    for (int h = 0; h < 2; ++h) {
+                        const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
+                        _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), dv));
+                    }
+#else
+                    (void)sc;
+                    dequantize_tiled_row_block(type, blk, row_scales, n, r, y);
+#endif
+                }
+                const int64_t len = count * QK, off = n * K + b0 * QK;
+                if (bf16) {
+                    c10::BFloat16* o = static_cast<c10::BFloat16*>(out) + off;
+#if defined(__AVX512BF16__)
+                    for (int64_t k = 0; k < len; k += 16)
+                        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
+#else
+                    for (int64_t k = 0; k < len; ++k) o[k] = static_cast<c10::BFloat16>(row[k]);
+#endif
+                } else {
+                    std::memcpy(static_cast<float*>(out) + off, row, len * sizeof(float));
+                }
+            }
         }
     }
 }
