@@ -43,6 +43,11 @@ inline int32_t word(const int8_t* p) {
     return w;
 }
 
+#if defined(__AVX2__)
+// How far ahead of the block being read the weight stream is prefetched.
+constexpr int64_t kPrefetchBytes = 2048;
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 // 16 output rows per vector; MB activation rows per pass over the tile's blocks.
 template <int MB>
@@ -53,6 +58,8 @@ void tile_pass(int64_t type, const uint8_t* tile, const Activations& a, int64_t 
     const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
     for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* blk = tile + b * bb;
+        for (int64_t line = 0; line < bb; line += 64)  // the stream is linear: fetch ahead, tiles included
+            _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
         __m512i w[8];
         __m512 wd, wm;
         if (is4(type)) {
@@ -127,6 +134,9 @@ void half_pass(int64_t type, const uint8_t* tile, int half, const Activations& a
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < a.nb; ++b) {
         const uint8_t* blk = tile + b * bb;
+        if (half == 0)  // the second half reads the tile again, from cache by then
+            for (int64_t line = 0; line < bb; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
         const uint16_t* sc = tiled_scales(type, blk) + 8 * half;
         __m256i w[8];
         __m256 wd, wm = _mm256_setzero_ps();
