@@ -199,9 +199,16 @@ def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, d
 
 
 def describe_weights(model: nn.Module, quantization: str) -> str:
-    """For the start-up log: the weight format and the resident bytes of the model's weights."""
+    """For the start-up log: the weight format and the resident bytes of the model's weights (packed
+    oneDNN copies included)."""
+    from .linear import PackedMatmul
+
     counts: dict[str, int] = {}
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    packed = [m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), PackedMatmul)]
+    head = getattr(model, "lm_head_fn", None)
+    packed += [head] if isinstance(head, PackedMatmul) else []
+    nbytes += sum(k.packed.numel() * k.packed.element_size() for k in packed)  # oneDNN's second copy (fp32)
     for module in model.modules():
         tensors = (module.kernel.segments if isinstance(module, QuantLinear)
                    else [module.weight] if isinstance(module, QuantEmbedding) else [])
