@@ -211,13 +211,14 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
 // of SSE registers). Prefill is compute-bound, and everything in it is vectorized along the query
 // rows of a tile (the queries of one kv head's G query heads): scores are kept transposed, keys x
 // rows, so the softmax's running max and sum are plain vector operations and any head dim works.
-// Register blocks: KB keys (or head-dim entries) x CB row vectors of accumulators, sized for 32
-// vector registers with AVX-512 and 16 with AVX2.
+// Register blocks: KB keys (or head-dim entries) x CB row vectors of accumulators, 12 registers
+// (AVX2 has 16, AVX-512 32; larger blocks measured slower).
 #ifdef __AVX512F__
-constexpr int W = 16, CB = 4;
+constexpr int W = 16;
 #else
-constexpr int W = 8, CB = 2;
+constexpr int W = 8;
 #endif
+constexpr int CB = 3;  // 96-row tiles: 6 (AVX-512) or 12 (AVX2) row vectors, in groups of 3
 constexpr int KB = 4;
 constexpr int64_t NB = 64;         // keys per block (a multiple of KB): its scores and V rows stay in L1
 constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head) per task
@@ -234,10 +235,11 @@ static inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }
 static inline vecw splat(float x) { return vecw{} + x; }
 static inline vecw select(ivecw mask, vecw a, vecw b) { return mask ? a : b; }
 
-// e^x to about 2 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, degree-5 polynomial in r);
-// inputs clamped to [-87, 88] so 2^n stays a normal number.
+// e^x to about 2 ulp for x <= 0, all it is used for (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
+// degree-5 polynomial in r); 0 below -87, where 2^n would leave the normal numbers.
 static inline vecw vexp(vecw x) {
-    x = select(x < -87.f, splat(-87.f), select(x > 88.f, splat(88.f), x));
+    const ivecw under = x < -87.f;
+    x = select(under, splat(-87.f), x);
     const vecw n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
     const vecw r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
     vecw p = splat(1.9875691500e-4f);
@@ -250,7 +252,7 @@ static inline vecw vexp(vecw x) {
     const ivecw bits = (__builtin_convertvector(n, ivecw) + 127) << 23;
     vecw scale;
     std::memcpy(&scale, &bits, sizeof scale);
-    return y * scale;
+    return select(under, vecw{}, y * scale);
 }
 
 // tanh to a few ulp (Cephes tanhf): an odd polynomial below 0.625, (1 - e^-2|x|) / (1 + e^-2|x|) above.
@@ -342,7 +344,9 @@ static void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* v
         return (a.q1 - a.q0) * (a.k1 - a.k0) > (b.q1 - b.q0) * (b.k1 - b.k0);
     });
     std::atomic<size_t> next{0};
-    const float inf = std::numeric_limits<float>::infinity();
+    // Masked scores: finite, so a row with nothing visible yet has a finite max (its sums are reset by
+    // the first visible key: e^(kMasked - max) = 0) and padding rows stay finite.
+    constexpr float kMasked = -1e30f;
     const std::vector<float> zero(D, 0.f);  // the K and V row of the padding keys of a block
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         std::vector<float> qt(D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
@@ -361,10 +365,10 @@ static void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* v
                 lo[r] = static_cast<int32_t>(window > 0 ? qj - window : -1);
                 if (r >= R) continue;
                 const T* src = qp + (q_start + t.q0 + r / G) * qs + (t.kv_head * G + r % G) * D;
-                for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]);
+                for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * scale;
             }
             std::fill(ot.begin(), ot.end(), 0.f);
-            std::fill(m.begin(), m.end(), -inf);
+            std::fill(m.begin(), m.end(), kMasked);
             std::fill(l.begin(), l.end(), 0.f);
             for (int64_t j0 = t.k0; j0 < t.k1; j0 += NB) {
                 const int64_t nb = std::min(NB, t.k1 - j0), nbp = (nb + KB - 1) / KB * KB;
@@ -394,32 +398,35 @@ static void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* v
                         qk_tile<decltype(cb)::value>(krow.data() + n, qt.data() + c * W, D, Rp,
                                                      st.data() + n * Rp + c * W);
                     });
-                // Online softmax, a row vector at a time: scale, cap and mask the block's scores, then fold
-                // them into the rows' running max m, sum l and output ot.
+                // Online softmax, a row vector at a time: cap and mask the block's scores (masks only in
+                // blocks on the diagonal, the window's edge or the sequence's end), then fold them into the
+                // rows' running max m, sum l and output ot.
+                const bool edge = j0 + nbp - 1 > n_ctx + t.q0 || (window > 0 && j0 <= n_ctx + t.q1 - 1 - window);
                 for (int64_t c = 0; c < nv; ++c) {
                     ivecw vhi, vlo;
                     std::memcpy(&vhi, hi.data() + c * W, sizeof vhi);
                     std::memcpy(&vlo, lo.data() + c * W, sizeof vlo);
-                    vecw mx = splat(-inf);
+                    vecw mx = splat(kMasked);
                     for (int64_t n = 0; n < nbp; ++n) {
                         float* p = st.data() + n * Rp + c * W;
-                        vecw x = loadw(p) * scale;
+                        vecw x = loadw(p);
                         if (cap > 0.f) x = vtanh(x / cap) * cap;
-                        const int32_t j = static_cast<int32_t>(n < nb ? j0 + n : INT32_MAX);
-                        x = select((j <= vhi) & (j > vlo), x, splat(-inf));
-                        storew(p, x);
+                        if (edge) {
+                            const int32_t j = static_cast<int32_t>(n < nb ? j0 + n : INT32_MAX);
+                            x = select((j <= vhi) & (j > vlo), x, splat(kMasked));
+                        }
+                        if (cap > 0.f || edge) storew(p, x);
                         mx = select(x > mx, x, mx);
                     }
                     const vecw m0 = loadw(m.data() + c * W), m1 = select(mx > m0, mx, m0);
                     vecw sum = {};
                     for (int64_t n = 0; n < nbp; ++n) {
                         float* p = st.data() + n * Rp + c * W;
-                        const vecw x = loadw(p);
-                        const vecw e = select(x == -inf, vecw{}, vexp(x - m1));
+                        const vecw e = vexp(loadw(p) - m1);
                         storew(p, e);
                         sum += e;
                     }
-                    const vecw alpha = select(m0 == -inf, vecw{}, vexp(m0 - m1));
+                    const vecw alpha = vexp(m0 - m1);
                     storew(l.data() + c * W, loadw(l.data() + c * W) * alpha + sum);
                     storew(m.data() + c * W, m1);
                     for (float* o = ot.data() + c * W; o < ot.data() + D * Rp; o += Rp) storew(o, loadw(o) * alpha);
