@@ -153,9 +153,15 @@ void quantize_activations(const torch::Tensor& x, Activations& a) {
         quantize_typed(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), x.size(1), a);
 }
 
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, Activations& a) {
+    quantize_typed(x, ldx, M, K, a);
+}
+
 }  // namespace conveyor
 
 using namespace conveyor;
+
+void register_decode_stack(py::module_& m);
 
 // out [M, N] (contiguous rows: a column slice of a wider output is fine) = x [M, K] (fp32 or bf16)
 // times a quantized weight: tiled [ceil(N/16), tile_bytes] for Q4_0/Q4_1/Q8_0/I8 (I8 with row
@@ -332,4 +338,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("row_bytes", &row_bytes, "bytes per GGUF-layout row of K elements");
     m.def("tile_bytes", &tile_bytes, "bytes per 16-row tile of K elements");
     m.def("isa", &isa, "the instruction set the kernels were compiled for");
+    register_decode_stack(m);
 }

@@ -63,6 +63,7 @@ struct Activations {
     const int8_t* qrow(int64_t m, int64_t block) const { return q.data() + m * K + block * QK; }
 };
 void quantize_activations(const torch::Tensor& x, Activations& a);
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, Activations& a);
 
 // out[m, n] = sum_k x[m, k] W[n, k] (fp32, before bias) for all M rows of `a`: output rows [n0, n1) of a
 // GGUF-layout K-quant matrix, or tiles [t0, t1) of a tiled one (I8: times `row_scales`, padded to whole tiles).

@@ -21,6 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..attention import AttentionBackend, AttentionMetadata
 from ..kernels import cpu_fused_ops, native_kernels_enabled
+from .decode_stack import DecodeStack
 from .linear import packed_lm_head, prepack_linears
 from .quant_linear import QuantEmbedding, QuantLinear, QuantMatmul, Weight, fuse_rows, plan_weights
 from .quantized import QuantizedTensor
@@ -184,6 +185,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.dtype = torch.float32  # the compute dtype, set when the weights are loaded
+        self.decode_stack: DecodeStack | None = None  # the native layer stack for small decode batches
 
     @property
     def max_model_len(self) -> int:
@@ -235,6 +237,7 @@ class CausalLM(nn.Module):
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
             model.use_fused_ops(cpu_fused_ops())
         model.lm_head_fn = model.head_fn()
+        model.decode_stack = DecodeStack.build(model) if device.type == "cpu" else None
         return model
 
     def quantized_module(self, name: str, parts: list[QuantizedTensor], dtype: torch.dtype) -> nn.Module:
@@ -272,6 +275,9 @@ class CausalLM(nn.Module):
                 metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` after the final norm; `kv_caches` and `metas` per layer."""
         x = self.embed(input_ids)
+        if self.decode_stack is not None and self.decode_stack.takes(x, metas):
+            cos, sin = self.rotary(positions, torch.float32)
+            return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size))
         for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),
                                                      kv_caches, metas):
             x = layer(x, cos, sin, kv_cache, meta, attention)

@@ -1,0 +1,81 @@
+"""The native decode stack: every decoder layer of a Llama-family model with quantized weights in one
+native call, for decode batches of up to `MAX_ROWS` rows (`kernels/decode_stack_cpu.cpp`).
+
+At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python,
+the built-in model's 30 layers cost ~3 ms a step of dispatch and thread fork/join, as much as
+streaming its 92 MiB of weights. The stack keeps the threads up across all layers and meets at
+barriers instead. It computes the residual stream, norms, RoPE and attention in fp32 (the eager
+bf16 path rounds the residual to bf16 between ops), reads and writes the same KV pages, and is
+used only where its inputs are exactly the eager path's: Llama-family layers (no q/k norms, no
+soft-capping), all four projections quantized, decode-only batches. Prefill chunks and bigger
+batches (where compute, not overhead, dominates) stay on the eager path.
+`CONVEYOR_DECODE_STACK=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ..attention import AttentionMetadata
+from .quant_linear import QuantLinear, matmul_ops
+
+MAX_ROWS = 16
+
+
+def stack_enabled() -> bool:
+    return os.environ.get("CONVEYOR_DECODE_STACK", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class DecodeStack:
+    """The native stack of one model's layers; `__call__` runs a decode batch through all of them."""
+
+    def __init__(self, native: object, num_layers: int) -> None:
+        self.native = native
+        self.num_layers = num_layers
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> DecodeStack | None:
+        """The stack for `model`, or None where it does not apply (see the module docstring)."""
+        from .llama import DecoderLayer
+
+        ops = matmul_ops()
+        if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        layers = list(model.layers)
+        projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        if any(type(layer) is not DecoderLayer or layer.q_norm is not None or layer.softcap is not None
+               or not all(isinstance(getattr(layer, p), QuantLinear) for p in projections) for layer in layers):
+            return None
+        if getattr(model, "rotary", None) is None:
+            return None
+        first = layers[0]
+        config = model.config
+        native = ops.DecodeStack(config.hidden_size, config.intermediate_size, first.num_heads, first.num_kv_heads,
+                                 first.head_dim, float(first.input_layernorm.eps), float(first.scale), MAX_ROWS)
+        for i, layer in enumerate(layers):
+            linears = [getattr(layer, p) for p in projections]
+            segments = [[(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0]) for s in lin.kernel.segments]
+                        for lin in linears]
+            native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                             segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i)
+        return cls(native, len(layers))
+
+    @staticmethod
+    def takes(x: torch.Tensor, metas: Sequence[AttentionMetadata]) -> bool:
+        """A decode-only batch of at most MAX_ROWS rows."""
+        rows = x.shape[0]
+        return 0 < rows <= MAX_ROWS and metas[0].num_decodes == rows and not metas[0].prefills
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                 metas: Sequence[AttentionMetadata], page_size: int) -> torch.Tensor:
+        """Hidden states after the last layer (before the final norm), in x's dtype."""
+        h = x.float().contiguous()
+        tables = [m.decode_block_tables for m in metas]
+        lens = [m.decode_context_lens for m in metas]
+        slots = [m.slot_mapping for m in metas]
+        self.native.forward(h, cos.float().contiguous(), sin.float().contiguous(), list(kv_caches), tables, lens,
+                            slots, page_size)
+        return h.to(x.dtype)

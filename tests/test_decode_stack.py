@@ -1,0 +1,96 @@
+"""The native decode stack computes what the eager layers compute, is used exactly where it applies,
+and leaves the cache as the eager path does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import LLM, SamplingParams
+from conveyor.models import decode_stack
+from conveyor.models.decode_stack import MAX_ROWS, DecodeStack
+
+from .conftest import VOCAB, TinyModel, random_prompts
+
+
+def run(llm: LLM, prompts: list[list[int]], n: int = 10) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens, and the full log-probabilities of every generated position."""
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=VOCAB),
+                        use_tqdm=False)
+    lps = torch.tensor([[[step[t] for t in range(VOCAB)] for step in o.logprobs] for o in outs])
+    return [o.token_ids for o in outs], lps
+
+
+def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows of every stack call from now on."""
+    calls: list[int] = []
+    original = DecodeStack.__call__
+
+    def spy(self, x, *args):
+        calls.append(x.shape[0])
+        return original(self, x, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["auto-fp32", "bfloat16"])
+def test_stack_matches_the_eager_layers(tiny_models: dict[str, TinyModel], dtype: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same tokens and near-identical log-probabilities, decode rows through the stack and prefill
+    chunks eager, in a batch whose size changes as requests finish. In fp32 the two differ only in
+    summation order; in bf16 the stack keeps its residual stream in fp32 where the eager path rounds."""
+    model = tiny_models["llama_smooth"]
+    if dtype == "auto-fp32":
+        monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    prompts = random_prompts([5, 17, 9, 30, 3], seed=51)
+    native = model.llm(dtype=dtype.removesuffix("-fp32"), quantization="int8", max_batch_tokens=16, page_size=4)
+    monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
+    eager = model.llm(dtype=dtype.removesuffix("-fp32"), quantization="int8", max_batch_tokens=16, page_size=4)
+    monkeypatch.undo()
+    assert native.engine.model.decode_stack is not None and eager.engine.model.decode_stack is None
+    calls = counting(monkeypatch)
+    ids, lps = run(native, prompts)
+    assert calls and max(calls) <= len(prompts), "decode steps should go through the stack"
+    ref_ids, ref_lps = run(eager, prompts)
+    assert ids == ref_ids
+    tolerance = 1e-4 if dtype == "auto-fp32" else 0.05
+    assert (lps - ref_lps).abs().max().item() < tolerance
+    for llm in (native, eager):
+        assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+
+
+def test_stack_only_where_it_applies(tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    smooth = tiny_models["llama_smooth"]
+    assert smooth.llm(dtype="float32").engine.model.decode_stack is None  # the exact path: dense weights
+    assert tiny_models["qwen3"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None  # q/k norms
+    assert tiny_models["gemma2"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
+    assert tiny_models["qwen2"].llm(dtype="bfloat16", quantization="int4").engine.model.decode_stack is not None  # biases
+    monkeypatch.setattr(decode_stack, "matmul_ops", lambda: None)
+    assert smooth.llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
+
+
+def test_big_decode_batches_stay_eager(tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = tiny_models["llama_smooth"].llm(dtype="bfloat16", quantization="int4", max_requests_per_batch=32)
+    calls = counting(monkeypatch)
+    prompts = random_prompts([4] * (MAX_ROWS + 4), seed=52)
+    llm.generate(prompts, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert not calls, f"{MAX_ROWS + 4} decode rows are over the stack's {MAX_ROWS}"
+
+
+@pytest.mark.parametrize("kind", ["mistral_sliding", "qwen2"])
+def test_sliding_window_and_biases(tiny_models: dict[str, TinyModel], kind: str,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mistral with a window far shorter than the prompts (ring slots) and Qwen2's q/k/v biases, in
+    fp32 compute, where the stack and the eager layers differ only in summation order."""
+    monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    prompts = random_prompts([20, 13, 31], seed=53)
+    model = tiny_models[kind]
+    native = model.llm(dtype="auto", quantization="int8", page_size=4)
+    monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
+    eager = model.llm(dtype="auto", quantization="int8", page_size=4)
+    assert native.engine.model.decode_stack is not None and native.dtype == torch.float32
+    ids, lps = run(native, prompts, n=16)
+    ref_ids, ref_lps = run(eager, prompts, n=16)
+    assert ids == ref_ids
+    assert (lps - ref_lps).abs().max().item() < 1e-3
