@@ -7,7 +7,7 @@ import torch
 
 from conveyor.attention import (AttentionMetadata, CpuPagedAttention, PrefillSpan, TorchPagedAttention, cache_slots,
                                 make_attention_backend)
-from conveyor.kernels import cpu_paged_attention
+from conveyor.kernels import cpu_flags, cpu_paged_attention
 
 from .conftest import TinyModel, random_prompts
 
@@ -51,7 +51,9 @@ def reference_decode(q, kv, meta, scale, softcap=None):
 def test_native_cpu_kernel_builds() -> None:
     assert cpu_paged_attention() is not None, "the CPU attention kernel should build on this machine"
     for dtype in (torch.float32, torch.bfloat16):
-        assert isinstance(make_attention_backend(torch.device("cpu"), dtype), CpuPagedAttention)
+        backend = make_attention_backend(torch.device("cpu"), dtype)
+        assert isinstance(backend, CpuPagedAttention)
+        assert backend.native_prefill == (dtype == torch.float32 or "amx_bf16" not in cpu_flags())
     assert type(make_attention_backend(torch.device("cpu"), torch.float16)) is TorchPagedAttention
 
 
@@ -172,14 +174,16 @@ def test_backends_agree_on_a_sliding_ring_prefill(dtype: torch.dtype) -> None:
     assert not torch.allclose(expected[1:], overwritten[1:], atol=1e-2)  # reading after the write would show
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
     outs = []
-    for backend in (TorchPagedAttention(), CpuPagedAttention(cpu_paged_attention())):
+    kernel = cpu_paged_attention()
+    for backend in (TorchPagedAttention(), CpuPagedAttention(kernel), CpuPagedAttention(kernel, native_prefill=False)):
         cache = kv.clone()
         backend.prepare(meta)
         out = backend.forward(q, k, v, cache, meta, 0.25)
         torch.testing.assert_close(out[1:].double(), expected[1:], check_dtype=False, **tol)
         assert torch.equal(cache, written)  # both wrote the new K/V
         outs.append(out)
-    torch.testing.assert_close(outs[1][:1].float(), outs[0][:1].float(), **tol)  # the decode row, after the write
+    for out in outs[1:]:  # the decode row, after the write
+        torch.testing.assert_close(out[:1].float(), outs[0][:1].float(), **tol)
 
 
 def test_pure_pytorch_backend_end_to_end(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:

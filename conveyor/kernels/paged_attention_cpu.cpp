@@ -32,8 +32,6 @@ static inline void store(bf16* p, float x) { *p = bf16(x); }  // round to neares
 // 8 floats: one AVX register (GCC/Clang vector extension, portable). Decode is bound by memory
 // bandwidth, so 8-wide strips are enough, and the fp32 path keeps its summation order.
 typedef float vec8 __attribute__((vector_size(32)));
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 static inline vec8 load8(const float* p) {
     vec8 v;
@@ -41,23 +39,13 @@ static inline vec8 load8(const float* p) {
     return v;
 }
 
-static inline vec8 load8(const bf16* p) {
-    u16x8 h;
-    std::memcpy(&h, p, sizeof h);
-    const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-    vec8 v;
-    std::memcpy(&v, &w, sizeof v);
-    return v;
-}
-
 static inline float hsum(vec8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
 
 // s[t] = q . rows[t][off:off+D] for every token t; D a multiple of 8.
-template <typename T>
-static void head_scores(const float* q, const T* const* rows, int64_t off, int64_t len, int64_t D, float* s) {
+static void head_scores(const float* q, const float* const* rows, int64_t off, int64_t len, int64_t D, float* s) {
     int64_t t = 0;
     for (; t + 4 <= len; t += 4) {
-        const T *r0 = rows[t] + off, *r1 = rows[t + 1] + off, *r2 = rows[t + 2] + off, *r3 = rows[t + 3] + off;
+        const float *r0 = rows[t] + off, *r1 = rows[t + 1] + off, *r2 = rows[t + 2] + off, *r3 = rows[t + 3] + off;
         vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
         for (int64_t d = 0; d < D; d += 8) {
             const vec8 qv = load8(q + d);
@@ -80,13 +68,12 @@ static void head_scores(const float* q, const T* const* rows, int64_t off, int64
 
 // out[0:D] = sum_t p[t] * rows[t][off:off+D]; D a multiple of 8. Strips of 32 (or 8) outputs stay
 // in registers over the whole loop on t.
-template <typename T>
-static void head_output(const float* p, const T* const* rows, int64_t off, int64_t len, int64_t D, float* out) {
+static void head_output(const float* p, const float* const* rows, int64_t off, int64_t len, int64_t D, float* out) {
     int64_t d0 = 0;
     for (; d0 + 32 <= D; d0 += 32) {
         vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
         for (int64_t t = 0; t < len; ++t) {
-            const T* v = rows[t] + off + d0;
+            const float* v = rows[t] + off + d0;
             const float w = p[t];
             a0 += w * load8(v);
             a1 += w * load8(v + 8);
@@ -106,27 +93,42 @@ static void head_output(const float* p, const T* const* rows, int64_t off, int64
 }
 
 // One task per request. Its row pointers (a token's K or V row holds every kv head) are looked up
-// once; then each query head is scored four tokens at a time (four independent 8-wide
-// accumulators, so the FMA latency is hidden), softmaxed, and its output accumulated in 32-wide
-// strips kept in registers while the request's V rows (in L2 by then) stream past.
+// once (bf16 rows are widened to fp32 once, into a scratch the request's G query heads per kv head
+// then share: widening inside the dot products cost more than the bytes saved); then each query
+// head is scored four tokens at a time (four independent 8-wide accumulators, so the FMA latency is
+// hidden), softmaxed, and its output accumulated in 32-wide strips kept in registers while the
+// request's V rows (in L2 by then) stream past.
 template <typename T>
 static void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, T* op, int64_t B,
                    int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size, float scale, float cap) {
     constexpr bool fp32 = std::is_same_v<T, float>;
-    const int64_t G = H / Hkv;  // query heads per kv head
+    const int64_t G = H / Hkv, row = Hkv * D;  // G query heads per kv head
     const bool vectorized = D % 8 == 0;
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D);
-        std::vector<const T*> krows, vrows;
+        std::vector<float> scores, qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D), kf, vf;
+        std::vector<const float*> krows, vrows;
         for (int64_t b = begin; b < end; ++b) {
             const int64_t len = lens[b];
             scores.resize(H * len);
             krows.resize(len);
             vrows.resize(len);
+            if constexpr (!fp32) {
+                kf.resize(len * row);
+                vf.resize(len * row);
+            }
             for (int64_t t = 0; t < len; ++t) {
                 const int64_t slot = bt[b * max_blocks + t / page_size] * page_size + t % page_size;
-                krows[t] = kp + slot * Hkv * D;
-                vrows[t] = vp + slot * Hkv * D;
+                if constexpr (fp32) {
+                    krows[t] = kp + slot * row;
+                    vrows[t] = vp + slot * row;
+                } else {
+                    for (int64_t i = 0; i < row; ++i) {
+                        kf[t * row + i] = to_float(kp[slot * row + i]);
+                        vf[t * row + i] = to_float(vp[slot * row + i]);
+                    }
+                    krows[t] = kf.data() + t * row;
+                    vrows[t] = vf.data() + t * row;
+                }
             }
             const float* qb;
             float* ob;
@@ -146,7 +148,7 @@ static void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, con
                 } else {
                     for (int64_t t = 0; t < len; ++t) {
                         float dot = 0.f;
-                        for (int64_t d = 0; d < D; ++d) dot += qb[h * D + d] * to_float(krows[t][off + d]);
+                        for (int64_t d = 0; d < D; ++d) dot += qb[h * D + d] * krows[t][off + d];
                         s[t] = dot;
                     }
                 }
@@ -165,7 +167,7 @@ static void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, con
                 } else {
                     for (int64_t d = 0; d < D; ++d) {
                         float acc = 0.f;
-                        for (int64_t t = 0; t < len; ++t) acc += s[t] * to_float(vrows[t][off + d]);
+                        for (int64_t t = 0; t < len; ++t) acc += s[t] * vrows[t][off + d];
                         ob[h * D + d] = acc;
                     }
                 }
