@@ -559,4 +559,4 @@ def test_pool_is_sized_from_free_memory_after_the_working_memory(tiny_llama, mon
     assert working_memory_bytes(engine.model, bigger, torch.float32) > working
     monkeypatch.setattr(cache_pool, "available_memory", lambda device: working + 4 * per_chunk)  # room for 2 chunks: only the reserved ones
     with pytest.raises(MemoryError, match="not enough free memory for a KV cache"):
-        LLM(tiny_llama.path, config=config)
+        LLM(tiny_llama.path, dtype="float32", config=config)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.models import decode_stack
+from conveyor.models import quant_linear
 from conveyor.models.decode_stack import MAX_ROWS, DecodeStack
 
 from .conftest import VOCAB, TinyModel, random_prompts
@@ -66,7 +66,7 @@ def test_stack_only_where_it_applies(tiny_models: dict[str, TinyModel], monkeypa
     assert tiny_models["qwen3"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None  # q/k norms
     assert tiny_models["gemma2"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
     assert tiny_models["qwen2"].llm(dtype="bfloat16", quantization="int4").engine.model.decode_stack is not None  # biases
-    monkeypatch.setattr(decode_stack, "matmul_ops", lambda: None)
+    monkeypatch.setattr(quant_linear, "matmul_ops", lambda: None)
     assert smooth.llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
 
 

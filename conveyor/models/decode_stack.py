@@ -20,7 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import AttentionMetadata
-from .quant_linear import QuantLinear, matmul_ops
+from . import quant_linear
+from .quant_linear import QuantLinear
+from .quantized import TILED_TYPES
 
 MAX_ROWS = 16
 
@@ -41,13 +43,16 @@ class DecodeStack:
         """The stack for `model`, or None where it does not apply (see the module docstring)."""
         from .llama import DecoderLayer
 
-        ops = matmul_ops()
+        ops = quant_linear.matmul_ops()
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
         projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         if any(type(layer) is not DecoderLayer or layer.q_norm is not None or layer.softcap is not None
                or not all(isinstance(getattr(layer, p), QuantLinear) for p in projections) for layer in layers):
+            return None
+        segments_of = [s for layer in layers for p in projections for s in getattr(layer, p).kernel.segments]
+        if any(s.layout != "tiles" and s.qtype in TILED_TYPES for s in segments_of):  # built without the kernels
             return None
         if getattr(model, "rotary", None) is None:
             return None
@@ -65,9 +70,11 @@ class DecodeStack:
 
     @staticmethod
     def takes(x: torch.Tensor, metas: Sequence[AttentionMetadata]) -> bool:
-        """A decode-only batch of at most MAX_ROWS rows."""
-        rows = x.shape[0]
-        return 0 < rows <= MAX_ROWS and metas[0].num_decodes == rows and not metas[0].prefills
+        """A decode-only batch of at most MAX_ROWS rows over the paged cache (not, say, the roofline
+        bench's contiguous K/V)."""
+        rows, meta = x.shape[0], metas[0]
+        return (0 < rows <= MAX_ROWS and isinstance(meta, AttentionMetadata) and meta.num_decodes == rows
+                and not meta.prefills)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                  metas: Sequence[AttentionMetadata], page_size: int) -> torch.Tensor:
