@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -55,6 +60,8 @@ def test_native_cpu_kernel_builds() -> None:
         assert isinstance(backend, CpuPagedAttention)
         assert backend.native_prefill == (dtype == torch.float32 or "amx_bf16" not in cpu_flags())
     assert type(make_attention_backend(torch.device("cpu"), torch.float16)) is TorchPagedAttention
+    if "CONVEYOR_MARCH" not in os.environ:  # built for this CPU: AVX-512 where it has it
+        assert cpu_paged_attention().prefill_vector_width() == (16 if "avx512f" in cpu_flags() else 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -198,3 +205,18 @@ def test_pure_pytorch_backend_end_to_end(tiny_llama: TinyModel, monkeypatch: pyt
     assert type(pure.engine.runner.attention) is TorchPagedAttention
     assert [o.token_ids for o in pure.generate(prompts, params, use_tqdm=False)] == \
         [o.token_ids for o in native.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 code paths")
+def test_avx2_path() -> None:
+    """The kernels built for an AVX2-only CPU (`CONVEYOR_MARCH=haswell`: 8-wide vectors, 16 registers) pass the
+    kernel tests above. (The plain C++ build, `CONVEYOR_MARCH=x86-64`, passes them too; not run here, to keep the
+    suite's build time down.)"""
+    env = dict(os.environ, CONVEYOR_MARCH="haswell")
+    probe = subprocess.run([sys.executable, "-c", "from conveyor.kernels import cpu_paged_attention as k; "
+                            "print(k().prefill_vector_width())"], env=env, capture_output=True, text=True, timeout=900)
+    assert probe.stdout.split()[-1] == "8", probe.stderr[-3000:]
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-k", "not end_to_end", __file__],
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

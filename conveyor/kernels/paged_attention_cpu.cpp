@@ -495,4 +495,5 @@ void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)");
     m.def("paged_prefill_attention", &paged_prefill_attention, "prefill attention over the paged KV cache (CPU)");
+    m.def("prefill_vector_width", [] { return W; }, "floats per vector register in the prefill kernel (16: AVX-512)");
 }
