@@ -8,7 +8,7 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.models import quant_linear
-from conveyor.models.decode_stack import MAX_ROWS, DecodeStack
+from conveyor.models.decode_stack import MAX_ROWS, DecodeStack, ThreadChooser
 
 from .conftest import VOCAB, TinyModel, random_prompts
 
@@ -94,3 +94,23 @@ def test_sliding_window_and_biases(tiny_models: dict[str, TinyModel], kind: str,
     ref_ids, ref_lps = run(eager, prompts, n=16)
     assert ids == ref_ids
     assert (lps - ref_lps).abs().max().item() < 1e-3
+
+
+def test_thread_chooser_follows_the_timings() -> None:
+    """With both cores free two threads win; when two threads turn slow (a busy neighbour), the next
+    probe of one thread wins, and two threads come back once they measure faster again."""
+    chooser = ThreadChooser(2, probe_every=4, window=3)
+    speed = {2: 1.0, 1: 1.8}
+    picks = []
+    for call in range(60):
+        if call == 20:
+            speed[2] = 50.0  # the neighbour arrives
+        if call == 40:
+            speed[2] = 1.0
+        n = chooser.choose()
+        picks.append(n)
+        chooser.record(speed[n])
+    assert picks[12:20].count(2) >= 6
+    assert picks[30:40].count(1) >= 7
+    assert picks[52:60].count(2) >= 6
+    assert ThreadChooser(1).choose() == 1

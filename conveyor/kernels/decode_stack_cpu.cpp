@@ -129,11 +129,11 @@ class DecodeStack {
     }
 
     // x [B, hidden] fp32 (updated in place and returned); cos/sin [B, D] fp32; per layer its KV cache
-    // [2, slots, Hkv, D]; per layer group the decode block tables [B, width], context lengths [B]
-    // and slots [B] the new K/V go to.
+    // [2, slots, Hkv, D], decode block tables [B, width], context lengths [B] and the slots [B] the
+    // new K/V go to; `threads` <= 0: torch's intra-op thread count.
     torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
                           std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
-                          std::vector<torch::Tensor> slots, int64_t page_size) {
+                          std::vector<torch::Tensor> slots, int64_t page_size, int64_t threads) {
         const int64_t B = x.size(0);
         TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden_, "x must be fp32 [B, hidden]");
         TORCH_CHECK(B >= 1 && B <= max_rows_, "the stack takes 1 to ", max_rows_, " rows, got ", B);
@@ -142,8 +142,9 @@ class DecodeStack {
         const auto dtype = kv[0].scalar_type();
         TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the KV cache must be fp32 or bf16");
         for (auto& t : kv) TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, "contiguous KV caches of one dtype");
-        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, page_size);
-        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, page_size);
+        const int nt = static_cast<int>(threads > 0 ? threads : at::get_num_threads());
+        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, page_size, nt);
+        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, page_size, nt);
         return x;
     }
 
@@ -153,14 +154,13 @@ class DecodeStack {
     template <typename T>
     void run(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
              const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& lens,
-             const std::vector<torch::Tensor>& slots, int64_t page) {
+             const std::vector<torch::Tensor>& slots, int64_t page, int threads) {
         const int64_t B = x.size(0), qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_;
         float* xp = x.data_ptr<float>();
         const float* cp = cos.data_ptr<float>();
         const float* sp = sin.data_ptr<float>();
         const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-        const int threads = std::max(1, at::get_num_threads());
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(std::max(1, threads))
         {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
             std::vector<float> scores;
