@@ -60,6 +60,28 @@ def test_stack_matches_the_eager_layers(tiny_models: dict[str, TinyModel], dtype
         assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_row_and_head_splits_agree(tiny_models: dict[str, TinyModel], threads: int,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches of 1, 2 and 5 rows with 1-3 threads: rows split across threads, or (fewer rows than
+    threads) the (row, head) pairs of attention; the same tokens as the eager layers in fp32."""
+    monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = tiny_models["llama_smooth"]
+        native = model.llm(dtype="auto", quantization="int4")
+        monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
+        eager = model.llm(dtype="auto", quantization="int4")
+        for n in (1, 2, 5):
+            prompts = random_prompts([7 + i for i in range(n)], seed=60 + n)
+            ids, lps = run(native, prompts, n=6)
+            ref_ids, ref_lps = run(eager, prompts, n=6)
+            assert ids == ref_ids and (lps - ref_lps).abs().max().item() < 1e-4
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_stack_only_where_it_applies(tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
     smooth = tiny_models["llama_smooth"]
     assert smooth.llm(dtype="float32").engine.model.decode_stack is None  # the exact path: dense weights
@@ -71,7 +93,7 @@ def test_stack_only_where_it_applies(tiny_models: dict[str, TinyModel], monkeypa
 
 
 def test_big_decode_batches_stay_eager(tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = tiny_models["llama_smooth"].llm(dtype="bfloat16", quantization="int4", max_requests_per_batch=32)
+    llm = tiny_models["llama_smooth"].llm(dtype="bfloat16", quantization="int4", max_requests_per_batch=MAX_ROWS + 8)
     calls = counting(monkeypatch)
     prompts = random_prompts([4] * (MAX_ROWS + 4), seed=52)
     llm.generate(prompts, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)

@@ -5,6 +5,8 @@
 
 #include <torch/extension.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -141,6 +143,94 @@ void attend_head(const float* q, const T* const* krows, const T* const* vrows, i
             out[d] = acc;
         }
     }
+}
+
+#if defined(__AVX512F__)
+// 16 floats, from fp32 or bf16 (a 16-bit shift).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// e^x to ~1 ulp (Cephes expf: n = round(x / ln 2), a degree-5 polynomial on the remainder).
+inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// The G query heads that share one kv head (GQA), over one request's rows: q [G, D] and out [G, D]
+// contiguous, `s` G * len floats of scratch. Each K and V row is read (and widened) once for all G
+// heads. AVX-512 where D is a multiple of 16 and G <= 4 and there is no soft-capping; else head by head.
+template <typename T>
+void attend_group(const float* q, const T* const* krows, const T* const* vrows, int64_t off, int64_t len, int64_t D,
+                  int64_t G, float scale, float cap, float* s, float* out) {
+#if defined(__AVX512F__)
+    constexpr int64_t kMaxG = 4, kMaxJ = 8;  // up to 4 heads and D = 128 in registers
+    if (D % 16 == 0 && D / 16 <= kMaxJ && G <= kMaxG && cap <= 0.f) {
+        const int64_t J = D / 16;
+        __m512 qv[kMaxG][kMaxJ];
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < J; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * j), _mm512_set1_ps(scale));
+        for (int64_t t = 0; t < len; ++t) {
+            __m512 k[kMaxJ];
+            for (int64_t j = 0; j < J; ++j) k[j] = load16(krows[t] + off + 16 * j);
+            for (int64_t g = 0; g < G; ++g) {
+                __m512 acc = _mm512_mul_ps(qv[g][0], k[0]);
+                for (int64_t j = 1; j < J; ++j) acc = _mm512_fmadd_ps(qv[g][j], k[j], acc);
+                s[g * len + t] = _mm512_reduce_add_ps(acc);
+            }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+            float* sg = s + g * len;
+            __m512 mx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            int64_t t = 0;
+            for (; t + 16 <= len; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + t));
+            float m = _mm512_reduce_max_ps(mx);
+            for (; t < len; ++t) m = std::max(m, sg[t]);
+            __m512 sum = _mm512_setzero_ps();
+            const __m512 mv = _mm512_set1_ps(m);
+            for (t = 0; t + 16 <= len; t += 16) {
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mv));
+                _mm512_storeu_ps(sg + t, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            if (t < len) {
+                const __mmask16 mask = static_cast<__mmask16>((1u << (len - t)) - 1);
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, sg + t), mv));
+                _mm512_mask_storeu_ps(sg + t, mask, e);
+                sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, e));
+            }
+            const float inv = 1.f / _mm512_reduce_add_ps(sum);
+            for (t = 0; t < len; ++t) sg[t] *= inv;
+        }
+        __m512 acc[kMaxG][kMaxJ];
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < J; ++j) acc[g][j] = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; ++t) {
+            __m512 v[kMaxJ];
+            for (int64_t j = 0; j < J; ++j) v[j] = load16(vrows[t] + off + 16 * j);
+            for (int64_t g = 0; g < G; ++g) {
+                const __m512 p = _mm512_set1_ps(s[g * len + t]);
+                for (int64_t j = 0; j < J; ++j) acc[g][j] = _mm512_fmadd_ps(p, v[j], acc[g][j]);
+            }
+        }
+        for (int64_t g = 0; g < G; ++g)
+            for (int64_t j = 0; j < J; ++j) _mm512_storeu_ps(out + g * D + 16 * j, acc[g][j]);
+        return;
+    }
+#endif
+    for (int64_t g = 0; g < G; ++g) attend_head(q + g * D, krows, vrows, off, len, D, scale, cap, s, out + g * D);
 }
 
 }  // namespace conveyor

@@ -1,13 +1,14 @@
 // The whole decoder-layer stack of a Llama-family model with quantized weights, for a decode batch
-// of a few rows, in one call and one OpenMP parallel region.
+// of up to 64 rows, in one call and one OpenMP parallel region.
 //
 // At one row a step streams the model's weights once (~4 ms for the built-in model's 92 MiB); run
 // op by op from Python it also pays ~100 us of dispatch and thread fork/join per layer, as much
-// again. Here the threads stay up for the whole stack and meet at barriers (8 per layer): the
-// matmuls split their output tiles across threads (each streams its own slice of every weight),
-// attention splits the (row, head) pairs, and the small elementwise steps (norms, RoPE, K/V writes,
-// SiLU, residual adds, activation quantization) run on thread 0 in between. The residual stream,
-// norms, RoPE and attention are fp32; K/V are stored in the cache's dtype.
+// again. Here the threads stay up for the whole stack and meet at barriers (8 a layer; 10 when
+// there are fewer rows than threads): the matmuls split their output tiles across threads (each
+// streams its own slice of every weight), and the elementwise steps (norms, RoPE, K/V writes, SiLU,
+// residual adds, activation quantization) and attention split the rows, or, with fewer rows than
+// threads, attention splits the (row, kv head) pairs. The residual stream, norms, RoPE and attention
+// are fp32; K/V are stored in the cache's dtype.
 #include "attention_cpu.h"
 #include "quant.h"
 
@@ -47,11 +48,10 @@ struct Linear {
                 conveyor::rows_matmul(s.type, w, s.data.size(1), a, u0, u1, out + s.n0, ldo);
         }
     }
-    void add_bias(float* out, int64_t M) const {
+    void add_bias_row(float* row) const {
         if (!bias.defined()) return;
         const float* b = bias.data_ptr<float>();
-        for (int64_t m = 0; m < M; ++m)
-            for (int64_t n = 0; n < N; ++n) out[m * N + n] += b[n];
+        for (int64_t n = 0; n < N; ++n) row[n] += b[n];
     }
 };
 
@@ -151,6 +151,10 @@ class DecodeStack {
     int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   private:
+    // Rows [r0, r1) of this thread's elementwise work: norms, RoPE, K/V writes, SiLU, residual adds
+    // and activation quantization touch only their own rows, so they need no barrier among them.
+    // With at least one row per thread, each thread also runs its rows' attention right after
+    // writing their K/V; with fewer rows (one stream), attention splits the (row, kv head) pairs.
     template <typename T>
     void run(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
              const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& lens,
@@ -160,86 +164,96 @@ class DecodeStack {
         const float* cp = cos.data_ptr<float>();
         const float* sp = sin.data_ptr<float>();
         const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-#pragma omp parallel num_threads(std::max(1, threads))
+        act_hidden_.shape(B, hidden_);
+        act_attn_.shape(B, qd);
+        act_inter_.shape(B, inter_);
+        const int nt_wanted = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, 64)));
+#pragma omp parallel num_threads(nt_wanted)
         {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t r0 = B * tid / nt, r1 = B * (tid + 1) / nt;
+            const bool by_rows = B >= nt;
             std::vector<float> scores;
             std::vector<const T*> krows, vrows;
-            for (const Layer& L : layers_) {
-                const int64_t g = L.group;
-                if (tid == 0) {
-                    for (int64_t b = 0; b < B; ++b)
-                        rms_norm(xp + b * hidden_, L.input_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
-                    conveyor::quantize_rows(xn_.data(), hidden_, B, hidden_, act_q_);
-                }
+            for (int64_t b = r0; b < r1; ++b)
+                rms_norm(xp + b * hidden_, layers_[0].input_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
+            conveyor::quantize_rows(xn_.data(), hidden_, r0, r1, act_hidden_);
+            for (size_t l = 0; l < layers_.size(); ++l) {
+                const Layer& L = layers_[l];
+                T* kc = kv[l].template data_ptr<T>();
+                T* vc = kc + kv[l].size(1) * kvd;
+                const int64_t* slot = slots[L.group].data_ptr<int64_t>();
+                const int64_t* bt = tables[L.group].data_ptr<int64_t>();
+                const int64_t width = tables[L.group].size(1);
+                const int64_t* len = lens[L.group].data_ptr<int64_t>();
+                const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
+                    conveyor::context_rows<T>(kc, vc, bt + b * width, len[b], page, kvd, krows, vrows);
+                    scores.resize(G * len[b]);
+                    for (int64_t g = g0; g < g1; ++g)
+                        conveyor::attend_group<T>(qkv_.data() + b * qkv_n + g * G * D_, krows.data(), vrows.data(),
+                                                  g * D_, len[b], D_, G, scale, 0.f, scores.data(),
+                                                  attn_.data() + b * qd + g * G * D_);
+                };
+                const auto rope_and_store = [&](int64_t b) {
+                    float* row = qkv_.data() + b * qkv_n;
+                    L.qkv.add_bias_row(row);
+                    rope(row, H_ + Hkv_, D_, cp + b * D_, sp + b * D_);  // q heads, then k heads
+                    store_row(kc + slot[b] * kvd, row + qd, kvd);
+                    store_row(vc + slot[b] * kvd, row + qd + kvd, kvd);
+                };
 #pragma omp barrier
-                L.qkv.run(act_q_, qkv_.data(), qkv_n, tid, nt);
+                L.qkv.run(act_hidden_, qkv_.data(), qkv_n, tid, nt);
 #pragma omp barrier
-                if (tid == 0) {
-                    L.qkv.add_bias(qkv_.data(), B);
-                    T* kc = kv[&L - layers_.data()].template data_ptr<T>();
-                    const int64_t cache_slots = kv[&L - layers_.data()].size(1);
-                    const int64_t* slot = slots[g].data_ptr<int64_t>();
-                    for (int64_t b = 0; b < B; ++b) {
-                        float* row = qkv_.data() + b * qkv_n;
-                        rope(row, H_ + Hkv_, D_, cp + b * D_, sp + b * D_);  // q heads, then k heads
-                        store_row(kc + slot[b] * kvd, row + qd, kvd);
-                        store_row(kc + (cache_slots + slot[b]) * kvd, row + qd + kvd, kvd);
+                if (by_rows) {
+                    for (int64_t b = r0; b < r1; ++b) {
+                        rope_and_store(b);
+                        attend(b, 0, Hkv_);
                     }
-                }
+                } else {
+                    if (tid == 0)
+                        for (int64_t b = 0; b < B; ++b) rope_and_store(b);
 #pragma omp barrier
-                {
-                    const T* kc = kv[&L - layers_.data()].template data_ptr<T>();
-                    const T* vc = kc + kv[&L - layers_.data()].size(1) * kvd;
-                    const int64_t* bt = tables[g].data_ptr<int64_t>();
-                    const int64_t width = tables[g].size(1);
-                    const int64_t* len = lens[g].data_ptr<int64_t>();
-                    const int64_t pairs = B * H_, p0 = pairs * tid / nt, p1 = pairs * (tid + 1) / nt;
-                    int64_t built = -1;
-                    for (int64_t p = p0; p < p1; ++p) {
-                        const int64_t b = p / H_, h = p % H_, n = len[b];
-                        if (built != b) {
-                            conveyor::context_rows(kc, vc, bt + b * width, n, page, kvd, krows, vrows);
-                            built = b;
-                        }
-                        scores.resize(n);
-                        conveyor::attend_head(qkv_.data() + b * qkv_n + h * D_, krows.data(), vrows.data(),
-                                              (h / G) * D_, n, D_, scale, 0.f, scores.data(), attn_.data() + b * qd + h * D_);
+                    const int64_t pairs = B * Hkv_, p0 = pairs * tid / nt, p1 = pairs * (tid + 1) / nt;
+                    for (int64_t p = p0; p < p1;) {  // runs of kv heads of one row
+                        const int64_t b = p / Hkv_, g1 = std::min(p1, (b + 1) * Hkv_);
+                        attend(b, p % Hkv_, g1 - b * Hkv_);
+                        p = g1;
                     }
+#pragma omp barrier
                 }
+                conveyor::quantize_rows(attn_.data(), qd, r0, r1, act_attn_);
 #pragma omp barrier
-                if (tid == 0) conveyor::quantize_rows(attn_.data(), qd, B, qd, act_q_);
+                L.o.run(act_attn_, out_.data(), hidden_, tid, nt);
 #pragma omp barrier
-                L.o.run(act_q_, out_.data(), hidden_, tid, nt);
-#pragma omp barrier
-                if (tid == 0) {
-                    L.o.add_bias(out_.data(), B);
-                    for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += out_[i];
-                    for (int64_t b = 0; b < B; ++b)
-                        rms_norm(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
-                    conveyor::quantize_rows(xn_.data(), hidden_, B, hidden_, act_q_);
+                for (int64_t b = r0; b < r1; ++b) {
+                    L.o.add_bias_row(out_.data() + b * hidden_);
+                    for (int64_t i = 0; i < hidden_; ++i) xp[b * hidden_ + i] += out_[b * hidden_ + i];
+                    rms_norm(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
                 }
+                conveyor::quantize_rows(xn_.data(), hidden_, r0, r1, act_hidden_);
 #pragma omp barrier
-                L.gate_up.run(act_q_, mid_.data(), 2 * inter_, tid, nt);
+                L.gate_up.run(act_hidden_, mid_.data(), 2 * inter_, tid, nt);
 #pragma omp barrier
-                if (tid == 0) {
-                    L.gate_up.add_bias(mid_.data(), B);
-                    for (int64_t b = 0; b < B; ++b) {
-                        const float* gate = mid_.data() + b * 2 * inter_;
-                        const float* up = gate + inter_;
-                        float* a = act_.data() + b * inter_;
-                        for (int64_t i = 0; i < inter_; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-                    }
-                    conveyor::quantize_rows(act_.data(), inter_, B, inter_, act_q_);
+                for (int64_t b = r0; b < r1; ++b) {
+                    float* gate = mid_.data() + b * 2 * inter_;
+                    L.gate_up.add_bias_row(gate);
+                    const float* up = gate + inter_;
+                    float* a = act_.data() + b * inter_;
+                    for (int64_t i = 0; i < inter_; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
                 }
+                conveyor::quantize_rows(act_.data(), inter_, r0, r1, act_inter_);
 #pragma omp barrier
-                L.down.run(act_q_, out_.data(), hidden_, tid, nt);
+                L.down.run(act_inter_, out_.data(), hidden_, tid, nt);
 #pragma omp barrier
-                if (tid == 0) {
-                    L.down.add_bias(out_.data(), B);
-                    for (int64_t i = 0; i < B * hidden_; ++i) xp[i] += out_[i];
+                const Layer* next = l + 1 < layers_.size() ? &layers_[l + 1] : nullptr;
+                for (int64_t b = r0; b < r1; ++b) {  // the residual add, then the next layer's input norm
+                    L.down.add_bias_row(out_.data() + b * hidden_);
+                    for (int64_t i = 0; i < hidden_; ++i) xp[b * hidden_ + i] += out_[b * hidden_ + i];
+                    if (next)
+                        rms_norm(xp + b * hidden_, next->input_norm.data_ptr<float>(), hidden_, eps,
+                                 xn_.data() + b * hidden_);
                 }
-#pragma omp barrier
+                if (next) conveyor::quantize_rows(xn_.data(), hidden_, r0, r1, act_hidden_);
             }
         }
     }
@@ -249,7 +263,7 @@ class DecodeStack {
     int64_t max_rows_;
     std::vector<Layer> layers_;
     std::vector<float> xn_, qkv_, attn_, mid_, act_, out_;
-    Activations act_q_;
+    Activations act_hidden_, act_attn_, act_inter_;
 };
 
 void register_decode_stack(py::module_& m) {

@@ -22,36 +22,35 @@ namespace {
 constexpr int kTile = 8;  // activation rows per pass over a dense weight row
 
 template <typename T>
-void quantize_typed(const T* x, int64_t ldx, int64_t M, int64_t K, Activations& a) {
-    a.M = M, a.K = K, a.nb = K / QK;
-    a.q.resize(M * K);
-    a.d.resize(M * a.nb);
-    a.s32.resize(M * a.nb);
-    a.s16.resize(M * a.nb * 2);
-    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-        float buf[QK];
-        for (int64_t m = begin; m < end; ++m) {
-            for (int64_t b = 0; b < a.nb; ++b) {
-                const T* src = x + m * ldx + b * QK;
-                float amax = 0.f;
-                for (int j = 0; j < QK; ++j) {
-                    buf[j] = static_cast<float>(src[j]);
-                    amax = std::max(amax, std::fabs(buf[j]));
-                }
-                const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-                int8_t* q = a.q.data() + m * K + b * QK;
-                int sum_lo = 0, sum_hi = 0;
-                for (int j = 0; j < QK; ++j) {
-                    q[j] = static_cast<int8_t>(std::nearbyint(buf[j] * inv));
-                    (j < 16 ? sum_lo : sum_hi) += q[j];
-                }
-                a.d[m * a.nb + b] = d;
-                a.s32[m * a.nb + b] = d * (sum_lo + sum_hi);
-                a.s16[(m * a.nb + b) * 2] = d * sum_lo;
-                a.s16[(m * a.nb + b) * 2 + 1] = d * sum_hi;
+void quantize_range(const T* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) {
+    float buf[QK];
+    for (int64_t m = m0; m < m1; ++m) {
+        for (int64_t b = 0; b < a.nb; ++b) {
+            const T* src = x + m * ldx + b * QK;
+            float amax = 0.f;
+            for (int j = 0; j < QK; ++j) {
+                buf[j] = static_cast<float>(src[j]);
+                amax = std::max(amax, std::fabs(buf[j]));
             }
+            const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+            int8_t* q = a.q.data() + m * a.K + b * QK;
+            int sum_lo = 0, sum_hi = 0;
+            for (int j = 0; j < QK; ++j) {
+                q[j] = static_cast<int8_t>(std::nearbyint(buf[j] * inv));
+                (j < 16 ? sum_lo : sum_hi) += q[j];
+            }
+            a.d[m * a.nb + b] = d;
+            a.s32[m * a.nb + b] = d * (sum_lo + sum_hi);
+            a.s16[(m * a.nb + b) * 2] = d * sum_lo;
+            a.s16[(m * a.nb + b) * 2 + 1] = d * sum_hi;
         }
-    });
+    }
+}
+
+template <typename T>
+void quantize_typed(const T* x, int64_t ldx, int64_t M, int64_t K, Activations& a) {
+    a.shape(M, K);
+    at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { quantize_range(x, ldx, begin, end, a); });
 }
 
 // ---- bf16 and fp32 weights -------------------------------------------------------------------------
@@ -153,8 +152,8 @@ void quantize_activations(const torch::Tensor& x, Activations& a) {
         quantize_typed(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), x.size(1), a);
 }
 
-void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, Activations& a) {
-    quantize_typed(x, ldx, M, K, a);
+void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) {
+    quantize_range(x, ldx, m0, m1, a);
 }
 
 }  // namespace conveyor

@@ -61,9 +61,15 @@ struct Activations {
     std::vector<int8_t> q;
     std::vector<float> d, s32, s16;
     const int8_t* qrow(int64_t m, int64_t block) const { return q.data() + m * K + block * QK; }
+    void shape(int64_t rows, int64_t cols) {
+        M = rows, K = cols, nb = cols / QK;
+        q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), s16.resize(M * nb * 2);
+    }
 };
 void quantize_activations(const torch::Tensor& x, Activations& a);
-void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, Activations& a);
+// Rows [m0, m1) of x (fp32, ldx apart) into `a`, already shaped for them; serial (threads may quantize
+// disjoint row ranges of one `a` at once).
+void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a);
 
 // out[m, n] = sum_k x[m, k] W[n, k] (fp32, before bias) for all M rows of `a`: output rows [n0, n1) of a
 // GGUF-layout K-quant matrix, or tiles [t0, t1) of a tiled one (I8: times `row_scales`, padded to whole tiles).
