@@ -3,8 +3,9 @@
 The model runs every token-wise operation on all of the batch's tokens at once; only attention
 needs to know which tokens belong to which request. `AttentionMetadata` carries that: where each
 new token's K/V goes (`slot_mapping`), and which cache slots each query may read. Decode rows
-(one query each) are attended together; prefill chunks, few per step, one call each. Sliding
-windows need nothing here: the runner's metadata (ring slots, masks, context lengths) encodes them.
+(one query each) are attended together; prefill chunks, few per step, one call each (all in one
+kernel call natively). Sliding windows need nothing here: the runner's metadata (ring slots, masks,
+context lengths, the window) encodes them.
 `AttentionBackend` is the interface: `TorchPagedAttention` is pure PyTorch (CPU and CUDA), and
 `CpuPagedAttention` reads K/V straight from the pages with native kernels (fp32 and bf16 on CPU).
 """
