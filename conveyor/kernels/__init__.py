@@ -87,7 +87,8 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
 @cache
 def cpu_paged_attention() -> ModuleType | None:
     """The paged decode-attention extension, or None when the build fails."""
-    return _build("conveyor_paged_attention_cpu", ["paged_attention_cpu.cpp"], "-ffp-contract=fast")
+    return _build("conveyor_paged_attention_cpu", ["paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"],
+                  "-ffp-contract=fast", headers=("attention_cpu.h",))
 
 
 @cache

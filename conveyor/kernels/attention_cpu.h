@@ -233,4 +233,10 @@ void attend_group(const float* q, const T* const* krows, const T* const* vrows, 
     for (int64_t g = 0; g < G; ++g) attend_head(q + g * D, krows, vrows, off, len, D, scale, cap, s, out + g * D);
 }
 
+// prefill_attention_cpu.cpp: every prefill chunk's rows into `out`, before the pass writes the new K/V.
+void paged_prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
+                             torch::Tensor ctx_slots, torch::Tensor chunks, int64_t window, double scale,
+                             double softcap, torch::Tensor out);
+int64_t prefill_vector_width();
+
 }  // namespace conveyor

@@ -3,133 +3,34 @@
 //
 // Decode: one query token per request; every query head is scored against the request's cached
 // keys, softmaxed and used to weight the values, K/V read from the pages in place.
-// Prefill: a chunk's queries attend to its earlier context (cache slots, read in place) and to its
-// own new K/V (taken from the batch, so the kernel runs before the pass writes the cache: a
-// sliding ring may reuse the context's slots for the chunk's own tokens), causally, within an
-// optional sliding window; flash-style (online softmax over blocks of keys), one task per
-// (chunk, kv head, query tile) so every K/V block is reused by all of the tile's query rows.
+// Prefill: prefill_attention_cpu.cpp.
 // `softcap` > 0 caps the scores as Gemma 2 does: tanh(score / softcap) * softcap; 0 leaves them.
-#include <torch/extension.h>
+#include "attention_cpu.h"
+
 #include <ATen/Parallel.h>
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
-using bf16 = at::BFloat16;
+using namespace conveyor;
 
-static inline float to_float(float x) { return x; }
-static inline float to_float(bf16 x) { return static_cast<float>(x); }  // a 16-bit shift
-static inline void store(float* p, float x) { *p = x; }
-static inline void store(bf16* p, float x) { *p = bf16(x); }  // round to nearest even
+namespace {
 
-// ---- decode -------------------------------------------------------------------------------------
-
-// 8 floats: one AVX register (GCC/Clang vector extension, portable). Decode is bound by memory
-// bandwidth, so 8-wide strips are enough, and the fp32 path keeps its summation order.
-typedef float vec8 __attribute__((vector_size(32)));
-
-static inline vec8 load8(const float* p) {
-    vec8 v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum(vec8 v) { return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])); }
-
-// s[t] = q . rows[t][off:off+D] for every token t; D a multiple of 8.
-static void head_scores(const float* q, const float* const* rows, int64_t off, int64_t len, int64_t D, float* s) {
-    int64_t t = 0;
-    for (; t + 4 <= len; t += 4) {
-        const float *r0 = rows[t] + off, *r1 = rows[t + 1] + off, *r2 = rows[t + 2] + off, *r3 = rows[t + 3] + off;
-        vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t d = 0; d < D; d += 8) {
-            const vec8 qv = load8(q + d);
-            a0 += qv * load8(r0 + d);
-            a1 += qv * load8(r1 + d);
-            a2 += qv * load8(r2 + d);
-            a3 += qv * load8(r3 + d);
-        }
-        s[t] = hsum(a0);
-        s[t + 1] = hsum(a1);
-        s[t + 2] = hsum(a2);
-        s[t + 3] = hsum(a3);
-    }
-    for (; t < len; ++t) {
-        vec8 a = {};
-        for (int64_t d = 0; d < D; d += 8) a += load8(q + d) * load8(rows[t] + off + d);
-        s[t] = hsum(a);
-    }
-}
-
-// out[0:D] = sum_t p[t] * rows[t][off:off+D]; D a multiple of 8. Strips of 32 (or 8) outputs stay
-// in registers over the whole loop on t.
-static void head_output(const float* p, const float* const* rows, int64_t off, int64_t len, int64_t D, float* out) {
-    int64_t d0 = 0;
-    for (; d0 + 32 <= D; d0 += 32) {
-        vec8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-        for (int64_t t = 0; t < len; ++t) {
-            const float* v = rows[t] + off + d0;
-            const float w = p[t];
-            a0 += w * load8(v);
-            a1 += w * load8(v + 8);
-            a2 += w * load8(v + 16);
-            a3 += w * load8(v + 24);
-        }
-        std::memcpy(out + d0, &a0, sizeof a0);
-        std::memcpy(out + d0 + 8, &a1, sizeof a1);
-        std::memcpy(out + d0 + 16, &a2, sizeof a2);
-        std::memcpy(out + d0 + 24, &a3, sizeof a3);
-    }
-    for (; d0 < D; d0 += 8) {
-        vec8 a = {};
-        for (int64_t t = 0; t < len; ++t) a += p[t] * load8(rows[t] + off + d0);
-        std::memcpy(out + d0, &a, sizeof a);
-    }
-}
-
-// One task per request. Its row pointers (a token's K or V row holds every kv head) are looked up
-// once (bf16 rows are widened to fp32 once, into a scratch the request's G query heads per kv head
-// then share: widening inside the dot products cost more than the bytes saved); then each query
-// head is scored four tokens at a time (four independent 8-wide accumulators, so the FMA latency is
-// hidden), softmaxed, and its output accumulated in 32-wide strips kept in registers while the
-// request's V rows (in L2 by then) stream past.
+// One task per request: its K/V row pointers are looked up once, then each kv head's G query heads
+// go through `attend_group` together (AVX-512: every K and V row read and widened once for all of
+// them; elsewhere head by head).
 template <typename T>
-static void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, T* op, int64_t B,
-                   int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size, float scale, float cap) {
+void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, T* op, int64_t B,
+            int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size, float scale, float cap) {
     constexpr bool fp32 = std::is_same_v<T, float>;
     const int64_t G = H / Hkv, row = Hkv * D;  // G query heads per kv head
-    const bool vectorized = D % 8 == 0;
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D), kf, vf;
-        std::vector<const float*> krows, vrows;
+        std::vector<float> scores, qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D);
+        std::vector<const T*> krows, vrows;
         for (int64_t b = begin; b < end; ++b) {
             const int64_t len = lens[b];
-            scores.resize(H * len);
-            krows.resize(len);
-            vrows.resize(len);
-            if constexpr (!fp32) {
-                kf.resize(len * row);
-                vf.resize(len * row);
-            }
-            for (int64_t t = 0; t < len; ++t) {
-                const int64_t slot = bt[b * max_blocks + t / page_size] * page_size + t % page_size;
-                if constexpr (fp32) {
-                    krows[t] = kp + slot * row;
-                    vrows[t] = vp + slot * row;
-                } else {
-                    for (int64_t i = 0; i < row; ++i) {
-                        kf[t * row + i] = to_float(kp[slot * row + i]);
-                        vf[t * row + i] = to_float(vp[slot * row + i]);
-                    }
-                    krows[t] = kf.data() + t * row;
-                    vrows[t] = vf.data() + t * row;
-                }
-            }
+            scores.resize(G * len);
+            context_rows<T>(kp, vp, bt + b * max_blocks, len, page_size, row, krows, vrows);
             const float* qb;
             float* ob;
             if constexpr (fp32) {
@@ -140,47 +41,20 @@ static void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, con
                 qb = qf.data();
                 ob = of.data();
             }
-            for (int64_t h = 0; h < H; ++h) {
-                const int64_t off = (h / G) * D;
-                float* s = scores.data() + h * len;
-                if (vectorized) {
-                    head_scores(qb + h * D, krows.data(), off, len, D, s);
-                } else {
-                    for (int64_t t = 0; t < len; ++t) {
-                        float dot = 0.f;
-                        for (int64_t d = 0; d < D; ++d) dot += qb[h * D + d] * krows[t][off + d];
-                        s[t] = dot;
-                    }
-                }
-                float mx = -std::numeric_limits<float>::infinity();
-                for (int64_t t = 0; t < len; ++t) {
-                    const float score = s[t] * scale;
-                    s[t] = cap > 0.f ? std::tanh(score / cap) * cap : score;
-                    mx = std::max(mx, s[t]);
-                }
-                float sum = 0.f;
-                for (int64_t t = 0; t < len; ++t) sum += (s[t] = std::exp(s[t] - mx));
-                const float inv = 1.f / sum;
-                for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-                if (vectorized) {
-                    head_output(s, vrows.data(), off, len, D, ob + h * D);
-                } else {
-                    for (int64_t d = 0; d < D; ++d) {
-                        float acc = 0.f;
-                        for (int64_t t = 0; t < len; ++t) acc += s[t] * vrows[t][off + d];
-                        ob[h * D + d] = acc;
-                    }
-                }
-            }
+            for (int64_t g = 0; g < Hkv; ++g)
+                attend_group<T>(qb + g * G * D, krows.data(), vrows.data(), g * D, len, D, G, scale, cap, scores.data(),
+                                ob + g * G * D);
             if constexpr (!fp32)
-                for (int64_t i = 0; i < H * D; ++i) store(op + b * H * D + i, of[i]);
+                for (int64_t i = 0; i < H * D; ++i) op[b * H * D + i] = bf16(of[i]);
         }
     });
 }
 
-static void check_dtype(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
+void check_dtype(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of the cache's dtype");
 }
+
+}  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                                      torch::Tensor kv_cache,      // [2, slots, Hkv, D]
@@ -207,292 +81,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
     return out;
 }
 
-// ---- prefill ------------------------------------------------------------------------------------
-
-// W floats per register: 16 (one zmm) where the compiler targets AVX-512, else 8 (AVX2, or pairs
-// of SSE registers). Prefill is compute-bound, and everything in it is vectorized along the query
-// rows of a tile (the queries of one kv head's G query heads): scores are kept transposed, keys x
-// rows, so the softmax's running max and sum are plain vector operations and any head dim works.
-// Register blocks: KB keys (or head-dim entries) x CB row vectors of accumulators: 24 of AVX-512's
-// 32 registers (~5% faster than 12), 12 of AVX2's 16.
-#ifdef __AVX512F__
-constexpr int W = 16, KB = 8;
-#else
-constexpr int W = 8, KB = 4;
-#endif
-constexpr int CB = 3;  // 96-row tiles: 6 (AVX-512) or 12 (AVX2) row vectors, in groups of 3
-constexpr int64_t NB = 64;         // keys per block (a multiple of KB): its scores and V rows stay in L1
-constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head) per task
-static_assert(NB % KB == 0, "a block pads its last keys to a multiple of KB, within NB");
-typedef float vecw __attribute__((vector_size(W * 4)));
-typedef int32_t ivecw __attribute__((vector_size(W * 4)));
-
-static inline vecw loadw(const float* p) {
-    vecw v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }
-static inline vecw splat(float x) { return vecw{} + x; }
-static inline vecw select(ivecw mask, vecw a, vecw b) { return mask ? a : b; }
-
-// e^x to about 2 ulp for x <= 0, all it is used for (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
-// degree-5 polynomial in r); 0 below -87, where 2^n would leave the normal numbers.
-static inline vecw vexp(vecw x) {
-    const ivecw under = x < -87.f;
-    x = select(under, splat(-87.f), x);
-    const vecw n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
-    const vecw r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    vecw p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vecw y = p * r * r + r + 1.f;
-    const ivecw bits = (__builtin_convertvector(n, ivecw) + 127) << 23;
-    vecw scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return select(under, vecw{}, y * scale);
-}
-
-// tanh to a few ulp (Cephes tanhf): an odd polynomial below 0.625, (1 - e^-2|x|) / (1 + e^-2|x|) above.
-static inline vecw vtanh(vecw x) {
-    const vecw ax = select(x < 0.f, -x, x), z = x * x;
-    const vecw e = vexp(-2.f * ax);
-    const vecw big = (1.f - e) / (1.f + e);
-    const vecw small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
-                         1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
-    return select(ax < 0.625f, small, select(x < 0.f, -big, big));
-}
-
-// st[n][rows] = k[n] . qt[:, rows] for KB keys n and C row vectors: qt is [D][Rp], st [NB][Rp].
-template <int C>
-static inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t Rp, float* st) {
-    vecw acc[KB][C] = {};
-    for (int64_t d = 0; d < D; ++d) {
-        vecw q[C];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) q[c] = loadw(qt + d * Rp + c * W);
-#pragma GCC unroll 8
-        for (int i = 0; i < KB; ++i) {
-            const float x = k[i][d];
-#pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) acc[i][c] += x * q[c];
-        }
-    }
-    for (int i = 0; i < KB; ++i)
-        for (int c = 0; c < C; ++c) storew(st + i * Rp + c * W, acc[i][c]);
-}
-
-// ot[d][rows] += sum_n v[n][d] * pt[n][rows] for R head-dim entries d and C row vectors, n < len:
-// pt is [NB][Rp], ot [D][Rp].
-template <int R, int C>
-static inline void pv_tile(const float* const* v, int64_t d, const float* pt, int64_t len, int64_t Rp, float* ot) {
-    vecw acc[R][C];
-    for (int i = 0; i < R; ++i)
-        for (int c = 0; c < C; ++c) acc[i][c] = loadw(ot + (d + i) * Rp + c * W);
-    for (int64_t n = 0; n < len; ++n) {
-        vecw p[C];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) p[c] = loadw(pt + n * Rp + c * W);
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-            const float x = v[n][d + i];
-#pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) acc[i][c] += x * p[c];
-        }
-    }
-    for (int i = 0; i < R; ++i)
-        for (int c = 0; c < C; ++c) storew(ot + (d + i) * Rp + c * W, acc[i][c]);
-}
-
-// Calls f(integral_constant<C>) for the row vectors [c0, nv) in groups of CB, then the remainder.
-template <int C = CB, typename F>
-static inline void row_groups(int64_t c0, int64_t nv, F&& f) {
-    if constexpr (C == CB)
-        for (; c0 + CB <= nv; c0 += CB) f(std::integral_constant<int, CB>{}, c0);
-    if constexpr (C > 0) {
-        if (nv - c0 == C) f(std::integral_constant<int, C>{}, c0);
-        else row_groups<C - 1>(c0, nv, f);
-    }
-}
-
-struct Task {
-    int64_t chunk, kv_head, q0, q1, k0, k1;  // queries [q0, q1) of the chunk, keys [k0, k1) of its sequence
-};
-
-// A chunk's key sequence is its n_ctx context slots, then its q_len own tokens; query i of the
-// chunk sits at key index n_ctx + i and sees keys j <= n_ctx + i (and j > n_ctx + i - window).
-template <typename T>
-static void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int64_t vs, const T* ckp,
-                    const T* cvp, const int64_t* ctx, const int64_t* chunks, int64_t C, T* op, int64_t H, int64_t Hkv,
-                    int64_t D, int64_t window, float scale, float cap) {
-    constexpr bool fp32 = std::is_same_v<T, float>;
-    const int64_t G = H / Hkv, row = Hkv * D;
-    const int64_t tq = std::max<int64_t>(1, kTileRows / G), Rp = (tq * G + W - 1) / W * W, nv = Rp / W;
-    std::vector<Task> tasks;
-    for (int64_t c = 0; c < C; ++c) {
-        const int64_t q_len = chunks[c * 4 + 1], n_ctx = chunks[c * 4 + 3];
-        for (int64_t q0 = 0; q0 < q_len; q0 += tq) {
-            const int64_t q1 = std::min(q_len, q0 + tq);
-            const int64_t k0 = window > 0 ? std::max<int64_t>(0, n_ctx + q0 - window + 1) : 0;
-            for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({c, h, q0, q1, k0, n_ctx + q1});
-        }
-    }
-    // Longest first, taken dynamically: the causal tiles differ in length.
-    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-        return (a.q1 - a.q0) * (a.k1 - a.k0) > (b.q1 - b.q0) * (b.k1 - b.k0);
-    });
-    std::atomic<size_t> next{0};
-    // Masked scores: finite, so a row with nothing visible yet has a finite max (its sums are reset by
-    // the first visible key: e^(kMasked - max) = 0) and padding rows stay finite.
-    constexpr float kMasked = -1e30f;
-    const std::vector<float> zero(D, 0.f);  // the K and V row of the padding keys of a block
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> qt(D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
-        std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block's K and V rows widened
-        std::vector<int32_t> hi(Rp), lo(Rp);
-        std::vector<const float*> krow(NB), vrow(NB);
-        for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
-            const Task& t = tasks[ti];
-            const int64_t q_start = chunks[t.chunk * 4], n_ctx = chunks[t.chunk * 4 + 3];
-            const int64_t* slots = ctx + chunks[t.chunk * 4 + 2];
-            const int64_t R = (t.q1 - t.q0) * G;  // row r: query q0 + r / G, head kv_head * G + r % G
-            std::fill(qt.begin(), qt.end(), 0.f);
-            for (int64_t r = 0; r < Rp; ++r) {
-                const int64_t qj = n_ctx + t.q0 + std::min(r, R - 1) / G;  // the row's own key index
-                hi[r] = static_cast<int32_t>(r < R ? qj : -1);  // padding rows see nothing
-                lo[r] = static_cast<int32_t>(window > 0 ? qj - window : -1);
-                if (r >= R) continue;
-                const T* src = qp + (q_start + t.q0 + r / G) * qs + (t.kv_head * G + r % G) * D;
-                for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * scale;
-            }
-            std::fill(ot.begin(), ot.end(), 0.f);
-            std::fill(m.begin(), m.end(), kMasked);
-            std::fill(l.begin(), l.end(), 0.f);
-            for (int64_t j0 = t.k0; j0 < t.k1; j0 += NB) {
-                const int64_t nb = std::min(NB, t.k1 - j0), nbp = (nb + KB - 1) / KB * KB;
-                for (int64_t n = 0; n < nbp; ++n) {
-                    const int64_t j = j0 + n;
-                    if (n >= nb) {
-                        krow[n] = vrow[n] = zero.data();
-                        continue;
-                    }
-                    const int64_t h = t.kv_head * D, b = q_start + j - n_ctx;  // b: the key's batch row
-                    const T* k = j < n_ctx ? ckp + slots[j] * row + h : kp + b * ks + h;
-                    const T* v = j < n_ctx ? cvp + slots[j] * row + h : vp + b * vs + h;
-                    if constexpr (fp32) {
-                        krow[n] = k;
-                        vrow[n] = v;
-                    } else {
-                        for (int64_t d = 0; d < D; ++d) {
-                            kb[n * D + d] = to_float(k[d]);
-                            vb[n * D + d] = to_float(v[d]);
-                        }
-                        krow[n] = kb.data() + n * D;
-                        vrow[n] = vb.data() + n * D;
-                    }
-                }
-                for (int64_t n = 0; n < nbp; n += KB)
-                    row_groups(0, nv, [&](auto cb, int64_t c) {
-                        qk_tile<decltype(cb)::value>(krow.data() + n, qt.data() + c * W, D, Rp,
-                                                     st.data() + n * Rp + c * W);
-                    });
-                // Online softmax, a row vector at a time: cap and mask the block's scores (masks only in
-                // blocks on the diagonal, the window's edge or the sequence's end), then fold them into the
-                // rows' running max m, sum l and output ot.
-                const bool edge = j0 + nbp - 1 > n_ctx + t.q0 || (window > 0 && j0 <= n_ctx + t.q1 - 1 - window);
-                for (int64_t c = 0; c < nv; ++c) {
-                    ivecw vhi, vlo;
-                    std::memcpy(&vhi, hi.data() + c * W, sizeof vhi);
-                    std::memcpy(&vlo, lo.data() + c * W, sizeof vlo);
-                    vecw mx = splat(kMasked);
-                    for (int64_t n = 0; n < nbp; ++n) {
-                        float* p = st.data() + n * Rp + c * W;
-                        vecw x = loadw(p);
-                        if (cap > 0.f) x = vtanh(x / cap) * cap;
-                        if (edge) {
-                            const int32_t j = static_cast<int32_t>(n < nb ? j0 + n : INT32_MAX);
-                            x = select((j <= vhi) & (j > vlo), x, splat(kMasked));
-                        }
-                        if (cap > 0.f || edge) storew(p, x);
-                        mx = select(x > mx, x, mx);
-                    }
-                    const vecw m0 = loadw(m.data() + c * W), m1 = select(mx > m0, mx, m0);
-                    vecw sum = {};
-                    for (int64_t n = 0; n < nbp; ++n) {
-                        float* p = st.data() + n * Rp + c * W;
-                        const vecw e = vexp(loadw(p) - m1);
-                        storew(p, e);
-                        sum += e;
-                    }
-                    const vecw alpha = vexp(m0 - m1);
-                    storew(l.data() + c * W, loadw(l.data() + c * W) * alpha + sum);
-                    storew(m.data() + c * W, m1);
-                    for (float* o = ot.data() + c * W; o < ot.data() + D * Rp; o += Rp) storew(o, loadw(o) * alpha);
-                }
-                int64_t d = 0;
-                for (; d + KB <= D; d += KB)
-                    row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<KB, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, ot.data() + c * W);
-                    });
-                for (; d < D; ++d)
-                    row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<1, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, ot.data() + c * W);
-                    });
-            }
-            for (int64_t r = 0; r < R; ++r) {
-                T* dst = op + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D;
-                const float inv = 1.f / l[r];
-                for (int64_t d = 0; d < D; ++d) store(dst + d, ot[d * Rp + r] * inv);
-            }
-        }
-    });
-}
-
-static void check_heads(const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
-                " must be [tokens, heads, dim] with contiguous heads");
-}
-
-// Writes the attention output of every prefill chunk's rows into `out`; call it before the pass
-// writes the new K/V into the cache.
-void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's queries
-                             torch::Tensor k,          // [T, Hkv, D] the batch's new keys
-                             torch::Tensor v,          // [T, Hkv, D] and values
-                             torch::Tensor kv_cache,   // [2, slots, Hkv, D]
-                             torch::Tensor ctx_slots,  // [sum of n_ctx] int64: each chunk's context slots, in order
-                             torch::Tensor chunks,     // [C, 4] int64: q_start, q_len, offset into ctx_slots, n_ctx
-                             int64_t window, double scale, double softcap,
-                             torch::Tensor out) {      // [T, H, D] contiguous
-    const auto dtype = kv_cache.scalar_type();
-    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "fp32 or bf16 only");
-    for (const auto* t : {&q, &k, &v, &out}) check_dtype(*t, dtype, "q, k, v and out");
-    check_heads(q, "q");
-    check_heads(k, "k");
-    check_heads(v, "v");
-    TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, shaped like q");
-    TORCH_CHECK(kv_cache.is_contiguous() && ctx_slots.is_contiguous() && chunks.is_contiguous() &&
-                ctx_slots.scalar_type() == torch::kInt64 && chunks.scalar_type() == torch::kInt64 &&
-                chunks.dim() == 2 && chunks.size(1) == 4, "ctx_slots [n] and chunks [C, 4]: contiguous int64");
-    const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(2), slots = kv_cache.size(1);
-    TORCH_CHECK(k.size(1) == Hkv && k.size(2) == D && H % Hkv == 0, "head counts or sizes disagree");
-    const auto run = [&](auto* qp, auto* kp, auto* vp, auto* cp, auto* op) {
-        prefill(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), cp, cp + slots * Hkv * D,
-                ctx_slots.data_ptr<int64_t>(), chunks.data_ptr<int64_t>(), chunks.size(0), op, H, Hkv, D, window,
-                static_cast<float>(scale), static_cast<float>(softcap));
-    };
-    if (dtype == torch::kFloat32)
-        run(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kv_cache.data_ptr<float>(),
-            out.data_ptr<float>());
-    else
-        run(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), kv_cache.data_ptr<bf16>(),
-            out.data_ptr<bf16>());
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)");
-    m.def("paged_prefill_attention", &paged_prefill_attention, "prefill attention over the paged KV cache (CPU)");
-    m.def("prefill_vector_width", [] { return W; }, "floats per vector register in the prefill kernel (16: AVX-512)");
+    m.def("paged_prefill_attention", &conveyor::paged_prefill_attention, "prefill attention over the paged KV cache (CPU)");
+    m.def("prefill_vector_width", &conveyor::prefill_vector_width,
+          "floats per vector register in the prefill kernel (16: AVX-512)");
 }
