@@ -111,3 +111,14 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: torch.Tenso
             warnings.warn(f"{label}: numerical tie at token {i} (top-2 gap {gap:.2e}); ours {a}, reference {b}")
             return
     assert len(ours) == len(ref), f"{label}: length {len(ours)} vs reference {len(ref)}"
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
+    """Fraction of generated tokens before each sequence's first difference from the reference."""
+    same = 0
+    for a, b in zip(ours, ref):
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            same += 1
+    return same / sum(map(len, ref))

@@ -20,7 +20,7 @@ from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.attention import CpuPagedAttention, TorchPagedAttention
 from conveyor.kernels import cpu_paged_attention
 
-from .conftest import TinyModel, random_prompts
+from .conftest import TinyModel, agreement, random_prompts
 
 NEW_TOKENS = 24
 
@@ -37,17 +37,6 @@ def generate(model: TinyModel, dtype: str, native_prefill: bool | None = None) -
     stats = llm.stats()
     assert stats.free_blocks == stats.total_blocks
     return llm, [o.token_ids for o in outputs]
-
-
-def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
-    """Share of the generated tokens that come before each continuation's first difference."""
-    same = 0
-    for a, b in zip(ours, theirs):
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            same += 1
-    return same / (NEW_TOKENS * len(ours))
 
 
 @pytest.mark.parametrize("native_prefill", [True, False])  # False: what CPUs with AMX run (attention.py)

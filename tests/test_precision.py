@@ -17,7 +17,7 @@ from conveyor.models.quant_linear import QuantEmbedding, QuantLinear
 from conveyor.models.quantized import GGMLType, QuantizedTensor
 from conveyor.precision import resolve_precision
 
-from .conftest import VOCAB, TinyModel, random_prompts, tiny_tokenizer
+from .conftest import VOCAB, TinyModel, agreement, random_prompts, tiny_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -63,17 +63,6 @@ def next_token_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 def greedy(llm: LLM, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
-    """Fraction of generated tokens before each sequence's first difference from the reference."""
-    same = 0
-    for a, b in zip(ours, ref):
-        for x, y in zip(a, b):
-            if x != y:
-                break
-            same += 1
-    return same / sum(map(len, ref))
 
 
 # Measured on the tiny "llama_smooth" model (tied head; weights at a trained model's scale), with a
