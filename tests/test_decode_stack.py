@@ -43,8 +43,9 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("dtype", ["auto-fp32", "bfloat16"])
-def test_stack_matches_the_eager_layers(tiny_models: dict[str, TinyModel], dtype: str,
+@pytest.mark.parametrize(("dtype", "quantization"), [("auto-fp32", "int8"), ("bfloat16", "int8"),
+                                                    ("bfloat16", "none")])
+def test_stack_matches_the_eager_layers(tiny_models: dict[str, TinyModel], dtype: str, quantization: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Same tokens and near-identical log-probabilities, decode rows through the stack and prefill
     chunks eager, in a batch whose size changes as requests finish. In fp32 the two differ only in
@@ -53,9 +54,9 @@ def test_stack_matches_the_eager_layers(tiny_models: dict[str, TinyModel], dtype
     if dtype == "auto-fp32":
         monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
     prompts = random_prompts([5, 17, 9, 30, 3], seed=51)
-    native = model.llm(dtype=dtype.removesuffix("-fp32"), quantization="int8", max_batch_tokens=16, page_size=4)
+    native = model.llm(dtype=dtype.removesuffix("-fp32"), quantization=quantization, max_batch_tokens=16, page_size=4)
     monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
-    eager = model.llm(dtype=dtype.removesuffix("-fp32"), quantization="int8", max_batch_tokens=16, page_size=4)
+    eager = model.llm(dtype=dtype.removesuffix("-fp32"), quantization=quantization, max_batch_tokens=16, page_size=4)
     monkeypatch.undo()
     assert native.engine.model.decode_stack is not None and eager.engine.model.decode_stack is None
     calls = counting(monkeypatch)
@@ -96,7 +97,8 @@ def test_row_and_head_splits_agree(tiny_models: dict[str, TinyModel], threads: i
 
 def test_stack_only_where_it_applies(tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
     smooth = tiny_models["llama_smooth"]
-    assert smooth.llm(dtype="float32").engine.model.decode_stack is None  # the exact path: dense weights
+    assert smooth.llm(dtype="float32").engine.model.decode_stack is None  # the exact path: dense fp32 weights
+    assert smooth.llm(dtype="bfloat16", quantization="none").engine.model.decode_stack is not None  # dense bf16
     assert tiny_models["qwen3"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None  # q/k norms
     assert tiny_models["gemma2"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
     assert tiny_models["qwen2"].llm(dtype="bfloat16", quantization="int4").engine.model.decode_stack is not None  # biases

@@ -1,5 +1,5 @@
-// The whole decoder-layer stack of a Llama-family model with quantized weights, for a decode batch
-// of up to 64 rows, in one call and one OpenMP parallel region.
+// The whole decoder-layer stack of a Llama-family model with quantized or dense bf16 weights, for a
+// decode batch of up to 64 rows, in one call and one OpenMP parallel region.
 //
 // At one row a step streams the model's weights once (~4 ms for the built-in model's 92 MiB); run
 // op by op from Python it also pays ~100 us of dispatch and thread fork/join per layer, as much
@@ -22,10 +22,14 @@ namespace {
 
 using conveyor::Activations;
 
-// One row segment of a quantized linear: rows [n0, n0 + rows) of the output.
+// Types of dense segments (the others are quantized weight types).
+constexpr int64_t kDenseF32 = -1, kDenseBF16 = -2;
+
+// One row segment of a linear: rows [n0, n0 + rows) of the output, quantized or dense.
 struct Segment {
     torch::Tensor data, scales;
     int64_t type, rows, n0;
+    bool dense() const { return type < 0; }
     bool tiled() const { return conveyor::is_tiled_type(type); }
     int64_t units() const { return tiled() ? (rows + conveyor::kTileRows - 1) / conveyor::kTileRows : rows; }
 };
@@ -34,12 +38,19 @@ struct Linear {
     std::vector<Segment> segments;
     torch::Tensor bias;  // fp32 [N] or undefined
     int64_t N = 0, K = 0;
+    bool quantized = false, dense_bf16 = false, dense_f32 = false;  // what its input must be prepared as
 
-    // This thread's share of every segment: out [M, N] (row stride ldo) from the quantized input.
-    void run(const Activations& a, float* out, int64_t ldo, int thread, int threads) const {
+    // This thread's share of every segment: out [M, N] (row stride ldo) from the input, quantized
+    // (`a`) for quantized segments, fp32 (`xf`) and rounded to bf16 (`xb`) for dense ones.
+    void run(const Activations& a, const float* xf, const at::BFloat16* xb, int64_t M, float* out, int64_t ldo,
+             int thread, int threads) const {
         for (const Segment& s : segments) {
             const int64_t u = s.units(), u0 = u * thread / threads, u1 = u * (thread + 1) / threads;
             if (u0 == u1) continue;
+            if (s.dense()) {
+                conveyor::dense_rows_matmul(s.data.data_ptr(), s.type == kDenseBF16, xf, xb, M, K, u0, u1, out + s.n0, ldo);
+                continue;
+            }
             const uint8_t* w = s.data.data_ptr<uint8_t>();
             if (s.tiled())
                 conveyor::tiles_matmul(s.type, w, s.scales.numel() ? s.scales.data_ptr<float>() : nullptr, a, u0, u1,
@@ -99,9 +110,11 @@ class DecodeStack {
         mid_.resize(max_rows * 2 * intermediate);
         act_.resize(max_rows * intermediate);
         out_.resize(max_rows * hidden);
+        xb_.resize(max_rows * std::max({hidden, H_ * D_, intermediate}));
     }
 
-    // Segments: (data uint8, qtype, row scales (empty if none), rows) in output order.
+    // Segments: (data, type, row scales (empty if none), rows) in output order; data uint8 for a
+    // quantized type, a dense [rows, K] weight for kDenseF32 / kDenseBF16.
     void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, std::vector<std::vector<py::tuple>> linears,
                    std::vector<c10::optional<torch::Tensor>> biases, int64_t group) {
         TORCH_CHECK(linears.size() == 4 && biases.size() == 4, "qkv, o, gate_up and down expected");
@@ -120,6 +133,7 @@ class DecodeStack {
                 Segment s{t[0].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[1].cast<int64_t>(),
                           t[3].cast<int64_t>(), n0};
                 n0 += s.rows;
+                (s.dense() ? (s.type == kDenseBF16 ? lin.dense_bf16 : lin.dense_f32) : lin.quantized) = true;
                 lin.segments.push_back(s);
             }
             TORCH_CHECK(n0 == N[i], "linear ", i, " has ", n0, " output rows, expected ", N[i]);
@@ -175,9 +189,17 @@ class DecodeStack {
             const bool by_rows = B >= nt;
             std::vector<float> scores;
             std::vector<const T*> krows, vrows;
+            const auto prepare = [&](const Linear& lin, const float* in, int64_t K, Activations& act) {  // rows r0..r1
+                if (lin.quantized) conveyor::quantize_rows(in, K, r0, r1, act);
+                if (lin.dense_bf16)
+                    for (int64_t i = r0 * K; i < r1 * K; ++i) xb_[i] = static_cast<at::BFloat16>(in[i]);
+            };
+            const auto matmul = [&](const Linear& lin, const float* in, const Activations& act, float* out, int64_t ld) {
+                lin.run(act, in, xb_.data(), B, out, ld, tid, nt);
+            };
             for (int64_t b = r0; b < r1; ++b)
                 rms_norm(xp + b * hidden_, layers_[0].input_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
-            conveyor::quantize_rows(xn_.data(), hidden_, r0, r1, act_hidden_);
+            prepare(layers_[0].qkv, xn_.data(), hidden_, act_hidden_);
             for (size_t l = 0; l < layers_.size(); ++l) {
                 const Layer& L = layers_[l];
                 T* kc = kv[l].template data_ptr<T>();
@@ -202,7 +224,7 @@ class DecodeStack {
                     store_row(vc + slot[b] * kvd, row + qd + kvd, kvd);
                 };
 #pragma omp barrier
-                L.qkv.run(act_hidden_, qkv_.data(), qkv_n, tid, nt);
+                matmul(L.qkv, xn_.data(), act_hidden_, qkv_.data(), qkv_n);
 #pragma omp barrier
                 if (by_rows) {
                     for (int64_t b = r0; b < r1; ++b) {
@@ -221,18 +243,18 @@ class DecodeStack {
                     }
 #pragma omp barrier
                 }
-                conveyor::quantize_rows(attn_.data(), qd, r0, r1, act_attn_);
+                prepare(L.o, attn_.data(), qd, act_attn_);
 #pragma omp barrier
-                L.o.run(act_attn_, out_.data(), hidden_, tid, nt);
+                matmul(L.o, attn_.data(), act_attn_, out_.data(), hidden_);
 #pragma omp barrier
                 for (int64_t b = r0; b < r1; ++b) {
                     L.o.add_bias_row(out_.data() + b * hidden_);
                     for (int64_t i = 0; i < hidden_; ++i) xp[b * hidden_ + i] += out_[b * hidden_ + i];
                     rms_norm(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
                 }
-                conveyor::quantize_rows(xn_.data(), hidden_, r0, r1, act_hidden_);
+                prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
 #pragma omp barrier
-                L.gate_up.run(act_hidden_, mid_.data(), 2 * inter_, tid, nt);
+                matmul(L.gate_up, xn_.data(), act_hidden_, mid_.data(), 2 * inter_);
 #pragma omp barrier
                 for (int64_t b = r0; b < r1; ++b) {
                     float* gate = mid_.data() + b * 2 * inter_;
@@ -241,9 +263,9 @@ class DecodeStack {
                     float* a = act_.data() + b * inter_;
                     for (int64_t i = 0; i < inter_; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
                 }
-                conveyor::quantize_rows(act_.data(), inter_, r0, r1, act_inter_);
+                prepare(L.down, act_.data(), inter_, act_inter_);
 #pragma omp barrier
-                L.down.run(act_inter_, out_.data(), hidden_, tid, nt);
+                matmul(L.down, act_.data(), act_inter_, out_.data(), hidden_);
 #pragma omp barrier
                 const Layer* next = l + 1 < layers_.size() ? &layers_[l + 1] : nullptr;
                 for (int64_t b = r0; b < r1; ++b) {  // the residual add, then the next layer's input norm
@@ -253,7 +275,7 @@ class DecodeStack {
                         rms_norm(xp + b * hidden_, next->input_norm.data_ptr<float>(), hidden_, eps,
                                  xn_.data() + b * hidden_);
                 }
-                if (next) conveyor::quantize_rows(xn_.data(), hidden_, r0, r1, act_hidden_);
+                if (next) prepare(next->qkv, xn_.data(), hidden_, act_hidden_);
             }
         }
     }
@@ -263,6 +285,7 @@ class DecodeStack {
     int64_t max_rows_;
     std::vector<Layer> layers_;
     std::vector<float> xn_, qkv_, attn_, mid_, act_, out_;
+    std::vector<at::BFloat16> xb_;  // a dense bf16 linear's input rows, rounded to bf16
     Activations act_hidden_, act_attn_, act_inter_;
 };
 

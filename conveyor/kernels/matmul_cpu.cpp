@@ -119,6 +119,16 @@ void row_bf16(const c10::BFloat16* w, const float* xf, const c10::BFloat16* xb, 
     for (int i = 0; i < MB; ++i) out[i] = s[i];
 }
 
+template <int MB>
+void dense_tile(const void* w, bool bf16, const float* xf, const c10::BFloat16* xb, int64_t K, int64_t n, float* vals) {
+    if (bf16) row_bf16<MB>(static_cast<const c10::BFloat16*>(w) + n * K, xf, xb, K, K, vals);
+    else row_f32<MB>(static_cast<const float*>(w) + n * K, xf, K, K, vals);
+}
+
+using DenseFn = void (*)(const void*, bool, const float*, const c10::BFloat16*, int64_t, int64_t, float*);
+constexpr DenseFn kDenseFns[kTile] = {dense_tile<1>, dense_tile<2>, dense_tile<3>, dense_tile<4>,
+                                      dense_tile<5>, dense_tile<6>, dense_tile<7>, dense_tile<8>};
+
 void check_out(const torch::Tensor& out, int64_t M, int64_t N) {
     TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1,
                 "out must be [", M, ", ", N, "] with contiguous rows");
@@ -154,6 +164,17 @@ void quantize_activations(const torch::Tensor& x, Activations& a) {
 
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) {
     quantize_range(x, ldx, m0, m1, a);
+}
+
+void dense_rows_matmul(const void* w, bool bf16, const float* xf, const c10::BFloat16* xb, int64_t M, int64_t K,
+                       int64_t n0, int64_t n1, float* out, int64_t ldo) {
+    float vals[kTile];
+    for (int64_t n = n0; n < n1; ++n)
+        for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+            const int mb = static_cast<int>(std::min<int64_t>(kTile, M - m0));
+            kDenseFns[mb - 1](w, bf16, xf + m0 * K, xb ? xb + m0 * K : nullptr, K, n, vals);
+            for (int i = 0; i < mb; ++i) out[(m0 + i) * ldo + n] = vals[i];
+        }
 }
 
 }  // namespace conveyor
@@ -226,41 +247,11 @@ void dense_matmul(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Te
     float* op = res.data();
     const int64_t ldo = res.ld();
     const float* xp = xf.data_ptr<float>();
-    at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
-        float vals[kTile];
-        for (int64_t n = begin; n < end; ++n) {
-            for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-                const int mb = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-                const float* xm = xp + m0 * K;
-                if (wt == torch::kFloat32) {
-                    const float* w = weight.data_ptr<float>() + n * K;
-                    switch (mb) {
-                        case 1: row_f32<1>(w, xm, K, K, vals); break;
-                        case 2: row_f32<2>(w, xm, K, K, vals); break;
-                        case 3: row_f32<3>(w, xm, K, K, vals); break;
-                        case 4: row_f32<4>(w, xm, K, K, vals); break;
-                        case 5: row_f32<5>(w, xm, K, K, vals); break;
-                        case 6: row_f32<6>(w, xm, K, K, vals); break;
-                        case 7: row_f32<7>(w, xm, K, K, vals); break;
-                        default: row_f32<8>(w, xm, K, K, vals); break;
-                    }
-                } else {
-                    const c10::BFloat16* w = weight.data_ptr<c10::BFloat16>() + n * K;
-                    const c10::BFloat16* xbm = xb.data_ptr<c10::BFloat16>() + m0 * K;
-                    switch (mb) {
-                        case 1: row_bf16<1>(w, xm, xbm, K, K, vals); break;
-                        case 2: row_bf16<2>(w, xm, xbm, K, K, vals); break;
-                        case 3: row_bf16<3>(w, xm, xbm, K, K, vals); break;
-                        case 4: row_bf16<4>(w, xm, xbm, K, K, vals); break;
-                        case 5: row_bf16<5>(w, xm, xbm, K, K, vals); break;
-                        case 6: row_bf16<6>(w, xm, xbm, K, K, vals); break;
-                        case 7: row_bf16<7>(w, xm, xbm, K, K, vals); break;
-                        default: row_bf16<8>(w, xm, xbm, K, K, vals); break;
-                    }
-                }
-                for (int i = 0; i < mb; ++i) op[(m0 + i) * ldo + n] = vals[i];
-            }
-        }
+    const bool bf16 = wt == torch::kBFloat16;
+    const c10::BFloat16* xbp = bf16 ? xb.data_ptr<c10::BFloat16>() : nullptr;
+    const void* wp = weight.data_ptr();
+    at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
+        dense_rows_matmul(wp, bf16, xp, xbp, M, K, n0, n1, op, ldo);
     });
     res.finish(bias);
 }

@@ -78,6 +78,11 @@ void rows_matmul(int64_t type, const uint8_t* w, int64_t row_stride, const Activ
 void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
                   int64_t t1, int64_t N, float* out, int64_t ldo);
 
+// Output rows [n0, n1) of out[M, N] = x [M, K] times a dense fp32 or (bf16) bf16 weight [N, K]; with a
+// bf16 weight `xb` is x rounded to bf16 (for vdpbf16ps) and `xf` x in fp32.
+void dense_rows_matmul(const void* w, bool bf16, const float* xf, const c10::BFloat16* xb, int64_t M, int64_t K,
+                       int64_t n0, int64_t n1, float* out, int64_t ldo);
+
 // One row of a GGUF-layout matrix, or of a tiled matrix (row `row` of `tiles`), as fp32.
 void dequantize_row(int64_t type, const uint8_t* src, float row_scale, int64_t K, float* y);
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,

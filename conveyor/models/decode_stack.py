@@ -1,5 +1,6 @@
-"""The native decode stack: every decoder layer of a Llama-family model with quantized weights in one
-native call, for decode batches of up to `MAX_ROWS` rows (`kernels/decode_stack_cpu.cpp`).
+"""The native decode stack: every decoder layer of a Llama-family model with quantized (or dense bf16)
+weights in one native call, for decode batches of up to `MAX_ROWS` rows
+(`kernels/decode_stack_cpu.cpp`).
 
 At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python,
 the built-in model's 30 layers cost ~3 ms a step of dispatch and thread fork/join, as much as
@@ -7,7 +8,8 @@ streaming its 92 MiB of weights. The stack keeps the threads up across all layer
 barriers instead. It computes the residual stream, norms, RoPE and attention in fp32 (the eager
 bf16 path rounds the residual to bf16 between ops), reads and writes the same KV pages, and is
 used only where its inputs are exactly the eager path's: Llama-family layers (no q/k norms, no
-soft-capping), all four projections quantized, decode-only batches. Prefill chunks and batches of
+soft-capping), projections quantized or dense bf16 (dense fp32 is the exact path, which stays on
+PyTorch's matmuls), decode-only batches. Prefill chunks and batches of
 more than 64 rows (where bf16 matmuls on dequantized weights beat the int8 kernels) stay on the
 eager path. Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
 `CONVEYOR_DECODE_STACK=0` turns it off.
@@ -65,6 +67,25 @@ def stack_enabled() -> bool:
     return os.environ.get("CONVEYOR_DECODE_STACK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+# The native stack's types for dense segments (the rest are quantized weight types).
+_DENSE_TYPES = {torch.float32: -1, torch.bfloat16: -2}
+
+
+def _segments(linear: torch.nn.Module) -> list[tuple] | None:
+    """A projection as the native stack takes it, or None where it cannot: quantized segments (tiled
+    where their type has tiles), or one dense bf16 weight. Dense fp32 is the exact path: it stays on
+    PyTorch's matmuls."""
+    if isinstance(linear, QuantLinear):
+        segments = linear.kernel.segments
+        if any(s.layout != "tiles" and s.qtype in TILED_TYPES for s in segments):  # built without the kernels
+            return None
+        return [(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0]) for s in segments]
+    weight = getattr(linear, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2:
+        return [(weight.detach().contiguous(), _DENSE_TYPES[weight.dtype], torch.empty(0), weight.shape[0])]
+    return None
+
+
 class DecodeStack:
     """The native stack of one model's layers; `__call__` runs a decode batch through all of them."""
 
@@ -84,10 +105,7 @@ class DecodeStack:
         layers = list(model.layers)
         projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         if any(type(layer) is not DecoderLayer or layer.q_norm is not None or layer.softcap is not None
-               or not all(isinstance(getattr(layer, p), QuantLinear) for p in projections) for layer in layers):
-            return None
-        segments_of = [s for layer in layers for p in projections for s in getattr(layer, p).kernel.segments]
-        if any(s.layout != "tiles" and s.qtype in TILED_TYPES for s in segments_of):  # built without the kernels
+               or not all(_segments(getattr(layer, p)) is not None for p in projections) for layer in layers):
             return None
         if getattr(model, "rotary", None) is None:
             return None
@@ -97,8 +115,7 @@ class DecodeStack:
                                  first.head_dim, float(first.input_layernorm.eps), float(first.scale), MAX_ROWS)
         for i, layer in enumerate(layers):
             linears = [getattr(layer, p) for p in projections]
-            segments = [[(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0]) for s in lin.kernel.segments]
-                        for lin in linears]
+            segments = [_segments(lin) for lin in linears]
             native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                              segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i)
         return cls(native, len(layers))
