@@ -205,3 +205,17 @@ def test_avx2_path() -> None:
     probe = subprocess.run([sys.executable, "-c", "from conveyor.kernels import cpu_matmul_ops as o; print(o().isa())"],
                            env=env, capture_output=True, text=True, timeout=900)
     assert probe.stdout.split()[-1] == "avx2"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_dense_weight_streaming_matmul(ops, dtype: torch.dtype, rows: int) -> None:
+    """The dense few-row kernel (the decode stack's, for dense bf16 projections) against F.linear on
+    the same bf16-rounded inputs: fp32 rounding (bf16 products are exact in fp32)."""
+    torch.manual_seed(rows)
+    for cols in (64, 100, 576):  # 100: a tail past the vector width
+        weight, bias = torch.randn(37, cols).to(dtype), torch.randn(37)
+        x = torch.randn(rows, cols).to(dtype)
+        out = torch.empty(rows, 37)
+        ops.dense_matmul(x, weight, bias, out)
+        assert_close_scaled(out, F.linear(x.float(), weight.float(), bias), 1e-5)

@@ -61,7 +61,8 @@ def cli_server(tiny_dir: Path):
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_dir: Path, cli_server) -> LLM:  # cli_server: start the subprocess first
-    return LLM(tiny_dir, config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=256))
+    """fp32: these tests compare outputs across batch compositions, which only the exact path keeps identical."""
+    return LLM(tiny_dir, dtype="float32", config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=256))
 
 
 @pytest.fixture(scope="module")
