@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import fields
 
-from .config import ContinuousBatchingConfig
+from .config import ATTENTION_BACKENDS, ContinuousBatchingConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif f.type in ("float", "float | None"):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None)
     parser.add_argument("--scheduler-type", choices=["fifo", "prefill_first"], default=None)
+    parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
+                        help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
     parser.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
 
 

@@ -10,6 +10,7 @@ class ConfigError(ValueError):
 
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass
@@ -29,6 +30,8 @@ class ContinuousBatchingConfig:
     cpu_offload_space: GiB of host memory for swapping out KV blocks of preempted requests.
     q_padding_interval_size / kv_padding_interval_size: shape padding for CUDA graphs.
     use_cuda_graph / use_async_batching: None = auto-detect (off on CPU).
+    attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
+        "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
     """
 
     page_size: int = 16
@@ -45,6 +48,7 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = 256
     use_cuda_graph: bool | None = None
     use_async_batching: bool | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -67,5 +71,7 @@ class ContinuousBatchingConfig:
             self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
         if not 0.0 <= self.safety_margin < 1.0:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .allocator import build_allocators, table_length
+from .attention import make_attention_backend
 from .cache_pool import CachePool, layer_groups, plan_num_chunks, working_memory_bytes
 from .config import ContinuousBatchingConfig
 from .model_runner import ModelRunner
@@ -93,7 +94,8 @@ class Engine:
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
-        self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch)
+        self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
+                                  attention=make_attention_backend(device, self.dtype, config.attention_backend))
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
         swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
