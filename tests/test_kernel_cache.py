@@ -21,3 +21,17 @@ def test_checkouts_with_the_same_sources_build_from_the_same_paths(tmp_path: Pat
     kernels._stage([tmp_path / "a" / "k.cpp", tmp_path / "a" / "k.h"], tmp_path / "cache" / "k_0123")
     assert staged[0][0].stat().st_mtime_ns == mtime  # not copied again: torch sees an unchanged source
 
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
+    import os
+    import time
+
+    for name, age in (("old_1", kernels.STALE_LOCK_S + 5), ("new_1", 5)):
+        (tmp_path / "py311_cpu" / name).mkdir(parents=True)
+        lock = tmp_path / "py311_cpu" / name / "lock"
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        kernels._clear_stale_lock(tmp_path, name)
+    assert not (tmp_path / "py311_cpu" / "old_1" / "lock").exists()
+    assert (tmp_path / "py311_cpu" / "new_1" / "lock").exists()

@@ -79,6 +79,23 @@ def _stage(files: list[Path], folder: Path) -> list[Path]:
     return staged
 
 
+# A build lock older than this was left by a build that died (builds take ~1 minute).
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(root: Path, full_name: str) -> None:
+    """torch waits forever on the lock file of a build that was killed (Ctrl-C during the first
+    start): remove one that has not moved for `STALE_LOCK_S` seconds, with a warning."""
+    for lock in root.glob(f"*/{full_name}/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > STALE_LOCK_S:
+                logger.warning("removing the stale build lock %s (%.0f s old: a build that died)", lock, age)
+                lock.unlink()
+        except FileNotFoundError:
+            pass
+
+
 def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...] = ()) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
@@ -88,6 +105,7 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
     paths = _stage(paths + [Path(__file__).with_name(h) for h in headers], root / "sources" / full_name)[:len(paths)]
     fresh = not any(root.glob(f"*/{full_name}/*.so"))
+    _clear_stale_lock(root, full_name)
     if fresh:
         logger.info("building native kernel %s (once per environment, ~40 s)", name)
     started = time.monotonic()
