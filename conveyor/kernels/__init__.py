@@ -5,7 +5,8 @@ Built once per machine and environment (cached by torch under `~/.cache/torch_ex
 elementwise ops of the decoder layer (RMSNorm, RoPE, SiLU * up), and the weight-streaming matmuls
 over quantized, bf16 and fp32 weights. Each extension's name carries a digest of its source, the
 compiler flags, the torch and Python versions and the CPU's vector-instruction flags, so two
-environments (or two CPUs sharing a home directory) never load or rebuild each other's builds.
+environments (or two CPUs sharing a home directory) never load or rebuild each other's builds; the
+sources are built from a copy named by that digest, so checkouts of the same sources share one build.
 `-march=native` picks the instruction set of the CPU it is built on (AVX2, AVX-512, VNNI, BF16).
 `CONVEYOR_MARCH` overrides that target (e.g. `haswell` for the AVX2 paths, `x86-64` for the plain
 C++ ones: how the tests check the code paths this CPU would not take). If one cannot be built (no
@@ -18,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import time
 from functools import cache
@@ -57,9 +59,41 @@ def _build_key(sources: list[Path], cflags: list[str]) -> str:
 
     digest = hashlib.sha256()
     for source in sources:
+        digest.update(source.name.encode())  # includes resolve by name in the staged copy
         digest.update(source.read_bytes())
     digest.update(" ".join([*cflags, torch.__version__, sys.version, platform.machine(), *vector_flags()]).encode())
     return digest.hexdigest()[:12]
+
+
+def _stage(files: list[Path], folder: Path) -> list[Path]:
+    """The files copied into `folder` (once; named by the build key, so the content is the same): torch
+    rebuilds an extension whose source paths change, so two checkouts of the same sources would
+    otherwise rebuild each other's build on every start."""
+    staged = [folder / f.name for f in files]
+    if not all(s.exists() for s in staged):
+        folder.mkdir(parents=True, exist_ok=True)
+        for source, target in zip(files, staged):
+            tmp = target.with_suffix(f"{target.suffix}.{os.getpid()}.tmp")
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+    return staged
+
+
+# A build lock older than this was left by a build that died (builds take ~1 minute).
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(root: Path, full_name: str) -> None:
+    """torch waits forever on the lock file of a build that was killed (Ctrl-C during the first
+    start): remove one that has not moved for `STALE_LOCK_S` seconds, with a warning."""
+    for lock in root.glob(f"*/{full_name}/lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > STALE_LOCK_S:
+                logger.warning("removing the stale build lock %s (%.0f s old: a build that died)", lock, age)
+                lock.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...] = ()) -> ModuleType | None:
@@ -69,7 +103,9 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
     flags = ["-O3", f"-march={os.environ.get('CONVEYOR_MARCH', 'native')}", *cflags, "-fopenmp"]
     full_name = f"{name}_{_build_key(paths + [Path(__file__).with_name(h) for h in headers], flags)}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    paths = _stage(paths + [Path(__file__).with_name(h) for h in headers], root / "sources" / full_name)[:len(paths)]
     fresh = not any(root.glob(f"*/{full_name}/*.so"))
+    _clear_stale_lock(root, full_name)
     if fresh:
         logger.info("building native kernel %s (once per environment, ~40 s)", name)
     started = time.monotonic()
