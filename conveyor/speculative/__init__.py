@@ -8,5 +8,6 @@ become extra query tokens of its row, one pass verifies them.
 from .config import SpeculativeConfig
 from .ngram import NgramProposer
 from .rejection import VerifyResult, verify
+from .speculator import Speculator
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "VerifyResult", "verify"]
+__all__ = ["NgramProposer", "SpeculativeConfig", "Speculator", "VerifyResult", "verify"]
