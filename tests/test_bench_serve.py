@@ -18,8 +18,10 @@ import pytest
 
 from conveyor.bench import main
 from conveyor.kernels import vector_flags
-from conveyor.bench.serve import (RequestResult, api_urls, arrival_times, benchmark, build_payload,
-                                  compute_metrics, percentile, summarize_ms, synthetic_text_workload)
+from conveyor.bench.serve import benchmark
+from conveyor.bench.serve_client import RequestResult, api_urls, build_payload
+from conveyor.bench.serve_load import arrival_times, synthetic_text_workload
+from conveyor.bench.serve_stats import compute_metrics, percentile, summarize_ms
 from conveyor.bench.workloads import BenchRequest, Workload
 
 MODEL = "fake-model"
@@ -351,9 +353,9 @@ def test_request_rate_spaces_the_sends():
 
 
 def test_connections_are_reused_and_lingering_streams_succeed(monkeypatch):
-    import conveyor.bench.serve as serve
+    import conveyor.bench.serve_client as serve_client
 
-    monkeypatch.setattr(serve, "_DRAIN_AFTER_DONE_S", 0.2)
+    monkeypatch.setattr(serve_client, "_DRAIN_AFTER_DONE_S", 0.2)
     with FakeServer(ttft=0.0, itl=0.0) as server:
         r = run(server, workload([f"p {i}" for i in range(5)], max_new_tokens=2), max_concurrency=1)["results"][0]
         assert r["completed"] == 5 and len(server.connections) == 1  # the body is read to its end: keep-alive
