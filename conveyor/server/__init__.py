@@ -3,8 +3,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
-object), `serving` (admission, the engine bridge, rendering), `metrics` (Prometheus), `app`
-(routes). `run_server` serves in the foreground with graceful SIGINT/SIGTERM handling;
+object), `serving` (admission, the engine bridge, rendering), `metrics` (Prometheus), `streaming`
+(server-sent events, collected results), `errors` (the error handlers), `routes` (a module per
+route family), `app` (puts them together). `run_server` serves in the foreground with graceful SIGINT/SIGTERM handling;
 `BackgroundServer` serves on a thread (tests, notebooks).
 
 Behaviour where the OpenAI API leaves room (mostly as vLLM):
