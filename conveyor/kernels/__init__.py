@@ -4,8 +4,11 @@ Built once per machine and environment (cached by torch under `~/.cache/torch_ex
 `$TORCH_EXTENSIONS_DIR`, ~40 s each the first time) for CPU: paged attention, the fused
 elementwise ops of the decoder layer (RMSNorm, RoPE, SiLU * up), and the weight-streaming matmuls
 over quantized, bf16 and fp32 weights. Each extension's name carries a digest of its source, the
-compiler flags, the torch and Python versions and the CPU's vector-instruction flags, so two
-environments (or two CPUs sharing a home directory) never load or rebuild each other's builds.
+compiler flags, the torch version and install folder (its headers' paths are in the compile
+command, which ninja rebuilds on when it changes), the Python version and headers, and the CPU's
+vector-instruction flags, so two environments (or two CPUs sharing a home directory) never load or
+rebuild each other's builds. `conveyor build-kernels` (run by scripts/setup.sh) builds them all
+ahead of the first start; a build logs what it builds, where, and how long it took.
 `-march=native` picks the instruction set of the CPU it is built on (AVX2, AVX-512, VNNI, BF16).
 `CONVEYOR_MARCH` overrides that target (e.g. `haswell` for the AVX2 paths, `x86-64` for the plain
 C++ ones: how the tests check the code paths this CPU would not take). If one cannot be built (no
@@ -19,6 +22,7 @@ import logging
 import os
 import platform
 import sys
+import sysconfig
 import time
 from functools import cache
 from pathlib import Path
@@ -58,8 +62,22 @@ def _build_key(sources: list[Path], cflags: list[str]) -> str:
     digest = hashlib.sha256()
     for source in sources:
         digest.update(source.read_bytes())
-    digest.update(" ".join([*cflags, torch.__version__, sys.version, platform.machine(), *vector_flags()]).encode())
+    environment = [torch.__version__, str(Path(torch.__file__).resolve().parent), sys.version,
+                   sysconfig.get_paths()["include"], platform.machine(), *vector_flags()]
+    digest.update(" ".join([*cflags, *environment]).encode())
     return digest.hexdigest()[:12]
+
+
+def _extensions_root() -> Path:
+    """Where torch builds extensions: `$TORCH_EXTENSIONS_DIR/NAME`, else `~/.cache/torch_extensions/py3XX_cpu/NAME`."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def _is_built(full_name: str) -> bool:
+    root = _extensions_root()
+    return any(root.glob(f"{full_name}/*.so")) or any(root.glob(f"*/{full_name}/*.so"))
 
 
 def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...] = ()) -> ModuleType | None:
@@ -68,10 +86,10 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
     paths = [Path(__file__).with_name(s) for s in sources]
     flags = ["-O3", f"-march={os.environ.get('CONVEYOR_MARCH', 'native')}", *cflags, "-fopenmp"]
     full_name = f"{name}_{_build_key(paths + [Path(__file__).with_name(h) for h in headers], flags)}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    fresh = not any(root.glob(f"*/{full_name}/*.so"))
+    fresh = not _is_built(full_name)
     if fresh:
-        logger.info("building native kernel %s (once per environment, ~40 s)", name)
+        logger.info("building native kernel %s from %s under %s (once per environment, about 40 s; "
+                    "`conveyor build-kernels` does it ahead)", full_name, ", ".join(sources), _extensions_root())
     started = time.monotonic()
     try:
         module = load(name=full_name, sources=[str(p) for p in paths], extra_cflags=flags,
@@ -80,7 +98,7 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
         logger.warning("native kernel %s unavailable, using PyTorch instead: %s", name, exc)
         return None
     if fresh:
-        logger.info("built native kernel %s in %.0f s", name, time.monotonic() - started)
+        logger.info("built native kernel %s in %.0f s", full_name, time.monotonic() - started)
     return module
 
 
@@ -105,3 +123,11 @@ def cpu_matmul_ops() -> ModuleType | None:
     None when the build fails."""
     return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_rows.cpp", "decode_stack_cpu.cpp"],
                   "-ffp-contract=fast", headers=("quant.h", "attention_cpu.h"))
+
+
+KERNELS = {"paged attention": cpu_paged_attention, "fused ops": cpu_fused_ops, "matmuls": cpu_matmul_ops}
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or load from the cache) every native kernel; whether each is available."""
+    return {name: build() is not None for name, build in KERNELS.items()}
