@@ -60,6 +60,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .llm import LLM
+    from .manager import EngineDeadError
     from .server import ServerSettings, run_server
 
     if args.max_queue < 1:
@@ -70,7 +71,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
               config=config_from_args(args))
     settings = ServerSettings(served_model_names=args.served_model_name, api_key=args.api_key,
                               max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
-    run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
+    except EngineDeadError as exc:  # exit non-zero so that a supervisor restarts the server
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ...manager import death_message
 from ..protocol import APIError
 from .deps import AUTH, ServingDep
 
@@ -15,6 +16,9 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(serving: ServingDep) -> Response:
+    if serving.dead_error is not None:
+        raise APIError(503, f"not serving: {death_message(serving.dead_error)}", type="service_unavailable_error",
+                       code="engine_dead")
     if serving.draining or not serving.llm.manager.is_running():
         raise APIError(503, "not serving (shutting down or engine stopped)", type="service_unavailable_error")
     return Response(status_code=200)
