@@ -5,10 +5,13 @@ delays, fails on request, drops connections and records the peak number of reque
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
+import re
 import socket
 import statistics
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -465,3 +468,25 @@ def test_a_launched_server_that_dies_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="exited with status"):
         main(["serve", "--launch", "--launch-model", str(tmp_path / "missing"), "--synthetic-input-len", "1",
               "--synthetic-output-len", "1", "--num-prompts", "1", "--no-progress"])
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_only(monkeypatch, capsys):
+    with FakeServer(ttft=0.0, itl=0.001) as server:
+        argv = ["serve", "--base-url", server.url, "--synthetic-input-len", "4", "--synthetic-output-len", "3",
+                "--num-prompts", "4", "--no-test-request"]
+        assert main(argv) == 0
+        piped = capsys.readouterr().err
+        assert "4/4" not in piped and "output tok/s" not in piped  # piped: no bar
+        terminal = FakeTerminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main(argv) == 0
+        bar = terminal.getvalue()
+        assert "4/4" in bar and re.search(r"\d+\.\d output tok/s", bar)
+        monkeypatch.setattr(sys, "stderr", FakeTerminal())
+        assert main(argv + ["--no-progress"]) == 0
+        assert "output tok/s" not in sys.stderr.getvalue()

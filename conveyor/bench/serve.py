@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .modes import add_mode_arguments
+from .progress import TokenRate, add_progress_argument, progress_wanted
 from .serve_client import (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RequestResult, api_urls, auth_headers, build_payload,
                            first_model, is_chat_endpoint, make_client, send_request)
 from .serve_load import arrival_times, synthetic_text_workload
@@ -61,11 +62,13 @@ async def run_once(client: Any, url: str, workload: Workload, *, model: str, cha
 
     bar = tqdm(total=len(payloads), desc=desc, unit="req", disable=not progress, file=sys.stderr,
                dynamic_ncols=True)
+    rate = TokenRate()
 
     async def one(i: int, t0: float) -> RequestResult:
         async with semaphore:
             result = await send_request(client, url, payloads[i], headers, index=i, chat=chat,
                                         timeout_s=timeout_s, t0=t0, arrival_s=arrivals[i])
+        rate.add(result.output_tokens if result.success else 0, bar)
         bar.update(1)
         return result
 
@@ -201,7 +204,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="with --request-rates: throughput and p99 TTFT vs rate; else latency bars "
                              "(needs matplotlib)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_argument(parser)
 
 
 def workload_from_args(args: Any) -> Workload:
@@ -285,7 +288,7 @@ def run_from_args(args: Any) -> int:
                                            request_rates=rates, burstiness=args.burstiness,
                                            max_concurrency=args.max_concurrency, seed=args.seed,
                                            timeout_s=args.request_timeout, api_key=api_key,
-                                           test_request=not args.no_test_request, progress=not args.no_progress,
+                                           test_request=not args.no_test_request, progress=progress_wanted(args.no_progress),
                                            log=log))
     except RuntimeError as exc:
         raise SystemExit(f"error: {exc}") from None
