@@ -187,13 +187,7 @@ class ContinuousBatchingManager:
                 self.engine.cancel_request(request.request_id)  # returns its KV blocks, if the engine still can
             except Exception:
                 logger.exception("could not release request %s", request.request_id)
-        while True:  # requests still in the inbox never reached the engine
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                failed.append(payload)  # type: ignore[arg-type]
+        failed += self._take_inbox_adds()
         for request in failed:
             request.state, request.finish_reason, request.error = RequestState.FAILED, "error", message
         self._publish(failed)
@@ -225,17 +219,22 @@ class ContinuousBatchingManager:
         for request in aborted:
             self.engine.cancel_request(request.request_id)
             request.finish_reason = reason
-        while True:  # requests still in the inbox never reached the engine
+        for request in self._take_inbox_adds():
+            self.engine.add_request(request)
+            self.engine.cancel_request(request.request_id)
+            aborted.append(request)
+        return aborted
+
+    def _take_inbox_adds(self) -> list[Request]:
+        """Empty the inbox; the requests it held never reached the engine."""
+        requests = []
+        while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return requests
             if kind == "add":
-                request = payload  # type: ignore[assignment]
-                self.engine.add_request(request)
-                self.engine.cancel_request(request.request_id)
-                aborted.append(request)
-        return aborted
+                requests.append(payload)  # type: ignore[arg-type]
 
     def _publish(self, requests: list[Request]) -> None:
         finished = []
