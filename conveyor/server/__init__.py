@@ -5,8 +5,8 @@ events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Pro
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
 object), `serving` (admission, the engine bridge, rendering), `metrics` (Prometheus), `streaming`
 (server-sent events, collected results), `errors` (the error handlers), `routes` (a module per
-route family), `app` (puts them together). `run_server` serves in the foreground with graceful SIGINT/SIGTERM handling;
-`BackgroundServer` serves on a thread (tests, notebooks).
+route family), `app` (puts them together). `run_server` serves in the foreground with graceful
+SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks).
 
 Behaviour where the OpenAI API leaves room (mostly as vLLM):
 - max_tokens: completions default to 16 (OpenAI's and vLLM's default); chat completions, and a

@@ -79,10 +79,10 @@ class Submission:
                 serving.llm.manager.submit(request, on_output=deliver)
             except EngineDeadError:  # died since the admission check: the unsent ones will never finish
                 for unsent in self.requests[k:]:
-                    self._arrive_never(unsent.request_id)
+                    self._finished(unsent.request_id)
                 raise
 
-    def _arrive_never(self, request_id: str) -> None:
+    def _finished(self, request_id: str) -> None:
         self.unfinished.discard(request_id)
         self.serving.in_flight -= 1
         if not self.unfinished:
@@ -90,7 +90,7 @@ class Submission:
 
     def _arrive(self, out: RequestOutput) -> None:
         if out.finished and out.request_id in self.unfinished:
-            self._arrive_never(out.request_id)
+            self._finished(out.request_id)
         self.queue.put_nowait(out)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -212,8 +212,8 @@ class Serving:
         return sub
 
     def dead(self) -> APIError:
-        return self.unavailable(f"The engine is not serving: {death_message(self.dead_error)}; the server is "
-                                "shutting down to be restarted.", "engine_dead")
+        return self.unavailable(f"The engine is not serving: {death_message(self.dead_error)}; the server needs "
+                                "a restart.", "engine_dead")
 
     # -- building requests ------------------------------------------------------------------
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
