@@ -88,7 +88,7 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
     full_name = f"{name}_{_build_key(paths + [Path(__file__).with_name(h) for h in headers], flags)}"
     fresh = not _is_built(full_name)
     if fresh:
-        logger.info("building native kernel %s from %s under %s (once per environment, about 40 s; "
+        logger.info("building native kernel %s from %s under %s (once per environment, about 40 s on a quiet machine; "
                     "`conveyor build-kernels` does it ahead)", full_name, ", ".join(sources), _extensions_root())
     started = time.monotonic()
     try:
