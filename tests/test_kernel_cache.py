@@ -1,5 +1,6 @@
 """The native kernels' build cache: what its key covers, that two environments keep their own builds,
-that a build says what it does, and `conveyor build-kernels`."""
+that checkouts of the same sources share one, stale locks, that a build says what it does, and
+`conveyor build-kernels`."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def test_two_environments_do_not_evict_each_other(tmp_path: Path, monkeypatch: p
         in_environment(monkeypatch, tmp_path, venv)
         assert kernels._build("conveyor_test_kernel", ["fused_cpu.cpp"], "-ffp-contract=off") is not None
     assert len(load.builds) == 2 and len(set(load.builds)) == 2  # each environment built once, kept its own
-    assert sorted(p.name for p in cache.iterdir()) == sorted(load.builds)
+    assert sorted(p.name for p in cache.iterdir() if p.name != "sources") == sorted(load.builds)
     building = [r.getMessage() for r in caplog.records if r.getMessage().startswith("building native kernel")]
     built = [r.getMessage() for r in caplog.records if r.getMessage().startswith("built native kernel")]
     assert len(building) == 2 and len(built) == 2  # cached loads say nothing
@@ -91,3 +92,32 @@ def test_build_kernels_command_reports_each_kernel(monkeypatch: pytest.MonkeyPat
     assert cli.main(["build-kernels"]) == 0
     monkeypatch.setenv("CONVEYOR_NATIVE_KERNELS", "0")
     assert cli.main(["build-kernels"]) == 0 and "nothing to build" in capsys.readouterr().out
+
+
+def test_checkouts_with_the_same_sources_build_from_the_same_paths(tmp_path: Path) -> None:
+    staged = []
+    for checkout in ("a", "b"):
+        src = tmp_path / checkout
+        src.mkdir()
+        (src / "k.cpp").write_text("int f() { return 1; }\n")
+        (src / "k.h").write_text("int f();\n")
+        staged.append(kernels._stage([src / "k.cpp", src / "k.h"], tmp_path / "cache" / "k_0123"))
+    assert staged[0] == staged[1] == [tmp_path / "cache" / "k_0123" / "k.cpp", tmp_path / "cache" / "k_0123" / "k.h"]
+    assert staged[0][0].read_text() == "int f() { return 1; }\n"
+    mtime = staged[0][0].stat().st_mtime_ns
+    kernels._stage([tmp_path / "a" / "k.cpp", tmp_path / "a" / "k.h"], tmp_path / "cache" / "k_0123")
+    assert staged[0][0].stat().st_mtime_ns == mtime  # not copied again: torch sees an unchanged source
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path: Path) -> None:
+    import os
+    import time
+
+    for name, age in (("old_1", kernels.STALE_LOCK_S + 5), ("new_1", 5)):
+        (tmp_path / "py311_cpu" / name).mkdir(parents=True)
+        lock = tmp_path / "py311_cpu" / name / "lock"
+        lock.touch()
+        os.utime(lock, (time.time() - age, time.time() - age))
+        kernels._clear_stale_lock(tmp_path, name)
+    assert not (tmp_path / "py311_cpu" / "old_1" / "lock").exists()
+    assert (tmp_path / "py311_cpu" / "new_1" / "lock").exists()
