@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run under its interpreter, which must be on before anything imports
+# triton (llguidance's torch helpers do, through conveyor.structured), so for the whole session.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 import transformers
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
