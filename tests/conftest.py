@@ -138,3 +138,13 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
                 break
             same += 1
     return same / sum(map(len, ref))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Engines stepped on the test's thread (and Triton's interpreter) are much faster with one intra-op
+    thread on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

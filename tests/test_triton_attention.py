@@ -36,13 +36,7 @@ BF16_TOL = dict(atol=1e-2, rtol=1e-2)  # the final bf16 rounding (2^-9 relative)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The interpreter's numpy calls and the engines are faster with one thread on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def ragged_metadata(specs: list[tuple[int, int]], page_size: int, window: int | None, num_chunks: int,

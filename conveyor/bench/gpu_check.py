@@ -54,20 +54,19 @@ class Row:
     vs_hf: float | None = None
 
 
+def _subset(text: str, choices: object, flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or any(n not in choices for n in names):  # type: ignore[operator]
+        raise ValueError(f"{flag} must be a comma-separated subset of {list(choices)}, got {text!r}")  # type: ignore[call-overload]
+    return names
+
+
 def parse_modes(text: str) -> list[str]:
-    modes = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise ValueError(f"--modes must be a comma-separated subset of {list(MODES)}, got {text!r}")
-    return modes
+    return _subset(text, MODES, "--modes")
 
 
 def parse_workloads(text: str) -> list[str]:
-    names = [w.strip() for w in text.split(",") if w.strip()]
-    bad = [w for w in names if w not in WORKLOADS]
-    if bad or not names:
-        raise ValueError(f"--workloads must be a comma-separated subset of {list(WORKLOADS)}, got {text!r}")
-    return names
+    return _subset(text, WORKLOADS, "--workloads")
 
 
 def mode_config(base: dict[str, Any], mode: str) -> Any:
