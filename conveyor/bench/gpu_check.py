@@ -181,6 +181,21 @@ def run_check(args: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
         args.tests_junit), "config": base | {"budget_s": args.budget_s}, "model": {}, "rows": [], "skipped": skipped}
     workloads: dict[str, Workload] = {}
     prompts: dict[str, list[list[int]]] = {}
+
+    def measure(name: str, system: str, run: Callable[[], Any]) -> None:
+        """One workload on one system: its row (or an error row), its token ids, a log line."""
+        if over():
+            skipped.append(f"{name} / {system}: past the time budget")
+            return
+        try:
+            result = run()
+        except Exception as exc:
+            rows.append(Row(name, system, error=f"{type(exc).__name__}: {exc}"))
+            return
+        rows.append(_row_from(name, system, result, [len(p) for p in prompts[name]]))
+        tokens[(name, system)] = result.token_ids
+        log(f"{name} / {system}: {rows[-1].output_tok_per_s:.1f} output tok/s")
+
     for mode in args.modes:
         if over():
             skipped += [f"{w} / {mode}: past the time budget" for w in args.workloads]
@@ -203,19 +218,11 @@ def run_check(args: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
                                **resolved_mode(llm)}
             report["warmup_prompt"] = _warmup_prompt(llm.engine.vocab_size, special)
         for name, workload in workloads.items():
-            if over():
-                skipped.append(f"{name} / {mode}: past the time budget")
-                continue
-            try:
+            def ours(name: str = name, workload: Workload = workload, llm: LLM = llm) -> Any:
                 prompts.setdefault(name, render_prompts(workload, llm.render_chat))
-                result = run_conveyor(llm, prompts[name], workload, progress=False,
-                                      warmup_prompt=report["warmup_prompt"])
-            except Exception as exc:
-                rows.append(Row(name, mode, error=f"{type(exc).__name__}: {exc}"))
-                continue
-            rows.append(_row_from(name, mode, result, [len(p) for p in prompts[name]]))
-            tokens[(name, mode)] = result.token_ids
-            log(f"{name} / {mode}: {rows[-1].output_tok_per_s:.1f} output tok/s")
+                return run_conveyor(llm, prompts[name], workload, progress=False,
+                                    warmup_prompt=report["warmup_prompt"])
+            measure(name, mode, ours)
         device = llm.device
         del llm
         _release(device)
@@ -226,23 +233,15 @@ def run_check(args: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
         except Exception as exc:
             hf = None
             rows += [Row(w, HF, error=f"load: {type(exc).__name__}: {exc}") for w in prompts]
-        for name in prompts if hf is not None else ():
-            if over():
-                skipped.append(f"{name} / {HF}: past the time budget")
-                continue
-            workload = workloads[name]
-            try:
-                result = run_generate_batch(
-                    hf, prompts[name], [r.max_new_tokens for r in workload.requests], report["model"]["eos_token_ids"],
-                    report["model"]["pad_token_id"], [r.ignore_eos for r in workload.requests],
+        for name in list(prompts) if hf is not None else ():
+            def theirs(name: str = name) -> Any:
+                requests = workloads[name].requests
+                return run_generate_batch(
+                    hf, prompts[name], [r.max_new_tokens for r in requests], report["model"]["eos_token_ids"],
+                    report["model"]["pad_token_id"], [r.ignore_eos for r in requests],
                     max_batch_tokens=args.max_batch_tokens, max_requests_per_batch=args.max_requests_per_batch,
                     progress=False, warmup_prompt=report["warmup_prompt"])
-            except Exception as exc:
-                rows.append(Row(name, HF, error=f"{type(exc).__name__}: {exc}"))
-                continue
-            rows.append(_row_from(name, HF, result, [len(p) for p in prompts[name]]))
-            tokens[(name, HF)] = result.token_ids
-            log(f"{name} / {HF}: {rows[-1].output_tok_per_s:.1f} output tok/s")
+            measure(name, HF, theirs)
         del hf
     elif args.hf:
         skipped.append(f"{HF}: past the time budget or nothing ran")
