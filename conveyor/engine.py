@@ -27,6 +27,7 @@ from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput, make_scheduler
+from .structured.constraints import Constraints, grammar_complete
 
 logger = logging.getLogger("conveyor")
 
@@ -73,6 +74,7 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.constraints = Constraints(tokenizer, self.vocab_size, self.eos_token_ids)  # structured outputs
         # The cache layout follows the model's attention types: layer groups of equal size (a chunk is
         # a page in each layer of a group) and one allocator per type, all over one pool.
         groups = layer_groups(model.layer_types)
@@ -147,7 +149,15 @@ class Engine:
         if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
             raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
                                       f"{self.config.max_batch_pages}")
+        bad = [t for t in params.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        try:
+            grammar = self.constraints.matcher(params.structured_outputs)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
         request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        request.grammar = grammar
         if params.seed is not None and not params.greedy:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return request
@@ -301,6 +311,8 @@ class Engine:
             return
         delta = self._detokenize(request, token)
         if delta and may_stop and request.params.stop and self._truncate_at_stop(request, len(delta)):
+            self._finish(request, RequestState.FINISHED, "stop")
+        elif request.grammar is not None and grammar_complete(request.grammar, token):
             self._finish(request, RequestState.FINISHED, "stop")
         elif len(request.output_token_ids) >= request.params.max_new_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, RequestState.FINISHED, "length")

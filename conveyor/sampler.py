@@ -9,16 +9,24 @@ Everything runs on the logits' device: per-request parameters and row indices ar
 pinned memory (`transfer.to_device`), and `Sampler.sample` returns device tensors, so nothing
 waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprobs asked for) in
 one copy: the step's only host sync.
+
+Structured outputs and logit_bias edit a copy of the logits before sampling: the bias added, then
+the constrained rows' grammar masks (`structured.masks`) applied in one pass; logprobs stay those
+of the raw logits, as for penalties.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .request import Request
 from .transfer import to_device, to_host
+
+if TYPE_CHECKING:
+    from .structured.masks import GrammarMasks
 
 
 @dataclass
@@ -50,6 +58,9 @@ class SampledBatch:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._masks: GrammarMasks | None = None
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: fp32 `[rows, vocab]`, one row per request. Returns token ids and optional logprobs."""
         return self.sample(logits, requests).to_host()
@@ -61,10 +72,17 @@ class Sampler:
         adjusted = [i for i, (p, r) in enumerate(zip(params, requests))
                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                     or len(r.output_token_ids) < p.min_tokens]
-        if adjusted:
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        grammars = [r.grammar for r in requests]
+        constrained = any(g is not None for g in grammars)
+        if adjusted or biased or constrained:
             logits = logits.clone()
             for i in adjusted:
                 self._adjust_row(logits[i], requests[i])
+            if biased:
+                self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
+            if constrained:  # last: nothing after it may lift a masked token
+                self._grammar_masks(logits.shape[1]).apply(logits, grammars)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
@@ -80,6 +98,23 @@ class Sampler:
             batch.top_vals, batch.top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             batch.chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
         return batch
+
+    def _grammar_masks(self, vocab_size: int) -> GrammarMasks:
+        """Made on the first constrained batch (llguidance is imported only when a grammar is used)."""
+        if self._masks is None:
+            from .structured.masks import GrammarMasks
+            self._masks = GrammarMasks(vocab_size, max_rows=64)
+        return self._masks
+
+    @staticmethod
+    def _add_logit_bias(logits: torch.Tensor, rows: list[tuple[int, dict[int, float]]]) -> None:
+        """OpenAI's logit_bias: each row's {token: bias} added to its logits, all rows in one scatter."""
+        index = [i for i, bias in rows for _ in bias]
+        tokens = [t for _, bias in rows for t in bias]
+        values = [float(v) for _, bias in rows for v in bias.values()]
+        device = logits.device
+        logits.index_put_((to_device(index, torch.long, device), to_device(tokens, torch.long, device)),
+                          to_device(values, logits.dtype, device), accumulate=True)
 
     @staticmethod
     def _adjust_row(row: torch.Tensor, request: Request) -> None:
