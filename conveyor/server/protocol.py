@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (the fields Conveyor honours) and the error object.
 
 Unknown fields are ignored, as vLLM does; fields that would change the result and that Conveyor
-cannot honour (`echo`, `suffix`, `logit_bias`, `best_of` > n, tools) are rejected with a 400 by
-the handlers rather than silently dropped.
+cannot honour (`echo`, `suffix`, `best_of` > n) are rejected with a 400 by the handlers rather
+than silently dropped.
 """
 
 from __future__ import annotations
@@ -60,6 +60,8 @@ class SamplingFields(_Body):
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
 
 
 class CompletionRequest(SamplingFields):
@@ -81,6 +83,8 @@ class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this message answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -91,7 +95,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):
