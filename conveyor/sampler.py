@@ -10,9 +10,9 @@ pinned memory (`transfer.to_device`), and `Sampler.sample` returns device tensor
 waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprobs asked for) in
 one copy: the step's only host sync.
 
-Structured outputs and logit_bias edit a copy of the logits before sampling: the bias added, then
-the constrained rows' grammar masks (`structured.masks`) applied in one pass; logprobs stay those
-of the raw logits, as for penalties.
+Structured outputs and logit_bias edit the logits before sampling: the bias added, then the
+constrained rows' grammar masks (`structured.masks`) applied in one pass, in place (a copy when
+the batch asks for logprobs, which stay those of the raw logits, as with penalties).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Sampler:
         return self.sample(logits, requests).to_host()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
-        """The batch's tokens (and logprobs) on the logits' device; no host sync."""
+        """The batch's tokens (and logprobs) on the logits' device; no host sync. `logits` may be edited."""
         raw, device = logits, logits.device
         params = [r.params for r in requests]
         adjusted = [i for i, (p, r) in enumerate(zip(params, requests))
@@ -75,20 +75,20 @@ class Sampler:
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         grammars = [r.grammar for r in requests]
         constrained = any(g is not None for g in grammars)
-        if adjusted or biased or constrained:
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if adjusted or wanted and (biased or constrained):  # else bias and masks edit the logits in place
             logits = logits.clone()
-            for i in adjusted:
-                self._adjust_row(logits[i], requests[i])
-            if biased:
-                self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
-            if constrained:  # last: nothing after it may lift a masked token
-                self._grammar_masks(logits.shape[1]).apply(logits, grammars)
+        for i in adjusted:
+            self._adjust_row(logits[i], requests[i])
+        if biased:
+            self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
+        if constrained:  # last: nothing after it may lift a masked token
+            self._grammar_masks(logits.shape[1]).apply(logits, grammars)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = to_device(sampled, torch.long, device)
             tokens[rows] = self._sample(logits.index_select(0, rows), [requests[i] for i in sampled])
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         top_n = [params[i].logprobs or 0 for i in wanted]
         batch = SampledBatch(tokens, wanted, top_n)
         if wanted:

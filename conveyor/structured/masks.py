@@ -1,8 +1,8 @@
 """Allowed-token masks for the constrained rows of a batch, applied in one pass.
 
 The bitmasks of all constrained rows are filled together (llguidance fills them in parallel, off
-the GIL) into one preallocated int32 bitmask (pinned on CUDA), copied to the logits' device once,
-unpacked there with plain tensor ops (no compiled kernel, so no first-call compile on any device)
+the GIL) into one preallocated int32 bitmask (pinned on CUDA), unpacked (numpy on CPU; on a GPU,
+copied once and unpacked there with plain tensor ops: no compiled kernel, so no first-call compile)
 and applied to those rows (masked tokens get -inf); unconstrained rows are not touched, so they
 sample exactly as without the others.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import llguidance
 import llguidance.torch as lgt
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -33,15 +34,27 @@ class GrammarMasks:
             self.bitmask = lgt.allocate_token_bitmask(len(rows), self.vocab_size)
         lgt.fill_next_token_bitmask_par(self.executor, [(matchers[i], j) for j, i in enumerate(rows)], self.bitmask)
         device, width = logits.device, logits.shape[1]
-        words = self.bitmask[:len(rows)].to(device, non_blocking=True)
+        forbidden = self._unpack(self.bitmask[:len(rows)], device)
+        if width > self.vocab_size:  # columns past the grammar's vocabulary: never allowed
+            forbidden = F.pad(forbidden, (0, width - self.vocab_size), value=True)
+        if len(rows) < logits.shape[0]:  # plain rows in the batch: all of theirs allowed
+            full = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+            full[to_device(rows, torch.long, device)] = forbidden
+            forbidden = full
+        logits.masked_fill_(forbidden, float("-inf"))
+
+    def _unpack(self, words: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The cleared bits of little-endian int32 words (the forbidden tokens) as a bool tensor
+        [rows, vocab] on `device`: numpy's unpackbits on CPU (a torch shift per bit costs ~70 ms for
+        64 rows of 49k tokens on 2 busy cores, this ~1 ms); shifts on a GPU, after one copy."""
+        if device.type == "cpu":
+            bits = np.unpackbits((~words).numpy().view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
+            return torch.from_numpy(bits.view(np.bool_))
         shifts = self._shifts.get(device)
         if shifts is None:
             shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :self.vocab_size].bool()
-        if width > self.vocab_size:  # columns past the grammar's vocabulary: never allowed
-            allowed = F.pad(allowed, (0, width - self.vocab_size))
-        index = to_device(rows, torch.long, device)
-        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
+        words = words.to(device, non_blocking=True)
+        return ((words.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :self.vocab_size] == 0
 
     @staticmethod
     def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
