@@ -70,6 +70,11 @@ class CacheAllocator:
     def free(self, request_id: str) -> int:
         raise NotImplementedError
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Give back the blocks past those that hold the first `num_tokens` tokens (speculative
+        positions that were rejected); how many chunks went back."""
+        raise NotImplementedError
+
     def exclusive_blocks(self, request_id: str) -> int:
         """Chunks that freeing this request would return (shared ones stay with their other users)."""
         raise NotImplementedError
@@ -171,7 +176,19 @@ class AttentionTypeAllocator(CacheAllocator):
     def free(self, request_id: str) -> int:
         """Give up every block the request holds; how many chunks it held. A block whose last holder
         this was goes back to the pool (or, with prefix caching, may stay cached: `_release`)."""
-        blocks = self.block_tables.pop(request_id, [])
+        return self._drop(self.block_tables.pop(request_id, []))
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        table = self.block_tables.get(request_id)
+        keep = self.table_length(num_tokens)
+        if table is None or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        return self._drop(tail)
+
+    def _drop(self, blocks: list[int]) -> int:
+        """One holder fewer for each block; the unheld ones are released; chunks given up."""
         returned = []
         for block in blocks:
             self.ref_counts[block] -= 1
@@ -347,6 +364,9 @@ class HybridCacheAllocator(CacheAllocator):
 
     def free(self, request_id: str) -> int:
         return sum(a.free(request_id) for a in self.allocators)
+
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        return sum(a.trim(request_id, num_tokens) for a in self.allocators)
 
     def exclusive_blocks(self, request_id: str) -> int:
         return sum(a.exclusive_blocks(request_id) for a in self.allocators)

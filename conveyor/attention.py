@@ -6,17 +6,22 @@ new token's K/V goes (`slot_mapping`), and which cache slots each query may read
 (one query each) are attended together; prefill chunks, few per step, one call each (all in one
 kernel call natively). Sliding windows need nothing here: the runner's metadata (ring slots, masks,
 context lengths, the window) encodes them.
-`AttentionBackend` is the interface: `TorchPagedAttention` is pure PyTorch (CPU and CUDA), and
-`CpuPagedAttention` reads K/V straight from the pages with native kernels (fp32 and bf16 on CPU).
+`AttentionBackend` is the interface: `TorchPagedAttention` is pure PyTorch (CPU and CUDA),
+`CpuPagedAttention` reads K/V straight from the pages with native kernels (fp32 and bf16 on CPU), and
+`TritonPagedAttention` does so in one Triton kernel for the whole batch (CUDA; CPU under Triton's
+interpreter). `make_attention_backend` picks one (`ContinuousBatchingConfig.attention_backend`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from .config import ATTENTION_BACKENDS, ConfigError
 from .kernels import cpu_flags, cpu_paged_attention, native_kernels_enabled
 
 
@@ -35,6 +40,8 @@ class PrefillSpan:
     q_len: int
     ctx_slots: torch.Tensor  # [n_ctx] cache slots of the earlier positions this chunk may see
     mask: torch.Tensor | None  # [q_len, n_ctx + q_len] bool, True = attend; None = plain causal
+    start: int = 0  # position of the chunk's first token
+    block_table: torch.Tensor | None = None  # [blocks] the request's block table in this group
 
 
 @dataclass
@@ -49,12 +56,14 @@ class AttentionMetadata:
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64, padded with chunk 0
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64 slots to read, the new token's included
+    decode_positions: torch.Tensor | None = None  # [num_decodes] int64 position of each decode's new token
     decode_kv_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padding reads slot 0)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool, True = attend
     prefills: list[PrefillSpan] = field(default_factory=list)
     window: int | None = None  # the group's sliding window (None: full attention)
     prefill_ctx_slots: torch.Tensor | None = None  # every chunk's ctx_slots, concatenated (native backend)
     prefill_chunks: torch.Tensor | None = None  # [chunks, 4] int64: q_start, q_len, offset in prefill_ctx_slots, n_ctx
+    ragged: object | None = None  # the Triton backend's per-pass index tensors (`triton_attention.RaggedBatch`)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
@@ -190,13 +199,81 @@ class CpuPagedAttention(TorchPagedAttention):
                                                   meta.decode_context_lens, meta.page_size, scale, softcap or 0.0)
 
 
-def make_attention_backend(device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-    """The native CPU kernels for fp32 and bf16 on CPU when they build (unless
+class TritonPagedAttention(AttentionBackend):
+    """One Triton kernel per layer over the whole ragged batch, decode rows and prefill chunks together,
+    K/V read from the pages in place (`kernels/triton_attention.py`); CUDA, or CPU tensors under
+    Triton's interpreter. The kernel reads before the pass's K/V is written, as the native prefill does."""
+
+    def __init__(self) -> None:
+        from .kernels import triton_attention  # imports triton: only when this backend is chosen
+
+        self.kernel = triton_attention
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Every sequence's batch rows, position and block-table row, and the kernel's tiles."""
+        device = meta.slot_mapping.device
+        prefills = [(span.q_start, span.q_len, span.start, span.block_table) for span in meta.prefills]
+        meta.ragged = self.kernel.ragged_batch(meta.decode_positions if meta.num_decodes else None,
+                                               meta.decode_block_tables, prefills, meta.page_size, meta.window,
+                                               device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
+        out = self.kernel.paged_attention(q, k, v, kv_cache, meta.ragged, scale, softcap)
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        return out
+
+
+def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> AttentionBackend:
+    """The backend `ContinuousBatchingConfig.attention_backend` names. "auto": Triton on CUDA (when
+    it imports), the native CPU kernels for fp32 and bf16 on CPU when they build (unless
     `CONVEYOR_NATIVE_KERNELS=0`), else pure PyTorch. bf16 prefill chunks stay on PyTorch's SDPA where
     the CPU has AMX: its bf16 kernel multiplies on the AMX tiles (512-token chunk over 1024 tokens of
-    context: 7.5 ms against the native kernel's 11 ms, which computes in fp32 FMAs everywhere)."""
-    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
-        kernel = cpu_paged_attention()
-        if kernel is not None:
-            return CpuPagedAttention(kernel, native_prefill=dtype == torch.float32 or "amx_bf16" not in cpu_flags())
+    context: 7.5 ms against the native kernel's 11 ms, which computes in fp32 FMAs everywhere).
+    A backend that cannot run here raises a `ConfigError` saying what to do."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return TorchPagedAttention()
+    if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
+        return _triton_backend(device, dtype)
+    native = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled()
+    kernel = cpu_paged_attention() if native else None
+    if kernel is not None:
+        return CpuPagedAttention(kernel, native_prefill=dtype == torch.float32 or "amx_bf16" not in cpu_flags())
+    if backend == "cpu":
+        if not native:
+            raise ConfigError(f"attention_backend='cpu' runs on CPU with float32 or bfloat16 (and without "
+                              f"CONVEYOR_NATIVE_KERNELS=0); this engine is {device.type}, {dtype}: use 'auto' or "
+                              "'torch'")
+        raise ConfigError("attention_backend='cpu': the native CPU attention kernel did not build (see the log: a "
+                          "C++ compiler is needed); use 'auto' or 'torch'")
     return TorchPagedAttention()
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_backend(device: torch.device, dtype: torch.dtype) -> TritonPagedAttention:
+    if not triton_available():
+        raise ConfigError("attention_backend='triton' needs the triton package: pip install triton (or "
+                          "conveyor[gpu])")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ConfigError(f"attention_backend='triton' takes float32, bfloat16 or float16, got {dtype}")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("attention_backend='triton' on CPU runs only under Triton's interpreter: set "
+                          "TRITON_INTERPRET=1 in the environment before starting (slow: it is for tests), run on "
+                          "a CUDA device, or use attention_backend='auto'")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"attention_backend='triton' runs on CUDA (or CPU under TRITON_INTERPRET=1), not on "
+                          f"{device.type}")
+    backend = TritonPagedAttention()
+    if (device.type == "cpu") != backend.kernel.INTERPRETED:
+        raise ConfigError("attention_backend='triton': TRITON_INTERPRET was "
+                          f"{'' if backend.kernel.INTERPRETED else 'not '}set when the kernel was first imported, "
+                          f"so it cannot run on {device.type} in this process; set it (CPU) or leave it unset "
+                          "(CUDA) before the first engine starts")
+    return backend

@@ -1,4 +1,5 @@
-"""Command line: `conveyor generate "prompt" ...`, `conveyor serve ...` (and `conveyor bench ...`)."""
+"""Command line: `conveyor generate "prompt" ...`, `conveyor serve ...`, `conveyor build-kernels` (and
+`conveyor bench ...`)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,10 @@ import argparse
 import logging
 import os
 import sys
+import time
 from dataclasses import fields
 
-from .config import ContinuousBatchingConfig
+from .config import ATTENTION_BACKENDS, ContinuousBatchingConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +28,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif f.type in ("float", "float | None"):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None)
     parser.add_argument("--scheduler-type", choices=["fifo", "prefill_first"], default=None)
+    parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
+                        help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
     parser.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
 
 
@@ -58,6 +62,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .llm import LLM
+    from .manager import EngineDeadError
     from .server import ServerSettings, run_server
 
     if args.max_queue < 1:
@@ -68,8 +73,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
               config=config_from_args(args))
     settings = ServerSettings(served_model_names=args.served_model_name, api_key=args.api_key,
                               max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
-    run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
+    except EngineDeadError as exc:  # exit non-zero so that a supervisor restarts the server
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def cmd_build_kernels(args: argparse.Namespace) -> int:
+    """Build the native kernels now (scripts/setup.sh runs this) so that the first start does not wait for them."""
+    from .kernels import build_all, native_kernels_enabled
+
+    if not native_kernels_enabled():
+        print("native kernels are off (CONVEYOR_NATIVE_KERNELS=0): nothing to build")
+        return 0
+    started = time.monotonic()
+    results = build_all()
+    for name, ok in results.items():
+        print(f"{name}: {'ready' if ok else 'unavailable (the PyTorch code runs instead; see the warning above)'}")
+    print(f"native kernels checked in {time.monotonic() - started:.0f} s")
+    return 0 if all(results.values()) else 1
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
     add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `conveyor serve --help`)"))
+    sub.add_parser("build-kernels", help="build the native CPU kernels now (once per environment; setup does it)")
     sub.add_parser("bench", help="benchmarks (see `conveyor bench --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -115,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        return cmd_serve(args) if args.command == "serve" else cmd_generate(args)
+        commands = {"serve": cmd_serve, "generate": cmd_generate, "build-kernels": cmd_build_kernels}
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ class ConfigError(ValueError):
 
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass
@@ -32,6 +33,8 @@ class ContinuousBatchingConfig:
     use_async_batching: prepare step N+1 while step N runs; None = on for CUDA with graphs, off on CPU.
     pad_steps: pad every step into static buffers; None = exactly when CUDA graphs are on. True on CPU
         pads without capturing (for tests: padded steps must give the unpadded outputs).
+    attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
+        "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
     """
 
     page_size: int = 16
@@ -49,6 +52,7 @@ class ContinuousBatchingConfig:
     use_cuda_graph: bool | None = None
     use_async_batching: bool | None = None
     pad_steps: bool | None = None
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -71,5 +75,7 @@ class ContinuousBatchingConfig:
             self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
         if not 0.0 <= self.safety_margin < 1.0:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")

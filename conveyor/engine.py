@@ -18,9 +18,11 @@ from transformers import PreTrainedTokenizerBase
 
 from .allocator import build_allocators, table_length
 from .async_batching import AsyncPipeline
-from .cache_pool import CachePool, layer_groups, plan_num_chunks, working_memory_bytes
+from .attention import make_attention_backend
+from .cache_pool import CachePool, layer_groups, plan_num_chunks
 from .config import ContinuousBatchingConfig
 from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
+from .memory_profile import working_memory
 from .model_runner import ModelRunner
 from .models.llama import CausalLM
 from .offload import SwapPool, choose_victims
@@ -84,8 +86,8 @@ class Engine:
         page, window = config.page_size, model.sliding_window
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
-        use_graphs = use_cuda_graphs(config, device, sliding=model.sliding_window is not None)
-        working = working_memory_bytes(model, config, self.dtype)
+        use_graphs = use_cuda_graphs(config, device)
+        working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
         if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
             working += graph_memory_bytes(model, config, self.dtype)
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
@@ -101,7 +103,8 @@ class Engine:
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
-        self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch)
+        self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
+                                  attention=make_attention_backend(device, self.dtype, config.attention_backend))
         # Async batching (on by default where graphs are) alternates two sets of static buffers.
         use_async = use_graphs if config.use_async_batching is None else config.use_async_batching
         if config.pad_steps or (config.pad_steps is None and use_graphs):

@@ -26,11 +26,10 @@ from .step_buffers import PaddedShape, round_up
 MAX_GRAPHS = 64  # captured graphs kept; the least recently replayed is dropped first
 
 
-def use_cuda_graphs(config: ContinuousBatchingConfig, device: torch.device, sliding: bool = False) -> bool:
-    """`use_cuda_graph` resolved for this device: None = on for CUDA, off elsewhere, and off for models
-    with sliding-window layers (their padded steps are not yet exact: tests/test_step_padding.py)."""
+def use_cuda_graphs(config: ContinuousBatchingConfig, device: torch.device) -> bool:
+    """`use_cuda_graph` resolved for this device: None = on for CUDA, off elsewhere."""
     if config.use_cuda_graph is None:
-        return device.type == "cuda" and not sliding
+        return device.type == "cuda"
     if config.use_cuda_graph and device.type != "cuda":
         raise ConfigError(f"use_cuda_graph=True needs a CUDA device, got {device.type!r} (allowed on this device: "
                           "None or False; pad_steps=True pads steps without capturing)")

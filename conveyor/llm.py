@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import os
+import sys
 import time
 from collections.abc import Sequence
 
@@ -41,6 +44,18 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolve_precision(dtype, None, device, None).dtype
 
 
+def release_freed_memory() -> None:
+    """Give freed heap memory back to the OS. glibc keeps it after a big load (a checkpoint widened to
+    fp32, then quantized to int8, stays resident otherwise). Built-in model, process RSS after load:
+    int8 1337 -> 482 MiB, gguf 591 -> 441 MiB."""
+    if sys.platform.startswith("linux"):
+        gc.collect()
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 class LLM:
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct."""
 
@@ -57,6 +72,8 @@ class LLM:
         net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
         self.model_path = checkpoint.path
         self.tokenizer = checkpoint.tokenizer
+        del checkpoint  # what the model did not keep of the loaded tensors is garbage now
+        release_freed_memory()
         self.engine = Engine(net, self.tokenizer, config or ContinuousBatchingConfig(), self.device)
         self.manager = ContinuousBatchingManager(self.engine)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),

@@ -4,6 +4,12 @@ Callers on any thread `add_request` (validated at once, so bad input raises in t
 `cancel_request`, and collect results with `get_result` (finished requests) or
 `request_id_iter` (streamed outputs of a request added with `streaming=True`). Only the loop
 thread touches the engine; everything else reaches it through an inbox queue.
+
+Engine death: an exception escaping the loop (out of `engine.step`, not a request's own failure,
+which the engine reports as that request's "error") leaves the engine in an unknown state, so the
+loop stops for good, as vLLM's EngineDeadError: every request in flight ends with finish_reason
+"error" naming the cause, `add_death_callback` listeners are told (the server turns 503 and
+exits non-zero so that a supervisor restarts it), and `submit`/`start` raise `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -15,10 +21,14 @@ import threading
 from collections.abc import Callable, Iterator
 
 from .engine import Engine, EngineStats
-from .request import Request, RequestOutput
+from .request import Request, RequestOutput, RequestState
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("conveyor")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; this engine serves no more requests (build a new one, or restart the process)."""
 
 
 class ContinuousBatchingManager:
@@ -32,11 +42,15 @@ class ContinuousBatchingManager:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._death_lock = threading.Lock()  # orders submits against death: none lands in the inbox after it
+        self._dead_error: BaseException | None = None
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "ContinuousBatchingManager":
         if self.is_running():
             return self
+        self._raise_if_dead()
         self._stopping.clear()
         self._thread = threading.Thread(target=self._loop, name="conveyor-engine", daemon=True)
         self._thread.start()
@@ -53,6 +67,25 @@ class ContinuousBatchingManager:
 
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """The exception that killed the loop, or None while it has not died."""
+        return self._dead_error
+
+    def add_death_callback(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(exc)` (on the loop thread) when the loop dies, after the requests in flight have
+        their final outputs; at once if it is dead already."""
+        with self._death_lock:
+            dead = self._dead_error
+            if dead is None:
+                self._death_callbacks.append(callback)
+        if dead is not None:
+            callback(dead)
+
+    def _raise_if_dead(self) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(death_message(self._dead_error)) from self._dead_error
 
     def __enter__(self) -> "ContinuousBatchingManager":
         return self.start()
@@ -81,13 +114,15 @@ class ContinuousBatchingManager:
         """
         if request.request_id in self._callbacks or request.request_id in self._results:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if streaming and on_output is None:
-            stream: queue.Queue[RequestOutput] = queue.Queue()
-            self._streams[request.request_id] = stream
-            on_output = stream.put
-        if on_output is not None:
-            self._callbacks[request.request_id] = on_output
-        self._inbox.put(("add", request))
+        with self._death_lock:
+            self._raise_if_dead()
+            if streaming and on_output is None:
+                stream: queue.Queue[RequestOutput] = queue.Queue()
+                self._streams[request.request_id] = stream
+                on_output = stream.put
+            if on_output is not None:
+                self._callbacks[request.request_id] = on_output
+            self._inbox.put(("add", request))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -129,17 +164,38 @@ class ContinuousBatchingManager:
 
     # -- the loop thread --------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping.is_set():
-            self._drain_inbox(block=not self.engine.has_unfinished_requests())
-            if self._stopping.is_set() or not self.engine.has_unfinished_requests():
-                continue
-            try:
-                updated = self.engine.step()
-            except Exception:  # a bug in the loop must not strand every caller
-                logger.exception("engine step failed; aborting requests in flight")
-                updated = self._abort_all("error")
-            self._publish(updated)
+        try:
+            while not self._stopping.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self._stopping.is_set() or not self.engine.has_unfinished_requests():
+                    continue
+                self._publish(self.engine.step())
+        except Exception as exc:  # the engine's state is unknown now: fail everything, stop for good
+            self._die(exc)
+            return
         self._publish(self._abort_all("abort"))
+
+    def _die(self, exc: BaseException) -> None:
+        logger.critical("the engine loop died; failing the requests in flight", exc_info=exc)
+        with self._death_lock:
+            self._dead_error = exc
+            callbacks, self._death_callbacks = self._death_callbacks, []
+        message = death_message(exc)
+        failed = list(self.engine.requests.values())
+        for request in failed:
+            try:
+                self.engine.cancel_request(request.request_id)  # returns its KV blocks, if the engine still can
+            except Exception:
+                logger.exception("could not release request %s", request.request_id)
+        failed += self._take_inbox_adds()
+        for request in failed:
+            request.state, request.finish_reason, request.error = RequestState.FAILED, "error", message
+        self._publish(failed)
+        for callback in callbacks:
+            try:
+                callback(exc)
+            except Exception:
+                logger.exception("engine death callback failed")
 
     def _drain_inbox(self, block: bool) -> None:
         try:
@@ -163,18 +219,23 @@ class ContinuousBatchingManager:
         for request in aborted:
             self.engine.cancel_request(request.request_id)
             request.finish_reason = reason
-        while True:  # requests still in the inbox never reached the engine
+        for request in self._take_inbox_adds():
+            self.engine.add_request(request)
+            self.engine.cancel_request(request.request_id)
+            aborted.append(request)
+        self.engine.drain()  # a step in flight returns the cancelled requests' blocks when it ends
+        return aborted
+
+    def _take_inbox_adds(self) -> list[Request]:
+        """Empty the inbox; the requests it held never reached the engine."""
+        requests = []
+        while True:
             try:
                 kind, payload = self._inbox.get_nowait()
             except queue.Empty:
-                break
+                return requests
             if kind == "add":
-                request = payload  # type: ignore[assignment]
-                self.engine.add_request(request)
-                self.engine.cancel_request(request.request_id)
-                aborted.append(request)
-        self.engine.drain()  # a step in flight returns the cancelled requests' blocks when it ends
-        return aborted
+                requests.append(payload)  # type: ignore[arg-type]
 
     def _publish(self, requests: list[Request]) -> None:
         finished = []
@@ -195,3 +256,7 @@ class ContinuousBatchingManager:
                 for output in finished:
                     self._results[output.request_id] = output
                 self._done.notify_all()
+
+
+def death_message(exc: BaseException) -> str:
+    return f"the engine loop died: {type(exc).__name__}: {exc}"

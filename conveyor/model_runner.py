@@ -157,7 +157,8 @@ class ModelRunner:
         chunk its last `w - 1` positions, and a chunk longer than `w` writes only its last `w` tokens
         (the earlier ones would be overwritten in the same pass; they go to the reserved chunk)."""
         page, window, dev = self.page_size, allocator.window, self.device
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=len(decodes), window=window)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=len(decodes), window=window,
+                                 decode_positions=decode_pos)
         writes: list[torch.Tensor] = []
         q_start = len(decodes)
         if decodes:
@@ -186,7 +187,8 @@ class ModelRunner:
                 mask = key_pos <= q_pos
                 if window is not None:
                     mask &= key_pos > q_pos - window
-            meta.prefills.append(PrefillSpan(q_start=q_start, q_len=n, ctx_slots=slots[:start - lo], mask=mask))
+            meta.prefills.append(PrefillSpan(q_start=q_start, q_len=n, ctx_slots=slots[:start - lo], mask=mask,
+                                             start=start, block_table=table))
             writes.append(write)
             q_start += n
         meta.slot_mapping = torch.cat(writes)

@@ -23,12 +23,14 @@ What the user receives is unchanged either way.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 
 from .allocator import CacheAllocator
 from .cache_pool import CachePool
 from .request import Request
+from .transfer import to_device
 
 
 def choose_victims(active: list[Request], scheduled: set[str], stalled: list[tuple[Request, int]],
@@ -46,6 +48,18 @@ def choose_victims(active: list[Request], scheduled: set[str], stalled: list[tup
         freed += allocator.exclusive_blocks(request.request_id)
         need.pop(request.request_id, None)
     return victims
+
+
+@dataclass
+class _PendingCopy:
+    """A swap-out's data in host staging buffers (one per layer), bound for `slots` once `event` fired."""
+
+    event: torch.cuda.Event | None  # None: already complete (CPU)
+    slots: torch.Tensor
+    staged: list[torch.Tensor]
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 class SwapPool:
@@ -67,6 +81,7 @@ class SwapPool:
                                device="cpu", pin_memory=pin) for layer in pool.kv]
         self._free: deque[int] = deque(range(num_slots))
         self.slots: dict[str, list[int]] = {}  # swapped request -> its slots, in `chunks_holding` order
+        self._pending: deque[_PendingCopy] = deque()  # swap-outs not yet scattered into their slots
 
     @staticmethod
     def num_slots_for(space_gib: float, bytes_per_block: int) -> int:
@@ -89,7 +104,10 @@ class SwapPool:
 
     def swap_out(self, entries: list[tuple[str, list[int]]]) -> None:
         """Copy each request's device blocks into newly taken slots: one gather and one copy per layer
-        for all of them. The caller has checked that they fit (`num_free`) and frees the device blocks."""
+        for all of them. The caller has checked that they fit (`num_free`) and frees the device blocks
+        (safe at once: later writes to them are queued after the gather on the same stream). On CUDA the
+        copy lands in pinned staging buffers without waiting; they are scattered into the slots once
+        their event has fired (`_settle`), at the latest before the swap pool is next read."""
         blocks = [b for _, bs in entries for b in bs]
         if not blocks:
             return
@@ -100,15 +118,32 @@ class SwapPool:
             assert rid not in self.slots, f"request {rid!r} is already swapped out"
             self.slots[rid] = slots[start:start + len(bs)]
             start += len(bs)
-        src = torch.tensor(blocks, device=self.device)
-        dst = torch.tensor(slots)
-        for layer, host in enumerate(self.kv):
-            staging = self._device_view(layer).index_select(1, src)  # on the device
-            host.index_copy_(1, dst, staging.to("cpu"))
+        src = to_device(blocks, torch.long, self.device)
+        staged = []
+        for layer in range(len(self.kv)):
+            gathered = self._device_view(layer).index_select(1, src)  # on the device
+            staged.append(gathered.to("cpu", non_blocking=True) if self.device.type == "cuda" else gathered)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._pending.append(_PendingCopy(event, torch.tensor(slots), staged))
+        self._settle(wait=False)
+
+    def _settle(self, wait: bool) -> None:
+        """Scatter finished swap-out copies into their slots, oldest first (a slot released and taken
+        again is written in order); with `wait`, wait for all of them."""
+        while self._pending and (wait or self._pending[0].ready()):
+            done = self._pending.popleft()
+            if done.event is not None:
+                done.event.synchronize()
+            for host, staging in zip(self.kv, done.staged):
+                host.index_copy_(1, done.slots, staging)
 
     def swap_in(self, entries: list[tuple[str, list[int]]]) -> None:
         """Copy each request's slots back into the given device chunks (its new blocks' `chunks_holding`),
-        batched like `swap_out`, and free the slots."""
+        batched like `swap_out`, and free the slots. The gathered slots go through pinned buffers that
+        PyTorch keeps until their non-blocking copy has run, so the slots can be taken again at once."""
         blocks: list[int] = []
         slots: list[int] = []
         for rid, bs in entries:
@@ -118,11 +153,14 @@ class SwapPool:
             slots += held
         if not blocks:
             return
+        self._settle(wait=True)
         src = torch.tensor(slots)
-        dst = torch.tensor(blocks, device=self.device)
+        dst = to_device(blocks, torch.long, self.device)
+        pin = self.device.type == "cuda"
         for layer, host in enumerate(self.kv):
-            staging = host.index_select(1, src)
-            self._device_view(layer).index_copy_(1, dst, staging.to(self.device))
+            staging = torch.empty(2, len(slots), *host.shape[2:], dtype=host.dtype, pin_memory=pin)
+            torch.index_select(host, 1, src, out=staging)
+            self._device_view(layer).index_copy_(1, dst, staging.to(self.device, non_blocking=True))
         self._free.extend(slots)
 
     def release(self, request_id: str) -> int:

@@ -4,19 +4,59 @@ Greedy and sampled rows mix freely. Sampled rows draw with the exponential-race 
 (`argmax(p / q)`, `q ~ Exp(1)`), which equals sampling from `p` and lets every seeded request fill
 its own noise row from its own generator: its tokens depend only on its seed and its logits,
 never on what else is in the batch.
+
+Everything runs on the logits' device: per-request parameters and row indices are staged through
+pinned memory (`transfer.to_device`), and `Sampler.sample` returns device tensors, so nothing
+waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprobs asked for) in
+one copy: the step's only host sync.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .request import Request
+from .transfer import to_device, to_host
+
+
+@dataclass
+class SampledBatch:
+    """One step's samples, still on the device: `tokens` `[rows]`; for the rows in `wanted` (those that
+    ask for logprobs) the chosen token's logprob and the top-`k` ids and values, `k` the largest asked."""
+
+    tokens: torch.Tensor
+    wanted: list[int]
+    top_n: list[int]
+    chosen: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_vals: torch.Tensor | None = None
+
+    def to_host(self) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Token ids and per-row logprobs (`{token: logprob}`, None where not asked), read in one sync."""
+        if not self.wanted:
+            (tokens,) = to_host(self.tokens)
+            return tokens.tolist(), [None] * self.tokens.shape[0]
+        assert self.chosen is not None and self.top_ids is not None and self.top_vals is not None
+        tokens, chosen, top_ids, top_vals = (t.tolist() for t in to_host(self.tokens, self.chosen, self.top_ids,
+                                                                          self.top_vals))
+        logprobs: list[dict[int, float] | None] = [None] * len(tokens)
+        for j, (i, n) in enumerate(zip(self.wanted, self.top_n)):
+            entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
+            entry[tokens[i]] = chosen[j]
+            logprobs[i] = entry
+        return tokens, logprobs
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: fp32 `[rows, vocab]`, one row per request. Returns token ids and optional logprobs."""
-        raw = logits
+        return self.sample(logits, requests).to_host()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
+        """The batch's tokens (and logprobs) on the logits' device; no host sync."""
+        raw, device = logits, logits.device
         params = [r.params for r in requests]
         adjusted = [i for i, (p, r) in enumerate(zip(params, requests))
                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
@@ -28,62 +68,61 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
-            tokens[sampled] = self._sample(logits[sampled], [requests[i] for i in sampled])
-        token_list = tokens.tolist()
-        logprobs: list[dict[int, float] | None] = [None] * len(requests)
+            rows = to_device(sampled, torch.long, device)
+            tokens[rows] = self._sample(logits.index_select(0, rows), [requests[i] for i in sampled])
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        top_n = [params[i].logprobs or 0 for i in wanted]
+        batch = SampledBatch(tokens, wanted, top_n)
         if wanted:
-            lp = torch.log_softmax(raw[wanted], dim=-1)
-            k = max(params[i].logprobs for i in wanted)
-            top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-            chosen = lp.gather(1, tokens[wanted].unsqueeze(1)).squeeze(1).tolist()
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-            for j, i in enumerate(wanted):
-                n = params[i].logprobs
-                entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
-                entry[token_list[i]] = chosen[j]
-                logprobs[i] = entry
-        return token_list, logprobs
+            rows = to_device(wanted, torch.long, device)
+            lp = torch.log_softmax(raw.index_select(0, rows), dim=-1)
+            k = max(top_n)
+            batch.top_vals, batch.top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            batch.chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
+        return batch
 
     @staticmethod
     def _adjust_row(row: torch.Tensor, request: Request) -> None:
         """Penalties and min_tokens for one row (only rows that ask for them pay for this)."""
         p = request.params
         if p.repetition_penalty != 1.0:  # transformers' rule: divide positive logits, multiply negative ones
-            seen = torch.tensor(request.prompt_token_ids + request.output_token_ids, device=row.device).unique()
-            score = row[seen]
-            row[seen] = torch.where(score > 0, score / p.repetition_penalty, score * p.repetition_penalty)
+            seen = torch.zeros_like(row, dtype=torch.bool)
+            seen[to_device(request.prompt_token_ids + request.output_token_ids, torch.long, row.device)] = True
+            penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            row.copy_(torch.where(seen, penalized, row))
         if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
-            counts = torch.bincount(torch.tensor(request.output_token_ids, device=row.device),
-                                    minlength=row.shape[0])[:row.shape[0]].to(row.dtype)
+            # counts by index_add_ (no unique/bincount: on CUDA they wait for the device to size their output)
+            ids = to_device(request.output_token_ids, torch.long, row.device)
+            counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if len(request.output_token_ids) < p.min_tokens and request.stop_token_ids:
-            row[list(request.stop_token_ids)] = float("-inf")
+            row[to_device(sorted(request.stop_token_ids), torch.long, row.device)] = float("-inf")
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.params for r in requests]
         device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
+        temperature = to_device([p.temperature for p in params], torch.float32, device)
         logits = logits / temperature.unsqueeze(1)
         top_k = [p.top_k for p in params]
         if any(top_k):
-            k = torch.tensor([k if k else logits.shape[1] for k in top_k], device=device).clamp(max=logits.shape[1])
+            k = to_device([k if k else logits.shape[1] for k in top_k], torch.long, device).clamp(max=logits.shape[1])
             kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=device).unsqueeze(1)
+            top_p = to_device([p.top_p for p in params], torch.float32, device).unsqueeze(1)
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) > top_p  # mass before this token already enough
             probs = probs.scatter(1, order, sorted_probs.masked_fill(drop, 0.0))
         if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+            min_p = to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, 0.0)
         noise = torch.empty_like(probs)
         unseeded = [i for i, r in enumerate(requests) if r.generator is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+            rows = to_device(unseeded, torch.long, device)
+            noise[rows] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
         for i, r in enumerate(requests):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)

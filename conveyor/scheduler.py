@@ -23,14 +23,17 @@ from dataclasses import dataclass, field
 from .allocator import CacheAllocator
 from .config import ContinuousBatchingConfig
 from .request import Request, RequestState
+from .speculative import Speculator
 
 
 @dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`."""
+    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`; for a speculating
+    decode, its last token and then `draft_tokens` (proposals that are not in the request yet)."""
 
     request: Request
     num_tokens: int
+    draft_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +71,7 @@ class Scheduler:
     def __init__(self, config: ContinuousBatchingConfig, allocator: CacheAllocator) -> None:
         self.config = config
         self.allocator = allocator
+        self.speculator: Speculator | None = None  # set by the engine with a speculative_config
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
 
@@ -99,10 +103,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = _Budget(self.config, self.allocator.num_total_blocks)
+        speculate = self.speculator is not None and self.speculator.active(len(self.active))
         for request in self.active_order():
             if budget.exhausted():
                 break
-            self._schedule_active(request, budget, out)
+            self._schedule_active(request, budget, out, speculate)
         if not self._hold_back_new():
             while self.waiting and not budget.exhausted():
                 if not self._admit(self.waiting[0], budget, out):
@@ -114,7 +119,9 @@ class Scheduler:
         free = self.allocator.num_free_blocks / self.allocator.num_total_blocks
         return bool(self.active) and free < self.config.safety_margin
 
-    def _schedule_active(self, request: Request, budget: _Budget, out: SchedulerOutput) -> None:
+    def _schedule_active(self, request: Request, budget: _Budget, out: SchedulerOutput, speculate: bool) -> None:
+        if speculate and request.state is RequestState.DECODING and self._speculate(request, budget, out):
+            return
         n = min(request.num_remaining_tokens, budget.tokens)
         if request.state is RequestState.PREFILLING:
             # A running prefill may shrink its chunk to what its blocks plus the free pool can hold.
@@ -135,6 +142,22 @@ class Scheduler:
         self.allocator.allocate(request.request_id, end)
         budget.take(n, pages)
         out.chunks.append(ScheduledChunk(request, n))
+
+    def _speculate(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
+        """Schedule a decode with its proposals (counted in the token budget) if there are any and
+        their blocks fit; False leaves it to the plain path."""
+        assert self.speculator is not None
+        drafts = self.speculator.propose(request, budget.tokens - 1)
+        end = request.num_computed_tokens + 1 + len(drafts)
+        if not drafts or self.allocator.blocks_needed(request.request_id, end) > self.allocator.num_free_blocks:
+            return False
+        pages = self.allocator.blocks_for_tokens(end)
+        if pages > budget.pages:
+            return False
+        self.allocator.allocate(request.request_id, end)
+        budget.take(1 + len(drafts), pages)
+        out.chunks.append(ScheduledChunk(request, 1 + len(drafts), drafts))
+        return True
 
     def _admit(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
         # Not a swapped request, nor one whose prompt logprobs need every prompt position computed.

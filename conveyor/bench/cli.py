@@ -25,7 +25,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import perplexity, roofline_report, serve, simulate, throughput
+    from . import gpu_check, perplexity, roofline_report, serve, simulate, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -65,6 +65,13 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "and max_new_tokens=1, all in one LLM.generate call); with --stride below the window only tokens not "
          "scored before count (sliding-window perplexity). Reports perplexity, tokens scored, tokens/s and the "
          "model, dtype and quantization. Exit code 1 if any window failed."),
+        ("gpu-check", gpu_check, {},
+         "the device check's bench: one stream, chat64 and 512 x (512 -> 256) in eager / graphs / graphs + async, "
+         "next to transformers' generate_batch",
+         "Runs every workload in every mode (use_cuda_graph / use_async_batching passed through), then "
+         "transformers' generate_batch on the same device and weights; prints one table (with the CUDA tests' "
+         "JUnit summary when --tests-junit is given) and writes --out DIR/gpu_check.json. Driven by "
+         "scripts/gpu_check.sh; --device cpu with a tiny model and small sizes is a dry run."),
     ]
     for name, module, extra, help_text, description in commands:
         p = subparsers.add_parser(name, help=help_text, description=description)

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from .progress import TokenRate
+
 logger = logging.getLogger("conveyor.bench")
 
 HF_CB_PAGE_SIZE = 256  # transformers' ContinuousBatchingConfig default
@@ -222,7 +224,7 @@ def _manager_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
             generation_config=_generation_config(max(max_new_tokens), eos, pad_token_id),
             continuous_batching_config=config, block=True, timeout=5, workload_hints=hints) as manager, \
             tqdm(total=len(prompts), desc="hf generate_batch", unit="req", disable=not progress) as bar:
-        first_created = time.perf_counter()
+        first_created, rate = time.perf_counter(), TokenRate()
         for k in order:
             ids[k] = manager.add_request(input_ids=list(prompts[k]), max_new_tokens=max_new_tokens[k],
                                          eos_token_id=eos_arg)
@@ -237,6 +239,7 @@ def _manager_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
             if result.is_finished() and result.request_id in pending:
                 pending.discard(result.request_id)
                 results[result.request_id] = result
+                rate.add(len(result.generated_tokens), bar)
                 bar.update(1)
     return {k: results.get(i) if i is not None else None for k, i in ids.items()}, first_created
 
@@ -272,6 +275,7 @@ def run_static_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
         _sync(device)
         started = time.perf_counter()
         with tqdm(total=len(prompts), desc="hf generate", unit="req", disable=not progress) as bar:
+            rate = TokenRate()
             for start in range(0, len(prompts), batch_size):
                 batch = list(prompts[start:start + batch_size])
                 limits = list(max_new_tokens[start:start + batch_size])
@@ -284,6 +288,7 @@ def run_static_generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
                             row = row[:j + 1]
                             break
                     token_ids.append(row)
+                    rate.add(len(row), bar)
                 bar.update(len(batch))
         _sync(device)
         wall = time.perf_counter() - started

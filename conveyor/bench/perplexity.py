@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .progress import add_progress_argument, progress_wanted
 from .throughput import environment
 
 WARMUP_TOKENS = 32
@@ -137,7 +138,7 @@ def add_arguments(parser: Any) -> None:
                         help="per-pass token budget (default: ContinuousBatchingConfig's)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_progress_argument(parser)
 
 
 def run_from_args(args: Any) -> int:
@@ -165,7 +166,7 @@ def run_from_args(args: Any) -> int:
         print(f"Loaded {llm.model_path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
         token_ids = llm.get_tokenizer().encode(text, add_special_tokens=False)[:args.max_tokens]
         report = run_perplexity(llm, token_ids, window=args.window, stride=args.stride,
-                                quantization=args.quantization, source=args.textfile, progress=not args.no_progress)
+                                quantization=args.quantization, source=args.textfile, progress=progress_wanted(args.no_progress))
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(format_report(report))

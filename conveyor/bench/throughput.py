@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .modes import add_mode_arguments, resolved_mode
+from .progress import add_progress_argument, progress_wanted
 from .throughput_report import CONVEYOR, HF_CB, HF_STATIC, VLLM, compare_outputs, count_values, format_report
 from .workloads import Workload, WorkloadError, render_prompts
 
@@ -270,7 +271,7 @@ def add_arguments(parser: Any) -> None:
     hf.add_argument("--hf-max-requests-per-batch", type=int, default=-1,
                     help="generate_batch's max_requests_per_batch: -1 = same as Conveyor (default), "
                          "0 = transformers' default")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_progress_argument(parser)
     parser.add_argument("--no-token-ids", action="store_true", help="leave per-request token ids out of --out")
 
 
@@ -355,7 +356,7 @@ def run_from_args(args: Any) -> int:
                                 hf_batch_size=args.hf_batch_size,
                                 hf_max_batch_tokens=hf_value(args.hf_max_batch_tokens),
                                 hf_max_requests_per_batch=hf_value(args.hf_max_requests_per_batch), vllm=vllm,
-                                progress=not args.no_progress, include_token_ids=not args.no_token_ids)
+                                progress=progress_wanted(args.no_progress), include_token_ids=not args.no_token_ids)
     except VllmError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(format_report(report))

@@ -4,8 +4,12 @@ Built once per machine and environment (cached by torch under `~/.cache/torch_ex
 `$TORCH_EXTENSIONS_DIR`, ~40 s each the first time) for CPU: paged attention, the fused
 elementwise ops of the decoder layer (RMSNorm, RoPE, SiLU * up), and the weight-streaming matmuls
 over quantized, bf16 and fp32 weights. Each extension's name carries a digest of its source, the
-compiler flags, the torch and Python versions and the CPU's vector-instruction flags, so two
-environments (or two CPUs sharing a home directory) never load or rebuild each other's builds.
+compiler flags, the torch version and install folder (its headers' paths are in the compile
+command, which ninja rebuilds on when it changes), the Python version and headers, and the CPU's
+vector-instruction flags, so two environments (or two CPUs sharing a home directory) never load or
+rebuild each other's builds; the sources are built from a copy named by that digest, so checkouts
+of the same sources share one build. `conveyor build-kernels` (run by scripts/setup.sh) builds
+them all ahead of the first start; a build logs what it builds, where, and how long it took.
 `-march=native` picks the instruction set of the CPU it is built on (AVX2, AVX-512, VNNI, BF16).
 `CONVEYOR_MARCH` overrides that target (e.g. `haswell` for the AVX2 paths, `x86-64` for the plain
 C++ ones: how the tests check the code paths this CPU would not take). If one cannot be built (no
@@ -18,7 +22,9 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
+import sysconfig
 import time
 from functools import cache
 from pathlib import Path
@@ -57,9 +63,55 @@ def _build_key(sources: list[Path], cflags: list[str]) -> str:
 
     digest = hashlib.sha256()
     for source in sources:
+        digest.update(source.name.encode())  # includes resolve by name in the staged copy
         digest.update(source.read_bytes())
-    digest.update(" ".join([*cflags, torch.__version__, sys.version, platform.machine(), *vector_flags()]).encode())
+    environment = [torch.__version__, str(Path(torch.__file__).resolve().parent), sys.version,
+                   sysconfig.get_paths()["include"], platform.machine(), *vector_flags()]
+    digest.update(" ".join([*cflags, *environment]).encode())
     return digest.hexdigest()[:12]
+
+
+def _extensions_root() -> Path:
+    """Where torch builds extensions: `$TORCH_EXTENSIONS_DIR/NAME`, else `~/.cache/torch_extensions/py3XX_cpu/NAME`."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def _build_dirs(root: Path, full_name: str, pattern: str) -> list[Path]:
+    """`pattern` in the extension's build folder, with or without torch's `py3XX_cpu` level."""
+    return [*root.glob(f"{full_name}/{pattern}"), *root.glob(f"*/{full_name}/{pattern}")]
+
+
+def _stage(files: list[Path], folder: Path) -> list[Path]:
+    """The files copied into `folder` (once; named by the build key, so the content is the same): torch
+    rebuilds an extension whose source paths change, so two checkouts of the same sources would
+    otherwise rebuild each other's build on every start."""
+    staged = [folder / f.name for f in files]
+    if not all(s.exists() for s in staged):
+        folder.mkdir(parents=True, exist_ok=True)
+        for source, target in zip(files, staged):
+            tmp = target.with_suffix(f"{target.suffix}.{os.getpid()}.tmp")
+            shutil.copyfile(source, tmp)
+            os.replace(tmp, target)
+    return staged
+
+
+# A build lock older than this was left by a build that died (builds take ~1 minute).
+STALE_LOCK_S = 600
+
+
+def _clear_stale_lock(root: Path, full_name: str) -> None:
+    """torch waits forever on the lock file of a build that was killed (Ctrl-C during the first
+    start): remove one that has not moved for `STALE_LOCK_S` seconds, with a warning."""
+    for lock in _build_dirs(root, full_name, "lock"):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > STALE_LOCK_S:
+                logger.warning("removing the stale build lock %s (%.0f s old: a build that died)", lock, age)
+                lock.unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...] = ()) -> ModuleType | None:
@@ -68,10 +120,13 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
     paths = [Path(__file__).with_name(s) for s in sources]
     flags = ["-O3", f"-march={os.environ.get('CONVEYOR_MARCH', 'native')}", *cflags, "-fopenmp"]
     full_name = f"{name}_{_build_key(paths + [Path(__file__).with_name(h) for h in headers], flags)}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    fresh = not any(root.glob(f"*/{full_name}/*.so"))
+    root = _extensions_root()
+    paths = _stage(paths + [Path(__file__).with_name(h) for h in headers], root / "sources" / full_name)[:len(paths)]
+    fresh = not _build_dirs(root, full_name, "*.so")
+    _clear_stale_lock(root, full_name)
     if fresh:
-        logger.info("building native kernel %s (once per environment, ~40 s)", name)
+        logger.info("building native kernel %s from %s under %s (once per environment, about 40 s on a quiet "
+                    "machine; `conveyor build-kernels` does it ahead)", full_name, ", ".join(sources), root)
     started = time.monotonic()
     try:
         module = load(name=full_name, sources=[str(p) for p in paths], extra_cflags=flags,
@@ -80,7 +135,7 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
         logger.warning("native kernel %s unavailable, using PyTorch instead: %s", name, exc)
         return None
     if fresh:
-        logger.info("built native kernel %s in %.0f s", name, time.monotonic() - started)
+        logger.info("built native kernel %s in %.0f s", full_name, time.monotonic() - started)
     return module
 
 
@@ -105,3 +160,11 @@ def cpu_matmul_ops() -> ModuleType | None:
     None when the build fails."""
     return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_rows.cpp", "decode_stack_cpu.cpp"],
                   "-ffp-contract=fast", headers=("quant.h", "attention_cpu.h"))
+
+
+KERNELS = {"paged attention": cpu_paged_attention, "fused ops": cpu_fused_ops, "matmuls": cpu_matmul_ops}
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or load from the cache) every native kernel; whether each is available."""
+    return {name: build() is not None for name, build in KERNELS.items()}

@@ -3,9 +3,10 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
-object), `serving` (admission, the engine bridge, rendering), `metrics` (Prometheus), `app`
-(routes). `run_server` serves in the foreground with graceful SIGINT/SIGTERM handling;
-`BackgroundServer` serves on a thread (tests, notebooks).
+object), `serving` (admission, the engine bridge, rendering), `metrics` (Prometheus), `streaming`
+(server-sent events, collected results), `errors` (the error handlers), `routes` (a module per
+route family), `app` (puts them together). `run_server` serves in the foreground with graceful
+SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks).
 
 Behaviour where the OpenAI API leaves room (mostly as vLLM):
 - max_tokens: completions default to 16 (OpenAI's and vLLM's default); chat completions, and a
@@ -39,6 +40,10 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   with 503 while in-flight requests get `shutdown_timeout` seconds to finish; those still running
   are then aborted (a 503 error object, or an error event in a stream); then uvicorn shuts down
   and the process exits 0. A second signal shuts down at once.
+- Engine death (an exception escaping the engine loop, not one request's failure): in-flight
+  requests get a 500 naming the cause (in a stream: an error event, then [DONE]); /health and new
+  requests get 503 (code engine_dead); `run_server` then drains and raises `EngineDeadError`, so
+  `conveyor serve` exits 1 for a supervisor to restart it. A `BackgroundServer` keeps answering 503.
 - Metrics: vLLM's names under `conveyor:` with a `model_name` label; request_success_total is
   labelled finish_reason = stop | length | abort | error; kv_cache_usage_perc is a fraction (0-1).
 """
@@ -56,6 +61,7 @@ from types import FrameType
 import uvicorn
 
 from ..llm import LLM
+from ..manager import EngineDeadError, death_message
 from .app import build_app
 from .serving import Serving, ServerSettings
 
@@ -71,6 +77,7 @@ class _GracefulServer(uvicorn.Server):
         super().__init__(config)
         self.serving = serving
         self.draining = False
+        serving.on_engine_death = self._drained
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.draining:
@@ -98,12 +105,16 @@ class _GracefulServer(uvicorn.Server):
 def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
                log_level: str = "info") -> None:
     """Serve until SIGINT/SIGTERM: then new requests get 503, in-flight ones get `shutdown_timeout`
-    seconds to finish before they are aborted, and this returns (a second signal: at once)."""
+    seconds to finish before they are aborted, and this returns (a second signal: at once). If the
+    engine loop dies, the same drain follows and this raises `EngineDeadError`."""
     settings.url = settings.url or f"http://{host}:{port}"
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5)  # after the app's own drain
-    _GracefulServer(config, app.state.serving).run()
+    serving = app.state.serving
+    _GracefulServer(config, serving).run()
+    if serving.dead_error is not None:
+        raise EngineDeadError(death_message(serving.dead_error)) from serving.dead_error
 
 
 class BackgroundServer:

@@ -6,6 +6,10 @@ event loop (`call_soon_threadsafe`), where they are merged on one asyncio queue.
 counts accepted engine requests until their final output arrives; past `max_queue` it answers
 503. Whatever ends the HTTP exchange (response sent, client gone, shutdown timeout) cancels the
 engine requests still running, so their KV blocks return to the pool within a step.
+
+If the engine loop dies, the requests in flight end with its "error" (500s naming the cause, or
+an error event in a stream), new requests and /health get 503, and the server drains and calls
+`on_engine_death` (the foreground server exits non-zero then, for a supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 from ..engine import InvalidRequestError
 from ..llm import LLM
+from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
 from .metrics import ServerMetrics
@@ -69,15 +74,23 @@ class Submission:
 
         serving.in_flight += len(self.requests)
         serving.active.add(self)
-        for request in self.requests:
-            serving.llm.manager.submit(request, on_output=deliver)
+        for k, request in enumerate(self.requests):
+            try:
+                serving.llm.manager.submit(request, on_output=deliver)
+            except EngineDeadError:  # died since the admission check: the unsent ones will never finish
+                for unsent in self.requests[k:]:
+                    self._finished(unsent.request_id)
+                raise
+
+    def _finished(self, request_id: str) -> None:
+        self.unfinished.discard(request_id)
+        self.serving.in_flight -= 1
+        if not self.unfinished:
+            self.serving.active.discard(self)
 
     def _arrive(self, out: RequestOutput) -> None:
         if out.finished and out.request_id in self.unfinished:
-            self.unfinished.discard(out.request_id)
-            self.serving.in_flight -= 1
-            if not self.unfinished:
-                self.serving.active.discard(self)
+            self._finished(out.request_id)
         self.queue.put_nowait(out)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -109,11 +122,14 @@ class Serving:
         self.draining = False
         self._drain_task: asyncio.Task[None] | None = None
         self.created = int(time.time())
+        self.on_engine_death: Callable[[], None] | None = None  # after the drain that follows a death
 
     # -- lifecycle --------------------------------------------------------------------------
     def startup(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.llm.manager.start()
+        loop = self.loop
+        self.llm.manager.add_death_callback(lambda exc: loop.call_soon_threadsafe(self.engine_died, exc))
         logger.info("serving %s (%s) at %s: context %d tokens, KV cache capacity %d tokens, max queue %d",
                     self.model_name, self.llm.model_path, self.settings.url or "(given sockets)", self.max_model_len,
                     self.llm.engine.capacity_tokens, self.settings.max_queue)
@@ -134,6 +150,16 @@ class Serving:
             self._drain_task = asyncio.get_running_loop().create_task(self._drain())
         if then is not None and self._drain_task is not None:
             self._drain_task.add_done_callback(lambda _: then())
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self.llm.manager.dead_error
+
+    def engine_died(self, exc: BaseException) -> None:
+        """On the event loop, after the outputs that failed the requests in flight: drain, then `on_engine_death`."""
+        logger.critical("%s; answering 503 from now on%s", death_message(exc),
+                        ", exiting once in-flight requests are answered" if self.on_engine_death else "")
+        self.begin_drain(then=self.on_engine_death)
 
     async def _drain(self) -> None:
         loop = asyncio.get_running_loop()
@@ -166,6 +192,8 @@ class Serving:
                         headers={"Retry-After": str(self.settings.retry_after_s)})
 
     def submit(self, requests: list[Request]) -> Submission:
+        if self.dead_error is not None:
+            raise self.dead()
         if self.draining:
             raise self.unavailable("The server is shutting down.", "server_shutting_down")
         limit = self.settings.max_queue
@@ -176,8 +204,16 @@ class Serving:
             raise self.unavailable(f"The server is at capacity ({self.in_flight} requests in flight, max queue "
                                    f"{limit}); retry later.", "server_overloaded")
         sub = Submission(self, requests)
-        sub.start()
+        try:
+            sub.start()
+        except EngineDeadError:
+            sub.cancel()
+            raise self.dead() from None
         return sub
+
+    def dead(self) -> APIError:
+        return self.unavailable(f"The engine is not serving: {death_message(self.dead_error)}; the server needs "
+                                "a restart.", "engine_dead")
 
     # -- building requests ------------------------------------------------------------------
     def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:

@@ -1,0 +1,14 @@
+"""The server's routes, one module per family: `admin` (/health, /metrics, /v1/models), `tokens`
+(/tokenize, /detokenize), `completions` (/v1/completions) and `chat` (/v1/chat/completions).
+Each handler reaches the shared `Serving` through `deps.get_serving`."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from . import admin, chat, completions, tokens
+
+
+def include_routes(app: FastAPI) -> None:
+    for module in (admin, tokens, completions, chat):
+        app.include_router(module.router)

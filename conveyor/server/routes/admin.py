@@ -1,0 +1,37 @@
+"""Operations routes, open without the API key except /v1/models: health, Prometheus metrics, models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ...manager import death_message
+from ..protocol import APIError
+from .deps import AUTH, ServingDep
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(serving: ServingDep) -> Response:
+    if serving.dead_error is not None:
+        raise APIError(503, f"not serving: {death_message(serving.dead_error)}", type="service_unavailable_error",
+                       code="engine_dead")
+    if serving.draining or not serving.llm.manager.is_running():
+        raise APIError(503, "not serving (shutting down or engine stopped)", type="service_unavailable_error")
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(serving: ServingDep) -> Response:
+    return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models", dependencies=AUTH)
+async def models(serving: ServingDep) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": serving.created, "owned_by": "conveyor",
+         "root": str(serving.llm.model_path), "parent": None, "max_model_len": serving.max_model_len}
+        for name in serving.names]}

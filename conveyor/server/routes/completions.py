@@ -1,0 +1,58 @@
+"""POST /v1/completions: prompts (text or token ids) in, choices out, streamed or whole."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ...request import RequestOutput
+from ..protocol import APIError, CompletionRequest
+from ..serving import new_id, usage
+from ..streaming import collect, stream_response
+from .deps import AUTH, ServingDep
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", dependencies=AUTH)
+async def completions(body: CompletionRequest, raw: Request, serving: ServingDep) -> Response:
+    serving.check_model(body.model)
+    for name, bad in (("echo", body.echo), ("suffix", body.suffix),
+                      ("best_of", body.best_of not in (None, body.n))):
+        if bad:
+            raise APIError(400, f"{name} is not supported", param=name)
+    if body.stream and body.prompt_logprobs is not None:  # as vLLM
+        raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
+    prompts = serving.completion_prompts(body)
+    rid, created = new_id("cmpl"), int(time.time())
+    requests = serving.build_requests(rid, prompts, body, body.max_tokens, body.logprobs, "prompt",
+                                      prompt_logprobs=body.prompt_logprobs)
+    sub = serving.submit(requests)
+    head = {"id": rid, "object": "text_completion", "created": created, "model": serving.model_name}
+    n_lp = body.logprobs
+
+    if body.stream:
+        offsets = [0] * len(requests)  # characters of text sent per choice, for logprob text offsets
+
+        def completion_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
+            lp = None
+            if n_lp is not None:
+                lp = serving.completion_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
+            offsets[i] += len(out.delta_text)
+            return {"index": i, "text": out.delta_text, "logprobs": lp,
+                    "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
+
+        return stream_response(sub, head, prompts, body, n_lp, completion_choice)
+
+    finals = await collect(sub, raw)
+    choices = []
+    for i, out in enumerate(finals):
+        lp = None if n_lp is None else serving.completion_logprobs(out.token_ids, out.logprobs, n_lp, 0)
+        plp = None if out.prompt_logprobs is None else serving.prompt_logprobs(out.prompt_logprobs,
+                                                                               body.prompt_logprobs or 0)
+        choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
+                        "stop_reason": None, "prompt_logprobs": plp})
+    return JSONResponse(head | {"choices": choices, "usage": usage(prompts, finals)})

@@ -1,0 +1,34 @@
+"""vLLM's /tokenize and /detokenize: the served model's tokenizer and chat template, over HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from ..protocol import APIError, DetokenizeRequest, TokenizeRequest
+from .deps import AUTH, ServingDep
+
+router = APIRouter()
+
+
+@router.post("/tokenize", dependencies=AUTH)
+async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]:
+    serving.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "give exactly one of `prompt` or `messages`")
+    if body.messages is not None:
+        tokens = serving.render_chat(body.messages)
+    else:
+        tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens, "token_strs": None}
+
+
+@router.post("/detokenize", dependencies=AUTH)
+async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, Any]:
+    serving.check_model(body.model)
+    vocab = serving.llm.engine.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+    return {"prompt": serving.tokenizer.decode(body.tokens)}

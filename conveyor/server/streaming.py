@@ -1,0 +1,114 @@
+"""How a generation reaches the client: server-sent events, or the final outputs collected.
+
+Either way the submission's engine requests are cancelled when the HTTP exchange ends (response
+sent, client gone), so their KV blocks return to the pool within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from ..request import RequestOutput
+from .serving import Submission, failure, usage
+
+T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events; the submission is cancelled however the stream ends (client gone included)."""
+
+    def __init__(self, content: AsyncIterator[str], submission: Submission) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.submission = submission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.submission.cancel()
+
+
+async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it at once if the client disconnects (as vLLM's `with_cancellation`)."""
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[int]], body: Any, n_lp: int | None,
+                    render: Callable[[int, RequestOutput, int], dict[str, Any]],
+                    first_choices: Sequence[dict[str, Any]] = ()) -> SSEResponse:
+    """Server-sent events for a streaming completion or chat completion: one chunk per output that
+    carries text (or logprobs, or the end), `render(i, output, first_new_token)` shaping the choice;
+    an error event if a request fails; a usage chunk when asked; then [DONE]."""
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+
+    async def events() -> AsyncIterator[str]:
+        sent_tokens, counts = [0] * len(sub.requests), [0] * len(sub.requests)
+        for choice in first_choices:
+            yield sse(head | {"choices": [choice]} | extra)
+        async for i, out in sub.outputs():
+            counts[i] = len(out.token_ids)
+            if (err := failure(out)) is not None:
+                yield sse(err.body())
+                break
+            if not (out.delta_text or out.finished or (n_lp is not None and out.delta_token_ids)):
+                continue
+            start, sent_tokens[i] = sent_tokens[i], len(out.token_ids)
+            yield sse(head | {"choices": [render(i, out, start)]} | extra)
+        else:
+            if include_usage:
+                yield sse(head | {"choices": [], "usage": usage(prompts, counts)})
+        yield DONE
+
+    return SSEResponse(events(), sub)
+
+
+async def collect(sub: Submission, raw: Request) -> list[RequestOutput]:
+    """The final output of every request of the submission; raises the first failure's APIError.
+    The submission is cancelled on the way out, whether it finished, failed or the client left."""
+
+    async def finals() -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(sub.requests)
+        async for i, out in sub.outputs():
+            if out.finished:
+                if (err := failure(out)) is not None:
+                    raise err
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    try:
+        return await unless_disconnected(raw, finals())
+    finally:
+        sub.cancel()

@@ -1,0 +1,81 @@
+"""`speculative_config` with vLLM's field names, validated once at start."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+SELF_DRAFT_QUANTIZATIONS = ("int8", "int4", "gguf")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """method: "ngram" (prompt lookup: proposals copied from the request's own prompt and output) or
+    "draft_model" (a smaller model with the same tokenizer at `model`; without `model`, the target's
+    own weights in the low-bit `quantization` serve as the draft). num_speculative_tokens: tokens
+    proposed per step (k). prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix
+    n-gram looked up (ngram). disable_by_batch_size: speculation is off while more requests than
+    this are running (a big batch leaves no compute idle to verify with)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    quantization: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError("speculative_config.num_speculative_tokens must be an integer >= 1, "
+                             f"got {self.num_speculative_tokens!r}")
+        if self.method == "ngram":
+            for name in ("model", "quantization"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} applies to method 'draft_model', not 'ngram'")
+            hi = self.prompt_lookup_max if self.prompt_lookup_max is not None else self.prompt_lookup_min or 3
+            lo = self.prompt_lookup_min if self.prompt_lookup_min is not None else min(hi, 1)
+            for name, value in (("prompt_lookup_max", hi), ("prompt_lookup_min", lo)):
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {value!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must not exceed "
+                                 f"prompt_lookup_max ({hi})")
+            object.__setattr__(self, "prompt_lookup_max", hi)
+            object.__setattr__(self, "prompt_lookup_min", lo)
+        else:
+            for name in ("prompt_lookup_max", "prompt_lookup_min"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} applies to method 'ngram', not 'draft_model'")
+            if self.model is None and self.quantization is None:
+                raise ValueError("speculative_config for 'draft_model' needs a 'model' path, or a 'quantization' "
+                                 f"({', '.join(SELF_DRAFT_QUANTIZATIONS)}) for the target's own weights as draft")
+            if self.quantization is not None and self.quantization not in SELF_DRAFT_QUANTIZATIONS:
+                raise ValueError(f"speculative_config.quantization must be one of {SELF_DRAFT_QUANTIZATIONS}, "
+                                 f"got {self.quantization!r}")
+        if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
+                                                       or self.disable_by_batch_size < 1):
+            raise ValueError("speculative_config.disable_by_batch_size must be an integer >= 1, "
+                             f"got {self.disable_by_batch_size!r}")
+
+    @property
+    def self_draft(self) -> bool:
+        return self.method == "draft_model" and self.model is None
+
+    @classmethod
+    def from_dict(cls, value: "dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From vLLM's JSON form; unknown keys are an error naming the known ones."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)

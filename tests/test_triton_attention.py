@@ -1,0 +1,242 @@
+"""The Triton paged-attention kernel and `attention_backend`: random ragged batches against
+`TorchPagedAttention`, greedy ids against the PyTorch backend and transformers, the config errors.
+
+Without CUDA the kernel runs on CPU tensors under Triton's interpreter, which has to be switched on
+before the kernel module is imported (its `@triton.jit` decides then); with CUDA the compiled kernel
+runs, in the `cuda`-marked tests, and the interpreter tests are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+from conveyor import LLM, ContinuousBatchingConfig, SamplingParams, attention  # noqa: E402
+from conveyor.allocator import table_length  # noqa: E402
+from conveyor.attention import (AttentionMetadata, CpuPagedAttention, TorchPagedAttention,  # noqa: E402
+                                TritonPagedAttention, make_attention_backend)
+from conveyor.config import ConfigError  # noqa: E402
+from conveyor.kernels import triton_attention  # noqa: E402
+from conveyor.model_runner import ModelRunner  # noqa: E402
+
+from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts  # noqa: E402
+
+INTERPRETED = triton_attention.INTERPRETED
+interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="CUDA machine: the compiled kernel is tested instead")
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled Triton)")
+BF16_TOL = dict(atol=1e-2, rtol=1e-2)  # the final bf16 rounding (2^-9 relative) and summation order
+CPU = torch.device("cpu")
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def ragged_metadata(specs: list[tuple[int, int]], page_size: int, window: int | None, num_chunks: int,
+                    seed: int, device: torch.device) -> AttentionMetadata:
+    """The runner's metadata for a batch of `(q_len, pos)` sequences (q_len 1 = decode, listed first),
+    each over a random block table of the pool's `num_chunks` chunks (0 is reserved)."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [table_length(pos + n, page_size, window) for n, pos in specs]
+    ids = (torch.randperm(num_chunks - 1, generator=g)[:sum(sizes)] + 1).tolist()
+    tables = {}
+    for i, size in enumerate(sizes):
+        tables[i], ids = ids[:size], ids[size:]
+    allocator = SimpleNamespace(window=window, block_table=lambda rid, group: tables[rid])
+    chunks = [SimpleNamespace(num_tokens=n, request=SimpleNamespace(num_computed_tokens=pos, request_id=i))
+              for i, (n, pos) in enumerate(specs)]
+    decodes, prefills = [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
+    assert chunks == decodes + prefills, "decodes first, as the runner orders them"
+    runner = SimpleNamespace(page_size=page_size, device=device)
+    decode_pos = torch.tensor([c.request.num_computed_tokens for c in decodes], device=device)
+    return ModelRunner._group_metadata(runner, allocator, 0, decodes, prefills, decode_pos)
+
+
+def run_backends(specs: list[tuple[int, int]], page_size: int, heads: int, kv_heads: int, dim: int,
+                 window: int | None, softcap: float | None, dtype: torch.dtype, device: torch.device = CPU,
+                 seed: int = 0) -> None:
+    """Triton and PyTorch on one random batch: same outputs, same cache afterwards."""
+    num_chunks = 96
+    g = torch.Generator().manual_seed(seed)
+    total = sum(n for n, _ in specs)
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).to(dtype).to(device)
+    q, k, v = (x.view(total, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    cache = torch.randn(2, num_chunks * page_size, kv_heads, dim, generator=g).to(dtype).to(device)
+    outputs, caches = [], []
+    for backend in (TorchPagedAttention(), TritonPagedAttention()):
+        meta = ragged_metadata(specs, page_size, window, num_chunks, seed, device)
+        backend.prepare(meta)
+        kv = cache.clone()
+        outputs.append(backend.forward(q, k, v, kv, meta, dim ** -0.5, softcap))
+        caches.append(kv)
+    ref, out = outputs
+    assert out.dtype == dtype and out.shape == q.shape
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out.float(), ref.float(), **tol)
+    assert torch.equal(caches[0], caches[1])
+
+
+# (q_len, pos) per sequence, decodes first: page boundaries, contexts past one key block (64), chunks
+# longer than the window, chunks without context.
+MIXED = [(1, 0), (1, 3), (1, 4), (1, 70), (5, 0), (9, 7), (20, 64)]
+SLIDING = [(1, 2), (1, 7), (1, 8), (1, 30), (6, 0), (3, 5), (12, 20), (17, 80)]
+CASES = {
+    "full": (MIXED, 4, 4, 2, 32, None, None),
+    "window": (SLIDING, 4, 4, 2, 32, 8, None),
+    "window-not-page-multiple-softcap-gqa3": (SLIDING, 4, 6, 2, 24, 6, 2.0),
+    "smollm2-heads-decodes": ([(1, 0), (1, 15), (1, 16), (1, 100)], 16, 9, 3, 64, None, None),
+    "mha-prefills": ([(40, 0), (7, 33)], 8, 2, 2, 16, None, 0.5),
+    "one-kv-head-big-page": ([(1, 5), (30, 31)], 256, 8, 1, 16, 20, None),
+}
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_matches_torch_backend(case: str, dtype: torch.dtype) -> None:
+    run_backends(*CASES[case], dtype=dtype)
+
+
+@interpreter_only
+def test_kernel_fp16_and_small_key_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 inputs; 16-key blocks so every sequence's loops take several steps."""
+    monkeypatch.setattr(triton_attention, "BLOCK_N", 16)
+    specs, page, heads, kv_heads, dim, window, softcap = CASES["window-not-page-multiple-softcap-gqa3"]
+    run_backends(specs, page, heads, kv_heads, dim, window, softcap, torch.float16)
+    run_backends(*CASES["full"], dtype=torch.float32)
+    run_backends(*CASES["mha-prefills"], dtype=torch.bfloat16)
+
+
+def test_ragged_batch_tiles() -> None:
+    """Decode rows one tile each; a prefill chunk one tile per 16 queries; tables padded with chunk 0."""
+    batch = triton_attention.ragged_batch(torch.tensor([4, 9]), torch.tensor([[3, 5], [7, 8]]),
+                                          [(2, 40, 0, torch.tensor([1, 2, 6]))], 16, None, CPU)
+    assert batch.queries_per_tile == 16
+    assert batch.seqs.tolist() == [[0, 1, 2], [1, 1, 40], [4, 9, 0]]
+    assert batch.tiles.tolist() == [[0, 1, 2, 2, 2], [0, 0, 0, 16, 32]]
+    assert batch.block_tables.tolist() == [[3, 5, 0], [7, 8, 0], [1, 2, 6]]
+    decode_only = triton_attention.ragged_batch(torch.tensor([4]), torch.tensor([[3]]), [], 16, 8, CPU)
+    assert decode_only.queries_per_tile == 1 and decode_only.window == 8
+
+
+# -- whole models -------------------------------------------------------------------------------
+
+GREEDY_KINDS = ["llama", "qwen3", "mistral_sliding", "gemma2", pytest.param("gemma3", marks=pytest.mark.slow)]
+PROMPTS = random_prompts([3, 9, 20, 31], seed=5)  # the longest ~4 windows of 8
+MAX_NEW = 8
+
+
+def greedy_ids(llm: LLM, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+    return [out.token_ids for out in outputs]
+
+
+@interpreter_only
+@pytest.mark.parametrize("kind", GREEDY_KINDS)
+def test_greedy_matches_torch_backend_and_transformers(tiny_models: dict[str, TinyModel], kind: str) -> None:
+    """fp32, chunked prefill (16-token passes mix decodes and chunks), 4-token pages, windows of 8."""
+    model = tiny_models[kind]
+    config = dict(max_batch_tokens=16, page_size=4)
+    llm = model.llm(attention_backend="triton", **config)
+    assert isinstance(llm.engine.runner.attention, TritonPagedAttention)
+    ours = greedy_ids(llm, PROMPTS, MAX_NEW)
+    assert ours == greedy_ids(model.llm(attention_backend="torch", **config), PROMPTS, MAX_NEW)
+    for i, (prompt, ids) in enumerate(zip(PROMPTS, ours)):
+        ref, logits = hf_greedy(model.reference, prompt, MAX_NEW)
+        assert_greedy_match(ids, ref, logits, f"{kind} prompt {i}")
+
+
+@interpreter_only
+@pytest.mark.slow
+def test_builtin_model_greedy_matches_torch_backend() -> None:
+    """The built-in model (fp32, the exact path) on two chat prompts, chunked prefill included."""
+    prompts = ["Hi.", "Write one sentence about the moon."]
+    ids = []
+    for backend in ("triton", "torch"):
+        llm = LLM(dtype="float32", config=ContinuousBatchingConfig(attention_backend=backend, max_batch_tokens=24,
+                                                                   num_blocks=64))
+        rendered = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
+        ids.append(greedy_ids(llm, rendered, 6))
+    assert ids[0] == ids[1]
+
+
+# -- choosing the backend -------------------------------------------------------------------------
+
+def test_config_rejects_unknown_backend() -> None:
+    with pytest.raises(ValueError, match=r"attention_backend must be one of \('auto', 'torch', 'cpu', 'triton'\)"):
+        ContinuousBatchingConfig(attention_backend="flash")
+
+
+def test_backend_choice_on_cpu(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The choice logic, with the native kernel's build stubbed (test_attention builds it for real)."""
+    kernel = SimpleNamespace()
+    monkeypatch.setattr(attention, "cpu_paged_attention", lambda: kernel)
+    assert type(make_attention_backend(CPU, torch.float32, "torch")) is TorchPagedAttention
+    assert type(make_attention_backend(CPU, torch.float16, "auto")) is TorchPagedAttention
+    for dtype in (torch.float32, torch.bfloat16):
+        for choice in ("auto", "cpu"):
+            backend = make_attention_backend(CPU, dtype, choice)
+            assert isinstance(backend, CpuPagedAttention) and backend.kernel is kernel
+    with pytest.raises(ConfigError, match="attention_backend='cpu' runs on CPU with float32 or bfloat16"):
+        make_attention_backend(CPU, torch.float16, "cpu")
+    with pytest.raises(ConfigError, match="attention_backend='cpu' runs on CPU"):
+        make_attention_backend(torch.device("cuda"), torch.float32, "cpu")
+    monkeypatch.setenv("CONVEYOR_NATIVE_KERNELS", "0")
+    assert type(make_attention_backend(CPU, torch.float32, "auto")) is TorchPagedAttention
+    with pytest.raises(ConfigError, match="CONVEYOR_NATIVE_KERNELS=0"):
+        make_attention_backend(CPU, torch.float32, "cpu")
+    monkeypatch.delenv("CONVEYOR_NATIVE_KERNELS")
+    monkeypatch.setattr(attention, "cpu_paged_attention", lambda: None)  # the build failed
+    assert type(make_attention_backend(CPU, torch.float32, "auto")) is TorchPagedAttention
+    with pytest.raises(ConfigError, match="did not build"):
+        make_attention_backend(CPU, torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="takes float32, bfloat16 or float16"):
+        make_attention_backend(CPU, torch.float64, "triton")
+    if INTERPRETED:
+        assert isinstance(make_attention_backend(CPU, torch.bfloat16, "triton"), TritonPagedAttention)
+        monkeypatch.setattr(triton_attention, "INTERPRETED", False)
+        with pytest.raises(ConfigError, match="was not set when the kernel was first imported"):
+            make_attention_backend(CPU, torch.float32, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="set TRITON_INTERPRET=1 in the environment"):
+        make_attention_backend(CPU, torch.float32, "triton")
+    with pytest.raises(ConfigError, match="set TRITON_INTERPRET=1"):
+        LLM(tiny_llama.path, config=ContinuousBatchingConfig(attention_backend="triton", num_blocks=16))
+
+
+# -- CUDA (compiled Triton) -------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_cuda_kernel_matches_torch_backend(case: str, dtype: torch.dtype) -> None:
+    run_backends(*CASES[case], dtype=dtype, device=torch.device("cuda"))
+
+
+@pytest.mark.cuda
+@cuda_only
+def test_cuda_auto_backend_is_triton() -> None:
+    assert isinstance(make_attention_backend(torch.device("cuda"), torch.bfloat16, "auto"), TritonPagedAttention)
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("kind", GREEDY_KINDS)
+def test_cuda_greedy_matches_transformers(tiny_models: dict[str, TinyModel], kind: str) -> None:
+    model = tiny_models[kind]
+    llm = LLM(model.path, device="cuda", dtype="float32",
+              config=ContinuousBatchingConfig(attention_backend="triton", max_batch_tokens=16, page_size=4,
+                                              num_blocks=256))
+    for i, (prompt, ids) in enumerate(zip(PROMPTS, greedy_ids(llm, PROMPTS, MAX_NEW))):
+        ref, logits = hf_greedy(model.reference, prompt, MAX_NEW)
+        assert_greedy_match(ids, ref, logits, f"{kind} prompt {i}")
