@@ -5,8 +5,10 @@ and replays, so the device queue never waits for the host). The engine's thread,
 schedules step N+1 before step N's tokens are known: each request that samples in a step gets a
 placeholder token at once (so the unchanged scheduler sees its next decode), and the rows of step
 N+1 whose input is such a placeholder are filled on the worker, from step N's sampled tokens on
-the device, just before N+1's forward pass. The host reads step N's tokens one step behind (while
-N+1 runs) to detokenize, check stops and stream. A request that finished at step N but was already
+the device, just before N+1's forward pass. The worker never waits for the device: each step's
+samples are copied to pinned host memory behind its sampling kernels, with an event, and the
+engine's thread waits on that event when it reads step N back, one step behind (while N+1 runs),
+to detokenize, check stops and stream. A request that finished at step N but was already
 in step N+1 has that extra token discarded; its blocks (and those of requests cancelled or failed
 while in flight) go back to the pool only once the last step that holds it has finished, so no
 pass ever writes into a block someone else owns. Padded steps alternate between two sets of static
@@ -27,9 +29,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .model_runner import PreparedStep, StepResult, split_batch
+from .model_runner import LaunchedStep, PreparedStep, split_batch
 from .request import Request, RequestState
 from .scheduler import ScheduledChunk
+from .transfer import to_device
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -58,7 +61,7 @@ def needs_history(request: Request) -> bool:
 
 @dataclass
 class _InFlight:
-    future: Future[StepResult]
+    future: Future[LaunchedStep]
     chunks: list[ScheduledChunk]
     number: int
 
@@ -76,8 +79,7 @@ class AsyncPipeline:
         self.placeholders: dict[str, int] = {}  # request -> placeholder tokens at the end of its output
         self.last_step: dict[str, int] = {}  # request -> the last step submitted with it
         self.deferred: set[str] = set()  # finished requests whose blocks wait for their last step
-        self._tokens: torch.Tensor | None = None  # worker side: the last step's sampled tokens (None: it failed)
-        self._token_list: list[int] = []
+        self._last: LaunchedStep | None = None  # worker side: the last step launched (None: it failed)
 
     @property
     def busy(self) -> bool:
@@ -161,7 +163,7 @@ class AsyncPipeline:
         """Step N's results (step N+1 may be running): tokens appended, stops checked, blocks freed."""
         engine = self.engine
         try:
-            result = step.future.result()
+            result = step.future.result().result()  # waits for the step's samples to reach the host
         except Exception as exc:
             logger.exception("forward pass failed")
             failed = self._fail([c.request for c in step.chunks if not c.request.is_finished], exc)
@@ -212,19 +214,23 @@ class AsyncPipeline:
 
     # -- the forward worker ---------------------------------------------------------------
     def _run(self, step: PreparedStep, rows: list[int], sources: list[int],
-             fills: list[tuple[SamplingView, int]]) -> StepResult:
-        """Fill the rows waiting for the previous step's tokens (on the device), then run the step."""
+             fills: list[tuple[SamplingView, int]]) -> LaunchedStep:
+        """Fill the rows waiting for the previous step's tokens from its device tensor, then launch the
+        step without waiting for the device (only samplers that read the output history wait for the
+        previous step's tokens on the host)."""
+        last, self._last = self._last, None
+        tokens = last.tokens if last is not None else None
         if rows:
-            index = torch.tensor(rows, device=step.input_ids.device)
-            if self._tokens is not None:
-                values = self._tokens.index_select(0, torch.tensor(sources, device=self._tokens.device))
+            dev = step.input_ids.device
+            index = to_device(rows, torch.long, dev)
+            if tokens is not None:
+                values = tokens.index_select(0, to_device(sources, torch.long, tokens.device))
             else:  # the previous step failed: its requests did too, these rows are never read
-                values = torch.zeros(len(rows), dtype=step.input_ids.dtype, device=step.input_ids.device)
+                values = torch.zeros(len(rows), dtype=step.input_ids.dtype, device=dev)
             step.input_ids.index_copy_(0, index, values)
-        for view, source in fills:
-            view.output_token_ids[-1] = self._token_list[source] if self._tokens is not None else 0
-        self._tokens = None
-        result = self.runner.run(step)
-        self._tokens = torch.tensor(result.token_ids, dtype=torch.int64, device=step.input_ids.device)
-        self._token_list = result.token_ids
-        return result
+        if fills:
+            token_ids = last.result().token_ids if tokens is not None and last is not None else None
+            for view, source in fills:
+                view.output_token_ids[-1] = token_ids[source] if token_ids is not None else 0
+        self._last = self.runner.launch(step)
+        return self._last

@@ -19,7 +19,7 @@ from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_at
 from .cache_pool import CachePool
 from .config import ContinuousBatchingConfig
 from .request import Request
-from .sampler import Sampler
+from .sampler import SampledBatch, Sampler
 from .scheduler import ScheduledChunk
 from .step_buffers import PaddedShape, StepBuffers
 
@@ -36,6 +36,27 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its samples (still there, their host copy under way) and its prompt
+    logprobs; `result` waits for the copy."""
+
+    samplers: list[Request]
+    batch: SampledBatch | None
+    prompt_logprobs: list[PromptLogprobs]
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The sampled tokens on the device (for the next step's inputs, without a host round trip)."""
+        return None if self.batch is None else self.batch.tokens
+
+    def result(self) -> StepResult:
+        if self.batch is None:
+            return StepResult([], [], [], self.prompt_logprobs)
+        token_ids, logprobs = self.batch.to_host()
+        return StepResult(self.samplers, token_ids, logprobs, self.prompt_logprobs)
 
 
 @dataclass
@@ -201,6 +222,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
         """The forward pass of a prepared step, its prompt logprobs and its samples."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep) -> LaunchedStep:
+        """Queue the step's forward pass and sampling, and the copy of its samples to the host; waits
+        for the device only for prompt logprobs (their entries are host dicts)."""
         if self.graphs is not None and self.graphs.takes(step):
             hidden, logits = None, self.graphs.replay(step)
         else:
@@ -210,9 +237,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows)) if step.samplers else None
         prompt_logprobs = self._prompt_logprobs(step.prompt_plan, hidden) if step.prompt_plan else []
         if not step.samplers:
-            return StepResult([], [], [], prompt_logprobs)
-        token_ids, logprobs = self.sampler(logits[:len(step.samplers)], step.sampling_views or step.samplers)
-        return StepResult(step.samplers, token_ids, logprobs, prompt_logprobs)
+            return LaunchedStep([], None, prompt_logprobs)
+        batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers)
+        return LaunchedStep(step.samplers, batch.start_copy(), prompt_logprobs)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Hidden states of every row of the step (each layer with its group's metadata)."""

@@ -96,14 +96,14 @@ def test_async_forward_failure_fails_its_requests_and_keeps_serving(tiny_models)
     initial = engine.allocator.num_free_blocks
     doomed = engine.make_request("doomed", [5, 6, 7], SamplingParams(max_new_tokens=5, temperature=0))
     engine.add_request(doomed)
-    run = engine.runner.run
+    launch = engine.runner.launch
 
     def broken(step):
         raise RuntimeError("device fell over")
 
-    engine.runner.run = broken
+    engine.runner.launch = broken
     run_all(engine)
-    engine.runner.run = run
+    engine.runner.launch = launch
     assert doomed.state is RequestState.FAILED and "device fell over" in doomed.error
     assert engine.allocator.num_free_blocks == initial
     out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)[0]
