@@ -84,3 +84,18 @@ def test_graphs_with_async_batching_give_the_same_tokens_and_return_every_block(
     assert fast == eager
     stats = llm.stats()
     assert stats.cuda_graph_replays > 0 and stats.free_blocks == stats.total_blocks
+
+
+def test_cli_graph_and_async_flags() -> None:
+    """Unset = auto (None); --no-use-cuda-graph and vLLM's --enforce-eager turn graphs off."""
+    import argparse
+
+    from conveyor.cli import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    auto = config_from_args(parser.parse_args([]))
+    assert auto.use_cuda_graph is None and auto.use_async_batching is None and auto.pad_steps is None
+    assert config_from_args(parser.parse_args(["--enforce-eager"])).use_cuda_graph is False
+    chosen = config_from_args(parser.parse_args(["--no-use-cuda-graph", "--use-async-batching", "--pad-steps"]))
+    assert (chosen.use_cuda_graph, chosen.use_async_batching, chosen.pad_steps) == (False, True, True)
