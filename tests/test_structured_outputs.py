@@ -149,3 +149,20 @@ def test_logit_bias_pushes_and_bans_tokens(llm: LLM) -> None:
         llm.engine.make_request("b", [1, 2], SamplingParams(logit_bias={llm.engine.vocab_size: 1.0}))
     with pytest.raises(SamplingParamsError, match=r"\[-100, 100\]"):
         SamplingParams(logit_bias={5: 101.0})
+
+
+def test_with_async_batching_constrained_requests_run_synchronous_steps(llm: LLM) -> None:
+    """Async batching reads tokens one step behind; a grammar must consume each before the next mask."""
+    from conveyor import ContinuousBatchingConfig
+
+    fast = LLM(dtype="float32", config=ContinuousBatchingConfig(use_async_batching=True))
+    assert fast.engine.pipeline is not None
+    plain = SamplingParams(max_new_tokens=12, temperature=0, repetition_penalty=1.2)  # a SamplingView in the pipeline
+    constrained = SamplingParams(max_new_tokens=12, temperature=0, structured_outputs=SO(regex="[0-9]{3}-[a-z]{3}"))
+    prompts = ["The capital of France is", chat(llm, "A code.")]
+    ours = fast.generate(prompts, [plain, constrained], use_tqdm=False)
+    reference = llm.generate(prompts, [plain, constrained], use_tqdm=False)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in reference]
+    assert re.fullmatch("[0-9]{3}-[a-z]{3}", ours[1].text) and ours[1].finish_reason == "stop"
+    assert fast.generate(prompts[0], plain, use_tqdm=False)[0].token_ids == reference[0].token_ids  # async again
+    assert fast.engine._constrained == 0 and idle(fast)
