@@ -32,6 +32,8 @@ class ContinuousBatchingConfig:
     use_cuda_graph / use_async_batching: None = auto-detect (off on CPU).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
+    step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
+        0 = off (the server turns it on).
     """
 
     page_size: int = 16
@@ -49,6 +51,7 @@ class ContinuousBatchingConfig:
     use_cuda_graph: bool | None = None
     use_async_batching: bool | None = None
     attention_backend: str = "auto"
+    step_history: int = 0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -73,5 +76,7 @@ class ContinuousBatchingConfig:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.step_history, int) or self.step_history < 0:
+            raise ConfigError(f"step_history must be an integer >= 0 (0 = off), got {self.step_history!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")

@@ -27,6 +27,7 @@ from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
+from .dashboard_data import ensure_step_history
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 
@@ -116,6 +117,7 @@ class Serving:
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len = llm.engine.max_model_len
         self.metrics = ServerMetrics(llm.stats, self.model_name)
+        ensure_step_history(llm.engine)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0  # engine requests accepted and not yet finished
         self.active: set[Submission] = set()
