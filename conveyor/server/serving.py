@@ -239,20 +239,12 @@ class Serving:
         return ids
 
     def render_chat(self, messages: list[ChatMessage]) -> list[int]:
-        if not messages:
-            raise APIError(400, "messages is empty: it needs at least one message", param="messages")
         conversation = []
-        for m in messages:
-            role = CHAT_ROLES.get(m.role)
-            if role is None:
-                raise APIError(400, f"unsupported message role {m.role!r} (supported: {', '.join(CHAT_ROLES)})",
-                               param="messages")
+        for m in messages:  # roles and part types are checked by the protocol models
             content = m.content
             if isinstance(content, list):
-                if any(p.type != "text" for p in content):
-                    raise APIError(400, "only text content parts are supported", param="messages")
                 content = "\n".join(p.text or "" for p in content)
-            conversation.append({"role": role, "content": content or ""})
+            conversation.append({"role": CHAT_ROLES[m.role], "content": content or ""})
         try:
             return self.llm.render_chat(conversation)
         except Exception as exc:  # no chat template, or the template rejected the conversation
