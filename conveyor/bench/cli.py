@@ -26,7 +26,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import fuzz, gpu_check, perplexity, roofline_report, serve, simulate, throughput
+    from . import fuzz, gpu_check, perplexity, roofline_report, serve, simulate, soak, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -66,6 +66,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "it (schemathesis), sends them, and checks every answer: no 5xx, status and content type documented, "
          "schema-breaking bodies rejected; then GET /health. --launch starts Conveyor's server for the run. Exit "
          "code 1 on any failure."),
+        ("soak", soak, {},
+         "a long mixed load on Conveyor's server with disconnects: every request ends, pool idle, RSS flat",
+         "For --minutes, --concurrency workers send plain and streamed (chat) completions, n > 1, stop strings, "
+         "prompts near and just past the context limit, and abandon some mid-stream or while waiting; /health is "
+         "polled and the server's RSS sampled. Exit code 1 unless every kept request got its whole answer, no 5xx, "
+         "/health always answered, the server idle after and RSS after warm-up grew < --max-rss-growth."),
         ("perplexity", perplexity, {},
          "perplexity of a model on a text file, scored in windows through prompt logprobs",
          "Tokenizes the text and scores it in windows of --window tokens (each one prompt with prompt_logprobs=0 "
