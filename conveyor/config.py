@@ -29,7 +29,10 @@ class ContinuousBatchingConfig:
     allow_block_sharing: prefix caching across requests (full-attention models only).
     cpu_offload_space: GiB of host memory for swapping out KV blocks of preempted requests.
     q_padding_interval_size / kv_padding_interval_size: shape padding for CUDA graphs.
-    use_cuda_graph / use_async_batching: None = auto-detect (off on CPU).
+    use_cuda_graph: replay CUDA graphs of padded decode steps; None = on for CUDA, off elsewhere.
+    use_async_batching: prepare step N+1 while step N runs; None = on for CUDA with graphs, off on CPU.
+    pad_steps: pad every step into static buffers; None = exactly when CUDA graphs are on. True on CPU
+        pads without capturing (for tests: padded steps must give the unpadded outputs).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
     step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
@@ -50,6 +53,7 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = 256
     use_cuda_graph: bool | None = None
     use_async_batching: bool | None = None
+    pad_steps: bool | None = None
     attention_backend: str = "auto"
     step_history: int = 0
 

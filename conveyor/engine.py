@@ -17,9 +17,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .allocator import build_allocators, table_length
+from .async_batching import AsyncPipeline
 from .attention import make_attention_backend
 from .cache_pool import CachePool, layer_groups, plan_num_chunks
 from .config import ContinuousBatchingConfig
+from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
 from .memory_profile import working_memory
 from .model_runner import ModelRunner
 from .models.llama import CausalLM
@@ -57,6 +59,9 @@ class EngineStats:
     swapped_requests: int = 0  # waiting requests whose blocks are in the swap pool
     swap_free_blocks: int = 0
     swap_total_blocks: int = 0
+    cuda_graph_captures: int = 0  # decode shapes captured as CUDA graphs
+    cuda_graph_replays: int = 0  # steps run by replaying a graph
+    cuda_graph_eager_steps: int = 0  # steps with graphs on that ran eagerly (prefill chunks, over the largest bucket)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -82,7 +87,10 @@ class Engine:
         page, window = config.page_size, model.sliding_window
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
+        use_graphs = use_cuda_graphs(config, device)
         working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
+        if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
+            working += graph_memory_bytes(model, config, self.dtype)
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
@@ -98,6 +106,13 @@ class Engine:
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
         self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
                                   attention=make_attention_backend(device, self.dtype, config.attention_backend))
+        # Async batching (on by default where graphs are) alternates two sets of static buffers.
+        use_async = use_graphs if config.use_async_batching is None else config.use_async_batching
+        if config.pad_steps or (config.pad_steps is None and use_graphs):
+            self.runner.enable_padding(config, buffer_sets=2 if use_async else 1)
+        if use_graphs:
+            self.runner.graphs = CudaGraphs(self.runner, graph_tokens(config))
+        self.pipeline = AsyncPipeline(self) if use_async else None
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
         swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
@@ -168,7 +183,11 @@ class Engine:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.busy)
+
+    def drain(self) -> list[Request]:
+        """Finish the step in flight (async batching); the requests it updated."""
+        return self.pipeline.drain() if self.pipeline is not None else []
 
     def stats(self) -> EngineStats:
         """Counters so far plus the cache and queue gauges now (safe to read from another thread)."""
@@ -181,11 +200,18 @@ class Engine:
             snapshot.swapped_requests = len(self.swap.slots)
             snapshot.swap_free_blocks = self.swap.num_free
             snapshot.swap_total_blocks = self.swap.num_slots
+        graphs = self.runner.graphs
+        if graphs is not None:
+            snapshot.cuda_graph_captures, snapshot.cuda_graph_replays = graphs.captures, graphs.replays
+            snapshot.cuda_graph_eager_steps = graphs.eager_steps
         return snapshot
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one forward pass; return the requests that produced a token or ended."""
+        """Run one forward pass; return the requests that produced a token or ended (with async
+        batching: submit one pass and read back the previous one)."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
         started = time.monotonic()
         out = self._schedule()
         if not out.chunks:
@@ -198,8 +224,9 @@ class Engine:
             for request in failed:
                 self._finish(request, RequestState.FAILED, "error", error=f"forward pass failed: {exc}")
             return failed
-        for request, entries in result.prompt_logprobs:
-            request.prompt_logprobs.extend(entries)  # type: ignore[union-attr]  # set: it asked for them
+        for request, first, entries in result.prompt_logprobs:  # entries already recorded are skipped
+            known = request.prompt_logprobs  # set: it asked for them
+            known.extend(entries[max(0, len(known) - first):])  # type: ignore[union-attr, arg-type]
         for chunk in out.chunks:
             if chunk.request.state is RequestState.PREFILLING:
                 self._stats.prefill_tokens += chunk.num_tokens
@@ -240,6 +267,8 @@ class Engine:
         """Swap out the victims whose blocks fit in the free swap slots (one batched copy), soft-reset
         the rest; requeued in victim order either way. Freeing a victim only drops its references: a
         block shared with another request stays (its swapped copy includes it all the same)."""
+        if self.pipeline is not None:
+            self.pipeline.wait()  # the step in flight writes the victims' blocks
         to_swap: dict[str, list[int]] = {}
         room = self.swap.num_free if self.swap is not None else 0
         for victim in victims:
@@ -337,7 +366,8 @@ class Engine:
     def _finish(self, request: Request, state: RequestState, reason: str, error: str | None = None) -> None:
         if request.is_finished:
             return
-        self.scheduler.remove(request)
+        in_flight = self.pipeline is not None and self.pipeline.on_finish(request)
+        self.scheduler.remove(request, free=not in_flight)
         if self.swap is not None:
             self.swap.release(request.request_id)
         self._resume_state.pop(request.request_id, None)

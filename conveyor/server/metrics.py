@@ -54,6 +54,10 @@ class EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Preemptions of running requests (offload or soft reset).", s.offloads)
         yield counter("prompt_tokens", "Prompt tokens of every admitted request.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("cuda_graph_captures", "Decode shapes captured as CUDA graphs.", s.cuda_graph_captures)
+        yield counter("cuda_graph_replays", "Steps run by replaying a CUDA graph.", s.cuda_graph_replays)
+        yield counter("cuda_graph_eager_steps", "Steps run eagerly while CUDA graphs are on (prefill chunks, "
+                      "shapes over the largest bucket).", s.cuda_graph_eager_steps)
 
 
 class ServerMetrics:
