@@ -29,6 +29,7 @@ from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput, make_scheduler
+from .step_history import StepHistory
 
 logger = logging.getLogger("conveyor")
 
@@ -118,6 +119,7 @@ class Engine:
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
+        self.step_history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
                     "memory; prefix caching %s; swap pool %d chunks", self.pool.num_usable, page, shape["num_layers"],
@@ -210,6 +212,7 @@ class Engine:
         batching: submit one pass and read back the previous one)."""
         if self.pipeline is not None:
             return self.pipeline.step()
+        started = time.monotonic()
         out = self._schedule()
         if not out.chunks:
             return self._fail_unschedulable(out)
@@ -230,6 +233,8 @@ class Engine:
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.allocator.register_full_blocks(chunk.request)  # completed blocks become matchable
         self._stats.generation_tokens += len(result.token_ids)
+        if self.step_history is not None:
+            self.step_history.record(started, out.chunks, len(result.token_ids))
         now = time.monotonic()
         for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
             try:
