@@ -29,7 +29,7 @@ from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput, make_scheduler
-from .step_history import StepHistory
+from .step_history import StepHistory, composition
 
 logger = logging.getLogger("conveyor")
 
@@ -216,6 +216,7 @@ class Engine:
         out = self._schedule()
         if not out.chunks:
             return self._fail_unschedulable(out)
+        counts = composition(out.chunks) if self.step_history is not None else (0, 0)
         try:
             result = self.runner.execute(out.chunks)
         except Exception as exc:  # a broken batch fails its own requests, not the engine
@@ -234,7 +235,7 @@ class Engine:
             self.allocator.register_full_blocks(chunk.request)  # completed blocks become matchable
         self._stats.generation_tokens += len(result.token_ids)
         if self.step_history is not None:
-            self.step_history.record(started, out.chunks, len(result.token_ids))
+            self.step_history.record(started, counts, len(result.token_ids), result.padding_tokens)
         now = time.monotonic()
         for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
             try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from .request import RequestState
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 class StepRecord(NamedTuple):
-    """One forward pass. `time` is `time.monotonic()` at its end; `padding_tokens` stays 0 until padded
-    (CUDA-graph) shapes report theirs."""
+    """One forward pass. `time` is `time.monotonic()` at its end (with async batching: when it was read
+    back); `padding_tokens` are the rows a padded (CUDA-graph) shape added."""
 
     time: float
     duration: float  # seconds, scheduling included
@@ -31,6 +31,18 @@ class StepRecord(NamedTuple):
     prefill_tokens: int  # prompt (or recomputed) tokens run through prefill
     padding_tokens: int
     sampled_tokens: int  # tokens appended to requests this step
+
+
+def composition(chunks: Sequence[ScheduledChunk], sampled: Container[str] = ()) -> tuple[int, int]:
+    """(decode rows, prefill tokens) of a step; taken before the chunks' requests advance. `sampled`:
+    requests whose first token is sampled but not read back yet (async batching): they decode."""
+    prefill = rows = 0
+    for chunk in chunks:
+        if chunk.request.state is RequestState.PREFILLING and chunk.request.request_id not in sampled:
+            prefill += chunk.num_tokens
+        else:
+            rows += 1
+    return rows, prefill
 
 
 class StepHistory:
@@ -44,17 +56,11 @@ class StepHistory:
         self._lock = threading.Lock()
         self.total = 0  # steps recorded since the start (the last record is step number total - 1)
 
-    def record(self, started: float, chunks: Sequence["ScheduledChunk"], sampled_tokens: int,
+    def record(self, started: float, composition: tuple[int, int], sampled_tokens: int,
                padding_tokens: int = 0) -> None:
-        """Append the step that began at `started` (monotonic); call before the chunks' states advance."""
-        prefill = rows = 0
-        for chunk in chunks:
-            if chunk.request.state is RequestState.PREFILLING:
-                prefill += chunk.num_tokens
-            else:
-                rows += 1
+        """Append the step that began at `started` (monotonic), `composition` from `composition()`."""
         now = time.monotonic()
-        entry = StepRecord(now, now - started, rows, prefill, padding_tokens, sampled_tokens)
+        entry = StepRecord(now, now - started, *composition, padding_tokens, sampled_tokens)
         with self._lock:
             self._ring.append(entry)
             self.total += 1
