@@ -32,6 +32,7 @@ import torch
 from .model_runner import LaunchedStep, PreparedStep, split_batch
 from .request import Request, RequestState
 from .scheduler import ScheduledChunk
+from .step_history import composition
 from .transfer import to_device
 
 if TYPE_CHECKING:
@@ -66,6 +67,8 @@ class _InFlight:
     future: Future[LaunchedStep]
     chunks: list[ScheduledChunk]
     number: int
+    started: float  # when it was scheduled (the dashboard's step record)
+    composition: tuple[int, int]
 
 
 class AsyncPipeline:
@@ -94,6 +97,7 @@ class AsyncPipeline:
     # -- the engine's thread --------------------------------------------------------------
     def step(self) -> list[Request]:
         engine = self.engine
+        started = time.monotonic()
         out = engine._schedule()
         if not out.chunks:
             return self.drain() if self.inflight is not None else engine._fail_unschedulable(out)
@@ -109,6 +113,7 @@ class AsyncPipeline:
                  if v is not r and r.request_id in self.pending]
         prepared.sampling_views = views
         future = self.worker.submit(self._run, prepared, rows, sources, fills)
+        counts = composition(out.chunks, self.placeholders) if engine.step_history is not None else (0, 0)
         for chunk in out.chunks:
             if chunk.request.state is RequestState.PREFILLING and chunk.request.request_id not in self.placeholders:
                 engine._stats.prefill_tokens += chunk.num_tokens  # (not the first decode of a prefill in flight)
@@ -118,7 +123,7 @@ class AsyncPipeline:
             request.output_token_ids.append(PLACEHOLDER)
             self.placeholders[request.request_id] = self.placeholders.get(request.request_id, 0) + 1
         self.pending = {r.request_id: i for i, r in enumerate(prepared.samplers)}
-        previous, self.inflight = self.inflight, _InFlight(future, out.chunks, self.number)
+        previous, self.inflight = self.inflight, _InFlight(future, out.chunks, self.number, started, counts)
         self.number += 1
         return self._read_back(previous) if previous is not None else []
 
@@ -195,6 +200,8 @@ class AsyncPipeline:
                 request.output_token_ids.extend([PLACEHOLDER] * (n - 1))
                 self.placeholders[request.request_id] = n - 1
             updated.append(request)
+        if engine.step_history is not None:  # the tokens kept (not those of requests that had ended)
+            engine.step_history.record(step.started, step.composition, len(updated), result.padding_tokens)
         for chunk in step.chunks:  # every token of the now complete blocks is known
             if not chunk.request.is_finished:
                 engine.allocator.register_full_blocks(chunk.request)

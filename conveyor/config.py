@@ -35,6 +35,8 @@ class ContinuousBatchingConfig:
         pads without capturing (for tests: padded steps must give the unpadded outputs).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
+    step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
+        0 = off (the server turns it on).
     """
 
     page_size: int = 16
@@ -53,6 +55,7 @@ class ContinuousBatchingConfig:
     use_async_batching: bool | None = None
     pad_steps: bool | None = None
     attention_backend: str = "auto"
+    step_history: int = 0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -77,5 +80,7 @@ class ContinuousBatchingConfig:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.step_history, int) or self.step_history < 0:
+            raise ConfigError(f"step_history must be an integer >= 0 (0 = off), got {self.step_history!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")

@@ -29,6 +29,7 @@ from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput, make_scheduler
+from .step_history import StepHistory, composition
 from .structured.constraints import Constraints, grammar_complete
 
 logger = logging.getLogger("conveyor")
@@ -121,6 +122,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._constrained = 0  # requests in `requests` with a grammar (they turn async batching off)
         self._stats = EngineStats()
+        self.step_history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
                     "memory; prefix caching %s; swap pool %d chunks", self.pool.num_usable, page, shape["num_layers"],
@@ -225,9 +227,11 @@ class Engine:
                 return self.pipeline.step()
             if self.pipeline.busy:  # a grammar masks step N+1 only after consuming N's token: go synchronous
                 return self.pipeline.drain()
+        started = time.monotonic()
         out = self._schedule()
         if not out.chunks:
             return self._fail_unschedulable(out)
+        counts = composition(out.chunks) if self.step_history is not None else (0, 0)
         try:
             result = self.runner.execute(out.chunks)
         except Exception as exc:  # a broken batch fails its own requests, not the engine
@@ -245,6 +249,8 @@ class Engine:
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.allocator.register_full_blocks(chunk.request)  # completed blocks become matchable
         self._stats.generation_tokens += len(result.token_ids)
+        if self.step_history is not None:
+            self.step_history.record(started, counts, len(result.token_ids), result.padding_tokens)
         now = time.monotonic()
         for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
             try:

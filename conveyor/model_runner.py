@@ -36,6 +36,7 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    padding_tokens: int = 0  # rows a padded shape added to the pass
 
 
 @dataclass
@@ -46,6 +47,7 @@ class LaunchedStep:
     samplers: list[Request]
     batch: SampledBatch | None
     prompt_logprobs: list[PromptLogprobs]
+    padding_tokens: int = 0
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -54,9 +56,9 @@ class LaunchedStep:
 
     def result(self) -> StepResult:
         if self.batch is None:
-            return StepResult([], [], [], self.prompt_logprobs)
+            return StepResult([], [], [], self.prompt_logprobs, self.padding_tokens)
         token_ids, logprobs = self.batch.to_host()
-        return StepResult(self.samplers, token_ids, logprobs, self.prompt_logprobs)
+        return StepResult(self.samplers, token_ids, logprobs, self.prompt_logprobs, self.padding_tokens)
 
 
 @dataclass
@@ -237,9 +239,9 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows)) if step.samplers else None
         prompt_logprobs = self._prompt_logprobs(step.prompt_plan, hidden) if step.prompt_plan else []
         if not step.samplers:
-            return LaunchedStep([], None, prompt_logprobs)
+            return LaunchedStep([], None, prompt_logprobs, step.num_pad)
         batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers)
-        return LaunchedStep(step.samplers, batch.start_copy(), prompt_logprobs)
+        return LaunchedStep(step.samplers, batch.start_copy(), prompt_logprobs, step.num_pad)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Hidden states of every row of the step (each layer with its group's metadata)."""

@@ -108,3 +108,16 @@ def test_async_forward_failure_fails_its_requests_and_keeps_serving(tiny_models)
     assert engine.allocator.num_free_blocks == initial
     out = llm.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)[0]
     assert out.finish_reason == "length" and out.num_output_tokens == 4
+
+
+def test_step_history_records_async_and_padded_steps(tiny_models) -> None:
+    """The dashboard's ring gets every step of the async pipeline, with the padded shapes' padding rows."""
+    llm = tiny_models["llama"].llm(use_async_batching=True, pad_steps=True, step_history=50)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False)
+    total, records = llm.engine.step_history.snapshot()
+    assert total == len(records) >= 6
+    assert sum(r.prefill_tokens for r in records) == 8
+    assert sum(r.sampled_tokens for r in records) == sum(len(o.token_ids) for o in outs)
+    assert all(r.padding_tokens > 0 for r in records)  # 2 rows padded to q_padding_interval_size
+    assert all(r.duration > 0 for r in records)

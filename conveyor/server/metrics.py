@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from ..engine import EngineStats
 from ..request import RequestOutput
+from .dashboard_data import LatencyWindow
 
 # vLLM's buckets.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -83,6 +84,7 @@ class ServerMetrics:
         self.rejected = Counter("conveyor:request_rejected", "Requests answered 503 (queue full or shutting down).",
                                 labels, registry=self.registry).labels(model_name)
         self.registry.register(EngineStatsCollector(stats, model_name))
+        self.latencies = LatencyWindow()  # recent samples, for the dashboard's percentiles
 
     def observe_finished(self, out: RequestOutput) -> None:
         self.success.labels(self.model_name, out.finish_reason or "unknown").inc()
@@ -94,6 +96,7 @@ class ServerMetrics:
         if m.queue_time is not None:
             self.queue.observe(m.queue_time)
         times = m.token_times
+        self.latencies.observe(m.time_to_first_token, times)
         for a, b in zip(times, times[1:]):
             self.itl.observe(b - a)
         if len(times) > 1:

@@ -29,6 +29,7 @@ from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
 from ..structured import StructuredOutputsParams
 from .constraints import body_constraint, logit_bias
+from .dashboard_data import ensure_step_history
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .tools import ToolPlan, conversation
@@ -120,6 +121,7 @@ class Serving:
         self.model_type = getattr(llm.engine.model.config, "model_type", None)  # picks the tool-call parser
         self.max_model_len = llm.engine.max_model_len
         self.metrics = ServerMetrics(llm.stats, self.model_name)
+        ensure_step_history(llm.engine)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0  # engine requests accepted and not yet finished
         self.active: set[Submission] = set()
@@ -241,8 +243,6 @@ class Serving:
         return ids
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
-        if not messages:
-            raise APIError(400, "messages is empty: it needs at least one message", param="messages")
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
         turns, template_tools = conversation(messages, tools or ToolPlan(), template, CHAT_ROLES)
         try:

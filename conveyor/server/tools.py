@@ -59,8 +59,8 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, model_type:
     """Validate `tools` / `tool_choice` (400s naming the field) into a plan."""
     functions = []
     for i, tool in enumerate(tools or []):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        fn = _function(tool)
+        if tool.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
             raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
                            "\"parameters\": {...}}}}", param="tools")
         if not isinstance(fn.get("parameters", {}), dict):
@@ -68,7 +68,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, model_type:
         functions.append(fn)
     choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        name = _function(choice).get("name") if choice.get("type") == "function" else None
         if not isinstance(name, str):
             raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                            "\"function\": {\"name\": ...}}", param="tool_choice")
@@ -132,8 +132,14 @@ class ToolReply:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
 
+def _function(entry: Any) -> dict[str, Any]:
+    """`entry["function"]` when both are objects, else {} (odd shapes then fail validation, not the server)."""
+    fn = entry.get("function") if isinstance(entry, dict) else None
+    return fn if isinstance(fn, dict) else {}
+
+
 def _arguments(call: dict[str, Any]) -> Any:
-    args = (call.get("function") or {}).get("arguments", {})
+    args = _function(call).get("arguments", {})
     if isinstance(args, str):
         try:
             return json.loads(args)
@@ -163,14 +169,13 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan, template: str, rol
         if native:
             if calls:
                 entry["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
-                    "name": (c.get("function") or {}).get("name"), "arguments": _arguments(c)}} for c in calls]
+                    "name": _function(c).get("name"), "arguments": _arguments(c)}} for c in calls]
             if m.tool_call_id is not None:
                 entry["tool_call_id"] = m.tool_call_id
         elif role == "tool":
             entry = {"role": "user", "content": f"<tool_response>\n{entry['content']}\n</tool_response>"}
         elif calls:
-            blocks = [json.dumps({"name": (c.get("function") or {}).get("name"), "arguments": _arguments(c)})
-                      for c in calls]
+            blocks = [json.dumps({"name": _function(c).get("name"), "arguments": _arguments(c)}) for c in calls]
             entry["content"] = "\n".join(([entry["content"]] if entry["content"] else [])
                                          + [f"<tool_call>\n{b}\n</tool_call>" for b in blocks])
         out.append(entry)
