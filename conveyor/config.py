@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from .speculative.config import SpeculativeConfig
 
 
 class ConfigError(ValueError):
@@ -32,6 +35,7 @@ class ContinuousBatchingConfig:
     use_cuda_graph / use_async_batching: None = auto-detect (off on CPU).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
+    speculative_config: vLLM's speculative decoding options (a dict or `SpeculativeConfig`), None = off.
     """
 
     page_size: int = 16
@@ -49,6 +53,7 @@ class ContinuousBatchingConfig:
     use_cuda_graph: bool | None = None
     use_async_batching: bool | None = None
     attention_backend: str = "auto"
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -75,3 +80,7 @@ class ContinuousBatchingConfig:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None and self.use_async_batching:
+            raise ConfigError("speculative_config does not combine with use_async_batching=True (a step's "
+                              "proposals need the previous step's tokens); set use_async_batching to False or None")

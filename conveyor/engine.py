@@ -27,6 +27,9 @@ from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput, make_scheduler
+from .speculative import Speculator
+from .speculative.draft import DraftProposer, draft_bytes_per_chunk
+from .speculative.verification import apply_verification
 
 logger = logging.getLogger("conveyor")
 
@@ -64,7 +67,8 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: PreTrainedTokenizerBase,
-                 config: ContinuousBatchingConfig, device: torch.device) -> None:
+                 config: ContinuousBatchingConfig, device: torch.device, draft_model: CausalLM | None = None) -> None:
+        """`draft_model`: the draft of a "draft_model" `config.speculative_config` (`speculative.draft`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -85,7 +89,8 @@ class Engine:
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
-            bytes_per_chunk=bytes_per_chunk, activation_bytes=working,
+            bytes_per_chunk=bytes_per_chunk + (draft_bytes_per_chunk(draft_model, page) if draft_model else 0),
+            activation_bytes=working,
             max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)
         self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
         # Prefix caching needs every allocator to share blocks: full-attention-only models.
@@ -94,6 +99,11 @@ class Engine:
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
+        if config.speculative_config is not None:
+            draft = draft_model and DraftProposer(draft_model, self.allocator, num_chunks, page,  # type: ignore[arg-type]
+                                                  device, config.attention_backend)
+            self.scheduler.speculator = Speculator(config.speculative_config, self.max_model_len,
+                                                   sliding=window is not None, draft=draft)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
         self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
                                   attention=make_attention_backend(device, self.dtype, config.attention_backend))
@@ -188,6 +198,8 @@ class Engine:
         if not out.chunks:
             return self._fail_unschedulable(out)
         try:
+            if self.scheduler.speculator is not None:
+                self.scheduler.speculator.fill_drafts(out.chunks)
             result = self.runner.execute(out.chunks)
         except Exception as exc:  # a broken batch fails its own requests, not the engine
             logger.exception("forward pass failed")
@@ -198,6 +210,8 @@ class Engine:
         for request, entries in result.prompt_logprobs:
             request.prompt_logprobs.extend(entries)  # type: ignore[union-attr]  # set: it asked for them
         for chunk in out.chunks:
+            if chunk.draft_tokens:
+                continue  # verified below
             if chunk.request.state is RequestState.PREFILLING:
                 self._stats.prefill_tokens += chunk.num_tokens
             chunk.request.num_computed_tokens += chunk.num_tokens
@@ -210,6 +224,8 @@ class Engine:
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)
                 self._finish(request, RequestState.FAILED, "error", error=str(exc))
+        if result.verified:
+            return result.requests + apply_verification(self, result.verified, result.verify_logits)
         return result.requests
 
     def _schedule(self) -> SchedulerOutput:

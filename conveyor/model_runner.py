@@ -4,6 +4,8 @@ One forward pass covers every scheduled chunk, flattened: single-token chunks (d
 so attention can treat them as one padded group, then prefill chunks. Only the last token of a
 chunk that completes its request's sequence is sent through the LM head and the sampler, plus,
 for requests that ask for prompt logprobs, the prompt rows that score their next prompt token.
+A speculating decode (`ScheduledChunk.draft_tokens`) is a chunk of its last token and its
+proposals, causal like any prefill chunk; all its rows' logits go back for verification.
 """
 
 from __future__ import annotations
@@ -30,11 +32,31 @@ class StepResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = field(default_factory=list)
+    verified: list[ScheduledChunk] = field(default_factory=list)  # speculating chunks, in row order
+    verify_logits: torch.Tensor | None = None  # fp32 [sum of their num_tokens, vocab]
+
+
+def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
+    """The chunk's input tokens: a slice of the request's sequence, then its proposals (if any)."""
+    r, start = chunk.request, chunk.request.num_computed_tokens
+    return r.token_slice(start, start + chunk.num_tokens - len(chunk.draft_tokens)) + chunk.draft_tokens
 
 
 def split_batch(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
     """Decodes (single-token chunks), then prefills: the order of the pass's rows."""
     return [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
+
+
+def verify_rows_of(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:
+    """The speculating chunks in row order and all their rows (each row's logits check one token)."""
+    decodes, prefills = split_batch(chunks)
+    verified, rows, offset = [], [], 0
+    for c in decodes + prefills:
+        if c.draft_tokens:
+            verified.append(c)
+            rows.extend(range(offset, offset + c.num_tokens))
+        offset += c.num_tokens
+    return verified, rows
 
 
 class ModelRunner:
@@ -75,7 +97,7 @@ class ModelRunner:
         for c in prefills:
             r = c.request
             positions.append(torch.arange(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens, device=dev))
-            ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens))
+            ids.extend(chunk_token_ids(c))
         sample_rows: list[int] = []
         samplers: list[Request] = []
         offset = 0
@@ -141,11 +163,13 @@ class ModelRunner:
         input_ids, positions, metas, sample_rows, samplers = self.prepare(chunks)
         hidden = self.model(input_ids, positions, self.layer_kv, metas, self.attention)
         prompt_logprobs = self._prompt_logprobs(chunks, hidden)
-        if not samplers:
+        verified, verify_rows = verify_rows_of(chunks)
+        if not samplers and not verified:
             return StepResult([], [], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        token_ids, logprobs = self.sampler(logits, samplers)
-        return StepResult(samplers, token_ids, logprobs, prompt_logprobs)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows + verify_rows, device=self.device)])
+        token_ids, logprobs = self.sampler(logits[:len(samplers)], samplers) if samplers else ([], [])
+        return StepResult(samplers, token_ids, logprobs, prompt_logprobs, verified,
+                          logits[len(samplers):] if verified else None)
 
     def _prompt_logprobs(self, chunks: list[ScheduledChunk],
                          hidden: torch.Tensor) -> list[tuple[Request, list[dict[int, float]]]]:
