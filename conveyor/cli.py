@@ -31,6 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
                         help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
     parser.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
@@ -38,7 +40,7 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
               if getattr(args, f.name, None) is not None}
     if args.no_block_sharing:
         values["allow_block_sharing"] = False
-    return ContinuousBatchingConfig(**values)
+    return ContinuousBatchingConfig(**values)  # speculative_config: its JSON text, parsed and validated there
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -59,6 +59,12 @@ class EngineStats:
     swapped_requests: int = 0  # waiting requests whose blocks are in the swap pool
     swap_free_blocks: int = 0
     swap_total_blocks: int = 0
+    # Speculative decoding (vLLM's counters): verification passes with proposals, tokens proposed,
+    # tokens accepted, and accepted per proposal position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -189,6 +195,12 @@ class Engine:
             snapshot.swapped_requests = len(self.swap.slots)
             snapshot.swap_free_blocks = self.swap.num_free
             snapshot.swap_total_blocks = self.swap.num_slots
+        speculator = self.scheduler.speculator
+        if speculator is not None:
+            snapshot.spec_decode_num_drafts = speculator.num_drafts
+            snapshot.spec_decode_num_draft_tokens = speculator.num_draft_tokens
+            snapshot.spec_decode_num_accepted_tokens = speculator.num_accepted_tokens
+            snapshot.spec_decode_num_accepted_tokens_per_pos = list(speculator.accepted_per_pos)
         return snapshot
 
     # -- the loop ---------------------------------------------------------------------------

@@ -155,3 +155,43 @@ def test_bad_speculative_configs_name_the_field(tiny_llama: TinyModel, tmp_path)
                                                         "num_speculative_tokens": 2}).speculative_config
     with pytest.raises(ValueError, match="speculative_config.model.*vocabulary"):
         load_draft_model(spec, tiny_llama.path, llm.engine.model, llm.device)
+
+
+def test_counters_in_stats_and_metrics_and_the_options(tiny_models: dict[str, TinyModel], one_thread: None) -> None:
+    from conveyor.bench.workloads import copy_workload
+    from conveyor.cli import add_engine_args, config_from_args
+    from conveyor.server.metrics import ServerMetrics
+
+    llm = tiny_models["llama_smooth"].llm(max_batch_tokens=32, speculative_config=NGRAM)
+    generate(llm, copy_prompts()[:3], [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)] * 3)
+    s = llm.stats()
+    assert s.spec_decode_num_drafts > 0 and len(s.spec_decode_num_accepted_tokens_per_pos) == 3
+    assert s.spec_decode_num_accepted_tokens == sum(s.spec_decode_num_accepted_tokens_per_pos) > 0
+    text = ServerMetrics(llm.stats, "m").render().decode()
+    assert f'conveyor:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(s.spec_decode_num_accepted_tokens)}' in text
+    assert 'conveyor:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"}' in text
+
+    import argparse
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = config_from_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']))
+    assert config.speculative_config.num_speculative_tokens == 4 and config.speculative_config.prompt_lookup_max == 3
+    with pytest.raises(ValueError, match="speculative_config"):
+        config_from_args(parser.parse_args(["--speculative-config", "{method: ngram}"]))
+    workload = copy_workload(3, 64)
+    assert len(workload) == 3 and all("river rose slowly" in r.prompt for r in workload.requests)
+
+
+@pytest.mark.slow
+def test_builtin_model_copy_prompt_equals_speculation_off() -> None:
+    """The built-in model, exact path, a copy-heavy prompt: same tokens, most proposals accepted."""
+    from conveyor.bench.workloads import copy_workload
+
+    prompt = copy_workload(1, 64).requests[0].prompt
+    params = SamplingParams(temperature=0, max_new_tokens=64)
+    spec = LLM(dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    ours = spec.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+    ref = LLM(dtype="float32").chat([{"role": "user", "content": prompt}], params, use_tqdm=False)[0]
+    assert ours.token_ids == ref.token_ids
+    s = spec.stats()
+    assert s.spec_decode_num_accepted_tokens > s.spec_decode_num_draft_tokens / 2

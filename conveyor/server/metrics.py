@@ -53,6 +53,17 @@ class EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Preemptions of running requests (offload or soft reset).", s.offloads)
         yield counter("prompt_tokens", "Prompt tokens of every admitted request.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
+            yield counter("spec_decode_num_drafts", "Verification passes with proposals.", s.spec_decode_num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Tokens proposed.", s.spec_decode_num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                          s.spec_decode_num_accepted_tokens)
+            per_pos = CounterMetricFamily("conveyor:spec_decode_num_accepted_tokens_per_pos",
+                                          "Proposed tokens accepted, by position in the proposal.",
+                                          labels=labels + ["position"])
+            for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self.model_name, str(pos)], value)
+            yield per_pos
 
 
 class ServerMetrics:
