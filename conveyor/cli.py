@@ -32,7 +32,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
     parser.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                        help="speculative decoding, vLLM's JSON, e.g. "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:

@@ -106,8 +106,8 @@ class Engine:
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
         if config.speculative_config is not None:
-            draft = draft_model and DraftProposer(draft_model, self.allocator, num_chunks, page,  # type: ignore[arg-type]
-                                                  device, config.attention_backend)
+            draft = draft_model and DraftProposer(
+                draft_model, self.allocator, num_chunks, page, device, config.attention_backend)
             self.scheduler.speculator = Speculator(config.speculative_config, self.max_model_len,
                                                    sliding=window is not None, draft=draft)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.

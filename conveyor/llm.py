@@ -85,7 +85,8 @@ class LLM:
         del checkpoint  # what the model did not keep of the loaded tensors is garbage now
         release_freed_memory()
         spec = config.speculative_config
-        draft = load_draft_model(spec, self.model_path, net, self.device) if spec and spec.method == "draft_model" else None
+        draft = (load_draft_model(spec, self.model_path, net, self.device)
+                 if spec is not None and spec.method == "draft_model" else None)
         self.engine = Engine(net, self.tokenizer, config, self.device, draft_model=draft)
         self.manager = ContinuousBatchingManager(self.engine)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),

@@ -168,13 +168,15 @@ def test_counters_in_stats_and_metrics_and_the_options(tiny_models: dict[str, Ti
     assert s.spec_decode_num_drafts > 0 and len(s.spec_decode_num_accepted_tokens_per_pos) == 3
     assert s.spec_decode_num_accepted_tokens == sum(s.spec_decode_num_accepted_tokens_per_pos) > 0
     text = ServerMetrics(llm.stats, "m").render().decode()
-    assert f'conveyor:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(s.spec_decode_num_accepted_tokens)}' in text
+    accepted = float(s.spec_decode_num_accepted_tokens)
+    assert f'conveyor:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}' in text
     assert 'conveyor:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"}' in text
 
     import argparse
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    config = config_from_args(parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']))
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'])
+    config = config_from_args(args)
     assert config.speculative_config.num_speculative_tokens == 4 and config.speculative_config.prompt_lookup_max == 3
     with pytest.raises(ValueError, match="speculative_config"):
         config_from_args(parser.parse_args(["--speculative-config", "{method: ngram}"]))

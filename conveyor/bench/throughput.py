@@ -259,7 +259,8 @@ def add_arguments(parser: Any) -> None:
                      help="host swap space for offloaded requests' KV blocks (default 0: soft resets)")
     eng.add_argument("--no-block-sharing", action="store_true", help="allow_block_sharing=False: no prefix caching")
     eng.add_argument("--speculative-config", default=None, metavar="JSON",
-                     help='speculative decoding, vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                     help="speculative decoding, vLLM's JSON, e.g. "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
     vl = parser.add_argument_group("vLLM baseline (--compare vllm; run in its own interpreter, see vllm_compare.py)")
     vl.add_argument("--vllm-python", default=None, metavar="PATH", help="a Python interpreter with vLLM installed")
     vl.add_argument("--vllm-model", default=None,

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..allocator import AttentionTypeAllocator
+from ..allocator import AttentionTypeAllocator, CacheAllocator
 from ..attention import make_attention_backend
 from ..cache_pool import CachePool
 from ..model_runner import ModelRunner
@@ -73,7 +73,8 @@ class _DraftView:
     needs_prompt_logprobs = False
 
     def __init__(self, request: Request, start: int, drafts: list[int]) -> None:
-        self.request, self.request_id, self.num_computed_tokens, self.drafts = request, request.request_id, start, drafts
+        self.request, self.request_id = request, request.request_id
+        self.num_computed_tokens, self.drafts = start, drafts
 
     @property
     def num_tokens(self) -> int:
@@ -86,15 +87,17 @@ class _DraftView:
 
 
 class DraftProposer:
-    def __init__(self, draft: CausalLM, allocator: AttentionTypeAllocator, num_chunks: int, page_size: int,
+    def __init__(self, draft: CausalLM, allocator: CacheAllocator, num_chunks: int, page_size: int,
                  device: torch.device, attention_backend: str = "auto") -> None:
-        if not isinstance(allocator, AttentionTypeAllocator) or allocator.window is not None or allocator.num_groups != 1:
+        if (not isinstance(allocator, AttentionTypeAllocator) or allocator.window is not None
+                or allocator.num_groups != 1):
             raise ValueError("speculative_config: draft models need a target with full attention only")
         self.model = draft
         self.allocator = allocator
         self.page_size = page_size
         self.pool = CachePool(num_chunks, page_size=page_size, num_layers=draft.num_layers,
-                              num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim, dtype=draft.dtype, device=device)
+                              num_kv_heads=draft.num_kv_heads, head_dim=draft.head_dim, dtype=draft.dtype,
+                              device=device)
         self.runner = ModelRunner(draft, self.pool, [(allocator, 0, list(range(draft.num_layers)))], device,
                                   attention=make_attention_backend(device, draft.dtype, attention_backend))
         self.seen: dict[str, _Seen] = {}
