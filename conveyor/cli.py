@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=None)
         elif f.type in ("float", "float | None"):
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None)
+        elif f.type == "bool | None":  # --use-cuda-graph / --no-use-cuda-graph; absent = auto
+            parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--scheduler-type", choices=["fifo", "prefill_first"], default=None)
     parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
                         help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
@@ -34,6 +36,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-config", default=None, metavar="JSON",
                         help="speculative decoding, vLLM's JSON, e.g. "
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag): --no-use-cuda-graph")
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
@@ -41,6 +44,8 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
               if getattr(args, f.name, None) is not None}
     if args.no_block_sharing:
         values["allow_block_sharing"] = False
+    if args.enforce_eager:
+        values["use_cuda_graph"] = False
     return ContinuousBatchingConfig(**values)  # speculative_config: its JSON text, parsed and validated there
 
 

@@ -32,10 +32,15 @@ class ContinuousBatchingConfig:
     allow_block_sharing: prefix caching across requests (full-attention models only).
     cpu_offload_space: GiB of host memory for swapping out KV blocks of preempted requests.
     q_padding_interval_size / kv_padding_interval_size: shape padding for CUDA graphs.
-    use_cuda_graph / use_async_batching: None = auto-detect (off on CPU).
+    use_cuda_graph: replay CUDA graphs of padded decode steps; None = on for CUDA, off elsewhere.
+    use_async_batching: prepare step N+1 while step N runs; None = on for CUDA with graphs, off on CPU.
+    pad_steps: pad every step into static buffers; None = exactly when CUDA graphs are on. True on CPU
+        pads without capturing (for tests: padded steps must give the unpadded outputs).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
     speculative_config: vLLM's speculative decoding options (a dict or `SpeculativeConfig`), None = off.
+    step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
+        0 = off (the server turns it on).
     """
 
     page_size: int = 16
@@ -52,8 +57,10 @@ class ContinuousBatchingConfig:
     kv_padding_interval_size: int = 256
     use_cuda_graph: bool | None = None
     use_async_batching: bool | None = None
+    pad_steps: bool | None = None
     attention_backend: str = "auto"
     speculative_config: Any = None
+    step_history: int = 0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -78,6 +85,8 @@ class ContinuousBatchingConfig:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not isinstance(self.step_history, int) or self.step_history < 0:
+            raise ConfigError(f"step_history must be an integer >= 0 (0 = off), got {self.step_history!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)

@@ -17,9 +17,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from .allocator import build_allocators, table_length
+from .async_batching import AsyncPipeline
 from .attention import make_attention_backend
 from .cache_pool import CachePool, layer_groups, plan_num_chunks
 from .config import ContinuousBatchingConfig
+from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
 from .memory_profile import working_memory
 from .model_runner import ModelRunner
 from .models.llama import CausalLM
@@ -30,6 +32,7 @@ from .scheduler import SchedulerOutput, make_scheduler
 from .speculative import Speculator
 from .speculative.draft import DraftProposer, draft_bytes_per_chunk
 from .speculative.verification import apply_verification
+from .step_history import StepHistory, composition
 
 logger = logging.getLogger("conveyor")
 
@@ -65,6 +68,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    cuda_graph_captures: int = 0  # decode shapes captured as CUDA graphs
+    cuda_graph_replays: int = 0  # steps run by replaying a graph
+    cuda_graph_eager_steps: int = 0  # steps with graphs on that ran eagerly (prefill chunks, over the largest bucket)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -91,7 +97,10 @@ class Engine:
         page, window = config.page_size, model.sliding_window
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
+        use_graphs = use_cuda_graphs(config, device)
         working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
+        if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
+            working += graph_memory_bytes(model, config, self.dtype)
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
@@ -113,12 +122,22 @@ class Engine:
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
         self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
                                   attention=make_attention_backend(device, self.dtype, config.attention_backend))
+        # Async batching (on by default where graphs are) alternates two sets of static buffers.
+        use_async = config.use_async_batching
+        if use_async is None:  # speculation needs each step's tokens before the next is scheduled
+            use_async = use_graphs and config.speculative_config is None
+        if config.pad_steps or (config.pad_steps is None and use_graphs):
+            self.runner.enable_padding(config, buffer_sets=2 if use_async else 1)
+        if use_graphs:
+            self.runner.graphs = CudaGraphs(self.runner, graph_tokens(config))
+        self.pipeline = AsyncPipeline(self) if use_async else None
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
         swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self._stats = EngineStats()
+        self.step_history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
                     "memory; prefix caching %s; swap pool %d chunks", self.pool.num_usable, page, shape["num_layers"],
@@ -182,7 +201,11 @@ class Engine:
         return request
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.busy)
+
+    def drain(self) -> list[Request]:
+        """Finish the step in flight (async batching); the requests it updated."""
+        return self.pipeline.drain() if self.pipeline is not None else []
 
     def stats(self) -> EngineStats:
         """Counters so far plus the cache and queue gauges now (safe to read from another thread)."""
@@ -201,14 +224,23 @@ class Engine:
             snapshot.spec_decode_num_draft_tokens = speculator.num_draft_tokens
             snapshot.spec_decode_num_accepted_tokens = speculator.num_accepted_tokens
             snapshot.spec_decode_num_accepted_tokens_per_pos = list(speculator.accepted_per_pos)
+        graphs = self.runner.graphs
+        if graphs is not None:
+            snapshot.cuda_graph_captures, snapshot.cuda_graph_replays = graphs.captures, graphs.replays
+            snapshot.cuda_graph_eager_steps = graphs.eager_steps
         return snapshot
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one forward pass; return the requests that produced a token or ended."""
+        """Run one forward pass; return the requests that produced a token or ended (with async
+        batching: submit one pass and read back the previous one)."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
+        started = time.monotonic()
         out = self._schedule()
         if not out.chunks:
             return self._fail_unschedulable(out)
+        counts = composition(out.chunks) if self.step_history is not None else (0, 0)
         try:
             if self.scheduler.speculator is not None:
                 self.scheduler.speculator.fill_drafts(out.chunks)
@@ -219,8 +251,9 @@ class Engine:
             for request in failed:
                 self._finish(request, RequestState.FAILED, "error", error=f"forward pass failed: {exc}")
             return failed
-        for request, entries in result.prompt_logprobs:
-            request.prompt_logprobs.extend(entries)  # type: ignore[union-attr]  # set: it asked for them
+        for request, first, entries in result.prompt_logprobs:  # entries already recorded are skipped
+            known = request.prompt_logprobs  # set: it asked for them
+            known.extend(entries[max(0, len(known) - first):])  # type: ignore[union-attr, arg-type]
         for chunk in out.chunks:
             if chunk.draft_tokens:
                 continue  # verified below
@@ -228,6 +261,7 @@ class Engine:
                 self._stats.prefill_tokens += chunk.num_tokens
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.allocator.register_full_blocks(chunk.request)  # completed blocks become matchable
+        generated = self._stats.generation_tokens
         self._stats.generation_tokens += len(result.token_ids)
         now = time.monotonic()
         for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
@@ -236,9 +270,12 @@ class Engine:
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)
                 self._finish(request, RequestState.FAILED, "error", error=str(exc))
+        updated = result.requests
         if result.verified:
-            return result.requests + apply_verification(self, result.verified, result.verify_logits)
-        return result.requests
+            updated = updated + apply_verification(self, result.verified, result.verify_logits)
+        if self.step_history is not None:
+            self.step_history.record(started, counts, self._stats.generation_tokens - generated, result.padding_tokens)
+        return updated
 
     def _schedule(self) -> SchedulerOutput:
         """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""
@@ -263,6 +300,8 @@ class Engine:
         """Swap out the victims whose blocks fit in the free swap slots (one batched copy), soft-reset
         the rest; requeued in victim order either way. Freeing a victim only drops its references: a
         block shared with another request stays (its swapped copy includes it all the same)."""
+        if self.pipeline is not None:
+            self.pipeline.wait()  # the step in flight writes the victims' blocks
         to_swap: dict[str, list[int]] = {}
         room = self.swap.num_free if self.swap is not None else 0
         for victim in victims:
@@ -360,7 +399,8 @@ class Engine:
     def _finish(self, request: Request, state: RequestState, reason: str, error: str | None = None) -> None:
         if request.is_finished:
             return
-        self.scheduler.remove(request)
+        in_flight = self.pipeline is not None and self.pipeline.on_finish(request)
+        self.scheduler.remove(request, free=not in_flight)
         if self.swap is not None:
             self.swap.release(request.request_id)
         self._resume_state.pop(request.request_id, None)

@@ -223,6 +223,7 @@ class ContinuousBatchingManager:
             self.engine.add_request(request)
             self.engine.cancel_request(request.request_id)
             aborted.append(request)
+        self.engine.drain()  # a step in flight returns the cancelled requests' blocks when it ends
         return aborted
 
     def _take_inbox_adds(self) -> list[Request]:

@@ -10,17 +10,23 @@ proposals, causal like any prefill chunk; all its rows' logits go back for verif
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from .allocator import AttentionTypeAllocator, LayerGroup
+from .allocator import AttentionTypeAllocator, LayerGroup, table_length
 from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
 from .cache_pool import CachePool
+from .config import ContinuousBatchingConfig
 from .request import Request
-from .sampler import Sampler
+from .sampler import SampledBatch, Sampler
 from .scheduler import ScheduledChunk
+from .step_buffers import PaddedShape, StepBuffers
+
+# (request, index in its prompt_logprobs list of the first entry, the entries)
+PromptLogprobs = tuple[Request, int, list[dict[int, float]]]
 
 
 @dataclass
@@ -31,7 +37,8 @@ class StepResult:
     requests: list[Request]
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
-    prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    padding_tokens: int = 0  # rows a padded shape added to the pass
     verified: list[ScheduledChunk] = field(default_factory=list)  # speculating chunks, in row order
     verify_logits: torch.Tensor | None = None  # fp32 [sum of their num_tokens, vocab]
 
@@ -40,6 +47,63 @@ def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
     """The chunk's input tokens: a slice of the request's sequence, then its proposals (if any)."""
     r, start = chunk.request, chunk.request.num_computed_tokens
     return r.token_slice(start, start + chunk.num_tokens - len(chunk.draft_tokens)) + chunk.draft_tokens
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: its samples (still there, their host copy under way) and its prompt
+    logprobs; `result` waits for the copy."""
+
+    samplers: list[Request]
+    batch: SampledBatch | None
+    prompt_logprobs: list[PromptLogprobs]
+    padding_tokens: int = 0
+    verified: list[ScheduledChunk] = field(default_factory=list)
+    verify_logits: torch.Tensor | None = None
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The sampled tokens on the device (for the next step's inputs, without a host round trip)."""
+        return None if self.batch is None else self.batch.tokens
+
+    def result(self) -> StepResult:
+        token_ids, logprobs = self.batch.to_host() if self.batch is not None else ([], [])
+        return StepResult(self.samplers, token_ids, logprobs, self.prompt_logprobs, self.padding_tokens,
+                          self.verified, self.verify_logits)
+
+
+@dataclass
+class PromptLogprobPlan:
+    """Rows of the pass whose log-softmax scores a prompt token: `targets[i]` for `rows[i]`; `spans`
+    are (request, first entry index, entry count) in row order."""
+
+    rows: list[int]
+    targets: list[int]
+    spans: list[tuple[Request, int, int]]
+
+
+@dataclass
+class PreparedStep:
+    """A step ready to run: inputs, per-group metadata, sample rows (padded ones after the real ones),
+    the requests that sample, and (padded steps) the shape and buffer set. `sampling_views` stand in
+    for `samplers` in the sampler when async batching snapshots their history."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metas: list[AttentionMetadata]
+    sample_rows: torch.Tensor
+    samplers: list[Request]
+    prompt_plan: PromptLogprobPlan | None
+    shape: PaddedShape | None = None
+    buffer_set: int = 0
+    sampling_views: list[Any] | None = None
+    verified: list[ScheduledChunk] = field(default_factory=list)  # speculating chunks, in row order
+    verify_rows: torch.Tensor | None = None  # all their rows (each row's logits check one token)
+    pad_at: int = 0  # padded steps: rows from `pad_at` on moved down by `num_pad`
+    num_pad: int = 0
+
+    def row(self, unpadded_row: int) -> int:
+        return unpadded_row if unpadded_row < self.pad_at else unpadded_row + self.num_pad
 
 
 def split_batch(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
@@ -80,10 +144,22 @@ class ModelRunner:
         self.sampler = Sampler()
         self.page_size = pool.page_size
         self.max_logit_rows = max_logit_rows  # LM head rows at a time for prompt logprobs (bounds the logits)
+        self.buffers: list[StepBuffers] = []  # static step buffers, when steps are padded
+        self.graphs: Any = None  # a graph_runner.CudaGraphs replaying padded steps, when on
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata],
-                                                               list[int], list[Request]]:
-        """Input ids, positions, attention metadata per layer, and the batch rows (and requests) that sample."""
+    def enable_padding(self, config: ContinuousBatchingConfig, buffer_sets: int = 1) -> None:
+        """Pad every step into static buffers (`step_buffers`); `buffer_sets` alternate (async batching
+        prepares one while the previous step still reads the other)."""
+        width = max(table_length(self.model.max_model_len, self.page_size, allocator.window)
+                    for allocator, _ in self.groups)
+        self.buffers = [StepBuffers(len(self.groups), config.max_batch_tokens, config.max_requests_per_batch, width,
+                                    config.max_requests_per_batch, config.q_padding_interval_size,
+                                    max(1, config.kv_padding_interval_size // self.page_size), self.device)
+                        for _ in range(buffer_sets)]
+
+    def prepare(self, chunks: list[ScheduledChunk], buffer_set: int = 0) -> PreparedStep:
+        """Input ids, positions, attention metadata per layer group, and the batch rows (and requests)
+        that sample; padded into static buffer set `buffer_set` when padding is on."""
         decodes, prefills = split_batch(chunks)
         ids: list[int] = []
         positions: list[torch.Tensor] = []
@@ -108,10 +184,23 @@ class ModelRunner:
                 samplers.append(c.request)
         metas = [self._group_metadata(allocator, index, decodes, prefills, decode_pos)
                  for allocator, index in self.groups]
-        for meta in metas:
+        input_ids, pos = torch.tensor(ids, device=dev), torch.cat(positions)
+        plan = self._prompt_logprob_plan(decodes + prefills)
+        if self.buffers:
+            step = self.buffers[buffer_set].load(input_ids, pos, metas, sample_rows)
+            plan = plan and replace(plan, rows=[step.row(r) for r in plan.rows])
+            prepared = PreparedStep(step.input_ids, step.positions, step.metas, step.sample_rows, samplers, plan,
+                                    step.shape, buffer_set, pad_at=step.pad_at, num_pad=step.num_pad)
+        else:
+            prepared = PreparedStep(input_ids, pos, metas, torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers,
+                                    plan)
+        verified, verify_rows = verify_rows_of(chunks)
+        if verified:
+            prepared.verified = verified
+            prepared.verify_rows = torch.tensor([prepared.row(r) for r in verify_rows], dtype=torch.long, device=dev)
+        for meta in prepared.metas:
             self.attention.prepare(meta)
-        return (torch.tensor(ids, device=dev), torch.cat(positions), [metas[g] for g in self.layer_group],
-                sample_rows, samplers)
+        return prepared
 
     def _group_metadata(self, allocator: AttentionTypeAllocator, group: int, decodes: list[ScheduledChunk],
                         prefills: list[ScheduledChunk], decode_pos: torch.Tensor) -> AttentionMetadata:
@@ -160,42 +249,63 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
-        input_ids, positions, metas, sample_rows, samplers = self.prepare(chunks)
-        hidden = self.model(input_ids, positions, self.layer_kv, metas, self.attention)
-        prompt_logprobs = self._prompt_logprobs(chunks, hidden)
-        verified, verify_rows = verify_rows_of(chunks)
-        if not samplers and not verified:
-            return StepResult([], [], [], prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows + verify_rows, device=self.device)])
-        token_ids, logprobs = self.sampler(logits[:len(samplers)], samplers) if samplers else ([], [])
-        return StepResult(samplers, token_ids, logprobs, prompt_logprobs, verified,
-                          logits[len(samplers):] if verified else None)
+        return self.run(self.prepare(chunks))
 
-    def _prompt_logprobs(self, chunks: list[ScheduledChunk],
-                         hidden: torch.Tensor) -> list[tuple[Request, list[dict[int, float]]]]:
-        """Log-softmax (fp32, raw logits) of the prompt rows of requests that ask for prompt logprobs: the
-        row at position `p` scores prompt token `p + 1`, with the top-n alternatives. Positions whose
-        entry is already recorded (a soft reset recomputes them) are skipped. The LM head takes at most
-        `max_logit_rows` rows at a time, so a long prompt chunk never holds all its logits at once."""
-        decodes, prefills = split_batch(chunks)
-        rows: list[int] = []
-        targets: list[int] = []
-        spans: list[tuple[Request, int]] = []
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> StepResult:
+        """The forward pass of a prepared step, its prompt logprobs and its samples."""
+        return self.launch(step).result()
+
+    @torch.inference_mode()
+    def launch(self, step: PreparedStep) -> LaunchedStep:
+        """Queue the step's forward pass and sampling, and the copy of its samples to the host; waits
+        for the device only for prompt logprobs (their entries are host dicts)."""
+        if self.graphs is not None and self.graphs.takes(step):
+            hidden, logits = None, self.graphs.replay(step)
+        else:
+            if self.graphs is not None:
+                self.graphs.eager_steps += 1
+            hidden = self.forward(step)
+            rows = step.sample_rows[:len(step.samplers)] if step.verified else step.sample_rows
+            if step.verify_rows is not None:  # one LM head pass for the sampled and the verified rows
+                rows = torch.cat([rows, step.verify_rows])
+            logits = self.model.compute_logits(hidden.index_select(0, rows)) if rows.numel() else None
+        prompt_logprobs = self._prompt_logprobs(step.prompt_plan, hidden) if step.prompt_plan else []
+        verify_logits = logits[len(step.samplers):] if step.verified else None
+        batch = None
+        if step.samplers:
+            batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers).start_copy()
+        return LaunchedStep(step.samplers, batch, prompt_logprobs, step.num_pad, step.verified, verify_logits)
+
+    def forward(self, step: PreparedStep) -> torch.Tensor:
+        """Hidden states of every row of the step (each layer with its group's metadata)."""
+        return self.model(step.input_ids, step.positions, self.layer_kv, [step.metas[g] for g in self.layer_group],
+                          self.attention)
+
+    def _prompt_logprob_plan(self, chunks: list[ScheduledChunk]) -> PromptLogprobPlan | None:
+        """Which rows score which prompt tokens, for requests that ask for prompt logprobs: the row at
+        position `p` scores prompt token `p + 1`. Positions whose entry is already recorded (a soft reset
+        recomputes them) are skipped."""
+        plan = PromptLogprobPlan([], [], [])
         offset = 0
-        for chunk in decodes + prefills:
+        for chunk in chunks:
             request, start = chunk.request, chunk.request.num_computed_tokens
             if request.needs_prompt_logprobs:
                 assert request.prompt_logprobs is not None
                 lo = max(start, len(request.prompt_logprobs) - 1)
                 hi = min(start + chunk.num_tokens, len(request.prompt_token_ids) - 1)
                 if lo < hi:
-                    rows.extend(range(offset + lo - start, offset + hi - start))
-                    targets.extend(request.prompt_token_ids[lo + 1:hi + 1])
-                    spans.append((request, hi - lo))
+                    plan.rows.extend(range(offset + lo - start, offset + hi - start))
+                    plan.targets.extend(request.prompt_token_ids[lo + 1:hi + 1])
+                    plan.spans.append((request, lo + 1, hi - lo))
             offset += chunk.num_tokens
-        if not rows:
-            return []
-        tops = [request.params.prompt_logprobs or 0 for request, n in spans for _ in range(n)]
+        return plan if plan.rows else None
+
+    def _prompt_logprobs(self, plan: PromptLogprobPlan, hidden: torch.Tensor) -> list[PromptLogprobs]:
+        """Log-softmax (fp32, raw logits) of the planned rows, with the top-n alternatives. The LM head
+        takes at most `max_logit_rows` rows at a time, so a long prompt chunk never holds all its logits."""
+        rows, targets = plan.rows, plan.targets
+        tops = [request.params.prompt_logprobs or 0 for request, _, n in plan.spans for _ in range(n)]
         row_index = torch.tensor(rows, device=self.device)
         target_ids = torch.tensor(targets, device=self.device)
         entries: list[dict[int, float]] = []
@@ -211,7 +321,7 @@ class ModelRunner:
                 entry[token] = value
                 entries.append(entry)
         result, at = [], 0
-        for request, n in spans:
-            result.append((request, entries[at:at + n]))
+        for request, first, n in plan.spans:
+            result.append((request, first, entries[at:at + n]))
             at += n
         return result

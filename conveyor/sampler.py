@@ -8,7 +8,8 @@ never on what else is in the batch.
 Everything runs on the logits' device: per-request parameters and row indices are staged through
 pinned memory (`transfer.to_device`), and `Sampler.sample` returns device tensors, so nothing
 waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprobs asked for) in
-one copy: the step's only host sync.
+one copy: the step's only host sync (`start_copy` queues that copy early, so async batching can
+launch the next step before waiting for it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .request import Request
-from .transfer import to_device, to_host
+from .transfer import HostCopy, to_device
 
 
 @dataclass
@@ -33,14 +34,21 @@ class SampledBatch:
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
 
+    copy: HostCopy | None = None
+
+    def start_copy(self) -> SampledBatch:
+        """Queue the copies to the host now (behind the sampling kernels); `to_host` waits for them."""
+        if self.copy is None:
+            extra = (self.chosen, self.top_ids, self.top_vals) if self.wanted else ()
+            self.copy = HostCopy((self.tokens, *extra))  # type: ignore[arg-type]  # set when wanted
+        return self
+
     def to_host(self) -> tuple[list[int], list[dict[int, float] | None]]:
         """Token ids and per-row logprobs (`{token: logprob}`, None where not asked), read in one sync."""
+        copies = self.start_copy().copy.wait()  # type: ignore[union-attr]
         if not self.wanted:
-            (tokens,) = to_host(self.tokens)
-            return tokens.tolist(), [None] * self.tokens.shape[0]
-        assert self.chosen is not None and self.top_ids is not None and self.top_vals is not None
-        tokens, chosen, top_ids, top_vals = (t.tolist() for t in to_host(self.tokens, self.chosen, self.top_ids,
-                                                                          self.top_vals))
+            return copies[0].tolist(), [None] * self.tokens.shape[0]
+        tokens, chosen, top_ids, top_vals = (t.tolist() for t in copies)
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         for j, (i, n) in enumerate(zip(self.wanted, self.top_n)):
             entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))

@@ -79,13 +79,14 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def remove(self, request: Request) -> int:
-        """Take a request out of the queues and free its blocks (finish, failure or cancel)."""
+    def remove(self, request: Request, free: bool = True) -> int:
+        """Take a request out of the queues and free its blocks (finish, failure or cancel); with
+        `free=False` the caller frees them later (a step still in flight uses them)."""
         if request in self.active:
             self.active.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        return self.allocator.free(request.request_id)
+        return self.allocator.free(request.request_id) if free else 0
 
     def requeue_front(self, request: Request) -> None:
         """Put an offloaded request back at the head of the waiting queue."""

@@ -16,6 +16,12 @@ if [ "${1:-}" = "--test" ]; then
     # The CPU tests run Triton kernels under its interpreter: the version they were checked with (a CUDA
     # torch brings its own triton, which the test extra's triton>=3.0 accepts).
     command -v nvidia-smi >/dev/null 2>&1 || "${PIP[@]}" "triton==3.7.0"
+    # The dashboard test drives Debian's headless Chromium through chromedriver (it is skipped without them).
+    if ! command -v chromedriver >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+        SUDO=(); [ "$(id -u)" = 0 ] || SUDO=(sudo -n)
+        { "${SUDO[@]}" apt-get update -qq && "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            chromium chromium-driver >/dev/null; } || echo "note: chromium not installed; the dashboard's browser test skips"
+    fi
     "${PIP[@]}" -e ".[test]"
 else
     "${PIP[@]}" -e .

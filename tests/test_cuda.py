@@ -164,7 +164,7 @@ def test_sampler_never_waits_for_the_device_until_its_one_read() -> None:
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        batch = sampler.sample(logits, requests)
+        batch = sampler.sample(logits, requests).start_copy()  # the copy to the host is queued, not waited for
     finally:
         torch.cuda.set_sync_debug_mode("default")
     tokens, logprobs = batch.to_host()

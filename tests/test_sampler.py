@@ -7,7 +7,7 @@ import torch
 from conveyor.request import Request
 from conveyor.sampler import SampledBatch, Sampler
 from conveyor.sampling_params import SamplingParams
-from conveyor.transfer import to_device, to_host
+from conveyor.transfer import HostCopy, to_device
 
 VOCAB = 50
 
@@ -66,4 +66,5 @@ def test_transfers_on_cpu_are_plain_tensors() -> None:
     moved = to_device([3, 1, 2], torch.long, cpu)
     assert moved.dtype == torch.long and moved.tolist() == [3, 1, 2] and not moved.is_pinned()
     a, b = torch.arange(3), torch.ones(2)
-    assert [t is s for t, s in zip(to_host(a, b), (a, b))] == [True, True]
+    copy = HostCopy((a, b))
+    assert copy.event is None and [t is s for t, s in zip(copy.wait(), (a, b))] == [True, True]

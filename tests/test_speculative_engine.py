@@ -59,6 +59,17 @@ def test_greedy_outputs_equal_speculation_off_in_mixed_batches(tiny_models: dict
     assert_idle(spec)
 
 
+def test_speculation_in_padded_steps_equals_speculation_off(tiny_models: dict[str, TinyModel],
+                                                           one_thread: None) -> None:
+    """Padded steps (the CUDA-graph shapes) move a speculating chunk's verify rows with the padding."""
+    model = tiny_models["llama_smooth"]
+    spec = model.llm(max_batch_tokens=32, speculative_config=NGRAM, pad_steps=True)
+    prompts, params = copy_prompts(), mixed_params()
+    assert generate(spec, prompts, params) == generate(model.llm(max_batch_tokens=32), prompts, params)
+    assert spec_stats(spec)["num_accepted_tokens"] > 0
+    assert_idle(spec)
+
+
 def test_stops_inside_accepted_runs_cut_exactly(tiny_models: dict[str, TinyModel], one_thread: None) -> None:
     """The smooth model repeats a token: its proposals are accepted in runs, and each stop falls inside one."""
     model = tiny_models["llama_smooth"]

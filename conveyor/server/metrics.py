@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from ..engine import EngineStats
 from ..request import RequestOutput
+from .dashboard_data import LatencyWindow
 
 # vLLM's buckets.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -53,6 +54,10 @@ class EngineStatsCollector(Collector):
         yield counter("num_preemptions", "Preemptions of running requests (offload or soft reset).", s.offloads)
         yield counter("prompt_tokens", "Prompt tokens of every admitted request.", s.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield counter("cuda_graph_captures", "Decode shapes captured as CUDA graphs.", s.cuda_graph_captures)
+        yield counter("cuda_graph_replays", "Steps run by replaying a CUDA graph.", s.cuda_graph_replays)
+        yield counter("cuda_graph_eager_steps", "Steps run eagerly while CUDA graphs are on (prefill chunks, "
+                      "shapes over the largest bucket).", s.cuda_graph_eager_steps)
         if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
             yield counter("spec_decode_num_drafts", "Verification passes with proposals.", s.spec_decode_num_drafts)
             yield counter("spec_decode_num_draft_tokens", "Tokens proposed.", s.spec_decode_num_draft_tokens)
@@ -90,6 +95,7 @@ class ServerMetrics:
         self.rejected = Counter("conveyor:request_rejected", "Requests answered 503 (queue full or shutting down).",
                                 labels, registry=self.registry).labels(model_name)
         self.registry.register(EngineStatsCollector(stats, model_name))
+        self.latencies = LatencyWindow()  # recent samples, for the dashboard's percentiles
 
     def observe_finished(self, out: RequestOutput) -> None:
         self.success.labels(self.model_name, out.finish_reason or "unknown").inc()
@@ -101,6 +107,7 @@ class ServerMetrics:
         if m.queue_time is not None:
             self.queue.observe(m.queue_time)
         times = m.token_times
+        self.latencies.observe(m.time_to_first_token, times)
         for a, b in zip(times, times[1:]):
             self.itl.observe(b - a)
         if len(times) > 1:

@@ -1,17 +1,39 @@
 """Request bodies of the OpenAI-compatible API (the fields Conveyor honours) and the error object.
 
 Unknown fields are ignored, as vLLM does; fields that would change the result and that Conveyor
-cannot honour (`echo`, `suffix`, `logit_bias`, `best_of` > n, tools) are rejected with a 400 by
-the handlers rather than silently dropped.
+cannot honour are rejected with a 400 rather than silently dropped: by the models themselves where
+a constraint says it (`echo`, `suffix`), else by the handlers (`logit_bias`, `best_of` != n,
+tools). The models carry the constraints the server enforces (ranges, roles, non-empty prompts), so
+that the OpenAPI schema documents what is accepted.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
+MAX_N = 128  # OpenAI's limit on choices per request (the server's max queue may be lower: a 400 then)
+# Bounds only the running server knows (served names, vocabulary, context): marked here, filled into its
+# OpenAPI schema by `openapi.instance_schema`.
+SERVED_NAME = {"x-conveyor-bound": "served_name"}
+TOKEN_ID = {"x-conveyor-bound": "token_id"}
+MAX_NEW = {"x-conveyor-bound": "max_new_tokens"}
+
+
+
+def _integral(value: Any) -> Any:
+    """JSON Schema's integers include 5.0, which strict pydantic rejects (as it rightly rejects `true` and
+    `"5"`): integral floats, also inside lists, become ints (a float field takes them back as floats)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return [_integral(v) for v in value] if isinstance(value, list) else value
+
+
+TokenId = Annotated[int, Field(ge=0, json_schema_extra=TOKEN_ID)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 class APIError(Exception):
@@ -32,7 +54,14 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """Strict: no `"5"` or `true` for an integer, as the schema says (JSON integers are accepted for floats)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _integral_floats(cls, value: Any) -> Any:
+        return _integral(value)
 
 
 class StreamOptions(_Body):
@@ -42,51 +71,61 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """Fields shared by completions and chat completions."""
 
-    model: str | None = None
-    temperature: float | None = None  # None: OpenAI's default, 1.0
-    top_p: float | None = None
-    top_k: int | None = None  # None, 0 or -1: off
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: str | None = Field(None, json_schema_extra=SERVED_NAME)  # null or "" = the served model
+    temperature: float | None = Field(None, ge=0)  # None: OpenAI's default, 1.0
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - MAX_N)  # choice i uses seed + i
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0)  # at most max_tokens
     user: str | None = None
     logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's and vLLM's default; null = the rest of the context
+    prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds],
+                                                                                      Field(min_length=1)]
+    # OpenAI's and vLLM's default; null = the rest of the context
+    max_tokens: int | None = Field(16, ge=1, json_schema_extra=MAX_NEW)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    echo: StrictBool = Field(False, json_schema_extra={"const": False})  # true is not supported
+    suffix: None = None  # not supported
+    best_of: int | None = Field(None, ge=1)  # only = n
+
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        if echo:
+            raise ValueError("echo is not supported")
+        return echo
 
 
 class TextPart(_Body):
-    type: str
+    type: Literal["text"]
     text: str | None = None
 
 
 class ChatMessage(_Body):
-    role: str
+    role: Literal["system", "developer", "user", "assistant"]  # developer = system
     content: str | list[TextPart] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
-    max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context (vLLM)
-    max_completion_tokens: int | None = Field(None, ge=1)  # takes precedence over max_tokens
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, json_schema_extra=MAX_NEW)  # None: the rest of the context (vLLM)
+    max_completion_tokens: int | None = Field(None, ge=1, json_schema_extra=MAX_NEW)  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
@@ -95,13 +134,25 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(_Body):
-    model: str | None = None
+    """Exactly one of `prompt` and `messages` (the other absent or null)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}}]})
+
+    model: str | None = Field(None, json_schema_extra=SERVED_NAME)
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` or `messages`")
+        return self
 
 
 class DetokenizeRequest(_Body):
-    model: str | None = None
-    tokens: list[int]
+    model: str | None = Field(None, json_schema_extra=SERVED_NAME)
+    tokens: list[TokenId]
 

@@ -27,6 +27,7 @@ from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
+from .dashboard_data import ensure_step_history
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 
@@ -116,6 +117,7 @@ class Serving:
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len = llm.engine.max_model_len
         self.metrics = ServerMetrics(llm.stats, self.model_name)
+        ensure_step_history(llm.engine)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0  # engine requests accepted and not yet finished
         self.active: set[Submission] = set()
@@ -237,20 +239,12 @@ class Serving:
         return ids
 
     def render_chat(self, messages: list[ChatMessage]) -> list[int]:
-        if not messages:
-            raise APIError(400, "messages is empty: it needs at least one message", param="messages")
         conversation = []
-        for m in messages:
-            role = CHAT_ROLES.get(m.role)
-            if role is None:
-                raise APIError(400, f"unsupported message role {m.role!r} (supported: {', '.join(CHAT_ROLES)})",
-                               param="messages")
+        for m in messages:  # roles and part types are checked by the protocol models
             content = m.content
             if isinstance(content, list):
-                if any(p.type != "text" for p in content):
-                    raise APIError(400, "only text content parts are supported", param="messages")
                 content = "\n".join(p.text or "" for p in content)
-            conversation.append({"role": role, "content": content or ""})
+            conversation.append({"role": CHAT_ROLES[m.role], "content": content or ""})
         try:
             return self.llm.render_chat(conversation)
         except Exception as exc:  # no chat template, or the template rejected the conversation

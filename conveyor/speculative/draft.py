@@ -119,10 +119,10 @@ class DraftProposer:
         for step in range(max(len(c.draft_tokens) for c in chunks)):
             live = [v for v, c in zip(views, chunks) if len(c.draft_tokens) > step]
             passes = [ScheduledChunk(v, v.num_tokens - v.num_computed_tokens) for v in live]  # type: ignore[arg-type]
-            input_ids, positions, metas, sample_rows, samplers = self.runner.prepare(passes)
-            hidden = self.model(input_ids, positions, self.runner.layer_kv, metas, self.runner.attention)
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-            for view, token in zip(samplers, logits.argmax(dim=-1).tolist()):
+            prepared = self.runner.prepare(passes)
+            hidden = self.runner.forward(prepared)
+            logits = self.model.compute_logits(hidden.index_select(0, prepared.sample_rows))
+            for view, token in zip(prepared.samplers, logits.argmax(dim=-1).tolist()):
                 view.num_computed_tokens = view.num_tokens  # type: ignore[attr-defined]
                 view.drafts.append(token)  # type: ignore[attr-defined]
         for view, chunk in zip(views, chunks):

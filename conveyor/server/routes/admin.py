@@ -8,13 +8,19 @@ from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ...manager import death_message
+from ..openapi import error_responses
 from ..protocol import APIError
 from .deps import AUTH, ServingDep
 
 router = APIRouter()
 
 
-@router.get("/health")
+class PrometheusResponse(Response):
+    media_type = CONTENT_TYPE_LATEST
+
+
+@router.get("/health", response_class=Response, responses={200: {"description": "serving", "content": {}}}
+            | error_responses(503))
 async def health(serving: ServingDep) -> Response:
     if serving.dead_error is not None:
         raise APIError(503, f"not serving: {death_message(serving.dead_error)}", type="service_unavailable_error",
@@ -24,12 +30,12 @@ async def health(serving: ServingDep) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/metrics")
-async def metrics(serving: ServingDep) -> Response:
-    return Response(serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+@router.get("/metrics", response_class=PrometheusResponse)
+async def metrics(serving: ServingDep) -> PrometheusResponse:
+    return PrometheusResponse(serving.metrics.render())
 
 
-@router.get("/v1/models", dependencies=AUTH)
+@router.get("/v1/models", dependencies=AUTH, responses=error_responses(401))
 async def models(serving: ServingDep) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": name, "object": "model", "created": serving.created, "owned_by": "conveyor",

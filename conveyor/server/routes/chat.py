@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ...request import RequestOutput
+from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
@@ -17,7 +18,8 @@ from .deps import AUTH, ServingDep
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions", dependencies=AUTH)
+@router.post("/v1/chat/completions", dependencies=AUTH,
+             responses=STREAMED | error_responses(400, 401, 404, 500, 503))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
     if body.tools:

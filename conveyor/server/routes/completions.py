@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ...request import RequestOutput
+from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, CompletionRequest
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
@@ -17,13 +18,11 @@ from .deps import AUTH, ServingDep
 router = APIRouter()
 
 
-@router.post("/v1/completions", dependencies=AUTH)
+@router.post("/v1/completions", dependencies=AUTH, responses=STREAMED | error_responses(400, 401, 404, 500, 503))
 async def completions(body: CompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
-    for name, bad in (("echo", body.echo), ("suffix", body.suffix),
-                      ("best_of", body.best_of not in (None, body.n))):
-        if bad:
-            raise APIError(400, f"{name} is not supported", param=name)
+    if body.best_of not in (None, body.n):
+        raise APIError(400, "best_of is not supported (other than = n)", param="best_of")
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     prompts = serving.completion_prompts(body)

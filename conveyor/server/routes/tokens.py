@@ -6,17 +6,16 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from ..openapi import error_responses
 from ..protocol import APIError, DetokenizeRequest, TokenizeRequest
 from .deps import AUTH, ServingDep
 
 router = APIRouter()
 
 
-@router.post("/tokenize", dependencies=AUTH)
+@router.post("/tokenize", dependencies=AUTH, responses=error_responses(400, 401, 404))
 async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]:
     serving.check_model(body.model)
-    if (body.prompt is None) == (body.messages is None):
-        raise APIError(400, "give exactly one of `prompt` or `messages`")
     if body.messages is not None:
         tokens = serving.render_chat(body.messages)
     else:
@@ -24,7 +23,7 @@ async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]
     return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens, "token_strs": None}
 
 
-@router.post("/detokenize", dependencies=AUTH)
+@router.post("/detokenize", dependencies=AUTH, responses=error_responses(400, 401, 404))
 async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, Any]:
     serving.check_model(body.model)
     vocab = serving.llm.engine.vocab_size

@@ -1,0 +1,36 @@
+"""The soak's short form: `conveyor serve` (a subprocess: its own RSS) under a mixed load with
+disconnects and cancels for about half a minute; `conveyor bench soak --minutes N` is the long run."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from conveyor.bench.launch import launched_server
+from conveyor.bench.soak import Soak, print_report
+
+from .serving_helpers import save_long_tiny
+
+
+@pytest.mark.slow
+def test_soak_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = save_long_tiny(tmp_path / "tiny", context=512)
+    with launched_server(model=str(model), dtype="float32", timeout_s=180,
+                         extra_args=["--num-blocks", "512", "--max-queue", "64", "--max-batch-tokens", "256"]) as info:
+        report = asyncio.run(Soak(info["base_url"], seconds=30, concurrency=6, pid=info["pid"], seed=1,
+                                  max_tokens=24, api_key=None).run())
+    print_report(report)
+    print(capsys.readouterr().out)  # shown with -s
+    d = report.as_dict()
+    assert report.requests >= 60 and {"plain", "stream", "chat", "n", "stop", "long", "over-limit", "disconnect",
+                                       "cancel"} <= set(report.kinds), d
+    assert report.statuses["abandoned"] > 0 and report.statuses["200"] > 0 and report.statuses["400"] > 0, d
+    assert report.server_errors == 0 and report.incomplete == 0 and not report.unexpected, d
+    assert report.health_checks > 20 and report.health_failures == 0, d
+    assert report.idle, d  # nothing in flight, every KV block free or cached
+    # The soak's target is < 5% growth after warm-up (`bench soak` exits 1 past it). Not met yet: RSS
+    # still creeps (+6.8% over 90 s, about 6 KB per request; the engine's, allocator's and manager's
+    # per-request tables are empty afterwards, so the cause is still open). This bounds it meanwhile.
+    assert d["rss_mib_end"] is not None and report.rss_growth < 0.15, d
