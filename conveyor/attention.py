@@ -156,11 +156,18 @@ class TorchPagedAttention(AttentionBackend):
         return attend(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale, softcap).squeeze(2)
 
 
+# Prefill chunks of at most this many tokens (speculative verification rows, the tail of a prompt)
+# take the native kernel even where long ones go to SDPA on AMX: gathering and concatenating their
+# context costs more than SDPA's tiles save on so few query rows.
+NATIVE_SHORT_CHUNK = 16
+
+
 class CpuPagedAttention(TorchPagedAttention):
     """Native kernels on CPU (fp32 and bf16) that read K/V from the pages in place: decode rows after
     the new K/V is written, prefill chunks before (their context from the cache, a sliding ring's
     included, their own K/V from the batch), so neither gathers, concatenates nor builds masks.
-    `native_prefill=False` leaves prefill chunks to `TorchPagedAttention` (see `make_attention_backend`)."""
+    `native_prefill=False` leaves prefill chunks longer than `NATIVE_SHORT_CHUNK` to `TorchPagedAttention`
+    (see `make_attention_backend`)."""
 
     def __init__(self, kernel: object, native_prefill: bool = True) -> None:
         super().__init__()
@@ -169,8 +176,9 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """The decode kernel takes the block tables as they are; the prefill kernel takes every chunk's
-        context slots in one tensor and one row of offsets per chunk."""
-        if meta.prefills and self.native_prefill:
+        context slots in one tensor and one row of offsets per chunk (`prefill_chunks` set = the native
+        kernel runs them: always with `native_prefill`, else when every chunk is short)."""
+        if meta.prefills and (self.native_prefill or max(s.q_len for s in meta.prefills) <= NATIVE_SHORT_CHUNK):
             offsets = [0]
             for span in meta.prefills:
                 offsets.append(offsets[-1] + span.ctx_slots.numel())
@@ -181,7 +189,7 @@ class CpuPagedAttention(TorchPagedAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
-        if meta.prefills and not self.native_prefill:
+        if meta.prefills and meta.prefill_chunks is None:
             return super().forward(q, k, v, kv_cache, meta, scale, softcap)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.prefills:

@@ -33,6 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
                         help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
     parser.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
+    parser.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help="speculative decoding, vLLM's JSON, e.g. "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag): --no-use-cuda-graph")
 
 
@@ -43,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
         values["allow_block_sharing"] = False
     if args.enforce_eager:
         values["use_cuda_graph"] = False
-    return ContinuousBatchingConfig(**values)
+    return ContinuousBatchingConfig(**values)  # speculative_config: its JSON text, parsed and validated there
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from .speculative.config import SpeculativeConfig
 
 
 class ConfigError(ValueError):
@@ -35,6 +38,7 @@ class ContinuousBatchingConfig:
         pads without capturing (for tests: padded steps must give the unpadded outputs).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
+    speculative_config: vLLM's speculative decoding options (a dict or `SpeculativeConfig`), None = off.
     step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
         0 = off (the server turns it on).
     """
@@ -55,6 +59,7 @@ class ContinuousBatchingConfig:
     use_async_batching: bool | None = None
     pad_steps: bool | None = None
     attention_backend: str = "auto"
+    speculative_config: Any = None
     step_history: int = 0
 
     def __post_init__(self) -> None:
@@ -84,3 +89,7 @@ class ContinuousBatchingConfig:
             raise ConfigError(f"step_history must be an integer >= 0 (0 = off), got {self.step_history!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None and self.use_async_batching:
+            raise ConfigError("speculative_config does not combine with use_async_batching=True (a step's "
+                              "proposals need the previous step's tokens); set use_async_batching to False or None")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -29,6 +29,9 @@ from .offload import SwapPool, choose_victims
 from .request import Request, RequestState
 from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput, make_scheduler
+from .speculative import Speculator
+from .speculative.draft import DraftProposer, draft_bytes_per_chunk
+from .speculative.verification import apply_verification
 from .step_history import StepHistory, composition
 from .structured.constraints import Constraints, grammar_complete
 
@@ -60,6 +63,12 @@ class EngineStats:
     swapped_requests: int = 0  # waiting requests whose blocks are in the swap pool
     swap_free_blocks: int = 0
     swap_total_blocks: int = 0
+    # Speculative decoding (vLLM's counters): verification passes with proposals, tokens proposed,
+    # tokens accepted, and accepted per proposal position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     cuda_graph_captures: int = 0  # decode shapes captured as CUDA graphs
     cuda_graph_replays: int = 0  # steps run by replaying a graph
     cuda_graph_eager_steps: int = 0  # steps with graphs on that ran eagerly (prefill chunks, over the largest bucket)
@@ -71,7 +80,8 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: PreTrainedTokenizerBase,
-                 config: ContinuousBatchingConfig, device: torch.device) -> None:
+                 config: ContinuousBatchingConfig, device: torch.device, draft_model: CausalLM | None = None) -> None:
+        """`draft_model`: the draft of a "draft_model" `config.speculative_config` (`speculative.draft`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -96,7 +106,8 @@ class Engine:
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
-            bytes_per_chunk=bytes_per_chunk, activation_bytes=working,
+            bytes_per_chunk=bytes_per_chunk + (draft_bytes_per_chunk(draft_model, page) if draft_model else 0),
+            activation_bytes=working,
             max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)
         self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
         # Prefix caching needs every allocator to share blocks: full-attention-only models.
@@ -105,11 +116,18 @@ class Engine:
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.scheduler = make_scheduler(config, self.allocator)
+        if config.speculative_config is not None:
+            draft = draft_model and DraftProposer(
+                draft_model, self.allocator, num_chunks, page, device, config.attention_backend)
+            self.scheduler.speculator = Speculator(config.speculative_config, self.max_model_len,
+                                                   sliding=window is not None, draft=draft)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
         self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
                                   attention=make_attention_backend(device, self.dtype, config.attention_backend))
         # Async batching (on by default where graphs are) alternates two sets of static buffers.
-        use_async = use_graphs if config.use_async_batching is None else config.use_async_batching
+        use_async = config.use_async_batching
+        if use_async is None:  # speculation needs each step's tokens before the next is scheduled
+            use_async = use_graphs and config.speculative_config is None
         if config.pad_steps or (config.pad_steps is None and use_graphs):
             self.runner.enable_padding(config, buffer_sets=2 if use_async else 1)
         if use_graphs:
@@ -212,6 +230,12 @@ class Engine:
             snapshot.swapped_requests = len(self.swap.slots)
             snapshot.swap_free_blocks = self.swap.num_free
             snapshot.swap_total_blocks = self.swap.num_slots
+        speculator = self.scheduler.speculator
+        if speculator is not None:
+            snapshot.spec_decode_num_drafts = speculator.num_drafts
+            snapshot.spec_decode_num_draft_tokens = speculator.num_draft_tokens
+            snapshot.spec_decode_num_accepted_tokens = speculator.num_accepted_tokens
+            snapshot.spec_decode_num_accepted_tokens_per_pos = list(speculator.accepted_per_pos)
         graphs = self.runner.graphs
         if graphs is not None:
             snapshot.cuda_graph_captures, snapshot.cuda_graph_replays = graphs.captures, graphs.replays
@@ -233,6 +257,8 @@ class Engine:
             return self._fail_unschedulable(out)
         counts = composition(out.chunks) if self.step_history is not None else (0, 0)
         try:
+            if self.scheduler.speculator is not None:
+                self.scheduler.speculator.fill_drafts(out.chunks)
             result = self.runner.execute(out.chunks)
         except Exception as exc:  # a broken batch fails its own requests, not the engine
             logger.exception("forward pass failed")
@@ -244,13 +270,14 @@ class Engine:
             known = request.prompt_logprobs  # set: it asked for them
             known.extend(entries[max(0, len(known) - first):])  # type: ignore[union-attr, arg-type]
         for chunk in out.chunks:
+            if chunk.draft_tokens:
+                continue  # verified below
             if chunk.request.state is RequestState.PREFILLING:
                 self._stats.prefill_tokens += chunk.num_tokens
             chunk.request.num_computed_tokens += chunk.num_tokens
             self.allocator.register_full_blocks(chunk.request)  # completed blocks become matchable
+        generated = self._stats.generation_tokens
         self._stats.generation_tokens += len(result.token_ids)
-        if self.step_history is not None:
-            self.step_history.record(started, counts, len(result.token_ids), result.padding_tokens)
         now = time.monotonic()
         for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
             try:
@@ -258,7 +285,12 @@ class Engine:
             except Exception as exc:
                 logger.exception("request %s failed", request.request_id)
                 self._finish(request, RequestState.FAILED, "error", error=str(exc))
-        return result.requests
+        updated = result.requests
+        if result.verified:
+            updated = updated + apply_verification(self, result.verified, result.verify_logits)
+        if self.step_history is not None:
+            self.step_history.record(started, counts, self._stats.generation_tokens - generated, result.padding_tokens)
+        return updated
 
     def _schedule(self) -> SchedulerOutput:
         """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""

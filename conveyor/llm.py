@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from .models.quant_linear import describe_weights
 from .precision import resolve_precision, resolve_quantization
 from .request import RequestOutput
 from .sampling_params import SamplingParams
+from .speculative import SpeculativeConfig
+from .speculative.draft import load_draft_model
 
 logger = logging.getLogger("conveyor")
 
@@ -58,11 +61,17 @@ def release_freed_memory() -> None:
 
 
 class LLM:
-    """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct."""
+    """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
+    `speculative_config` (vLLM's dict, or `SpeculativeConfig`) turns speculative decoding on; it
+    may also come in `config.speculative_config`."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                  quantization: str | None = None, device: str | torch.device = "auto",
-                 config: ContinuousBatchingConfig | None = None) -> None:
+                 config: ContinuousBatchingConfig | None = None,
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
+        config = config or ContinuousBatchingConfig()
+        if speculative_config is not None:
+            config = replace(config, speculative_config=speculative_config)  # validated there
         self.device = resolve_device(device)
         precision = resolve_precision(dtype, quantization, self.device, model)
         self.dtype = precision.dtype
@@ -75,7 +84,10 @@ class LLM:
         self.tokenizer = checkpoint.tokenizer
         del checkpoint  # what the model did not keep of the loaded tensors is garbage now
         release_freed_memory()
-        self.engine = Engine(net, self.tokenizer, config or ContinuousBatchingConfig(), self.device)
+        spec = config.speculative_config
+        draft = (load_draft_model(spec, self.model_path, net, self.device)
+                 if spec is not None and spec.method == "draft_model" else None)
+        self.engine = Engine(net, self.tokenizer, config, self.device, draft_model=draft)
         self.manager = ContinuousBatchingManager(self.engine)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
                     " ".join(vector_flags()) or "unknown")

@@ -4,6 +4,8 @@ One forward pass covers every scheduled chunk, flattened: single-token chunks (d
 so attention can treat them as one padded group, then prefill chunks. Only the last token of a
 chunk that completes its request's sequence is sent through the LM head and the sampler, plus,
 for requests that ask for prompt logprobs, the prompt rows that score their next prompt token.
+A speculating decode (`ScheduledChunk.draft_tokens`) is a chunk of its last token and its
+proposals, causal like any prefill chunk; all its rows' logits go back for verification.
 """
 
 from __future__ import annotations
@@ -37,6 +39,14 @@ class StepResult:
     logprobs: list[dict[int, float] | None]
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     padding_tokens: int = 0  # rows a padded shape added to the pass
+    verified: list[ScheduledChunk] = field(default_factory=list)  # speculating chunks, in row order
+    verify_logits: torch.Tensor | None = None  # fp32 [sum of their num_tokens, vocab]
+
+
+def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:
+    """The chunk's input tokens: a slice of the request's sequence, then its proposals (if any)."""
+    r, start = chunk.request, chunk.request.num_computed_tokens
+    return r.token_slice(start, start + chunk.num_tokens - len(chunk.draft_tokens)) + chunk.draft_tokens
 
 
 @dataclass
@@ -48,6 +58,8 @@ class LaunchedStep:
     batch: SampledBatch | None
     prompt_logprobs: list[PromptLogprobs]
     padding_tokens: int = 0
+    verified: list[ScheduledChunk] = field(default_factory=list)
+    verify_logits: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor | None:
@@ -55,10 +67,9 @@ class LaunchedStep:
         return None if self.batch is None else self.batch.tokens
 
     def result(self) -> StepResult:
-        if self.batch is None:
-            return StepResult([], [], [], self.prompt_logprobs, self.padding_tokens)
-        token_ids, logprobs = self.batch.to_host()
-        return StepResult(self.samplers, token_ids, logprobs, self.prompt_logprobs, self.padding_tokens)
+        token_ids, logprobs = self.batch.to_host() if self.batch is not None else ([], [])
+        return StepResult(self.samplers, token_ids, logprobs, self.prompt_logprobs, self.padding_tokens,
+                          self.verified, self.verify_logits)
 
 
 @dataclass
@@ -86,6 +97,8 @@ class PreparedStep:
     shape: PaddedShape | None = None
     buffer_set: int = 0
     sampling_views: list[Any] | None = None
+    verified: list[ScheduledChunk] = field(default_factory=list)  # speculating chunks, in row order
+    verify_rows: torch.Tensor | None = None  # all their rows (each row's logits check one token)
     pad_at: int = 0  # padded steps: rows from `pad_at` on moved down by `num_pad`
     num_pad: int = 0
 
@@ -96,6 +109,18 @@ class PreparedStep:
 def split_batch(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
     """Decodes (single-token chunks), then prefills: the order of the pass's rows."""
     return [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
+
+
+def verify_rows_of(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:
+    """The speculating chunks in row order and all their rows (each row's logits check one token)."""
+    decodes, prefills = split_batch(chunks)
+    verified, rows, offset = [], [], 0
+    for c in decodes + prefills:
+        if c.draft_tokens:
+            verified.append(c)
+            rows.extend(range(offset, offset + c.num_tokens))
+        offset += c.num_tokens
+    return verified, rows
 
 
 class ModelRunner:
@@ -148,7 +173,7 @@ class ModelRunner:
         for c in prefills:
             r = c.request
             positions.append(torch.arange(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens, device=dev))
-            ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens))
+            ids.extend(chunk_token_ids(c))
         sample_rows: list[int] = []
         samplers: list[Request] = []
         offset = 0
@@ -167,7 +192,12 @@ class ModelRunner:
             prepared = PreparedStep(step.input_ids, step.positions, step.metas, step.sample_rows, samplers, plan,
                                     step.shape, buffer_set, pad_at=step.pad_at, num_pad=step.num_pad)
         else:
-            prepared = PreparedStep(input_ids, pos, metas, torch.tensor(sample_rows, device=dev), samplers, plan)
+            prepared = PreparedStep(input_ids, pos, metas, torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers,
+                                    plan)
+        verified, verify_rows = verify_rows_of(chunks)
+        if verified:
+            prepared.verified = verified
+            prepared.verify_rows = torch.tensor([prepared.row(r) for r in verify_rows], dtype=torch.long, device=dev)
         for meta in prepared.metas:
             self.attention.prepare(meta)
         return prepared
@@ -236,12 +266,16 @@ class ModelRunner:
             if self.graphs is not None:
                 self.graphs.eager_steps += 1
             hidden = self.forward(step)
-            logits = self.model.compute_logits(hidden.index_select(0, step.sample_rows)) if step.samplers else None
+            rows = step.sample_rows[:len(step.samplers)] if step.verified else step.sample_rows
+            if step.verify_rows is not None:  # one LM head pass for the sampled and the verified rows
+                rows = torch.cat([rows, step.verify_rows])
+            logits = self.model.compute_logits(hidden.index_select(0, rows)) if rows.numel() else None
         prompt_logprobs = self._prompt_logprobs(step.prompt_plan, hidden) if step.prompt_plan else []
-        if not step.samplers:
-            return LaunchedStep([], None, prompt_logprobs, step.num_pad)
-        batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers)
-        return LaunchedStep(step.samplers, batch.start_copy(), prompt_logprobs, step.num_pad)
+        verify_logits = logits[len(step.samplers):] if step.verified else None
+        batch = None
+        if step.samplers:
+            batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers).start_copy()
+        return LaunchedStep(step.samplers, batch, prompt_logprobs, step.num_pad, step.verified, verify_logits)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Hidden states of every row of the step (each layer with its group's metadata)."""

@@ -143,6 +143,20 @@ class Sampler:
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs, device = Sampler.probs(logits, requests), logits.device
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
+        if unseeded:
+            rows = to_device(unseeded, torch.long, device)
+            noise[rows] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
+        for i, r in enumerate(requests):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, then top-k, top-p and min-p."""
         params = [r.params for r in requests]
         device = logits.device
         temperature = to_device([p.temperature for p in params], torch.float32, device)
@@ -161,12 +175,4 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_p = to_device([p.min_p for p in params], torch.float32, device).unsqueeze(1)
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(requests) if r.generator is None]
-        if unseeded:
-            rows = to_device(unseeded, torch.long, device)
-            noise[rows] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
-        for i, r in enumerate(requests):
-            if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        return (probs / noise).argmax(dim=-1)
+        return probs

@@ -72,17 +72,17 @@ def test_dense_decode_matches_paged_step(tiny: TinyModel) -> None:
     dense_logits, dense_tokens = dense_decode_step(engine.model, ids, dense_kv, length, DenseDecodeAttention())
 
     captured = {}
-    sampler = engine.runner.sampler
+    sample = engine.runner.sampler.sample
 
     def capture(logits, reqs):
         captured["logits"], captured["ids"] = logits.clone(), [r.request_id for r in reqs]
-        return sampler(logits, reqs)
+        return sample(logits, reqs)
 
-    engine.runner.sampler = capture
+    engine.runner.sampler.sample = capture
     try:
         stepped = engine.step()
     finally:
-        engine.runner.sampler = sampler
+        del engine.runner.sampler.sample
     assert len(stepped) == BATCH
     order = [captured["ids"].index(r.request_id) for r in requests]
     paged_logits = captured["logits"][order]

@@ -262,7 +262,7 @@ class _Probe:
 
 @contextlib.contextmanager
 def instrument(engine: Any) -> Iterator[_Probe]:
-    """Time `runner.execute`, `runner.prepare`, `model.forward`, `model.compute_logits` and `runner.sampler`."""
+    """Time `runner.execute`, `runner.prepare`, `model.forward`, `model.compute_logits` and `runner.sampler.sample`."""
     runner = engine.runner
     probe = _Probe(engine.device)
     try:
@@ -270,7 +270,7 @@ def instrument(engine: Any) -> Iterator[_Probe]:
         probe.wrap(runner, "prepare", "prepare")
         probe.wrap(runner.model, "forward", "forward")
         probe.wrap(runner.model, "compute_logits", "lm_head")
-        probe.wrap(runner, "sampler", "sampling")
+        probe.wrap(runner.sampler, "sample", "sampling")
         yield probe
     finally:
         probe.restore()

@@ -170,6 +170,9 @@ def add_arguments(parser: Any) -> None:
     add_mode_arguments(ours)
     ours.add_argument("--launch-args", default="", metavar="ARGS",
                       help="more `conveyor serve` options, one string, e.g. '--max-batch-tokens 256 --num-blocks 4096'")
+    ours.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help="the launched server's speculative decoding (vLLM's JSON, as "
+                           "`conveyor serve --speculative-config` takes it)")
     ours.add_argument("--launch-timeout", type=float, default=600.0,
                       help="seconds to wait for it to become healthy (default 600: a first start builds kernels)")
     parser.add_argument("--endpoint", default=CHAT_ENDPOINT,

@@ -164,7 +164,7 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
         "model": {"path": str(llm.model_path), "device": str(llm.device), **resolved_mode(llm),
                   "eos_token_ids": eos_ids},
         "environment": environment(),
-        "conveyor_config": {k: v for k, v in vars(cb_cfg).items()},
+        "conveyor_config": {k: v.to_dict() if k == "speculative_config" and v else v for k, v in vars(cb_cfg).items()},
         "systems": {},
         "ratios": {},
         "total_ratios": {},
@@ -250,6 +250,9 @@ def add_arguments(parser: Any) -> None:
     syn.add_argument("--synthetic-output-len", type=int, default=None)
     syn.add_argument("--num-prompts", type=int, default=None)
     syn.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    syn.add_argument("--copy-heavy", type=int, default=None, metavar="N",
+                     help="instead: N copy-heavy prompts (repeat, quote or edit a passage; --max-new-tokens, "
+                          "default 256)")
     eng = parser.add_argument_group("engine")
     eng.add_argument("--threads", type=int, default=None,
                      help="torch intra-op threads for every system (default: torch's). On a machine shared with "
@@ -265,6 +268,9 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--cpu-offload-space", type=float, default=None, metavar="GIB",
                      help="host swap space for offloaded requests' KV blocks (default 0: soft resets)")
     eng.add_argument("--no-block-sharing", action="store_true", help="allow_block_sharing=False: no prefix caching")
+    eng.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help="speculative decoding, vLLM's JSON, e.g. "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
     vl = parser.add_argument_group("vLLM baseline (--compare vllm; run in its own interpreter, see vllm_compare.py)")
     vl.add_argument("--vllm-python", default=None, metavar="PATH", help="a Python interpreter with vLLM installed")
     vl.add_argument("--vllm-model", default=None,
@@ -306,9 +312,13 @@ def vllm_options_from_args(args: Any) -> Any:
 
 
 def run_from_args(args: Any) -> int:
-    from .workloads import load_workload, synthetic_workload
+    from .workloads import copy_workload, load_workload, synthetic_workload
 
     synthetic = (args.synthetic_input_len, args.synthetic_output_len, args.num_prompts)
+    if args.copy_heavy is not None:
+        if args.workload is not None or any(v is not None for v in synthetic):
+            raise SystemExit("error: --copy-heavy is a workload of its own: no workload file or --synthetic-*")
+        args.workload = copy_workload(args.copy_heavy, args.max_new_tokens or 256, seed=args.seed)
     if args.workload is not None and any(v is not None for v in synthetic):
         raise SystemExit("error: give either a workload file or --synthetic-* options, not both")
     if args.workload is None and not all(v is not None for v in synthetic):
@@ -327,7 +337,8 @@ def run_from_args(args: Any) -> int:
     workload = None
     if args.workload is not None:
         try:
-            workload = load_workload(args.workload).limit(args.limit).with_max_new_tokens(args.max_new_tokens)
+            loaded = args.workload if args.copy_heavy is not None else load_workload(args.workload)
+            workload = loaded.limit(args.limit).with_max_new_tokens(args.max_new_tokens)
         except (OSError, WorkloadError) as exc:
             raise SystemExit(f"error: {exc}") from None
 
@@ -344,7 +355,8 @@ def run_from_args(args: Any) -> int:
                                    ("max_requests_per_batch", args.max_requests_per_batch),
                                    ("num_blocks", args.num_blocks), ("page_size", args.page_size),
                                    ("scheduler_type", args.scheduler_type),
-                                   ("cpu_offload_space", args.cpu_offload_space)) if v is not None}
+                                   ("cpu_offload_space", args.cpu_offload_space),
+                                   ("speculative_config", args.speculative_config)) if v is not None}
     if args.no_block_sharing:
         overrides["allow_block_sharing"] = False
     started = time.perf_counter()

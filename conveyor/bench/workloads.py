@@ -175,6 +175,37 @@ def synthetic_workload(input_len: int, output_len: int, num_prompts: int, vocab_
                     temperature=0.0, source="synthetic")
 
 
+DEFAULT_PASSAGE = (
+    "The river rose slowly through the night, and by morning the lower fields were under water. The farmers "
+    "moved their animals to the high pasture, loaded what grain they could onto carts, and waited on the ridge "
+    "for the rain to stop. Nobody spoke much. The old miller said he had seen a flood like this once before, "
+    "when he was a boy, and that the water had gone down again within three days.")
+COPY_TASKS = (
+    "Repeat the following passage exactly, word for word:\n\n{passage}",
+    "Quote the passage below verbatim, inside quotation marks, and then say in one sentence what it is about."
+    "\n\n{passage}",
+    "Rewrite the passage below, replacing the word \"{old}\" with \"{new}\" everywhere and changing nothing "
+    "else:\n\n{passage}",
+)
+
+
+def copy_workload(num_prompts: int, max_new_tokens: int, *, passage: str = DEFAULT_PASSAGE,
+                  seed: int = 0) -> Workload:
+    """Copy-heavy prompts (what prompt-lookup speculation is for): repeat, quote or lightly edit
+    `passage`, the tasks in turn, the edit's word chosen at random (seeded)."""
+    check_synthetic_sizes(1, max_new_tokens, num_prompts)
+    rng = random.Random(seed)
+    words = sorted({w.strip(".,") for w in passage.split() if len(w.strip(".,")) > 3})
+    requests = []
+    for i in range(num_prompts):
+        old = rng.choice(words)
+        prompt = COPY_TASKS[i % len(COPY_TASKS)].format(passage=passage, old=old, new=old.upper())
+        requests.append(BenchRequest(max_new_tokens=max_new_tokens, prompt=prompt))
+    return Workload(name=f"copy-n{num_prompts}-out{max_new_tokens}", requests=requests,
+                    description=f"{num_prompts} copy-heavy prompts (repeat, quote, edit a {len(passage.split())}-word "
+                                f"passage), up to {max_new_tokens} new tokens", source="synthetic")
+
+
 def render_prompts(workload: Workload, render_chat: Callable[[list[dict[str, str]]], Sequence[int]]) -> list[list[int]]:
     """Prompt token ids of every request: text prompts as one user turn through the chat template."""
     return [list(r.prompt_token_ids) if r.prompt_token_ids is not None

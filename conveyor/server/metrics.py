@@ -58,6 +58,17 @@ class EngineStatsCollector(Collector):
         yield counter("cuda_graph_replays", "Steps run by replaying a CUDA graph.", s.cuda_graph_replays)
         yield counter("cuda_graph_eager_steps", "Steps run eagerly while CUDA graphs are on (prefill chunks, "
                       "shapes over the largest bucket).", s.cuda_graph_eager_steps)
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is on
+            yield counter("spec_decode_num_drafts", "Verification passes with proposals.", s.spec_decode_num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Tokens proposed.", s.spec_decode_num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Proposed tokens accepted.",
+                          s.spec_decode_num_accepted_tokens)
+            per_pos = CounterMetricFamily("conveyor:spec_decode_num_accepted_tokens_per_pos",
+                                          "Proposed tokens accepted, by position in the proposal.",
+                                          labels=labels + ["position"])
+            for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self.model_name, str(pos)], value)
+            yield per_pos
 
 
 class ServerMetrics:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -61,15 +62,24 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.disable_by_batch_size must be an integer >= 1, "
                              f"got {self.disable_by_batch_size!r}")
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form: the fields that are set."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
     @property
     def self_draft(self) -> bool:
         return self.method == "draft_model" and self.model is None
 
     @classmethod
-    def from_dict(cls, value: "dict[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
-        """From vLLM's JSON form; unknown keys are an error naming the known ones."""
+    def from_dict(cls, value: "dict[str, Any] | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """From vLLM's JSON form (a dict, or its JSON text); unknown keys are an error naming the known ones."""
         if value is None or isinstance(value, cls):
             return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         known = {f.name for f in fields(cls)}

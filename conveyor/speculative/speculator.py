@@ -4,12 +4,18 @@ A decoding request's proposals ride in its row as extra query tokens (a decode b
 (k+1)-token chunk); one pass verifies them (`rejection.verify`). Speculation is for the small
 batches that leave compute idle: it is off while more than `disable_by_batch_size` requests are
 running, and for requests it cannot serve exactly here: penalties and `min_tokens` (they depend on
-each earlier token), logprobs, prompt logprobs, and models with sliding-window layers (a rejected
+each earlier token), logit_bias, logprobs, prompt logprobs, and models with sliding-window layers (a rejected
 position would already have overwritten a ring slot still in the window). Proposals never run past
 `max_new_tokens` or the context length, so an accepted run ends where plain decoding would.
+Requests under a grammar (structured outputs) do not speculate either: their tokens are masked.
+
+N-gram proposals are made while scheduling; a draft model's are made for all speculating requests
+at once after scheduling (`fill_drafts`): the scheduler reserves their number (placeholders).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -17,19 +23,27 @@ from ..request import Request
 from .config import SpeculativeConfig
 from .ngram import NgramProposer
 
+if TYPE_CHECKING:
+    from ..scheduler import ScheduledChunk
+    from .draft import DraftProposer
+
 # With more running requests than this, a step is compute-bound enough that verifying proposals
 # costs more than it saves (chat64 at 64 concurrent must not slow down).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, sliding: bool) -> None:
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config.method {config.method!r} is not available yet; use 'ngram'")
-        assert config.prompt_lookup_max is not None and config.prompt_lookup_min is not None
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, sliding: bool,
+                 draft: DraftProposer | None = None) -> None:
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
         self.config = config
         self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)
+        self.draft = draft
+        self.proposer = None
+        if config.method == "ngram":
+            assert config.prompt_lookup_max is not None and config.prompt_lookup_min is not None
+            self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)
         self.max_model_len = max_model_len
         self.sliding = sliding
         self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
@@ -44,7 +58,8 @@ class Speculator:
     @staticmethod
     def serves(request: Request) -> bool:
         p = request.params
-        return (p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+        return (request.grammar is None and not p.logit_bias and p.repetition_penalty == 1.0
+                and not p.presence_penalty and not p.frequency_penalty
                 and len(request.output_token_ids) >= p.min_tokens and p.logprobs is None
                 and p.prompt_logprobs is None)
 
@@ -55,8 +70,21 @@ class Speculator:
                    self.max_model_len - request.num_tokens - 1)
         if room < 1 or not self.serves(request):
             return []
+        if self.proposer is None:
+            return [-1] * room  # placeholders: `fill_drafts` writes the draft model's proposals
         tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
         return self.proposer.propose(tokens, room)
+
+    def fill_drafts(self, chunks: list[ScheduledChunk]) -> None:
+        """The draft model's proposals for this step's speculating chunks (n-gram ones are made already)."""
+        speculating = [c for c in chunks if c.draft_tokens]
+        if self.draft is not None and speculating:
+            self.draft.propose(speculating)
+
+    def rolled_back(self, request: Request) -> None:
+        """Verification kept the request's K/V up to its `num_computed_tokens`."""
+        if self.draft is not None:
+            self.draft.rolled_back(request)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed:
