@@ -185,9 +185,10 @@ class Engine:
         if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
             raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
                                       f"{self.config.max_batch_pages}")
-        bad = [t for t in params.logit_bias if t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
         try:
             grammar = self.constraints.matcher(params.structured_outputs)
         except ValueError as exc:

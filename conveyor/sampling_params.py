@@ -75,6 +75,8 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise SamplingParamsError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids[:5]!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

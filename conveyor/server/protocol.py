@@ -82,7 +82,7 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=-2**63, le=2**64 - MAX_N)  # choice i uses seed + i
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
