@@ -46,10 +46,12 @@ PLACEHOLDER = -1  # a sampled token not read back yet
 class SamplingView:
     """What the sampler reads of a request, with its output history frozen when the step was prepared."""
 
-    __slots__ = ("generator", "output_token_ids", "params", "prompt_token_ids", "request_id", "stop_token_ids")
+    __slots__ = ("generator", "grammar", "output_token_ids", "params", "prompt_token_ids", "request_id",
+                 "stop_token_ids")
 
     def __init__(self, request: Request) -> None:
         self.request_id, self.params, self.generator = request.request_id, request.params, request.generator
+        self.grammar = request.grammar  # None: constrained requests run synchronous steps (Engine.step)
         self.prompt_token_ids, self.stop_token_ids = request.prompt_token_ids, request.stop_token_ids
         self.output_token_ids = list(request.output_token_ids)
 

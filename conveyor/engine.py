@@ -33,6 +33,7 @@ from .speculative import Speculator
 from .speculative.draft import DraftProposer, draft_bytes_per_chunk
 from .speculative.verification import apply_verification
 from .step_history import StepHistory, composition
+from .structured.constraints import Constraints, grammar_complete
 
 logger = logging.getLogger("conveyor")
 
@@ -89,6 +90,7 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.constraints = Constraints(tokenizer, self.vocab_size, self.eos_token_ids)  # structured outputs
         # The cache layout follows the model's attention types: layer groups of equal size (a chunk is
         # a page in each layer of a group) and one allocator per type, all over one pool.
         groups = layer_groups(model.layer_types)
@@ -136,6 +138,7 @@ class Engine:
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
+        self._constrained = 0  # requests in `requests` with a grammar (they turn async batching off)
         self._stats = EngineStats()
         self.step_history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
@@ -182,7 +185,16 @@ class Engine:
         if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
             raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
                                       f"{self.config.max_batch_pages}")
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        try:
+            grammar = self.constraints.matcher(params.structured_outputs)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from exc
         request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        request.grammar = grammar
         if params.seed is not None and not params.greedy:
             request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return request
@@ -191,6 +203,7 @@ class Engine:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self._constrained += request.grammar is not None
         self.scheduler.add_request(request)
         self._stats.prompt_tokens += len(request.prompt_token_ids)
 
@@ -235,7 +248,10 @@ class Engine:
         """Run one forward pass; return the requests that produced a token or ended (with async
         batching: submit one pass and read back the previous one)."""
         if self.pipeline is not None:
-            return self.pipeline.step()
+            if not self._constrained:
+                return self.pipeline.step()
+            if self.pipeline.busy:  # a grammar masks step N+1 only after consuming N's token: go synchronous
+                return self.pipeline.drain()
         started = time.monotonic()
         out = self._schedule()
         if not out.chunks:
@@ -369,6 +385,8 @@ class Engine:
         delta = self._detokenize(request, token)
         if delta and may_stop and request.params.stop and self._truncate_at_stop(request, len(delta)):
             self._finish(request, RequestState.FINISHED, "stop")
+        elif request.grammar is not None and grammar_complete(request.grammar, token):
+            self._finish(request, RequestState.FINISHED, "stop")
         elif len(request.output_token_ids) >= request.params.max_new_tokens or request.num_tokens >= self.max_model_len:
             self._finish(request, RequestState.FINISHED, "length")
 
@@ -406,5 +424,6 @@ class Engine:
         self._resume_state.pop(request.request_id, None)
         request.state, request.finish_reason, request.error = state, reason, error
         request.metrics.finished_time = time.monotonic()
-        self.requests.pop(request.request_id, None)
+        if self.requests.pop(request.request_id, None) is not None:
+            self._constrained -= request.grammar is not None
         self._stats.finished_requests += 1

@@ -157,8 +157,9 @@ class LLM:
         prompts = [self.render_chat(c) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def render_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of the conversation through the model's chat template (with `tools`, as transformers')."""
         if not conversation:
             raise ValueError("conversation is empty: it needs at least one message")
-        ids = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)

@@ -12,10 +12,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import llguidance
 
 
 class RequestState(enum.Enum):
@@ -99,6 +103,10 @@ class Request:
         self.stop_token_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids))
         self.generator: torch.Generator | None = None  # set by the engine, on the model's device, for seeds
+        # Structured outputs: the constraint's matcher (set by the engine; None = unconstrained). It has
+        # consumed exactly `output_token_ids`, which offloading never changes, so it stays valid across
+        # soft resets and swaps (a reset recomputes K/V, it does not resample).
+        self.grammar: llguidance.LLMatcher | None = None
         # Detokenization: output text so far, how much of it the user has been sent.
         self.text = ""
         self.sent_text_len = 0

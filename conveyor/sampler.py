@@ -10,16 +10,24 @@ pinned memory (`transfer.to_device`), and `Sampler.sample` returns device tensor
 waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprobs asked for) in
 one copy: the step's only host sync (`start_copy` queues that copy early, so async batching can
 launch the next step before waiting for it).
+
+Structured outputs and logit_bias edit the logits before sampling: the bias added, then the
+constrained rows' grammar masks (`structured.masks`) applied in one pass, in place (a copy when
+the batch asks for logprobs, which stay those of the raw logits, as with penalties).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .request import Request
 from .transfer import HostCopy, to_device
+
+if TYPE_CHECKING:
+    from .structured.masks import GrammarMasks
 
 
 @dataclass
@@ -58,27 +66,37 @@ class SampledBatch:
 
 
 class Sampler:
+    def __init__(self) -> None:
+        self._masks: GrammarMasks | None = None
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: fp32 `[rows, vocab]`, one row per request. Returns token ids and optional logprobs."""
         return self.sample(logits, requests).to_host()
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
-        """The batch's tokens (and logprobs) on the logits' device; no host sync."""
+        """The batch's tokens (and logprobs) on the logits' device; no host sync. `logits` may be edited."""
         raw, device = logits, logits.device
         params = [r.params for r in requests]
         adjusted = [i for i, (p, r) in enumerate(zip(params, requests))
                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                     or len(r.output_token_ids) < p.min_tokens]
-        if adjusted:
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        grammars = [r.grammar for r in requests]
+        constrained = any(g is not None for g in grammars)
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if adjusted or wanted and (biased or constrained):  # else bias and masks edit the logits in place
             logits = logits.clone()
-            for i in adjusted:
-                self._adjust_row(logits[i], requests[i])
+        for i in adjusted:
+            self._adjust_row(logits[i], requests[i])
+        if biased:
+            self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
+        if constrained:  # last: nothing after it may lift a masked token
+            self._grammar_masks(logits.shape[1]).apply(logits, grammars)
         tokens = logits.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             rows = to_device(sampled, torch.long, device)
             tokens[rows] = self._sample(logits.index_select(0, rows), [requests[i] for i in sampled])
-        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         top_n = [params[i].logprobs or 0 for i in wanted]
         batch = SampledBatch(tokens, wanted, top_n)
         if wanted:
@@ -88,6 +106,23 @@ class Sampler:
             batch.top_vals, batch.top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             batch.chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
         return batch
+
+    def _grammar_masks(self, vocab_size: int) -> GrammarMasks:
+        """Made on the first constrained batch (llguidance is imported only when a grammar is used)."""
+        if self._masks is None:
+            from .structured.masks import GrammarMasks
+            self._masks = GrammarMasks(vocab_size, max_rows=64)
+        return self._masks
+
+    @staticmethod
+    def _add_logit_bias(logits: torch.Tensor, rows: list[tuple[int, dict[int, float]]]) -> None:
+        """OpenAI's logit_bias: each row's {token: bias} added to its logits, all rows in one scatter."""
+        index = [i for i, bias in rows for _ in bias]
+        tokens = [t for _, bias in rows for t in bias]
+        values = [float(v) for _, bias in rows for v in bias.values()]
+        device = logits.device
+        logits.index_put_((to_device(index, torch.long, device), to_device(tokens, torch.long, device)),
+                          to_device(values, logits.dtype, device), accumulate=True)
 
     @staticmethod
     def _adjust_row(row: torch.Tensor, request: Request) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .structured.params import StructuredOutputsParams
+
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is outside its allowed range."""
@@ -24,6 +26,8 @@ class SamplingParams:
     generated token (computed from the raw model logits). prompt_logprobs: the log-probability of
     every prompt token after the first given the tokens before it, plus the top-n alternatives, as
     vLLM's (for perplexity and scoring; such a request computes its whole prompt, no prefix cache).
+    structured_outputs: a constraint (JSON schema, regex, choice, grammar) the output must match, as
+    vLLM's. logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI's rule).
     """
 
     max_new_tokens: int = 64
@@ -41,6 +45,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,8 +75,19 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise SamplingParamsError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids[:5]!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams, got "
+                                      f"{type(self.structured_outputs).__name__}")
+        self.logit_bias = dict(self.logit_bias or {})
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
+            if not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
 
     @property
     def greedy(self) -> bool:

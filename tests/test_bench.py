@@ -204,3 +204,17 @@ def test_format_report_lists_every_mismatch_and_failure():
     assert "request 0: first difference at output token 2" in text
     assert "request 1: first difference at output token 0" in text and "error: boom" in text
     assert "1 requests FAILED" in text
+
+
+def test_throughput_structured_runs_the_same_requests_constrained(tmp_path):
+    workload = write(tmp_path, "tiny.json", {"name": "tiny", "max_new_tokens": 6, "temperature": 0.0,
+                                             "prompts": ["Describe a film.", "Describe a book."]})
+    out = tmp_path / "report.json"
+    assert main(["throughput", str(workload), "--no-progress", "--out", str(out), "--structured", "json"]) == 0
+    report = json.loads(out.read_text())
+    plain, constrained = report["systems"]["conveyor"], report["systems"]["conveyor (structured)"]
+    assert constrained["num_errors"] == 0 and constrained["output_tok_per_s"] > 0
+    assert report["structured"]["output_tok_per_s_ratio"] == constrained["output_tok_per_s"] / plain["output_tok_per_s"]
+    assert all(1 <= n <= 6 for n in constrained["output_lens"])
+    assert constrained["token_ids"] != plain["token_ids"]  # the constraint steered them (JSON, not free text)
+    assert report["structured"]["constraint"].startswith("json:")

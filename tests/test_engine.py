@@ -52,6 +52,10 @@ def test_bad_prompts_raise_before_anything_is_queued(llm: LLM) -> None:
         llm.generate([[5] * 500], greedy(100), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match=r"integers in \[0, 300\)"):
         llm.generate([[5, 300]], greedy(2), use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match=r"stop_token_ids token ids must be in \[0, 300\), got \[300\]"):
+        llm.generate([[5, 6]], SamplingParams(max_new_tokens=2, min_tokens=1, stop_token_ids=[3, 300]), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids must be integers >= 0"):
+        SamplingParams(stop_token_ids=[-39225])
     assert not engine.has_unfinished_requests()
     assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
     assert llm.generate([[5, 6, 7]], greedy(3), use_tqdm=False)[0].num_output_tokens == 3

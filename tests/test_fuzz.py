@@ -36,7 +36,7 @@ def test_schema_carries_the_servers_bounds(llm: LLM) -> None:
     assert {"type": "integer", "minimum": 1, "maximum": 511} in props["max_tokens"]["anyOf"]
     assert "299" in str(props["prompt"])  # token ids below the vocabulary size
     chat = schema["components"]["schemas"]["ChatMessage"]["properties"]["role"]
-    assert chat["enum"] == ["system", "developer", "user", "assistant"]
+    assert chat["enum"] == ["system", "developer", "user", "assistant", "tool"]
     responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert set(responses) == {"200", "400", "401", "404", "500", "503"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}

@@ -208,3 +208,24 @@ def test_builtin_model_copy_prompt_equals_speculation_off() -> None:
     assert ours.token_ids == ref.token_ids
     s = spec.stats()
     assert s.spec_decode_num_accepted_tokens > s.spec_decode_num_draft_tokens / 2
+
+
+def test_constrained_and_biased_requests_do_not_speculate_beside_those_that_do(tiny_models: dict[str, TinyModel],
+                                                                             one_thread: None) -> None:
+    """A grammar or a logit_bias changes the distribution verification would check against: such
+    requests decode plainly in a speculating engine, with the tokens of a plain engine."""
+    from conveyor.request import Request
+    from conveyor.speculative import Speculator
+
+    model = tiny_models["llama_smooth"]
+    spec = model.llm(max_batch_tokens=32, speculative_config=NGRAM)
+    prompts = copy_prompts()[:2]
+    params = [SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, logit_bias={7: 5.0, 9: -100.0})]
+    assert generate(spec, prompts, params) == generate(model.llm(max_batch_tokens=32), prompts, params)
+    assert 0 < spec_stats(spec)["num_drafts"] <= 20  # only the plain request proposed
+    assert_idle(spec)
+    constrained = Request("c", [5, 6, 7], SamplingParams(temperature=0))
+    assert Speculator.serves(constrained)
+    constrained.grammar = object()  # a matcher (the tiny tokenizer has no llguidance decoder)
+    assert not Speculator.serves(constrained)

@@ -26,6 +26,7 @@ from typing import Any
 
 from .modes import add_mode_arguments, resolved_mode
 from .progress import add_progress_argument, progress_wanted
+from .structured import add_structured_arguments, structured_from_args
 from .throughput_report import CONVEYOR, HF_CB, HF_STATIC, VLLM, compare_outputs, count_values, format_report
 from .workloads import Workload, WorkloadError, render_prompts
 
@@ -33,6 +34,7 @@ logger = logging.getLogger("conveyor.bench")
 
 # --compare values -> systems they run
 COMPARE_CHOICES = {"hf": (HF_CB, HF_STATIC), "hf-cb": (HF_CB,), "hf-generate": (HF_STATIC,), "vllm": (VLLM,)}
+CONVEYOR_STRUCTURED = "conveyor (structured)"
 WARMUP_PROMPT_LEN = 32
 WARMUP_NEW_TOKENS = 4
 
@@ -79,8 +81,9 @@ ENGINE_COUNTERS = ("prefill_tokens", "prefix_cache_query_tokens", "prefix_cache_
 
 
 def run_conveyor(llm: Any, prompts: list[list[int]], workload: Workload, *, progress: bool = True,
-                 warmup_prompt: Sequence[int] | None = None):
-    """One timed `LLM.generate` over all prompts, after a small untimed warm-up generate."""
+                 warmup_prompt: Sequence[int] | None = None, structured: Any = None):
+    """One timed `LLM.generate` over all prompts, after a small untimed warm-up generate; `structured`:
+    a `StructuredOutputsParams` every request is constrained by."""
     import torch
 
     from .. import SamplingParams
@@ -89,8 +92,8 @@ def run_conveyor(llm: Any, prompts: list[list[int]], workload: Workload, *, prog
     if warmup_prompt is not None:
         llm.generate([list(warmup_prompt)], SamplingParams(max_new_tokens=WARMUP_NEW_TOKENS, temperature=0.0),
                      use_tqdm=False)
-    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0, ignore_eos=r.ignore_eos)
-              for r in workload.requests]
+    params = [SamplingParams(max_new_tokens=r.max_new_tokens, temperature=0.0, ignore_eos=r.ignore_eos,
+                             structured_outputs=structured) for r in workload.requests]
     cuda = llm.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(llm.device)
@@ -113,13 +116,15 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
                    compare: Sequence[str] = (), device: str = "auto", dtype: str = "auto",
                    quantization: str | None = None, config: Any = None, hf_batch_size: int = 16,
                    hf_max_batch_tokens: int | None = -1, hf_max_requests_per_batch: int | None = -1,
-                   vllm: Any = None, progress: bool = True, include_token_ids: bool = True) -> dict[str, Any]:
+                   vllm: Any = None, progress: bool = True, include_token_ids: bool = True,
+                   structured: Any = None) -> dict[str, Any]:
     """Run the workload on Conveyor (and the chosen baselines); return the report as a JSON-able dict.
 
     `compare` holds keys of COMPARE_CHOICES ("hf" = both transformers baselines; "vllm" needs `vllm`,
     a `vllm_compare.VllmOptions`).
     `hf_max_batch_tokens` / `hf_max_requests_per_batch`: -1 (default) = the same as Conveyor's
-    config, None = transformers' own defaults, or a number.
+    config, None = transformers' own defaults, or a number. `structured`: a `StructuredOutputsParams`;
+    Conveyor then runs once more with it on every request (`bench/structured.py`).
     """
     from .. import LLM, ContinuousBatchingConfig
 
@@ -183,6 +188,11 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
 
     conveyor = run_conveyor(llm, prompts, workload, progress=progress, warmup_prompt=warm)
     record(CONVEYOR, conveyor)
+    if structured is not None:
+        record(CONVEYOR_STRUCTURED, run_conveyor(llm, prompts, workload, progress=progress, warmup_prompt=warm,
+                                                 structured=structured))
+        plain, constrained = (report["systems"][k]["output_tok_per_s"] for k in (CONVEYOR, CONVEYOR_STRUCTURED))
+        report["structured"] = {"constraint": structured.key(), "output_tok_per_s_ratio": constrained / plain}
 
     hf_systems = [s for s in systems if s in (HF_CB, HF_STATIC)]
     if hf_systems:
@@ -279,6 +289,7 @@ def add_arguments(parser: Any) -> None:
                          "0 = transformers' default")
     add_progress_argument(parser)
     parser.add_argument("--no-token-ids", action="store_true", help="leave per-request token ids out of --out")
+    add_structured_arguments(parser)
 
 
 def vllm_options_from_args(args: Any) -> Any:
@@ -322,6 +333,7 @@ def run_from_args(args: Any) -> int:
         except PlotDependencyError as exc:
             raise SystemExit(f"error: {exc}") from None
     vllm = vllm_options_from_args(args)
+    structured = structured_from_args(args)
     workload = None
     if args.workload is not None:
         try:
@@ -368,7 +380,8 @@ def run_from_args(args: Any) -> int:
                                 hf_batch_size=args.hf_batch_size,
                                 hf_max_batch_tokens=hf_value(args.hf_max_batch_tokens),
                                 hf_max_requests_per_batch=hf_value(args.hf_max_requests_per_batch), vllm=vllm,
-                                progress=progress_wanted(args.no_progress), include_token_ids=not args.no_token_ids)
+                                progress=progress_wanted(args.no_progress), include_token_ids=not args.no_token_ids,
+                                structured=structured)
     except VllmError as exc:
         raise SystemExit(f"error: {exc}") from None
     print(format_report(report))

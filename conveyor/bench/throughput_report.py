@@ -95,6 +95,9 @@ def format_report(report: dict[str, Any]) -> str:
                      f"queried tokens hit ({'on' if c['allow_block_sharing'] else 'off'}); offloads "
                      f"{engine['offloads']} (swapped {engine['swap_outs']}, swapped in {engine['swap_ins']}, "
                      f"soft resets {engine['soft_resets']})")
+    if report.get("structured"):
+        notes.append(f"structured: every request constrained by {report['structured']['constraint'][:60]}...; "
+                     f"constrained / plain output tok/s = {report['structured']['output_tok_per_s_ratio']:.2f}")
     cb = report["systems"].get(HF_CB)
     if cb:
         notes.append(f"hf generate_batch: {cb['api']}, attn {cb['attn_implementation']}, page_size {cb['page_size']}, "

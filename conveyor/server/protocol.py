@@ -2,9 +2,10 @@
 
 Unknown fields are ignored, as vLLM does; fields that would change the result and that Conveyor
 cannot honour are rejected with a 400 rather than silently dropped: by the models themselves where
-a constraint says it (`echo`, `suffix`), else by the handlers (`logit_bias`, `best_of` != n,
-tools). The models carry the constraints the server enforces (ranges, roles, non-empty prompts), so
-that the OpenAPI schema documents what is accepted.
+a constraint says it (`echo`, `suffix`), else by the handlers (`best_of` != n; malformed
+`response_format`, `structured_outputs`, `tools`, `tool_choice`, `logit_bias`). The models carry the
+constraints the server enforces (ranges, roles, non-empty prompts), so that the OpenAPI schema
+documents what is accepted.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class SamplingFields(_Body):
     repetition_penalty: float | None = Field(None, gt=0)
     seed: int | None = Field(None, ge=-2**63, le=2**64 - MAX_N)  # choice i uses seed + i
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -89,6 +90,8 @@ class SamplingFields(_Body):
     min_tokens: int = Field(0, ge=0)  # at most max_tokens
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None  # OpenAI's {"type": "text" | "json_object" | "json_schema"}
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
 
 
 class CompletionRequest(SamplingFields):
@@ -117,9 +120,11 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]  # developer = system
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer = system
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this message answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -130,7 +135,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

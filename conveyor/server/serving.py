@@ -27,9 +27,12 @@ from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams
+from ..structured import StructuredOutputsParams
+from .constraints import body_constraint, logit_bias
 from .dashboard_data import ensure_step_history
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
+from .tools import ToolPlan, conversation
 
 logger = logging.getLogger("conveyor.server")
 
@@ -115,6 +118,7 @@ class Serving:
         self.names = list(settings.served_model_names or [llm.model_path.name])
         self.model_name = self.names[0]
         self.tokenizer = llm.get_tokenizer()
+        self.model_type = getattr(llm.engine.model.config, "model_type", None)  # picks the tool-call parser
         self.max_model_len = llm.engine.max_model_len
         self.metrics = ServerMetrics(llm.stats, self.model_name)
         ensure_step_history(llm.engine)  # the dashboard's strip chart
@@ -238,22 +242,26 @@ class Serving:
                 ids.append(list(p))
         return ids
 
-    def render_chat(self, messages: list[ChatMessage]) -> list[int]:
-        conversation = []
-        for m in messages:  # roles and part types are checked by the protocol models
-            content = m.content
-            if isinstance(content, list):
-                content = "\n".join(p.text or "" for p in content)
-            conversation.append({"role": CHAT_ROLES[m.role], "content": content or ""})
+    def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
+        template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
+        turns, template_tools = conversation(messages, tools or ToolPlan(), template, CHAT_ROLES)
         try:
-            return self.llm.render_chat(conversation)
+            return self.llm.render_chat(turns, tools=template_tools)
         except Exception as exc:  # no chat template, or the template rejected the conversation
             raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
-                       logprobs: int | None, param: str, prompt_logprobs: int | None = None) -> list[Request]:
-        if body.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+                       logprobs: int | None, param: str, prompt_logprobs: int | None = None,
+                       constraint: tuple[StructuredOutputsParams | None, str | None] = (None, None)) -> list[Request]:
+        """Engine requests (validated, constraints compiled: call it off the event loop) for the prompts x n.
+        constraint: a tool choice's (constraint, field); else the body's response_format / structured_outputs."""
+        structured, structured_param = body_constraint(body)
+        if constraint[0] is not None:
+            if structured is not None:
+                raise APIError(400, f"tool_choice constrains the output; it cannot be combined with "
+                               f"{structured_param}", param="tool_choice")
+            structured, structured_param = constraint
+        bias = logit_bias(body)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         top_k = body.top_k or 0
         if body.seed is not None and not -2**63 <= body.seed <= 2**64 - body.n:
@@ -276,13 +284,18 @@ class Serving:
                         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs)
+                        prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias)
                     requests.append(self.llm.engine.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
                     code = "context_length_exceeded" if "context length" in str(exc) else None
-                    raise APIError(400, str(exc), param=param, code=code) from exc
+                    message, field = str(exc), param
+                    if message.startswith("structured_outputs"):  # the constraint did not compile
+                        message, field = f"invalid {structured_param}: {message}", structured_param
+                    elif message.startswith("logit_bias"):
+                        field = "logit_bias"
+                    raise APIError(400, message, param=field, code=code) from exc
                 except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed
-                    raise APIError(400, str(exc)) from exc
+                    raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from exc
         return requests
 
     # -- rendering --------------------------------------------------------------------------

@@ -66,11 +66,12 @@ async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
 
 
 def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[int]], body: Any, n_lp: int | None,
-                    render: Callable[[int, RequestOutput, int], dict[str, Any]],
+                    render: Callable[[int, RequestOutput, int], dict[str, Any] | None],
                     first_choices: Sequence[dict[str, Any]] = ()) -> SSEResponse:
     """Server-sent events for a streaming completion or chat completion: one chunk per output that
     carries text (or logprobs, or the end), `render(i, output, first_new_token)` shaping the choice;
-    an error event if a request fails; a usage chunk when asked; then [DONE]."""
+    an error event if a request fails; a usage chunk when asked; then [DONE]. A render that returns
+    None has nothing to send yet (a tool call still being parsed)."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
 
@@ -85,8 +86,11 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
                 break
             if not (out.delta_text or out.finished or (n_lp is not None and out.delta_token_ids)):
                 continue
-            start, sent_tokens[i] = sent_tokens[i], len(out.token_ids)
-            yield sse(head | {"choices": [render(i, out, start)]} | extra)
+            choice = render(i, out, sent_tokens[i])
+            if choice is None:
+                continue
+            sent_tokens[i] = len(out.token_ids)
+            yield sse(head | {"choices": [choice]} | extra)
         else:
             if include_usage:
                 yield sse(head | {"choices": [], "usage": usage(prompts, counts)})

@@ -4,7 +4,7 @@ A decoding request's proposals ride in its row as extra query tokens (a decode b
 (k+1)-token chunk); one pass verifies them (`rejection.verify`). Speculation is for the small
 batches that leave compute idle: it is off while more than `disable_by_batch_size` requests are
 running, and for requests it cannot serve exactly here: penalties and `min_tokens` (they depend on
-each earlier token), logprobs, prompt logprobs, and models with sliding-window layers (a rejected
+each earlier token), logit_bias, logprobs, prompt logprobs, and models with sliding-window layers (a rejected
 position would already have overwritten a ring slot still in the window). Proposals never run past
 `max_new_tokens` or the context length, so an accepted run ends where plain decoding would.
 Requests under a grammar (structured outputs) do not speculate either: their tokens are masked.
@@ -58,7 +58,7 @@ class Speculator:
     @staticmethod
     def serves(request: Request) -> bool:
         p = request.params
-        return (getattr(request, "grammar", None) is None and p.repetition_penalty == 1.0
+        return (request.grammar is None and not p.logit_bias and p.repetition_penalty == 1.0
                 and not p.presence_penalty and not p.frequency_penalty
                 and len(request.output_token_ids) >= p.min_tokens and p.logprobs is None
                 and p.prompt_logprobs is None)

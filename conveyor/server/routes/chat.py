@@ -1,7 +1,12 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, streamed or whole."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template, streamed or whole.
+
+With `tools`, the reply goes through a `ToolReply` per choice (tools.py): tool calls come back as
+`tool_calls` (streamed as OpenAI's deltas) and `finish_reason: "tool_calls"`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -13,6 +18,7 @@ from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
+from ..tools import plan_tools
 from .deps import AUTH, ServingDep
 
 router = APIRouter()
@@ -22,28 +28,34 @@ router = APIRouter()
              responses=STREAMED | error_responses(400, 401, 404, 500, 503))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
-    if body.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise APIError(400, "only response_format {\"type\": \"text\"} is supported", param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
-    prompt = serving.render_chat(body.messages)
+    plan = plan_tools(body.tools, body.tool_choice, serving.model_type)
+    prompt = serving.render_chat(body.messages, plan)
     rid, created = new_id("chatcmpl"), int(time.time())
     max_tokens = body.max_completion_tokens or body.max_tokens
-    requests = serving.build_requests(rid, [prompt], body, max_tokens, n_lp, "messages")
+    requests = await asyncio.to_thread(serving.build_requests, rid, [prompt], body, max_tokens, n_lp, "messages",
+                                       constraint=(plan.constraint, "tools"))
     sub = serving.submit(requests)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name}
 
     if body.stream:
-        def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
+        replies = [plan.reply() for _ in requests] if plan.active else None
+
+        def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
             lp = None
             if n_lp is not None:
                 lp = {"content": serving.chat_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp)}
-            delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
-            return {"index": i, "delta": delta, "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None}
+            reason = out.finish_reason if out.finished else None
+            if replies is None:
+                delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
+            else:
+                delta = replies[i].feed(out.text, out.finished, out.finish_reason == "stop")
+                reason = replies[i].finish_reason(reason)
+                if not delta and not out.finished and lp is None:
+                    return None
+            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
 
         roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None} for i in range(len(requests))]
@@ -54,6 +66,10 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     choices = []
     for i, out in enumerate(finals):
         lp = None if n_lp is None else {"content": serving.chat_logprobs(out.token_ids, out.logprobs, n_lp)}
-        choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                        "finish_reason": out.finish_reason})
+        message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
+        if plan.active:
+            reply = plan.reply()
+            message = reply.message(out.text, out.finish_reason == "stop")
+            reason = reply.finish_reason(reason)
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return JSONResponse(head | {"choices": choices, "usage": usage([prompt], finals)})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -27,8 +28,8 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     prompts = serving.completion_prompts(body)
     rid, created = new_id("cmpl"), int(time.time())
-    requests = serving.build_requests(rid, prompts, body, body.max_tokens, body.logprobs, "prompt",
-                                      prompt_logprobs=body.prompt_logprobs)
+    requests = await asyncio.to_thread(serving.build_requests, rid, prompts, body, body.max_tokens, body.logprobs,
+                                       "prompt", prompt_logprobs=body.prompt_logprobs)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "text_completion", "created": created, "model": serving.model_name}
     n_lp = body.logprobs

@@ -1,0 +1,58 @@
+"""The output constraint and logit bias a request body asks for, checked into engine parameters.
+
+OpenAI's `response_format` (`json_object`, `json_schema`) and vLLM's extra body field
+`structured_outputs` (json, regex, choice, grammar, json_object) both become a
+`StructuredOutputsParams`; `logit_bias` arrives with string keys (JSON objects have no others).
+Malformed fields are 400s naming the field; a constraint that does not compile is refused by the
+engine's `make_request`, also before anything is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..structured import StructuredOutputsParams
+from .protocol import APIError, SamplingFields
+
+FORMATS = ("text", "json_object", "json_schema")
+
+
+def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the constraint, the field it came from) or (None, None)."""
+    fmt, extra = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.get("type", "text") != "text" and extra:
+        raise APIError(400, "give either response_format or structured_outputs, not both", param="structured_outputs")
+    if extra:
+        try:
+            return StructuredOutputsParams(**extra), "structured_outputs"
+        except (TypeError, ValueError) as exc:
+            raise APIError(400, f"invalid structured_outputs: {exc}", param="structured_outputs") from exc
+    if fmt is None:
+        return None, None
+    kind = fmt.get("type", "text")
+    if kind not in FORMATS:
+        raise APIError(400, f"response_format.type must be one of {', '.join(FORMATS)}, got {kind!r}",
+                       param="response_format")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True), "response_format"
+    spec: Any = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise APIError(400, 'response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
+                       param="response_format")
+    if not isinstance(schema, dict):
+        raise APIError(400, "response_format.json_schema.schema must be a JSON schema object", param="response_format")
+    return StructuredOutputsParams(json=schema), "response_format"
+
+
+def logit_bias(body: SamplingFields) -> dict[int, float]:
+    """OpenAI's `{"token id": bias}` with integer keys (range checks follow in SamplingParams / make_request)."""
+    out = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+    return out

@@ -1,0 +1,192 @@
+"""Tools in chat completions: the constraint a `tool_choice` imposes, how tools and tool messages
+reach the chat template, and how a reply becomes OpenAI's `tool_calls`, whole or streamed.
+
+"required" and a named function constrain the output by the tools' parameter schemas (named: the
+arguments object itself; required: `{"name": ..., "arguments": ...}`, one option per tool), so the
+arguments always parse. "auto" lets the model write Hermes-style blocks (`tool_parsers`). A
+template that does not know tools (no `tools` in its source) gets them the way Qwen's template
+writes them: a system preamble, calls as `<tool_call>` blocks, results as `<tool_response>`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..structured import StructuredOutputsParams
+from .protocol import APIError, ChatMessage
+from .tool_parsers import HermesToolParser, ToolCall, parser_for
+
+PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+            "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function "
+            "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+            "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
+REQUIRED_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')  # the compact layout grammars write
+
+
+@dataclass
+class ToolPlan:
+    """What the request's `tools` and `tool_choice` ask for. mode: "none" | "auto" | "required" | "named"."""
+
+    mode: str = "none"
+    functions: list[dict[str, Any]] = field(default_factory=list)
+    name: str | None = None
+    parser: type[HermesToolParser] = HermesToolParser
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def constraint(self) -> StructuredOutputsParams | None:
+        schemas = {f["name"]: f.get("parameters") or {"type": "object"} for f in self.functions}
+        if self.mode == "named":
+            assert self.name is not None
+            return StructuredOutputsParams(json=schemas[self.name])
+        if self.mode == "required":
+            return StructuredOutputsParams(json={"anyOf": [
+                {"type": "object", "properties": {"name": {"const": n}, "arguments": s},
+                 "required": ["name", "arguments"], "additionalProperties": False} for n, s in schemas.items()]})
+        return None
+
+    def reply(self) -> ToolReply:
+        return ToolReply(self)
+
+
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, model_type: str | None) -> ToolPlan:
+    """Validate `tools` / `tool_choice` (400s naming the field) into a plan."""
+    functions = []
+    for i, tool in enumerate(tools or []):
+        fn = _function(tool)
+        if tool.get("type", "function") != "function" or not isinstance(fn.get("name"), str):
+            raise APIError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                           "\"parameters\": {...}}}}", param="tools")
+        if not isinstance(fn.get("parameters", {}), dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        functions.append(fn)
+    choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
+    if isinstance(choice, dict):
+        name = _function(choice).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise APIError(400, "tool_choice must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", param="tool_choice")
+        if name not in {f["name"] for f in functions}:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+        return ToolPlan("named", functions, name, parser_for(model_type))
+    if choice not in ("none", "auto", "required"):
+        raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or a named function, got {choice!r}",
+                       param="tool_choice")
+    if choice != "none" and not functions:
+        raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+    return ToolPlan(choice, functions, None, parser_for(model_type))
+
+
+class ToolReply:
+    """One choice's reply under a tool plan, fed its growing text: OpenAI deltas, then the whole message."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.parser = plan.parser()
+        self.content = ""
+        self.calls: list[ToolCall] = []
+        self.sent_args = 0  # constrained modes: characters of the arguments already sent
+
+    def feed(self, text: str, finished: bool, complete: bool) -> dict[str, Any]:
+        """The delta since the last feed. complete: the grammar finished (the whole object is there)."""
+        if self.plan.mode == "auto":
+            content, calls = self.parser.feed(text, finished)
+            self.content += content
+            start = len(self.calls)
+            self.calls += calls
+            delta: dict[str, Any] = {"content": content} if content else {}
+            if calls:
+                delta["tool_calls"] = [{"index": start + k} | c.to_openai() for k, c in enumerate(calls)]
+            return delta
+        name, args = self.plan.name, text
+        if self.plan.mode == "required":
+            head = REQUIRED_HEAD.match(text)
+            if head is None:
+                return {}
+            name, args = json.loads(f'"{head.group(1)}"'), text[head.end():]
+            if complete or not finished:  # the outer object's closing brace (held back while it may be one)
+                args = args[:-1]
+        assert name is not None
+        piece: dict[str, Any] = {"index": 0, "function": {"arguments": args[self.sent_args:]}}
+        if not self.calls:
+            self.calls.append(ToolCall(name, ""))
+            piece |= {"id": self.calls[0].id, "type": "function"}
+            piece["function"]["name"] = name
+        self.calls[0].arguments, self.sent_args = args, len(args)
+        return {"tool_calls": [piece]} if piece["function"]["arguments"] or "id" in piece else {}
+
+    def message(self, text: str, complete: bool) -> dict[str, Any]:
+        """The whole reply as a chat message (after no feed: it parses `text` itself)."""
+        self.feed(text, True, complete)
+        if not self.calls:
+            return {"role": "assistant", "content": self.content if self.plan.mode == "auto" else text}
+        return {"role": "assistant", "content": self.content or None, "tool_calls": [c.to_openai() for c in self.calls]}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+
+def _function(entry: Any) -> dict[str, Any]:
+    """`entry["function"]` when both are objects, else {} (odd shapes then fail validation, not the server)."""
+    fn = entry.get("function") if isinstance(entry, dict) else None
+    return fn if isinstance(fn, dict) else {}
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    args = _function(call).get("arguments", {})
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args
+
+
+def conversation(messages: list[ChatMessage], plan: ToolPlan, template: str, roles: dict[str, str],
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages for the template, tools for it or None). Tool calls and results go through the template
+    when it knows tools; otherwise they are written into the messages as Qwen's template would."""
+    native = "tools" in template or "tool_calls" in template
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        role = "tool" if m.role == "tool" else roles.get(m.role)
+        if role is None:
+            raise APIError(400, f"unsupported message role {m.role!r} (supported: {', '.join(roles)}, tool)",
+                           param="messages")
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" for p in content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            content = "\n".join(p.text or "" for p in content)
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
+        calls = m.tool_calls or []
+        if native:
+            if calls:
+                entry["tool_calls"] = [{"type": "function", "id": c.get("id"), "function": {
+                    "name": _function(c).get("name"), "arguments": _arguments(c)}} for c in calls]
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+        elif role == "tool":
+            entry = {"role": "user", "content": f"<tool_response>\n{entry['content']}\n</tool_response>"}
+        elif calls:
+            blocks = [json.dumps({"name": _function(c).get("name"), "arguments": _arguments(c)}) for c in calls]
+            entry["content"] = "\n".join(([entry["content"]] if entry["content"] else [])
+                                         + [f"<tool_call>\n{b}\n</tool_call>" for b in blocks])
+        out.append(entry)
+    if not plan.active:
+        return out, None
+    if native:
+        return out, [{"type": "function", "function": f} for f in plan.functions]
+    preamble = PREAMBLE.format(tools="\n".join(json.dumps({"type": "function", "function": f}) for f in plan.functions))
+    if out and out[0]["role"] == "system":
+        out[0] = out[0] | {"content": f"{out[0]['content']}\n\n{preamble}"}
+    else:
+        out.insert(0, {"role": "system", "content": preamble})
+    return out, None
+
