@@ -36,7 +36,5 @@ def test_soak_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     window = report.window()
     assert window is not None and 0 < window["pool"][0] <= window["pool"][1] <= report.pool_mib, d
     # The soak's target: the RSS outside the KV pool grows < 5% after warm-up (`bench soak` exits 1 past
-    # it). Not met yet: live malloc'd bytes (glibc mallinfo2 `uordblks`, not Python objects, whose
-    # count and tracemalloc total stay flat) grow by about 9 KB per request; see DEVELOPERS.md.
-    if report.rss_growth >= 0.05:
-        pytest.xfail(f"RSS outside the KV pool grew {100 * report.rss_growth:+.1f}% after warm-up (limit 5%): {d}")
+    # it); oneDNN's primitive cache, bounded to 64 shapes (conveyor/__init__.py), was most of the growth.
+    assert report.rss_growth < 0.05, d
