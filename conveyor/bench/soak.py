@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-WARMUP_FRACTION = 0.25  # RSS growth is measured from the first sample after this share of the run
+WARMUP_FRACTION = 0.25  # RSS growth is measured from the first sample after this share of the run (default)
 RSS_EVERY_S = 1.0
 NEAR_LIMIT_TOKENS = 2048  # the default bound on prompt + max_tokens of the "long" requests
 MIB = 2**20
@@ -57,6 +57,7 @@ class SoakReport:
     context: int = 0
     idle_after: dict[str, Any] = field(default_factory=dict)
     max_rss_growth: float = 0.05
+    warmup_fraction: float = WARMUP_FRACTION
 
     @property
     def requests(self) -> int:
@@ -71,7 +72,7 @@ class SoakReport:
         resident part and the rest (`outside_pool`)."""
         if not self.memory:
             return None
-        warm = next((m for m in self.memory if m[0] >= self.seconds * WARMUP_FRACTION), self.memory[-1])
+        warm = next((m for m in self.memory if m[0] >= self.seconds * self.warmup_fraction), self.memory[-1])
         end = self.memory[-1]
         return {"rss": (warm[1], end[1]), "pool": (warm[2], end[2]),
                 "outside_pool": (warm[1] - warm[2], end[1] - end[2])}
@@ -128,22 +129,26 @@ class Soak:
         self.context = 0
         self.model = ""
 
+    def _client(self, **kwargs: Any) -> Any:
+        import httpx
+
+        return httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=300, trust_env=False, **kwargs)
+
     async def run(self) -> SoakReport:
         import httpx
 
-        limits = httpx.Limits(max_connections=self.concurrency + 4)
-        async with httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=300, limits=limits,
-                                     trust_env=False) as http:
+        async with self._client(limits=httpx.Limits(max_connections=self.concurrency + 4)) as http:
             model = (await http.get("/v1/models")).json()["data"][0]
             self.model, self.context = model["id"], model["max_model_len"]
             near = self.near_limit_tokens or min(self.context, NEAR_LIMIT_TOKENS)
             self.report.context, self.report.near_limit_tokens = self.context, min(near, self.context)
             started = time.monotonic()
             deadline = started + self.seconds
-            monitors = [asyncio.create_task(self._health(http, deadline)),
-                        asyncio.create_task(self._memory(http, started, deadline))]
-            await asyncio.gather(*(self._worker(http, deadline) for _ in range(self.concurrency)))
-            await asyncio.gather(*monitors)
+            async with self._client() as watch:  # the monitors' own connections: never queued behind the load
+                monitors = [asyncio.create_task(self._health(watch, deadline)),
+                            asyncio.create_task(self._memory(watch, started, deadline))]
+                await asyncio.gather(*(self._worker(http, deadline) for _ in range(self.concurrency)))
+                await asyncio.gather(*monitors)
             self.report.seconds = time.monotonic() - started
             self.report.idle_after = await self._wait_idle(http)
             if self.pid is not None:
@@ -161,8 +166,11 @@ class Soak:
             await asyncio.sleep(HEALTH_EVERY_S)
 
     async def _memory(self, http: Any, started: float, deadline: float) -> None:
+        import httpx
+
         while self.pid is not None and time.monotonic() < deadline:
-            await self._sample_memory(http, time.monotonic() - started)
+            with contextlib.suppress(httpx.HTTPError):  # a slow answer skips a sample; /health counts failures
+                await self._sample_memory(http, time.monotonic() - started)
             await asyncio.sleep(RSS_EVERY_S)
 
     async def _sample_memory(self, http: Any, at: float) -> None:
@@ -213,14 +221,22 @@ class Soak:
         while time.monotonic() < deadline:
             kind, path, body, expect_400 = self._request()
             self.report.kinds[kind] += 1
-            task = asyncio.create_task(self._send(http, path, body, expect_400))
-            if kind in ("disconnect", "cancel"):
+            abandoned = kind in ("disconnect", "cancel")
+            task = asyncio.create_task(self._send_alone(path, body) if abandoned else
+                                       self._send(http, path, body, expect_400))
+            if abandoned:
                 await asyncio.sleep(self.rng.uniform(0.0, 0.5))
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             if task.cancelled():
                 self.report.statuses["abandoned"] += 1
+
+    async def _send_alone(self, path: str, body: dict[str, Any]) -> None:
+        """A request the client will abandon, on its own connection, closed when it is cancelled (as a
+        client that goes away closes its socket; a cancelled request would not return a pooled one)."""
+        async with self._client() as own:
+            await self._send(own, path, body, False)
 
     async def _send(self, http: Any, path: str, body: dict[str, Any], expect_400: bool) -> None:
         import httpx
@@ -284,6 +300,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--near-limit-tokens", type=int, default=None,
                         help="prompt + max_tokens of the prompts near the limit (default: the context, at most "
                              f"{NEAR_LIMIT_TOKENS}); prompts past the limit use the real context")
+    parser.add_argument("--warmup-fraction", type=float, default=WARMUP_FRACTION,
+                        help="RSS growth is measured from this share of the run on (default 0.25)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--base-url", default=None, help="a running Conveyor server; or --launch")
     parser.add_argument("--pid", type=int, default=None, help="the --base-url server's pid (for its RSS)")
@@ -302,6 +320,8 @@ def run_from_args(args: Any) -> int:
 
     if args.minutes <= 0 or args.concurrency < 1 or args.max_tokens < 1:
         raise SystemExit("error: --minutes, --concurrency and --max-tokens must be positive")
+    if not 0 <= args.warmup_fraction < 1:
+        raise SystemExit("error: --warmup-fraction must be in [0, 1)")
     if args.near_limit_tokens is not None and args.near_limit_tokens <= args.max_tokens + 3:
         raise SystemExit("error: --near-limit-tokens must be more than --max-tokens + 3")
     launch = launch_options(args)
@@ -311,7 +331,7 @@ def run_from_args(args: Any) -> int:
         pid = server["pid"] if server else args.pid
         soak = Soak(base_url, args.minutes * 60, args.concurrency, pid, args.seed, args.max_tokens, args.api_key,
                     args.near_limit_tokens)
-        soak.report.max_rss_growth = args.max_rss_growth
+        soak.report.max_rss_growth, soak.report.warmup_fraction = args.max_rss_growth, args.warmup_fraction
         report = asyncio.run(soak.run())
     print_report(report)
     if args.json:
