@@ -15,7 +15,11 @@ nothing reads a slot before it is written except through padding, which reads th
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import math
+import mmap
 from collections import deque
 from typing import Any
 
@@ -72,6 +76,40 @@ class CachePool:
 
     def free(self, chunks: list[int]) -> None:
         self._free.extend(chunks)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.kv)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the KV tensors in physical memory now. On CPU the tensors are uncommitted until
+        written (`torch.empty`), so the pool's share of the process' RSS grows as traffic first
+        touches chunks; this counts the resident pages (`mincore`) so that growth is not taken for
+        a leak. Elsewhere the memory is committed when allocated: the full size. O(pool pages): call
+        it when read, not per step."""
+        if self.kv[0].device.type != "cpu":
+            return self.nbytes
+        # The partial pages at a tensor's ends count whole: clamp to the tensor's size.
+        return sum(min(layer.nbytes, resident_pages(layer.data_ptr(), layer.nbytes) * mmap.PAGESIZE)
+                   for layer in self.kv)
+
+
+def resident_pages(address: int, length: int) -> int:
+    """Pages of `[address, address + length)` resident in memory (mincore(2); the partial pages at
+    both ends count whole)."""
+    start = address - address % mmap.PAGESIZE
+    pages = -(-(address + length - start) // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * mmap.PAGESIZE), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore failed on the KV pool's memory")
+    return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum())
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    return libc
 
 
 def available_memory(device: torch.device) -> int:

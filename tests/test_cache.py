@@ -98,6 +98,22 @@ def test_pool_kv_tensor_shape():
 
 # -- FullAttentionCacheAllocator ---------------------------------------------------------------
 
+def test_pool_resident_bytes_count_the_pages_written():
+    # 4 MiB chunks (2 x 32 tokens x 128 heads x 128 dims x 4 bytes); slack for the partial (huge, with
+    # transparent huge pages) pages at both ends of the K and V halves of the tensor.
+    pool = CachePool(20, 32, num_layers=1, num_kv_heads=128, head_dim=128, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    per_chunk, slack = CachePool.bytes_per_chunk(32, 1, 128, 128, torch.float32), 4 * 2**21
+    assert pool.nbytes == 20 * per_chunk
+    assert NUM_RESERVED_CHUNKS * per_chunk <= pool.resident_bytes() <= NUM_RESERVED_CHUNKS * per_chunk + slack
+    chunks = pool.allocate(10)
+    for c in chunks:
+        pool.kv[0][:, c * 32:(c + 1) * 32].fill_(1.0)
+    assert 12 * per_chunk <= pool.resident_bytes() <= 12 * per_chunk + slack
+    pool.kv[0].fill_(0.0)
+    assert pool.nbytes <= pool.resident_bytes() <= pool.nbytes + slack
+
+
 def test_allocator_blocks_for_tokens():
     alloc = FullAttentionCacheAllocator(make_pool(10, page_size=4))
     assert [alloc.blocks_for_tokens(n) for n in range(0, 10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]

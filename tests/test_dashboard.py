@@ -76,12 +76,15 @@ def test_dashboard_data_reads_the_engine(url: str, llm: LLM) -> None:
                                                    "ignore_eos": True})
             assert r.status_code == 200, r.text
         d = http.get("/dashboard/data").json()
+        resident_gauge = metric(http.get("/metrics").text, "conveyor:kv_cache_resident_bytes")
     s = llm.stats()
     assert d["requests"] == {"running": 0, "waiting": 0, "swapped": 0, "in_flight": 0,
                              "finished": s.finished_requests}
     assert d["kv"]["used"] + d["kv"]["cached"] + d["kv"]["free"] == d["kv"]["total"] == s.total_blocks
     assert d["kv"]["cached"] > 0  # the repeated prompt's blocks stay cached
     assert d["kv"]["groups"] == [{"type": "full_attention", "layer_groups": 1, "used": 0}]
+    # CPU: the pages written so far (idle, so /metrics reads the same).
+    assert 0 < d["kv"]["resident_bytes"] == resident_gauge <= d["kv"]["bytes"] == llm.engine.pool.nbytes
     assert d["prefix_cache"]["hit_tokens"] == s.prefix_cache_hit_tokens > 0  # the second request hit
     assert d["latency"]["ttft_ms"]["count"] >= 2 and d["latency"]["itl_ms"]["count"] >= 14
     assert d["latency"]["ttft_ms"]["p50"] <= d["latency"]["ttft_ms"]["p99"]

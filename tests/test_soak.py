@@ -1,5 +1,6 @@
 """The soak's short form: `conveyor serve` (a subprocess: its own RSS) under a mixed load with
-disconnects and cancels for about half a minute; `conveyor bench soak --minutes N` is the long run."""
+disconnects and cancels for about half a minute; `conveyor bench soak --minutes N` is the long run.
+The memory limit applies to the RSS outside the KV pool (see `bench/soak.py`)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,12 @@ def test_soak_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = save_long_tiny(tmp_path / "tiny", context=512)
     with launched_server(model=str(model), dtype="float32", timeout_s=180,
                          extra_args=["--num-blocks", "512", "--max-queue", "64", "--max-batch-tokens", "256"]) as info:
-        report = asyncio.run(Soak(info["base_url"], seconds=30, concurrency=6, pid=info["pid"], seed=1,
-                                  max_tokens=24, api_key=None).run())
+        soak = Soak(info["base_url"], seconds=45, concurrency=6, pid=info["pid"], seed=1, max_tokens=24, api_key=None)
+        # Caches keyed by batch shape fill for the first tens of seconds (a 150-s run of this load: outside
+        # the pool +16 MiB in 25-50 s, +8 in 50-100 s, +5 in 100-145 s): growth is measured over the
+        # second half.
+        soak.report.warmup_fraction = 0.5
+        report = asyncio.run(soak.run())
     print_report(report)
     print(capsys.readouterr().out)  # shown with -s
     d = report.as_dict()
@@ -30,7 +35,10 @@ def test_soak_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert report.server_errors == 0 and report.incomplete == 0 and not report.unexpected, d
     assert report.health_checks > 20 and report.health_failures == 0, d
     assert report.idle, d  # nothing in flight, every KV block free or cached
-    # The soak's target is < 5% growth after warm-up (`bench soak` exits 1 past it). Not met yet: RSS
-    # still creeps (+6.8% over 90 s, about 6 KB per request; the engine's, allocator's and manager's
-    # per-request tables are empty afterwards, so the cause is still open). This bounds it meanwhile.
-    assert d["rss_mib_end"] is not None and report.rss_growth < 0.15, d
+    # The pool's own pages become resident as traffic first writes its chunks (CPU: `torch.empty`), so
+    # they are reported apart; they can never pass the pool's size.
+    window = report.window()
+    assert window is not None and 0 < window["pool"][0] <= window["pool"][1] <= report.pool_mib, d
+    # The soak's target: the RSS outside the KV pool grows < 5% after warm-up (`bench soak` exits 1 past
+    # it); oneDNN's primitive cache, bounded to 64 shapes (conveyor/__init__.py), was most of the growth.
+    assert report.rss_growth < 0.05, d

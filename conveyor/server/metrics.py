@@ -3,7 +3,7 @@
 Latency histograms are observed once per finished request from `RequestOutput.metrics` (on the
 engine thread; prometheus-client is thread-safe). Engine counters and gauges are read from
 `llm.stats()` at scrape time by a custom collector, so they also count requests that did not come
-through the server (e.g. `LLM.generate` on the same engine).
+through the server (e.g. `LLM.generate` on the same engine); so is the KV pool's resident size.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 class EngineStatsCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self.stats, self.model_name = stats, model_name
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 kv_resident_bytes: Callable[[], int] | None = None) -> None:
+        self.stats, self.model_name, self.kv_resident_bytes = stats, model_name, kv_resident_bytes
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats()
@@ -49,6 +50,10 @@ class EngineStatsCollector(Collector):
                     s.running_requests)
         yield gauge("num_requests_waiting", "Requests waiting in the engine's queue.", s.waiting_requests)
         yield gauge("kv_cache_usage_perc", "KV cache usage: 1 = every block in use.", s.kv_cache_usage)
+        if self.kv_resident_bytes is not None:
+            yield gauge("kv_cache_resident_bytes", "Bytes of the KV pool in physical memory (on CPU it is committed "
+                        "as chunks are first written, so this grows towards the pool's size).",
+                        self.kv_resident_bytes())
         yield counter("prefix_cache_queries", "Prefix cache queries, in tokens.", s.prefix_cache_query_tokens)
         yield counter("prefix_cache_hits", "Prefix cache hits, in tokens.", s.prefix_cache_hit_tokens)
         yield counter("num_preemptions", "Preemptions of running requests (offload or soft reset).", s.offloads)
@@ -72,7 +77,8 @@ class EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 kv_resident_bytes: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -94,7 +100,7 @@ class ServerMetrics:
                                registry=self.registry)
         self.rejected = Counter("conveyor:request_rejected", "Requests answered 503 (queue full or shutting down).",
                                 labels, registry=self.registry).labels(model_name)
-        self.registry.register(EngineStatsCollector(stats, model_name))
+        self.registry.register(EngineStatsCollector(stats, model_name, kv_resident_bytes))
         self.latencies = LatencyWindow()  # recent samples, for the dashboard's percentiles
 
     def observe_finished(self, out: RequestOutput) -> None:

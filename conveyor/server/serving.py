@@ -120,7 +120,7 @@ class Serving:
         self.tokenizer = llm.get_tokenizer()
         self.model_type = getattr(llm.engine.model.config, "model_type", None)  # picks the tool-call parser
         self.max_model_len = llm.engine.max_model_len
-        self.metrics = ServerMetrics(llm.stats, self.model_name)
+        self.metrics = ServerMetrics(llm.stats, self.model_name, llm.engine.pool.resident_bytes)
         ensure_step_history(llm.engine)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0  # engine requests accepted and not yet finished
