@@ -3,8 +3,8 @@
 The bitmasks of all constrained rows are filled together (llguidance fills them in parallel, off
 the GIL) into one preallocated int32 bitmask (pinned on CUDA), unpacked (numpy on CPU; on a GPU,
 copied once and unpacked there with plain tensor ops: no compiled kernel, so no first-call compile)
-and applied to those rows (masked tokens get -inf); unconstrained rows are not touched, so they
-sample exactly as without the others.
+and applied to those rows (masked tokens get -inf, or on CPU -1e30 added: `MASKED`); unconstrained
+rows are not touched, so they sample exactly as without the others.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ import torch
 import torch.nn.functional as F
 
 from ..transfer import to_device
+
+
+# What a forbidden token's logit gets on CPU: added, so allowed logits stay bit-exact (x + 0) and a
+# forbidden one ends near -1e30, whose probability is exactly 0 after softmax at any temperature.
+MASKED = -1e30
 
 
 class GrammarMasks:
@@ -35,6 +40,12 @@ class GrammarMasks:
         lgt.fill_next_token_bitmask_par(self.executor, [(matchers[i], j) for j, i in enumerate(rows)], self.bitmask)
         device, width = logits.device, logits.shape[1]
         forbidden = self._unpack(self.bitmask[:len(rows)], device)
+        if device.type == "cpu":  # an added penalty: a bool masked_fill is ~3x slower on CPU (9 vs 3 ms, 64 rows)
+            index = to_device(rows, torch.long, device)
+            logits[:, :self.vocab_size].index_add_(0, index, forbidden.to(logits.dtype).mul_(MASKED))
+            if width > self.vocab_size:
+                logits[index, self.vocab_size:] = float("-inf")
+            return
         if width > self.vocab_size:  # columns past the grammar's vocabulary: never allowed
             forbidden = F.pad(forbidden, (0, width - self.vocab_size), value=True)
         if len(rows) < logits.shape[0]:  # plain rows in the batch: all of theirs allowed
