@@ -59,6 +59,7 @@ class AttentionMetadata:
     decode_positions: torch.Tensor | None = None  # [num_decodes] int64 position of each decode's new token
     decode_kv_slots: torch.Tensor | None = None  # [num_decodes, max_context] (padding reads slot 0)
     decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_context] bool, True = attend
+    decode_shared_rows: bool = False  # some request has several decode rows (speculation): its K/V first
     prefills: list[PrefillSpan] = field(default_factory=list)
     window: int | None = None  # the group's sliding window (None: full attention)
     prefill_ctx_slots: torch.Tensor | None = None  # every chunk's ctx_slots, concatenated (native backend)
@@ -88,6 +89,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 class AttentionBackend:
     """Writes the new K/V into the cache and attends each query to its request's context."""
 
+    decode_reads_written = False  # decode rows read the pass's new K/V from the cache (written first)
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive any per-pass index tensors the backend needs (once per forward, not per layer)."""
 
@@ -105,6 +108,8 @@ class TorchPagedAttention(AttentionBackend):
     from the cache before the new K/V is written (a sliding ring may reuse those slots for the
     chunk's own tokens) and takes its own K/V straight from the batch.
     """
+
+    decode_reads_written = True
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None

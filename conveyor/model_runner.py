@@ -5,7 +5,9 @@ so attention can treat them as one padded group, then prefill chunks. Only the l
 chunk that completes its request's sequence is sent through the LM head and the sampler, plus,
 for requests that ask for prompt logprobs, the prompt rows that score their next prompt token.
 A speculating decode (`ScheduledChunk.draft_tokens`) is a chunk of its last token and its
-proposals, causal like any prefill chunk; all its rows' logits go back for verification.
+proposals: one decode row per token where the attention backend writes a pass's K/V before decode
+rows read it (causal through their context lengths), else a causal prefill chunk; all its rows'
+logits go back for verification.
 """
 
 from __future__ import annotations
@@ -106,14 +108,18 @@ class PreparedStep:
         return unpadded_row if unpadded_row < self.pad_at else unpadded_row + self.num_pad
 
 
-def split_batch(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
-    """Decodes (single-token chunks), then prefills: the order of the pass's rows."""
-    return [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
+def split_batch(chunks: list[ScheduledChunk], drafts_decode: bool = False) -> tuple[list[ScheduledChunk],
+                                                                                    list[ScheduledChunk]]:
+    """Decodes (single-token chunks; with `drafts_decode` speculating chunks too, one decode row per
+    token), then prefills: the order of the pass's rows."""
+    decodes = [c for c in chunks if c.num_tokens == 1 or (drafts_decode and c.draft_tokens)]
+    return decodes, [c for c in chunks if not (c.num_tokens == 1 or (drafts_decode and c.draft_tokens))]
 
 
-def verify_rows_of(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[int]]:
+def verify_rows_of(chunks: list[ScheduledChunk], drafts_decode: bool = False) -> tuple[list[ScheduledChunk],
+                                                                                      list[int]]:
     """The speculating chunks in row order and all their rows (each row's logits check one token)."""
-    decodes, prefills = split_batch(chunks)
+    decodes, prefills = split_batch(chunks, drafts_decode)
     verified, rows, offset = [], [], 0
     for c in decodes + prefills:
         if c.draft_tokens:
@@ -141,6 +147,10 @@ class ModelRunner:
                 self.layer_group[layer], self.layer_kv[layer] = g, pool.kv[j]
         self.device = device
         self.attention = attention or make_attention_backend(device, next(model.parameters()).dtype)
+        # A speculating chunk runs as decode rows (the decode stack takes them) where decode attention
+        # reads the pass's own K/V from the cache: row j then sees rows 0..j-1 through its context length.
+        # (Not with sliding windows: a later row's ring slot can still be in an earlier row's window.)
+        self.drafts_decode = self.attention.decode_reads_written and all(a.window is None for a, _ in self.groups)
         self.sampler = Sampler()
         self.page_size = pool.page_size
         self.max_logit_rows = max_logit_rows  # LM head rows at a time for prompt logprobs (bounds the logits)
@@ -160,16 +170,16 @@ class ModelRunner:
     def prepare(self, chunks: list[ScheduledChunk], buffer_set: int = 0) -> PreparedStep:
         """Input ids, positions, attention metadata per layer group, and the batch rows (and requests)
         that sample; padded into static buffer set `buffer_set` when padding is on."""
-        decodes, prefills = split_batch(chunks)
+        decodes, prefills = split_batch(chunks, self.drafts_decode)
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         dev = self.device
-        decode_pos = torch.tensor([c.request.num_computed_tokens for c in decodes], device=dev)
+        decode_pos = torch.tensor([c.request.num_computed_tokens + j for c in decodes for j in range(c.num_tokens)],
+                                  device=dev)
         if decodes:
             positions.append(decode_pos)
             for c in decodes:
-                r = c.request
-                ids.extend(r.token_slice(r.num_computed_tokens, r.num_computed_tokens + 1))
+                ids.extend(chunk_token_ids(c))
         for c in prefills:
             r = c.request
             positions.append(torch.arange(r.num_computed_tokens, r.num_computed_tokens + c.num_tokens, device=dev))
@@ -194,7 +204,7 @@ class ModelRunner:
         else:
             prepared = PreparedStep(input_ids, pos, metas, torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers,
                                     plan)
-        verified, verify_rows = verify_rows_of(chunks)
+        verified, verify_rows = verify_rows_of(chunks, self.drafts_decode)
         if verified:
             prepared.verified = verified
             prepared.verify_rows = torch.tensor([prepared.row(r) for r in verify_rows], dtype=torch.long, device=dev)
@@ -210,12 +220,13 @@ class ModelRunner:
         chunk its last `w - 1` positions, and a chunk longer than `w` writes only its last `w` tokens
         (the earlier ones would be overwritten in the same pass; they go to the reserved chunk)."""
         page, window, dev = self.page_size, allocator.window, self.device
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=len(decodes), window=window,
-                                 decode_positions=decode_pos)
+        rows = len(decode_pos)
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=rows, window=window,
+                                 decode_positions=decode_pos, decode_shared_rows=rows > len(decodes))
         writes: list[torch.Tensor] = []
-        q_start = len(decodes)
+        q_start = rows
         if decodes:
-            tables = [allocator.block_table(c.request.request_id, group) for c in decodes]
+            tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
             width = max(len(t) for t in tables)
             bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
             ring = decode_pos if window is None else decode_pos % window

@@ -229,3 +229,26 @@ def test_constrained_and_biased_requests_do_not_speculate_beside_those_that_do(t
     assert Speculator.serves(constrained)
     constrained.grammar = object()  # a matcher (the tiny tokenizer has no llguidance decoder)
     assert not Speculator.serves(constrained)
+
+
+def test_speculating_rows_run_in_the_decode_stack_and_equal_speculation_off(tiny_models: dict[str, TinyModel]) -> None:
+    """Quantized weights: a speculating chunk runs as decode rows through the native decode stack (its
+    rows' K/V stored before any row attends), whose rows do not depend on each other, so even outside
+    the fp32 exact path greedy tokens equal speculation off."""
+    model = tiny_models["llama_smooth"]
+    spec = model.llm(dtype="auto", quantization="int8", max_batch_tokens=32, speculative_config=NGRAM)
+    stack = spec.engine.model.decode_stack
+    assert stack is not None and spec.engine.runner.drafts_decode
+    native, shared = stack.native, []
+
+    class Recorder:  # the stack's native object, recording its `shared_rows` argument
+        def forward(self, *args):
+            shared.append(args[-1])
+            return native.forward(*args)
+
+    stack.native = Recorder()
+    prompts, params = copy_prompts(), mixed_params()
+    plain = model.llm(dtype="auto", quantization="int8", max_batch_tokens=32)
+    assert generate(spec, prompts, params) == generate(plain, prompts, params)
+    assert any(shared) and spec_stats(spec)["num_accepted_tokens"] > 0
+    assert_idle(spec)

@@ -144,10 +144,11 @@ class DecodeStack {
 
     // x [B, hidden] fp32 (updated in place and returned); cos/sin [B, D] fp32; per layer its KV cache
     // [2, slots, Hkv, D], decode block tables [B, width], context lengths [B] and the slots [B] the
-    // new K/V go to; `threads` <= 0: torch's intra-op thread count.
+    // new K/V go to; `threads` <= 0: torch's intra-op thread count. `shared_rows`: some request has
+    // several rows (speculative proposals): every row's K/V is stored before any row attends.
     torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
                           std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
-                          std::vector<torch::Tensor> slots, int64_t page_size, int64_t threads) {
+                          std::vector<torch::Tensor> slots, int64_t page_size, int64_t threads, bool shared_rows) {
         const int64_t B = x.size(0);
         TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden_, "x must be fp32 [B, hidden]");
         TORCH_CHECK(B >= 1 && B <= max_rows_, "the stack takes 1 to ", max_rows_, " rows, got ", B);
@@ -157,8 +158,8 @@ class DecodeStack {
         TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the KV cache must be fp32 or bf16");
         for (auto& t : kv) TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, "contiguous KV caches of one dtype");
         const int nt = static_cast<int>(threads > 0 ? threads : at::get_num_threads());
-        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, page_size, nt);
-        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, page_size, nt);
+        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, page_size, nt, shared_rows);
+        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, page_size, nt, shared_rows);
         return x;
     }
 
@@ -168,11 +169,12 @@ class DecodeStack {
     // Rows [r0, r1) of this thread's elementwise work: norms, RoPE, K/V writes, SiLU, residual adds
     // and activation quantization touch only their own rows, so they need no barrier among them.
     // With at least one row per thread, each thread also runs its rows' attention right after
-    // writing their K/V; with fewer rows (one stream), attention splits the (row, kv head) pairs.
+    // writing their K/V (after all rows' K/V when rows share a request); with fewer rows (one
+    // stream), attention splits the (row, kv head) pairs.
     template <typename T>
     void run(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
              const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& lens,
-             const std::vector<torch::Tensor>& slots, int64_t page, int threads) {
+             const std::vector<torch::Tensor>& slots, int64_t page, int threads, bool shared_rows) {
         const int64_t B = x.size(0), qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_;
         float* xp = x.data_ptr<float>();
         const float* cp = cos.data_ptr<float>();
@@ -226,7 +228,11 @@ class DecodeStack {
 #pragma omp barrier
                 matmul(L.qkv, xn_.data(), act_hidden_, qkv_.data(), qkv_n);
 #pragma omp barrier
-                if (by_rows) {
+                if (by_rows && shared_rows) {  // a row may read what another thread's row stores
+                    for (int64_t b = r0; b < r1; ++b) rope_and_store(b);
+#pragma omp barrier
+                    for (int64_t b = r0; b < r1; ++b) attend(b, 0, Hkv_);
+                } else if (by_rows) {
                     for (int64_t b = r0; b < r1; ++b) {
                         rope_and_store(b);
                         attend(b, 0, Hkv_);

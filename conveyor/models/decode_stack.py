@@ -138,6 +138,6 @@ class DecodeStack:
         threads = self.threads.choose()
         started = time.perf_counter()
         self.native.forward(h, cos.float().contiguous(), sin.float().contiguous(), list(kv_caches), tables, lens,
-                            slots, page_size, threads)
+                            slots, page_size, threads, metas[0].decode_shared_rows)
         self.threads.record(time.perf_counter() - started)
         return h.to(x.dtype)
