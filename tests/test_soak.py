@@ -42,3 +42,17 @@ def test_soak_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The soak's target: the RSS outside the KV pool grows < 5% after warm-up (`bench soak` exits 1 past
     # it); oneDNN's primitive cache, bounded to 64 shapes (conveyor/__init__.py), was most of the growth.
     assert report.rss_growth < 0.05, d
+
+
+@pytest.mark.parametrize("module", ["soak", "fuzz"])
+def test_launch_options_of_the_soak_and_fuzz_commands(module: str) -> None:
+    """Their parsers have no --speculative-config (bench serve's): --launch must still build its options."""
+    import argparse
+    import importlib
+
+    from conveyor.bench.launch import launch_options
+
+    parser = argparse.ArgumentParser()
+    importlib.import_module(f"conveyor.bench.{module}").add_arguments(parser)
+    options = launch_options(parser.parse_args(["--launch", "--dtype", "float32", "--launch-args", "--num-blocks 64"]))
+    assert options is not None and options["dtype"] == "float32" and options["extra_args"] == ["--num-blocks", "64"]

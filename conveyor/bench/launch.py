@@ -65,7 +65,7 @@ def launch_options(args: Any) -> dict[str, Any] | None:
     options apply only there. Argument errors exit before anything starts."""
     ours = {"--launch-model": args.launch_model, "--quantization": args.quantization,
             "--dtype": None if args.dtype == "auto" else args.dtype, "--launch-args": args.launch_args or None,
-            "--speculative-config": args.speculative_config}
+            "--speculative-config": getattr(args, "speculative_config", None)}  # bench serve's only
     if not args.launch:
         given = [name for name, value in ours.items() if value is not None]
         if given:
@@ -77,8 +77,8 @@ def launch_options(args: Any) -> dict[str, Any] | None:
     if args.base_url is not None:
         raise SystemExit("error: give --base-url or --launch, not both")
     extra = shlex.split(args.launch_args)
-    if args.speculative_config:
-        extra += ["--speculative-config", args.speculative_config]
+    if ours["--speculative-config"]:
+        extra += ["--speculative-config", ours["--speculative-config"]]
     taken = [a for a in extra if a.split("=", 1)[0] in ("--host", "--port")]
     if taken:
         raise SystemExit(f"error: --launch-args: the benchmark chooses the server's address; drop {taken}")
