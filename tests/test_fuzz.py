@@ -48,6 +48,8 @@ def test_clamp_keeps_values_valid_and_short() -> None:
     assert clamp({"prompt": list(range(10))})["prompt"] == list(range(10))  # one prompt of token ids
     assert clamp({"n": 0, "max_tokens": True}) == {"n": 0, "max_tokens": True}  # invalid stays invalid
     assert clamp([1, 2]) == [1, 2]
+    assert clamp({"messages": [{"role": "tool"}]})["max_tokens"] == 8  # absent: not the whole context
+    assert "max_tokens" not in clamp({"messages": [], "max_completion_tokens": 3})
 
 
 def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:

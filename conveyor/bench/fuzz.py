@@ -85,6 +85,8 @@ def clamp(body: Any) -> Any:
         value = body.get(name)
         if isinstance(value, list) and len(value) > MAX_ITEMS and not all(isinstance(v, int) for v in value):
             body[name] = value[:MAX_ITEMS]
+    if ("prompt" in body or "messages" in body) and "max_tokens" not in body and "max_completion_tokens" not in body:
+        body["max_tokens"] = LIMITS["max_tokens"]  # absent = the rest of the context: minutes on a CPU
     return body
 
 
