@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -32,6 +31,7 @@ from .scheduler import SchedulerOutput, make_scheduler
 from .speculative import Speculator
 from .speculative.draft import DraftProposer, draft_bytes_per_chunk
 from .speculative.verification import apply_verification
+from .engine_stats import EngineStats, snapshot
 from .step_history import StepHistory, composition
 from .structured.constraints import Constraints, grammar_complete
 
@@ -40,42 +40,6 @@ logger = logging.getLogger("conveyor")
 
 class InvalidRequestError(ValueError):
     """A request that cannot be served as given (empty, too long, bad token ids)."""
-
-
-@dataclass
-class EngineStats:
-    """A snapshot of the engine's counters (cumulative) and gauges (now); the server's metrics read it."""
-
-    prompt_tokens: int = 0  # prompt tokens of every request admitted
-    generation_tokens: int = 0  # tokens sampled
-    prefill_tokens: int = 0  # tokens actually run through prefill (recomputation after a reset included)
-    prefix_cache_query_tokens: int = 0  # tokens of admitted requests looked up in the prefix cache
-    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached (their prefill was skipped)
-    offloads: int = 0  # requests offloaded, either path
-    swap_outs: int = 0  # of those, requests whose blocks were swapped to host memory
-    swap_ins: int = 0  # swapped requests whose blocks were copied back (resumed without recomputation)
-    soft_resets: int = 0  # offloaded requests that took the soft-reset path
-    finished_requests: int = 0
-    free_blocks: int = 0  # uninitialized plus cached (reclaimable) blocks
-    total_blocks: int = 0
-    running_requests: int = 0
-    waiting_requests: int = 0
-    swapped_requests: int = 0  # waiting requests whose blocks are in the swap pool
-    swap_free_blocks: int = 0
-    swap_total_blocks: int = 0
-    # Speculative decoding (vLLM's counters): verification passes with proposals, tokens proposed,
-    # tokens accepted, and accepted per proposal position.
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-    cuda_graph_captures: int = 0  # decode shapes captured as CUDA graphs
-    cuda_graph_replays: int = 0  # steps run by replaying a graph
-    cuda_graph_eager_steps: int = 0  # steps with graphs on that ran eagerly (prefill chunks, over the largest bucket)
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 class Engine:
@@ -222,26 +186,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Counters so far plus the cache and queue gauges now (safe to read from another thread)."""
-        snapshot = EngineStats(**vars(self._stats))
-        snapshot.free_blocks = self.allocator.num_free_blocks
-        snapshot.total_blocks = self.allocator.num_total_blocks
-        snapshot.running_requests = len(self.scheduler.active)
-        snapshot.waiting_requests = len(self.scheduler.waiting)
-        if self.swap is not None:
-            snapshot.swapped_requests = len(self.swap.slots)
-            snapshot.swap_free_blocks = self.swap.num_free
-            snapshot.swap_total_blocks = self.swap.num_slots
-        speculator = self.scheduler.speculator
-        if speculator is not None:
-            snapshot.spec_decode_num_drafts = speculator.num_drafts
-            snapshot.spec_decode_num_draft_tokens = speculator.num_draft_tokens
-            snapshot.spec_decode_num_accepted_tokens = speculator.num_accepted_tokens
-            snapshot.spec_decode_num_accepted_tokens_per_pos = list(speculator.accepted_per_pos)
-        graphs = self.runner.graphs
-        if graphs is not None:
-            snapshot.cuda_graph_captures, snapshot.cuda_graph_replays = graphs.captures, graphs.replays
-            snapshot.cuda_graph_eager_steps = graphs.eager_steps
-        return snapshot
+        return snapshot(self)
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
