@@ -183,13 +183,10 @@ def print_report(report: FuzzReport, out: Any = sys.stdout) -> None:
 
 
 def add_arguments(parser: Any) -> None:
+    from .launch import add_launch_arguments
+
     parser.add_argument("--base-url", default=None, help="a running server; or --launch to start Conveyor's")
-    parser.add_argument("--launch", action="store_true", help="start Conveyor's server for the run")
-    parser.add_argument("--launch-model", default=None, help="its model (default: the built-in one)")
-    parser.add_argument("--launch-args", default="", metavar="ARGS", help="more `conveyor serve` options")
-    parser.add_argument("--launch-timeout", type=float, default=600.0)
-    parser.add_argument("--dtype", default="auto", help="the launched server's dtype")
-    parser.add_argument("--quantization", default=None, help="the launched server's weight format")
+    add_launch_arguments(parser)
     parser.add_argument("--examples", type=int, default=50, help="examples per operation and mode (default 50)")
     parser.add_argument("--seed", type=int, default=None, help="derandomize generation (default: random)")
     parser.add_argument("--api-key", default=None)

@@ -60,6 +60,16 @@ def _healthy(url: str) -> bool:
         return False
 
 
+def add_launch_arguments(parser: Any) -> None:
+    """`--launch` and the launched server's options, as `bench fuzz` and `bench soak` take them."""
+    parser.add_argument("--launch", action="store_true", help="start Conveyor's server for the run")
+    parser.add_argument("--launch-model", default=None, help="its model (default: the built-in one)")
+    parser.add_argument("--launch-args", default="", metavar="ARGS", help="more `conveyor serve` options")
+    parser.add_argument("--launch-timeout", type=float, default=600.0)
+    parser.add_argument("--dtype", default="auto", help="the launched server's dtype")
+    parser.add_argument("--quantization", default=None, help="the launched server's weight format")
+
+
 def launch_options(args: Any) -> dict[str, Any] | None:
     """`launched_server` arguments from `bench serve`'s options (None without --launch); the precision
     options apply only there. Argument errors exit before anything starts."""

@@ -292,6 +292,8 @@ def print_report(report: SoakReport, out: Any = sys.stdout) -> None:
 
 
 def add_arguments(parser: Any) -> None:
+    from .launch import add_launch_arguments
+
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to run (default 10)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
     parser.add_argument("--max-tokens", type=int, default=48, help="most tokens a request generates (default 48)")
@@ -306,12 +308,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--base-url", default=None, help="a running Conveyor server; or --launch")
     parser.add_argument("--pid", type=int, default=None, help="the --base-url server's pid (for its RSS)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--launch", action="store_true", help="start Conveyor's server for the run")
-    parser.add_argument("--launch-model", default=None, help="its model (default: the built-in one)")
-    parser.add_argument("--launch-args", default="", metavar="ARGS", help="more `conveyor serve` options")
-    parser.add_argument("--launch-timeout", type=float, default=600.0)
-    parser.add_argument("--dtype", default="auto", help="the launched server's dtype")
-    parser.add_argument("--quantization", default=None, help="the launched server's weight format")
+    add_launch_arguments(parser)
     parser.add_argument("--json", default=None, metavar="FILE", help="write the report as JSON")
 
 
