@@ -112,8 +112,11 @@ def split_batch(chunks: list[ScheduledChunk], drafts_decode: bool = False) -> tu
                                                                                     list[ScheduledChunk]]:
     """Decodes (single-token chunks; with `drafts_decode` speculating chunks too, one decode row per
     token), then prefills: the order of the pass's rows."""
-    decodes = [c for c in chunks if c.num_tokens == 1 or (drafts_decode and c.draft_tokens)]
-    return decodes, [c for c in chunks if not (c.num_tokens == 1 or (drafts_decode and c.draft_tokens))]
+    decodes: list[ScheduledChunk] = []
+    prefills: list[ScheduledChunk] = []
+    for c in chunks:
+        (decodes if c.num_tokens == 1 or (drafts_decode and c.draft_tokens) else prefills).append(c)
+    return decodes, prefills
 
 
 def verify_rows_of(chunks: list[ScheduledChunk], drafts_decode: bool = False) -> tuple[list[ScheduledChunk],
