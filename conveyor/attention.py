@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ATTENTION_BACKENDS, ConfigError
-from .kernels import cpu_flags, cpu_paged_attention, native_kernels_enabled
+from .kernels import cpu_paged_attention, native_kernels_enabled
 
 
 def cache_slots(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -161,29 +161,25 @@ class TorchPagedAttention(AttentionBackend):
         return attend(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale, softcap).squeeze(2)
 
 
-# Prefill chunks of at most this many tokens (speculative verification rows, the tail of a prompt)
-# take the native kernel even where long ones go to SDPA on AMX: gathering and concatenating their
-# context costs more than SDPA's tiles save on so few query rows.
-NATIVE_SHORT_CHUNK = 16
-
-
 class CpuPagedAttention(TorchPagedAttention):
     """Native kernels on CPU (fp32 and bf16) that read K/V from the pages in place: decode rows after
     the new K/V is written, prefill chunks before (their context from the cache, a sliding ring's
     included, their own K/V from the batch), so neither gathers, concatenates nor builds masks.
-    `native_prefill=False` leaves prefill chunks longer than `NATIVE_SHORT_CHUNK` to `TorchPagedAttention`
-    (see `make_attention_backend`)."""
 
-    def __init__(self, kernel: object, native_prefill: bool = True) -> None:
+    bf16 prefill stays here on CPUs with AMX too, where PyTorch's SDPA is faster (about 12% of a
+    2,000-token prompt's prefill on the built-in model): SDPA's bf16 kernel JIT-compiles a oneDNN
+    brgemm per new (query tail, key tail) shape into a per-thread cache that is never emptied
+    (`KernelCache` in ATen's CPUBlas.cpp), about 0.2 MiB per shape, so a server seeing every prompt
+    length grows without bound (measured: +175 MiB in a 10-minute soak)."""
+
+    def __init__(self, kernel: object) -> None:
         super().__init__()
         self.kernel = kernel
-        self.native_prefill = native_prefill
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """The decode kernel takes the block tables as they are; the prefill kernel takes every chunk's
-        context slots in one tensor and one row of offsets per chunk (`prefill_chunks` set = the native
-        kernel runs them: always with `native_prefill`, else when every chunk is short)."""
-        if meta.prefills and (self.native_prefill or max(s.q_len for s in meta.prefills) <= NATIVE_SHORT_CHUNK):
+        context slots in one tensor and one row of offsets per chunk."""
+        if meta.prefills:
             offsets = [0]
             for span in meta.prefills:
                 offsets.append(offsets[-1] + span.ctx_slots.numel())
@@ -194,8 +190,6 @@ class CpuPagedAttention(TorchPagedAttention):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
-        if meta.prefills and meta.prefill_chunks is None:
-            return super().forward(q, k, v, kv_cache, meta, scale, softcap)
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.prefills:
             self.kernel.paged_prefill_attention(q, k, v, kv_cache, meta.prefill_ctx_slots, meta.prefill_chunks,
@@ -242,10 +236,8 @@ class TritonPagedAttention(AttentionBackend):
 def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> AttentionBackend:
     """The backend `ContinuousBatchingConfig.attention_backend` names. "auto": Triton on CUDA (when
     it imports), the native CPU kernels for fp32 and bf16 on CPU when they build (unless
-    `CONVEYOR_NATIVE_KERNELS=0`), else pure PyTorch. bf16 prefill chunks stay on PyTorch's SDPA where
-    the CPU has AMX: its bf16 kernel multiplies on the AMX tiles (512-token chunk over 1024 tokens of
-    context: 7.5 ms against the native kernel's 11 ms, which computes in fp32 FMAs everywhere).
-    A backend that cannot run here raises a `ConfigError` saying what to do."""
+    `CONVEYOR_NATIVE_KERNELS=0`), else pure PyTorch (see `CpuPagedAttention` for why bf16 prefill
+    does not take SDPA on CPU). A backend that cannot run here raises a `ConfigError` saying what to do."""
     if backend not in ATTENTION_BACKENDS:
         raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch":
@@ -255,7 +247,7 @@ def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: st
     native = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled()
     kernel = cpu_paged_attention() if native else None
     if kernel is not None:
-        return CpuPagedAttention(kernel, native_prefill=dtype == torch.float32 or "amx_bf16" not in cpu_flags())
+        return CpuPagedAttention(kernel)
     if backend == "cpu":
         if not native:
             raise ConfigError(f"attention_backend='cpu' runs on CPU with float32 or bfloat16 (and without "

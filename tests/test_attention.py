@@ -58,7 +58,6 @@ def test_native_cpu_kernel_builds() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         backend = make_attention_backend(torch.device("cpu"), dtype)
         assert isinstance(backend, CpuPagedAttention)
-        assert backend.native_prefill == (dtype == torch.float32 or "amx_bf16" not in cpu_flags())
     assert type(make_attention_backend(torch.device("cpu"), torch.float16)) is TorchPagedAttention
     if "CONVEYOR_MARCH" not in os.environ:  # built for this CPU: AVX-512 where it has it
         assert cpu_paged_attention().prefill_vector_width() == (16 if "avx512f" in cpu_flags() else 8)
@@ -182,7 +181,7 @@ def test_backends_agree_on_a_sliding_ring_prefill(dtype: torch.dtype) -> None:
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else BF16_TOL
     outs = []
     kernel = cpu_paged_attention()
-    for backend in (TorchPagedAttention(), CpuPagedAttention(kernel), CpuPagedAttention(kernel, native_prefill=False)):
+    for backend in (TorchPagedAttention(), CpuPagedAttention(kernel)):
         cache = kv.clone()
         backend.prepare(meta)
         out = backend.forward(q, k, v, cache, meta, 0.25)

@@ -3,7 +3,7 @@
 Both compute from the same bf16 weights and caches but round differently (the kernels accumulate in
 fp32 and round once; PyTorch's bf16 ops round after each op, its SDPA differs again), and the tiny
 random models have many near-tied logits, so greedy continuations part after a while. Measured over
-these 32 prompts x 24 tokens, native prefill (or PyTorch's): 81% (83%) of the tokens come before the
+these 32 prompts x 24 tokens, native prefill (or PyTorch's SDPA): 81% (83%) of the tokens come before the
 first difference for llama, 77% (76%) for windowed Mistral, and the native run is as close to the
 fp32 run as the PyTorch run is (llama: 66% (67%) vs 70% of tokens; windowed Mistral: 82% (85%) vs
 72%). The thresholds leave room for that spread and
@@ -18,19 +18,16 @@ import torch
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.attention import CpuPagedAttention, TorchPagedAttention
-from conveyor.kernels import cpu_paged_attention
 
 from .conftest import TinyModel, agreement, random_prompts
 
 NEW_TOKENS = 24
 
 
-def generate(model: TinyModel, dtype: str, native_prefill: bool | None = None) -> tuple[LLM, list[list[int]]]:
-    """Greedy continuations of 32 prompts; `native_prefill` (True/False) overrides where bf16 prefills run."""
+def generate(model: TinyModel, dtype: str) -> tuple[LLM, list[list[int]]]:
+    """Greedy continuations of 32 prompts."""
     llm = LLM(model.path, dtype=dtype, config=ContinuousBatchingConfig(num_blocks=256, page_size=4,
                                                                        max_batch_tokens=32))
-    if native_prefill is not None:
-        llm.engine.runner.attention = CpuPagedAttention(cpu_paged_attention(), native_prefill=native_prefill)
     lengths = torch.randint(2, 60, (32,), generator=torch.Generator().manual_seed(5)).tolist()
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     outputs = llm.generate(random_prompts(lengths, seed=7), params, use_tqdm=False)
@@ -39,12 +36,11 @@ def generate(model: TinyModel, dtype: str, native_prefill: bool | None = None) -
     return llm, [o.token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("native_prefill", [True, False])  # False: what CPUs with AMX run (attention.py)
 @pytest.mark.parametrize("kind", ["llama", "mistral_sliding"])
-def test_native_bf16_agrees_with_pytorch_bf16(tiny_models: dict[str, TinyModel], kind: str, native_prefill: bool,
+def test_native_bf16_agrees_with_pytorch_bf16(tiny_models: dict[str, TinyModel], kind: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    llm, native = generate(tiny_models[kind], "bfloat16", native_prefill)
-    assert llm.engine.model.layers[0].fused is not None
+    llm, native = generate(tiny_models[kind], "bfloat16")
+    assert llm.engine.model.layers[0].fused is not None and type(llm.engine.runner.attention) is CpuPagedAttention
     assert llm.engine.pool.kv[0].dtype == torch.bfloat16
     _, fp32 = generate(tiny_models[kind], "float32")
     monkeypatch.setenv("CONVEYOR_NATIVE_KERNELS", "0")
@@ -52,3 +48,18 @@ def test_native_bf16_agrees_with_pytorch_bf16(tiny_models: dict[str, TinyModel],
     assert type(llm.engine.runner.attention) is TorchPagedAttention and llm.engine.model.layers[0].fused is None
     assert agreement(native, pytorch) >= 0.65
     assert agreement(native, fp32) >= agreement(pytorch, fp32) - 0.1
+
+
+def test_bf16_prefill_never_takes_sdpa(tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Long bf16 prefill chunks run the native kernel on every CPU, AMX included: PyTorch's bf16 SDPA
+    keeps a JIT-compiled kernel per new prompt-length shape forever (attention.py), a server's
+    memory growing with every length it sees."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("scaled_dot_product_attention called in a bf16 CPU pass")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", refuse)
+    llm = LLM(tiny_models["llama"].path, dtype="bfloat16",
+              config=ContinuousBatchingConfig(num_blocks=256, page_size=4, max_batch_tokens=64))
+    prompts = random_prompts(list(range(17, 60, 7)), seed=3)  # chunks over 16 tokens, with and without context
+    outputs = llm.generate(prompts, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [3] * len(prompts)

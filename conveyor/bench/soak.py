@@ -107,7 +107,9 @@ class SoakReport:
                 "health_checks": self.health_checks, "health_failures": self.health_failures,
                 "context": self.context, "near_limit_tokens": self.near_limit_tokens,
                 "pool_mib": round(self.pool_mib, 1),
-                "memory_after_warmup_and_end": memory, **growth, "idle_after": self.idle_after, "ok": self.ok}
+                "memory_after_warmup_and_end": memory, **growth, "idle_after": self.idle_after, "ok": self.ok,
+                "memory_samples": {"columns": ["seconds", "rss_mib", "pool_resident_mib"],
+                                   "rows": [[round(x, 1) for x in sample] for sample in self.memory]}}
 
 
 def rss_mib(pid: int) -> float:
