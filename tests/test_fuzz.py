@@ -4,7 +4,7 @@ rejected, the server healthy and the pool idle after."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
 
 import httpx
 import pytest
@@ -49,6 +49,7 @@ def test_clamp_keeps_values_valid_and_short() -> None:
     assert clamp({"n": 0, "max_tokens": True}) == {"n": 0, "max_tokens": True}  # invalid stays invalid
     assert clamp([1, 2]) == [1, 2]
     assert clamp({"messages": [{"role": "tool"}]})["max_tokens"] == 8  # absent: not the whole context
+    assert clamp({"prompt": [1], "max_tokens": None})["max_tokens"] == 8  # null means absent
     assert "max_tokens" not in clamp({"messages": [], "max_completion_tokens": 3})
 
 
@@ -68,3 +69,27 @@ def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> N
         assert statuses[op]["positive"].get(200, 0) >= 6, (op, statuses[op])  # most fitting bodies are served
     s = llm.stats()
     assert s.running_requests == s.waiting_requests == 0 and s.free_blocks == s.total_blocks
+
+
+def test_a_request_without_answer_is_a_reported_failure(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timeout (or reset) on one operation is counted against it and the run goes on to the others."""
+    import requests
+    import schemathesis
+
+    call = schemathesis.Case.call
+
+    def timing_out(case: schemathesis.Case, *args: object, **kwargs: object) -> object:
+        if case.operation.label == "POST /tokenize":
+            raise requests.ReadTimeout("read timed out (simulated)")
+        return call(case, *args, **kwargs)
+
+    monkeypatch.setattr(schemathesis.Case, "call", timing_out)
+    with BackgroundServer(llm, ServerSettings(served_model_names=["tiny"], api_key=KEY)) as url:
+        report = fuzz(url, examples=2, api_key=KEY, seed=0)
+    buffer = io.StringIO()
+    print_report(report, buffer)
+    out = buffer.getvalue()
+    assert not report.ok and report.failures[("POST /tokenize", "ReadTimeout")] == 4  # 2 positive + 2 negative
+    assert report.by_status()[0] == 4 and "FAILED POST /tokenize: ReadTimeout x4" in out and "no answer" in out
+    assert sum(n for (op, _, _), n in report.requests.items() if op == "POST /detokenize") == 4  # went on
+    assert report.healthy_after

@@ -8,8 +8,10 @@ bodies the server still rejects (as a documented 4xx: constraints across fields 
 cannot state, such as best_of = n or prompt + max_tokens within the context) are counted by the
 parameter the error names, not failed. Generated values that only make generation long are clamped inside their
 valid range (`max_tokens`, `n`, the number of prompts or messages), so a run's length follows the
-number of examples, not a generated `max_tokens: 10**6`. After the run `/health` must answer 200.
-Exit code 1 on any 5xx, any failed check, or an unhealthy server.
+number of examples, not a generated `max_tokens: 10**6`. A request that gets no answer within
+`--timeout` (or whose connection drops) is a failure named by the exception, with status 0 in the
+counts, and the run goes on. After the run `/health` must answer 200. Exit code 1 on any 5xx, any
+failed check or unanswered request, or an unhealthy server.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ MAX_ITEMS = 3  # prompts in a batch, chat messages
 CHECK_NAMES = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
                "negative_data_rejection", "positive_data_acceptance")
 REPORTED_ONLY = "RejectedPositiveData"  # a documented 4xx for a body that fits the schema
+NO_ANSWER = 0  # the status recorded for a request that raised instead of answering (timeout, reset)
 
 
 @dataclass
@@ -85,8 +88,9 @@ def clamp(body: Any) -> Any:
         value = body.get(name)
         if isinstance(value, list) and len(value) > MAX_ITEMS and not all(isinstance(v, int) for v in value):
             body[name] = value[:MAX_ITEMS]
-    if ("prompt" in body or "messages" in body) and "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = LIMITS["max_tokens"]  # absent = the rest of the context: minutes on a CPU
+    if ("prompt" in body or "messages" in body) and body.get("max_tokens") is None \
+            and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = LIMITS["max_tokens"]  # absent or null = the rest of the context: minutes on a CPU
     return body
 
 
@@ -95,6 +99,7 @@ def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int 
     """Fuzz every operation of the server at `base_url` with `examples` positive and negative cases each."""
     import httpx
     import hypothesis
+    import requests
     import schemathesis
     from schemathesis import GenerationMode, checks as st_checks
     from schemathesis.core.failures import Failure, FailureGroup
@@ -110,7 +115,16 @@ def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int 
 
     def send(case: Any, op_label: str, mode_name: str) -> None:
         case.body = clamp(case.body)
-        response = case.call(base_url=base_url, headers=headers, timeout=timeout_s)
+        try:
+            response = case.call(base_url=base_url, headers=headers, timeout=timeout_s)
+        except requests.RequestException as exc:  # no answer (a timeout, a dropped connection): a failure
+            report.requests[(op_label, mode_name, NO_ANSWER)] += 1
+            check = type(exc).__name__
+            if not report.failures[(op_label, check)]:
+                report.examples.append({"operation": op_label, "mode": mode_name, "check": check,
+                                        "status": NO_ANSWER, "body": _jsonable(case.body), "answer": str(exc)[:300]})
+            report.failures[(op_label, check)] += 1
+            return
         report.requests[(op_label, mode_name, response.status_code)] += 1
         try:
             case.validate_response(response, checks=chosen, headers=headers)
@@ -170,7 +184,8 @@ def _jsonable(value: Any) -> Any:
 
 def print_report(report: FuzzReport, out: Any = sys.stdout) -> None:
     print(f"fuzzed {len(report.operations)} operations: {report.total} requests in {report.seconds:.0f} s", file=out)
-    print(f"by status: {report.by_status()}", file=out)
+    print(f"by status: {report.by_status()}" + (" (0: no answer, a timeout or a dropped connection)"
+                                                 if NO_ANSWER in report.by_status() else ""), file=out)
     for op, modes in report.as_dict()["per_operation"].items():
         print(f"  {op}: " + "; ".join(f"{mode} {statuses}" for mode, statuses in modes.items()), file=out)
     for (op, param), n in sorted(report.rejected_positive.items()):
