@@ -169,8 +169,8 @@ class CpuPagedAttention(TorchPagedAttention):
     bf16 prefill stays here on CPUs with AMX too, where PyTorch's SDPA is faster (about 12% of a
     2,000-token prompt's prefill on the built-in model): SDPA's bf16 kernel JIT-compiles a oneDNN
     brgemm per new (query tail, key tail) shape into a per-thread cache that is never emptied
-    (`KernelCache` in ATen's CPUBlas.cpp), about 0.2 MiB per shape, so a server seeing every prompt
-    length grows without bound (measured: +175 MiB in a 10-minute soak)."""
+    (`KernelCache` in ATen's CPUBlas.cpp), about 0.2 MiB per shape (300 prompt lengths: +72 MiB), so
+    a server's memory grows with every prompt length it sees."""
 
     def __init__(self, kernel: object) -> None:
         super().__init__()
