@@ -161,7 +161,7 @@ class TorchPagedAttention(AttentionBackend):
         return attend(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale, softcap).squeeze(2)
 
 
-class CpuPagedAttention(TorchPagedAttention):
+class CpuPagedAttention(AttentionBackend):
     """Native kernels on CPU (fp32 and bf16) that read K/V from the pages in place: decode rows after
     the new K/V is written, prefill chunks before (their context from the cache, a sliding ring's
     included, their own K/V from the batch), so neither gathers, concatenates nor builds masks.
@@ -172,8 +172,9 @@ class CpuPagedAttention(TorchPagedAttention):
     (`KernelCache` in ATen's CPUBlas.cpp), about 0.2 MiB per shape (300 prompt lengths: +72 MiB), so
     a server's memory grows with every prompt length it sees."""
 
+    decode_reads_written = True
+
     def __init__(self, kernel: object) -> None:
-        super().__init__()
         self.kernel = kernel
 
     def prepare(self, meta: AttentionMetadata) -> None:
