@@ -113,6 +113,14 @@ def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int 
     operations = [result.ok() for result in schema.get_all_operations()]
     report.operations = [op.label for op in operations]
 
+    def record(counts: Counter[tuple[str, str]], key: tuple[str, str], case: Any, mode_name: str, check: str,
+               status: int, answer: str) -> None:
+        """Count one failure or rejection, keeping the first case of each kind as an example."""
+        if not counts[key]:
+            report.examples.append({"operation": key[0], "mode": mode_name, "check": check, "status": status,
+                                    "body": _jsonable(case.body), "answer": answer[:300]})
+        counts[key] += 1
+
     def send(case: Any, op_label: str, mode_name: str) -> None:
         case.body = clamp(case.body)
         try:
@@ -120,10 +128,7 @@ def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int 
         except requests.RequestException as exc:  # no answer (a timeout, a dropped connection): a failure
             report.requests[(op_label, mode_name, NO_ANSWER)] += 1
             check = type(exc).__name__
-            if not report.failures[(op_label, check)]:
-                report.examples.append({"operation": op_label, "mode": mode_name, "check": check,
-                                        "status": NO_ANSWER, "body": _jsonable(case.body), "answer": str(exc)[:300]})
-            report.failures[(op_label, check)] += 1
+            record(report.failures, (op_label, check), case, mode_name, check, NO_ANSWER, str(exc))
             return
         report.requests[(op_label, mode_name, response.status_code)] += 1
         try:
@@ -133,11 +138,7 @@ def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int 
                 check = type(failure).__name__
                 counts, key = ((report.rejected_positive, (op_label, _param(response))) if check == REPORTED_ONLY
                                else (report.failures, (op_label, check)))
-                if not counts[key]:
-                    report.examples.append({"operation": op_label, "mode": mode_name, "check": check,
-                                            "status": response.status_code, "body": _jsonable(case.body),
-                                            "answer": response.text[:300]})
-                counts[key] += 1
+                record(counts, key, case, mode_name, check, response.status_code, response.text)
 
     for op in operations:
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
