@@ -13,15 +13,17 @@ import os
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
+from .cache.allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
+from .cache.pool import CachePool
 from .config import ContinuousBatchingConfig
-from .engine import Engine, EngineStats, InvalidRequestError
+from .engine.engine import Engine
+from .engine.stats import EngineStats
+from .errors import InvalidRequestError
 from .llm import LLM
 from .manager import ContinuousBatchingManager
 from .request import RequestOutput, RequestState
 from .sampling_params import SamplingParams
-from .scheduler import FIFOScheduler, PrefillFirstScheduler
-from .cache_pool import CachePool
-from .allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
+from .sched.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatchingManager", "Engine", "EngineStats",
            "InvalidRequestError", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",

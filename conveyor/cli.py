@@ -5,48 +5,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
-from dataclasses import fields
 
-from .config import ATTENTION_BACKENDS, ContinuousBatchingConfig
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Model and `ContinuousBatchingConfig` options shared by every command that builds an engine."""
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in "
-                        "SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    parser.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with native bf16, "
-                        "else fp32), float32 (the exact path), bfloat16 or float16")
-    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "gguf"],
-                        help="weight format (default: gguf for a quantized GGUF file unless --dtype float32, else none)")
-    for f in fields(ContinuousBatchingConfig):
-        if f.type in ("int", "int | None"):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=None)
-        elif f.type in ("float", "float | None"):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None)
-        elif f.type == "bool | None":  # --use-cuda-graph / --no-use-cuda-graph; absent = auto
-            parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--scheduler-type", choices=["fifo", "prefill_first"], default=None)
-    parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
-                        help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
-    parser.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help="speculative decoding, vLLM's JSON, e.g. "
-                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag): --no-use-cuda-graph")
-
-
-def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
-    values = {f.name: getattr(args, f.name) for f in fields(ContinuousBatchingConfig)
-              if getattr(args, f.name, None) is not None}
-    if args.no_block_sharing:
-        values["allow_block_sharing"] = False
-    if args.enforce_eager:
-        values["use_cuda_graph"] = False
-    return ContinuousBatchingConfig(**values)  # speculative_config: its JSON text, parsed and validated there
+from .cli_args import add_engine_args, add_serve_args, config_from_args
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -104,23 +66,6 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
     return 0 if all(results.values()) else 1
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
-                        "(default: $CONVEYOR_API_KEY, else no key)")
-    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                        help="model name(s) accepted in requests; the first is reported (default: the model's "
-                        "file or directory name)")
-    parser.add_argument("--max-queue", type=int, default=512,
-                        help="most generations (prompts x n) accepted and unfinished; past it, 503 + Retry-After")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_args(parser)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="Continuous-batching LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks (see `conveyor bench --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
-        from .bench.__main__ import main as bench_main
+        from .bench.commands import main as bench_main
         return bench_main(argv[1:], prog="conveyor bench")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

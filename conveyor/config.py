@@ -1,19 +1,20 @@
-"""`ContinuousBatchingConfig`: every knob of the engine, validated once at start (SPEC section 10)."""
+"""`ContinuousBatchingConfig`: every knob of the engine, validated once at start (SPEC section 10).
+
+It sits above the layers, the scheduler and speculative decoding, so that it validates against the
+tables those keep (`layers.attention.ATTENTION_BACKENDS`, `sched.scheduler.SCHEDULERS`, and through
+`SpeculativeConfig` the quantization registry); they read the fields they need without importing it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfigError
+from .layers.attention import ATTENTION_BACKENDS
+from .sched.scheduler import SCHEDULERS
 from .speculative.config import SpeculativeConfig
 
-
-class ConfigError(ValueError):
-    """A configuration value is out of its allowed range."""
-
-
-SCHEDULER_TYPES = ("fifo", "prefill_first")
-ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+__all__ = ["ConfigError", "ContinuousBatchingConfig"]
 
 
 @dataclass
@@ -77,10 +78,10 @@ class ContinuousBatchingConfig:
             positive("max_batch_pages")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
             raise ConfigError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
-        if self.scheduler_type not in SCHEDULER_TYPES:
-            raise ConfigError(f"scheduler_type must be one of {SCHEDULER_TYPES}, got {self.scheduler_type!r}")
+        if self.scheduler_type not in SCHEDULERS:
+            raise ConfigError(f"scheduler_type must be one of {tuple(SCHEDULERS)}, got {self.scheduler_type!r}")
         if self.safety_margin is None:
-            self.safety_margin = 0.15 if self.scheduler_type == "fifo" else 0.0
+            self.safety_margin = SCHEDULERS[self.scheduler_type].default_safety_margin
         if not 0.0 <= self.safety_margin < 1.0:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -14,20 +14,22 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .config import ContinuousBatchingConfig
-from .engine import Engine, EngineStats
+from .engine.draft_runner import load_draft_model
+from .engine.engine import Engine
+from .engine.stats import EngineStats
+from .engine.step_history import StepHistory
+from .kernels import vector_flags
+from .layers.precision import keeps_stored, resolve_precision, resolve_quantization
+from .layers.quantization.linear import describe_weights
 from .manager import ContinuousBatchingManager
 from .models import build_model
-from .kernels import vector_flags
 from .models.loader import load_checkpoint
-from .models.quant_linear import describe_weights
-from .precision import resolve_precision, resolve_quantization
-from .request import RequestOutput
+from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
-from .speculative.draft import load_draft_model
 
 logger = logging.getLogger("conveyor")
 
@@ -76,8 +78,8 @@ class LLM:
         precision = resolve_precision(dtype, quantization, self.device, model)
         self.dtype = precision.dtype
         started = time.monotonic()
-        keep = precision.quantization in (None, "gguf") and self.device.type == "cpu"
-        checkpoint = load_checkpoint(model, dtype=self.dtype, keep_quantized=keep)
+        checkpoint = load_checkpoint(model, dtype=self.dtype,
+                                     keep_quantized=keeps_stored(precision.quantization, self.device))
         self.quantization = resolve_quantization(precision, checkpoint.quantized)
         net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
         self.model_path = checkpoint.path
@@ -96,6 +98,52 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    # -- what a server or another client reads of the engine ---------------------------------
+    @property
+    def model_config(self) -> PretrainedConfig:
+        """The model's transformers config."""
+        return self.engine.model.config
+
+    @property
+    def max_model_len(self) -> int:
+        """The context length: prompt + generated tokens of one request."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_token_ids
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The longest sequence the whole KV pool holds."""
+        return self.engine.capacity_tokens
+
+    @property
+    def step_history(self) -> StepHistory | None:
+        """The engine's recent step records (the dashboard's), None when off."""
+        return self.engine.step_history
+
+    def enable_step_history(self, size: int) -> StepHistory:
+        """Switch the engine's step records on (`size` steps) unless `config.step_history` already did."""
+        return self.engine.enable_step_history(size)
+
+    def cache_usage(self) -> dict[str, Any]:
+        """The KV pool now (per attention type, prefix-cached blocks, bytes and resident bytes)."""
+        return self.engine.cache_usage()
+
+    def kv_cache_resident_bytes(self) -> int:
+        """Bytes of the KV pool in physical memory (on CPU the pool is committed as it is first written)."""
+        return self.engine.pool.resident_bytes()
+
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        """A validated request for `manager.submit` (tokenized, constraint compiled); raises
+        `InvalidRequestError` with a code and the parameter at fault. Safe from any thread."""
+        return self.engine.make_request(request_id, prompt, params)
 
     def stats(self) -> EngineStats:
         """Engine counters (tokens, preemptions, prefix cache) and cache/queue gauges now."""
@@ -117,7 +165,7 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
-        requests = [self.engine.make_request(self.manager.new_request_id(), prompt, p)
+        requests = [self.make_request(self.manager.new_request_id(), prompt, p)
                     for prompt, p in zip(prompts, params)]
         started_here = not self.manager.is_running()
         self.manager.start()

@@ -20,7 +20,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 
-from .engine import Engine, EngineStats
+from .engine.engine import Engine
+from .engine.stats import EngineStats
 from .request import Request, RequestOutput, RequestState
 from .sampling_params import SamplingParams
 

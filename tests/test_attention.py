@@ -10,9 +10,15 @@ import sys
 import pytest
 import torch
 
-from conveyor.attention import (AttentionMetadata, CpuPagedAttention, PrefillSpan, TorchPagedAttention, cache_slots,
-                                make_attention_backend)
 from conveyor.kernels import cpu_flags, cpu_paged_attention
+from conveyor.layers.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    PrefillSpan,
+    TorchPagedAttention,
+    cache_slots,
+    make_attention_backend,
+)
 
 from .conftest import TinyModel, random_prompts
 

@@ -9,8 +9,7 @@ import pytest
 
 from conveyor.bench import main
 from conveyor.bench.throughput_report import compare_outputs, first_difference, format_report
-from conveyor.bench.workloads import (BenchRequest, WorkloadError, load_workload, render_prompts,
-                                      synthetic_workload)
+from conveyor.bench.workloads import BenchRequest, WorkloadError, load_workload, render_prompts, synthetic_workload
 
 CHAT_STYLE = {"name": "chat-tiny", "description": "prompts layout", "max_new_tokens": 8, "temperature": 0.0,
               "prompts": ["Write one sentence about the moon.", "Give three facts about python lists."]}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.bench.cli import main
+from conveyor.bench.commands import main
 from conveyor.bench.perplexity import plan_windows
 
 from .conftest import TinyModel, random_prompts

@@ -15,12 +15,17 @@ import torch
 
 from conveyor import LLM, SamplingParams
 from conveyor.bench import main
+from conveyor.bench.bandwidth import (
+    format_streaming,
+    last_level_cache_bytes,
+    read_bandwidth,
+    streaming_report,
+    weight_bytes,
+)
 from conveyor.bench.roofline import DenseDecodeAttention, dense_decode_step, step_config
 from conveyor.bench.roofline_report import format_report, run_step
-from conveyor.bench.streaming import (format_streaming, last_level_cache_bytes, read_bandwidth, streaming_report,
-                                      weight_bytes)
 from conveyor.kernels import vector_flags
-from conveyor.models.quant_linear import QuantLinear, QuantMatmul
+from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
 from conveyor.request import RequestState
 
 from .conftest import TinyModel, random_prompts
@@ -161,7 +166,7 @@ def test_rejects_bad_arguments() -> None:
         main(["roofline", "--batch", "0"])
 
 
-# -- weight streaming (conveyor.bench.streaming) -----------------------------------------------------
+# -- weight streaming (conveyor.bench.bandwidth) -----------------------------------------------------
 # 2 layers x (qkv 128x64 + o 64x64 + gate_up 256x64 + down 64x128), and the 300 x 64 head
 LAYER_PARAMS = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
 HEAD_PARAMS = 300 * 64

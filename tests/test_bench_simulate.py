@@ -13,11 +13,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor.bench import main
-from conveyor.bench.cli import build_parser
-from conveyor.bench.plot import (PlotDependencyError, plot_latency_percentiles, plot_rate_sweep,
-                                 plot_throughput, plot_timeline, require_matplotlib, summarize)
-from conveyor.bench.simulate import (DEFAULT_LENGTHS, DEFAULT_SLOTS, continuous_batching, replay_scheduler,
-                                     simulate, static_batching)
+from conveyor.bench.commands import build_parser
+from conveyor.bench.plot import (
+    PlotDependencyError,
+    plot_latency_percentiles,
+    plot_rate_sweep,
+    plot_throughput,
+    plot_timeline,
+    require_matplotlib,
+    summarize,
+)
+from conveyor.bench.simulate import (
+    DEFAULT_LENGTHS,
+    DEFAULT_SLOTS,
+    continuous_batching,
+    replay_scheduler,
+    simulate,
+    static_batching,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

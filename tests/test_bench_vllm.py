@@ -18,11 +18,18 @@ import pytest
 import torch
 
 from conveyor.bench import main
-from conveyor.kernels import vector_flags
 from conveyor.bench.throughput import run_throughput
-from conveyor.bench.vllm_compare import (VllmError, VllmOptions, build_request, parse_kwargs, run_vllm, thread_binding,
-                                         vllm_dtype)
+from conveyor.bench.vllm_compare import (
+    VllmError,
+    VllmOptions,
+    build_request,
+    parse_kwargs,
+    run_vllm,
+    thread_binding,
+    vllm_dtype,
+)
 from conveyor.bench.workloads import BenchRequest, Workload
+from conveyor.kernels import vector_flags
 
 from .conftest import TinyModel, random_prompts
 

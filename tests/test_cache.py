@@ -3,15 +3,16 @@ block sharing (prefix caching)."""
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from conveyor.allocator import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
-from conveyor import LLM, ContinuousBatchingConfig, cache_pool
-from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks, working_memory_bytes
-from conveyor.prefix_cache import block_digest
+from conveyor import LLM, ContinuousBatchingConfig
+from conveyor.cache import pool as cache_pool
+from conveyor.cache.allocator import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
+from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks, working_memory_bytes
+from conveyor.cache.prefix_cache import block_digest
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
 

@@ -9,10 +9,10 @@ import torch
 import transformers
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
-from conveyor.cache_pool import NUM_RESERVED_CHUNKS
+from conveyor.cache.pool import NUM_RESERVED_CHUNKS
+from conveyor.layers.sampler import Sampler
 from conveyor.models.loader import default_model_path, load_checkpoint
 from conveyor.request import Request
-from conveyor.sampler import Sampler
 
 from .conftest import TinyModel, agreement, assert_greedy_match, random_prompts
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conveyor import ContinuousBatchingConfig, SamplingParams
-from conveyor.engine import EngineStats
-from conveyor.graph_runner import graph_tokens, use_cuda_graphs
+from conveyor.engine.graph_runner import graph_tokens, use_cuda_graphs
+from conveyor.engine.stats import EngineStats
 from conveyor.server.metrics import EngineStatsCollector
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -90,7 +90,7 @@ def test_cli_graph_and_async_flags() -> None:
     """Unset = auto (None); --no-use-cuda-graph and vLLM's --enforce-eager turn graphs off."""
     import argparse
 
-    from conveyor.cli import add_engine_args, config_from_args
+    from conveyor.cli_args import add_engine_args, config_from_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

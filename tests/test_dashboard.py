@@ -13,8 +13,8 @@ import pytest
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.config import ConfigError
+from conveyor.engine.step_history import StepHistory
 from conveyor.server import BackgroundServer
-from conveyor.step_history import StepHistory
 
 from .serving_helpers import long_tiny_llm, metric, save_long_tiny
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.models import quant_linear
+from conveyor.layers.quantization import linear as quant_linear
 from conveyor.models.decode_stack import MAX_ROWS, DecodeStack, ThreadChooser
 
 from .conftest import VOCAB, TinyModel, random_prompts
@@ -52,7 +52,7 @@ def test_stack_matches_the_eager_layers(tiny_models: dict[str, TinyModel], dtype
     summation order; in bf16 the stack keeps its residual stream in fp32 where the eager path rounds."""
     model = tiny_models["llama_smooth"]
     if dtype == "auto-fp32":
-        monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
+        monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     prompts = random_prompts([5, 17, 9, 30, 3], seed=51)
     native = model.llm(dtype=dtype.removesuffix("-fp32"), quantization=quantization, max_batch_tokens=16, page_size=4)
     monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
@@ -77,7 +77,7 @@ def test_row_and_head_splits_agree(tiny_models: dict[str, TinyModel], threads: i
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches of 1, 2 and 5 rows with 1-3 threads: rows split across threads, or (fewer rows than
     threads) the (row, head) pairs of attention; the same tokens as the eager layers in fp32."""
-    monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -119,7 +119,7 @@ def test_sliding_window_and_biases(tiny_models: dict[str, TinyModel], kind: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Mistral with a window far shorter than the prompts (ring slots) and Qwen2's q/k/v biases, in
     fp32 compute, where the stack and the eager layers differ only in summation order."""
-    monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     prompts = random_prompts([20, 13, 31], seed=53)
     model = tiny_models[kind]
     native = model.llm(dtype="auto", quantization="int8", page_size=4)

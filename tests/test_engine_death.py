@@ -121,7 +121,7 @@ import sys
 from pathlib import Path
 
 from conveyor.cli import main
-from conveyor.engine import Engine
+from conveyor.engine.engine import Engine
 
 trigger, step = Path(sys.argv[1]), Engine.step
 

@@ -16,7 +16,7 @@ from .serving_helpers import long_tiny_llm, save_long_tiny
 
 pytest.importorskip("schemathesis", reason="needs schemathesis (the test extra)")
 
-from conveyor.bench.fuzz import clamp, fuzz, print_report  # noqa: E402  (after the skip)
+from conveyor.bench.fuzz import clamp, fuzz, print_report
 
 KEY = "sk-fuzz"
 

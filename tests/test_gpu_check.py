@@ -8,8 +8,17 @@ from pathlib import Path
 import pytest
 
 from conveyor.bench import gpu_check
-from conveyor.bench.gpu_check import (CHAT64, HF, Row, add_ratios, format_table, junit_summary, mode_config,
-                                      parse_modes, parse_workloads)
+from conveyor.bench.gpu_check import (
+    CHAT64,
+    HF,
+    Row,
+    add_ratios,
+    format_table,
+    junit_summary,
+    mode_config,
+    parse_modes,
+    parse_workloads,
+)
 from conveyor.bench.workloads import load_workload
 
 from .conftest import TinyModel

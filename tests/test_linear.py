@@ -1,4 +1,4 @@
-"""The oneDNN-prepacked LM head (`conveyor.models.linear`) computes what `F.linear` computes."""
+"""The oneDNN-prepacked LM head (`conveyor.layers.linear`) computes what `F.linear` computes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conveyor.models.linear import PackedLinear, PackedMatmul, packed_lm_head, packing_enabled, prepack_linears
+from conveyor.layers.linear import PackedLinear, PackedMatmul, packed_lm_head, packing_enabled, prepack_linears
 
 pytestmark = pytest.mark.skipif(not packing_enabled(), reason="oneDNN linear ops unavailable")
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor import ContinuousBatchingConfig, memory_profile
-from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks, working_memory_bytes
-from conveyor.memory_profile import profile_split, run_profile_pass, scratch_chunks, working_memory
+from conveyor import ContinuousBatchingConfig
+from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks, working_memory_bytes
+from conveyor.engine import memory_profile
+from conveyor.engine.memory_profile import profile_split, run_profile_pass, scratch_chunks, working_memory
 
 from .conftest import TinyModel
 
@@ -29,7 +30,7 @@ def test_profile_pass_runs_the_real_runner(tiny_models: dict[str, TinyModel], ki
     model = tiny_models[kind].llm().engine.model
     config = ContinuousBatchingConfig(max_batch_tokens=40, max_requests_per_batch=6, page_size=4)
     calls: list[tuple[int, int]] = []
-    from conveyor.model_runner import ModelRunner
+    from conveyor.engine.model_runner import ModelRunner
 
     execute = ModelRunner.execute
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
-from conveyor.attention import CpuPagedAttention, TorchPagedAttention
+from conveyor.layers.attention import CpuPagedAttention, TorchPagedAttention
 
 from .conftest import TinyModel, agreement, random_prompts
 

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from conveyor import SamplingParams
-from conveyor import engine as engine_module
-from conveyor.cache_pool import CachePool
-from conveyor.engine import Engine, InvalidRequestError
-from conveyor.offload import SwapPool, choose_victims
+from conveyor.cache.offload import SwapPool, choose_victims
+from conveyor.cache.pool import CachePool
+from conveyor.engine import engine as engine_module
+from conveyor.engine.engine import Engine
+from conveyor.errors import InvalidRequestError
 from conveyor.request import RequestState
 
 from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts
@@ -170,7 +171,7 @@ def test_failing_a_swapped_request_frees_its_slots(tiny_llama: TinyModel) -> Non
     while not any(r.state is RequestState.SWAPPED for r in requests):
         engine.step()
     victim = next(r for r in requests if r.state is RequestState.SWAPPED)
-    engine._finish(victim, RequestState.FAILED, "error", error="test")
+    engine.finish_request(victim, RequestState.FAILED, "error", error="test")
     assert not engine.swap.holds(victim.request_id)
     while engine.has_unfinished_requests():
         engine.step()

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.models import quant_linear
+from conveyor.layers.precision import resolve_precision
+from conveyor.layers.quantization import linear as quant_linear
+from conveyor.layers.quantization.linear import QuantEmbedding, QuantLinear
+from conveyor.layers.quantization.tensors import GGMLType, QuantizedTensor
 from conveyor.models.loader import _undo_llama_rope_permute, load_checkpoint
-from conveyor.models.quant_linear import QuantEmbedding, QuantLinear
-from conveyor.models.quantized import GGMLType, QuantizedTensor
-from conveyor.precision import resolve_precision
 
 from .conftest import VOCAB, TinyModel, agreement, random_prompts, tiny_tokenizer
 
@@ -23,10 +23,10 @@ CPU = torch.device("cpu")
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
     p = resolve_precision("auto", None, CPU, "model.gguf")
     assert p.dtype == torch.bfloat16 and p.quantization is None and not p.exact and "avx512_bf16" in p.reason
-    monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2", "fma"}))
     p = resolve_precision("auto", None, CPU, "model.gguf")
     assert p.dtype == torch.float32 and p.quantization is None and not p.exact  # still takes the quantized kernels
     assert resolve_precision("auto", None, torch.device("cuda"), None).dtype == torch.bfloat16
@@ -118,7 +118,7 @@ def with_weights_of(exact: LLM, quantized: LLM) -> LLM:
 def test_quantized_mode_quality(smooth: TinyModel, prompts: list[list[int]], dtype: str, quantization: str,
                                 monkeypatch: pytest.MonkeyPatch) -> None:
     if dtype == "auto-fp32":  # a CPU without native bf16: fp32 compute, quantized weights all the same
-        monkeypatch.setattr("conveyor.precision.cpu_flags", lambda: frozenset({"avx2"}))
+        monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     llm = smooth.llm(dtype=dtype.removesuffix("-fp32"), quantization=quantization)
     assert llm.dtype == (torch.float32 if dtype == "auto-fp32" else getattr(torch, dtype))
     assert llm.quantization == quantization

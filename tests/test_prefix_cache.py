@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from conveyor import LLM, SamplingParams
-from conveyor.engine import Engine
-from conveyor.prefix_cache import BlockHashes, PrefixCache, block_digest
+from conveyor.cache.prefix_cache import BlockHashes, PrefixCache, block_digest
+from conveyor.engine.engine import Engine
 from conveyor.request import Request
 
 from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conveyor import LLM, InvalidRequestError, SamplingParams
-from conveyor.engine import Engine
+from conveyor.engine.engine import Engine
 
 from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts
 

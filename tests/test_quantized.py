@@ -15,9 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels import cpu_matmul_ops
-from conveyor.models.quant_linear import BF16_KERNEL_MAX_ROWS, QuantEmbedding, QuantMatmul, merge_segments
-from conveyor.models.quantized import (I8, TILED_TYPES, GGMLType, QuantizedTensor, cat_rows, quantize_int4,
-                                       quantize_int8)
+from conveyor.layers.quantization.linear import BF16_KERNEL_MAX_ROWS, QuantEmbedding, QuantMatmul, merge_segments
+from conveyor.layers.quantization.tensors import (
+    I8,
+    TILED_TYPES,
+    GGMLType,
+    QuantizedTensor,
+    cat_rows,
+    quantize_int4,
+    quantize_int8,
+)
 
 GGUF_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]
 

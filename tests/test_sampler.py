@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from conveyor.cache.transfer import HostCopy, to_device
+from conveyor.layers.sampler import SampledBatch, Sampler
 from conveyor.request import Request
-from conveyor.sampler import SampledBatch, Sampler
 from conveyor.sampling_params import SamplingParams
-from conveyor.transfer import HostCopy, to_device
 
 VOCAB = 50
 

@@ -15,13 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.allocator import FullAttentionCacheAllocator
-from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool
+from conveyor.cache.allocator import FullAttentionCacheAllocator
+from conveyor.cache.offload import choose_victims
+from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool
 from conveyor.config import ConfigError, ContinuousBatchingConfig
-from conveyor.offload import choose_victims
 from conveyor.request import Request, RequestState
 from conveyor.sampling_params import SamplingParams
-from conveyor.scheduler import FIFOScheduler, PrefillFirstScheduler, Scheduler, SchedulerOutput, make_scheduler
+from conveyor.sched.output import SchedulerOutput
+from conveyor.sched.scheduler import FIFOScheduler, PrefillFirstScheduler, Scheduler, make_scheduler
 
 from .test_cache import check_allocator_invariants
 

@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conveyor import SamplingParams
-from conveyor.allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
-from conveyor.cache_pool import NUM_RESERVED_CHUNKS, CachePool, layer_groups
-from conveyor.engine import Engine
-from conveyor.models.llama import attention_layer_types
+from conveyor.cache.allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
+from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool, layer_groups
+from conveyor.engine.engine import Engine
+from conveyor.models.base import attention_layer_types
 
 from .conftest import TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, hf_greedy, random_prompts
 

@@ -7,7 +7,7 @@ import pytest
 import transformers
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
-from conveyor.speculative.draft import load_draft_model
+from conveyor.engine.draft_runner import load_draft_model
 
 from .conftest import TINY_COMMON, TinyModel, random_prompts, tiny_tokenizer
 
@@ -35,7 +35,7 @@ def baseline(tiny_llama: TinyModel, one_thread: None) -> LLM:
 
 
 def spec_stats(llm: LLM) -> dict:
-    speculator = llm.engine.scheduler.speculator
+    speculator = llm.engine.speculator
     assert speculator is not None
     return speculator.stats()
 
@@ -170,7 +170,7 @@ def test_bad_speculative_configs_name_the_field(tiny_llama: TinyModel, tmp_path)
 
 def test_counters_in_stats_and_metrics_and_the_options(tiny_models: dict[str, TinyModel], one_thread: None) -> None:
     from conveyor.bench.workloads import copy_workload
-    from conveyor.cli import add_engine_args, config_from_args
+    from conveyor.cli_args import add_engine_args, config_from_args
     from conveyor.server.metrics import ServerMetrics
 
     llm = tiny_models["llama_smooth"].llm(max_batch_tokens=32, speculative_config=NGRAM)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from conveyor.allocator import FullAttentionCacheAllocator
-from conveyor.cache_pool import CachePool
+from conveyor.cache.allocator import FullAttentionCacheAllocator
+from conveyor.cache.pool import CachePool
 from conveyor.config import ContinuousBatchingConfig
 from conveyor.request import Request, RequestState
 from conveyor.sampling_params import SamplingParams
-from conveyor.scheduler import FIFOScheduler
+from conveyor.sched.scheduler import FIFOScheduler
 from conveyor.speculative import SpeculativeConfig, Speculator
 
 
@@ -24,12 +24,10 @@ def decoding(rid: str, tokens: list[int], params: SamplingParams) -> Request:
 def setup(max_batch_tokens: int = 64, disable_by_batch_size: int | None = None) -> FIFOScheduler:
     pool = CachePool(num_chunks=40, page_size=4, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32,
                      device=torch.device("cpu"))
-    scheduler = FIFOScheduler(ContinuousBatchingConfig(page_size=4, max_batch_tokens=max_batch_tokens),
-                              FullAttentionCacheAllocator(pool))
     config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
                                           "disable_by_batch_size": disable_by_batch_size})
-    scheduler.speculator = Speculator(config, max_model_len=100, sliding=False)
-    return scheduler
+    return FIFOScheduler(ContinuousBatchingConfig(page_size=4, max_batch_tokens=max_batch_tokens),
+                         FullAttentionCacheAllocator(pool), Speculator(config, max_model_len=100, sliding=False))
 
 
 def test_a_repeating_decode_gets_its_proposals_and_their_blocks() -> None:

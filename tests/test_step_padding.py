@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conveyor import SamplingParams
-from conveyor.cache_pool import NUM_RESERVED_CHUNKS
-from conveyor.step_buffers import round_up, sample_bucket
+from conveyor.cache.pool import NUM_RESERVED_CHUNKS
+from conveyor.engine.step_buffers import round_up, sample_bucket
 
 
 def check_every_step(llm, compared: list[int]) -> None:

@@ -10,7 +10,7 @@ import pytest
 from conveyor import LLM, InvalidRequestError, SamplingParams
 from conveyor.request import RequestState
 from conveyor.sampling_params import SamplingParamsError
-from conveyor.structured import StructuredOutputsParams as SO
+from conveyor.sampling_params import StructuredOutputsParams as SO
 
 from .structured_check import check
 

@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from conveyor.structured import GrammarCache, GrammarMasks, StructuredOutputsParams
+from conveyor.sampling_params import StructuredOutputsParams
+from conveyor.structured import GrammarCache, GrammarMasks
 
 
 @pytest.fixture(scope="module")

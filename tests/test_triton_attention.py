@@ -19,13 +19,19 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conveyor import LLM, ContinuousBatchingConfig, SamplingParams, attention  # noqa: E402
-from conveyor.allocator import table_length  # noqa: E402
-from conveyor.attention import (AttentionMetadata, CpuPagedAttention, TorchPagedAttention,  # noqa: E402
-                                TritonPagedAttention, make_attention_backend)
-from conveyor.config import ConfigError  # noqa: E402
-from conveyor.kernels import triton_attention  # noqa: E402
-from conveyor.model_runner import ModelRunner  # noqa: E402
+from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
+from conveyor.cache.allocator import table_length
+from conveyor.config import ConfigError
+from conveyor.engine.model_runner import ModelRunner
+from conveyor.kernels import triton_attention
+from conveyor.layers import attention
+from conveyor.layers.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    TorchPagedAttention,
+    TritonPagedAttention,
+    make_attention_backend,
+)
 
 from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts  # noqa: E402
 

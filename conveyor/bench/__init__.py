@@ -2,9 +2,9 @@
 
 Modules: `workloads` (workload files and synthetic workloads), `throughput` (offline throughput
 and greedy-output comparison), `hf_baselines` (transformers' generate_batch and static generate),
-`cli` (argparse entry point, `main(argv)`). Importing this package does not import torch.
+`commands` (argparse entry point, `main(argv)`). Importing this package does not import torch.
 """
 
-from .cli import main
+from .commands import main
 
 __all__ = ["main"]

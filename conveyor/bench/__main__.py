@@ -1,8 +1,8 @@
-"""`python -m conveyor.bench ...`; see conveyor/bench/cli.py."""
+"""`python -m conveyor.bench ...`; see conveyor/bench/commands.py."""
 
 import sys
 
-from .cli import main
+from .commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -169,7 +169,7 @@ def run_check(args: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode on every workload, then transformers; the report as a JSON-able dict."""
     from .. import LLM
     from .hf_baselines import load_hf_model, run_generate_batch
-    from .throughput import _warmup_prompt, environment, run_conveyor
+    from .throughput import environment, run_conveyor, warmup_prompt
 
     started = time.monotonic()
     over = lambda: time.monotonic() - started > args.budget_s  # noqa: E731
@@ -210,13 +210,13 @@ def run_check(args: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
         if not workloads:
             tokenizer = llm.get_tokenizer()
             special = list(getattr(tokenizer, "all_special_ids", []) or [])
-            workloads = make_workloads(args.workloads, args, llm.engine.vocab_size, special)
-            eos = list(llm.engine.eos_token_ids)
+            workloads = make_workloads(args.workloads, args, llm.vocab_size, special)
+            eos = list(llm.eos_token_ids)
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
             report["model"] = {"name": llm.model_path.name, "path": str(llm.model_path), "device": str(llm.device),
                                "weights": args.weights_note, "eos_token_ids": eos, "pad_token_id": pad,
                                **resolved_mode(llm)}
-            report["warmup_prompt"] = _warmup_prompt(llm.engine.vocab_size, special)
+            report["warmup_prompt"] = warmup_prompt(llm.vocab_size, special)
         for name, workload in workloads.items():
             def ours(name: str = name, workload: Workload = workload, llm: LLM = llm) -> Any:
                 prompts.setdefault(name, render_prompts(workload, llm.render_chat))

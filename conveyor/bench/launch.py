@@ -133,7 +133,7 @@ def launched_server(*, model: str | None, dtype: str = "auto", quantization: str
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`conveyor serve` that first writes what it resolved to `--info` (the launched side)."""
-    from ..cli import add_serve_args, config_from_args
+    from ..cli_args import add_serve_args, config_from_args
     from ..kernels import vector_flags
     from ..llm import LLM
     from ..server import ServerSettings, run_server

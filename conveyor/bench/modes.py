@@ -17,7 +17,7 @@ QUANTIZATION_HELP = ("as LLM's quantization= (default: gguf for a quantized GGUF
 
 def add_mode_arguments(parser: Any) -> None:
     """`--dtype` and `--quantization`, passed to `LLM` as they are."""
-    from ..models.quant_linear import QUANTIZATIONS
+    from ..layers.quantization.registry import QUANTIZATIONS
 
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help=QUANTIZATION_HELP)

@@ -66,7 +66,7 @@ def run_perplexity(llm: Any, token_ids: list[int], *, window: int = 512, stride:
     from .. import SamplingParams
 
     stride = window if stride is None else stride
-    limit = llm.engine.max_model_len - 1  # room for the one generated token
+    limit = llm.max_model_len - 1  # room for the one generated token
     if window > limit:
         raise ValueError(f"window {window} exceeds the model's context length minus one ({limit} tokens)")
     spans = plan_windows(len(token_ids), window, stride)

@@ -41,9 +41,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionBackend, attend
-from ..models.quant_linear import QuantMatmul
-from .streaming import head_bytes, linear_bytes
+from ..layers.attention import AttentionBackend, attend
+from ..layers.quantization.linear import QuantMatmul
+from .bandwidth import head_bytes, linear_bytes
 
 MIN_SAMPLE_S = 2e-3  # matmul timing: repeat a call until one sample lasts at least this long
 

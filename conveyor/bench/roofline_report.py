@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
+from .bandwidth import MIN_PROBE_BYTES, format_streaming, read_bandwidth, streaming_report, weight_bytes
 from .modes import add_mode_arguments, describe_mode, resolved_mode
 from .roofline import DenseBench, measure_dense, measure_matmuls, measure_step, median, model_device, step_config
-from .streaming import MIN_PROBE_BYTES, format_streaming, read_bandwidth, streaming_report, weight_bytes
 
 # The targets for a decode step at 64 running sequences of ~150 tokens.
 TARGET_STEP_OVER_DENSE = 1.25

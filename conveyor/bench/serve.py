@@ -37,8 +37,18 @@ from typing import Any
 
 from .modes import add_mode_arguments
 from .progress import TokenRate, add_progress_argument, progress_wanted
-from .serve_client import (CHAT_ENDPOINT, COMPLETIONS_ENDPOINT, RequestResult, api_urls, auth_headers, build_payload,
-                           first_model, is_chat_endpoint, make_client, send_request)
+from .serve_client import (
+    CHAT_ENDPOINT,
+    COMPLETIONS_ENDPOINT,
+    RequestResult,
+    api_urls,
+    auth_headers,
+    build_payload,
+    first_model,
+    is_chat_endpoint,
+    make_client,
+    send_request,
+)
 from .serve_load import arrival_times, synthetic_text_workload
 from .serve_report import format_report, plot_report
 from .serve_stats import compute_metrics

@@ -137,12 +137,12 @@ def replay_scheduler(lengths: Sequence[int], slots: int, *, scheduler_type: str 
     """
     import torch
 
-    from ..allocator import FullAttentionCacheAllocator
-    from ..cache_pool import NUM_RESERVED_CHUNKS, CachePool
+    from ..cache.allocator import FullAttentionCacheAllocator
+    from ..cache.pool import NUM_RESERVED_CHUNKS, CachePool
     from ..config import ContinuousBatchingConfig
     from ..request import Request, RequestState
     from ..sampling_params import SamplingParams
-    from ..scheduler import make_scheduler
+    from ..sched.scheduler import make_scheduler
 
     lengths = check_inputs(lengths, slots)
     # Enough blocks for every request at full length at once, so the cache never binds.
@@ -252,12 +252,14 @@ def _lengths(text: str) -> list[int]:
 
 
 def add_arguments(parser: Any) -> None:
+    from ..sched.scheduler import SCHEDULERS
+
     parser.add_argument("--lengths", type=_lengths, default=list(DEFAULT_LENGTHS),
                         help="comma-separated output lengths of the queued requests "
                              f"(default {','.join(map(str, DEFAULT_LENGTHS))})")
     parser.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
                         help=f"sequences decoded together per step (default {DEFAULT_SLOTS})")
-    parser.add_argument("--scheduler", choices=("fifo", "prefill_first"), default="fifo",
+    parser.add_argument("--scheduler", choices=list(SCHEDULERS), default="fifo",
                         help="Conveyor scheduler to replay (default fifo)")
     parser.add_argument("--no-scheduler", action="store_true",
                         help="skip the replay through Conveyor's scheduler (no torch import)")

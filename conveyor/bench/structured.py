@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..structured import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
 
 BUILTIN_SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["title", "summary", "year", "genre", "tags"],

@@ -51,7 +51,7 @@ def _summary(token_ids: list[list[int]], prompt_lens: list[int], wall_s: float,
             "output_lens": [len(t) for t in token_ids]}
 
 
-def _warmup_prompt(vocab_size: int, special_ids: Sequence[int]) -> list[int]:
+def warmup_prompt(vocab_size: int, special_ids: Sequence[int]) -> list[int]:
     """Fixed random tokens: they share no prefix with the workload, so the warm-up leaves no useful cache."""
     special = set(special_ids)
     rng = random.Random(1234)
@@ -149,9 +149,9 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
     prompt_lens = [len(p) for p in prompts]
     max_new = [r.max_new_tokens for r in workload.requests]
     ignore_eos = [r.ignore_eos for r in workload.requests]
-    eos_ids = list(llm.engine.eos_token_ids)
+    eos_ids = list(llm.eos_token_ids)
     special = list(getattr(tokenizer, "all_special_ids", []) or [])
-    warm = _warmup_prompt(llm.engine.vocab_size, special)
+    warm = warmup_prompt(llm.vocab_size, special)
     cb_cfg = llm.engine.config
 
     report: dict[str, Any] = {
@@ -233,6 +233,8 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
 
 # -- command line ---------------------------------------------------------------------------------
 def add_arguments(parser: Any) -> None:
+    from ..sched.scheduler import SCHEDULERS
+
     parser.add_argument("workload", nargs="?", help="workload JSON file (prompts or requests layout)")
     parser.add_argument("--model", default=None,
                         help="HF model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct GGUF)")
@@ -264,7 +266,7 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--max-requests-per-batch", type=int, default=None)
     eng.add_argument("--num-blocks", type=int, default=None, help="Conveyor's KV pool size in blocks")
     eng.add_argument("--page-size", type=int, default=None)
-    eng.add_argument("--scheduler-type", choices=("fifo", "prefill_first"), default=None)
+    eng.add_argument("--scheduler-type", choices=list(SCHEDULERS), default=None)
     eng.add_argument("--cpu-offload-space", type=float, default=None, metavar="GIB",
                      help="host swap space for offloaded requests' KV blocks (default 0: soft resets)")
     eng.add_argument("--no-block-sharing", action="store_true", help="allow_block_sharing=False: no prefix caching")
@@ -366,7 +368,7 @@ def run_from_args(args: Any) -> int:
     if workload is None:
         tokenizer = llm.get_tokenizer()
         workload = synthetic_workload(args.synthetic_input_len, args.synthetic_output_len, args.num_prompts,
-                                      llm.engine.vocab_size, seed=args.seed,
+                                      llm.vocab_size, seed=args.seed,
                                       exclude_token_ids=getattr(tokenizer, "all_special_ids", []) or [])
         workload = workload.limit(args.limit).with_max_new_tokens(args.max_new_tokens)
 

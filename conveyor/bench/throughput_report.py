@@ -108,9 +108,7 @@ def format_report(report: dict[str, Any]) -> str:
     if st:
         notes.append(f"hf generate: batches of {st['batch_size']}, left-padded, attn {st['attn_implementation']}")
     if VLLM in report["systems"]:
-        from .vllm_compare import describe
-
-        notes.append(describe(report["systems"][VLLM]))
+        notes.append(describe_vllm(report["systems"][VLLM]))
     if "hf_loaded_via" in m:
         notes.append(f"hf model: {m['hf_loaded_via']}")
     if notes:
@@ -134,3 +132,14 @@ def format_report(report: dict[str, Any]) -> str:
 
 def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def describe_vllm(system: dict[str, Any]) -> str:
+    """One report line: what vLLM ran."""
+    env = system["env"]
+    return (f"vllm {system['vllm_version']}: {system['model']} (tokenizer {system['tokenizer'] or 'the model'}), "
+            f"dtype {system['dtype'] or system['dtype_requested']}, quantization {system['quantization'] or 'none'}, "
+            f"KV cache {env.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB, OpenMP threads on CPUs "
+            f"{env.get('VLLM_CPU_OMP_THREADS_BIND', '?')}"
+            + (f", LLM kwargs {system['llm_kwargs']}" if system["llm_kwargs"] else "")
+            + f"; wall excludes {system['load_s']:.1f} s of loading")

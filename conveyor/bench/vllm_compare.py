@@ -125,14 +125,3 @@ def run_vllm(options: VllmOptions, request: dict[str, Any]) -> RunResult:
                "dtype": result.get("dtype"), "quantization": result.get("quantization"),
                "llm_kwargs": request["llm_kwargs"], "env": result.get("env", {}),
                "finish_reasons": count_values(reasons)})
-
-
-def describe(system: dict[str, Any]) -> str:
-    """One report line: what vLLM ran."""
-    env = system["env"]
-    return (f"vllm {system['vllm_version']}: {system['model']} (tokenizer {system['tokenizer'] or 'the model'}), "
-            f"dtype {system['dtype'] or system['dtype_requested']}, quantization {system['quantization'] or 'none'}, "
-            f"KV cache {env.get('VLLM_CPU_KVCACHE_SPACE', '?')} GiB, OpenMP threads on CPUs "
-            f"{env.get('VLLM_CPU_OMP_THREADS_BIND', '?')}"
-            + (f", LLM kwargs {system['llm_kwargs']}" if system["llm_kwargs"] else "")
-            + f"; wall excludes {system['load_s']:.1f} s of loading")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from ..layers.quantization.linear import Weight
+from .base import CausalLM
 from .gemma import GemmaForCausalLM
-from .llama import CausalLM, LlamaForCausalLM
-from .quant_linear import Weight
+from .llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM)
                                             for t in cls.model_types}

@@ -29,10 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..attention import AttentionMetadata
-from . import quant_linear
-from .quant_linear import QuantLinear
-from .quantized import TILED_TYPES
+from ..layers.attention import AttentionMetadata
+from ..layers.quantization import linear as quant_linear
+from ..layers.quantization.linear import QuantLinear
+from ..layers.quantization.tensors import TILED_TYPES
 
 MAX_ROWS = 64
 
@@ -95,16 +95,15 @@ class DecodeStack:
         self.threads = ThreadChooser(torch.get_num_threads())
 
     @classmethod
-    def build(cls, model: torch.nn.Module) -> DecodeStack | None:
-        """The stack for `model`, or None where it does not apply (see the module docstring)."""
-        from .llama import DecoderLayer
-
+    def build(cls, model: torch.nn.Module, layer_class: type) -> DecodeStack | None:
+        """The stack for `model` whose layers are all `layer_class` (the Llama decoder layer), or None
+        where it does not apply (see the module docstring)."""
         ops = quant_linear.matmul_ops()
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
         projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        if any(type(layer) is not DecoderLayer or layer.q_norm is not None or layer.softcap is not None
+        if any(type(layer) is not layer_class or layer.q_norm is not None or layer.softcap is not None
                or not all(_segments(getattr(layer, p)) is not None for p in projections) for layer in layers):
             return None
         if getattr(model, "rotary", None) is None:

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from ..attention import AttentionBackend, AttentionMetadata
-from .llama import CausalLM, DecoderLayer, RotaryEmbedding
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from .base import CausalLM
+from .llama import DecoderLayer, RotaryEmbedding
 
 
 class GemmaRMSNorm(nn.Module):

@@ -26,7 +26,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from .quantized import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
+from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from ..llm import LLM
 from .errors import add_error_handlers
 from .openapi import instance_schema
 from .routes import include_routes
-from .serving import Serving, ServerSettings
+from .serving import ServerSettings, Serving
 
 
 def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
@@ -30,6 +30,6 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
     app.state.serving = serving
     add_error_handlers(app)
     include_routes(app)
-    app.openapi = lambda: instance_schema(app, serving.names, llm.engine.vocab_size,  # type: ignore[method-assign]
+    app.openapi = lambda: instance_schema(app, serving.names, llm.vocab_size,  # type: ignore[method-assign]
                                           serving.max_model_len)
     return app

@@ -14,12 +14,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..step_history import StepHistory
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from ..llm import LLM
 
 STEP_HISTORY = 600  # steps the server keeps when the engine was built without a history
 RATE_WINDOW_S = 5.0  # output tok/s and mean step time over the steps that ended this recently
@@ -55,35 +52,21 @@ def percentiles(samples: Iterable[float]) -> dict[str, float | int | None]:
     return out
 
 
-def ensure_step_history(engine: Engine) -> StepHistory:
-    """The engine's step ring, switched on (`STEP_HISTORY` steps) if it was built without one."""
-    if engine.step_history is None:
-        engine.step_history = StepHistory(STEP_HISTORY)
-    return engine.step_history
-
-
-def kv_groups(engine: Engine) -> list[dict[str, Any]]:
-    """Per attention type: its layer groups and the chunks its requests hold (hybrid models have several)."""
-    allocators = getattr(engine.allocator, "allocators", [engine.allocator])
-    return [{"type": a.attention_type, "layer_groups": a.num_groups, "used": len(a.ref_counts) * a.num_groups}
-            for a in allocators]
-
-
-def dashboard_data(engine: Engine, latencies: LatencyWindow, in_flight: int) -> dict[str, Any]:
-    s = engine.stats()
-    history = ensure_step_history(engine)
-    total, records = history.snapshot()
+def dashboard_data(llm: LLM, latencies: LatencyWindow, in_flight: int) -> dict[str, Any]:
+    s = llm.stats()
+    total, records = llm.enable_step_history(STEP_HISTORY).snapshot()
     now = time.monotonic()
     recent = [r for r in records if r.time > now - RATE_WINDOW_S]
-    cached = getattr(engine.allocator, "num_cached_blocks", 0)
+    kv = llm.cache_usage()
+    cached = kv["cached"]
     first = total - len(records)
     return {
         "requests": {"running": s.running_requests, "waiting": s.waiting_requests, "swapped": s.swapped_requests,
                      "in_flight": in_flight, "finished": s.finished_requests},
         "kv": {"total": s.total_blocks, "free": s.free_blocks - cached, "cached": cached,
-               "used": s.total_blocks - s.free_blocks, "usage": s.kv_cache_usage, "groups": kv_groups(engine),
+               "used": s.total_blocks - s.free_blocks, "usage": s.kv_cache_usage, "groups": kv["groups"],
                "swap_free": s.swap_free_blocks, "swap_total": s.swap_total_blocks,
-               "bytes": engine.pool.nbytes, "resident_bytes": engine.pool.resident_bytes()},
+               "bytes": kv["bytes"], "resident_bytes": kv["resident_bytes"]},
         "prefix_cache": {"query_tokens": s.prefix_cache_query_tokens, "hit_tokens": s.prefix_cache_hit_tokens,
                          "hit_rate": s.prefix_cache_hit_tokens / s.prefix_cache_query_tokens
                          if s.prefix_cache_query_tokens else None},

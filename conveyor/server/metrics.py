@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine import EngineStats
+from .. import EngineStats
 from ..request import RequestOutput
 from .dashboard_data import LatencyWindow
 

@@ -22,16 +22,15 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import InvalidRequestError
+from ..errors import InvalidRequestError, RequestErrorCode
 from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
-from ..sampling_params import SamplingParams
-from ..structured import StructuredOutputsParams
-from .constraints import body_constraint, logit_bias
-from .dashboard_data import ensure_step_history
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from .dashboard_data import STEP_HISTORY
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
+from .response_format import body_constraint, logit_bias
 from .tools import ToolPlan, conversation
 
 logger = logging.getLogger("conveyor.server")
@@ -118,10 +117,10 @@ class Serving:
         self.names = list(settings.served_model_names or [llm.model_path.name])
         self.model_name = self.names[0]
         self.tokenizer = llm.get_tokenizer()
-        self.model_type = getattr(llm.engine.model.config, "model_type", None)  # picks the tool-call parser
-        self.max_model_len = llm.engine.max_model_len
-        self.metrics = ServerMetrics(llm.stats, self.model_name, llm.engine.pool.resident_bytes)
-        ensure_step_history(llm.engine)  # the dashboard's strip chart
+        self.model_type = getattr(llm.model_config, "model_type", None)  # picks the tool-call parser
+        self.max_model_len = llm.max_model_len
+        self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
+        llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.in_flight = 0  # engine requests accepted and not yet finished
         self.active: set[Submission] = set()
@@ -138,7 +137,7 @@ class Serving:
         self.llm.manager.add_death_callback(lambda exc: loop.call_soon_threadsafe(self.engine_died, exc))
         logger.info("serving %s (%s) at %s: context %d tokens, KV cache capacity %d tokens, max queue %d",
                     self.model_name, self.llm.model_path, self.settings.url or "(given sockets)", self.max_model_len,
-                    self.llm.engine.capacity_tokens, self.settings.max_queue)
+                    self.llm.kv_capacity_tokens, self.settings.max_queue)
 
     def request_shutdown(self, then: Callable[[], None]) -> bool:
         """From a signal handler: drain on the event loop, then call `then` (there). False if not started."""
@@ -285,15 +284,9 @@ class Serving:
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias)
-                    requests.append(self.llm.engine.make_request(f"{prefix}-{p * body.n + j}", ids, params))
+                    requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
-                    code = "context_length_exceeded" if "context length" in str(exc) else None
-                    message, field = str(exc), param
-                    if message.startswith("structured_outputs"):  # the constraint did not compile
-                        message, field = f"invalid {structured_param}: {message}", structured_param
-                    elif message.startswith("logit_bias"):
-                        field = "logit_bias"
-                    raise APIError(400, message, param=field, code=code) from exc
+                    raise request_error(exc, param, structured_param) from exc
                 except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed
                     raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from exc
         return requests
@@ -339,6 +332,22 @@ def usage(prompts: Iterable[list[int]], finals: Iterable[RequestOutput | int]) -
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(f if isinstance(f, int) else f.num_output_tokens for f in finals)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+def request_error(exc: InvalidRequestError, prompt_param: str, structured_param: str | None) -> APIError:
+    """The 400 for a request the engine refused, by its code: the body field at fault, and OpenAI's
+    `context_length_exceeded` where it applies."""
+    message, field = str(exc), prompt_param
+    if exc.code is RequestErrorCode.INVALID_STRUCTURED_OUTPUTS:  # the constraint did not compile
+        message, field = f"invalid {structured_param}: {message}", structured_param
+    elif exc.param in BODY_FIELDS:
+        field = BODY_FIELDS[exc.param]
+    code = exc.code.value if exc.code is RequestErrorCode.CONTEXT_LENGTH_EXCEEDED else None
+    return APIError(400, message, param=field, code=code)
+
+
+# `SamplingParams` fields an engine error may name -> the request body's field (others: the prompt's).
+BODY_FIELDS = {"logit_bias": "logit_bias"}
 
 
 def failure(out: RequestOutput) -> APIError | None:

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..structured import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
 from .protocol import APIError, ChatMessage
 from .tool_parsers import HermesToolParser, ToolCall, parser_for
 

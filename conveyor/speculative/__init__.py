@@ -1,8 +1,12 @@
 """Speculative decoding inside continuous batching (SPEC section 11): a request's proposed tokens
 become extra query tokens of its row, one pass verifies them.
 
-`config` validates vLLM's `speculative_config`; `ngram` proposes from the request's own tokens
-(prompt lookup); `rejection` verifies proposals so outputs keep the target model's distribution.
+`config` validates vLLM's `speculative_config`; `speculator` decides who speculates with how many
+proposals (the scheduler's `Proposer`); `ngram` proposes from the request's own tokens (prompt lookup);
+`rejection` and `verification` decide which proposals a pass accepts, so outputs keep the target
+model's distribution. What runs a model lives in the engine: the draft model's runner
+(`engine.draft_runner`) beside the target's, and the bookkeeping of verified tokens
+(`engine.output_processor`).
 """
 
 from .config import SpeculativeConfig

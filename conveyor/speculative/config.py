@@ -6,8 +6,9 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..layers.quantization.registry import self_draft_quantizations
+
 METHODS = ("ngram", "draft_model")
-SELF_DRAFT_QUANTIZATIONS = ("int8", "int4", "gguf")
 
 
 @dataclass(frozen=True)
@@ -53,9 +54,9 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.{name} applies to method 'ngram', not 'draft_model'")
             if self.model is None and self.quantization is None:
                 raise ValueError("speculative_config for 'draft_model' needs a 'model' path, or a 'quantization' "
-                                 f"({', '.join(SELF_DRAFT_QUANTIZATIONS)}) for the target's own weights as draft")
-            if self.quantization is not None and self.quantization not in SELF_DRAFT_QUANTIZATIONS:
-                raise ValueError(f"speculative_config.quantization must be one of {SELF_DRAFT_QUANTIZATIONS}, "
+                                 f"({', '.join(self_draft_quantizations())}) for the target's own weights as draft")
+            if self.quantization is not None and self.quantization not in self_draft_quantizations():
+                raise ValueError(f"speculative_config.quantization must be one of {self_draft_quantizations()}, "
                                  f"got {self.quantization!r}")
         if self.disable_by_batch_size is not None and (not isinstance(self.disable_by_batch_size, int)
                                                        or self.disable_by_batch_size < 1):

@@ -9,13 +9,12 @@ position would already have overwritten a ring slot still in the window). Propos
 `max_new_tokens` or the context length, so an accepted run ends where plain decoding would.
 Requests under a grammar (structured outputs) do not speculate either: their tokens are masked.
 
-N-gram proposals are made while scheduling; a draft model's are made for all speculating requests
-at once after scheduling (`fill_drafts`): the scheduler reserves their number (placeholders).
+The `Speculator` is the scheduler's `Proposer`: n-gram proposals are made while scheduling; for a
+draft model it reserves their number (placeholders), and the engine's draft runner
+(`engine.draft_runner`) fills them for all speculating requests at once after scheduling.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,23 +22,15 @@ from ..request import Request
 from .config import SpeculativeConfig
 from .ngram import NgramProposer
 
-if TYPE_CHECKING:
-    from ..scheduler import ScheduledChunk
-    from .draft import DraftProposer
-
 # With more running requests than this, a step is compute-bound enough that verifying proposals
 # costs more than it saves (chat64 at 64 concurrent must not slow down).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, sliding: bool,
-                 draft: DraftProposer | None = None) -> None:
-        if (config.method == "draft_model") != (draft is not None):
-            raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, sliding: bool) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
-        self.draft = draft
         self.proposer = None
         if config.method == "ngram":
             assert config.prompt_lookup_max is not None and config.prompt_lookup_min is not None
@@ -71,20 +62,9 @@ class Speculator:
         if room < 1 or not self.serves(request):
             return []
         if self.proposer is None:
-            return [-1] * room  # placeholders: `fill_drafts` writes the draft model's proposals
+            return [-1] * room  # placeholders: the engine's draft runner writes the draft model's proposals
         tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
         return self.proposer.propose(tokens, room)
-
-    def fill_drafts(self, chunks: list[ScheduledChunk]) -> None:
-        """The draft model's proposals for this step's speculating chunks (n-gram ones are made already)."""
-        speculating = [c for c in chunks if c.draft_tokens]
-        if self.draft is not None and speculating:
-            self.draft.propose(speculating)
-
-    def rolled_back(self, request: Request) -> None:
-        """Verification kept the request's K/V up to its `num_computed_tokens`."""
-        if self.draft is not None:
-            self.draft.rolled_back(request)
 
     def record(self, num_proposed: int, num_accepted: int) -> None:
         if num_proposed:

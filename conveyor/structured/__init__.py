@@ -1,9 +1,10 @@
 """Structured outputs: generation constrained by a JSON schema, a regex, a choice or a grammar.
 
-`params` is the user-facing `StructuredOutputsParams` (vLLM's names); `grammars` turns one into a
-grammar of the grammar engine (llguidance), validated and cached; `masks` applies the allowed-token
-bitmasks to a batch's logits in one pass and advances each request's matcher; `constraints` is the
-engine's side (a request's matcher, the token it consumes). The llguidance-backed parts load on
+The user-facing `StructuredOutputsParams` (vLLM's names) lives in `sampling_params` and is
+re-exported here; `grammars` turns one into a grammar of the grammar engine (llguidance), validated
+and cached; `masks` applies the allowed-token bitmasks to a batch's logits in one pass and advances
+each request's matcher; `constraints` is the engine's side (a request's matcher, the token it
+consumes). The llguidance-backed parts load on
 first use, so a plain `import conveyor` does not import llguidance (nor, through it, triton).
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .params import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
 
 __all__ = ["GrammarCache", "GrammarMasks", "StructuredOutputsParams"]
 

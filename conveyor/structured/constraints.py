@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from transformers import PreTrainedTokenizerBase
 
-from .params import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import llguidance

@@ -20,7 +20,7 @@ import llguidance.hf
 from llguidance.gbnf_to_lark import any_to_lark
 from transformers import PreTrainedTokenizerBase
 
-from .params import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
 
 
 def _lark_string(text: str) -> str:

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..transfer import to_device
-
+from ..cache.transfer import to_device
 
 # What a forbidden token's logit gets on CPU: added, so allowed logits stay bit-exact (x + 0) and a
 # forbidden one ends near -1e30, whose probability is exactly 0 after softmax at any temperature.

@@ -33,5 +33,5 @@ async def dashboard() -> HTMLResponse:
 
 @router.get("/dashboard/data")
 async def data(serving: ServingDep) -> dict[str, Any]:
-    return dashboard_data(serving.llm.engine, serving.metrics.latencies, serving.in_flight) | {
+    return dashboard_data(serving.llm, serving.metrics.latencies, serving.in_flight) | {
         "model": serving.model_name}

@@ -26,7 +26,7 @@ async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]
 @router.post("/detokenize", dependencies=AUTH, responses=error_responses(400, 401, 404))
 async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, Any]:
     serving.check_model(body.model)
-    vocab = serving.llm.engine.vocab_size
+    vocab = serving.llm.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")

@@ -11,41 +11,40 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from .allocator import build_allocators, table_length
+from ..cache.allocator import build_allocators, table_length
+from ..cache.offload import SwapPool, choose_victims
+from ..cache.pool import CachePool, layer_groups, plan_num_chunks
+from ..config import ContinuousBatchingConfig
+from ..errors import InvalidRequestError, RequestErrorCode
+from ..layers.attention import make_attention_backend
+from ..models.base import CausalLM
+from ..request import Request, RequestState
+from ..sampling_params import SamplingParams
+from ..sched.output import SchedulerOutput
+from ..sched.scheduler import make_scheduler
+from ..speculative import Speculator
+from ..structured.constraints import Constraints
 from .async_batching import AsyncPipeline
-from .attention import make_attention_backend
-from .cache_pool import CachePool, layer_groups, plan_num_chunks
-from .config import ContinuousBatchingConfig
+from .draft_runner import DraftProposer, draft_bytes_per_chunk
 from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
 from .memory_profile import working_memory
 from .model_runner import ModelRunner
-from .models.llama import CausalLM
-from .offload import SwapPool, choose_victims
-from .request import Request, RequestState
-from .sampling_params import SamplingParams
-from .scheduler import SchedulerOutput, make_scheduler
-from .speculative import Speculator
-from .speculative.draft import DraftProposer, draft_bytes_per_chunk
-from .speculative.verification import apply_verification
-from .engine_stats import EngineStats, snapshot
+from .output_processor import OutputProcessor
+from .stats import EngineStats, snapshot
 from .step_history import StepHistory, composition
-from .structured.constraints import Constraints, grammar_complete
 
 logger = logging.getLogger("conveyor")
-
-
-class InvalidRequestError(ValueError):
-    """A request that cannot be served as given (empty, too long, bad token ids)."""
 
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: PreTrainedTokenizerBase,
                  config: ContinuousBatchingConfig, device: torch.device, draft_model: CausalLM | None = None) -> None:
-        """`draft_model`: the draft of a "draft_model" `config.speculative_config` (`speculative.draft`)."""
+        """`draft_model`: the draft of a "draft_model" `config.speculative_config` (`draft_runner`)."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -79,12 +78,14 @@ class Engine:
         self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing)
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
-        self.scheduler = make_scheduler(config, self.allocator)
-        if config.speculative_config is not None:
-            draft = draft_model and DraftProposer(
-                draft_model, self.allocator, num_chunks, page, device, config.attention_backend)
-            self.scheduler.speculator = Speculator(config.speculative_config, self.max_model_len,
-                                                   sliding=window is not None, draft=draft)
+        spec = config.speculative_config
+        if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
+            raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
+        self.speculator = Speculator(spec, self.max_model_len, sliding=window is not None) if spec else None
+        # The draft model's runner, beside the target's: it fills the proposals the scheduler reserved.
+        self.draft = DraftProposer(draft_model, self.allocator, num_chunks, page, device,
+                                   config.attention_backend) if draft_model is not None else None
+        self.scheduler = make_scheduler(config, self.allocator, proposer=self.speculator)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
         self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
                                   attention=make_attention_backend(device, self.dtype, config.attention_backend))
@@ -96,15 +97,18 @@ class Engine:
             self.runner.enable_padding(config, buffer_sets=2 if use_async else 1)
         if use_graphs:
             self.runner.graphs = CudaGraphs(self.runner, graph_tokens(config))
-        self.pipeline = AsyncPipeline(self) if use_async else None
+        self.counters = EngineStats()  # cumulative; `stats()` adds the gauges
+        history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
+        self.output = OutputProcessor(tokenizer, self.max_model_len, self.allocator, self.counters,
+                                      self.finish_request, history, self.speculator, self.draft)
+        self.pipeline = (AsyncPipeline(self.runner, self.output, self.allocator, self.schedule,
+                                       self.fail_unschedulable) if use_async else None)
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
         swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self._constrained = 0  # requests in `requests` with a grammar (they turn async batching off)
-        self._stats = EngineStats()
-        self.step_history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
                     "memory; prefix caching %s; swap pool %d chunks", self.pool.num_usable, page, shape["num_layers"],
@@ -124,39 +128,42 @@ class Engine:
         """Tokenize and validate; raises InvalidRequestError naming the limit. Safe from any thread."""
         if isinstance(prompt, str):
             if not prompt:
-                raise InvalidRequestError("prompt is empty")
+                raise InvalidRequestError("prompt is empty", RequestErrorCode.INVALID_PROMPT, "prompt")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}")
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
+                                          RequestErrorCode.INVALID_PROMPT, "prompt")
         if not token_ids:
-            raise InvalidRequestError("prompt is empty (0 tokens)")
+            raise InvalidRequestError("prompt is empty (0 tokens)", RequestErrorCode.INVALID_PROMPT, "prompt")
         total = len(token_ids) + params.max_new_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
-                f"model's context length of {self.max_model_len} tokens")
+                f"model's context length of {self.max_model_len} tokens", RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
         if len(token_ids) > self.capacity_tokens:
             raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
-                                      f"{self.capacity_tokens} tokens")
+                                      f"{self.capacity_tokens} tokens", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise InvalidRequestError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
-                                          f"got {getattr(params, name)}")
+                                          f"got {getattr(params, name)}", param=name)
         pages = self.allocator.blocks_for_tokens(total)
         if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
             raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
-                                      f"{self.config.max_batch_pages}")
+                                      f"{self.config.max_batch_pages}", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
-                raise InvalidRequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+                raise InvalidRequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                                          param=name)
         try:
             grammar = self.constraints.matcher(params.structured_outputs)
         except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from exc
+            raise InvalidRequestError(str(exc), RequestErrorCode.INVALID_STRUCTURED_OUTPUTS,
+                                      "structured_outputs") from exc
         request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
         request.grammar = grammar
         if params.seed is not None and not params.greedy:
@@ -165,16 +172,17 @@ class Engine:
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
+                                      RequestErrorCode.DUPLICATE_REQUEST_ID)
         self.requests[request.request_id] = request
         self._constrained += request.grammar is not None
         self.scheduler.add_request(request)
-        self._stats.prompt_tokens += len(request.prompt_token_ids)
+        self.counters.prompt_tokens += len(request.prompt_token_ids)
 
     def cancel_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
         if request is not None:
-            self._finish(request, RequestState.CANCELLED, "abort")
+            self.finish_request(request, RequestState.CANCELLED, "abort")
         return request
 
     def has_unfinished_requests(self) -> bool:
@@ -184,9 +192,29 @@ class Engine:
         """Finish the step in flight (async batching); the requests it updated."""
         return self.pipeline.drain() if self.pipeline is not None else []
 
+    @property
+    def step_history(self) -> StepHistory | None:
+        """The last steps' records (the dashboard's), None when off."""
+        return self.output.history
+
+    def enable_step_history(self, size: int) -> StepHistory:
+        """Switch the step records on (`size` steps) if the engine was built without them."""
+        if self.output.history is None:
+            self.output.history = StepHistory(size)
+        return self.output.history
+
+    def cache_usage(self) -> dict[str, Any]:
+        """The KV pool now: per attention type its layer groups and the chunks its requests hold (hybrid
+        models have several types), reclaimable prefix-cached blocks, the pool's bytes and resident bytes."""
+        allocators = getattr(self.allocator, "allocators", [self.allocator])
+        return {"groups": [{"type": a.attention_type, "layer_groups": a.num_groups,
+                            "used": len(a.ref_counts) * a.num_groups} for a in allocators],
+                "cached": getattr(self.allocator, "num_cached_blocks", 0),
+                "bytes": self.pool.nbytes, "resident_bytes": self.pool.resident_bytes()}
+
     def stats(self) -> EngineStats:
         """Counters so far plus the cache and queue gauges now (safe to read from another thread)."""
-        return snapshot(self)
+        return snapshot(self.counters, self.allocator, self.scheduler, self.swap, self.speculator, self.runner.graphs)
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -198,47 +226,28 @@ class Engine:
             if self.pipeline.busy:  # a grammar masks step N+1 only after consuming N's token: go synchronous
                 return self.pipeline.drain()
         started = time.monotonic()
-        out = self._schedule()
+        out = self.schedule()
         if not out.chunks:
-            return self._fail_unschedulable(out)
+            return self.fail_unschedulable(out)
         counts = composition(out.chunks) if self.step_history is not None else (0, 0)
         try:
-            if self.scheduler.speculator is not None:
-                self.scheduler.speculator.fill_drafts(out.chunks)
+            speculating = [c for c in out.chunks if c.draft_tokens]
+            if self.draft is not None and speculating:  # the draft model's proposals for the reserved places
+                self.draft.propose(speculating)
             result = self.runner.execute(out.chunks)
         except Exception as exc:  # a broken batch fails its own requests, not the engine
             logger.exception("forward pass failed")
-            failed = [c.request for c in out.chunks]
-            for request in failed:
-                self._finish(request, RequestState.FAILED, "error", error=f"forward pass failed: {exc}")
-            return failed
-        for request, first, entries in result.prompt_logprobs:  # entries already recorded are skipped
-            known = request.prompt_logprobs  # set: it asked for them
-            known.extend(entries[max(0, len(known) - first):])  # type: ignore[union-attr, arg-type]
-        for chunk in out.chunks:
-            if chunk.draft_tokens:
-                continue  # verified below
-            if chunk.request.state is RequestState.PREFILLING:
-                self._stats.prefill_tokens += chunk.num_tokens
-            chunk.request.num_computed_tokens += chunk.num_tokens
-            self.allocator.register_full_blocks(chunk.request)  # completed blocks become matchable
-        generated = self._stats.generation_tokens
-        self._stats.generation_tokens += len(result.token_ids)
-        now = time.monotonic()
-        for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
-            try:
-                self._append_token(request, token, logprob, now)
-            except Exception as exc:
-                logger.exception("request %s failed", request.request_id)
-                self._finish(request, RequestState.FAILED, "error", error=str(exc))
-        updated = result.requests
+            return self.output.fail([c.request for c in out.chunks], f"forward pass failed: {exc}")
+        self.output.add_prompt_logprobs(result.prompt_logprobs)
+        self.output.advance(out.chunks)
+        generated = self.counters.generation_tokens
+        updated = self.output.append_tokens(result.requests, result.token_ids, result.logprobs, time.monotonic())
         if result.verified:
-            updated = updated + apply_verification(self, result.verified, result.verify_logits)
-        if self.step_history is not None:
-            self.step_history.record(started, counts, self._stats.generation_tokens - generated, result.padding_tokens)
+            updated = updated + self.output.verify(result.verified, result.verify_logits)
+        self.output.record_step(started, counts, self.counters.generation_tokens - generated, result.padding_tokens)
         return updated
 
-    def _schedule(self) -> SchedulerOutput:
+    def schedule(self) -> SchedulerOutput:
         """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""
         out = self._schedule_once()
         while out.stalled:
@@ -252,8 +261,8 @@ class Engine:
 
     def _schedule_once(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        self._stats.prefix_cache_query_tokens += out.prefix_cache_query_tokens
-        self._stats.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
+        self.counters.prefix_cache_query_tokens += out.prefix_cache_query_tokens
+        self.counters.prefix_cache_hit_tokens += out.prefix_cache_hit_tokens
         self._swap_in([c.request for c in out.chunks if c.request.request_id in self._resume_state])
         return out
 
@@ -277,8 +286,8 @@ class Engine:
             if victim.request_id not in to_swap:
                 self._soft_reset(victim)
                 continue
-            self._stats.offloads += 1
-            self._stats.swap_outs += 1
+            self.counters.offloads += 1
+            self.counters.swap_outs += 1
             self.allocator.free(victim.request_id)
             self.scheduler.requeue_front(victim)
             self._resume_state[victim.request_id] = victim.state
@@ -294,72 +303,27 @@ class Engine:
         self.swap.swap_in(entries)
         for request in requests:
             request.state = self._resume_state.pop(request.request_id)
-            self._stats.swap_ins += 1
+            self.counters.swap_ins += 1
 
     def _soft_reset(self, request: Request) -> None:
-        self._stats.soft_resets += 1
-        self._stats.offloads += 1
+        self.counters.soft_resets += 1
+        self.counters.offloads += 1
         self.allocator.free(request.request_id)
         self.scheduler.requeue_front(request)
         request.num_computed_tokens = 0
         request.state = RequestState.PENDING
 
-    def _fail_unschedulable(self, out: SchedulerOutput) -> list[Request]:
+    def fail_unschedulable(self, out: SchedulerOutput) -> list[Request]:
         """Nothing fits and nothing can be offloaded: the stalled request can never grow; fail it.
         With the cache empty and nothing active, the head of the queue can never start; fail it too."""
         failed = [r for r, _ in out.stalled]
         if not failed and not self.scheduler.active and self.scheduler.waiting:
             failed = [self.scheduler.waiting[0]]
-        for request in failed:
-            self._finish(request, RequestState.FAILED, "error",
-                         error=f"request needs more KV cache than the pool's {self.capacity_tokens} tokens")
-        return failed
+        return self.output.fail(failed, f"request needs more KV cache than the pool's {self.capacity_tokens} tokens")
 
-    def _append_token(self, request: Request, token: int, logprob: dict[int, float] | None, now: float) -> None:
-        request.output_token_ids.append(token)
-        request.state = RequestState.DECODING
-        request.metrics.token_times.append(now)
-        if request.metrics.first_token_time is None:
-            request.metrics.first_token_time = now
-        if request.logprobs is not None:
-            request.logprobs.append(logprob or {})
-        may_stop = len(request.output_token_ids) > request.params.min_tokens
-        if token in request.stop_token_ids and may_stop:
-            self._finish(request, RequestState.FINISHED, "stop")
-            return
-        delta = self._detokenize(request, token)
-        if delta and may_stop and request.params.stop and self._truncate_at_stop(request, len(delta)):
-            self._finish(request, RequestState.FINISHED, "stop")
-        elif request.grammar is not None and grammar_complete(request.grammar, token):
-            self._finish(request, RequestState.FINISHED, "stop")
-        elif len(request.output_token_ids) >= request.params.max_new_tokens or request.num_tokens >= self.max_model_len:
-            self._finish(request, RequestState.FINISHED, "length")
-
-    def _detokenize(self, request: Request, token: int) -> str:
-        """Incremental detokenization; text waits until a token completes its characters."""
-        request.detok_ids.append(token)
-        ids, start, read = request.detok_ids, request.detok_prefix_offset, request.detok_read_offset
-        prefix = self.tokenizer.decode(ids[start:read], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        delta = full[len(prefix):]
-        request.detok_prefix_offset, request.detok_read_offset = read, len(ids)
-        request.text += delta
-        return delta
-
-    @staticmethod
-    def _truncate_at_stop(request: Request, delta_len: int) -> bool:
-        """Cut the text before the earliest stop string that the new text completes, even across tokens."""
-        longest = max(len(s) for s in request.params.stop)
-        start = max(len(request.text) - delta_len - longest + 1, 0)
-        hits = [i for i in (request.text.find(s, start) for s in request.params.stop) if i >= 0]
-        if not hits:
-            return False
-        request.text = request.text[:min(hits)]
-        return True
-
-    def _finish(self, request: Request, state: RequestState, reason: str, error: str | None = None) -> None:
+    def finish_request(self, request: Request, state: RequestState, reason: str, error: str | None = None) -> None:
+        """End a request (finished, failed or cancelled): out of the queues, its blocks back to the pool
+        (after the step in flight that still holds them, with async batching)."""
         if request.is_finished:
             return
         in_flight = self.pipeline is not None and self.pipeline.on_finish(request)
@@ -371,4 +335,4 @@ class Engine:
         request.metrics.finished_time = time.monotonic()
         if self.requests.pop(request.request_id, None) is not None:
             self._constrained -= request.grammar is not None
-        self._stats.finished_requests += 1
+        self.counters.finished_requests += 1

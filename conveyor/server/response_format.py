@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..structured import StructuredOutputsParams
+from ..sampling_params import StructuredOutputsParams
 from .protocol import APIError, SamplingFields
 
 FORMATS = ("text", "json_object", "json_schema")

@@ -12,46 +12,51 @@ begins after them (the cache budget still counts them: shared pages are read too
 asks for prompt logprobs skips the lookup, since it needs every prompt position's logits. An active
 request that cannot get the blocks it needs is reported as stalled, with the number of blocks it
 asked for, so the engine can offload others to make room.
+
+The scheduler decides and runs nothing: speculative proposals reach it through the narrow `Proposer`
+interface (the engine passes its `Speculator`), and it reads only the four limits of the
+configuration it is given (`SchedulingLimits`). `SCHEDULERS` is the one table of scheduler types:
+`ContinuousBatchingConfig` validates `scheduler_type` against it and takes each type's default
+safety margin from it, and the CLI offers its names.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import Protocol
 
-from .allocator import CacheAllocator
-from .config import ContinuousBatchingConfig
-from .request import Request, RequestState
-from .speculative import Speculator
-
-
-@dataclass
-class ScheduledChunk:
-    """`num_tokens` tokens of `request`, starting at its `num_computed_tokens`; for a speculating
-    decode, its last token and then `draft_tokens` (proposals that are not in the request yet)."""
-
-    request: Request
-    num_tokens: int
-    draft_tokens: list[int] = field(default_factory=list)
+from ..cache.allocator import CacheAllocator
+from ..request import Request, RequestState
+from .output import ScheduledChunk, SchedulerOutput
 
 
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
-    stalled: list[tuple[Request, int]] = field(default_factory=list)
-    prefix_cache_query_tokens: int = 0  # tokens of the requests admitted, looked up in the prefix cache
-    prefix_cache_hit_tokens: int = 0  # of those, tokens found cached: their prefill is skipped
+class SchedulingLimits(Protocol):
+    """What a scheduler reads of `ContinuousBatchingConfig` (which sits above this module)."""
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    scheduler_type: str
+    max_batch_tokens: int
+    max_requests_per_batch: int
+    max_batch_pages: int | None
+    safety_margin: float | None
+
+
+class Proposer(Protocol):
+    """Speculative proposals as the scheduler sees them (`speculative.Speculator` is one)."""
+
+    def active(self, num_running: int) -> bool:
+        """Whether requests speculate at all with this many running."""
+        ...
+
+    def propose(self, request: Request, budget: int) -> list[int]:
+        """Proposed tokens for a decoding request, at most `budget` (empty: a plain decode)."""
+        ...
 
 
 class _Budget:
     """What is left of one pass's three limits."""
 
-    def __init__(self, config: ContinuousBatchingConfig, num_pages: int) -> None:
+    def __init__(self, config: SchedulingLimits, num_pages: int) -> None:
         self.tokens = config.max_batch_tokens
         self.requests = config.max_requests_per_batch
         self.pages = config.max_batch_pages or num_pages
@@ -66,12 +71,14 @@ class _Budget:
 
 
 class Scheduler:
-    """Common mechanics; subclasses choose the order of active requests."""
+    """Common mechanics; subclasses choose the order of active requests and their default safety margin."""
 
-    def __init__(self, config: ContinuousBatchingConfig, allocator: CacheAllocator) -> None:
+    default_safety_margin = 0.0  # `safety_margin=None` in the config resolves to this
+
+    def __init__(self, config: SchedulingLimits, allocator: CacheAllocator, proposer: Proposer | None = None) -> None:
         self.config = config
         self.allocator = allocator
-        self.speculator: Speculator | None = None  # set by the engine with a speculative_config
+        self.proposer = proposer  # speculative decoding's proposals, None = off
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
 
@@ -103,7 +110,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = _Budget(self.config, self.allocator.num_total_blocks)
-        speculate = self.speculator is not None and self.speculator.active(len(self.active))
+        speculate = self.proposer is not None and self.proposer.active(len(self.active))
         for request in self.active_order():
             if budget.exhausted():
                 break
@@ -146,8 +153,8 @@ class Scheduler:
     def _speculate(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
         """Schedule a decode with its proposals (counted in the token budget) if there are any and
         their blocks fit; False leaves it to the plain path."""
-        assert self.speculator is not None
-        drafts = self.speculator.propose(request, budget.tokens - 1)
+        assert self.proposer is not None
+        drafts = self.proposer.propose(request, budget.tokens - 1)
         end = request.num_computed_tokens + 1 + len(drafts)
         if not drafts or self.allocator.blocks_needed(request.request_id, end) > self.allocator.num_free_blocks:
             return False
@@ -186,6 +193,8 @@ class Scheduler:
 class FIFOScheduler(Scheduler):
     """Active decodes first, then active prefills, then new requests by arrival: finish what runs."""
 
+    default_safety_margin = 0.15  # new prefills wait below 15% free cache, so running decodes rarely stall
+
     def active_order(self) -> list[Request]:
         decoding = [r for r in self.active if r.state is RequestState.DECODING]
         prefilling = [r for r in self.active if r.state is RequestState.PREFILLING]
@@ -204,5 +213,6 @@ class PrefillFirstScheduler(Scheduler):
 SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
 
 
-def make_scheduler(config: ContinuousBatchingConfig, allocator: CacheAllocator) -> Scheduler:
-    return SCHEDULERS[config.scheduler_type](config, allocator)
+def make_scheduler(config: SchedulingLimits, allocator: CacheAllocator, proposer: Proposer | None = None) -> Scheduler:
+    """The scheduler of `config.scheduler_type`, a name in `SCHEDULERS` (the config validated it)."""
+    return SCHEDULERS[config.scheduler_type](config, allocator, proposer)

@@ -7,7 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..cache.allocator import CacheAllocator
+    from ..cache.offload import SwapPool
+    from ..sched.scheduler import Scheduler
+    from ..speculative import Speculator
+    from .graph_runner import CudaGraphs
 
 
 @dataclass
@@ -46,24 +50,23 @@ class EngineStats:
         return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
-def snapshot(engine: Engine) -> EngineStats:
-    """Counters so far plus the cache and queue gauges now (safe to read from another thread)."""
-    stats = EngineStats(**vars(engine._stats))
-    stats.free_blocks = engine.allocator.num_free_blocks
-    stats.total_blocks = engine.allocator.num_total_blocks
-    stats.running_requests = len(engine.scheduler.active)
-    stats.waiting_requests = len(engine.scheduler.waiting)
-    if engine.swap is not None:
-        stats.swapped_requests = len(engine.swap.slots)
-        stats.swap_free_blocks = engine.swap.num_free
-        stats.swap_total_blocks = engine.swap.num_slots
-    speculator = engine.scheduler.speculator
+def snapshot(counters: EngineStats, allocator: CacheAllocator, scheduler: Scheduler, swap: SwapPool | None,
+             speculator: Speculator | None, graphs: CudaGraphs | None) -> EngineStats:
+    """`counters` so far plus the cache and queue gauges now (safe to read from another thread)."""
+    stats = EngineStats(**vars(counters))
+    stats.free_blocks = allocator.num_free_blocks
+    stats.total_blocks = allocator.num_total_blocks
+    stats.running_requests = len(scheduler.active)
+    stats.waiting_requests = len(scheduler.waiting)
+    if swap is not None:
+        stats.swapped_requests = len(swap.slots)
+        stats.swap_free_blocks = swap.num_free
+        stats.swap_total_blocks = swap.num_slots
     if speculator is not None:
         stats.spec_decode_num_drafts = speculator.num_drafts
         stats.spec_decode_num_draft_tokens = speculator.num_draft_tokens
         stats.spec_decode_num_accepted_tokens = speculator.num_accepted_tokens
         stats.spec_decode_num_accepted_tokens_per_pos = list(speculator.accepted_per_pos)
-    graphs = engine.runner.graphs
     if graphs is not None:
         stats.cuda_graph_captures, stats.cuda_graph_replays = graphs.captures, graphs.replays
         stats.cuda_graph_eager_steps = graphs.eager_steps

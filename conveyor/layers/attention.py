@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .config import ATTENTION_BACKENDS, ConfigError
-from .kernels import cpu_paged_attention, native_kernels_enabled
+from ..errors import ConfigError
+from ..kernels import cpu_paged_attention, native_kernels_enabled
 
 
 def cache_slots(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -213,7 +213,7 @@ class TritonPagedAttention(AttentionBackend):
     Triton's interpreter. The kernel reads before the pass's K/V is written, as the native prefill does."""
 
     def __init__(self) -> None:
-        from .kernels import triton_attention  # imports triton: only when this backend is chosen
+        from ..kernels import triton_attention
 
         self.kernel = triton_attention
 
@@ -232,6 +232,10 @@ class TritonPagedAttention(AttentionBackend):
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         return out
+
+
+# The values of `ContinuousBatchingConfig.attention_backend` (the config validates against this table).
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> AttentionBackend:

@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .cache_pool import CachePool
+from ..request import Request
+from .pool import CachePool
 from .prefix_cache import BlockHashes, PrefixCache
-from .request import Request
 
 
 def table_length(num_tokens: int, page_size: int, window: int | None) -> int:

@@ -19,16 +19,17 @@ from pathlib import Path
 
 import torch
 
-from ..allocator import AttentionTypeAllocator, CacheAllocator
-from ..attention import make_attention_backend
-from ..cache_pool import CachePool
-from ..model_runner import ModelRunner
+from ..cache.allocator import AttentionTypeAllocator, CacheAllocator
+from ..cache.pool import CachePool
+from ..layers.attention import make_attention_backend
+from ..layers.precision import keeps_stored
 from ..models import build_model
-from ..models.llama import CausalLM
+from ..models.base import CausalLM
 from ..models.loader import load_checkpoint
 from ..request import Request
-from ..scheduler import ScheduledChunk
-from .config import SpeculativeConfig
+from ..sched.output import ScheduledChunk
+from ..speculative.config import SpeculativeConfig
+from .model_runner import ModelRunner
 
 
 def load_draft_model(spec: SpeculativeConfig, target_path: Path, target: CausalLM, device: torch.device) -> CausalLM:
@@ -38,8 +39,7 @@ def load_draft_model(spec: SpeculativeConfig, target_path: Path, target: CausalL
     dtype = target.dtype
     quantization = spec.quantization
     path = target_path if spec.model is None else Path(spec.model)
-    keep = device.type == "cpu" and quantization in (None, "gguf")
-    checkpoint = load_checkpoint(path, dtype=dtype, keep_quantized=keep)
+    checkpoint = load_checkpoint(path, dtype=dtype, keep_quantized=keeps_stored(quantization, device))
     if quantization is None:
         quantization = "gguf" if checkpoint.quantized else "none"
     vocab, target_vocab = checkpoint.config.vocab_size, target.config.vocab_size

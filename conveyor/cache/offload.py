@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..request import Request
 from .allocator import CacheAllocator
-from .cache_pool import CachePool
-from .request import Request
+from .pool import CachePool
 from .transfer import to_device
 
 

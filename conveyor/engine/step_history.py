@@ -15,10 +15,10 @@ from collections import deque
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from .request import RequestState
+from ..request import RequestState
 
 if TYPE_CHECKING:
-    from .scheduler import ScheduledChunk
+    from ..sched.output import ScheduledChunk
 
 
 class StepRecord(NamedTuple):

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .kernels import cpu_flags
-from .models.quant_linear import QUANTIZATIONS
+from ..kernels import cpu_flags
+from .quantization.registry import quantization_method
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -44,22 +44,22 @@ def cpu_native_bf16() -> list[str]:
 def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device: torch.device,
                       model_path: str | Path | None) -> Precision:
     """Validate `dtype` and `quantization` for this device and model file; ValueError names the choices."""
-    if quantization is not None and quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None (auto), got {quantization!r}")
+    method = quantization_method(quantization) if quantization is not None else None
     if isinstance(dtype, str) and dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")
     exact = dtype == torch.float32 or (isinstance(dtype, str) and _DTYPES.get(dtype) is torch.float32)
-    if exact and quantization not in (None, "none"):
+    if exact and method is not None and not method.dense:
         raise ValueError(f"dtype='float32' is the exact path (dense fp32 weights): it takes no quantization "
                          f"(got {quantization!r}); use dtype='auto' or 'bfloat16' with quantization={quantization!r}, "
                          "or quantization='none' with float32")
-    if device.type != "cpu" and quantization not in (None, "none"):
-        raise ValueError(f"quantization={quantization!r} runs on CPU only; on {device.type} use quantization='none' "
-                         "(or None)")
+    if method is not None and device.type not in method.devices:
+        where = " and ".join(d.upper() for d in method.devices)
+        raise ValueError(f"quantization={quantization!r} runs on {where} only; on {device.type} use "
+                         "quantization='none' (or None)")
     is_gguf = model_path is None or Path(model_path).suffix.lower() == ".gguf"
-    if quantization == "gguf" and not is_gguf:
-        raise ValueError(f"quantization='gguf' needs a GGUF file, {model_path} is not one; use 'int8', 'int4' or "
-                         "'none'")
+    if method is not None and method.keeps_stored and not is_gguf:
+        raise ValueError(f"quantization={quantization!r} needs a GGUF file, {model_path} is not one; use 'int8', "
+                         "'int4' or 'none'")
     if dtype == "auto":
         if device.type == "cuda":
             resolved, reason = torch.bfloat16, "bf16 on CUDA"
@@ -77,11 +77,16 @@ def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device
     return Precision(resolved, quantization, exact, reason)
 
 
+def keeps_stored(quantization: str | None, device: torch.device) -> bool:
+    """Whether a checkpoint's quantized tensors are loaded as stored (`quantization` None: the file decides)."""
+    return device.type == "cpu" and (quantization is None or quantization_method(quantization).keeps_stored)
+
+
 def resolve_quantization(precision: Precision, file_quantized: bool) -> str:
     """The weight format once the file is read: None means "gguf" if it has quantized tensors."""
     if precision.quantization is not None:
-        if precision.quantization == "gguf" and not file_quantized:
-            raise ValueError("quantization='gguf' needs quantized tensors, and this GGUF file has none a kernel "
-                             "takes; use 'int8', 'int4' or 'none'")
+        if quantization_method(precision.quantization).keeps_stored and not file_quantized:
+            raise ValueError(f"quantization={precision.quantization!r} needs quantized tensors, and this GGUF file "
+                             "has none a kernel takes; use 'int8', 'int4' or 'none'")
         return precision.quantization
     return "gguf" if file_quantized else "none"

@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from .model_runner import LaunchedStep, PreparedStep, split_batch
-from .request import Request, RequestState
-from .scheduler import ScheduledChunk
+from ..cache.allocator import CacheAllocator
+from ..cache.transfer import to_device
+from ..request import Request
+from ..sched.output import ScheduledChunk, SchedulerOutput
+from .model_runner import LaunchedStep, ModelRunner, PreparedStep, split_batch
+from .output_processor import OutputProcessor
 from .step_history import composition
-from .transfer import to_device
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 logger = logging.getLogger("conveyor")
 
@@ -74,9 +73,15 @@ class _InFlight:
 class AsyncPipeline:
     """Drives the engine one step ahead; `step()` replaces `Engine.step` when async batching is on."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.runner = engine.runner
+    def __init__(self, runner: ModelRunner, output: OutputProcessor, allocator: CacheAllocator,
+                 schedule: Callable[[], SchedulerOutput],
+                 unschedulable: Callable[[SchedulerOutput], list[Request]]) -> None:
+        """`schedule` and `unschedulable`: the engine's `schedule` and `fail_unschedulable`."""
+        self.runner = runner
+        self.output = output
+        self.allocator = allocator
+        self.schedule = schedule
+        self.unschedulable = unschedulable
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="conveyor-forward")
         self.inflight: _InFlight | None = None
         self.number = 0  # steps submitted
@@ -96,11 +101,10 @@ class AsyncPipeline:
 
     # -- the engine's thread --------------------------------------------------------------
     def step(self) -> list[Request]:
-        engine = self.engine
         started = time.monotonic()
-        out = engine._schedule()
+        out = self.schedule()
         if not out.chunks:
-            return self.drain() if self.inflight is not None else engine._fail_unschedulable(out)
+            return self.drain() if self.inflight is not None else self.unschedulable(out)
         buffer_set = self.number % max(1, len(self.runner.buffers))
         try:
             prepared = self.runner.prepare(out.chunks, buffer_set)
@@ -113,11 +117,9 @@ class AsyncPipeline:
                  if v is not r and r.request_id in self.pending]
         prepared.sampling_views = views
         future = self.worker.submit(self._run, prepared, rows, sources, fills)
-        counts = composition(out.chunks, self.placeholders) if engine.step_history is not None else (0, 0)
+        counts = composition(out.chunks, self.placeholders) if self.output.history is not None else (0, 0)
+        self.output.advance(out.chunks, register=False, in_flight=self.placeholders)  # registered when read back
         for chunk in out.chunks:
-            if chunk.request.state is RequestState.PREFILLING and chunk.request.request_id not in self.placeholders:
-                engine._stats.prefill_tokens += chunk.num_tokens  # (not the first decode of a prefill in flight)
-            chunk.request.num_computed_tokens += chunk.num_tokens
             self.last_step[chunk.request.request_id] = self.number
         for request in prepared.samplers:
             request.output_token_ids.append(PLACEHOLDER)
@@ -168,7 +170,6 @@ class AsyncPipeline:
 
     def _read_back(self, step: _InFlight) -> list[Request]:
         """Step N's results (step N+1 may be running): tokens appended, stops checked, blocks freed."""
-        engine = self.engine
         try:
             result = step.future.result().result()  # waits for the step's samples to reach the host
         except Exception as exc:
@@ -176,35 +177,23 @@ class AsyncPipeline:
             failed = self._fail([c.request for c in step.chunks if not c.request.is_finished], exc)
             self._release(step.number)
             return failed
-        for request, first, entries in result.prompt_logprobs:
-            if not request.is_finished:
-                known = request.prompt_logprobs
-                known.extend(entries[max(0, len(known) - first):])  # type: ignore[union-attr, arg-type]
-        now = time.monotonic()
-        updated = []
-        for request, token, logprob in zip(result.requests, result.token_ids, result.logprobs):
-            if request.is_finished:  # ended at the previous step (or cancelled): the token is discarded
-                continue
+        self.output.add_prompt_logprobs(result.prompt_logprobs)
+        live = [(r, t, lp) for r, t, lp in zip(result.requests, result.token_ids, result.logprobs)
+                if not r.is_finished]  # a request that ended at the previous step (or was cancelled): discarded
+        later = {}  # request -> placeholders of steps after this one
+        for request, _, _ in live:
             n = self.placeholders.pop(request.request_id)
             del request.output_token_ids[-n:]
-            engine._stats.generation_tokens += 1
-            state = request.state  # offloaded since (PENDING, SWAPPED): it stays so
-            try:
-                engine._append_token(request, token, logprob, now)
-            except Exception as exc:
-                logger.exception("request %s failed", request.request_id)
-                engine._finish(request, RequestState.FAILED, "error", error=str(exc))
-            if state in (RequestState.PENDING, RequestState.SWAPPED) and not request.is_finished:
-                request.state = state
-            if not request.is_finished and n > 1:
-                request.output_token_ids.extend([PLACEHOLDER] * (n - 1))
-                self.placeholders[request.request_id] = n - 1
-            updated.append(request)
-        if engine.step_history is not None:  # the tokens kept (not those of requests that had ended)
-            engine.step_history.record(step.started, step.composition, len(updated), result.padding_tokens)
-        for chunk in step.chunks:  # every token of the now complete blocks is known
-            if not chunk.request.is_finished:
-                engine.allocator.register_full_blocks(chunk.request)
+            later[request.request_id] = n - 1
+        updated = self.output.append_tokens(*zip(*live), time.monotonic()) if live else []
+        for request in updated:
+            n = later[request.request_id]
+            if n and not request.is_finished:
+                request.output_token_ids.extend([PLACEHOLDER] * n)
+                self.placeholders[request.request_id] = n
+        # The tokens kept (not those of requests that had ended).
+        self.output.record_step(step.started, step.composition, len(updated), result.padding_tokens)
+        self.output.register_blocks(step.chunks)  # every token of the now complete blocks is known
         self._release(step.number)
         return updated
 
@@ -214,12 +203,10 @@ class AsyncPipeline:
         for rid in done:
             self.deferred.discard(rid)
             self.last_step.pop(rid, None)
-            self.engine.allocator.free(rid)
+            self.allocator.free(rid)
 
     def _fail(self, requests: list[Request], exc: Exception) -> list[Request]:
-        for request in requests:
-            self.engine._finish(request, RequestState.FAILED, "error", error=f"forward pass failed: {exc}")
-        return requests
+        return self.output.fail(requests, f"forward pass failed: {exc}")
 
     # -- the forward worker ---------------------------------------------------------------
     def _run(self, step: PreparedStep, rows: list[int], sources: list[int],

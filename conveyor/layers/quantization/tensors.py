@@ -95,7 +95,7 @@ class QuantizedTensor:
         """The float matrix. GGUF rows through gguf's own `dequantize` (what transformers' GGUF loader
         uses, so the exact path keeps its parity with it); tiles through the native kernels."""
         if self.layout == "tiles":
-            from ..kernels import cpu_matmul_ops
+            from ...kernels import cpu_matmul_ops
 
             out = torch.empty(self.shape, dtype=dtype)
             cpu_matmul_ops().dequantize_rows(self.data, int(self.qtype), self.row_scales_or_empty(),
@@ -159,5 +159,3 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedTensor:
     blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), packed], dim=-1)
     return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLType.Q4_1, (rows, cols))
 
-
-QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}

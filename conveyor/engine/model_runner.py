@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .allocator import AttentionTypeAllocator, LayerGroup, table_length
-from .attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
-from .cache_pool import CachePool
-from .config import ContinuousBatchingConfig
-from .request import Request
-from .sampler import SampledBatch, Sampler
-from .scheduler import ScheduledChunk
+from ..cache.allocator import AttentionTypeAllocator, LayerGroup, table_length
+from ..cache.pool import CachePool
+from ..config import ContinuousBatchingConfig
+from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
+from ..layers.sampler import SampledBatch, Sampler
+from ..request import Request
+from ..sched.output import ScheduledChunk
 from .step_buffers import PaddedShape, StepBuffers
 
 # (request, index in its prompt_logprobs list of the first entry, the entries)

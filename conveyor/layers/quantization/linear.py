@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_matmul_ops, native_kernels_enabled
-from .quantized import QuantizedTensor, cat_rows
+from ...kernels import cpu_matmul_ops, native_kernels_enabled
+from .registry import quantization_method
+from .tensors import QuantizedTensor, cat_rows
 
 # In bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul (module docstring).
 BF16_KERNEL_MAX_ROWS = 48
@@ -164,7 +165,6 @@ class QuantEmbedding(nn.Module):
 
 
 Weight = torch.Tensor | QuantizedTensor
-QUANTIZATIONS = ("none", "int8", "int4", "gguf")
 
 
 def fuse_rows(parts: list[Weight]) -> torch.Tensor | list[Weight]:
@@ -181,18 +181,17 @@ def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, d
     `quantizable` (linear and embedding weights) is quantized from its float values, a GGUF tensor
     dequantized first; a matrix whose rows do not split into groups of 32 stays dense.
     """
-    from .quantized import QUANTIZERS
-
+    method = quantization_method(quantization)
     planned: dict[str, torch.Tensor | list[QuantizedTensor]] = {}
     for name, value in weights.items():
         parts = value if isinstance(value, list) else [value]
         quantized = any(isinstance(p, QuantizedTensor) for p in parts)
-        if quantization == "gguf" and quantized and all(isinstance(p, QuantizedTensor) for p in parts):
+        if method.keeps_stored and quantized and all(isinstance(p, QuantizedTensor) for p in parts):
             planned[name] = parts  # type: ignore[assignment]
             continue
         dense = torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p for p in parts])
-        if quantization in QUANTIZERS and name in quantizable and dense.dim() == 2 and dense.shape[1] % 32 == 0:
-            planned[name] = [QUANTIZERS[quantization](dense)]
+        if method.quantize is not None and name in quantizable and dense.dim() == 2 and dense.shape[1] % 32 == 0:
+            planned[name] = [method.quantize(dense)]
         else:
             planned[name] = dense
     return planned
@@ -201,7 +200,7 @@ def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, d
 def describe_weights(model: nn.Module, quantization: str) -> str:
     """For the start-up log: the weight format and the resident bytes of the model's weights (packed
     oneDNN copies included)."""
-    from .linear import PackedMatmul
+    from ..linear import PackedMatmul
 
     counts: dict[str, int] = {}
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .request import Request
-from .transfer import HostCopy, to_device
+from ..cache.transfer import HostCopy, to_device
+from ..request import Request
 
 if TYPE_CHECKING:
-    from .structured.masks import GrammarMasks
+    from ..structured.masks import GrammarMasks
 
 
 @dataclass
@@ -110,7 +110,7 @@ class Sampler:
     def _grammar_masks(self, vocab_size: int) -> GrammarMasks:
         """Made on the first constrained batch (llguidance is imported only when a grammar is used)."""
         if self._masks is None:
-            from .structured.masks import GrammarMasks
+            from ..structured.masks import GrammarMasks
             self._masks = GrammarMasks(vocab_size, max_rows=64)
         return self._masks
 

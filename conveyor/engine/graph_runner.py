@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from .cache_pool import working_memory_bytes
-from .config import ConfigError, ContinuousBatchingConfig
+from ..cache.pool import working_memory_bytes
+from ..config import ConfigError, ContinuousBatchingConfig
 from .step_buffers import PaddedShape, round_up
 
 MAX_GRAPHS = 64  # captured graphs kept; the least recently replayed is dropped first

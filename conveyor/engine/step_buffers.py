@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import AttentionMetadata
+from ..layers.attention import AttentionMetadata
 
 
 def round_up(n: int, multiple: int) -> int:

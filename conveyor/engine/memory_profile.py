@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .allocator import build_allocators, table_length
-from .cache_pool import NUM_RESERVED_CHUNKS, CachePool, layer_groups, working_memory_bytes
-from .request import Request
-from .sampling_params import SamplingParams
-from .scheduler import ScheduledChunk
+from ..cache.allocator import build_allocators, table_length
+from ..cache.pool import NUM_RESERVED_CHUNKS, CachePool, layer_groups, working_memory_bytes
+from ..request import Request
+from ..sampling_params import SamplingParams
+from ..sched.output import ScheduledChunk
 
 logger = logging.getLogger("conveyor")
 
@@ -37,8 +37,8 @@ def profile_split(max_batch_tokens: int, max_requests: int) -> list[int]:
 @torch.inference_mode()
 def run_profile_pass(model: Any, config: Any, device: torch.device, dtype: torch.dtype) -> None:
     """One forward pass of `max_batch_tokens` tokens plus sampling, over a scratch pool; leaves nothing behind."""
-    from .attention import make_attention_backend
-    from .model_runner import ModelRunner  # the runner imports the sampler and attention; keep this module light
+    from ..layers.attention import make_attention_backend
+    from .model_runner import ModelRunner
 
     groups = layer_groups(model.layer_types)
     lengths = profile_split(config.max_batch_tokens, config.max_requests_per_batch)

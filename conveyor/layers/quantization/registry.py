@@ -1,0 +1,59 @@
+"""The one table of weight formats (`quantization=`): what each is, how float weights become it, which
+kernel types its layers hold, where it runs, and whether a file's quantized tensors are kept as stored.
+
+The CLI offers its names, `precision` validates a choice against it, checkpoint loading and
+`plan_weights` follow it, and `SpeculativeConfig` takes its self-draft formats from it. A new format
+is a row here plus its quantizer and kernel in their own module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .tensors import I8, KERNEL_TYPES, GGMLType, QuantizedTensor, quantize_int4, quantize_int8, type_name
+
+
+@dataclass(frozen=True)
+class QuantizationMethod:
+    name: str
+    description: str
+    quantize: Callable[[torch.Tensor], QuantizedTensor] | None  # float matrix -> quantized; None: not from floats
+    weight_types: tuple[str, ...]  # the `QuantizedTensor` types its layers hold (empty: dense weights)
+    devices: tuple[str, ...]  # device types with kernels for it
+    keeps_stored: bool = False  # a GGUF file's quantized tensors stay as stored (not dequantized)
+    self_draft: bool = False  # the target's own weights in this format can be speculative decoding's draft
+
+    @property
+    def dense(self) -> bool:
+        """Dense weights in the compute dtype: the only format the exact fp32 path takes."""
+        return not self.weight_types
+
+
+QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
+    QuantizationMethod("none", "dense weights in the compute dtype (a GGUF file's tensors dequantized)", None, (),
+                       ("cpu", "cuda")),
+    QuantizationMethod("int8", "per-channel int8, one fp32 scale per output row", quantize_int8, (type_name(I8),),
+                       ("cpu",), self_draft=True),
+    QuantizationMethod("int4", "4-bit in groups of 32 with an fp16 scale and minimum (GGUF's Q4_1 layout)",
+                       quantize_int4, (type_name(GGMLType.Q4_1),), ("cpu",), self_draft=True),
+    QuantizationMethod("gguf", "a GGUF file's own quantized tensors, kept as they are",
+                       None, tuple(type_name(t) for t in KERNEL_TYPES if t != I8), ("cpu",), keeps_stored=True,
+                       self_draft=True),
+)}
+QUANTIZATIONS = tuple(QUANTIZATION_METHODS)
+
+
+def self_draft_quantizations() -> tuple[str, ...]:
+    """The formats the target's own weights may take as speculative decoding's draft."""
+    return tuple(name for name, m in QUANTIZATION_METHODS.items() if m.self_draft)
+
+
+def quantization_method(name: str) -> QuantizationMethod:
+    """The row for `name`; ValueError naming the choices."""
+    method = QUANTIZATION_METHODS.get(name)
+    if method is None:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None (auto), got {name!r}")
+    return method

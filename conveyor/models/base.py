@@ -1,0 +1,181 @@
+"""`CausalLM`: what every model family shares: a decoder-only model over the flattened ragged batch,
+its checkpoint loading (Hugging Face names, q/k/v and gate/up fused, weights quantized or kept as
+stored), the LM head, and the hooks a family fills (fused native ops, the native decode stack).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..kernels import cpu_fused_ops, native_kernels_enabled
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.linear import packed_lm_head, prepack_linears
+from ..layers.quantization.linear import QuantEmbedding, QuantLinear, QuantMatmul, Weight, fuse_rows, plan_weights
+from ..layers.quantization.tensors import QuantizedTensor
+from .decode_stack import DecodeStack
+
+
+def attention_layer_types(config: PretrainedConfig) -> list[str]:
+    """`full_attention` or `sliding_attention` per layer, from the model's own config: its `layer_types`,
+    else every layer sliding when it sets a `sliding_window` (Mistral). A window at least as long as
+    the context is full attention (same result, and full-attention blocks can be shared)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= config.max_position_embeddings:
+        return ["full_attention"] * n
+    types = list(getattr(config, "layer_types", None) or ["sliding_attention"] * n)
+    unknown = set(types) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(f"layer types {sorted(unknown)} are not supported (supported: full_attention, "
+                         "sliding_attention)")
+    return types
+
+
+
+# Hugging Face names of per-layer tensors copied as they are (those a checkpoint has).
+_LAYER_TENSORS = (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"),
+                  ("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
+                  ("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
+                  ("post_feedforward_layernorm", "post_feedforward_layernorm"),
+                  ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"))
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model over the flattened ragged batch; subclasses build the layers.
+
+    `layer_types` (full or sliding attention per layer) decides the cache layout; nothing in the
+    model itself depends on it: the attention metadata of each layer carries its window."""
+
+    model_types: tuple[str, ...] = ()
+    final_softcap: float | None = None
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.layer_types = attention_layer_types(config)
+        self.sliding_window = config.sliding_window if "sliding_attention" in self.layer_types else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tied else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.dtype = torch.float32  # the compute dtype, set when the weights are loaded
+        self.decode_stack: DecodeStack | None = None  # the native layer stack for small decode batches
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @classmethod
+    def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "CausalLM":
+        """The model for this checkpoint's variant (biases, q/k norms), weights not loaded yet."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
+                        device: torch.device, quantization: str = "none") -> "CausalLM":
+        """Build the model and load Hugging Face-named weights, fusing q/k/v and gate/up; linear and
+        embedding weights quantized or kept quantized as `quantization` says (`quant_linear.plan_weights`)."""
+        if config.model_type not in cls.model_types:
+            raise ValueError(f"model type {config.model_type!r} is not supported by {cls.__name__} "
+                             f"(supported: {', '.join(cls.model_types)})")
+        model = cls.build(config, state_dict)
+        if "lm_head.weight" not in state_dict:
+            model.tied, model.lm_head = True, None
+        fused: dict[str, Weight | list[Weight]] = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
+                                                   "norm.weight": state_dict["model.norm.weight"]}
+        if model.lm_head is not None:
+            fused["lm_head.weight"] = state_dict["lm_head.weight"]
+        for i in range(config.num_hidden_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            for kind in ("weight", "bias"):
+                if f"{src}self_attn.q_proj.{kind}" in state_dict:
+                    fused[f"{dst}qkv_proj.{kind}"] = fuse_rows(
+                        [state_dict[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv"])
+                if f"{src}mlp.gate_proj.{kind}" in state_dict:
+                    fused[f"{dst}gate_up_proj.{kind}"] = fuse_rows(
+                        [state_dict[f"{src}mlp.{n}_proj.{kind}"] for n in ("gate", "up")])
+                for name, hf in _LAYER_TENSORS:
+                    if f"{src}{hf}.{kind}" in state_dict:
+                        fused[f"{dst}{name}.{kind}"] = state_dict[f"{src}{hf}.{kind}"]
+        matrices = {f"{name}.weight" for name, module in model.named_modules()
+                    if isinstance(module, (nn.Linear, nn.Embedding))}
+        planned = plan_weights(fused, quantization, dtype, matrices)
+        for name, parts in list(planned.items()):
+            if isinstance(parts, list):
+                model.set_submodule(name.removesuffix(".weight"), model.quantized_module(name, parts, dtype))
+                del planned[name]
+        model.load_state_dict(planned, strict=True)
+        model = model.to(device=device, dtype=dtype).eval()
+        model.dtype = dtype
+        prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
+            model.use_fused_ops(cpu_fused_ops())
+        model.lm_head_fn = model.head_fn()
+        model.decode_stack = model.build_decode_stack() if device.type == "cpu" else None
+        return model
+
+    def quantized_module(self, name: str, parts: list[QuantizedTensor], dtype: torch.dtype) -> nn.Module:
+        """The quantized stand-in for the embedding or linear layer that holds weight `name`."""
+        old = self.get_submodule(name.removesuffix(".weight"))
+        if isinstance(old, nn.Embedding):
+            if len(parts) != 1:
+                raise ValueError(f"{name}: an embedding table must be one quantized tensor")
+            return QuantEmbedding(parts[0], dtype)
+        return QuantLinear(parts, bias=old.bias is not None, dtype=dtype)
+
+    def head_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """hidden -> logits: the LM head (the embedding's weight when tied), quantized, packed or plain."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if isinstance(head, QuantEmbedding):
+            return QuantMatmul([head.weight], out_dtype=torch.float32)
+        if isinstance(head, QuantLinear):
+            return QuantMatmul(head.kernel.segments, out_dtype=torch.float32)
+        return self.lm_head if self.lm_head is not None else packed_lm_head(self.embed_tokens.weight)
+
+    def use_fused_ops(self, ops: ModuleType | None) -> None:
+        """Run norms, RoPE and activations through native fused ops where the family has them (None: PyTorch)."""
+
+    def build_decode_stack(self) -> DecodeStack | None:
+        """The native stack of all layers for small decode batches, where the family has one."""
+        return None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin `[num_tokens, head_dim]` for every layer (shared by all here)."""
+        return [self.rotary(positions, dtype)] * self.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
+        """Hidden states `[num_tokens, hidden]` after the final norm; `kv_caches` and `metas` per layer."""
+        x = self.embed(input_ids)
+        if self.decode_stack is not None and self.decode_stack.takes(x, metas):
+            cos, sin = self.rotary(positions, torch.float32)
+            return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size))
+        for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),
+                                                     kv_caches, metas):
+            x = layer(x, cos, sin, kv_cache, meta, attention)
+        return self.norm(x)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for the rows that sample (only those, not every prompt token); through the packed
+        head (`linear.packed_lm_head`) once the weights are loaded."""
+        head = self.lm_head_fn
+        logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits.float()

@@ -1,0 +1,185 @@
+"""The package's layout holds: no import circles, no import up the layers, the server only through the
+offline facade, and no module calling another module's private names (README, "Architecture").
+
+Imports are read from the source with `ast` (type-only imports under TYPE_CHECKING and imports inside
+functions count too), so a failure names the modules and lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "conveyor"
+
+# Bottom-up; a module imports from its own layer and the layers below it. A prefix names a module or a
+# folder of them; the package root (`conveyor`, the public API) is the "api" layer.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("kernels", ("conveyor.kernels",)),
+    ("base", ("conveyor.errors", "conveyor.sampling_params", "conveyor.request")),
+    ("cache", ("conveyor.cache",)),
+    ("sched", ("conveyor.sched",)),
+    ("structured", ("conveyor.structured",)),
+    ("layers", ("conveyor.layers",)),
+    ("models", ("conveyor.models",)),
+    ("speculative", ("conveyor.speculative",)),
+    ("config", ("conveyor.config",)),
+    ("engine", ("conveyor.engine",)),
+    ("api", ("conveyor.manager", "conveyor.llm", "conveyor.cli_args")),
+    ("server", ("conveyor.server",)),
+    ("bench", ("conveyor.bench",)),
+    ("cli", ("conveyor.cli",)),
+]
+# What the server may import of the package: the facade and the types requests are made of.
+SERVER_ALLOWED = ("conveyor", "conveyor.llm", "conveyor.manager", "conveyor.errors", "conveyor.request",
+                  "conveyor.sampling_params", "conveyor.structured", "conveyor.server")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def resolve(name: str) -> str:
+    """The module a dotted name lives in (a name imported from a module resolves to that module)."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def imports(module: str) -> list[tuple[str, int]]:
+    """(imported module, line) for every import of the package in `module`."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(resolve(a.name), node.lineno) for a in node.names if a.name.split(".")[0] == "conveyor"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "conveyor":
+                continue
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                found.append((full if full in MODULES else resolve(source), node.lineno))
+    return [(m, line) for m, line in found if m != module]
+
+
+GRAPH = {m: imports(m) for m in MODULES}
+
+
+def layer_of(module: str) -> int:
+    if module == "conveyor":
+        return next(i for i, (name, _) in enumerate(LAYERS) if name == "api")
+    for i, (_, prefixes) in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it (and to the README's architecture section)")
+
+
+def find_cycle(graph: dict[str, list[tuple[str, int]]]) -> list[str] | None:
+    """One import circle, as the modules around it, or None."""
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str] | None:
+        state[m] = 1
+        path.append(m)
+        for dep, _ in graph.get(m, []):
+            if state.get(dep) == 1:
+                return path[path.index(dep):] + [dep]
+            if dep not in state and (cycle := visit(dep)):
+                return cycle
+        path.pop()
+        state[m] = 2
+        return None
+
+    for m in graph:
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def upward(graph: dict[str, list[tuple[str, int]]]) -> list[str]:
+    return [f"{m} (line {line}, layer {LAYERS[layer_of(m)][0]}) imports {dep} (layer {LAYERS[layer_of(dep)][0]})"
+            for m, deps in graph.items() for dep, line in deps if layer_of(dep) > layer_of(m)]
+
+
+def test_the_checks_see_what_they_police():
+    """The reader finds the imports, and the checks flag a circle and an upward import when there is one."""
+    engine = {dep for dep, _ in GRAPH["conveyor.engine.engine"]}
+    assert {"conveyor.sched.scheduler", "conveyor.cache.pool", "conveyor.engine.model_runner"} <= engine
+    assert "conveyor" in {dep for dep, _ in GRAPH["conveyor.server.metrics"]}  # `from .. import EngineStats`
+    bad = {"conveyor.sched.scheduler": [("conveyor.engine.engine", 1)],
+           "conveyor.engine.engine": [("conveyor.sched.scheduler", 2)]}
+    assert find_cycle(bad) == ["conveyor.sched.scheduler", "conveyor.engine.engine", "conveyor.sched.scheduler"]
+    assert upward(bad) == ["conveyor.sched.scheduler (line 1, layer sched) imports conveyor.engine.engine "
+                           "(layer engine)"]
+
+
+def test_no_import_circles():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_every_module_is_in_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_no_import_runs_up_the_layers():
+    found = upward(GRAPH)
+    assert not found, "imports up the layers:\n" + "\n".join(found)
+
+
+def test_the_server_uses_the_facade_only():
+    reaching = [f"{m} (line {line}) imports {dep}" for m, deps in GRAPH.items() if m.startswith("conveyor.server")
+                for dep, line in deps if not any(dep == a or dep.startswith(a + ".") for a in SERVER_ALLOWED)]
+    assert not reaching, "the server reaches past the facade:\n" + "\n".join(reaching)
+
+
+def private_names(tree: ast.AST) -> set[str]:
+    """Names starting with one underscore that a module defines: functions, classes, methods, attributes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def private_uses(trees: dict[str, ast.AST]) -> list[str]:
+    """Imports of underscore names, and `obj._name` where `_name` is private to another module of the package."""
+    defined = {m: private_names(t) for m, t in trees.items()}
+    elsewhere = {name for names in defined.values() for name in names}
+    found = []
+    for m, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                found += [f"{m} (line {node.lineno}) imports {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            elif (isinstance(node, ast.Attribute) and node.attr in elsewhere and node.attr not in defined[m]
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{m} (line {node.lineno}) uses {ast.unparse(node)}")
+    return found
+
+
+def test_private_uses_are_found():
+    trees = {"a": ast.parse("class E:\n    def _finish(self): self._n = 1\n"),
+             "b": ast.parse("def f(engine):\n    engine._finish()\n    return engine._n, engine.config._other\n")}
+    assert private_uses(trees) == ["b (line 2) uses engine._finish", "b (line 3) uses engine._n"]
+
+
+def test_no_module_uses_another_modules_private_names():
+    found = private_uses({m: ast.parse(p.read_text()) for m, p in MODULES.items()})
+    assert not found, "private names used across modules:\n" + "\n".join(found)
