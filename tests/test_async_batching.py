@@ -65,14 +65,14 @@ def test_async_cancellation_and_failure_return_every_block(tiny_models) -> None:
     requests = [engine.make_request(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, greedy))]
     for r in requests:
         engine.add_request(r)
-    original = engine.output.detokenize
+    original = engine.output_processor.detokenize
 
     def detokenize(request, token):
         if request is requests[2] and len(request.output_token_ids) == 3:
             raise RuntimeError("injected detokenizer failure")
         return original(request, token)
 
-    engine.output.detokenize = detokenize
+    engine.output_processor.detokenize = detokenize
     for _ in range(3):
         engine.step()
     assert requests[0].state is RequestState.PREFILLING  # cancelled mid-prefill, while a step holds it

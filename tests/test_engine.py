@@ -92,14 +92,14 @@ def test_no_leaks_after_finish_cancel_and_failure(llm: LLM, monkeypatch: pytest.
     healthy = engine.make_request("healthy", prompts[3], greedy(20))
     for r in (mid_decode, failing, healthy, mid_prefill):
         engine.add_request(r)
-    original = engine.output.detokenize
+    original = engine.output_processor.detokenize
 
     def detokenize(request, token):
         if request is failing and len(request.output_token_ids) == 3:
             raise RuntimeError("injected detokenizer failure")
         return original(request, token)
 
-    monkeypatch.setattr(engine.output, "detokenize", detokenize)
+    monkeypatch.setattr(engine.output_processor, "detokenize", detokenize)
     for _ in range(4):
         engine.step()
     assert mid_prefill.state is RequestState.PREFILLING and 0 < mid_prefill.num_computed_tokens < 60

@@ -126,7 +126,7 @@ def test_bad_constraints_are_refused_before_anything_is_queued(llm: LLM, bad: SO
 
 
 def test_a_repeated_constraint_is_compiled_once(llm: LLM) -> None:
-    cache = llm.engine.constraints.cache
+    cache = llm.engine.input_processor.constraints.cache
     schema = {"type": "object", "properties": {"only_here": {"type": "integer"}}}
     before = len(cache)
     for i in range(3):

@@ -180,7 +180,7 @@ class AsyncPipeline:
         self.output.add_prompt_logprobs(result.prompt_logprobs)
         live = [(r, t, lp) for r, t, lp in zip(result.requests, result.token_ids, result.logprobs)
                 if not r.is_finished]  # a request that ended at the previous step (or was cancelled): discarded
-        later = {}  # request -> placeholders of steps after this one
+        later: dict[str, int] = {}  # request -> placeholders of steps after this one
         for request, _, _ in live:
             n = self.placeholders.pop(request.request_id)
             del request.output_token_ids[-n:]

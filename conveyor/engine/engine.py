@@ -28,10 +28,10 @@ from ..sampling_params import SamplingParams
 from ..sched.output import SchedulerOutput
 from ..sched.scheduler import make_scheduler
 from ..speculative import Speculator
-from ..structured.constraints import Constraints
 from .async_batching import AsyncPipeline
 from .draft_runner import DraftProposer, draft_bytes_per_chunk
 from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
+from .input_processor import InputProcessor
 from .memory_profile import working_memory
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -53,7 +53,6 @@ class Engine:
         self.max_model_len = model.max_model_len
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
-        self.constraints = Constraints(tokenizer, self.vocab_size, self.eos_token_ids)  # structured outputs
         # The cache layout follows the model's attention types: layer groups of equal size (a chunk is
         # a page in each layer of a group) and one allocator per type, all over one pool.
         groups = layer_groups(model.layer_types)
@@ -78,6 +77,9 @@ class Engine:
         self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing)
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
+        self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
+                                              self.capacity_tokens, self.allocator.blocks_for_tokens,
+                                              config.max_batch_pages, device)
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
@@ -99,9 +101,9 @@ class Engine:
             self.runner.graphs = CudaGraphs(self.runner, graph_tokens(config))
         self.counters = EngineStats()  # cumulative; `stats()` adds the gauges
         history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
-        self.output = OutputProcessor(tokenizer, self.max_model_len, self.allocator, self.counters,
+        self.output_processor = OutputProcessor(tokenizer, self.max_model_len, self.allocator, self.counters,
                                       self.finish_request, history, self.speculator, self.draft)
-        self.pipeline = (AsyncPipeline(self.runner, self.output, self.allocator, self.schedule,
+        self.pipeline = (AsyncPipeline(self.runner, self.output_processor, self.allocator, self.schedule,
                                        self.fail_unschedulable) if use_async else None)
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
         swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
@@ -125,50 +127,9 @@ class Engine:
 
     # -- requests in ------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Tokenize and validate; raises InvalidRequestError naming the limit. Safe from any thread."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty", RequestErrorCode.INVALID_PROMPT, "prompt")
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, list(prompt)
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
-                                          RequestErrorCode.INVALID_PROMPT, "prompt")
-        if not token_ids:
-            raise InvalidRequestError("prompt is empty (0 tokens)", RequestErrorCode.INVALID_PROMPT, "prompt")
-        total = len(token_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
-                f"model's context length of {self.max_model_len} tokens", RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
-        if len(token_ids) > self.capacity_tokens:
-            raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
-                                      f"{self.capacity_tokens} tokens", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > self.vocab_size:
-                raise InvalidRequestError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
-                                          f"got {getattr(params, name)}", param=name)
-        pages = self.allocator.blocks_for_tokens(total)
-        if self.config.max_batch_pages is not None and pages > self.config.max_batch_pages:
-            raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
-                                      f"{self.config.max_batch_pages}", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if t >= self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
-                                          param=name)
-        try:
-            grammar = self.constraints.matcher(params.structured_outputs)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), RequestErrorCode.INVALID_STRUCTURED_OUTPUTS,
-                                      "structured_outputs") from exc
-        request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
-        request.grammar = grammar
-        if params.seed is not None and not params.greedy:
-            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        return request
+        """Tokenize and validate (`InputProcessor`); raises InvalidRequestError naming the limit. Safe from any
+        thread."""
+        return self.input_processor.make_request(request_id, prompt, params)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -195,13 +156,13 @@ class Engine:
     @property
     def step_history(self) -> StepHistory | None:
         """The last steps' records (the dashboard's), None when off."""
-        return self.output.history
+        return self.output_processor.history
 
     def enable_step_history(self, size: int) -> StepHistory:
         """Switch the step records on (`size` steps) if the engine was built without them."""
-        if self.output.history is None:
-            self.output.history = StepHistory(size)
-        return self.output.history
+        if self.output_processor.history is None:
+            self.output_processor.history = StepHistory(size)
+        return self.output_processor.history
 
     def cache_usage(self) -> dict[str, Any]:
         """The KV pool now: per attention type its layer groups and the chunks its requests hold (hybrid
@@ -237,14 +198,15 @@ class Engine:
             result = self.runner.execute(out.chunks)
         except Exception as exc:  # a broken batch fails its own requests, not the engine
             logger.exception("forward pass failed")
-            return self.output.fail([c.request for c in out.chunks], f"forward pass failed: {exc}")
-        self.output.add_prompt_logprobs(result.prompt_logprobs)
-        self.output.advance(out.chunks)
+            return self.output_processor.fail([c.request for c in out.chunks], f"forward pass failed: {exc}")
+        output = self.output_processor
+        output.add_prompt_logprobs(result.prompt_logprobs)
+        output.advance(out.chunks)
         generated = self.counters.generation_tokens
-        updated = self.output.append_tokens(result.requests, result.token_ids, result.logprobs, time.monotonic())
+        updated = output.append_tokens(result.requests, result.token_ids, result.logprobs, time.monotonic())
         if result.verified:
-            updated = updated + self.output.verify(result.verified, result.verify_logits)
-        self.output.record_step(started, counts, self.counters.generation_tokens - generated, result.padding_tokens)
+            updated = updated + output.verify(result.verified, result.verify_logits)
+        output.record_step(started, counts, self.counters.generation_tokens - generated, result.padding_tokens)
         return updated
 
     def schedule(self) -> SchedulerOutput:
@@ -319,7 +281,8 @@ class Engine:
         failed = [r for r, _ in out.stalled]
         if not failed and not self.scheduler.active and self.scheduler.waiting:
             failed = [self.scheduler.waiting[0]]
-        return self.output.fail(failed, f"request needs more KV cache than the pool's {self.capacity_tokens} tokens")
+        return self.output_processor.fail(
+            failed, f"request needs more KV cache than the pool's {self.capacity_tokens} tokens")
 
     def finish_request(self, request: Request, state: RequestState, reason: str, error: str | None = None) -> None:
         """End a request (finished, failed or cancelled): out of the queues, its blocks back to the pool

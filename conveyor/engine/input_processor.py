@@ -1,0 +1,85 @@
+"""Requests in: a prompt and its `SamplingParams` tokenized, checked against the model and the cache, its
+output constraint compiled and its seeded generator made, before anything is queued. A refusal is an
+`InvalidRequestError` with a code and the parameter at fault (the server maps the code to its answer).
+Safe from any thread: it reads only what is fixed once the engine is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import InvalidRequestError, RequestErrorCode
+from ..request import Request
+from ..sampling_params import SamplingParams
+from ..structured.constraints import Constraints
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
+                 eos_token_ids: tuple[int, ...], capacity_tokens: int, blocks_for_tokens: Callable[[int], int],
+                 max_batch_pages: int | None, device: torch.device) -> None:
+        """`capacity_tokens`: the longest sequence the KV pool holds; `blocks_for_tokens`: the pages a
+        sequence of that many tokens reads (the allocator's)."""
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.capacity_tokens = capacity_tokens
+        self.blocks_for_tokens = blocks_for_tokens
+        self.max_batch_pages = max_batch_pages
+        self.device = device
+        self.constraints = Constraints(tokenizer, vocab_size, eos_token_ids)  # structured outputs
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Tokenize and validate; raises InvalidRequestError naming the limit."""
+        token_ids, text = self.prompt_ids(prompt)
+        total = len(token_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
+                f"model's context length of {self.max_model_len} tokens", RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        if len(token_ids) > self.capacity_tokens:
+            raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
+                                      f"{self.capacity_tokens} tokens", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.vocab_size:
+                raise InvalidRequestError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
+                                          f"got {getattr(params, name)}", param=name)
+        pages = self.blocks_for_tokens(total)
+        if self.max_batch_pages is not None and pages > self.max_batch_pages:
+            raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
+                                      f"{self.max_batch_pages}", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
+                                          param=name)
+        try:
+            grammar = self.constraints.matcher(params.structured_outputs)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), RequestErrorCode.INVALID_STRUCTURED_OUTPUTS,
+                                      "structured_outputs") from exc
+        request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
+        request.grammar = grammar
+        if params.seed is not None and not params.greedy:
+            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return request
+
+    def prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
+        """(token ids, the text if the prompt was text)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty", RequestErrorCode.INVALID_PROMPT, "prompt")
+            token_ids, text = self.tokenizer.encode(prompt), prompt
+        else:
+            token_ids, text = list(prompt), None
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}",
+                                          RequestErrorCode.INVALID_PROMPT, "prompt")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty (0 tokens)", RequestErrorCode.INVALID_PROMPT, "prompt")
+        return token_ids, text
