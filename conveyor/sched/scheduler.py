@@ -14,7 +14,7 @@ request that cannot get the blocks it needs is reported as stalled, with the num
 asked for, so the engine can offload others to make room.
 
 The scheduler decides and runs nothing: speculative proposals reach it through the narrow `Proposer`
-interface (the engine passes its `Speculator`), and it reads only the four limits of the
+interface (the engine passes its `Speculator`), and it reads only the few fields of the
 configuration it is given (`SchedulingLimits`). `SCHEDULERS` is the one table of scheduler types:
 `ContinuousBatchingConfig` validates `scheduler_type` against it and takes each type's default
 safety margin from it, and the CLI offers its names.
