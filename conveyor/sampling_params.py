@@ -52,7 +52,6 @@ class StructuredOutputsParams:
         return f"{self.kind}:{json.dumps(value, sort_keys=True)}"
 
 
-
 class SamplingParamsError(ValueError):
     """A sampling parameter is outside its allowed range."""
 

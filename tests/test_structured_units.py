@@ -96,7 +96,6 @@ def test_regex_choice_grammar_and_json_object(built_in) -> None:
     assert constrained_decode(built_in, StructuredOutputsParams(grammar='root ::= "up" | "down"'), 2) in ("up", "down")
 
 
-
 def allowed(cache: GrammarCache, matcher) -> torch.Tensor:
     logits = torch.zeros(1, cache.vocab_size)
     GrammarMasks(cache.vocab_size, 1).apply(logits, [matcher])

@@ -24,7 +24,6 @@ since against go came right used take three small house part hand high place old
 """.split()))
 
 
-
 def arrival_times(num_requests: int, request_rate: float, *, seed: int = 0, burstiness: float = 1.0,
                   normalize: bool = True) -> list[float]:
     """Send times (seconds from the start) of `num_requests` requests.

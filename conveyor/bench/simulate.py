@@ -290,4 +290,3 @@ def run_from_args(args: Any) -> int:
         print(f"Wrote {args.plot}")
     conv = report["systems"].get(CONVEYOR)
     return 1 if conv is not None and conv["steps"] != report["systems"][CONTINUOUS]["steps"] else 0
-

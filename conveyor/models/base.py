@@ -37,7 +37,6 @@ def attention_layer_types(config: PretrainedConfig) -> list[str]:
     return types
 
 
-
 # Hugging Face names of per-layer tensors copied as they are (those a checkpoint has).
 _LAYER_TENSORS = (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"),
                   ("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),

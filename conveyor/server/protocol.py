@@ -23,7 +23,6 @@ TOKEN_ID = {"x-conveyor-bound": "token_id"}
 MAX_NEW = {"x-conveyor-bound": "max_new_tokens"}
 
 
-
 def _integral(value: Any) -> Any:
     """JSON Schema's integers include 5.0, which strict pydantic rejects (as it rightly rejects `true` and
     `"5"`): integral floats, also inside lists, become ints (a float field takes them back as floats)."""
@@ -105,7 +104,6 @@ class CompletionRequest(SamplingFields):
     suffix: None = None  # not supported
     best_of: int | None = Field(None, ge=1)  # only = n
 
-
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, echo: bool) -> bool:
@@ -159,4 +157,3 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = Field(None, json_schema_extra=SERVED_NAME)
     tokens: list[TokenId]
-

@@ -189,4 +189,3 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan, template: str, rol
     else:
         out.insert(0, {"role": "system", "content": preamble})
     return out, None
-

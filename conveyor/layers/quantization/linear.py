@@ -26,6 +26,7 @@ from .tensors import QuantizedTensor, cat_rows
 # In bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul (module docstring).
 BF16_KERNEL_MAX_ROWS = 48
 
+
 def matmul_ops() -> object | None:
     """The native kernels, or None (PyTorch fallbacks) when off or not buildable."""
     return cpu_matmul_ops() if native_kernels_enabled() else None

@@ -158,4 +158,3 @@ def quantize_int4(weight: torch.Tensor) -> QuantizedTensor:
     packed = q[..., :16] | (q[..., 16:] << 4)  # byte j: element j (low nibble) and j + 16 (high nibble)
     blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), packed], dim=-1)
     return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLType.Q4_1, (rows, cols))
-
