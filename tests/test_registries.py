@@ -49,8 +49,8 @@ def test_each_format_quantizes_into_its_weight_types() -> None:
 def test_a_new_row_reaches_every_reader(monkeypatch: pytest.MonkeyPatch) -> None:
     """Adding a format is a row: precision accepts it on its devices, planning quantizes with it, and a
     self-draft format is taken by `SpeculativeConfig`."""
-    halves = QuantizationMethod("halves", "test: int8 under another name", QUANTIZATION_METHODS["int8"].quantize,
-                                ("I8",), ("cpu",), self_draft=True)
+    halves = QuantizationMethod("halves", QUANTIZATION_METHODS["int8"].quantize, ("I8",), ("cpu",),
+                                self_draft=True)  # int8 under another name
     monkeypatch.setitem(QUANTIZATION_METHODS, "halves", halves)
     cpu = torch.device("cpu")
     assert resolve_precision("bfloat16", "halves", cpu, "/hf-dir").quantization == "halves"

@@ -102,7 +102,7 @@ class Engine:
         self.counters = EngineStats()  # cumulative; `stats()` adds the gauges
         history = StepHistory(config.step_history) if config.step_history else None  # the dashboard's
         self.output_processor = OutputProcessor(tokenizer, self.max_model_len, self.allocator, self.counters,
-                                      self.finish_request, history, self.speculator, self.draft)
+                                                self.finish_request, history, self.speculator, self.draft)
         self.pipeline = (AsyncPipeline(self.runner, self.output_processor, self.allocator, self.schedule,
                                        self.fail_unschedulable) if use_async else None)
         # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
@@ -191,6 +191,7 @@ class Engine:
         if not out.chunks:
             return self.fail_unschedulable(out)
         counts = composition(out.chunks) if self.step_history is not None else (0, 0)
+        output = self.output_processor
         try:
             speculating = [c for c in out.chunks if c.draft_tokens]
             if self.draft is not None and speculating:  # the draft model's proposals for the reserved places
@@ -198,8 +199,7 @@ class Engine:
             result = self.runner.execute(out.chunks)
         except Exception as exc:  # a broken batch fails its own requests, not the engine
             logger.exception("forward pass failed")
-            return self.output_processor.fail([c.request for c in out.chunks], f"forward pass failed: {exc}")
-        output = self.output_processor
+            return output.fail([c.request for c in out.chunks], f"forward pass failed: {exc}")
         output.add_prompt_logprobs(result.prompt_logprobs)
         output.advance(out.chunks)
         generated = self.counters.generation_tokens

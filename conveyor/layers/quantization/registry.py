@@ -1,5 +1,5 @@
-"""The one table of weight formats (`quantization=`): what each is, how float weights become it, which
-kernel types its layers hold, where it runs, and whether a file's quantized tensors are kept as stored.
+"""The one table of weight formats (`quantization=`): how float weights become each, which kernel types
+its layers hold, where it runs, and whether a file's quantized tensors are kept as stored.
 
 The CLI offers its names, `precision` validates a choice against it, checkpoint loading and
 `plan_weights` follow it, and `SpeculativeConfig` takes its self-draft formats from it. A new format
@@ -19,7 +19,6 @@ from .tensors import I8, KERNEL_TYPES, GGMLType, QuantizedTensor, quantize_int4,
 @dataclass(frozen=True)
 class QuantizationMethod:
     name: str
-    description: str
     quantize: Callable[[torch.Tensor], QuantizedTensor] | None  # float matrix -> quantized; None: not from floats
     weight_types: tuple[str, ...]  # the `QuantizedTensor` types its layers hold (empty: dense weights)
     devices: tuple[str, ...]  # device types with kernels for it
@@ -33,15 +32,15 @@ class QuantizationMethod:
 
 
 QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
-    QuantizationMethod("none", "dense weights in the compute dtype (a GGUF file's tensors dequantized)", None, (),
-                       ("cpu", "cuda")),
-    QuantizationMethod("int8", "per-channel int8, one fp32 scale per output row", quantize_int8, (type_name(I8),),
-                       ("cpu",), self_draft=True),
-    QuantizationMethod("int4", "4-bit in groups of 32 with an fp16 scale and minimum (GGUF's Q4_1 layout)",
-                       quantize_int4, (type_name(GGMLType.Q4_1),), ("cpu",), self_draft=True),
-    QuantizationMethod("gguf", "a GGUF file's own quantized tensors, kept as they are",
-                       None, tuple(type_name(t) for t in KERNEL_TYPES if t != I8), ("cpu",), keeps_stored=True,
-                       self_draft=True),
+    # dense weights in the compute dtype (a GGUF file's tensors dequantized)
+    QuantizationMethod("none", None, (), ("cpu", "cuda")),
+    # per-channel int8, one fp32 scale per output row
+    QuantizationMethod("int8", quantize_int8, (type_name(I8),), ("cpu",), self_draft=True),
+    # 4-bit in groups of 32 with an fp16 scale and minimum (GGUF's Q4_1 layout)
+    QuantizationMethod("int4", quantize_int4, (type_name(GGMLType.Q4_1),), ("cpu",), self_draft=True),
+    # a GGUF file's own quantized tensors, kept as they are
+    QuantizationMethod("gguf", None, tuple(type_name(t) for t in KERNEL_TYPES if t != I8), ("cpu",),
+                       keeps_stored=True, self_draft=True),
 )}
 QUANTIZATIONS = tuple(QUANTIZATION_METHODS)
 
