@@ -24,7 +24,7 @@ from conveyor.bench.bandwidth import (
 )
 from conveyor.bench.roofline import DenseDecodeAttention, dense_decode_step, step_config
 from conveyor.bench.roofline_report import format_report, run_step
-from conveyor.kernels import vector_flags
+from conveyor.kernels import cpu_matmul_ops, vector_flags
 from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
 from conveyor.request import RequestState
 
@@ -136,6 +136,10 @@ def test_step_report_has_every_figure(tiny: TinyModel) -> None:
     assert report["streaming"]["weights"]["total_bytes"] == 4 * mm["params_per_token"]
     assert [s["weight_bytes"] for s in mm["shapes"]] == [4 * s["out_features"] * s["in_features"] for s in mm["shapes"]]
     assert (report["model"]["dtype"], report["model"]["quantization"]) == ("float32", "none")
+    # fp32 dense layers: the FMA path, set against its measured peak on the same threads
+    assert {s["peak_kind"] for s in mm["shapes"]} == {"fp32-fma"} and "dense" in mm["shapes"][0]["path"]
+    peak = mm["peaks_gops"]["fp32-fma"]
+    assert peak is None or all(s["fraction_of_peak"] == pytest.approx(s["gflops"] / peak) for s in mm["shapes"])
     json.dumps(report)
     # the hooks are gone: the model and runner are their plain selves again
     assert "forward" not in vars(llm.engine.model) and "prepare" not in vars(llm.engine.runner)
@@ -236,6 +240,11 @@ def test_quantized_one_row_step_reports_streaming(tiny_models) -> None:
     json.dumps(report)
     text = format_report(report)
     assert "weights int8" in text and "the same quantized weights" in text and "Weight streaming" in text
+    # per-channel int8 weights on the kernel: an 8-bit integer path (VNNI where the build has it)
+    isa = cpu_matmul_ops().isa()
+    assert {x["peak_kind"] for x in report["matmul"]["shapes"]} == {"int8-vnni" if "vnni" in isa else "int8-i32"}
+    assert all(f"int8 kernel ({isa})" in x["path"] for x in report["matmul"]["shapes"])
+    assert "measured peaks on" in text
 
 
 def test_step_and_roofline_cli_take_dtype_and_quantization(tiny: TinyModel, tmp_path, capsys) -> None:

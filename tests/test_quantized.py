@@ -14,8 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels import cpu_matmul_ops
-from conveyor.layers.quantization.linear import BF16_KERNEL_MAX_ROWS, QuantEmbedding, QuantMatmul, merge_segments
+from conveyor.kernels import cpu_flags, cpu_matmul_ops
+from conveyor.layers.quantization.linear import (
+    BF16_KERNEL_MAX_ROWS,
+    QuantEmbedding,
+    QuantMatmul,
+    bf16_kernel_max_rows,
+    matmul_ops,
+    merge_segments,
+)
 from conveyor.layers.quantization.tensors import (
     I8,
     TILED_TYPES,
@@ -55,11 +62,13 @@ def gguf_tensor(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantizedTen
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' activation quantization (int8 blocks of 32, scale amax / 127), dequantized."""
+    """The kernels' activation quantization (int8 blocks of 32, scale amax / 127, values times the
+    scale's fp32 reciprocal, rounded half to even), dequantized: the same fp32 operations, so the
+    same int8 values (dividing by the scale instead rounds a few values of 600 rows the other way)."""
     blocks = x.float().reshape(x.shape[0], -1, 32)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
-    q = torch.where(d > 0, torch.round(blocks / torch.where(d > 0, d, 1)), 0)
-    return (q * d).reshape(x.shape)
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1), 0)
+    return (torch.round(blocks * inv) * d).reshape(x.shape)
 
 
 def assert_close_scaled(out: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
@@ -93,7 +102,7 @@ def test_dequantize_equals_gguf(ops, qtype: int) -> None:
         ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), torch.tensor([37]), 37, out[:1])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 67, 600])
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: GGMLType(t).name)
 def test_gguf_matmul_matches_dequantized_reference(ops, qtype: int, rows: int) -> None:
     """Against gguf's dequantized weights times the kernel's quantized activations: fp32 rounding
@@ -166,15 +175,29 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
     assert [s.shape[0] for s in merge_segments(parts)] == [32, 8]
     bias = torch.randn(40)
     matmul = QuantMatmul(parts, bias)
+    # The dequantize path takes big bf16 inputs on AMX CPUs only (`bf16_kernel_max_rows`): force it here.
+    assert matmul.bf16_max_rows == bf16_kernel_max_rows()
+    matmul.bf16_max_rows = BF16_KERNEL_MAX_ROWS
     ref_w = torch.cat([p.dequantize() for p in parts])
     for dtype, rows in ((torch.float32, 1), (torch.float32, 90), (torch.bfloat16, 7),
                         (torch.bfloat16, BF16_KERNEL_MAX_ROWS + 5)):
         x = torch.randn(rows, 256).to(dtype)
         out = matmul(x)
         assert out.shape == (rows, 40) and out.dtype == dtype
-        kernel = dtype == torch.float32 or rows <= BF16_KERNEL_MAX_ROWS  # else no activation quantization
+        kernel = matmul.takes_kernel(rows, dtype)  # else no activation quantization
+        assert kernel == (dtype == torch.float32 or rows <= BF16_KERNEL_MAX_ROWS)
         ref = F.linear(quantize_activations(x) if kernel else x.float(), ref_w, bias)
         assert_close_scaled(out, ref, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_bf16_kernel_rows_follow_the_cpu() -> None:
+    """Big bf16 inputs leave the int8 kernel only where oneDNN's bf16 matmul has AMX tiles to run on."""
+    limit = bf16_kernel_max_rows()
+    assert limit == (BF16_KERNEL_MAX_ROWS if "amx_bf16" in cpu_flags() else None)
+    if matmul_ops() is not None:
+        matmul = QuantMatmul([quantize_int4(torch.randn(32, 64))])
+        assert matmul.takes_kernel(4096, torch.float32)
+        assert matmul.takes_kernel(4096, torch.bfloat16) == (limit is None)
 
 
 def test_quant_embedding_rows() -> None:

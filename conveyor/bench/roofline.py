@@ -8,7 +8,9 @@ Four measurements, all on the same model object (a `CausalLM`, as `LLM` builds i
    qkv_proj, o_proj, gate_up_proj, down_proj of one layer, and the LM head) at M = batch rows.
    FLOPs per token are 2 x the parameters touched per token (every layer's linears plus the LM
    head), so the per-shape times, weighted by how often each shape runs, give the tok/s ceiling of
-   the linear layers alone; each shape's weight bytes over its time give its streaming rate.
+   the linear layers alone; each shape's weight bytes over its time give its streaming rate. On
+   CPU each shape also names the instruction path it took, and its GFLOP/s is set against that
+   path's peak measured on the same threads (`peaks.py`).
 2. Dense ceiling: ONE decode step of `batch` sequences of `context` cached tokens through the
    model's own `forward` (its own weights, quantized or not) with `DenseDecodeAttention`:
    contiguous per-layer K/V `[batch, kv_heads, context + 1, head_dim]`, the new token's K/V
@@ -44,6 +46,7 @@ import torch.nn.functional as F
 from ..layers.attention import AttentionBackend, attend
 from ..layers.quantization.linear import QuantMatmul
 from .bandwidth import head_bytes, linear_bytes
+from .peaks import linear_path, measure_peaks
 
 MIN_SAMPLE_S = 2e-3  # matmul timing: repeat a call until one sample lasts at least this long
 
@@ -116,11 +119,18 @@ def measure_matmuls(model: Any, batch: int, *, repeats: int = 10, warmup: int = 
         flops = 2.0 * batch * in_f * out_f
         shapes.append({"name": name, "out_features": out_f, "in_features": in_f, "count": count,
                        "time_s": t, "gflops": flops / t / 1e9, "weight_bytes": nbytes, "gb_per_s": nbytes / t / 1e9})
+        if device.type == "cpu":
+            shapes[-1]["path"], shapes[-1]["peak_kind"] = linear_path(fn, batch, model.dtype)
         step_flops += flops * count
         step_s += t * count
         params += in_f * out_f * count
+    peaks = measure_peaks({s["peak_kind"] for s in shapes}) if device.type == "cpu" else {}
+    for s in shapes:
+        s["peak_gops"] = peak = peaks.get(s.get("peak_kind"))
+        s["fraction_of_peak"] = s["gflops"] / peak if peak else None
     return {"m": batch, "shapes": shapes, "params_per_token": int(params), "flops_per_token": int(2 * params),
-            "time_per_step_s": step_s, "gflops": step_flops / step_s / 1e9, "tok_per_s": batch / step_s}
+            "time_per_step_s": step_s, "gflops": step_flops / step_s / 1e9, "tok_per_s": batch / step_s,
+            "peaks_gops": peaks, "peak_threads": torch.get_num_threads()}
 
 
 # -- 2. dense ceiling ----------------------------------------------------------------------------------

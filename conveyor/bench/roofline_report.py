@@ -92,6 +92,13 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
+def _of_peak(shape: dict[str, Any]) -> str:
+    """A shape's GFLOP/s as a share of its path's measured peak, with the path's name."""
+    if shape.get("fraction_of_peak") is None:
+        return "n/a" if shape.get("peak_kind") else ""
+    return f"{shape['fraction_of_peak']:.0%} {shape['peak_kind']}"
+
+
 def format_report(report: dict[str, Any]) -> str:
     m, env, mm, d = report["model"], report["environment"], report["matmul"], report["dense"]
     b = report["batch"]
@@ -102,14 +109,17 @@ def format_report(report: dict[str, Any]) -> str:
              f"Batch {b} sequences, context {report['context']} tokens", "",
              f"Linear layers at M = {b} rows (the model's own, median per call):"]
     rows = [(s["name"], f"{s['out_features']} x {s['in_features']}", f"x{s['count']}", _ms(s["time_s"]),
-             f"{s['gflops']:.1f}", f"{s['gb_per_s']:.1f}") for s in mm["shapes"]]
+             f"{s['gflops']:.1f}", f"{s['gb_per_s']:.1f}", _of_peak(s), s.get("path", "")) for s in mm["shapes"]]
     rows.append(("all, per step", f"{mm['params_per_token'] / 1e6:.1f}M params", "", _ms(mm["time_per_step_s"]),
-                 f"{mm['gflops']:.1f}", ""))
-    header = ("shape", "out x in", "runs", "time", "GFLOP/s", "weight GB/s")
+                 f"{mm['gflops']:.1f}", "", "", ""))
+    header = ("shape", "out x in", "runs", "time", "GFLOP/s", "weight GB/s", "of peak", "path")
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    fmt = lambda r: "  " + "  ".join(c.ljust(widths[0]) if i == 0 else c.rjust(widths[i])  # noqa: E731
-                                     for i, c in enumerate(r))
+    fmt = lambda r: "  " + "  ".join(c.ljust(widths[i]) if i in (0, len(r) - 1) else c.rjust(widths[i])  # noqa: E731
+                                     for i, c in enumerate(r)).rstrip()
     lines += [fmt(header)] + [fmt(r) for r in rows]
+    if mm.get("peaks_gops"):
+        lines.append(f"  measured peaks on {mm['peak_threads']} threads (GOP/s, `bench/peaks.py`): " + ", ".join(
+            f"{k} {'n/a' if v is None else f'{v:.1f}'}" for k, v in mm["peaks_gops"].items()))
     lines += [f"  linear-only ceiling: {mm['tok_per_s']:.1f} tok/s ({mm['flops_per_token'] / 1e6:.1f} MFLOP per token, "
               "LM head included)", "",
               f"Dense ceiling (same model{', the same quantized weights' if quantized else ''}: only the K/V are "

@@ -1,19 +1,20 @@
 """Optional native kernels, compiled on first use with torch's C++ extension builder.
 
 Built once per machine and environment (cached by torch under `~/.cache/torch_extensions`, or
-`$TORCH_EXTENSIONS_DIR`, ~40 s each the first time) for CPU: paged attention, the fused
-elementwise ops of the decoder layer (RMSNorm, RoPE, SiLU * up), and the weight-streaming matmuls
-over quantized, bf16 and fp32 weights. Each extension's name carries a digest of its source, the
-compiler flags, the torch version and install folder (its headers' paths are in the compile
-command, which ninja rebuilds on when it changes), the Python version and headers, and the CPU's
-vector-instruction flags, so two environments (or two CPUs sharing a home directory) never load or
-rebuild each other's builds; the sources are built from a copy named by that digest, so checkouts
-of the same sources share one build. `conveyor build-kernels` (run by scripts/setup.sh) builds
-them all ahead of the first start; a build logs what it builds, where, and how long it took.
-`-march=native` picks the instruction set of the CPU it is built on (AVX2, AVX-512, VNNI, BF16).
-`CONVEYOR_MARCH` overrides that target (e.g. `haswell` for the AVX2 paths, `x86-64` for the plain
-C++ ones: how the tests check the code paths this CPU would not take). If one cannot be built (no
-compiler), the PyTorch code runs instead. `CONVEYOR_NATIVE_KERNELS=0` turns them all off.
+`$TORCH_EXTENSIONS_DIR`, ~40 s each the first time) for CPU: paged attention, the fused elementwise
+ops of the decoder layer (RMSNorm, RoPE, SiLU * up), the weight-streaming matmuls over quantized,
+bf16 and fp32 weights, and the compute-peak loops the benchmarks measure against. Each extension's
+name carries a digest of its source, the compiler flags, the torch version and install folder (its
+headers' paths are in the compile command, which ninja rebuilds on when it changes), the Python
+version and headers, and the CPU's vector-instruction flags, so two environments (or two CPUs
+sharing a home directory) never load or rebuild each other's builds; the sources are built from a
+copy named by that digest, so checkouts of the same sources share one build. `conveyor
+build-kernels` (run by scripts/setup.sh) builds them all ahead of the first start; a build logs what it
+builds, where, and how long it took. `-march=native` picks the instruction set of the CPU it is
+built on (AVX2, AVX-512, VNNI, BF16). `CONVEYOR_MARCH` overrides that target (e.g. `haswell` for the
+AVX2 paths, `x86-64` for the plain C++ ones: how the tests check the code paths this CPU would not
+take). If one cannot be built (no compiler), the PyTorch code runs instead.
+`CONVEYOR_NATIVE_KERNELS=0` turns them all off.
 """
 
 from __future__ import annotations
@@ -162,7 +163,15 @@ def cpu_matmul_ops() -> ModuleType | None:
                   "-ffp-contract=fast", headers=("quant.h", "attention_cpu.h"))
 
 
-KERNELS = {"paged attention": cpu_paged_attention, "fused ops": cpu_fused_ops, "matmuls": cpu_matmul_ops}
+@cache
+def cpu_peak_ops() -> ModuleType | None:
+    """The compute-peak loops of each instruction path (`peak_cpu.cpp`: `peak_kinds()`,
+    `peak_gops(kind, threads)`) that `bench roofline`/`step` set the linears against, or None."""
+    return _build("conveyor_peak_cpu", ["peak_cpu.cpp"])
+
+
+KERNELS = {"paged attention": cpu_paged_attention, "fused ops": cpu_fused_ops, "matmuls": cpu_matmul_ops,
+           "peak loops": cpu_peak_ops}
 
 
 def build_all() -> dict[str, bool]:

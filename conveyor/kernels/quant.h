@@ -8,8 +8,10 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -54,16 +56,48 @@ inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ?
 int64_t row_bytes(int64_t type, int64_t K);   // one row in GGUF's layout (I8: K bytes)
 int64_t tile_bytes(int64_t type, int64_t K);  // one tile of kTileRows rows in the tiled layout
 
+// Rows per group of the packed activations (below), the rows one pass of the tiled GEMM microkernel
+// takes: as many as its integer and fp32 accumulators leave registers for.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int64_t kPackRows = 12;
+#else
+constexpr int64_t kPackRows = 4;
+#endif
+
 // Activations quantized to int8 blocks of 32 (scale amax / 127). Per row: q [K], d [K/32] (scale),
 // s32 [K/32] = d * sum(q) over each block, s16 [K/16] = d * sum over each half block.
+// The same values also packed for the tiled GEMM: rows in groups of kPackRows (the last one smaller),
+// and within a group of r rows, block by block, the four-byte words of the rows interleaved (word j
+// of row i at (j * r + i) * 4 of the block's r * 32 bytes), then the block's r scales `pd`, r sums
+// `ps` (= s32), and r integer sums times -8 (`pn8`) and -128 (`pn128`): the microkernel reads one
+// pointer with constant offsets (twelve row pointers do not fit the general registers), and starts
+// its integer accumulators at pn8/pn128 to take back Q4_0's offset and the +128 that makes 8-bit
+// weights unsigned for vpdpbusd.
 struct Activations {
     int64_t M = 0, K = 0, nb = 0;
-    std::vector<int8_t> q;
-    std::vector<float> d, s32, s16;
+    std::vector<int8_t> q, pq;
+    std::vector<float> d, s32, s16, pd, ps;
+    std::vector<int32_t> pn8, pn128;
     const int8_t* qrow(int64_t m, int64_t block) const { return q.data() + m * K + block * QK; }
     void shape(int64_t rows, int64_t cols) {
         M = rows, K = cols, nb = cols / QK;
         q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), s16.resize(M * nb * 2);
+        pq.resize(M * K), pd.resize(M * nb), ps.resize(M * nb), pn8.resize(M * nb), pn128.resize(M * nb);
+    }
+    // Rows in the packed group that starts at row m0 (a multiple of kPackRows).
+    int64_t group_rows(int64_t m0) const { return std::min<int64_t>(kPackRows, M - m0); }
+    // Row m's block b (its int8 values in q, already written) recorded with its scale and sums, and packed.
+    void set_block(int64_t m, int64_t b, float scale, int sum_lo, int sum_hi) {
+        const int64_t i = m * nb + b, g0 = m / kPackRows * kPackRows, r = group_rows(g0), row = m - g0;
+        d[i] = scale;
+        s32[i] = scale * (sum_lo + sum_hi);
+        s16[2 * i] = scale * sum_lo;
+        s16[2 * i + 1] = scale * sum_hi;
+        const int64_t pi = g0 * nb + b * r + row;
+        pd[pi] = scale, ps[pi] = s32[i], pn8[pi] = -8 * (sum_lo + sum_hi), pn128[pi] = -128 * (sum_lo + sum_hi);
+        const int8_t* src = qrow(m, b);
+        int8_t* dst = pq.data() + g0 * K + b * r * QK + row * 4;
+        for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, src + 4 * j, 4);
     }
 };
 void quantize_activations(const torch::Tensor& x, Activations& a);

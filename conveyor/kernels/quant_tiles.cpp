@@ -49,71 +49,87 @@ constexpr int64_t kPrefetchBytes = 2048;
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// 16 output rows per vector; MB activation rows per pass over the tile's blocks.
-template <int MB>
-void tile_pass(int64_t type, const uint8_t* tile, const Activations& a, int64_t m0, __m512* result) {
-    const int64_t bb = block_bytes(type);
-    __m512 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-    const __m512i low4 = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t b = 0; b < a.nb; ++b) {
+// The GEMM microkernel: one tile (16 output rows = the 16 lanes of a vector) against MR activation
+// rows. Per block of 32, each chunk of the tile (one vector: four weights of every row) is loaded and
+// unpacked once and multiplied (vpdpbusd) with the four activation bytes of each of the MR rows,
+// broadcast from memory; the MR integer accumulators are independent chains kept in registers. At the
+// block's end each row's integer sum is scaled into its fp32 accumulator: cvt + (d_w x d_x) + FMA,
+// and for Q4_1 one FMA more for the minimum (m_w x the activation block's sum). Q4_0's -8 and the +128
+// that makes 8-bit weights unsigned for vpdpbusd are taken back in the integer domain, by starting
+// each accumulator at -8 or -128 times the activation block's integer sum (a broadcast load, no
+// arithmetic). Everything the loops branch on is a template parameter: the loops unroll fully.
+constexpr int kPassRows = kPackRows;  // MR: 12 integer + 12 fp32 accumulators + the chunk vectors fit 32 registers
+
+template <int64_t T, int MR>
+void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefetch, __m512* result) {
+    constexpr bool four = T == Q4_0 || T == Q4_1;
+    constexpr int64_t bb = four ? 256 + 32 + (T == Q4_1 ? 32 : 0) : 512 + (T == I8 ? 0 : 32);
+    const int64_t nb = a.nb;
+    __m512 acc[MR];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    // The packed group (Activations): MR rows' words interleaved, per block MR * 32 bytes and MR of each sum.
+    const int8_t* x = a.pq.data() + m0 * a.K;
+    const float* xd = a.pd.data() + m0 * nb;
+    const float* xs = a.ps.data() + m0 * nb;
+    const int32_t* xbias = (T == Q4_0 ? a.pn8.data() : a.pn128.data()) + m0 * nb;
+    for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xbias += MR) {
         const uint8_t* blk = tile + b * bb;
-        for (int64_t line = 0; line < bb; line += 64)  // the stream is linear: fetch ahead, tiles included
-            _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-        __m512i w[8];
-        __m512 wd, wm;
-        if (is4(type)) {
+        if (prefetch)  // the first pass over a tile streams it from memory: fetch ahead
+            for (int64_t line = 0; line < bb; line += 64)
+                _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
+        __m512i dot[MR];
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) dot[i] = T == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xbias[i]);
+        if constexpr (four) {
+            const __m512i low4 = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
             for (int j = 0; j < 4; ++j) {
                 const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
-                w[j] = _mm512_and_si512(raw, low4);
-                w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+#pragma GCC unroll 16
+                for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_set1_epi32(word(x + (j * MR + i) * 4)));
+#pragma GCC unroll 16
+                for (int i = 0; i < MR; ++i)
+                    dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(word(x + ((j + 4) * MR + i) * 4)));
             }
-            wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
-            wm = type == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)))
-                              : _mm512_mul_ps(wd, _mm512_set1_ps(-8.f));
         } else {
-            for (int j = 0; j < 8; ++j) w[j] = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * j), bias);
-            wd = type == I8 ? _mm512_set1_ps(1.f)
-                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
-            wm = _mm512_mul_ps(wd, _mm512_set1_ps(-128.f));
-        }
-        for (int i = 0; i < MB; ++i) {
-            const int64_t m = m0 + i;
-            const int8_t* x = a.qrow(m, b);
-            __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-            if (is4(type)) {
-                for (int j = 0; j < 4; ++j) {
-                    d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(word(x + 4 * j)));
-                    d1 = _mm512_dpbusd_epi32(d1, w[j + 4], _mm512_set1_epi32(word(x + 16 + 4 * j)));
-                }
-            } else {
-                for (int j = 0; j < 8; j += 2) {
-                    d0 = _mm512_dpbusd_epi32(d0, w[j], _mm512_set1_epi32(word(x + 4 * j)));
-                    d1 = _mm512_dpbusd_epi32(d1, w[j + 1], _mm512_set1_epi32(word(x + 4 * j + 4)));
-                }
+            const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; ++j) {
+                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * j), bias);
+#pragma GCC unroll 16
+                for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(word(x + (j * MR + i) * 4)));
             }
-            const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
-            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wd, _mm512_set1_ps(a.d[m * a.nb + b])), acc[i]);
-            acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(a.s32[m * a.nb + b]), acc[i]);
+        }
+        if constexpr (T == I8) {  // per-row scales come after the whole sum
+#pragma GCC unroll 16
+            for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_set1_ps(xd[i]), acc[i]);
+        } else {
+            const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (four ? 256 : 512))));
+#pragma GCC unroll 16
+            for (int i = 0; i < MR; ++i)
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xd[i])), acc[i]);
+            if constexpr (T == Q4_1) {
+                const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+#pragma GCC unroll 16
+                for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[i]), acc[i]);
+            }
         }
     }
-    for (int i = 0; i < MB; ++i) result[i] = acc[i];
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) result[i] = acc[i];
 }
 
-constexpr int kPassRows = 8;
-
-template <int MB>
-void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Activations& a, int64_t m0,
-               int64_t n0, int64_t N, float* out, int64_t ldo) {
-    __m512 res[MB];
-    tile_pass<MB>(type, tile, a, m0, res);
+template <int64_t T, int MR>
+void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
+               float* out, int64_t ldo) {
+    __m512 res[MR];
+    tile_pass<T, MR>(tile, a, m0, m0 == 0, res);
     const int64_t valid = std::min<int64_t>(kTileRows, N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    for (int i = 0; i < MB; ++i) {
-        __m512 v = res[i];
-        if (scales) v = _mm512_mul_ps(v, _mm512_loadu_ps(scales + n0));
-        _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n0, mask, v);
-    }
+    const __m512 sv = scales ? _mm512_maskz_loadu_ps(mask, scales + n0) : _mm512_set1_ps(1.f);
+    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n0, mask, _mm512_mul_ps(res[i], sv));
 }
 #elif defined(__AVX2__)
 // 8 output rows per vector: a tile is two halves, each swept over the blocks on its own (16 ymm
@@ -126,9 +142,9 @@ inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
 #endif
 }
 
-template <int MB>
-void half_pass(int64_t type, const uint8_t* tile, int half, const Activations& a, int64_t m0, __m256* result) {
-    const int64_t bb = block_bytes(type);
+template <int64_t type, int MB>
+void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, __m256* result) {
+    constexpr int64_t bb = type == Q4_0 || type == Q4_1 ? 256 + 32 + (type == Q4_1 ? 32 : 0) : 512 + (type == I8 ? 0 : 32);
     __m256 acc[MB];
     for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -159,10 +175,19 @@ void half_pass(int64_t type, const uint8_t* tile, int half, const Activations& a
             const int8_t* x = a.qrow(m, b);
             __m256i dot = _mm256_setzero_si256();
             if (is4(type)) {
+#if defined(__AVXVNNI__)
                 for (int j = 0; j < 4; ++j) {
                     dot = dot_add(dot, w[j], _mm256_set1_epi32(word(x + 4 * j)));
                     dot = dot_add(dot, w[j + 4], _mm256_set1_epi32(word(x + 16 + 4 * j)));
                 }
+#else
+                // The eight pair sums of a block fit int16 (8 x 2 x 15 x 127 < 32767): add them there and
+                // widen once, one vpmaddwd a block instead of eight (the multiplier port is the limit).
+                __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(word(x)));
+                for (int j = 1; j < 8; ++j)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(word(x + (j < 4 ? 4 * j : 16 + 4 * (j - 4))))));
+                dot = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
             } else {  // signed weights: |w| times the activations carrying w's sign (no saturation)
                 for (int j = 0; j < 8; ++j) {
                     const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(word(x + 4 * j)), w[j]);
@@ -179,12 +204,12 @@ void half_pass(int64_t type, const uint8_t* tile, int half, const Activations& a
 
 constexpr int kPassRows = 4;
 
-template <int MB>
-void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Activations& a, int64_t m0,
-               int64_t n0, int64_t N, float* out, int64_t ldo) {
+template <int64_t type, int MB>
+void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
+               float* out, int64_t ldo) {
     for (int half = 0; half < 2; ++half) {
         __m256 res[MB];
-        half_pass<MB>(type, tile, half, a, m0, res);
+        half_pass<type, MB>(tile, half, a, m0, res);
         const int64_t base = n0 + 8 * half, valid = std::min<int64_t>(8, N - base);
         if (valid <= 0) break;
         for (int i = 0; i < MB; ++i) {
@@ -198,9 +223,9 @@ void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Act
 #else
 constexpr int kPassRows = 1;
 
-template <int MB>
-void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Activations& a, int64_t m0,
-               int64_t n0, int64_t N, float* out, int64_t ldo) {
+template <int64_t type, int MB>
+void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
+               float* out, int64_t ldo) {
     const int64_t bb = block_bytes(type), valid = std::min<int64_t>(kTileRows, N - n0);
     for (int i = 0; i < MB; ++i) {
         const int64_t m = m0 + i;
@@ -221,14 +246,27 @@ void tile_rows(int64_t type, const uint8_t* tile, const float* scales, const Act
 }
 #endif
 
-using TileFn = void (*)(int64_t, const uint8_t*, const float*, const Activations&, int64_t, int64_t, int64_t, float*,
-                        int64_t);
+using TileFn = void (*)(const uint8_t*, const float*, const Activations&, int64_t, int64_t, int64_t, float*, int64_t);
 
-template <int... I>
-constexpr auto make_table(std::integer_sequence<int, I...>) {
-    return std::array<TileFn, sizeof...(I)>{tile_rows<I + 1>...};
+// kTileFns<T>[MR - 1]: the microkernel of type T for MR activation rows.
+template <int64_t T, int... I>
+constexpr std::array<TileFn, sizeof...(I)> make_table(std::integer_sequence<int, I...>) {
+    return {tile_rows<T, I + 1>...};
 }
-constexpr auto kTileFns = make_table(std::make_integer_sequence<int, kPassRows>{});
+template <int64_t T>
+constexpr auto kTileFns = make_table<T>(std::make_integer_sequence<int, kPassRows>{});
+
+template <int64_t T>
+void typed_tiles_matmul(const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0, int64_t t1,
+                        int64_t N, float* out, int64_t ldo) {
+    const int64_t tb = tile_bytes(T, a.K);
+    for (int64_t t = t0; t < t1; ++t) {
+        for (int64_t m0 = 0; m0 < a.M; m0 += kPassRows) {
+            const int mb = static_cast<int>(std::min<int64_t>(kPassRows, a.M - m0));
+            kTileFns<T>[mb - 1](w + t * tb, row_scales, a, m0, t * kTileRows, N, out, ldo);
+        }
+    }
+}
 
 }  // namespace
 
@@ -366,12 +404,12 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
 
 void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
                   int64_t t1, int64_t N, float* out, int64_t ldo) {
-    const int64_t tb = tile_bytes(type, a.K);
-    for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t m0 = 0; m0 < a.M; m0 += kPassRows) {
-            const int mb = static_cast<int>(std::min<int64_t>(kPassRows, a.M - m0));
-            kTileFns[mb - 1](type, w + t * tb, row_scales, a, m0, t * kTileRows, N, out, ldo);
-        }
+    switch (type) {
+        case Q4_0: return typed_tiles_matmul<Q4_0>(w, row_scales, a, t0, t1, N, out, ldo);
+        case Q4_1: return typed_tiles_matmul<Q4_1>(w, row_scales, a, t0, t1, N, out, ldo);
+        case Q8_0: return typed_tiles_matmul<Q8_0>(w, row_scales, a, t0, t1, N, out, ldo);
+        case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out, ldo);
+        default: TORCH_CHECK(false, "type ", type, " has no tiled layout");
     }
 }
 

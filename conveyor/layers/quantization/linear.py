@@ -1,16 +1,18 @@
 """Linear layers and embeddings over quantized weights (`QuantizedTensor`), on CPU.
 
-Inputs go through the native kernel (`kernels/matmul_cpu.cpp`): the weights are read in their
-quantized form, the activations quantized to int8 blocks of 32, integer dot products (~200
-GFLOP/s a core with VNNI, more than fp32 BLAS at any row count). In bf16, inputs of more than
-`BF16_KERNEL_MAX_ROWS` rows (prefill chunks, big decode batches) go to oneDNN's bf16 matmul (AMX
-where the CPU has it) instead: the weight is dequantized into a scratch buffer shared by every
-layer of that shape (not a second copy of the model: one matrix at a time), which costs less than
-the matmul saves from there on. Without the native kernels, every input takes the dequantize path.
+Inputs go through the native kernel (`kernels/quant_tiles.cpp`, `quant_rows.cpp`): the weights are
+read in their quantized form, the activations quantized to int8 blocks of 32, integer dot products
+(AVX512-VNNI: ~400 GFLOP/s a core from 16 rows on, 85% of the instruction's measured peak; fp32 BLAS
+peaks at 160 and oneDNN's bf16 matmul on AVX512-BF16 at 80). On a CPU with AMX, oneDNN's bf16
+matmul runs on the tiles and is faster for big inputs: there, in bf16, inputs of more than
+`BF16_KERNEL_MAX_ROWS` rows (prefill chunks, big decode batches) go to it instead, the weight
+dequantized into a scratch buffer shared by every layer of that shape (not a second copy of the
+model: one matrix at a time). Without the native kernels, every input takes the dequantize path.
 
-Measured (1 thread, Q4_1, tiled, bf16 activations; kernel / dequantize + matmul, ms): gate_up
-3072x576 at 64 rows 1.25 / 0.97, at 512 rows 13.6 / 2.3; down 576x1536 at 64 rows 0.65 / 0.68;
-LM head 49152x576 at 64 rows 47.6 / 44.0. Below ~48 rows the kernel wins.
+Measured on an AMX Xeon (1 thread, Q4_1, bf16 activations, the row-by-row kernel before the GEMM
+microkernel; kernel / dequantize + matmul, ms): gate_up 3072x576 at 64 rows 1.25 / 0.97, at 512 rows
+13.6 / 2.3; down 576x1536 at 64 rows 0.65 / 0.68. On an AVX-512 Xeon without AMX (2 threads, GFLOP/s):
+gate_up at 64 rows 313 / 100, at 512 rows 286 / 125; the LM head (Q8_0 49152x576) at 64 rows 281 / 94.
 """
 
 from __future__ import annotations
@@ -19,12 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import cpu_matmul_ops, native_kernels_enabled
+from ...kernels import cpu_flags, cpu_matmul_ops, native_kernels_enabled
 from .registry import quantization_method
 from .tensors import QuantizedTensor, cat_rows
 
-# In bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul (module docstring).
+# On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
+# the AMX tiles (module docstring); without AMX the kernel wins at every row count.
 BF16_KERNEL_MAX_ROWS = 48
+
+
+def bf16_kernel_max_rows() -> int | None:
+    """Most rows of a bf16 input the native kernel takes (None: any), on this CPU."""
+    return BF16_KERNEL_MAX_ROWS if "amx_bf16" in cpu_flags() else None
 
 
 def matmul_ops() -> object | None:
@@ -78,7 +86,7 @@ class QuantMatmul:
     K-quant GGUF files mix types inside one fused projection). A plain callable, so a tied LM head
     can share the embedding's weight without registering it twice. `out_dtype` None = x's dtype."""
 
-    __slots__ = ("bias", "in_features", "ops", "out_dtype", "out_features", "segments")
+    __slots__ = ("bf16_max_rows", "bias", "in_features", "ops", "out_dtype", "out_features", "segments")
 
     def __init__(self, parts: list[QuantizedTensor], bias: torch.Tensor | None = None,
                  out_dtype: torch.dtype | None = None) -> None:
@@ -90,6 +98,12 @@ class QuantMatmul:
         self.bias = bias
         self.out_dtype = out_dtype
         self.ops = matmul_ops()
+        self.bf16_max_rows = bf16_kernel_max_rows()
+
+    def takes_kernel(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether an input of `rows` rows in `dtype` runs on the native kernel (else: dequantize + matmul)."""
+        limit = self.bf16_max_rows
+        return self.ops is not None and (dtype != torch.bfloat16 or limit is None or rows <= limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -99,7 +113,7 @@ class QuantMatmul:
         dtype = self.out_dtype or x.dtype
         ops = self.ops
         bias = None if self.bias is None else self.bias.detach()
-        if ops is not None and (x.dtype != torch.bfloat16 or x2.shape[0] <= BF16_KERNEL_MAX_ROWS):
+        if self.takes_kernel(x2.shape[0], x.dtype):
             out = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
             start = 0
             for seg in self.segments:
