@@ -54,7 +54,7 @@ struct Linear {
             const uint8_t* w = s.data.data_ptr<uint8_t>();
             if (s.tiled())
                 conveyor::tiles_matmul(s.type, w, s.scales.numel() ? s.scales.data_ptr<float>() : nullptr, a, u0, u1,
-                                       s.rows, out + s.n0, ldo);
+                                       s.rows, conveyor::TileOut{out + s.n0, ldo});
             else
                 conveyor::rows_matmul(s.type, w, s.data.size(1), a, u0, u1, out + s.n0, ldo);
         }

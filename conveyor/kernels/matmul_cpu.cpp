@@ -249,16 +249,20 @@ void quant_matmul(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Te
     }
     thread_local Activations act;
     quantize_activations(x, act);
-    Fp32Out res(out);
+    const Activations& a = act;
     const uint8_t* wp = weight.data_ptr<uint8_t>();
+    if (tiled) {  // written in place, bias added, in out's dtype
+        torch::Tensor b32;
+        if (bias.has_value() && bias->defined()) b32 = bias->to(torch::kFloat32).contiguous();
+        const TileOut to{out.data_ptr(), out.stride(0), out.scalar_type() == torch::kBFloat16,
+                         b32.defined() ? b32.data_ptr<float>() : nullptr};
+        at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { tiles_matmul(type, wp, scales, a, t0, t1, N, to); });
+        return;
+    }
+    Fp32Out res(out);
     float* op = res.data();
     const int64_t ldo = res.ld();
-    const Activations& a = act;
-    if (tiled) {
-        at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { tiles_matmul(type, wp, scales, a, t0, t1, N, op, ldo); });
-    } else {
-        at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) { rows_matmul(type, wp, width, a, n0, n1, op, ldo); });
-    }
+    at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) { rows_matmul(type, wp, width, a, n0, n1, op, ldo); });
     res.finish(bias);
 }
 

@@ -10,6 +10,7 @@
 // broadcasts. Q4_0's minimum is -8 d, computed; 8-bit weights are signed, biased by 128 for
 // vpdpbusd (the bias is taken back with the activation block sums).
 #include "quant.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 
@@ -123,13 +124,19 @@ void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefe
 
 template <int64_t T, int MR>
 void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
-               float* out, int64_t ldo) {
+               const TileOut& out) {
     __m512 res[MR];
     tile_pass<T, MR>(tile, a, m0, m0 == 0, res);
     const int64_t valid = std::min<int64_t>(kTileRows, N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 sv = scales ? _mm512_maskz_loadu_ps(mask, scales + n0) : _mm512_set1_ps(1.f);
-    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n0, mask, _mm512_mul_ps(res[i], sv));
+    const __m512 bv = out.bias ? _mm512_maskz_loadu_ps(mask, out.bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < MR; ++i) {
+        const __m512 v = _mm512_fmadd_ps(res[i], sv, bv);
+        const int64_t at = (m0 + i) * out.ld + n0;
+        if (out.bf16) store16(static_cast<c10::BFloat16*>(out.data) + at, v, mask);
+        else store16(static_cast<float*>(out.data) + at, v, mask);
+    }
 }
 #elif defined(__AVX2__)
 // 8 output rows per vector: a tile is two halves, each swept over the blocks on its own (16 ymm
@@ -206,7 +213,7 @@ constexpr int kPassRows = 4;
 
 template <int64_t type, int MB>
 void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
-               float* out, int64_t ldo) {
+               const TileOut& out) {
     for (int half = 0; half < 2; ++half) {
         __m256 res[MB];
         half_pass<type, MB>(tile, half, a, m0, res);
@@ -215,8 +222,7 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
         for (int i = 0; i < MB; ++i) {
             float vals[8];
             _mm256_storeu_ps(vals, res[i]);
-            for (int r = 0; r < valid; ++r)
-                out[(m0 + i) * ldo + base + r] = scales ? vals[r] * scales[base + r] : vals[r];
+            for (int r = 0; r < valid; ++r) out.store(m0 + i, base + r, scales ? vals[r] * scales[base + r] : vals[r]);
         }
     }
 }
@@ -225,7 +231,7 @@ constexpr int kPassRows = 1;
 
 template <int64_t type, int MB>
 void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
-               float* out, int64_t ldo) {
+               const TileOut& out) {
     const int64_t bb = block_bytes(type), valid = std::min<int64_t>(kTileRows, N - n0);
     for (int i = 0; i < MB; ++i) {
         const int64_t m = m0 + i;
@@ -240,13 +246,13 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
                 for (int e = 0; e < QK; ++e) dot += tiled_weight(type, blk, r, e) * a.qrow(m, b)[e];
                 acc += d * a.d[m * a.nb + b] * dot + mn * a.s32[m * a.nb + b];
             }
-            out[m * ldo + n0 + r] = scales ? acc * scales[n0 + r] : acc;
+            out.store(m, n0 + r, scales ? acc * scales[n0 + r] : acc);
         }
     }
 }
 #endif
 
-using TileFn = void (*)(const uint8_t*, const float*, const Activations&, int64_t, int64_t, int64_t, float*, int64_t);
+using TileFn = void (*)(const uint8_t*, const float*, const Activations&, int64_t, int64_t, int64_t, const TileOut&);
 
 // kTileFns<T>[MR - 1]: the microkernel of type T for MR activation rows.
 template <int64_t T, int... I>
@@ -258,12 +264,12 @@ constexpr auto kTileFns = make_table<T>(std::make_integer_sequence<int, kPassRow
 
 template <int64_t T>
 void typed_tiles_matmul(const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0, int64_t t1,
-                        int64_t N, float* out, int64_t ldo) {
+                        int64_t N, const TileOut& out) {
     const int64_t tb = tile_bytes(T, a.K);
     for (int64_t t = t0; t < t1; ++t) {
         for (int64_t m0 = 0; m0 < a.M; m0 += kPassRows) {
             const int mb = static_cast<int>(std::min<int64_t>(kPassRows, a.M - m0));
-            kTileFns<T>[mb - 1](w + t * tb, row_scales, a, m0, t * kTileRows, N, out, ldo);
+            kTileFns<T>[mb - 1](w + t * tb, row_scales, a, m0, t * kTileRows, N, out);
         }
     }
 }
@@ -403,12 +409,12 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
 }
 
 void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
-                  int64_t t1, int64_t N, float* out, int64_t ldo) {
+                  int64_t t1, int64_t N, const TileOut& out) {
     switch (type) {
-        case Q4_0: return typed_tiles_matmul<Q4_0>(w, row_scales, a, t0, t1, N, out, ldo);
-        case Q4_1: return typed_tiles_matmul<Q4_1>(w, row_scales, a, t0, t1, N, out, ldo);
-        case Q8_0: return typed_tiles_matmul<Q8_0>(w, row_scales, a, t0, t1, N, out, ldo);
-        case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out, ldo);
+        case Q4_0: return typed_tiles_matmul<Q4_0>(w, row_scales, a, t0, t1, N, out);
+        case Q4_1: return typed_tiles_matmul<Q4_1>(w, row_scales, a, t0, t1, N, out);
+        case Q8_0: return typed_tiles_matmul<Q8_0>(w, row_scales, a, t0, t1, N, out);
+        case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out);
         default: TORCH_CHECK(false, "type ", type, " has no tiled layout");
     }
 }
