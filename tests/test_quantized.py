@@ -249,3 +249,29 @@ def test_dense_weight_streaming_matmul(ops, dtype: torch.dtype, rows: int) -> No
         out = torch.empty(rows, 37)
         ops.dense_matmul(x, weight, bias, out)
         assert_close_scaled(out, F.linear(x.float(), weight.float(), bias), 1e-5)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8])
+@pytest.mark.parametrize("rows,out_rows", [(1, 45), (13, 1040), (64, 2063)])
+def test_fused_argmax_equals_argmax_of_the_matmul(ops, qtype: int, rows: int, out_rows: int) -> None:
+    """The LM head fused with greedy sampling (`quant_argmax`) picks the same index as torch.argmax of
+    the same kernel's outputs, ties to the first, whatever the thread split (2063 rows: 129 tiles, more
+    than one 64-tile chunk, a partial last tile)."""
+    torch.manual_seed(rows)
+    if qtype == I8:
+        w = quantize_int8(torch.randn(out_rows, 96))
+    else:
+        w = gguf_tensor(qtype, out_rows, 96, seed=rows)
+    matmul = QuantMatmul([w], out_dtype=torch.float32)
+    x = torch.randn(rows, 96)
+    x[0] = 0  # every output 0 in row 0: a tie across the whole vocabulary -> index 0
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(matmul.argmax(x), matmul(x).argmax(dim=-1)), n
+    finally:
+        torch.set_num_threads(threads)
+    assert matmul.argmax(x.bfloat16()).shape == (rows,)
+    with_bias = QuantMatmul([w], bias=torch.zeros(out_rows))
+    assert with_bias.argmax(x) is None  # not fused: the kernel takes no bias

@@ -109,16 +109,19 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activati
 // GGUF-layout K-quant matrix, or tiles [t0, t1) of a tiled one (I8: times `row_scales`, padded to whole tiles).
 void rows_matmul(int64_t type, const uint8_t* w, int64_t row_stride, const Activations& a, int64_t n0, int64_t n1,
                  float* out, int64_t ldo);
-// Where a tiled matmul writes: out [M, N], rows `ld` elements apart, fp32 or bf16, plus an fp32 bias [N].
+// Where a tiled matmul writes: out [M, N] (columns from `col0` on), rows `ld` elements apart, fp32 or
+// bf16, plus an fp32 bias [N].
 struct TileOut {
     void* data;
     int64_t ld;
     bool bf16 = false;
     const float* bias = nullptr;
+    int64_t col0 = 0;
+    int64_t at(int64_t m, int64_t n) const { return m * ld + n - col0; }
     void store(int64_t m, int64_t n, float v) const {
         if (bias) v += bias[n];
-        if (bf16) static_cast<c10::BFloat16*>(data)[m * ld + n] = c10::BFloat16(v);
-        else static_cast<float*>(data)[m * ld + n] = v;
+        if (bf16) static_cast<c10::BFloat16*>(data)[at(m, n)] = c10::BFloat16(v);
+        else static_cast<float*>(data)[at(m, n)] = v;
     }
 };
 void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,

@@ -133,93 +133,110 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
     const __m512 bv = out.bias ? _mm512_maskz_loadu_ps(mask, out.bias + n0) : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i) {
         const __m512 v = _mm512_fmadd_ps(res[i], sv, bv);
-        const int64_t at = (m0 + i) * out.ld + n0;
+        const int64_t at = out.at(m0 + i, n0);
         if (out.bf16) store16(static_cast<c10::BFloat16*>(out.data) + at, v, mask);
         else store16(static_cast<float*>(out.data) + at, v, mask);
     }
 }
 #elif defined(__AVX2__)
 // 8 output rows per vector: a tile is two halves, each swept over the blocks on its own (16 ymm
-// registers do not hold both halves' weights and accumulators).
-inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
+// registers do not hold both halves' weights and accumulators), MR = 4 activation rows a pass from the
+// packed groups, as above. With AVX-VNNI the same scheme as AVX-512's; without it, 4-bit weights
+// (0..15) times int8 activations go through vpmaddubsw, whose pair sums fit int16 for a whole block
+// (8 x 2 x 15 x 127 < 32767): summed there and widened once a block by one vpmaddwd (the multiplier
+// port is the limit); 8-bit weights take |w| times the activations carrying w's sign (no saturation)
+// and widen every product pair.
+constexpr int kPassRows = kPackRows;
 
-template <int64_t type, int MB>
-void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, __m256* result) {
-    constexpr int64_t bb = type == Q4_0 || type == Q4_1 ? 256 + 32 + (type == Q4_1 ? 32 : 0) : 512 + (type == I8 ? 0 : 32);
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < a.nb; ++b) {
+inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(word(p)); }
+
+template <int64_t T, int MR>
+void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* result) {
+    constexpr bool four = T == Q4_0 || T == Q4_1;
+    constexpr int64_t bb = four ? 256 + 32 + (T == Q4_1 ? 32 : 0) : 512 + (T == I8 ? 0 : 32);
+    const int64_t nb = a.nb;
+    __m256 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+    const int8_t* x = a.pq.data() + m0 * a.K;
+    const float* xd = a.pd.data() + m0 * nb;
+    const float* xs = a.ps.data() + m0 * nb;
+    const int32_t* xbias = (T == Q4_0 ? a.pn8.data() : a.pn128.data()) + m0 * nb;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xbias += MR) {
         const uint8_t* blk = tile + b * bb;
-        if (half == 0)  // the second half reads the tile again, from cache by then
+        if (prefetch)  // the second half reads the tile again, from cache by then
             for (int64_t line = 0; line < bb; line += 64)
                 _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-        const uint16_t* sc = tiled_scales(type, blk) + 8 * half;
-        __m256i w[8];
-        __m256 wd, wm = _mm256_setzero_ps();
-        if (is4(type)) {
+        __m256i dot[MR];
+        if constexpr (four) {
+            const __m256i low4 = _mm256_set1_epi8(0x0F);
+#if defined(__AVXVNNI__)
+            for (int i = 0; i < MR; ++i) dot[i] = T == Q4_1 ? _mm256_setzero_si256() : _mm256_set1_epi32(xbias[i]);
             for (int j = 0; j < 4; ++j) {
                 const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-                w[j] = _mm256_and_si256(raw, low4);
-                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], lo, bcast4(x + (j * MR + i) * 4));
+                for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], hi, bcast4(x + ((j + 4) * MR + i) * 4));
             }
-            wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-            wm = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))
-                              : _mm256_mul_ps(wd, _mm256_set1_ps(-8.f));
-        } else {
-            for (int j = 0; j < 8; ++j)
-                w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-            wd = type == I8 ? _mm256_set1_ps(1.f) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-        }
-        for (int i = 0; i < MB; ++i) {
-            const int64_t m = m0 + i;
-            const int8_t* x = a.qrow(m, b);
-            __m256i dot = _mm256_setzero_si256();
-            if (is4(type)) {
-#if defined(__AVXVNNI__)
-                for (int j = 0; j < 4; ++j) {
-                    dot = dot_add(dot, w[j], _mm256_set1_epi32(word(x + 4 * j)));
-                    dot = dot_add(dot, w[j + 4], _mm256_set1_epi32(word(x + 16 + 4 * j)));
-                }
 #else
-                // The eight pair sums of a block fit int16 (8 x 2 x 15 x 127 < 32767): add them there and
-                // widen once, one vpmaddwd a block instead of eight (the multiplier port is the limit).
-                __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(word(x)));
-                for (int j = 1; j < 8; ++j)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(word(x + (j < 4 ? 4 * j : 16 + 4 * (j - 4))))));
-                dot = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-#endif
-            } else {  // signed weights: |w| times the activations carrying w's sign (no saturation)
-                for (int j = 0; j < 8; ++j) {
-                    const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(word(x + 4 * j)), w[j]);
-                    dot = dot_add(dot, _mm256_sign_epi8(w[j], w[j]), s);
+            __m256i s16[MR];
+            for (int j = 0; j < 4; ++j) {
+                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                for (int i = 0; i < MR; ++i) {
+                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + (j * MR + i) * 4)),
+                                                       _mm256_maddubs_epi16(hi, bcast4(x + ((j + 4) * MR + i) * 4)));
+                    s16[i] = j == 0 ? p : _mm256_add_epi16(s16[i], p);
                 }
             }
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd, _mm256_set1_ps(a.d[m * a.nb + b])),
-                                     acc[i]);
-            if (is4(type)) acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.s32[m * a.nb + b]), acc[i]);
+            for (int i = 0; i < MR; ++i) {
+                dot[i] = _mm256_madd_epi16(s16[i], ones);
+                if constexpr (T != Q4_1) dot[i] = _mm256_add_epi32(dot[i], _mm256_set1_epi32(xbias[i]));
+            }
+#endif
+        } else {
+#if defined(__AVXVNNI__)
+            const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+            for (int i = 0; i < MR; ++i) dot[i] = _mm256_set1_epi32(xbias[i]);
+            for (int j = 0; j < 8; ++j) {
+                const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half)), bias);
+                for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], w, bcast4(x + (j * MR + i) * 4));
+            }
+#else
+            for (int i = 0; i < MR; ++i) dot[i] = _mm256_setzero_si256();
+            for (int j = 0; j < 8; ++j) {
+                const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+                const __m256i u = _mm256_sign_epi8(w, w);
+                for (int i = 0; i < MR; ++i)
+                    dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(bcast4(x + (j * MR + i) * 4), w)), ones));
+            }
+#endif
+        }
+        if constexpr (T == I8) {
+            for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_set1_ps(xd[i]), acc[i]);
+        } else {
+            const uint16_t* sc = tiled_scales(T, blk) + 8 * half;
+            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+            for (int i = 0; i < MR; ++i)
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(wd, _mm256_set1_ps(xd[i])), acc[i]);
+            if constexpr (T == Q4_1) {
+                const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
+                for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[i]), acc[i]);
+            }
         }
     }
-    for (int i = 0; i < MB; ++i) result[i] = acc[i];
+    for (int i = 0; i < MR; ++i) result[i] = acc[i];
 }
 
-constexpr int kPassRows = 4;
-
-template <int64_t type, int MB>
+template <int64_t T, int MR>
 void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
                const TileOut& out) {
     for (int half = 0; half < 2; ++half) {
-        __m256 res[MB];
-        half_pass<type, MB>(tile, half, a, m0, res);
+        __m256 res[MR];
+        half_pass<T, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
         const int64_t base = n0 + 8 * half, valid = std::min<int64_t>(8, N - base);
         if (valid <= 0) break;
-        for (int i = 0; i < MB; ++i) {
+        for (int i = 0; i < MR; ++i) {
             float vals[8];
             _mm256_storeu_ps(vals, res[i]);
             for (int r = 0; r < valid; ++r) out.store(m0 + i, base + r, scales ? vals[r] * scales[base + r] : vals[r]);

@@ -170,6 +170,13 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The argmax of each row's logits without materializing them, where the LM head can fuse it
+        (quantized tiled heads: `QuantMatmul.argmax`); None elsewhere. Soft-capping is monotonic, so
+        it does not change the argmax."""
+        argmax = getattr(self.lm_head_fn, "argmax", None)
+        return argmax(hidden) if argmax is not None else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the rows that sample (only those, not every prompt token); through the packed
         head (`linear.packed_lm_head`) once the weights are loaded."""

@@ -131,6 +131,18 @@ class QuantMatmul:
             out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(dtype)
         return out.view(*lead, self.out_features)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """argmax over the output features of `x @ W.T` per row, without writing the outputs (an LM head
+        fused with greedy sampling, `kernels.quant_argmax`); None where that does not apply (several
+        segments, a bias, a layout without tiles, no native kernels, a bf16 input for the dequantize path)."""
+        if (self.ops is None or self.bias is not None or len(self.segments) != 1
+                or self.segments[0].layout != "tiles" or not self.takes_kernel(x.shape[0], x.dtype)):
+            return None
+        seg = self.segments[0]
+        x2 = x.reshape(-1, self.in_features)
+        return self.ops.quant_argmax(x2 if x2.stride(-1) == 1 else x2.contiguous(), seg.data, seg.qtype,
+                                     seg.row_scales_or_empty(), self.out_features)
+
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
