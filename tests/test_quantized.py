@@ -25,7 +25,6 @@ from conveyor.layers.quantization.linear import (
 )
 from conveyor.layers.quantization.tensors import (
     I8,
-    TILED_TYPES,
     GGMLType,
     QuantizedTensor,
     cat_rows,
@@ -79,25 +78,24 @@ def assert_close_scaled(out: torch.Tensor, ref: torch.Tensor, rel: float) -> Non
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: GGMLType(t).name)
 def test_dequantize_equals_gguf(ops, qtype: int) -> None:
-    """The kernels' dequantization (tiled where the type has tiles) is gguf's own, bit for bit, and
-    so is the tensor's `dequantize` in either layout."""
+    """The kernels' dequantization of the tiled layout is gguf's own, bit for bit (the K-quants' scales
+    unpacked at repacking, their values regrouped), and so is the tensor's `dequantize` in either layout."""
     w = gguf_tensor(qtype, 37, 512)
     ref = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), GGMLType(qtype))).reshape(w.shape)
     assert torch.equal(w.dequantize(), ref)
     kernel_w = w.tiled(ops)
-    assert kernel_w.layout == ("tiles" if qtype in TILED_TYPES else "rows")
+    assert kernel_w.layout == "tiles"
     ids = torch.tensor([0, 36, 5, 5, 17])
     out = torch.empty(len(ids), 512)
     ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), ids, 37, out)
     assert torch.equal(out, ref[ids])
     assert torch.equal(kernel_w.dequantize(), ref)
-    if kernel_w.layout == "tiles":  # the whole-matrix (vectorized) dequantization of the prefill path
-        whole = torch.empty(37, 512)
-        ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), whole)
-        assert torch.equal(whole, ref)
-        halves = torch.empty(37, 512, dtype=torch.bfloat16)
-        ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), halves)
-        assert torch.equal(halves, ref.bfloat16())
+    whole = torch.empty(37, 512)  # the whole-matrix (vectorized) dequantization of the AMX CPUs' prefill path
+    ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), whole)
+    assert torch.equal(whole, ref)
+    halves = torch.empty(37, 512, dtype=torch.bfloat16)
+    ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), halves)
+    assert torch.equal(halves, ref.bfloat16())
     with pytest.raises(RuntimeError, match="out of range"):
         ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), torch.tensor([37]), 37, out[:1])
 

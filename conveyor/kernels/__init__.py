@@ -157,10 +157,10 @@ def cpu_fused_ops() -> ModuleType | None:
 @cache
 def cpu_matmul_ops() -> ModuleType | None:
     """Weight-streaming matmuls over GGUF-quantized, int8, bf16 and fp32 weights (`matmul_cpu.cpp`,
-    `quant_tiles.cpp`, `quant_rows.cpp`) and the native decode stack (`decode_stack_cpu.cpp`), or
+    `quant_tiles.cpp`, `quant_gemm.cpp`) and the native decode stack (`decode_stack_cpu.cpp`), or
     None when the build fails."""
-    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_rows.cpp", "decode_stack_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("quant.h", "attention_cpu.h", "vec_math.h"))
+    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_gemm.cpp", "decode_stack_cpu.cpp"],
+                  "-ffp-contract=fast", headers=("quant.h", "quant_layout.h", "attention_cpu.h", "vec_math.h"))
 
 
 @cache
