@@ -163,3 +163,17 @@ def test_bad_data_parallel_settings_fail_before_anything_starts(argv: list[str],
     monkeypatch.setattr("conveyor.scaleout.launch.Supervisor.start", lambda *a, **k: pytest.fail("started"))
     assert main(["serve", "--model", "unused", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_fault_report_sorts_requests_by_how_they_ended():
+    from conveyor.bench.serve_client import RequestResult
+    from conveyor.bench.serve_faults import classify
+
+    cut = 'error in the stream: {"message": "...", "code": "replica_failed"}'
+    results = [RequestResult(0, success=True, status=200, token_chunks=9),
+               RequestResult(1, error=cut, status=200, token_chunks=4),
+               RequestResult(2, error="HTTP 503: shutting down", status=503),
+               RequestResult(3, error="timed out after 5 s (--request-timeout)"),
+               RequestResult(4, error="the stream carried no tokens and no [DONE]", status=200)]
+    assert classify(results) == {"answered": 1, "cut after output": 1, "5xx": 1, "hung (timed out)": 1,
+                                 "other failure": 1}

@@ -95,7 +95,7 @@ async def run_once(client: Any, url: str, workload: Workload, *, model: str, cha
     before = await serve_cache.scrape(client, metrics) if metrics else None
     tasks = []
     t0 = time.perf_counter()
-    killer = asyncio.create_task(serve_faults.kill_later(client, kill[0], kill[1], kill[2], t0)) if kill else None
+    killer = asyncio.create_task(serve_faults.kill_later(kill[0], kill[1], kill[2], t0)) if kill else None
     try:
         for i, at in enumerate(arrivals):
             delay = t0 + at - time.perf_counter()
@@ -114,7 +114,7 @@ async def run_once(client: Any, url: str, workload: Workload, *, model: str, cha
     run["prefix_cache"] = serve_cache.run_delta(before, await serve_cache.scrape(client, metrics)) \
         if before is not None else None
     if fault is not None:
-        fault = await serve_faults.wait_recovery(client, kill[0], fault)
+        fault = await serve_faults.wait_recovery(kill[0], fault)
         run["fault"] = {k: v for k, v in fault.items() if k != "killed_monotonic"} | {
             "requests": serve_faults.classify(results)}
     return run
@@ -151,7 +151,7 @@ async def benchmark(base_url: str, workload: Workload, *, endpoint: str = CHAT_E
                 raise RuntimeError(f"the initial test request to {url} failed: {res.error}")
             log("Initial test run completed.")
         if kill_replica is not None:  # a replica of ours to kill: fail now, not after the run
-            await serve_faults.replica(client, serve_faults.dashboard_url(base_url), kill_replica)
+            await serve_faults.replica(serve_faults.dashboard_url(base_url), kill_replica)
         runs = []
         for rate in request_rates:
             log(f"Traffic request rate: {rate:g} req/s, burstiness {burstiness:g}"

@@ -28,30 +28,34 @@ def dashboard_url(base_url: str) -> str:
     return (base[:-3] if base.endswith("/v1") else base) + "/dashboard/data"
 
 
-async def replica(client: Any, url: str, engine: int) -> dict[str, Any]:
-    engines = (await client.get(url, timeout=10.0)).json().get("engines")
+async def replica(url: str, engine: int) -> dict[str, Any]:
+    """Replica `engine` as the front's dashboard data shows it (its own connection: the benchmark's pool may
+    be full of streams)."""
+    import httpx
+
+    async with httpx.AsyncClient(trust_env=False, timeout=10.0) as client:
+        engines = (await client.get(url)).json().get("engines")
     if not engines or not 0 <= engine < len(engines) or not engines[engine]["local"]:
         raise RuntimeError(f"--kill-replica {engine}: the server at {url} has no local replica {engine} (it must "
                            "be `conveyor serve --data-parallel-size N` on this machine)")
     return engines[engine]
 
 
-async def kill_later(client: Any, base_url: str, engine: int, after_s: float, t0: float) -> dict[str, Any]:
+async def kill_later(base_url: str, engine: int, after_s: float, t0: float) -> dict[str, Any]:
     """Kill replica `engine` `after_s` seconds after `t0` (perf_counter); what was killed, and when."""
     url = dashboard_url(base_url)
-    await replica(client, url, engine)  # fail before the wait
     await asyncio.sleep(max(0.0, t0 + after_s - time.perf_counter()))
-    target = await replica(client, url, engine)
+    target = await replica(url, engine)
     os.kill(target["pid"], signal.SIGKILL)
     return {"engine": engine, "pid": target["pid"], "killed_at_s": time.perf_counter() - t0,
             "killed_monotonic": time.monotonic()}
 
 
-async def wait_recovery(client: Any, base_url: str, fault: dict[str, Any]) -> dict[str, Any]:
+async def wait_recovery(base_url: str, fault: dict[str, Any]) -> dict[str, Any]:
     """Poll until the killed replica is back (a new pid, state up); the fault with the recovery times."""
     url = dashboard_url(base_url)
     while time.monotonic() - fault["killed_monotonic"] < RECOVERY_TIMEOUT_S:
-        now = await replica(client, url, fault["engine"])
+        now = await replica(url, fault["engine"])
         if now["pid"] != fault["pid"] and now["state"] == "up":
             return fault | {"back_after_s": time.monotonic() - fault["killed_monotonic"],
                             "supervisor_recovery_s": now["last_recovery_s"], "restarts": now["restarts"]}

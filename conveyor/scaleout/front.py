@@ -114,7 +114,7 @@ class Front:
             upstream = await self.http.send(outgoing, stream=True)
         except httpx.HTTPError as exc:
             return unavailable(f"the router did not answer: {exc}", "router_down")
-        sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        sse = upstream.status_code == 200 and upstream.headers.get("content-type", "").startswith("text/event-stream")
         kept = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
         return StreamingResponse(relay(upstream, sse), status_code=upstream.status_code, headers=kept)
 
