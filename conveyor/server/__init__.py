@@ -33,6 +33,9 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   /detokenize need the key; /health and /metrics stay open), 404 model_not_found, 500
   server_error (the request failed inside the engine; in a stream: an error event, then [DONE]),
   503 service_unavailable_error with Retry-After (queue full, or shutting down).
+- Streaming: the status line and headers go out with the first output (a token, the end, or an
+  error), so a request still queued when the server dies has received nothing and a router in front
+  (`conveyor serve --data-parallel-size`) retries it on another replica.
 - Admission: the server counts engine requests (prompts x n) accepted and not yet finished; a
   request that would take the count past `max_queue` gets 503 at once. Accepted requests always
   get their answer. A client that disconnects (streaming or not) cancels its requests at once.
