@@ -58,7 +58,7 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         assert time.monotonic() < deadline, "the deployment did not become healthy"
         time.sleep(0.2)
     yield Deployment(proc, url)
-    if proc.poll() is None:
+    if proc.poll() is None:  # a test failed before the drain test: its replicas die with it
         proc.kill()
         proc.wait()
 

@@ -61,5 +61,5 @@ def test_replicas_behind_the_prefix_aware_router_share_prefixes(app_url: str):
         if a["replica"] == b["replica"]:
             same_replica += 1
             hits += b["prefix_cache_hit_tokens"] - a["prefix_cache_hit_tokens"]
-    assert same_replica >= 3
+    assert same_replica == 4  # Ray's default (power of two choices) would split about half the pairs
     assert hits >= same_replica * 64 * 0.75  # the shared pages came from the cache

@@ -1,7 +1,10 @@
-"""Addresses: free loopback ports, replica URLs checked before anything starts, a one-shot health probe."""
+"""Addresses: free loopback ports, replica URLs checked before anything starts, a one-shot health probe;
+and the one thing every child process gets at its start: to die with its parent."""
 
 from __future__ import annotations
 
+import ctypes
+import signal
 import socket
 from urllib.parse import urlsplit
 
@@ -37,3 +40,15 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return httpx.get(url, timeout=timeout_s, trust_env=False).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def end_with_parent() -> None:
+    """In a child, before exec (`preexec_fn`): SIGTERM when the process that started it dies, so replicas
+    and the router never outlive a supervisor killed with SIGKILL (Linux; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass

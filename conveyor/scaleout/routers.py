@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .net import free_port, http_ok
+from .net import end_with_parent, free_port, http_ok
 
 logger = logging.getLogger("conveyor.scaleout")
 
@@ -93,7 +93,8 @@ class RouterProcess:
     def start(self, timeout_s: float = 60.0) -> float:
         """Start it and wait until it reports ready (`GET /readiness`); returns the seconds that took."""
         started = time.monotonic()
-        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno())
+        self.proc = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=sys.stderr.fileno(),
+                                     preexec_fn=end_with_parent)
         while not http_ok(f"{self.url}/readiness"):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} before it was ready; "

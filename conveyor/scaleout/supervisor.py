@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .net import http_ok
+from .net import end_with_parent, http_ok
 from .placement import Placement
 from .routers import RouterProcess
 
@@ -104,7 +104,7 @@ class Supervisor:
         replica.proc = subprocess.Popen(
             replica.command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             env={**os.environ, **replica.placement.env()},
-            preexec_fn=lambda: os.sched_setaffinity(0, cpus))  # before torch starts its threads
+            preexec_fn=lambda: (os.sched_setaffinity(0, cpus), end_with_parent()))  # before torch's threads
         replica.state, replica.started_at = "starting", time.monotonic()
         threading.Thread(target=pipe_lines, args=(replica.proc.stdout, f"[replica {replica.index}]"),
                          daemon=True).start()
