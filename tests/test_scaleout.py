@@ -160,6 +160,7 @@ def test_bad_data_parallel_settings_fail_before_anything_starts(argv: list[str],
                                                                  capsys: pytest.CaptureFixture[str],
                                                                  monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr("conveyor.scaleout.placement.usable_cpus", lambda: [0, 1])
+    monkeypatch.setattr(routers.RouterSpec, "executable", lambda self: f"/bin/{self.script}")  # installed or not
     monkeypatch.setattr("conveyor.scaleout.launch.Supervisor.start", lambda *a, **k: pytest.fail("started"))
     assert main(["serve", "--model", "unused", *argv]) == 2
     assert message in capsys.readouterr().err
