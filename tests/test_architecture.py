@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("engine", ("conveyor.engine",)),
     ("api", ("conveyor.manager", "conveyor.llm", "conveyor.cli_args")),
     ("server", ("conveyor.server",)),
+    ("scaleout", ("conveyor.scaleout",)),
     ("bench", ("conveyor.bench",)),
     ("cli", ("conveyor.cli",)),
 ]
