@@ -69,7 +69,8 @@ class RankGroup:
         self.world_size = world_size
         self.device = device
         timeout = timedelta(seconds=step_timeout())
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=IDLE_TIMEOUT_S))
+        # Timeouts are each process's own: rank 0's sends give up after a step's timeout, the others wait idle.
+        self.control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else timedelta(seconds=IDLE_TIMEOUT_S))
         self.compute = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
         self.failure: str | None = None  # what killed the group, once something did
         self.listeners: list[Callable[[str], None]] = []  # told the failure once (rank 0: the engines' managers)
@@ -155,7 +156,9 @@ class RankGroup:
         except (RuntimeError, OSError, pickle.UnpicklingError) as exc:
             if isinstance(exc, DistributedError):
                 raise
-            self.fail(f"{what} failed on rank {self.rank}: {exc}")
+            late = "timed out" in str(exc).lower()
+            self.fail(f"{what} on rank {self.rank} failed: " + (
+                f"a rank did not answer within {step_timeout():g} s (CONVEYOR_TP_TIMEOUT): " if late else "") + str(exc))
             raise DistributedError(self.failure) from exc
 
     def watch(self, processes: dict[int, Any]) -> None:

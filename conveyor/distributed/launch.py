@@ -165,5 +165,4 @@ def shutdown() -> None:
             pass
     group.closed = True
     stop_processes(launched.processes, grace_s=10.0 if group.failure is None else 0.0)
-    if group.failure is None:
-        group.destroy()
+    group.destroy()
