@@ -26,6 +26,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -76,6 +77,7 @@ class RankGroup:
         self.listeners: list[Callable[[str], None]] = []  # told the failure once (rank 0: the engines' managers)
         self.lock = threading.Lock()  # rank 0: one command and the collectives of its call at a time
         self.closed = False
+        self.watched: dict[int, Any] = {}  # rank 0 on one machine: rank -> the process it spawned
 
     @classmethod
     def join(cls, rank: int, world_size: int, device: torch.device, store: dist.Store | None = None) -> RankGroup:
@@ -157,13 +159,27 @@ class RankGroup:
             if isinstance(exc, DistributedError):
                 raise
             late = "timed out" in str(exc).lower()
-            self.fail(f"{what} on rank {self.rank} failed: " + (
+            self.fail(self.dead_rank() or f"{what} on rank {self.rank} failed: " + (
                 f"a rank did not answer within {step_timeout():g} s (CONVEYOR_TP_TIMEOUT): " if late else "") + str(exc))
             raise DistributedError(self.failure) from exc
+
+    def dead_rank(self, wait_s: float = 2.0) -> str | None:
+        """Which spawned rank has exited, and how (a collective usually fails a moment before the process
+        is reaped); None when none has, or when the ranks are not this process's children."""
+        deadline = time.monotonic() + (wait_s if self.watched else 0.0)
+        while True:
+            for rank, process in self.watched.items():
+                if process.exitcode is not None:
+                    return describe_exit(rank, process.pid, process.exitcode)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def watch(self, processes: dict[int, Any]) -> None:
         """Rank 0: a daemon thread that marks the group failed as soon as one of `processes` (rank ->
         multiprocessing.Process) exits while the group is open."""
+        self.watched = processes
+
         def run() -> None:
             sentinels = {p.sentinel: (rank, p) for rank, p in processes.items()}
             ready = wait(list(sentinels))
