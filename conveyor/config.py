@@ -43,7 +43,8 @@ class ContinuousBatchingConfig:
     step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
         0 = off (the server turns it on).
     tensor_parallel_size: ranks the model is split over (vLLM's name; `distributed/`): 1 = one process.
-        Over 1, CUDA graphs are off (None resolves to False), and async batching and a draft model are errors.
+        Over 1, CUDA graphs are off (None resolves to False); async batching, a draft model and a swap pool
+        are errors.
     """
 
     page_size: int = 16
@@ -102,7 +103,8 @@ class ContinuousBatchingConfig:
 
     def check_tensor_parallel(self) -> None:
         """What runs with tensor parallelism: the eager step (rank 0 tells the other ranks each call of the
-        model, which a captured graph cannot), no async pipeline, no draft model (it would run unsharded)."""
+        model, which a captured graph cannot), no async pipeline, no draft model (it would run unsharded),
+        no swap pool (it copies rank 0's blocks only; preempted requests take the soft-reset path)."""
         tp = self.tensor_parallel_size
         if self.use_cuda_graph:
             raise ConfigError(f"use_cuda_graph=True does not combine with tensor_parallel_size={tp} (steps run "
@@ -114,3 +116,6 @@ class ContinuousBatchingConfig:
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             raise ConfigError(f"a draft model does not combine with tensor_parallel_size={tp}; use the 'ngram' "
                               "method")
+        if self.cpu_offload_space > 0:
+            raise ConfigError(f"cpu_offload_space > 0 does not combine with tensor_parallel_size={tp} (the swap pool "
+                              "holds rank 0's KV blocks only); leave it 0: preempted requests are recomputed")

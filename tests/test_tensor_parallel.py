@@ -81,6 +81,8 @@ def test_bad_sizes_fail_before_anything_starts(tiny_llama: TinyModel) -> None:
     with pytest.raises(ConfigError, match="draft model does not combine"):
         ContinuousBatchingConfig(tensor_parallel_size=2, speculative_config={
             "method": "draft_model", "quantization": "int4", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="cpu_offload_space > 0 does not combine"):
+        ContinuousBatchingConfig(tensor_parallel_size=2, cpu_offload_space=1.0)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive integer"):
         ContinuousBatchingConfig(tensor_parallel_size=0)
     assert launch._CURRENT is before  # nothing was spawned
