@@ -161,6 +161,25 @@ def test_tp2_logprobs_and_seeded_sampling_equal_tp1(tiny_llama: TinyModel) -> No
     two.shutdown()
 
 
+def test_tp2_speculation_prefix_cache_and_padding_equal_tp1(tiny_llama: TinyModel) -> None:
+    """n-gram proposals (decode rows verifying several tokens), shared prefix blocks and padded steps run
+    through the same calls on every rank."""
+    base = PROMPTS[3]
+    prompts = [base + base[:8] * 3, base + [7, 8], base + [9]]  # repeats to copy from; a shared prefix
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    config = ContinuousBatchingConfig(num_blocks=128, speculative_config=spec)
+    one = LLM(tiny_llama.path, dtype="float32", config=config)
+    two = tp_llm(tiny_llama.path, speculative_config=spec, pad_steps=True)
+    a, b = ([o.token_ids for batch in (prompts[:1], prompts[1:]) for o in llm.generate(batch, params, use_tqdm=False)]
+            for llm in (one, two))  # the second batch reuses the first one's cached prefix blocks
+    assert a == b
+    stats = two.stats()
+    assert stats.spec_decode_num_drafts > 0 and stats.prefix_cache_hit_tokens > 0
+    assert_pool_returned(two)
+    two.shutdown()
+
+
 def test_tp2_gguf_blocks_close_to_tp1(quantized_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The file's Q4_0/Q4_1/Q8_0 blocks split as they are: only the order of the sums changes."""
     from .conftest import tiny_tokenizer

@@ -3,8 +3,8 @@ becomes (`DistributedError`, which the engine lets through to its death path).
 
 Three groups over the same ranks, as vLLM keeps a CPU group beside the device group:
 
-- the default group (`init_process_group`): loading a model (a gather of every rank's result), with
-  `LOAD_TIMEOUT_S`, since ranks load their shards at their own pace;
+- the default group (`init_process_group`, gloo): loading a model (a gather of every rank's result),
+  with `LOAD_TIMEOUT_S`, since ranks load their shards at their own pace;
 - `control` (gloo): rank 0's commands to the others (`worker.py`), pickled. Between requests the
   other ranks wait here for as long as rank 0 stays idle, so its timeout is a week: a dead rank 0
   is noticed by its closed connection (and, for spawned ranks, a parent watchdog), not by time;
@@ -85,9 +85,8 @@ class RankGroup:
         (`MASTER_ADDR`, `MASTER_PORT`, `RANK`, `WORLD_SIZE`)."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=LOAD_TIMEOUT_S),
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=LOAD_TIMEOUT_S),
                                 **kwargs)
         return cls(rank, world_size, device)
 
