@@ -173,7 +173,7 @@ def serve_rank(group: RankGroup) -> int:
     try:
         RankWorker(group).serve()
     except DistributedError as exc:
-        logger.error("rank %d stops: %s", group.rank, exc)
+        logger.error("rank %d stops: rank 0 is gone or the group failed (%s)", group.rank, exc)
         return 1
     except Exception:
         logger.exception("rank %d failed; the group cannot go on", group.rank)
