@@ -71,7 +71,8 @@ class RankGroup:
         self.device = device
         timeout = timedelta(seconds=step_timeout())
         # Timeouts are each process's own: rank 0's sends give up after a step's timeout, the others wait idle.
-        self.control = dist.new_group(backend="gloo", timeout=timeout if rank == 0 else timedelta(seconds=IDLE_TIMEOUT_S))
+        idle = timeout if rank == 0 else timedelta(seconds=IDLE_TIMEOUT_S)
+        self.control = dist.new_group(backend="gloo", timeout=idle)
         self.compute = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
         self.failure: str | None = None  # what killed the group, once something did
         self.listeners: list[Callable[[str], None]] = []  # told the failure once (rank 0: the engines' managers)
@@ -111,7 +112,6 @@ class RankGroup:
     # -- commands (rank 0 to the others) and load results ----------------------------------
     def send(self, command: object) -> None:
         """Rank 0: one command to every other rank."""
-        self.check()
         with self.failures("command"):
             dist.broadcast_object_list([command], src=0, group=self.control)
 
@@ -158,8 +158,8 @@ class RankGroup:
             if isinstance(exc, DistributedError):
                 raise
             late = "timed out" in str(exc).lower()
-            self.fail(self.dead_rank() or f"{what} on rank {self.rank} failed: " + (
-                f"a rank did not answer within {step_timeout():g} s (CONVEYOR_TP_TIMEOUT): " if late else "") + str(exc))
+            why = f"a rank did not answer within {step_timeout():g} s (CONVEYOR_TP_TIMEOUT): " if late else ""
+            self.fail(self.dead_rank() or f"{what} on rank {self.rank} failed: {why}{exc}")
             raise DistributedError(self.failure) from exc
 
     def dead_rank(self, wait_s: float = 2.0) -> str | None:
