@@ -159,8 +159,9 @@ class RankGroup:
                 raise
             late = "timed out" in str(exc).lower()
             why = f"a rank did not answer within {step_timeout():g} s (CONVEYOR_TP_TIMEOUT): " if late else ""
-            self.fail(self.dead_rank() or f"{what} on rank {self.rank} failed: {why}{exc}")
-            raise DistributedError(self.failure) from exc
+            reason = self.dead_rank() or f"{what} on rank {self.rank} failed: {why}{exc}"
+            self.fail(reason)
+            raise DistributedError(self.failure or reason) from exc
 
     def dead_rank(self, wait_s: float = 2.0) -> str | None:
         """Which spawned rank has exited, and how (a collective usually fails a moment before the process
