@@ -1,6 +1,7 @@
 """Tensor parallelism (README, "Tensor parallelism"): the split plan and its refusals, shards read from
 the file as slices, TP=2 over gloo against transformers (fp32, the tie rule) and against TP=1 (a GGUF
-file's quantized blocks, bf16), two torchrun "nodes" on loopback, and a rank that dies.
+file's quantized blocks, int8, int4, bf16: the precision tests' tolerance), two torchrun "nodes" on
+loopback, and a rank that dies.
 
 Ranks are spawned once for the module (later models load into the same ranks) and stopped after it.
 """
@@ -41,8 +42,10 @@ def ranks_stop_after_the_module():
     launch.shutdown()
 
 
-def tp_llm(path: Path | str, tp: int = 2, dtype: str = "float32", **config: object) -> LLM:
-    return LLM(path, dtype=dtype, tensor_parallel_size=tp, config=ContinuousBatchingConfig(num_blocks=128, **config))
+def tp_llm(path: Path | str, tp: int = 2, dtype: str = "float32", quantization: str | None = None,
+           **config: object) -> LLM:
+    return LLM(path, dtype=dtype, quantization=quantization, tensor_parallel_size=tp,
+               config=ContinuousBatchingConfig(num_blocks=128, **config))
 
 
 def assert_pool_returned(llm: LLM) -> None:
@@ -193,6 +196,21 @@ def test_tp2_gguf_blocks_close_to_tp1(quantized_gguf: Path, monkeypatch: pytest.
     assert err < BF16_TOLERANCE, f"gguf TP=2 vs TP=1: log-prob error {err:.3f}"
     assert rate >= BF16_AGREEMENT, f"gguf TP=2 vs TP=1: greedy agreement {rate:.2f}"
     assert_pool_returned(two)
+    two.shutdown()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_tp2_quantized_from_floats_close_to_tp1(tiny_models: dict[str, TinyModel], quantization: str) -> None:
+    """int8 and int4 made from the float shards (int4's groups of 32 are TP=1's; int8's per-row scale of o
+    and down covers the rank's columns only)."""
+    smooth = tiny_models["llama_smooth"]
+    one = LLM(smooth.path, quantization=quantization, config=ContinuousBatchingConfig(num_blocks=128))
+    two = tp_llm(smooth.path, dtype="auto", quantization=quantization)
+    assert two.quantization == quantization
+    err = (next_token_logprobs(two, PROMPTS) - next_token_logprobs(one, PROMPTS)).abs().max().item()
+    rate = agreement(greedy(two, PROMPTS), greedy(one, PROMPTS))
+    print(f"{quantization} TP=2 vs TP=1: log-prob error {err:.4f}, greedy agreement {rate:.2f}")
+    assert err < BF16_TOLERANCE and rate >= BF16_AGREEMENT
     two.shutdown()
 
 
