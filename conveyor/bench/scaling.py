@@ -20,8 +20,11 @@ nothing, so the run takes as long as the slowest replica. A replica's step with 
 - the logits gather to rank 0: `(T - 1)` shards of `B * vocab / T` fp32 logits over one link.
 
 Not modelled: prefill (every request has a one-token prompt, as in the seeds' simulation), the
-command rank 0 sends each step, the router's own latency, and contention between ranks that share a
-machine's memory bandwidth (on this 2-core machine TP is about correctness, not speed).
+command rank 0 sends each step, the router's own latency, the eager layer path TP runs on (the
+native decode stack is off with TP: give `--step-ms` of that path), and waiting: ranks that share
+busy cores arrive at a collective apart and wake late (on this 2-core machine an all-reduce inside
+a real TP=2 step took 1.3 ms, ~4x the isolated figure: give `--allreduce-latency-us` from a profile
+there). So it is a lower bound for such a machine, meant for separate devices and real networks.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from .allreduce import AllReduceFit
 # The built-in SmolLM2-135M-Instruct: hidden size, layers, vocabulary; bf16 activations.
 DEFAULT_SHAPE = {"hidden_size": 576, "num_layers": 30, "vocab_size": 49152, "act_bytes": 2}
 DEFAULT_STEP_MS, DEFAULT_ROW_MS = 8.9, 2.2
-# A two-rank gloo all-reduce on this 2-core machine (`bench simulate --measure-allreduce`, DEVELOPERS.md).
-DEFAULT_ALLREDUCE = AllReduceFit(100.0, 2.0, source="default: gloo between 2 local ranks on the 2-core Xeon")
+# A two-rank gloo all-reduce on this 2-core machine, bf16 [rows, 576], load ~5 (`bench simulate
+# --measure-allreduce`, DEVELOPERS.md "Tensor parallelism": inside a real step it took ~4x this).
+DEFAULT_ALLREDUCE = AllReduceFit(346.0, 0.81, source="default: gloo between 2 local ranks on the 2-core Xeon, "
+                                                     "measured 2026-12-02")
 
 
 @dataclass
