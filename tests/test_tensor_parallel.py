@@ -135,7 +135,7 @@ def test_gguf_shards_keep_whole_blocks(quantized_gguf: Path) -> None:
 
 
 # -- TP=2 against transformers and against TP=1 ------------------------------------------------------
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_tp2_greedy_matches_transformers(tiny_models: dict[str, TinyModel], kind: str) -> None:
     model = tiny_models[kind]
     llm = tp_llm(model.path)
