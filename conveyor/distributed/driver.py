@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -84,6 +84,7 @@ class ShardedModel:
     quantization: str
     launched: Launched
     driver: RankDriver
+    listeners: list[Callable[[str], None]] = field(default_factory=list)  # this model's, on the group
 
     def engine_config(self, config: ContinuousBatchingConfig) -> ContinuousBatchingConfig:
         """On CPU the ranks of this machine share its memory: each KV pool sized from its share."""
@@ -94,11 +95,17 @@ class ShardedModel:
 
     def on_failure(self, callback: Callable[[DistributedError], None]) -> None:
         """Call `callback` (from the watchdog's thread) when the group fails, e.g. a rank dies while idle."""
-        self.launched.group.listeners.append(lambda reason: callback(DistributedError(reason)))
+        def listener(reason: str) -> None:
+            callback(DistributedError(reason))
+
+        self.listeners.append(listener)
+        self.launched.group.listeners.append(listener)
 
     def close(self) -> None:
         """Release this model's shards on the other ranks; the group stays for the next model."""
-        self.launched.group.listeners.clear()
+        for listener in self.listeners:
+            self.launched.group.listeners.remove(listener)
+        self.listeners.clear()
         self.driver.release()
 
 
