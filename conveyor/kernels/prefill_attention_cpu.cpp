@@ -5,7 +5,8 @@
 // chunk's own tokens), causally, within an optional sliding window; flash-style (online softmax over
 // blocks of keys), one task per (chunk, kv head, query tile) so every K/V block is reused by all of
 // the tile's query rows. `softcap` > 0 caps the scores as Gemma 2 does: tanh(score / softcap) * softcap.
-#include "attention_cpu.h"
+#include "prefill_attention_cpu.h"
+#include "vec_cpu.h"
 
 #include <ATen/Parallel.h>
 
@@ -23,10 +24,6 @@ namespace {
 inline void store(float* p, float x) { *p = x; }
 inline void store(bf16* p, float x) { *p = bf16(x); }  // round to nearest even
 
-void check_dtype(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of the cache's dtype");
-}
-
 // W floats per register: 16 (one zmm) where the compiler targets AVX-512, else 8 (AVX2, or pairs
 // of SSE registers). Prefill is compute-bound, and everything in it is vectorized along the query
 // rows of a tile (the queries of one kv head's G query heads): scores are kept transposed, keys x
@@ -34,55 +31,14 @@ void check_dtype(const torch::Tensor& t, at::ScalarType dtype, const char* name)
 // Register blocks: KB keys (or head-dim entries) x CB row vectors of accumulators: 24 of AVX-512's
 // 32 registers (~5% faster than 12), 12 of AVX2's 16.
 #ifdef __AVX512F__
-constexpr int W = 16, KB = 8;
+constexpr int KB = 8;
 #else
-constexpr int W = 8, KB = 4;
+constexpr int KB = 4;
 #endif
 constexpr int CB = 3;  // 96-row tiles: 6 (AVX-512) or 12 (AVX2) row vectors, in groups of 3
 constexpr int64_t NB = 64;         // keys per block (a multiple of KB): its scores and V rows stay in L1
 constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head) per task
 static_assert(NB % KB == 0, "a block pads its last keys to a multiple of KB, within NB");
-typedef float vecw __attribute__((vector_size(W * 4)));
-typedef int32_t ivecw __attribute__((vector_size(W * 4)));
-
-inline vecw loadw(const float* p) {
-    vecw v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }
-inline vecw splat(float x) { return vecw{} + x; }
-inline vecw select(ivecw mask, vecw a, vecw b) { return mask ? a : b; }
-
-// e^x to about 2 ulp for x <= 0, all it is used for (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
-// degree-5 polynomial in r); 0 below -87, where 2^n would leave the normal numbers.
-inline vecw vexp(vecw x) {
-    const ivecw under = x < -87.f;
-    x = select(under, splat(-87.f), x);
-    const vecw n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
-    const vecw r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    vecw p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vecw y = p * r * r + r + 1.f;
-    const ivecw bits = (__builtin_convertvector(n, ivecw) + 127) << 23;
-    vecw scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return select(under, vecw{}, y * scale);
-}
-
-// tanh to a few ulp (Cephes tanhf): an odd polynomial below 0.625, (1 - e^-2|x|) / (1 + e^-2|x|) above.
-inline vecw vtanh(vecw x) {
-    const vecw ax = select(x < 0.f, -x, x), z = x * x;
-    const vecw e = vexp(-2.f * ax);
-    const vecw big = (1.f - e) / (1.f + e);
-    const vecw small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
-                         1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
-    return select(ax < 0.625f, small, select(x < 0.f, -big, big));
-}
 
 // st[n][rows] = k[n] . qt[:, rows] for KB keys n and C row vectors: qt is [D][Rp], st [NB][Rp].
 template <int C>
@@ -269,47 +225,15 @@ void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int6
     });
 }
 
-void check_heads(const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
-                " must be [tokens, heads, dim] with contiguous heads");
-}
-
 }  // namespace
 
-// Writes the attention output of every prefill chunk's rows into `out`; call it before the pass
-// writes the new K/V into the cache.
-void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's queries
-                             torch::Tensor k,          // [T, Hkv, D] the batch's new keys
-                             torch::Tensor v,          // [T, Hkv, D] and values
-                             torch::Tensor kv_cache,   // [2, slots, Hkv, D]
-                             torch::Tensor ctx_slots,  // [sum of n_ctx] int64: each chunk's context slots, in order
-                             torch::Tensor chunks,     // [C, 4] int64: q_start, q_len, offset into ctx_slots, n_ctx
-                             int64_t window, double scale, double softcap,
-                             torch::Tensor out) {      // [T, H, D] contiguous
-    const auto dtype = kv_cache.scalar_type();
-    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "fp32 or bf16 only");
-    for (const auto* t : {&q, &k, &v, &out}) check_dtype(*t, dtype, "q, k, v and out");
-    check_heads(q, "q");
-    check_heads(k, "k");
-    check_heads(v, "v");
-    TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, shaped like q");
-    TORCH_CHECK(kv_cache.is_contiguous() && ctx_slots.is_contiguous() && chunks.is_contiguous() &&
-                ctx_slots.scalar_type() == torch::kInt64 && chunks.scalar_type() == torch::kInt64 &&
-                chunks.dim() == 2 && chunks.size(1) == 4, "ctx_slots [n] and chunks [C, 4]: contiguous int64");
-    const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(2), slots = kv_cache.size(1);
-    TORCH_CHECK(k.size(1) == Hkv && k.size(2) == D && H % Hkv == 0, "head counts or sizes disagree");
-    const auto run = [&](auto* qp, auto* kp, auto* vp, auto* cp, auto* op) {
-        prefill(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), cp, cp + slots * Hkv * D,
-                ctx_slots.data_ptr<int64_t>(), chunks.data_ptr<int64_t>(), chunks.size(0), op, H, Hkv, D, window,
-                static_cast<float>(scale), static_cast<float>(softcap));
-    };
-    if (dtype == torch::kFloat32)
-        run(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kv_cache.data_ptr<float>(),
-            out.data_ptr<float>());
-    else
-        run(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), kv_cache.data_ptr<bf16>(),
-            out.data_ptr<bf16>());
+template <typename T>
+void prefill_attention(const PrefillArgs<T>& a) {
+    prefill(a.q, a.q_stride, a.k, a.k_stride, a.v, a.v_stride, a.cache_k, a.cache_v, a.ctx_slots, a.chunks,
+            a.num_chunks, a.out, a.heads, a.kv_heads, a.head_dim, a.window, a.scale, a.softcap);
 }
+template void prefill_attention<float>(const PrefillArgs<float>&);
+template void prefill_attention<bf16>(const PrefillArgs<bf16>&);
 
 int64_t prefill_vector_width() { return W; }
 
