@@ -62,6 +62,10 @@ inline vecw splat(float x) {  // a broadcast (`vecw{} + x` would add 0 first: si
 }
 inline vecw select(ivecw mask, vecw a, vecw b) { return mask ? a : b; }
 inline vecw vmax(vecw a, vecw b) { return select(a > b, a, b); }
+inline bool any(ivecw mask) {  // some lane set (a comparison's result: all bits or none)
+    ivecw zero = {};
+    return std::memcmp(&mask, &zero, sizeof mask) != 0;
+}
 
 // e^x for x <= 0, to about 2 ulp (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial
 // in r), x clamped at -87 (e^-87 ~ 1.6e-38: nothing next to the row max's 1).
