@@ -111,17 +111,17 @@ def run_prefill(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int
                 dtype: torch.dtype, contiguous_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill kernel's output and the reference's. Queries, keys and values are views into one fused
     projection (strided rows), as the layer passes them (keys contiguous after a q/k norm); each chunk's
-    context sits at random cache slots."""
+    context sits at random slots of a cache of at least 2048."""
     g = torch.Generator().manual_seed(heads * dim + len(chunks))
-    total = sum(n for n, _ in chunks)
+    total, slots = sum(n for n, _ in chunks), max([2048] + [n_ctx for _, n_ctx in chunks])
     qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     q, k, v = (x.view(total, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     if contiguous_k:
         k = k.contiguous()
-    kv = torch.randn(2, 2048, kv_heads, dim, generator=g).to(dtype)
+    kv = torch.randn(2, slots, kv_heads, dim, generator=g).to(dtype)
     spans, rows, offset, start = [], [], 0, 0
     for n, n_ctx in chunks:
-        spans.append((start, n, torch.randperm(2048, generator=g)[:n_ctx]))
+        spans.append((start, n, torch.randperm(slots, generator=g)[:n_ctx]))
         rows.append([start, n, offset, n_ctx])
         start, offset = start + n, offset + n_ctx
     out = torch.full_like(q, float("nan"))
