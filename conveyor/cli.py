@@ -9,6 +9,7 @@ import sys
 import time
 
 from .cli_args import add_engine_args, add_serve_args, config_from_args
+from .scaleout import add_data_parallel_args, serve_data_parallel
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -31,14 +32,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import torch
+
     from .llm import LLM
     from .manager import EngineDeadError
+    from .scaleout.placement import plan_placement
     from .server import ServerSettings, run_server
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.data_parallel_size != 1 or args.data_parallel_address:
+        return serve_data_parallel(args)
+    if args.threads is not None:
+        plan_placement(1, args.threads)  # the same check as for replicas: no more threads than cores
+        torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
               config=config_from_args(args))
     settings = ServerSettings(served_model_names=args.served_model_name, api_key=args.api_key,
@@ -83,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
-    add_serve_args(sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `conveyor serve --help`)"))
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `conveyor serve --help`)")
+    add_serve_args(serve)
+    add_data_parallel_args(serve)
     sub.add_parser("build-kernels", help="build the native CPU kernels now (once per environment; setup does it)")
     sub.add_parser("bench", help="benchmarks (see `conveyor bench --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv

@@ -25,8 +25,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("speculative", ("conveyor.speculative",)),
     ("config", ("conveyor.config",)),
     ("engine", ("conveyor.engine",)),
+    ("distributed", ("conveyor.distributed",)),
     ("api", ("conveyor.manager", "conveyor.llm", "conveyor.cli_args")),
     ("server", ("conveyor.server",)),
+    ("scaleout", ("conveyor.scaleout",)),
     ("bench", ("conveyor.bench",)),
     ("cli", ("conveyor.cli",)),
 ]

@@ -279,7 +279,9 @@ def test_payloads_chat_and_completions():
     assert chat["results"][0]["completed"] == 2 and comp["results"][0]["completed"] == 1
     assert comp["results"][0]["total_output_tokens"] == 2
     assert "/v1/models" not in paths  # --model given: no discovery
-    assert paths == ["/v1/chat/completions"] * 2 + ["/v1/completions"]
+    assert [p for p in paths if p != "/metrics"] == ["/v1/chat/completions"] * 2 + ["/v1/completions"]
+    assert paths.count("/metrics") == 2  # before each run (a server without Conveyor's counters: not after)
+    assert chat["results"][0]["prefix_cache"] is None
     c = bodies[0]
     assert c["messages"] == [{"role": "user", "content": wl.requests[0].prompt}] or \
         c["messages"] == [{"role": "user", "content": wl.requests[1].prompt}]

@@ -25,7 +25,6 @@ from conveyor.layers.quantization.linear import (
 )
 from conveyor.layers.quantization.tensors import (
     I8,
-    TILED_TYPES,
     GGMLType,
     QuantizedTensor,
     cat_rows,
@@ -79,25 +78,24 @@ def assert_close_scaled(out: torch.Tensor, ref: torch.Tensor, rel: float) -> Non
 
 @pytest.mark.parametrize("qtype", GGUF_TYPES, ids=lambda t: GGMLType(t).name)
 def test_dequantize_equals_gguf(ops, qtype: int) -> None:
-    """The kernels' dequantization (tiled where the type has tiles) is gguf's own, bit for bit, and
-    so is the tensor's `dequantize` in either layout."""
+    """The kernels' dequantization of the tiled layout is gguf's own, bit for bit (the K-quants' scales
+    unpacked at repacking, their values regrouped), and so is the tensor's `dequantize` in either layout."""
     w = gguf_tensor(qtype, 37, 512)
     ref = torch.from_numpy(gguf.quants.dequantize(w.data.numpy(), GGMLType(qtype))).reshape(w.shape)
     assert torch.equal(w.dequantize(), ref)
     kernel_w = w.tiled(ops)
-    assert kernel_w.layout == ("tiles" if qtype in TILED_TYPES else "rows")
+    assert kernel_w.layout == "tiles"
     ids = torch.tensor([0, 36, 5, 5, 17])
     out = torch.empty(len(ids), 512)
     ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), ids, 37, out)
     assert torch.equal(out, ref[ids])
     assert torch.equal(kernel_w.dequantize(), ref)
-    if kernel_w.layout == "tiles":  # the whole-matrix (vectorized) dequantization of the prefill path
-        whole = torch.empty(37, 512)
-        ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), whole)
-        assert torch.equal(whole, ref)
-        halves = torch.empty(37, 512, dtype=torch.bfloat16)
-        ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), halves)
-        assert torch.equal(halves, ref.bfloat16())
+    whole = torch.empty(37, 512)  # the whole-matrix (vectorized) dequantization of the AMX CPUs' prefill path
+    ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), whole)
+    assert torch.equal(whole, ref)
+    halves = torch.empty(37, 512, dtype=torch.bfloat16)
+    ops.dequantize_matrix(kernel_w.data, w.qtype, torch.empty(0), halves)
+    assert torch.equal(halves, ref.bfloat16())
     with pytest.raises(RuntimeError, match="out of range"):
         ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), torch.tensor([37]), 37, out[:1])
 
@@ -249,3 +247,29 @@ def test_dense_weight_streaming_matmul(ops, dtype: torch.dtype, rows: int) -> No
         out = torch.empty(rows, 37)
         ops.dense_matmul(x, weight, bias, out)
         assert_close_scaled(out, F.linear(x.float(), weight.float(), bias), 1e-5)
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8])
+@pytest.mark.parametrize("rows,out_rows", [(1, 45), (13, 1040), (64, 2063)])
+def test_fused_argmax_equals_argmax_of_the_matmul(ops, qtype: int, rows: int, out_rows: int) -> None:
+    """The LM head fused with greedy sampling (`quant_argmax`) picks the same index as torch.argmax of
+    the same kernel's outputs, ties to the first, whatever the thread split (2063 rows: 129 tiles, more
+    than one 64-tile chunk, a partial last tile)."""
+    torch.manual_seed(rows)
+    if qtype == I8:
+        w = quantize_int8(torch.randn(out_rows, 96))
+    else:
+        w = gguf_tensor(qtype, out_rows, 96, seed=rows)
+    matmul = QuantMatmul([w], out_dtype=torch.float32)
+    x = torch.randn(rows, 96)
+    x[0] = 0  # every output 0 in row 0: a tie across the whole vocabulary -> index 0
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(matmul.argmax(x), matmul(x).argmax(dim=-1)), n
+    finally:
+        torch.set_num_threads(threads)
+    assert matmul.argmax(x.bfloat16()).shape == (rows,)
+    with_bias = QuantMatmul([w], bias=torch.zeros(out_rows))
+    assert with_bias.argmax(x) is None  # not fused: the kernel takes no bias

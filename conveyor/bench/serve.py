@@ -17,9 +17,14 @@ llama.cpp's llama-server). The client talks only to `--base-url` (no redirects f
 environment variables ignored) and every request ends by `--request-timeout`. `--launch` starts
 Conveyor's own server for the run instead, in the `--dtype`/`--quantization` asked for (`launch.py`).
 
+Against Conveyor (one server, or `conveyor serve --data-parallel-size N` behind its router) each run
+also reports the server's prefix-cache hits and the requests each replica served, read from its
+`/metrics` before and after the run.
+
 Modules: `serve_load` (arrival times, synthetic prompts), `serve_client` (one streamed request,
 timed; what counts as a token chunk), `serve_stats` (percentiles, the run's metrics),
-`serve_report` (tables, plots); this one runs the benchmark and its command line.
+`serve_cache` (the server's prefix-cache counters per replica), `serve_report` (tables, plots); this
+one runs the benchmark and its command line.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import serve_cache, serve_faults
 from .modes import add_mode_arguments
 from .progress import TokenRate, add_progress_argument, progress_wanted
 from .serve_client import (
@@ -49,7 +55,8 @@ from .serve_client import (
     make_client,
     send_request,
 )
-from .serve_load import arrival_times, synthetic_text_workload
+from .serve_faults import add_fault_arguments
+from .serve_load import arrival_times, prefix_repetition_workload, synthetic_text_workload
 from .serve_report import format_report, plot_report
 from .serve_stats import compute_metrics
 from .workloads import Workload, WorkloadError, load_workload
@@ -61,8 +68,11 @@ DEFAULT_REQUEST_TIMEOUT_S = 600.0
 async def run_once(client: Any, url: str, workload: Workload, *, model: str, chat: bool,
                    request_rate: float = math.inf, burstiness: float = 1.0, max_concurrency: int | None = None,
                    seed: int = 0, timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, api_key: str | None = None,
-                   progress: bool = True, desc: str | None = None) -> dict[str, Any]:
-    """One benchmark run of every request of `workload` at `request_rate`; returns its metrics."""
+                   progress: bool = True, desc: str | None = None, metrics: str | None = None,
+                   kill: tuple[str, int, float] | None = None) -> dict[str, Any]:
+    """One benchmark run of every request of `workload` at `request_rate`; returns its metrics, with the
+    server's prefix-cache counters per replica over the run when `metrics` (its /metrics URL) has them.
+    `kill` = (base URL, replica, seconds): that replica is killed with SIGKILL so many seconds in."""
     payloads = [build_payload(r, model=model, chat=chat, temperature=workload.temperature)
                 for r in workload.requests]
     headers = auth_headers(api_key)
@@ -82,8 +92,10 @@ async def run_once(client: Any, url: str, workload: Workload, *, model: str, cha
         bar.update(1)
         return result
 
+    before = await serve_cache.scrape(client, metrics) if metrics else None
     tasks = []
     t0 = time.perf_counter()
+    killer = asyncio.create_task(serve_faults.kill_later(kill[0], kill[1], kill[2], t0)) if kill else None
     try:
         for i, at in enumerate(arrivals):
             delay = t0 + at - time.perf_counter()
@@ -91,21 +103,29 @@ async def run_once(client: Any, url: str, workload: Workload, *, model: str, cha
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(i, t0)))
         results = await asyncio.gather(*tasks)
+        fault = await killer if killer is not None else None
     finally:
-        for task in tasks:
+        for task in [*tasks, *([killer] if killer else [])]:
             task.cancel()
         bar.close()
     duration = time.perf_counter() - t0
-    return compute_metrics(results, duration, request_rate=request_rate, burstiness=burstiness,
-                           max_concurrency=max_concurrency)
+    run = compute_metrics(results, duration, request_rate=request_rate, burstiness=burstiness,
+                          max_concurrency=max_concurrency)
+    run["prefix_cache"] = serve_cache.run_delta(before, await serve_cache.scrape(client, metrics)) \
+        if before is not None else None
+    if fault is not None:
+        fault = await serve_faults.wait_recovery(kill[0], fault)
+        run["fault"] = {k: v for k, v in fault.items() if k != "killed_monotonic"} | {
+            "requests": serve_faults.classify(results)}
+    return run
 
 
 async def benchmark(base_url: str, workload: Workload, *, endpoint: str = CHAT_ENDPOINT, model: str | None = None,
                     request_rates: Sequence[float] = (math.inf,), burstiness: float = 1.0,
                     max_concurrency: int | None = None, seed: int = 0,
                     timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, api_key: str | None = None,
-                    test_request: bool = True, progress: bool = True,
-                    log: Callable[[str], None] | None = None) -> dict[str, Any]:
+                    test_request: bool = True, progress: bool = True, kill_replica: int | None = None,
+                    kill_after_s: float = 5.0, log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The whole benchmark: model discovery, one untimed test request (as vllm), then one run per
     request rate. Returns the report (JSON-able). Raises RuntimeError when the server is not
     usable (no model listed, or the test request failed)."""
@@ -130,6 +150,8 @@ async def benchmark(base_url: str, workload: Workload, *, endpoint: str = CHAT_E
             if not res.success:
                 raise RuntimeError(f"the initial test request to {url} failed: {res.error}")
             log("Initial test run completed.")
+        if kill_replica is not None:  # a replica of ours to kill: fail now, not after the run
+            await serve_faults.replica(serve_faults.dashboard_url(base_url), kill_replica)
         runs = []
         for rate in request_rates:
             log(f"Traffic request rate: {rate:g} req/s, burstiness {burstiness:g}"
@@ -138,7 +160,8 @@ async def benchmark(base_url: str, workload: Workload, *, endpoint: str = CHAT_E
             runs.append(await run_once(client, url, workload, model=model, chat=chat, request_rate=rate,
                                        burstiness=burstiness, max_concurrency=max_concurrency, seed=seed,
                                        timeout_s=timeout_s, api_key=api_key, progress=progress,
-                                       desc=f"rate {rate:g}"))
+                                       desc=f"rate {rate:g}", metrics=serve_cache.metrics_url(base_url),
+                                       kill=None if kill_replica is None else (base_url, kill_replica, kill_after_s)))
     return {
         "benchmark": "serve",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -196,6 +219,11 @@ def add_arguments(parser: Any) -> None:
     syn.add_argument("--synthetic-output-len", type=int, default=None, help="tokens to generate per request")
     syn.add_argument("--num-prompts", type=int, default=None,
                      help="number of synthetic requests (with --workload: use only the first N)")
+    syn.add_argument("--prefix-repetition-prefix-len", type=int, default=None, metavar="WORDS",
+                     help="vLLM's prefix_repetition: each prompt starts with one of a few shared prefixes of this "
+                     "many words, then --synthetic-input-len words of its own")
+    syn.add_argument("--prefix-repetition-num-prefixes", type=int, default=8,
+                     help="how many shared prefixes (default 8)")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=None,
                       help="requests per second, Poisson arrivals (inf = all at once, the default)")
@@ -217,6 +245,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="with --request-rates: throughput and p99 TTFT vs rate; else latency bars "
                              "(needs matplotlib)")
+    add_fault_arguments(parser)
     add_progress_argument(parser)
 
 
@@ -238,6 +267,10 @@ def workload_from_args(args: Any) -> Workload:
         if not all(v is not None for v in (*synthetic, args.num_prompts)):
             raise SystemExit("error: give --workload FILE.json, or all of --synthetic-input-len, "
                              "--synthetic-output-len and --num-prompts")
+        if args.prefix_repetition_prefix_len is not None:
+            return prefix_repetition_workload(args.prefix_repetition_prefix_len, args.prefix_repetition_num_prefixes,
+                                              args.synthetic_input_len, args.synthetic_output_len, args.num_prompts,
+                                              seed=args.seed)
         return synthetic_text_workload(args.synthetic_input_len, args.synthetic_output_len, args.num_prompts,
                                        seed=args.seed)
     except (OSError, WorkloadError) as exc:
@@ -302,7 +335,7 @@ def run_from_args(args: Any) -> int:
                                            max_concurrency=args.max_concurrency, seed=args.seed,
                                            timeout_s=args.request_timeout, api_key=api_key,
                                            test_request=not args.no_test_request, progress=progress_wanted(args.no_progress),
-                                           log=log))
+                                           kill_replica=args.kill_replica, kill_after_s=args.kill_after, log=log))
     except RuntimeError as exc:
         raise SystemExit(f"error: {exc}") from None
     report["server"] = {"launched": True, **server} if server else {"launched": False}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import random
 
-from .workloads import BenchRequest, Workload, check_synthetic_sizes
+from .workloads import BenchRequest, Workload, WorkloadError, check_synthetic_sizes
 
 # Common short English words: nearly all are a single token (with their leading space) in the
 # usual BPE vocabularies, so N words are roughly N prompt tokens. The server's usage chunk reports
@@ -66,4 +66,27 @@ def synthetic_text_workload(input_len: int, output_len: int, num_prompts: int, *
     return Workload(name=f"random-in{input_len}-out{output_len}-n{num_prompts}", requests=requests,
                     description=f"{num_prompts} prompts of {input_len} random words (seed {seed}), exactly "
                                 f"{output_len} new tokens each (ignore_eos)",
+                    temperature=0.0, source="synthetic")
+
+
+def prefix_repetition_workload(prefix_len: int, num_prefixes: int, suffix_len: int, output_len: int,
+                               num_prompts: int, *, seed: int = 0) -> Workload:
+    """vLLM's `prefix_repetition` dataset: `num_prefixes` random prefixes of `prefix_len` words, each
+    shared by `num_prompts / num_prefixes` prompts that go on with `suffix_len` words of their own
+    (shuffled, exactly `output_len` new tokens each). The shape of many questions about a few documents
+    or system prompts: what prefix caching, and cache-aware routing over replicas, are for."""
+    check_synthetic_sizes(suffix_len, output_len, num_prompts)
+    if prefix_len < 1 or not 1 <= num_prefixes <= num_prompts:
+        raise WorkloadError(f"need prefix_len >= 1 and 1 <= num_prefixes <= num_prompts, got {prefix_len}, "
+                         f"{num_prefixes}, {num_prompts}")
+    rng = random.Random(seed)
+    prefixes = [" ".join(rng.choices(_WORDS, k=prefix_len)) for _ in range(num_prefixes)]
+    prompts = [f"{prefixes[i % num_prefixes]} {' '.join(rng.choices(_WORDS, k=suffix_len))}"
+               for i in range(num_prompts)]
+    rng.shuffle(prompts)
+    return Workload(name=f"prefix-repetition-p{prefix_len}x{num_prefixes}-s{suffix_len}-out{output_len}-n{num_prompts}",
+                    requests=[BenchRequest(max_new_tokens=output_len, prompt=p, ignore_eos=True) for p in prompts],
+                    description=f"{num_prompts} prompts: {num_prefixes} shared prefixes of {prefix_len} random words, "
+                                f"each prompt then {suffix_len} words of its own (seed {seed}); exactly {output_len} "
+                                "new tokens each (ignore_eos)",
                     temperature=0.0, source="synthetic")

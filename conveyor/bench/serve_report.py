@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .serve_cache import format_cache
+from .serve_faults import format_fault
 from .serve_stats import METRICS
 
 
@@ -43,6 +45,12 @@ def format_run(run: dict[str, Any]) -> str:
         rows.append("{s:{c}^{n}}".format(s=title, n=50, c="-"))
         for stat, label in (("mean", "Mean"), ("median", "Median"), ("p90", "P90"), ("p99", "P99")):
             row(f"{label} {short} (ms):", _num(run[f"{stat}_{name}_ms"]))
+    if run.get("prefix_cache"):
+        rows.append("{s:{c}^{n}}".format(s="Server prefix cache (per replica)", n=50, c="-"))
+        rows += format_cache(run["prefix_cache"])
+    if run.get("fault"):
+        rows.append("{s:{c}^{n}}".format(s="Replica killed (SIGKILL)", n=50, c="-"))
+        rows += format_fault(run["fault"])
     if run["errors"]:
         rows.append("{s:{c}^{n}}".format(s="Errors", n=50, c="-"))
         for err, count in sorted(run["errors"].items(), key=lambda kv: -kv[1])[:10]:

@@ -274,6 +274,7 @@ class ModelRunner:
     def launch(self, step: PreparedStep) -> LaunchedStep:
         """Queue the step's forward pass and sampling, and the copy of its samples to the host; waits
         for the device only for prompt logprobs (their entries are host dicts)."""
+        tokens = None
         if self.graphs is not None and self.graphs.takes(step):
             hidden, logits = None, self.graphs.replay(step)
         else:
@@ -283,11 +284,17 @@ class ModelRunner:
             rows = step.sample_rows[:len(step.samplers)] if step.verified else step.sample_rows
             if step.verify_rows is not None:  # one LM head pass for the sampled and the verified rows
                 rows = torch.cat([rows, step.verify_rows])
-            logits = self.model.compute_logits(hidden.index_select(0, rows)) if rows.numel() else None
+            elif step.samplers and self.sampler.plain_greedy(step.sampling_views or step.samplers):
+                # the LM head fused with the argmax where it can (None elsewhere): no logits written
+                tokens = self.model.greedy_tokens(hidden.index_select(0, rows[:len(step.samplers)]))
+            logits = None if tokens is not None else (
+                self.model.compute_logits(hidden.index_select(0, rows)) if rows.numel() else None)
         prompt_logprobs = self._prompt_logprobs(step.prompt_plan, hidden) if step.prompt_plan else []
         verify_logits = logits[len(step.samplers):] if step.verified else None
         batch = None
-        if step.samplers:
+        if tokens is not None:
+            batch = SampledBatch(tokens, [], []).start_copy()
+        elif step.samplers:
             batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers).start_copy()
         return LaunchedStep(step.samplers, batch, prompt_logprobs, step.num_pad, step.verified, verify_logits)
 

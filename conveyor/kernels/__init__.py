@@ -151,16 +151,16 @@ def cpu_paged_attention() -> ModuleType | None:
 def cpu_fused_ops() -> ModuleType | None:
     """The fused elementwise ops (`rms_norm`, `rope_`, `silu_mul`), or None when the build fails. No
     contraction into fused multiply-adds, so each op rounds like the PyTorch ops it replaces."""
-    return _build("conveyor_fused_cpu", ["fused_cpu.cpp"], "-ffp-contract=off")
+    return _build("conveyor_fused_cpu", ["fused_cpu.cpp"], "-ffp-contract=off", headers=("vec_math.h",))
 
 
 @cache
 def cpu_matmul_ops() -> ModuleType | None:
     """Weight-streaming matmuls over GGUF-quantized, int8, bf16 and fp32 weights (`matmul_cpu.cpp`,
-    `quant_tiles.cpp`, `quant_rows.cpp`) and the native decode stack (`decode_stack_cpu.cpp`), or
+    `quant_tiles.cpp`, `quant_gemm.cpp`) and the native decode stack (`decode_stack_cpu.cpp`), or
     None when the build fails."""
-    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_rows.cpp", "decode_stack_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("quant.h", "attention_cpu.h", "vec_cpu.h"))
+    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_gemm.cpp", "decode_stack_cpu.cpp"],
+                  "-ffp-contract=fast", headers=("quant.h", "quant_layout.h", "attention_cpu.h", "vec_cpu.h", "vec_math.h"))
 
 
 @cache

@@ -30,8 +30,7 @@ struct Segment {
     torch::Tensor data, scales;
     int64_t type, rows, n0;
     bool dense() const { return type < 0; }
-    bool tiled() const { return conveyor::is_tiled_type(type); }
-    int64_t units() const { return tiled() ? (rows + conveyor::kTileRows - 1) / conveyor::kTileRows : rows; }
+    int64_t units() const { return dense() ? rows : (rows + conveyor::kTileRows - 1) / conveyor::kTileRows; }
 };
 
 struct Linear {
@@ -51,12 +50,8 @@ struct Linear {
                 conveyor::dense_rows_matmul(s.data.data_ptr(), s.type == kDenseBF16, xf, xb, M, K, u0, u1, out + s.n0, ldo);
                 continue;
             }
-            const uint8_t* w = s.data.data_ptr<uint8_t>();
-            if (s.tiled())
-                conveyor::tiles_matmul(s.type, w, s.scales.numel() ? s.scales.data_ptr<float>() : nullptr, a, u0, u1,
-                                       s.rows, out + s.n0, ldo);
-            else
-                conveyor::rows_matmul(s.type, w, s.data.size(1), a, u0, u1, out + s.n0, ldo);
+            conveyor::tiles_matmul(s.type, s.data.data_ptr<uint8_t>(), s.scales.numel() ? s.scales.data_ptr<float>() : nullptr,
+                                   a, u0, u1, s.rows, conveyor::TileOut{out + s.n0, ldo});
         }
     }
     void add_bias_row(float* row) const {

@@ -3,10 +3,9 @@
 //
 // Quantized weights: the activations are quantized once per call to int8 blocks of 32 (one fp32
 // scale per block, as ggml's Q8_0) and the weights are dotted in integer arithmetic (VNNI where the
-// CPU has it). Q4_0/Q4_1/Q8_0/I8 run on the 16-row tiled layout (quant_tiles.cpp: one vector
-// instruction advances 16 output rows), the K-quants on their own GGUF layout (quant_rows.cpp).
-// Threads split the output rows (tiles), so each streams its own contiguous slice of the weights:
-// the decode-sized products are bound by memory bandwidth. bf16 weights use vdpbf16ps where the
+// CPU has it), on the 16-row tiled layout every type is repacked into at load (quant_layout.h; the
+// GEMM in quant_gemm.cpp). Threads split the output rows (tiles), so each streams its own contiguous
+// slice of the weights: the decode-sized products are bound by memory bandwidth. bf16 weights use vdpbf16ps where the
 // CPU has AVX512-BF16; fp32 weights plain FMAs. The instruction set is chosen at compile time (the
 // extension is built with -march=native on the machine that runs it); `isa()` says which.
 #include "quant.h"
@@ -15,6 +14,8 @@
 #include <c10/util/BFloat16.h>
 
 #include <cmath>
+#include <limits>
+#include <vector>
 
 namespace conveyor {
 namespace {
@@ -62,10 +63,10 @@ inline void quantize_block(const T* src, int8_t* q, float& d, int& sum_lo, int& 
 
 template <typename T>
 void quantize_range(const T* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) {
+    alignas(32) int8_t q[QK];
     for (int64_t m = m0; m < m1; ++m) {
         for (int64_t b = 0; b < a.nb; ++b) {
             const T* src = x + m * ldx + b * QK;
-            int8_t* q = a.q.data() + m * a.K + b * QK;
             float d;
             int sum_lo = 0, sum_hi = 0;
 #if defined(__AVX2__)
@@ -84,7 +85,7 @@ void quantize_range(const T* x, int64_t ldx, int64_t m0, int64_t m1, Activations
                 (j < 16 ? sum_lo : sum_hi) += q[j];
             }
 #endif
-            a.set_block(m, b, d, sum_lo, sum_hi);
+            a.set_block(m, b, q, d, sum_lo, sum_hi);
         }
     }
 }
@@ -225,9 +226,9 @@ using namespace conveyor;
 
 void register_decode_stack(py::module_& m);
 
-// out [M, N] (contiguous rows: a column slice of a wider output is fine) = x [M, K] (fp32 or bf16)
-// times a quantized weight: tiled [ceil(N/16), tile_bytes] for Q4_0/Q4_1/Q8_0/I8 (I8 with row
-// scales padded to whole tiles), GGUF rows [N, row_bytes] for Q4_K/Q6_K; plus bias [N].
+// out [M, N] (fp32 or bf16, contiguous rows: a column slice of a wider output is fine) = x [M, K] (fp32
+// or bf16) times a tiled quantized weight [ceil(N/16), tile_bytes] (I8 with row scales padded to whole
+// tiles), plus bias [N]; written in place.
 void quant_matmul(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Tensor row_scales,
                   c10::optional<torch::Tensor> bias, torch::Tensor out) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
@@ -235,12 +236,11 @@ void quant_matmul(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Te
     const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
     TORCH_CHECK(K % block_elems(type) == 0, "K = ", K, " is not a multiple of the block size ", block_elems(type));
     check_out(out, M, N);
-    const bool tiled = is_tiled_type(type);
+    TORCH_CHECK(is_kernel_type(type), "no kernel takes weight type ", type);
     const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-    const int64_t width = tiled ? tile_bytes(type, K) : row_bytes(type, K);
     TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() && weight.dim() == 2 &&
-                weight.size(0) == (tiled ? tiles : N) && weight.size(1) == width,
-                "weight must be contiguous uint8 [", tiled ? tiles : N, ", ", width, "]", tiled ? " (tiled)" : "");
+                weight.size(0) == tiles && weight.size(1) == tile_bytes(type, K),
+                "weight must be tiled contiguous uint8 [", tiles, ", ", tile_bytes(type, K), "]");
     const float* scales = nullptr;
     if (type == I8) {
         TORCH_CHECK(row_scales.scalar_type() == torch::kFloat32 && row_scales.numel() >= tiles * kTileRows,
@@ -249,22 +249,73 @@ void quant_matmul(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Te
     }
     thread_local Activations act;
     quantize_activations(x, act);
-    Fp32Out res(out);
-    const uint8_t* wp = weight.data_ptr<uint8_t>();
-    float* op = res.data();
-    const int64_t ldo = res.ld();
     const Activations& a = act;
-    if (tiled) {
-        at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { tiles_matmul(type, wp, scales, a, t0, t1, N, op, ldo); });
-    } else {
-        at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) { rows_matmul(type, wp, width, a, n0, n1, op, ldo); });
-    }
-    res.finish(bias);
+    const uint8_t* wp = weight.data_ptr<uint8_t>();
+    torch::Tensor b32;
+    if (bias.has_value() && bias->defined()) b32 = bias->to(torch::kFloat32).contiguous();
+    const TileOut to{out.data_ptr(), out.stride(0), out.scalar_type() == torch::kBFloat16,
+                     b32.defined() ? b32.data_ptr<float>() : nullptr};
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { tiles_matmul(type, wp, scales, a, t0, t1, N, to); });
 }
 
-// GGUF rows [N, row_bytes] of a tiled type -> the tiled layout [ceil(N/16), tile_bytes].
+// argmax_n (x @ W.T)[m, n] for every row m of x, for a tiled W [N, K]: the LM head fused with greedy
+// sampling, so a step's [M, vocab] logits are never written and read back (64 rows of a 49k vocabulary:
+// 12.6 MB twice). Threads take contiguous ranges of tiles and keep each row's best value and index;
+// logits are computed 64 tiles at a time into a buffer that stays in cache. Ties go to the lowest index,
+// as torch.argmax.
+torch::Tensor quant_argmax(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Tensor row_scales, int64_t N) {
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
+    TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
+    TORCH_CHECK(is_kernel_type(type), "no kernel takes weight type ", type);
+    const int64_t M = x.size(0), K = x.size(1), tiles = (N + kTileRows - 1) / kTileRows;
+    TORCH_CHECK(K % block_elems(type) == 0 && N > 0, "K must be a multiple of ", block_elems(type), " and N positive");
+    TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous() && weight.size(0) == tiles &&
+                weight.size(1) == tile_bytes(type, K), "weight must be tiled uint8 [", tiles, ", ", tile_bytes(type, K), "]");
+    const float* scales = type == I8 ? row_scales.data_ptr<float>() : nullptr;
+    thread_local Activations act;
+    quantize_activations(x, act);
+    const Activations& a = act;
+    const uint8_t* wp = weight.data_ptr<uint8_t>();
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+    std::vector<float> best(parts * M, -std::numeric_limits<float>::infinity());
+    std::vector<int64_t> where(parts * M, 0);
+    constexpr int64_t kChunkTiles = 64;
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+        std::vector<float> buf(M * kChunkTiles * kTileRows);
+        for (int64_t p = p0; p < p1; ++p) {
+            float* bv = best.data() + p * M;
+            int64_t* bi = where.data() + p * M;
+            for (int64_t t0 = tiles * p / parts, t_end = tiles * (p + 1) / parts; t0 < t_end; t0 += kChunkTiles) {
+                const int64_t t1 = std::min(t0 + kChunkTiles, t_end), n0 = t0 * kTileRows, n1 = std::min(t1 * kTileRows, N);
+                const int64_t ld = (t1 - t0) * kTileRows;
+                tiles_matmul(type, wp, scales, a, t0, t1, N, TileOut{buf.data(), ld, false, nullptr, n0});
+                for (int64_t m = 0; m < M; ++m) {
+                    const float* row = buf.data() + m * ld;
+                    float v = bv[m];
+                    int64_t at = bi[m];
+                    for (int64_t n = n0; n < n1; ++n)
+                        if (row[n - n0] > v) v = row[n - n0], at = n;
+                    bv[m] = v, bi[m] = at;
+                }
+            }
+        }
+    });
+    auto out = torch::empty({M}, torch::kInt64);
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {  // parts in column order: a later part wins only when strictly larger
+        float v = best[m];
+        int64_t at = where[m];
+        for (int64_t p = 1; p < parts; ++p)
+            if (best[p * M + m] > v) v = best[p * M + m], at = where[p * M + m];
+        op[m] = at;
+    }
+    return out;
+}
+
+// GGUF rows [N, row_bytes] (I8: int8 rows) -> the tiled layout [ceil(N/16), tile_bytes].
 torch::Tensor repack(torch::Tensor rows, int64_t type, int64_t K) {
-    TORCH_CHECK(is_tiled_type(type), "type ", type, " has no tiled layout");
+    TORCH_CHECK(is_kernel_type(type), "no kernel takes weight type ", type);
+    TORCH_CHECK(K % block_elems(type) == 0, "K = ", K, " is not a multiple of the block size ", block_elems(type));
     TORCH_CHECK(rows.scalar_type() == torch::kUInt8 && rows.is_contiguous() && rows.size(1) == row_bytes(type, K),
                 "rows must be contiguous uint8 [N, ", row_bytes(type, K), "]");
     const int64_t N = rows.size(0), tiles = (N + kTileRows - 1) / kTileRows;
@@ -298,17 +349,17 @@ void dense_matmul(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Te
     res.finish(bias);
 }
 
-// Rows `ids` of a quantized matrix (layout as in quant_matmul), dequantized into out [len(ids), K]
-// (fp32 or bf16): embedding lookups, and whole matrices for the fallback path.
+// Rows `ids` of a tiled quantized matrix, dequantized into out [len(ids), K] (fp32 or bf16): embedding
+// lookups, and whole matrices for the fallback path.
 void dequantize_rows(torch::Tensor weight, int64_t type, torch::Tensor row_scales, torch::Tensor ids,
                      int64_t num_rows, torch::Tensor out) {
     TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.is_contiguous(), "weight must be contiguous uint8");
     TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == ids.numel(), "out must be [len(ids), K]");
     const bool f32 = out.scalar_type() == torch::kFloat32;
     TORCH_CHECK(f32 || out.scalar_type() == torch::kBFloat16, "out must be fp32 or bf16");
-    const int64_t K = out.size(1), width = weight.size(1);
-    const bool tiled = is_tiled_type(type);
-    TORCH_CHECK(width == (tiled ? tile_bytes(type, K) : row_bytes(type, K)), "weight rows do not hold ", K,
+    TORCH_CHECK(is_kernel_type(type), "no kernel takes weight type ", type);
+    const int64_t K = out.size(1);
+    TORCH_CHECK(K % block_elems(type) == 0 && weight.size(1) == tile_bytes(type, K), "weight tiles do not hold ", K,
                 " elements of type ", type);
     auto idx = ids.to(torch::kInt64).contiguous();
     const int64_t* ip = idx.data_ptr<int64_t>();
@@ -320,8 +371,7 @@ void dequantize_rows(torch::Tensor weight, int64_t type, torch::Tensor row_scale
         std::vector<float> buf(f32 ? 0 : K);
         for (int64_t r = begin; r < end; ++r) {
             float* dst = f32 ? out.data_ptr<float>() + r * K : buf.data();
-            if (tiled) dequantize_tiled_row(type, wp, scales, K, ip[r], dst);
-            else dequantize_row(type, wp + ip[r] * width, 1.f, K, dst);
+            dequantize_tiled_row(type, wp, scales, K, ip[r], dst);
             if (!f32) {
                 c10::BFloat16* o = out.data_ptr<c10::BFloat16>() + r * K;
                 for (int64_t k = 0; k < K; ++k) o[k] = static_cast<c10::BFloat16>(buf[k]);
@@ -332,7 +382,7 @@ void dequantize_rows(torch::Tensor weight, int64_t type, torch::Tensor row_scale
 
 // A whole tiled matrix dequantized into out [N, K] (fp32 or bf16): the prefill path's weight.
 void dequantize_matrix(torch::Tensor weight, int64_t type, torch::Tensor row_scales, torch::Tensor out) {
-    TORCH_CHECK(is_tiled_type(type), "dequantize_matrix takes tiled types");
+    TORCH_CHECK(is_kernel_type(type), "no kernel takes weight type ", type);
     TORCH_CHECK(out.dim() == 2 && out.is_contiguous(), "out must be a contiguous [N, K]");
     const bool bf16 = out.scalar_type() == torch::kBFloat16;
     TORCH_CHECK(bf16 || out.scalar_type() == torch::kFloat32, "out must be fp32 or bf16");
@@ -363,7 +413,8 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("quant_matmul", &quant_matmul, "x @ W.T for a quantized weight (CPU)");
-    m.def("repack_tiles", &repack, "GGUF rows of Q4_0/Q4_1/Q8_0/I8 -> the 16-row tiled layout");
+    m.def("quant_argmax", &quant_argmax, "argmax over n of x @ W.T for a tiled weight (the LM head fused with greedy sampling)");
+    m.def("repack_tiles", &repack, "GGUF rows (or I8 rows) -> the 16-row tiled layout");
     m.def("dense_matmul", &dense_matmul, "x @ W.T for a few rows of x, fp32 or bf16 weight (CPU)");
     m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as fp32/bf16 (CPU)");
     m.def("dequantize_matrix", &dequantize_matrix, "a whole tiled matrix as fp32/bf16 (CPU)");

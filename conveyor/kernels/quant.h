@@ -51,10 +51,12 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-inline bool is_tiled_type(int64_t type) { return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == I8; }
+inline bool is_kernel_type(int64_t type) {
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || type == I8;
+}
 inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
 int64_t row_bytes(int64_t type, int64_t K);   // one row in GGUF's layout (I8: K bytes)
-int64_t tile_bytes(int64_t type, int64_t K);  // one tile of kTileRows rows in the tiled layout
+int64_t tile_bytes(int64_t type, int64_t K);  // one tile of kTileRows rows in the tiled layout (quant_layout.h)
 
 // Rows per group of the packed activations (below), the rows one pass of the tiled GEMM microkernel
 // takes: as many as its integer and fp32 accumulators leave registers for.
@@ -64,40 +66,47 @@ constexpr int64_t kPackRows = 12;
 constexpr int64_t kPackRows = 4;
 #endif
 
-// Activations quantized to int8 blocks of 32 (scale amax / 127). Per row: q [K], d [K/32] (scale),
-// s32 [K/32] = d * sum(q) over each block, s16 [K/16] = d * sum over each half block.
-// The same values also packed for the tiled GEMM: rows in groups of kPackRows (the last one smaller),
-// and within a group of r rows, block by block, the four-byte words of the rows interleaved (word j
-// of row i at (j * r + i) * 4 of the block's r * 32 bytes), then the block's r scales `pd`, r sums
-// `ps` (= s32), and r integer sums times -8 (`pn8`) and -128 (`pn128`): the microkernel reads one
-// pointer with constant offsets (twelve row pointers do not fit the general registers), and starts
-// its integer accumulators at pn8/pn128 to take back Q4_0's offset and the +128 that makes 8-bit
-// weights unsigned for vpdpbusd.
+// Activations quantized to int8 blocks of 32 (scale amax / 127), packed for the tiled GEMM: rows in
+// groups of kPackRows (the last one smaller), and within a group of r rows, block by block, the
+// four-byte words of the rows interleaved (word j of row i at (j * r + i) * 4 of the block's r * 32
+// bytes), so the microkernel reads one pointer at constant offsets (twelve row pointers do not fit
+// the general registers). Per block and row, in the same group order: the scale `d`, `s32` = d times
+// the block's sum, and that integer sum times -8 (`neg8`) and -128 (`neg128`), and per half block
+// times -128 (`neg128h`, the group's r first halves then its r second halves): where the
+// microkernel starts its integer accumulators to take back Q4_0's offset and the +128 that makes
+// signed weights unsigned for vpdpbusd (Q6_K's scales are per half block).
 struct Activations {
     int64_t M = 0, K = 0, nb = 0;
-    std::vector<int8_t> q, pq;
-    std::vector<float> d, s32, s16, pd, ps;
-    std::vector<int32_t> pn8, pn128;
-    const int8_t* qrow(int64_t m, int64_t block) const { return q.data() + m * K + block * QK; }
+    std::vector<int8_t> q;
+    std::vector<float> d, s32;
+    std::vector<int32_t> neg8, neg128, neg128h;
     void shape(int64_t rows, int64_t cols) {
         M = rows, K = cols, nb = cols / QK;
-        q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), s16.resize(M * nb * 2);
-        pq.resize(M * K), pd.resize(M * nb), ps.resize(M * nb), pn8.resize(M * nb), pn128.resize(M * nb);
+        q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), neg8.resize(M * nb), neg128.resize(M * nb);
+        neg128h.resize(M * nb * 2);
     }
-    // Rows in the packed group that starts at row m0 (a multiple of kPackRows).
+    // The group of row m: its first row and its number of rows.
+    static int64_t group_start(int64_t m) { return m / kPackRows * kPackRows; }
     int64_t group_rows(int64_t m0) const { return std::min<int64_t>(kPackRows, M - m0); }
-    // Row m's block b (its int8 values in q, already written) recorded with its scale and sums, and packed.
-    void set_block(int64_t m, int64_t b, float scale, int sum_lo, int sum_hi) {
-        const int64_t i = m * nb + b, g0 = m / kPackRows * kPackRows, r = group_rows(g0), row = m - g0;
-        d[i] = scale;
-        s32[i] = scale * (sum_lo + sum_hi);
-        s16[2 * i] = scale * sum_lo;
-        s16[2 * i + 1] = scale * sum_hi;
-        const int64_t pi = g0 * nb + b * r + row;
-        pd[pi] = scale, ps[pi] = s32[i], pn8[pi] = -8 * (sum_lo + sum_hi), pn128[pi] = -128 * (sum_lo + sum_hi);
-        const int8_t* src = qrow(m, b);
-        int8_t* dst = pq.data() + g0 * K + b * r * QK + row * 4;
-        for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, src + 4 * j, 4);
+    // Index of row m's block b in the per-block arrays.
+    int64_t at(int64_t m, int64_t b) const {
+        const int64_t g0 = group_start(m);
+        return g0 * nb + b * group_rows(g0) + m - g0;
+    }
+    // Row m's value e (0..31) of block b.
+    int8_t value(int64_t m, int64_t b, int e) const {
+        const int64_t g0 = group_start(m), r = group_rows(g0);
+        return q[g0 * K + b * r * QK + (e / 4 * r + m - g0) * 4 + e % 4];
+    }
+    // Row m's block b: its 32 values `v` (amax / 127 = `scale`) and their sums, stored.
+    void set_block(int64_t m, int64_t b, const int8_t* v, float scale, int sum_lo, int sum_hi) {
+        const int64_t g0 = group_start(m), r = group_rows(g0), row = m - g0, i = g0 * nb + b * r + row;
+        d[i] = scale, s32[i] = scale * (sum_lo + sum_hi);
+        neg8[i] = -8 * (sum_lo + sum_hi), neg128[i] = -128 * (sum_lo + sum_hi);
+        const int64_t h = g0 * nb * 2 + b * 2 * r + row;
+        neg128h[h] = -128 * sum_lo, neg128h[h + r] = -128 * sum_hi;
+        int8_t* dst = q.data() + g0 * K + b * r * QK + row * 4;
+        for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, v + 4 * j, 4);
     }
 };
 void quantize_activations(const torch::Tensor& x, Activations& a);
@@ -105,20 +114,33 @@ void quantize_activations(const torch::Tensor& x, Activations& a);
 // disjoint row ranges of one `a` at once).
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a);
 
-// out[m, n] = sum_k x[m, k] W[n, k] (fp32, before bias) for all M rows of `a`: output rows [n0, n1) of a
-// GGUF-layout K-quant matrix, or tiles [t0, t1) of a tiled one (I8: times `row_scales`, padded to whole tiles).
-void rows_matmul(int64_t type, const uint8_t* w, int64_t row_stride, const Activations& a, int64_t n0, int64_t n1,
-                 float* out, int64_t ldo);
+// Where a tiled matmul writes: out [M, N] (columns from `col0` on), rows `ld` elements apart, fp32 or
+// bf16, plus an fp32 bias [N].
+struct TileOut {
+    void* data;
+    int64_t ld;
+    bool bf16 = false;
+    const float* bias = nullptr;
+    int64_t col0 = 0;
+    int64_t at(int64_t m, int64_t n) const { return m * ld + n - col0; }
+    void store(int64_t m, int64_t n, float v) const {
+        if (bias) v += bias[n];
+        if (bf16) static_cast<c10::BFloat16*>(data)[at(m, n)] = c10::BFloat16(v);
+        else static_cast<float*>(data)[at(m, n)] = v;
+    }
+};
+
+// out[m, n] = sum_k x[m, k] W[n, k] for all M rows of `a` and the rows of tiles [t0, t1) of a tiled
+// matrix (I8: times `row_scales`, padded to whole tiles), N rows in all (quant_gemm.cpp).
 void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
-                  int64_t t1, int64_t N, float* out, int64_t ldo);
+                  int64_t t1, int64_t N, const TileOut& out);
 
 // Output rows [n0, n1) of out[M, N] = x [M, K] times a dense fp32 or (bf16) bf16 weight [N, K]; with a
 // bf16 weight `xb` is x rounded to bf16 (for vdpbf16ps) and `xf` x in fp32.
 void dense_rows_matmul(const void* w, bool bf16, const float* xf, const c10::BFloat16* xb, int64_t M, int64_t K,
                        int64_t n0, int64_t n1, float* out, int64_t ldo);
 
-// One row of a GGUF-layout matrix, or of a tiled matrix (row `row` of `tiles`), as fp32.
-void dequantize_row(int64_t type, const uint8_t* src, float row_scale, int64_t K, float* y);
+// Row `row` of a tiled matrix as fp32.
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
                           float* y);
 // Tiles [t0, t1) of a tiled N x K matrix into out [N, K], fp32 or (bf16 = true) bf16.

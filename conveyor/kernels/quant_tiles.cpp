@@ -1,15 +1,7 @@
-// The 16-row tiled layout of Q4_0, Q4_1, Q8_0 and I8 weights, and its matmul.
-//
-// A tile holds 16 output rows; per block of 32 weights it stores the rows' quant bytes interleaved
-// four at a time (chunk j, row r: the 4 bytes j*4..j*4+3 of row r's block), then the 16 fp16
-// scales (Q4_0, Q4_1, Q8_0) and the 16 fp16 minimums (Q4_1). The bits are the file's: a Q4 block's
-// byte k holds weight k (low nibble) and weight k + 16 (high nibble), so chunk j of a Q4 block gives
-// weights 4j..4j+3 in its low nibbles and 4j+16..4j+19 in its high nibbles. One 16-lane integer dot
-// product (vpdpbusd: 4 unsigned weight bytes times 4 activation bytes, broadcast) then advances 16
-// output rows at once, and the per-row scales are a vector: no horizontal sums, no per-row scale
-// broadcasts. Q4_0's minimum is -8 d, computed; 8-bit weights are signed, biased by 128 for
-// vpdpbusd (the bias is taken back with the activation block sums).
-#include "quant.h"
+// The tiled layout (quant_layout.h): GGUF rows and our I8 repacked into tiles once at load, and tiles
+// dequantized (rows for embedding lookups, whole matrices for the AMX CPUs' prefill path), to ggml's
+// values bit for bit.
+#include "quant_layout.h"
 
 #include <ATen/Parallel.h>
 
@@ -18,322 +10,116 @@
 namespace conveyor {
 namespace {
 
-inline bool is4(int64_t type) { return type == Q4_0 || type == Q4_1; }
-inline int64_t quant_bytes(int64_t type) { return is4(type) ? 256 : 512; }
-inline int64_t block_bytes(int64_t type) {
-    return quant_bytes(type) + (type == I8 ? 0 : 32) + (type == Q4_1 ? 32 : 0);
-}
-
-// Weight (as a small int: Q4 nibble 0..15, 8-bit signed) `e` of row r in a tiled block.
-inline int tiled_weight(int64_t type, const uint8_t* blk, int r, int e) {
-    if (is4(type)) {
-        const uint8_t byte = blk[(e % 16 / 4) * 64 + r * 4 + e % 4];
-        return e < 16 ? byte & 0xF : byte >> 4;
-    }
-    return static_cast<int8_t>(blk[(e / 4) * 64 + r * 4 + e % 4]);
-}
-
-inline const uint16_t* tiled_scales(int64_t type, const uint8_t* blk) {
-    return reinterpret_cast<const uint16_t*>(blk + quant_bytes(type));
-}
-
-inline int32_t word(const int8_t* p) {
-    int32_t w;
-    std::memcpy(&w, p, 4);
-    return w;
-}
-
-#if defined(__AVX2__)
-// How far ahead of the block being read the weight stream is prefetched.
-constexpr int64_t kPrefetchBytes = 2048;
-#endif
-
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-// The GEMM microkernel: one tile (16 output rows = the 16 lanes of a vector) against MR activation
-// rows. Per block of 32, each chunk of the tile (one vector: four weights of every row) is loaded and
-// unpacked once and multiplied (vpdpbusd) with the four activation bytes of each of the MR rows,
-// broadcast from memory; the MR integer accumulators are independent chains kept in registers. At the
-// block's end each row's integer sum is scaled into its fp32 accumulator: cvt + (d_w x d_x) + FMA,
-// and for Q4_1 one FMA more for the minimum (m_w x the activation block's sum). Q4_0's -8 and the +128
-// that makes 8-bit weights unsigned for vpdpbusd are taken back in the integer domain, by starting
-// each accumulator at -8 or -128 times the activation block's integer sum (a broadcast load, no
-// arithmetic). Everything the loops branch on is a template parameter: the loops unroll fully.
-constexpr int kPassRows = kPackRows;  // MR: 12 integer + 12 fp32 accumulators + the chunk vectors fit 32 registers
-
-template <int64_t T, int MR>
-void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefetch, __m512* result) {
-    constexpr bool four = T == Q4_0 || T == Q4_1;
-    constexpr int64_t bb = four ? 256 + 32 + (T == Q4_1 ? 32 : 0) : 512 + (T == I8 ? 0 : 32);
-    const int64_t nb = a.nb;
-    __m512 acc[MR];
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-    // The packed group (Activations): MR rows' words interleaved, per block MR * 32 bytes and MR of each sum.
-    const int8_t* x = a.pq.data() + m0 * a.K;
-    const float* xd = a.pd.data() + m0 * nb;
-    const float* xs = a.ps.data() + m0 * nb;
-    const int32_t* xbias = (T == Q4_0 ? a.pn8.data() : a.pn128.data()) + m0 * nb;
-    for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xbias += MR) {
-        const uint8_t* blk = tile + b * bb;
-        if (prefetch)  // the first pass over a tile streams it from memory: fetch ahead
-            for (int64_t line = 0; line < bb; line += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-        __m512i dot[MR];
-#pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) dot[i] = T == Q4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xbias[i]);
-        if constexpr (four) {
-            const __m512i low4 = _mm512_set1_epi8(0x0F);
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; ++j) {
-                const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
-                const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-#pragma GCC unroll 16
-                for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_set1_epi32(word(x + (j * MR + i) * 4)));
-#pragma GCC unroll 16
-                for (int i = 0; i < MR; ++i)
-                    dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(word(x + ((j + 4) * MR + i) * 4)));
-            }
-        } else {
-            const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; ++j) {
-                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * j), bias);
-#pragma GCC unroll 16
-                for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(word(x + (j * MR + i) * 4)));
-            }
-        }
-        if constexpr (T == I8) {  // per-row scales come after the whole sum
-#pragma GCC unroll 16
-            for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_set1_ps(xd[i]), acc[i]);
-        } else {
-            const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (four ? 256 : 512))));
-#pragma GCC unroll 16
-            for (int i = 0; i < MR; ++i)
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xd[i])), acc[i]);
-            if constexpr (T == Q4_1) {
-                const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
-#pragma GCC unroll 16
-                for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[i]), acc[i]);
-            }
-        }
-    }
-#pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) result[i] = acc[i];
-}
-
-template <int64_t T, int MR>
-void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
-               float* out, int64_t ldo) {
-    __m512 res[MR];
-    tile_pass<T, MR>(tile, a, m0, m0 == 0, res);
-    const int64_t valid = std::min<int64_t>(kTileRows, N - n0);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 sv = scales ? _mm512_maskz_loadu_ps(mask, scales + n0) : _mm512_set1_ps(1.f);
-    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(out + (m0 + i) * ldo + n0, mask, _mm512_mul_ps(res[i], sv));
-}
-#elif defined(__AVX2__)
-// 8 output rows per vector: a tile is two halves, each swept over the blocks on its own (16 ymm
-// registers do not hold both halves' weights and accumulators).
-inline __m256i dot_add(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-template <int64_t type, int MB>
-void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, __m256* result) {
-    constexpr int64_t bb = type == Q4_0 || type == Q4_1 ? 256 + 32 + (type == Q4_1 ? 32 : 0) : 512 + (type == I8 ? 0 : 32);
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < a.nb; ++b) {
-        const uint8_t* blk = tile + b * bb;
-        if (half == 0)  // the second half reads the tile again, from cache by then
-            for (int64_t line = 0; line < bb; line += 64)
-                _mm_prefetch(reinterpret_cast<const char*>(blk + kPrefetchBytes + line), _MM_HINT_T0);
-        const uint16_t* sc = tiled_scales(type, blk) + 8 * half;
-        __m256i w[8];
-        __m256 wd, wm = _mm256_setzero_ps();
-        if (is4(type)) {
-            for (int j = 0; j < 4; ++j) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-                w[j] = _mm256_and_si256(raw, low4);
-                w[j + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-            }
-            wd = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-            wm = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))
-                              : _mm256_mul_ps(wd, _mm256_set1_ps(-8.f));
-        } else {
-            for (int j = 0; j < 8; ++j)
-                w[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-            wd = type == I8 ? _mm256_set1_ps(1.f) : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-        }
-        for (int i = 0; i < MB; ++i) {
-            const int64_t m = m0 + i;
-            const int8_t* x = a.qrow(m, b);
-            __m256i dot = _mm256_setzero_si256();
-            if (is4(type)) {
-#if defined(__AVXVNNI__)
-                for (int j = 0; j < 4; ++j) {
-                    dot = dot_add(dot, w[j], _mm256_set1_epi32(word(x + 4 * j)));
-                    dot = dot_add(dot, w[j + 4], _mm256_set1_epi32(word(x + 16 + 4 * j)));
-                }
-#else
-                // The eight pair sums of a block fit int16 (8 x 2 x 15 x 127 < 32767): add them there and
-                // widen once, one vpmaddwd a block instead of eight (the multiplier port is the limit).
-                __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(word(x)));
-                for (int j = 1; j < 8; ++j)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(word(x + (j < 4 ? 4 * j : 16 + 4 * (j - 4))))));
-                dot = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-#endif
-            } else {  // signed weights: |w| times the activations carrying w's sign (no saturation)
-                for (int j = 0; j < 8; ++j) {
-                    const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(word(x + 4 * j)), w[j]);
-                    dot = dot_add(dot, _mm256_sign_epi8(w[j], w[j]), s);
-                }
-            }
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(wd, _mm256_set1_ps(a.d[m * a.nb + b])),
-                                     acc[i]);
-            if (is4(type)) acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(a.s32[m * a.nb + b]), acc[i]);
-        }
-    }
-    for (int i = 0; i < MB; ++i) result[i] = acc[i];
-}
-
-constexpr int kPassRows = 4;
-
-template <int64_t type, int MB>
-void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
-               float* out, int64_t ldo) {
-    for (int half = 0; half < 2; ++half) {
-        __m256 res[MB];
-        half_pass<type, MB>(tile, half, a, m0, res);
-        const int64_t base = n0 + 8 * half, valid = std::min<int64_t>(8, N - base);
-        if (valid <= 0) break;
-        for (int i = 0; i < MB; ++i) {
-            float vals[8];
-            _mm256_storeu_ps(vals, res[i]);
-            for (int r = 0; r < valid; ++r)
-                out[(m0 + i) * ldo + base + r] = scales ? vals[r] * scales[base + r] : vals[r];
-        }
+// ggml's get_scale_min_k4: the 6-bit scale and minimum of Q4_K's sub-block j.
+inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
 }
-#else
-constexpr int kPassRows = 1;
 
-template <int64_t type, int MB>
-void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
-               float* out, int64_t ldo) {
-    const int64_t bb = block_bytes(type), valid = std::min<int64_t>(kTileRows, N - n0);
-    for (int i = 0; i < MB; ++i) {
-        const int64_t m = m0 + i;
-        for (int r = 0; r < valid; ++r) {
-            float acc = 0.f;
-            for (int64_t b = 0; b < a.nb; ++b) {
-                const uint8_t* blk = tile + b * bb;
-                const uint16_t* sc = tiled_scales(type, blk);
-                const float d = type == I8 ? 1.f : half_to_float(sc[r]);
-                const float mn = type == Q4_1 ? half_to_float(sc[16 + r]) : type == Q4_0 ? -8.f * d : 0.f;
-                int dot = 0;
-                for (int e = 0; e < QK; ++e) dot += tiled_weight(type, blk, r, e) * a.qrow(m, b)[e];
-                acc += d * a.d[m * a.nb + b] * dot + mn * a.s32[m * a.nb + b];
+// The quant bytes of one GGUF row's block b in tile order (4-bit: byte k = weight k | weight k + 16 << 4;
+// 8-bit: 32 signed bytes) and its scales written into row r's slots of the tile's block and header.
+void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* blk, uint8_t* head) {
+    uint8_t qs[32];
+    uint16_t* sc16 = reinterpret_cast<uint16_t*>(blk + quant_bytes(type));
+    switch (type) {
+        case Q4_0: {
+            auto* s = reinterpret_cast<const BlockQ4_0*>(row) + b;
+            std::memcpy(qs, s->qs, 16), sc16[r] = s->d;
+            break;
+        }
+        case Q4_1: {
+            auto* s = reinterpret_cast<const BlockQ4_1*>(row) + b;
+            std::memcpy(qs, s->qs, 16), sc16[r] = s->d, sc16[16 + r] = s->m;
+            break;
+        }
+        case Q8_0: {
+            auto* s = reinterpret_cast<const BlockQ8_0*>(row) + b;
+            std::memcpy(qs, s->qs, 32), sc16[r] = s->d;
+            break;
+        }
+        case Q4_K: {  // sub-block j = b % 8 of super-block b / 8: nibbles of 32-byte chunk j / 2, low for even j
+            auto* s = reinterpret_cast<const BlockQ4_K*>(row) + b / 8;
+            const int j = static_cast<int>(b % 8);
+            const uint8_t* q = s->qs + 32 * (j / 2);
+            for (int k = 0; k < 16; ++k) {
+                const int lo = j % 2 ? q[k] >> 4 : q[k] & 0xF, hi = j % 2 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
+                qs[k] = static_cast<uint8_t>(lo | hi << 4);
             }
-            out[m * ldo + n0 + r] = scales ? acc * scales[n0 + r] : acc;
+            uint8_t sc, mn;
+            scale_min_k4(j, s->scales, &sc, &mn);
+            blk[256 + r] = sc, blk[256 + 16 + r] = mn;
+            reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
+            break;
         }
-    }
-}
-#endif
-
-using TileFn = void (*)(const uint8_t*, const float*, const Activations&, int64_t, int64_t, int64_t, float*, int64_t);
-
-// kTileFns<T>[MR - 1]: the microkernel of type T for MR activation rows.
-template <int64_t T, int... I>
-constexpr std::array<TileFn, sizeof...(I)> make_table(std::integer_sequence<int, I...>) {
-    return {tile_rows<T, I + 1>...};
-}
-template <int64_t T>
-constexpr auto kTileFns = make_table<T>(std::make_integer_sequence<int, kPassRows>{});
-
-template <int64_t T>
-void typed_tiles_matmul(const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0, int64_t t1,
-                        int64_t N, float* out, int64_t ldo) {
-    const int64_t tb = tile_bytes(T, a.K);
-    for (int64_t t = t0; t < t1; ++t) {
-        for (int64_t m0 = 0; m0 < a.M; m0 += kPassRows) {
-            const int mb = static_cast<int>(std::min<int64_t>(kPassRows, a.M - m0));
-            kTileFns<T>[mb - 1](w + t * tb, row_scales, a, m0, t * kTileRows, N, out, ldo);
+        case Q6_K: {  // ggml's dequantize_row_q6_K order: element e of the super-block, scale e / 16
+            auto* s = reinterpret_cast<const BlockQ6_K*>(row) + b / 8;
+            const int j = static_cast<int>(b % 8), n = j / 4, l0 = j % 4 * 32;  // 128-element half, first element
+            for (int e = 0; e < 32; ++e) {
+                const int l = (l0 + e) % 32, part = (l0 + e) / 32;  // part 0..3 of the half: ql/qh shifts below
+                const uint8_t* ql = s->ql + 64 * n;
+                const uint8_t* qh = s->qh + 32 * n;
+                const int low = part % 2 ? ql[l + 32] : ql[l];
+                const int q = ((part < 2 ? low & 0xF : low >> 4) | (((qh[l] >> (2 * part)) & 3) << 4)) - 32;
+                qs[e] = static_cast<uint8_t>(static_cast<int8_t>(q));
+            }
+            blk[512 + r] = static_cast<uint8_t>(s->scales[2 * j]), blk[512 + 16 + r] = static_cast<uint8_t>(s->scales[2 * j + 1]);
+            reinterpret_cast<uint16_t*>(head)[r] = s->d;
+            break;
         }
+        default:  // I8
+            std::memcpy(qs, row + b * QK, 32);
     }
+    for (int64_t j = 0; j < quant_bytes(type) / 64; ++j) std::memcpy(blk + j * 64 + r * 4, qs + 4 * j, 4);
+}
+
+// Row r's 32 weights of block b as fp32, as ggml dequantizes them: the reference of the layout.
+void dequantize_block_row(int64_t type, const uint8_t* tile, int64_t b, int r, float row_scale, float* y) {
+    for (int e = 0; e < QK; ++e) y[e] = tiled_value(type, tile, b, r, e, row_scale);
 }
 
 }  // namespace
 
-int64_t tile_bytes(int64_t type, int64_t K) { return K / QK * block_bytes(type); }
+int64_t row_bytes(int64_t type, int64_t K) {
+    switch (type) {
+        case Q4_0: return K / QK * sizeof(BlockQ4_0);
+        case Q4_1: return K / QK * sizeof(BlockQ4_1);
+        case Q8_0: return K / QK * sizeof(BlockQ8_0);
+        case Q4_K: return K / QK_K * sizeof(BlockQ4_K);
+        case Q6_K: return K / QK_K * sizeof(BlockQ6_K);
+        case I8: return K;
+    }
+    TORCH_CHECK(false, "unsupported weight type ", type);
+}
+
+int64_t tile_bytes(int64_t type, int64_t K) { return K / QK / group_blocks(type) * group_bytes(type); }
 
 void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
-    const int64_t nb = K / QK, rb = row_bytes(type, K), bb = block_bytes(type), tiles = (N + kTileRows - 1) / kTileRows;
-    std::memset(dst, 0, tiles * nb * bb);
+    const int64_t nb = K / QK, rb = row_bytes(type, K), tb = tile_bytes(type, K), tiles = (N + kTileRows - 1) / kTileRows;
+    std::memset(dst, 0, tiles * tb);
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
+            uint8_t* tile = dst + t * tb;
             for (int64_t b = 0; b < nb; ++b) {
-                uint8_t* blk = dst + (t * nb + b) * bb;
-                uint16_t* sc = reinterpret_cast<uint16_t*>(blk + quant_bytes(type));
-                for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
-                    const uint8_t* row = src + (t * kTileRows + r) * rb;
-                    const uint8_t* qs;
-                    switch (type) {
-                        case Q4_0: {
-                            auto* s = reinterpret_cast<const BlockQ4_0*>(row) + b;
-                            qs = s->qs, sc[r] = s->d;
-                            break;
-                        }
-                        case Q4_1: {
-                            auto* s = reinterpret_cast<const BlockQ4_1*>(row) + b;
-                            qs = s->qs, sc[r] = s->d, sc[16 + r] = s->m;
-                            break;
-                        }
-                        case Q8_0: {
-                            auto* s = reinterpret_cast<const BlockQ8_0*>(row) + b;
-                            qs = reinterpret_cast<const uint8_t*>(s->qs), sc[r] = s->d;
-                            break;
-                        }
-                        default:
-                            qs = row + b * QK;
-                    }
-                    for (int64_t j = 0; j < quant_bytes(type) / 64; ++j) std::memcpy(blk + j * 64 + r * 4, qs + 4 * j, 4);
-                }
+                uint8_t* blk = const_cast<uint8_t*>(tile_block(type, tile, b));
+                uint8_t* head = const_cast<uint8_t*>(tile_header(type, tile, b));
+                for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r)
+                    repack_block(type, src + (t * kTileRows + r) * rb, b, r, blk, head);
             }
         }
     });
 }
 
-namespace {
-
-// Block b's 32 weights of row `row` (row r of its tile), as fp32: the reference of the layout.
-void dequantize_tiled_row_block(int64_t type, const uint8_t* blk, const float* row_scales, int64_t row, int r,
-                                float* y) {
-    const uint16_t* sc = tiled_scales(type, blk);
-    if (type == I8) {
-        for (int e = 0; e < QK; ++e) y[e] = tiled_weight(type, blk, r, e) * row_scales[row];
-        return;
-    }
-    const float d = half_to_float(sc[r]);
-    for (int e = 0; e < QK; ++e) {
-        const int q = tiled_weight(type, blk, r, e);
-        y[e] = type == Q4_1 ? q * d + half_to_float(sc[16 + r]) : type == Q4_0 ? (q - 8) * d : q * d;
-    }
-}
-
-}  // namespace
-
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
                           float* y) {
-    const int64_t nb = K / QK, bb = block_bytes(type);
-    const uint8_t* tile = tiles + (row / kTileRows) * nb * bb;
-    for (int64_t b = 0; b < nb; ++b, y += QK)
-        dequantize_tiled_row_block(type, tile + b * bb, row_scales, row, static_cast<int>(row % kTileRows), y);
+    const uint8_t* tile = tiles + (row / kTileRows) * tile_bytes(type, K);
+    const float scale = type == I8 ? row_scales[row] : 1.f;
+    for (int64_t b = 0; b < K / QK; ++b, y += QK)
+        dequantize_block_row(type, tile, b, static_cast<int>(row % kTileRows), scale, y);
 }
 
 // Rows [16 t0, 16 t1) of a tiled matrix into out [N, K] (fp32, or bf16 when `bf16`): the whole weight
@@ -341,7 +127,7 @@ void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_s
 // are its 4-byte words of each chunk, so each row unpacks like a GGUF row.
 void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t N, int64_t K, int64_t t0,
                       int64_t t1, void* out, bool bf16) {
-    const int64_t nb = K / QK, bb = block_bytes(type);
+    const int64_t nb = K / QK, tb = tile_bytes(type, K);
     float row[4 * QK];
     for (int64_t t = t0; t < t1; ++t) {
         for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
@@ -349,11 +135,15 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
             for (int64_t b0 = 0; b0 < nb; b0 += 4) {
                 const int64_t count = std::min<int64_t>(4, nb - b0);
                 for (int64_t b = b0; b < b0 + count; ++b) {
-                    const uint8_t* blk = tiles + (t * nb + b) * bb;
-                    const uint16_t* sc = tiled_scales(type, blk);
+                    const uint8_t* blk = tile_block(type, tiles + t * tb, b);
+                    const uint16_t* sc = fp16_scales(blk + quant_bytes(type));
                     float* y = row + (b - b0) * QK;
 #if defined(__AVX512F__)
-                    if (is4(type)) {
+                    if (is_kquant(type)) {
+                        dequantize_block_row(type, tiles + t * tb, b, r, 1.f, y);
+                        continue;
+                    }
+                    if (is4bit(type)) {
                         alignas(16) uint8_t qs[16];
                         for (int j = 0; j < 4; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
                         const __m128i raw = _mm_load_si128(reinterpret_cast<const __m128i*>(qs));
@@ -381,8 +171,8 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
                         _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), dv));
                     }
 #else
-                    (void)sc;
-                    dequantize_tiled_row_block(type, blk, row_scales, n, r, y);
+                    (void)sc, (void)blk;
+                    dequantize_block_row(type, tiles + t * tb, b, r, type == I8 ? row_scales[n] : 1.f, y);
 #endif
                 }
                 const int64_t len = count * QK, off = n * K + b0 * QK;
@@ -399,17 +189,6 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
                 }
             }
         }
-    }
-}
-
-void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
-                  int64_t t1, int64_t N, float* out, int64_t ldo) {
-    switch (type) {
-        case Q4_0: return typed_tiles_matmul<Q4_0>(w, row_scales, a, t0, t1, N, out, ldo);
-        case Q4_1: return typed_tiles_matmul<Q4_1>(w, row_scales, a, t0, t1, N, out, ldo);
-        case Q8_0: return typed_tiles_matmul<Q8_0>(w, row_scales, a, t0, t1, N, out, ldo);
-        case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out, ldo);
-        default: TORCH_CHECK(false, "type ", type, " has no tiled layout");
     }
 }
 

@@ -73,6 +73,15 @@ class Sampler:
         """logits: fp32 `[rows, vocab]`, one row per request. Returns token ids and optional logprobs."""
         return self.sample(logits, requests).to_host()
 
+    @staticmethod
+    def plain_greedy(requests: list[Request]) -> bool:
+        """Whether every row is the argmax of its raw logits (no sampling, penalties, min_tokens, bias,
+        grammar or logprobs): then the LM head may fuse the argmax (`CausalLM.greedy_tokens`)."""
+        return all(r.params.greedy and r.params.logprobs is None and not r.params.logit_bias and r.grammar is None
+                   and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
+                   and not r.params.frequency_penalty and len(r.output_token_ids) >= r.params.min_tokens
+                   for r in requests)
+
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
         """The batch's tokens (and logprobs) on the logits' device; no host sync. `logits` may be edited."""
         raw, device = logits, logits.device

@@ -32,7 +32,6 @@ import torch
 from ..layers.attention import AttentionMetadata
 from ..layers.quantization import linear as quant_linear
 from ..layers.quantization.linear import QuantLinear
-from ..layers.quantization.tensors import TILED_TYPES
 
 MAX_ROWS = 64
 
@@ -72,12 +71,12 @@ _DENSE_TYPES = {torch.float32: -1, torch.bfloat16: -2}
 
 
 def _segments(linear: torch.nn.Module) -> list[tuple] | None:
-    """A projection as the native stack takes it, or None where it cannot: quantized segments (tiled
-    where their type has tiles), or one dense bf16 weight. Dense fp32 is the exact path: it stays on
+    """A projection as the native stack takes it, or None where it cannot: tiled quantized segments, or
+    one dense bf16 weight. Dense fp32 is the exact path: it stays on
     PyTorch's matmuls."""
     if isinstance(linear, QuantLinear):
         segments = linear.kernel.segments
-        if any(s.layout != "tiles" and s.qtype in TILED_TYPES for s in segments):  # built without the kernels
+        if any(s.layout != "tiles" for s in segments):  # built without the kernels
             return None
         return [(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0]) for s in segments]
     weight = getattr(linear, "weight", None)

@@ -33,6 +33,9 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   /detokenize need the key; /health and /metrics stay open), 404 model_not_found, 500
   server_error (the request failed inside the engine; in a stream: an error event, then [DONE]),
   503 service_unavailable_error with Retry-After (queue full, or shutting down).
+- Streaming: the status line and headers go out with the first output (a token, the end, or an
+  error), so a request still queued when the server dies has received nothing and a router in front
+  (`conveyor serve --data-parallel-size`) retries it on another replica.
 - Admission: the server counts engine requests (prompts x n) accepted and not yet finished; a
   request that would take the count past `max_queue` gets 503 at once. Accepted requests always
   get their answer. A client that disconnects (streaming or not) cancels its requests at once.
@@ -55,7 +58,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -63,30 +66,30 @@ import uvicorn
 from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from .app import build_app
-from .serving import Serving, ServerSettings
+from .serving import ServerSettings
 
-__all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer"]
+__all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer", "GracefulServer"]
 
 
-class _GracefulServer(uvicorn.Server):
-    """uvicorn's server that, on the first SIGINT/SIGTERM, drains the app while still listening (new
-    requests get 503) and only then shuts down; a second signal shuts down at once. It exits 0: it
-    does not re-raise the signal after the graceful shutdown as uvicorn does."""
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server that, on the first SIGINT/SIGTERM, calls `drain(then)` and keeps listening while it
+    drains (the app answers new requests with 503); `then` shuts it down. `drain` returns False when there
+    is nothing to drain (shut down at once). A second signal shuts down at once. It exits 0: it does not
+    re-raise the signal after the graceful shutdown as uvicorn does. The data-parallel front reuses it."""
 
-    def __init__(self, config: uvicorn.Config, serving: Serving) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Callable[[Callable[[], None]], bool]) -> None:
         super().__init__(config)
-        self.serving = serving
+        self.drain = drain
         self.draining = False
-        serving.on_engine_death = self._drained
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.draining:
             self.draining = True
-            if self.serving.request_shutdown(then=self._drained):
+            if self.drain(self.drained):
                 return
         super().handle_exit(sig, frame)
 
-    def _drained(self) -> None:
+    def drained(self) -> None:
         self.should_exit = True
 
     @contextlib.contextmanager
@@ -112,7 +115,9 @@ def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5)  # after the app's own drain
     serving = app.state.serving
-    _GracefulServer(config, serving).run()
+    server = GracefulServer(config, serving.request_shutdown)
+    serving.on_engine_death = server.drained
+    server.run()
     if serving.dead_error is not None:
         raise EngineDeadError(death_message(serving.dead_error)) from serving.dead_error
 

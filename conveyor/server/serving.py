@@ -62,6 +62,7 @@ class Submission:
         self.index = {r.request_id: i for i, r in enumerate(requests)}
         self.unfinished = set(self.index)
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.started = asyncio.Event()  # set by the first output
 
     def start(self) -> None:
         serving, loop = self.serving, self.serving.loop
@@ -95,6 +96,7 @@ class Submission:
         if out.finished and out.request_id in self.unfinished:
             self._finished(out.request_id)
         self.queue.put_nowait(out)
+        self.started.set()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) as they arrive, until every request has finished."""

@@ -32,7 +32,12 @@ class ClientGone(Exception):
 
 
 class SSEResponse(StreamingResponse):
-    """Server-sent events; the submission is cancelled however the stream ends (client gone included)."""
+    """Server-sent events; the submission is cancelled however the stream ends (client gone included).
+
+    The status line and headers go out with the first output (a token, the end, or an error), not
+    before: until then this server has sent nothing, so when it dies with the request still queued, a
+    router in front of it (`conveyor serve --data-parallel-size`) sees a failed exchange and retries the
+    request on another replica instead of passing on a 200 stream that breaks off."""
 
     def __init__(self, content: AsyncIterator[str], submission: Submission) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -40,15 +45,19 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
+            await unless_disconnected(receive, self.submission.started.wait())
             await super().__call__(scope, receive, send)
+        except ClientGone:
+            pass
         finally:
             self.submission.cancel()
 
 
-async def unless_disconnected(raw: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it at once if the client disconnects (as vLLM's `with_cancellation`)."""
+async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it at once if the client disconnects (as vLLM's `with_cancellation`);
+    ClientGone then."""
     async def disconnected() -> None:
-        while (await raw.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
@@ -113,6 +122,6 @@ async def collect(sub: Submission, raw: Request) -> list[RequestOutput]:
         return results  # type: ignore[return-value]
 
     try:
-        return await unless_disconnected(raw, finals())
+        return await unless_disconnected(raw.receive, finals())
     finally:
         sub.cancel()

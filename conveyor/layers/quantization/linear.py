@@ -1,6 +1,6 @@
 """Linear layers and embeddings over quantized weights (`QuantizedTensor`), on CPU.
 
-Inputs go through the native kernel (`kernels/quant_tiles.cpp`, `quant_rows.cpp`): the weights are
+Inputs go through the native kernel (`kernels/quant_gemm.cpp`): the weights are
 read in their quantized form, the activations quantized to int8 blocks of 32, integer dot products
 (AVX512-VNNI: ~400 GFLOP/s a core from 16 rows on, 85% of the instruction's measured peak; fp32 BLAS
 peaks at 160 and oneDNN's bf16 matmul on AVX512-BF16 at 80). On a CPU with AMX, oneDNN's bf16
@@ -45,22 +45,14 @@ class _Scratch:
 
     def __init__(self) -> None:
         self.buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
-        self.rows: dict[int, torch.Tensor] = {}
 
     def dequantize(self, weight: QuantizedTensor, dtype: torch.dtype, ops: object | None) -> torch.Tensor:
         if ops is None:
             return weight.dequantize(dtype)
-        rows, cols = weight.shape
-        out = self.buffers.get((rows, cols, dtype))
+        out = self.buffers.get((*weight.shape, dtype))
         if out is None:
-            out = self.buffers[(rows, cols, dtype)] = torch.empty(rows, cols, dtype=dtype)
-        if weight.layout == "tiles":
-            ops.dequantize_matrix(weight.data, weight.qtype, weight.row_scales_or_empty(), out)
-            return out
-        ids = self.rows.get(rows)
-        if ids is None:
-            ids = self.rows[rows] = torch.arange(rows)
-        ops.dequantize_rows(weight.data, weight.qtype, weight.row_scales_or_empty(), ids, rows, out)
+            out = self.buffers[(*weight.shape, dtype)] = torch.empty(weight.shape, dtype=dtype)
+        ops.dequantize_matrix(weight.data, weight.qtype, weight.row_scales_or_empty(), out)
         return out
 
 
@@ -130,6 +122,18 @@ class QuantMatmul:
                 start = end
             out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(dtype)
         return out.view(*lead, self.out_features)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """argmax over the output features of `x @ W.T` per row, without writing the outputs (an LM head
+        fused with greedy sampling, `kernels.quant_argmax`); None where that does not apply (several
+        segments, a bias, no native kernels, a bf16 input for the dequantize path)."""
+        if (self.ops is None or self.bias is not None or len(self.segments) != 1
+                or not self.takes_kernel(x.shape[0], x.dtype)):
+            return None
+        seg = self.segments[0]
+        x2 = x.reshape(-1, self.in_features)
+        return self.ops.quant_argmax(x2 if x2.stride(-1) == 1 else x2.contiguous(), seg.data, seg.qtype,
+                                     seg.row_scales_or_empty(), self.out_features)
 
     @property
     def nbytes(self) -> int:

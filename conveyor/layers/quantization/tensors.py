@@ -8,8 +8,9 @@ model takes its file size in memory), or I8, per-channel int8 (int8 rows, one fp
 the same kernels as GGUF files. Rows are whole blocks: only row operations (select, concatenate,
 permute) are defined, which is all that loading and fusing q/k/v and gate/up need.
 
-For the kernels, Q4_0/Q4_1/Q8_0/I8 tensors are repacked once (`tiled`) into 16-row tiles: the same
-bits, interleaved so one vector instruction serves 16 output rows (see `kernels/quant_tiles.cpp`).
+For the kernels, every tensor is repacked once (`tiled`) into 16-row tiles: the same bits (the
+K-quants' scales unpacked to bytes), interleaved so one vector instruction serves 16 output rows
+(see `kernels/quant_layout.h`). Without the native kernels they stay GGUF rows.
 """
 
 from __future__ import annotations
@@ -26,9 +27,7 @@ I8 = 1000  # our per-channel int8 (not a GGUF type); the kernels' id for it
 # Types the native kernels take, with their block size (weights per block).
 KERNEL_TYPES: dict[int, int] = {GGMLType.Q4_0: 32, GGMLType.Q4_1: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256,
                                 GGMLType.Q6_K: 256, I8: 32}
-# Types with a 16-row tiled layout (the others run on their GGUF rows).
-TILED_TYPES = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8)
-TILE_ROWS = 16
+TILE_ROWS = 16  # rows of a tile of the kernels' layout
 # Float types GGUF files use for tensors that are not quantized.
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
@@ -81,8 +80,8 @@ class QuantizedTensor:
         return QuantizedTensor(self.data[index], self.qtype, (len(index), self.shape[1]), scales)
 
     def tiled(self, ops: object) -> QuantizedTensor:
-        """The 16-row tiled form the kernels (`ops`, the native extension) take; self if it has none."""
-        if self.layout == "tiles" or self.qtype not in TILED_TYPES:
+        """The 16-row tiled form the kernels (`ops`, the native extension) take."""
+        if self.layout == "tiles":
             return self
         scales = None
         if self.row_scales is not None:
