@@ -15,11 +15,12 @@
 // (`group_sums`), and each V row read once into registers for a chunk of its kv head's query heads.
 #pragma once
 
-#include "vec_cpu.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace conveyor {

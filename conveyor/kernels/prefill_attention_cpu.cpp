@@ -15,7 +15,7 @@
 // instruction, the block's row max taken from the score registers when no mask or cap touches it,
 // and the output rescaled only when some row's max moved.
 #include "prefill_attention_cpu.h"
-#include "vec_cpu.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 
