@@ -111,17 +111,17 @@ def run_prefill(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int
                 dtype: torch.dtype, contiguous_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill kernel's output and the reference's. Queries, keys and values are views into one fused
     projection (strided rows), as the layer passes them (keys contiguous after a q/k norm); each chunk's
-    context sits at random cache slots."""
+    context sits at random slots of a cache of at least 2048."""
     g = torch.Generator().manual_seed(heads * dim + len(chunks))
-    total = sum(n for n, _ in chunks)
+    total, slots = sum(n for n, _ in chunks), max([2048] + [n_ctx for _, n_ctx in chunks])
     qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
     q, k, v = (x.view(total, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     if contiguous_k:
         k = k.contiguous()
-    kv = torch.randn(2, 2048, kv_heads, dim, generator=g).to(dtype)
+    kv = torch.randn(2, slots, kv_heads, dim, generator=g).to(dtype)
     spans, rows, offset, start = [], [], 0, 0
     for n, n_ctx in chunks:
-        spans.append((start, n, torch.randperm(2048, generator=g)[:n_ctx]))
+        spans.append((start, n, torch.randperm(slots, generator=g)[:n_ctx]))
         rows.append([start, n, offset, n_ctx])
         start, offset = start + n, offset + n_ctx
     out = torch.full_like(q, float("nan"))
@@ -216,12 +216,14 @@ def test_pure_pytorch_backend_end_to_end(tiny_llama: TinyModel, monkeypatch: pyt
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 code paths")
 def test_avx2_path() -> None:
     """The kernels built for an AVX2-only CPU (`CONVEYOR_MARCH=haswell`: 8-wide vectors, 16 registers) pass the
-    kernel tests above. (The plain C++ build, `CONVEYOR_MARCH=x86-64`, passes them too; not run here, to keep the
-    suite's build time down.)"""
+    kernel tests above and test_cpu_attention_kernels.py's. (The plain C++ build, `CONVEYOR_MARCH=x86-64`,
+    passes them too; not run here, to keep the suite's build time down.)"""
     env = dict(os.environ, CONVEYOR_MARCH="haswell")
     probe = subprocess.run([sys.executable, "-c", "from conveyor.kernels import cpu_paged_attention as k; "
                             "print(k().prefill_vector_width())"], env=env, capture_output=True, text=True, timeout=900)
     assert probe.stdout.split()[-1] == "8", probe.stderr[-3000:]
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-k", "not end_to_end", __file__],
+    kernel_tests = os.path.join(os.path.dirname(__file__), "test_cpu_attention_kernels.py")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-k", "not end_to_end", __file__,
+                             kernel_tests],
                             env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -144,7 +144,7 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
 def cpu_paged_attention() -> ModuleType | None:
     """The paged decode-attention extension, or None when the build fails."""
     return _build("conveyor_paged_attention_cpu", ["paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("attention_cpu.h", "vec_math.h"))
+                  "-ffp-contract=fast", headers=("attention_cpu.h", "prefill_attention_cpu.h", "vec_math.h"))
 
 
 @cache

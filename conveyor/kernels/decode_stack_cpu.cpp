@@ -113,6 +113,8 @@ class DecodeStack {
                 double scale, int64_t max_rows)
         : hidden_(hidden), inter_(intermediate), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps), scale_(scale),
           max_rows_(max_rows) {
+        TORCH_CHECK(head_dim <= conveyor::kMaxDecodeHeadDim, "head dim ", head_dim, " is above the CPU kernel's limit of ",
+                    conveyor::kMaxDecodeHeadDim);
         const int64_t qkv = (H_ + 2 * Hkv_) * D_;
         xn_.resize(max_rows * std::max(hidden, H_ * D_));
         qkv_.resize(max_rows * qkv);
@@ -197,8 +199,7 @@ class DecodeStack {
             const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
             const int64_t r0 = B * tid / nt, r1 = B * (tid + 1) / nt;
             const bool by_rows = B >= nt;
-            std::vector<float> scores;
-            std::vector<const T*> krows, vrows;
+            conveyor::DecodeScratch scratch;
             const auto prepare = [&](const Linear& lin, const float* in, int64_t K, Activations& act) {  // rows r0..r1
                 if (lin.quantized) conveyor::quantize_rows(in, K, r0, r1, act);
                 if (lin.floats) conveyor::pack_float_rows(in, K, r0, r1, act);
@@ -218,12 +219,9 @@ class DecodeStack {
                 const int64_t width = tables[L.group].size(1);
                 const int64_t* len = lens[L.group].data_ptr<int64_t>();
                 const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
-                    conveyor::context_rows<T>(kc, vc, bt + b * width, len[b], page, kvd, krows, vrows);
-                    scores.resize(G * len[b]);
-                    for (int64_t g = g0; g < g1; ++g)
-                        conveyor::attend_group<T>(qkv_.data() + b * qkv_n + g * G * D_, krows.data(), vrows.data(),
-                                                  g * D_, len[b], D_, G, scale, 0.f, scores.data(),
-                                                  attn_.data() + b * qd + g * G * D_);
+                    conveyor::attend_request<T>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
+                                                page, Hkv_, D_, G, g0, g1, scale, 0.f, scratch,
+                                                attn_.data() + b * qd + g0 * G * D_);
                 };
                 const auto rope_and_store = [&](int64_t b) {
                     float* row = qkv_.data() + b * qkv_n;

@@ -1,13 +1,15 @@
 // Attention straight from the paged KV cache on CPU, fp32 or bf16 (bf16 widened to fp32 on load;
-// scores, softmax and sums in fp32; bf16 output rounded once).
+// scores, softmax and sums in fp32; bf16 output rounded once): the PyTorch entry points.
 //
-// Decode: one query token per request; every query head is scored against the request's cached
-// keys, softmaxed and used to weight the values, K/V read from the pages in place.
-// Prefill: prefill_attention_cpu.cpp.
+// Decode: one query token per request, one task per request (`attend_request`, attention_cpu.h);
+// K/V read from the pages in place, after the pass wrote the new K/V.
+// Prefill: prefill_attention_cpu.cpp, before the pass writes the chunks' own K/V.
 // `softcap` > 0 caps the scores as Gemma 2 does: tanh(score / softcap) * softcap; 0 leaves them.
 #include "attention_cpu.h"
+#include "prefill_attention_cpu.h"
 
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 
 #include <type_traits>
 #include <vector>
@@ -16,34 +18,26 @@ using namespace conveyor;
 
 namespace {
 
-// One task per request: its K/V row pointers are looked up once, then each kv head's G query heads
-// go through `attend_group` together (AVX-512: every K and V row read and widened once for all of
-// them; elsewhere head by head).
 template <typename T>
 void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, T* op, int64_t B,
             int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size, float scale, float cap) {
     constexpr bool fp32 = std::is_same_v<T, float>;
-    const int64_t G = H / Hkv, row = Hkv * D;  // G query heads per kv head
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores, qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D);
-        std::vector<const T*> krows, vrows;
+        DecodeScratch scratch;
+        std::vector<float> qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D);
         for (int64_t b = begin; b < end; ++b) {
-            const int64_t len = lens[b];
-            scores.resize(G * len);
-            context_rows<T>(kp, vp, bt + b * max_blocks, len, page_size, row, krows, vrows);
             const float* qb;
             float* ob;
             if constexpr (fp32) {
                 qb = qp + b * H * D;
                 ob = op + b * H * D;
             } else {
-                for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(qp[b * H * D + i]);
+                for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(qp[b * H * D + i]);
                 qb = qf.data();
                 ob = of.data();
             }
-            for (int64_t g = 0; g < Hkv; ++g)
-                attend_group<T>(qb + g * G * D, krows.data(), vrows.data(), g * D, len, D, G, scale, cap, scores.data(),
-                                ob + g * G * D);
+            attend_request<T>(qb, kp, vp, bt + b * max_blocks, lens[b], page_size, Hkv, D, H / Hkv, 0, Hkv, scale, cap,
+                              scratch, ob);
             if constexpr (!fp32)
                 for (int64_t i = 0; i < H * D; ++i) op[b * H * D + i] = bf16(of[i]);
         }
@@ -52,6 +46,11 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int6
 
 void check_dtype(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
     TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of the cache's dtype");
+}
+
+void check_heads(const torch::Tensor& t, const char* name) {
+    TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
+                " must be [tokens, heads, dim] with contiguous heads");
 }
 
 }  // namespace
@@ -67,6 +66,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
     TORCH_CHECK(q.is_contiguous() && kv_cache.is_contiguous() && block_tables.is_contiguous() &&
                 context_lens.is_contiguous(), "contiguous inputs only");
     const int64_t B = q.size(0), H = q.size(1), D = q.size(2), slots = kv_cache.size(1), Hkv = kv_cache.size(2);
+    TORCH_CHECK(D <= kMaxDecodeHeadDim, "head dim ", D, " is above the CPU kernel's limit of ", kMaxDecodeHeadDim);
+    TORCH_CHECK(H % Hkv == 0, "query heads ", H, " are not a multiple of kv heads ", Hkv);
     auto out = torch::empty_like(q);
     const int64_t* bt = block_tables.data_ptr<int64_t>();
     const int64_t* lens = context_lens.data_ptr<int64_t>();
@@ -81,9 +82,45 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
     return out;
 }
 
+// Writes the attention output of every prefill chunk's rows into `out`; call it before the pass
+// writes the new K/V into the cache.
+void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's queries
+                             torch::Tensor k,          // [T, Hkv, D] the batch's new keys
+                             torch::Tensor v,          // [T, Hkv, D] and values
+                             torch::Tensor kv_cache,   // [2, slots, Hkv, D]
+                             torch::Tensor ctx_slots,  // [sum of n_ctx] int64: each chunk's context slots, in order
+                             torch::Tensor chunks,     // [C, 4] int64: q_start, q_len, offset into ctx_slots, n_ctx
+                             int64_t window, double scale, double softcap,
+                             torch::Tensor out) {      // [T, H, D] contiguous
+    const auto dtype = kv_cache.scalar_type();
+    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "fp32 or bf16 only");
+    for (const auto* t : {&q, &k, &v, &out}) check_dtype(*t, dtype, "q, k, v and out");
+    check_heads(q, "q");
+    check_heads(k, "k");
+    check_heads(v, "v");
+    TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, shaped like q");
+    TORCH_CHECK(kv_cache.is_contiguous() && ctx_slots.is_contiguous() && chunks.is_contiguous() &&
+                ctx_slots.scalar_type() == torch::kInt64 && chunks.scalar_type() == torch::kInt64 &&
+                chunks.dim() == 2 && chunks.size(1) == 4, "ctx_slots [n] and chunks [C, 4]: contiguous int64");
+    const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(2), slots = kv_cache.size(1);
+    TORCH_CHECK(k.size(1) == Hkv && k.size(2) == D && H % Hkv == 0, "head counts or sizes disagree");
+    const auto run = [&](auto* qp, auto* kp, auto* vp, auto* cp, auto* op) {
+        using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
+        prefill_attention<T>({qp, kp, vp, cp, cp + slots * Hkv * D, q.stride(0), k.stride(0), v.stride(0),
+                              ctx_slots.data_ptr<int64_t>(), chunks.data_ptr<int64_t>(), chunks.size(0), H, Hkv, D,
+                              window, static_cast<float>(scale), static_cast<float>(softcap), op});
+    };
+    if (dtype == torch::kFloat32)
+        run(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kv_cache.data_ptr<float>(),
+            out.data_ptr<float>());
+    else
+        run(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), kv_cache.data_ptr<bf16>(),
+            out.data_ptr<bf16>());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)");
-    m.def("paged_prefill_attention", &conveyor::paged_prefill_attention, "prefill attention over the paged KV cache (CPU)");
+    m.def("paged_prefill_attention", &paged_prefill_attention, "prefill attention over the paged KV cache (CPU)");
     m.def("prefill_vector_width", &conveyor::prefill_vector_width,
           "floats per vector register in the prefill kernel (16: AVX-512)");
 }

@@ -5,13 +5,22 @@
 // chunk's own tokens), causally, within an optional sliding window; flash-style (online softmax over
 // blocks of keys), one task per (chunk, kv head, query tile) so every K/V block is reused by all of
 // the tile's query rows. `softcap` > 0 caps the scores as Gemma 2 does: tanh(score / softcap) * softcap.
-#include "attention_cpu.h"
+//
+// Prefill is compute-bound, and everything in it is vectorized along the query rows of a tile (the
+// queries of one kv head's G query heads): scores are kept transposed, keys x rows, so the softmax's
+// running max and sum are plain vector operations and any head dim works. The two products run in
+// register blocks of KB keys (or head-dim entries) x CB row vectors, near the FMA units' peak; what
+// is left to gain is around them (measured, 1 thread, 512 queries over 1024 keys, bf16: about a
+// third of the time went to widening, softmax and rescaling): bf16 rows widened W values per
+// instruction, the block's row max taken from the score registers when no mask or cap touches it,
+// and the output rescaled only when some row's max moved.
+#include "prefill_attention_cpu.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -23,70 +32,26 @@ namespace {
 inline void store(float* p, float x) { *p = x; }
 inline void store(bf16* p, float x) { *p = bf16(x); }  // round to nearest even
 
-void check_dtype(const torch::Tensor& t, at::ScalarType dtype, const char* name) {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype, name, " must be a CPU tensor of the cache's dtype");
-}
-
-// W floats per register: 16 (one zmm) where the compiler targets AVX-512, else 8 (AVX2, or pairs
-// of SSE registers). Prefill is compute-bound, and everything in it is vectorized along the query
-// rows of a tile (the queries of one kv head's G query heads): scores are kept transposed, keys x
-// rows, so the softmax's running max and sum are plain vector operations and any head dim works.
 // Register blocks: KB keys (or head-dim entries) x CB row vectors of accumulators: 24 of AVX-512's
-// 32 registers (~5% faster than 12), 12 of AVX2's 16.
+// 32 registers, 12 of AVX2's 16.
 #ifdef __AVX512F__
-constexpr int W = 16, KB = 8;
+constexpr int KB = 8;
 #else
-constexpr int W = 8, KB = 4;
+constexpr int KB = 4;
 #endif
-constexpr int CB = 3;  // 96-row tiles: 6 (AVX-512) or 12 (AVX2) row vectors, in groups of 3
-constexpr int64_t NB = 64;         // keys per block (a multiple of KB): its scores and V rows stay in L1
+constexpr int CB = 3;
+constexpr int64_t NB = 64;         // keys per block (a multiple of KB): its scores and V rows stay near
 constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head) per task
 static_assert(NB % KB == 0, "a block pads its last keys to a multiple of KB, within NB");
-typedef float vecw __attribute__((vector_size(W * 4)));
-typedef int32_t ivecw __attribute__((vector_size(W * 4)));
 
-inline vecw loadw(const float* p) {
-    vecw v;
-    std::memcpy(&v, p, sizeof v);
-    return v;
-}
-inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }
-inline vecw splat(float x) { return vecw{} + x; }
-inline vecw select(ivecw mask, vecw a, vecw b) { return mask ? a : b; }
+// Masked scores: finite, so a row with nothing visible yet has a finite max (its sums are reset by
+// the first visible key: e^(kMasked - max) ~ 0) and padding rows stay finite.
+constexpr float kMasked = -1e30f;
 
-// e^x to about 2 ulp for x <= 0, all it is used for (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2,
-// degree-5 polynomial in r); 0 below -87, where 2^n would leave the normal numbers.
-inline vecw vexp(vecw x) {
-    const ivecw under = x < -87.f;
-    x = select(under, splat(-87.f), x);
-    const vecw n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
-    const vecw r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    vecw p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const vecw y = p * r * r + r + 1.f;
-    const ivecw bits = (__builtin_convertvector(n, ivecw) + 127) << 23;
-    vecw scale;
-    std::memcpy(&scale, &bits, sizeof scale);
-    return select(under, vecw{}, y * scale);
-}
-
-// tanh to a few ulp (Cephes tanhf): an odd polynomial below 0.625, (1 - e^-2|x|) / (1 + e^-2|x|) above.
-inline vecw vtanh(vecw x) {
-    const vecw ax = select(x < 0.f, -x, x), z = x * x;
-    const vecw e = vexp(-2.f * ax);
-    const vecw big = (1.f - e) / (1.f + e);
-    const vecw small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
-                         1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
-    return select(ax < 0.625f, small, select(x < 0.f, -big, big));
-}
-
-// st[n][rows] = k[n] . qt[:, rows] for KB keys n and C row vectors: qt is [D][Rp], st [NB][Rp].
+// st[n][rows] = k[n] . qt[:, rows] for KB keys n and C row vectors (qt is [D][Rp], st [NB][Rp]);
+// mx[c] = max(mx[c], the row vector's scores).
 template <int C>
-inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t Rp, float* st) {
+inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t Rp, float* st, vecw* mx) {
     vecw acc[KB][C] = {};
     for (int64_t d = 0; d < D; ++d) {
         vecw q[C];
@@ -99,8 +64,14 @@ inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t R
             for (int c = 0; c < C; ++c) acc[i][c] += x * q[c];
         }
     }
-    for (int i = 0; i < KB; ++i)
-        for (int c = 0; c < C; ++c) storew(st + i * Rp + c * W, acc[i][c]);
+    for (int c = 0; c < C; ++c) {
+        vecw m = mx[c];
+        for (int i = 0; i < KB; ++i) {
+            storew(st + i * Rp + c * W, acc[i][c]);
+            m = vmax(m, acc[i][c]);
+        }
+        mx[c] = m;
+    }
 }
 
 // ot[d][rows] += sum_n v[n][d] * pt[n][rows] for R head-dim entries d and C row vectors, n < len:
@@ -136,6 +107,13 @@ inline void row_groups(int64_t c0, int64_t nv, F&& f) {
     }
 }
 
+// dst[0:D] = src[0:D] widened, W values at a time.
+inline void widen(const bf16* src, int64_t D, float* dst) {
+    int64_t d = 0;
+    for (; d + W <= D; d += W) storew(dst + d, loadw(src + d));
+    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
 struct Task {
     int64_t chunk, kv_head, q0, q1, k0, k1;  // queries [q0, q1) of the chunk, keys [k0, k1) of its sequence
 };
@@ -143,39 +121,38 @@ struct Task {
 // A chunk's key sequence is its n_ctx context slots, then its q_len own tokens; query i of the
 // chunk sits at key index n_ctx + i and sees keys j <= n_ctx + i (and j > n_ctx + i - window).
 template <typename T>
-void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int64_t vs, const T* ckp,
-                    const T* cvp, const int64_t* ctx, const int64_t* chunks, int64_t C, T* op, int64_t H, int64_t Hkv,
-                    int64_t D, int64_t window, float scale, float cap) {
+void prefill(const PrefillArgs<T>& a) {
     constexpr bool fp32 = std::is_same_v<T, float>;
-    const int64_t G = H / Hkv, row = Hkv * D;
+    const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, row = a.kv_heads * D, window = a.window;
+    const float cap = a.softcap;
     const int64_t tq = std::max<int64_t>(1, kTileRows / G), Rp = (tq * G + W - 1) / W * W, nv = Rp / W;
     std::vector<Task> tasks;
-    for (int64_t c = 0; c < C; ++c) {
-        const int64_t q_len = chunks[c * 4 + 1], n_ctx = chunks[c * 4 + 3];
+    for (int64_t c = 0; c < a.num_chunks; ++c) {
+        const int64_t q_len = a.chunks[c * 4 + 1], n_ctx = a.chunks[c * 4 + 3];
         for (int64_t q0 = 0; q0 < q_len; q0 += tq) {
             const int64_t q1 = std::min(q_len, q0 + tq);
             const int64_t k0 = window > 0 ? std::max<int64_t>(0, n_ctx + q0 - window + 1) : 0;
-            for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({c, h, q0, q1, k0, n_ctx + q1});
+            for (int64_t h = 0; h < a.kv_heads; ++h) tasks.push_back({c, h, q0, q1, k0, n_ctx + q1});
         }
     }
-    // Longest first, taken dynamically: the causal tiles differ in length.
-    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-        return (a.q1 - a.q0) * (a.k1 - a.k0) > (b.q1 - b.q0) * (b.k1 - b.k0);
+    // Taken dynamically, a kv head's tiles one after another (its K/V rows stay in L2 from tile to
+    // tile), longest first within it (the causal tiles differ in length).
+    std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) {
+        if (x.kv_head != y.kv_head) return x.kv_head < y.kv_head;
+        return (x.q1 - x.q0) * (x.k1 - x.k0) > (y.q1 - y.q0) * (y.k1 - y.k0);
     });
     std::atomic<size_t> next{0};
-    // Masked scores: finite, so a row with nothing visible yet has a finite max (its sums are reset by
-    // the first visible key: e^(kMasked - max) = 0) and padding rows stay finite.
-    constexpr float kMasked = -1e30f;
-    const std::vector<float> zero(D, 0.f);  // the K and V row of the padding keys of a block
+    const std::vector<float> zero(D, 0.f);  // the K and V row of a block's padding keys
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         std::vector<float> qt(D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
         std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block's K and V rows widened
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
+        std::vector<vecw> bmax(nv);
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
             const Task& t = tasks[ti];
-            const int64_t q_start = chunks[t.chunk * 4], n_ctx = chunks[t.chunk * 4 + 3];
-            const int64_t* slots = ctx + chunks[t.chunk * 4 + 2];
+            const int64_t q_start = a.chunks[t.chunk * 4], n_ctx = a.chunks[t.chunk * 4 + 3];
+            const int64_t* slots = a.ctx_slots + a.chunks[t.chunk * 4 + 2];
             const int64_t R = (t.q1 - t.q0) * G;  // row r: query q0 + r / G, head kv_head * G + r % G
             std::fill(qt.begin(), qt.end(), 0.f);
             for (int64_t r = 0; r < Rp; ++r) {
@@ -183,61 +160,77 @@ void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int6
                 hi[r] = static_cast<int32_t>(r < R ? qj : -1);  // padding rows see nothing
                 lo[r] = static_cast<int32_t>(window > 0 ? qj - window : -1);
                 if (r >= R) continue;
-                const T* src = qp + (q_start + t.q0 + r / G) * qs + (t.kv_head * G + r % G) * D;
-                for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * scale;
+                const T* src = a.q + (q_start + t.q0 + r / G) * a.q_stride + (t.kv_head * G + r % G) * D;
+                for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
             }
             std::fill(ot.begin(), ot.end(), 0.f);
             std::fill(m.begin(), m.end(), kMasked);
             std::fill(l.begin(), l.end(), 0.f);
+            // Key j's K (or V) row: from the cache for the context, from the batch for the chunk's own.
+            const auto key = [&](int64_t j, const T* cache, const T* batch, int64_t stride) {
+                return j < n_ctx ? cache + slots[j] * row + t.kv_head * D : batch + (q_start + j - n_ctx) * stride + t.kv_head * D;
+            };
+            // The next block's rows, a KB keys' share at a time between the products (they come from L2
+            // or beyond, and its widening waited on them).
+            const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+            const auto prefetch_next = [&](int64_t j) {
+                for (int64_t i = 0; i < KB && j + i < t.k1; ++i)
+                    for (const T* p : {key(j + i, a.cache_k, a.k, a.k_stride), key(j + i, a.cache_v, a.v, a.v_stride)})
+                        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b);
+            };
             for (int64_t j0 = t.k0; j0 < t.k1; j0 += NB) {
                 const int64_t nb = std::min(NB, t.k1 - j0), nbp = (nb + KB - 1) / KB * KB;
                 for (int64_t n = 0; n < nbp; ++n) {
-                    const int64_t j = j0 + n;
                     if (n >= nb) {
                         krow[n] = vrow[n] = zero.data();
                         continue;
                     }
-                    const int64_t h = t.kv_head * D, b = q_start + j - n_ctx;  // b: the key's batch row
-                    const T* k = j < n_ctx ? ckp + slots[j] * row + h : kp + b * ks + h;
-                    const T* v = j < n_ctx ? cvp + slots[j] * row + h : vp + b * vs + h;
+                    const T* k = key(j0 + n, a.cache_k, a.k, a.k_stride);
+                    const T* v = key(j0 + n, a.cache_v, a.v, a.v_stride);
                     if constexpr (fp32) {
                         krow[n] = k;
                         vrow[n] = v;
                     } else {
-                        for (int64_t d = 0; d < D; ++d) {
-                            kb[n * D + d] = to_float(k[d]);
-                            vb[n * D + d] = to_float(v[d]);
-                        }
+                        widen(k, D, kb.data() + n * D);
+                        widen(v, D, vb.data() + n * D);
                         krow[n] = kb.data() + n * D;
                         vrow[n] = vb.data() + n * D;
                     }
                 }
-                for (int64_t n = 0; n < nbp; n += KB)
+                std::fill(bmax.begin(), bmax.end(), splat(kMasked));  // each row vector's max of raw scores
+                for (int64_t n = 0; n < nbp; n += KB) {
+                    prefetch_next(j0 + NB + n);
                     row_groups(0, nv, [&](auto cb, int64_t c) {
                         qk_tile<decltype(cb)::value>(krow.data() + n, qt.data() + c * W, D, Rp,
-                                                     st.data() + n * Rp + c * W);
+                                                     st.data() + n * Rp + c * W, bmax.data() + c);
                     });
+                }
                 // Online softmax, a row vector at a time: cap and mask the block's scores (masks only in
-                // blocks on the diagonal, the window's edge or the sequence's end), then fold them into the
-                // rows' running max m, sum l and output ot.
+                // blocks on the diagonal, the window's edge or the sequence's end; their max taken again),
+                // then fold them into the rows' running max m, sum l and output ot.
                 const bool edge = j0 + nbp - 1 > n_ctx + t.q0 || (window > 0 && j0 <= n_ctx + t.q1 - 1 - window);
                 for (int64_t c = 0; c < nv; ++c) {
-                    ivecw vhi, vlo;
-                    std::memcpy(&vhi, hi.data() + c * W, sizeof vhi);
-                    std::memcpy(&vlo, lo.data() + c * W, sizeof vlo);
-                    vecw mx = splat(kMasked);
-                    for (int64_t n = 0; n < nbp; ++n) {
-                        float* p = st.data() + n * Rp + c * W;
-                        vecw x = loadw(p);
-                        if (cap > 0.f) x = vtanh(x / cap) * cap;
-                        if (edge) {
-                            const int32_t j = static_cast<int32_t>(n < nb ? j0 + n : INT32_MAX);
-                            x = select((j <= vhi) & (j > vlo), x, splat(kMasked));
+                    vecw mx = bmax[c];
+                    if (cap > 0.f || edge) {
+                        ivecw vhi, vlo;
+                        std::memcpy(&vhi, hi.data() + c * W, sizeof vhi);
+                        std::memcpy(&vlo, lo.data() + c * W, sizeof vlo);
+                        mx = splat(kMasked);
+                        for (int64_t n = 0; n < nbp; ++n) {
+                            float* p = st.data() + n * Rp + c * W;
+                            vecw x = loadw(p);
+                            if (cap > 0.f) x = vtanh(x / cap) * cap;
+                            if (edge) {
+                                const int32_t j = static_cast<int32_t>(n < nb ? j0 + n : INT32_MAX);
+                                x = select((j <= vhi) & (j > vlo), x, splat(kMasked));
+                            }
+                            storew(p, x);
+                            mx = vmax(mx, x);
                         }
-                        if (cap > 0.f || edge) storew(p, x);
-                        mx = select(x > mx, x, mx);
                     }
-                    const vecw m0 = loadw(m.data() + c * W), m1 = select(mx > m0, mx, m0);
+                    const vecw m0 = loadw(m.data() + c * W);
+                    const ivecw moved = mx > m0;
+                    const vecw m1 = select(moved, mx, m0);
                     vecw sum = {};
                     for (int64_t n = 0; n < nbp; ++n) {
                         float* p = st.data() + n * Rp + c * W;
@@ -245,10 +238,14 @@ void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int6
                         storew(p, e);
                         sum += e;
                     }
-                    const vecw alpha = vexp(m0 - m1);
-                    storew(l.data() + c * W, loadw(l.data() + c * W) * alpha + sum);
-                    storew(m.data() + c * W, m1);
-                    for (float* o = ot.data() + c * W; o < ot.data() + D * Rp; o += Rp) storew(o, loadw(o) * alpha);
+                    if (any(moved)) {  // else alpha = e^0 = 1 in every lane
+                        const vecw alpha = vexp(m0 - m1);
+                        storew(l.data() + c * W, loadw(l.data() + c * W) * alpha + sum);
+                        storew(m.data() + c * W, m1);
+                        for (float* o = ot.data() + c * W; o < ot.data() + D * Rp; o += Rp) storew(o, loadw(o) * alpha);
+                    } else {
+                        storew(l.data() + c * W, loadw(l.data() + c * W) + sum);
+                    }
                 }
                 int64_t d = 0;
                 for (; d + KB <= D; d += KB)
@@ -261,7 +258,7 @@ void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int6
                     });
             }
             for (int64_t r = 0; r < R; ++r) {
-                T* dst = op + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D;
+                T* dst = a.out + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D;
                 const float inv = 1.f / l[r];
                 for (int64_t d = 0; d < D; ++d) store(dst + d, ot[d * Rp + r] * inv);
             }
@@ -269,47 +266,14 @@ void prefill(const T* qp, int64_t qs, const T* kp, int64_t ks, const T* vp, int6
     });
 }
 
-void check_heads(const torch::Tensor& t, const char* name) {
-    TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1 && t.stride(1) == t.size(2), name,
-                " must be [tokens, heads, dim] with contiguous heads");
-}
-
 }  // namespace
 
-// Writes the attention output of every prefill chunk's rows into `out`; call it before the pass
-// writes the new K/V into the cache.
-void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's queries
-                             torch::Tensor k,          // [T, Hkv, D] the batch's new keys
-                             torch::Tensor v,          // [T, Hkv, D] and values
-                             torch::Tensor kv_cache,   // [2, slots, Hkv, D]
-                             torch::Tensor ctx_slots,  // [sum of n_ctx] int64: each chunk's context slots, in order
-                             torch::Tensor chunks,     // [C, 4] int64: q_start, q_len, offset into ctx_slots, n_ctx
-                             int64_t window, double scale, double softcap,
-                             torch::Tensor out) {      // [T, H, D] contiguous
-    const auto dtype = kv_cache.scalar_type();
-    TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "fp32 or bf16 only");
-    for (const auto* t : {&q, &k, &v, &out}) check_dtype(*t, dtype, "q, k, v and out");
-    check_heads(q, "q");
-    check_heads(k, "k");
-    check_heads(v, "v");
-    TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, shaped like q");
-    TORCH_CHECK(kv_cache.is_contiguous() && ctx_slots.is_contiguous() && chunks.is_contiguous() &&
-                ctx_slots.scalar_type() == torch::kInt64 && chunks.scalar_type() == torch::kInt64 &&
-                chunks.dim() == 2 && chunks.size(1) == 4, "ctx_slots [n] and chunks [C, 4]: contiguous int64");
-    const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(2), slots = kv_cache.size(1);
-    TORCH_CHECK(k.size(1) == Hkv && k.size(2) == D && H % Hkv == 0, "head counts or sizes disagree");
-    const auto run = [&](auto* qp, auto* kp, auto* vp, auto* cp, auto* op) {
-        prefill(qp, q.stride(0), kp, k.stride(0), vp, v.stride(0), cp, cp + slots * Hkv * D,
-                ctx_slots.data_ptr<int64_t>(), chunks.data_ptr<int64_t>(), chunks.size(0), op, H, Hkv, D, window,
-                static_cast<float>(scale), static_cast<float>(softcap));
-    };
-    if (dtype == torch::kFloat32)
-        run(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), kv_cache.data_ptr<float>(),
-            out.data_ptr<float>());
-    else
-        run(q.data_ptr<bf16>(), k.data_ptr<bf16>(), v.data_ptr<bf16>(), kv_cache.data_ptr<bf16>(),
-            out.data_ptr<bf16>());
+template <typename T>
+void prefill_attention(const PrefillArgs<T>& args) {
+    prefill(args);
 }
+template void prefill_attention<float>(const PrefillArgs<float>&);
+template void prefill_attention<bf16>(const PrefillArgs<bf16>&);
 
 int64_t prefill_vector_width() { return W; }
 

@@ -1,4 +1,9 @@
-// Vectorized math shared by the CPU kernels: fp32 loads and stores of fp32 or bf16 data, and e^x.
+// Vectorized math shared by the CPU kernels, in two forms. Fixed width, for code written per
+// instruction set: fp32 loads and stores of fp32 or bf16 data (`load16`, `store16`, `to_bf16`,
+// `round_bf16`) and e^x (`exp16`, `exp8`). Any width, for code written once for every target:
+// `vecw` is W floats, one zmm register where the compiler targets AVX-512 (W = 16), else W = 8 (one
+// ymm on AVX2, a pair of xmm on plain x86-64), as GCC/Clang vector extensions, with the fixed-width
+// forms underneath where the target has them (the reductions' shuffles are picked by the compiler).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -6,16 +11,20 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
+#include <utility>
 
 namespace conveyor {
 
+using bf16 = c10::BFloat16;
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift, exact
+inline __m512 load16(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift, exact
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+inline __m512 load16(const bf16* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
@@ -33,9 +42,9 @@ inline __m256i to_bf16(__m512 v) {
 #endif
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(c10::BFloat16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
+inline void store16(bf16* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v)); }
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-inline void store16(c10::BFloat16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
+inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, to_bf16(v)); }
 
 // v rounded to bf16 and widened back: what a PyTorch bf16 op's result holds.
 inline __m512 round_bf16(__m512 v) {
@@ -75,5 +84,161 @@ inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+#ifdef __AVX512F__
+constexpr int W = 16;
+#else
+constexpr int W = 8;
+#endif
+typedef float vecw __attribute__((vector_size(W * 4)));
+typedef int32_t ivecw __attribute__((vector_size(W * 4)));
+typedef uint32_t uvecw __attribute__((vector_size(W * 4)));
+typedef uint16_t hvecw __attribute__((vector_size(W * 2)));
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }  // a 16-bit shift
+
+constexpr int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+inline vecw loadw(const float* p) {
+    vecw v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+}
+inline vecw loadw(const bf16* p) {  // W bf16 widened: zero-extend to 32 bits, shift into the high half
+#ifdef __AVX512F__  // one vpmovzxwd (the generic form below becomes two halves and an insert)
+    return vecw(load16(p));
+#else
+    hvecw h;
+    std::memcpy(&h, p, sizeof h);
+    const uvecw w = __builtin_convertvector(h, uvecw) << 16;
+    vecw v;
+    std::memcpy(&v, &w, sizeof v);
+    return v;
+#endif
+}
+inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }
+inline vecw splat(float x) {  // a broadcast (`vecw{} + x` would add 0 first: signed zeros)
+#if defined(__AVX512F__)
+    return vecw(_mm512_set1_ps(x));
+#elif defined(__AVX__)
+    return vecw(_mm256_set1_ps(x));
+#else
+    return vecw{x, x, x, x, x, x, x, x};
+#endif
+}
+inline vecw select(ivecw mask, vecw a, vecw b) { return mask ? a : b; }
+inline vecw vmax(vecw a, vecw b) { return select(a > b, a, b); }
+inline bool any(ivecw mask) {  // some lane set (a comparison's result: all bits or none)
+    ivecw zero = {};
+    return std::memcmp(&mask, &zero, sizeof mask) != 0;
+}
+
+// e^x for x <= 0 (`exp16`/`exp8` where the target has them: the same Cephes expf, x = n ln2 + r,
+// |r| <= ln2 / 2, a degree-5 polynomial in r), x clamped at -87 (e^-87 ~ 1.6e-38: nothing next to
+// the row max's 1).
+inline vecw vexp(vecw x) {
+#if defined(__AVX512F__)
+    return vecw(exp16(__m512(x)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    return vecw(exp8(__m256(x)));
+#else
+    x = vmax(x, splat(-87.f));
+    const vecw nv = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest
+    const vecw r = (x - nv * 0.693359375f) - nv * -2.12194440e-4f;
+    vecw p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const vecw y = p * r * r + r + 1.f;
+    const ivecw bits = (__builtin_convertvector(nv, ivecw) + 127) << 23;
+    vecw scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    return y * scale;
+#endif
+}
+
+// tanh to a few ulp (Cephes tanhf): an odd polynomial below 0.625, (1 - e^-2|x|) / (1 + e^-2|x|) above.
+inline vecw vtanh(vecw x) {
+    const vecw ax = select(x < 0.f, -x, x), z = x * x;
+    const vecw e = vexp(-2.f * ax);
+    const vecw big = (1.f - e) / (1.f + e);
+    const vecw small = ((((-5.70498872745e-3f * z + 2.06390887954e-2f) * z - 5.37397155531e-2f) * z +
+                         1.33314422036e-1f) * z - 3.33332819422e-1f) * z * x + x;
+    return select(ax < 0.625f, small, select(x < 0.f, -big, big));
+}
+
+inline float lane_max(vecw v) {
+    float m = v[0];
+    for (int i = 1; i < W; ++i) m = m > v[i] ? m : v[i];
+    return m;
+}
+inline float lane_sum(vecw v) {
+    float s = 0.f;
+    for (int i = 0; i < W; ++i) s += v[i];
+    return s;
+}
+
+namespace detail {
+template <int... L>
+inline void deinterleave(vecw a, vecw b, vecw& even, vecw& odd, std::integer_sequence<int, L...>) {
+    even = __builtin_shufflevector(a, b, (2 * L)...);
+    odd = __builtin_shufflevector(a, b, (2 * L + 1)...);
+}
+template <int... L>
+inline void interleave(vecw even, vecw odd, vecw& lo, vecw& hi, std::integer_sequence<int, L...>) {
+    lo = __builtin_shufflevector(even, odd, ((L % 2 ? W : 0) + L / 2)...);
+    hi = __builtin_shufflevector(even, odd, ((L % 2 ? W : 0) + W / 2 + L / 2)...);
+}
+
+constexpr int bit_reverse(int i, int bits) {
+    int r = 0;
+    for (int b = 0; b < bits; ++b) r |= ((i >> b) & 1) << (bits - 1 - b);
+    return r;
+}
+
+// One halving step of the fold tree (`group_sums`): a and b hold partial sums in groups of `width` lanes; the result holds
+// a's and b's partial sums in alternating groups of width / 2 (low halves + high halves).
+template <int width, int... L>
+inline vecw fold(vecw a, vecw b, std::integer_sequence<int, L...>) {
+    constexpr int h = width / 2;
+    // lane l of the result: group l / h; even groups from a, odd from b; low half + high half
+    const vecw lo = __builtin_shufflevector(a, b, ((L / h) % 2 ? W : 0) + (L / width) * width + L % h...);
+    const vecw hi = __builtin_shufflevector(a, b, ((L / h) % 2 ? W : 0) + (L / width) * width + h + L % h...);
+    return lo + hi;
+}
+
+template <int width, int n>
+inline void fold_all(vecw* v) {
+    if constexpr (n > 1) {
+        for (int i = 0; i < n / 2; ++i) v[i] = fold<width>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, W>{});
+        fold_all<width / 2, n / 2>(v);
+    }
+}
+}  // namespace detail
+
+// 2W values (a, b) split into their even- and odd-indexed ones, and back.
+inline void deinterleave(vecw a, vecw b, vecw& even, vecw& odd) {
+    detail::deinterleave(a, b, even, odd, std::make_integer_sequence<int, W>{});
+}
+inline void interleave(vecw even, vecw odd, vecw& a, vecw& b) {
+    detail::interleave(even, odd, a, b, std::make_integer_sequence<int, W>{});
+}
+
+// The horizontal sums of W vectors in one vector, by a tree of folds (W - 1 adds and 2 (W - 1)
+// shuffles for W sums, against W full reductions), taken 8 vectors at a time: group g (of W / 8)
+// holds, as its vector i, the one whose sum goes to lane sum_lane(g, i); `group_sums` folds a group
+// (clobbering it), `join_groups` the groups' results.
+constexpr int sum_lane(int group, int i) { return detail::bit_reverse(8 * group + i, W == 16 ? 4 : 3); }
+inline vecw group_sums(vecw* v) {
+    detail::fold_all<W, 8>(v);
+    return v[0];
+}
+inline vecw join_groups(const vecw* g) {
+    if constexpr (W == 16) return detail::fold<2>(g[0], g[1], std::make_integer_sequence<int, W>{});
+    else return g[0];
+}
 
 }  // namespace conveyor

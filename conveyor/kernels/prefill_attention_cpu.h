@@ -1,0 +1,31 @@
+// Prefill attention over the paged KV cache on CPU (prefill_attention_cpu.cpp): what it takes.
+#pragma once
+
+#include <cstdint>
+
+namespace conveyor {
+
+// A batch's prefill chunks: queries, new keys and values [tokens, heads, D] (rows `*_stride` apart,
+// heads contiguous), the cache's K and V rows (Hkv * D values a slot), each chunk's context slots
+// (in order, all chunks' concatenated) and per chunk {q_start, q_len, offset into ctx_slots, n_ctx};
+// out [tokens, heads, D] contiguous. `window` > 0: sliding-window attention; `softcap` > 0: scores
+// capped as tanh(s / softcap) * softcap.
+template <typename T>
+struct PrefillArgs {
+    const T *q, *k, *v, *cache_k, *cache_v;
+    int64_t q_stride, k_stride, v_stride;
+    const int64_t *ctx_slots, *chunks;
+    int64_t num_chunks, heads, kv_heads, head_dim, window;
+    float scale, softcap;
+    T* out;
+};
+
+// Writes every chunk's attention output; call it before the pass writes the chunks' own K/V into
+// the cache (a sliding ring may reuse a context's slots for the chunk's tokens).
+template <typename T>
+void prefill_attention(const PrefillArgs<T>& args);
+
+// Floats per vector register in the kernels (16: AVX-512, else 8).
+int64_t prefill_vector_width();
+
+}  // namespace conveyor
