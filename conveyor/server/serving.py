@@ -31,6 +31,7 @@ from .dashboard_data import STEP_HISTORY
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
+from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
 
 logger = logging.getLogger("conveyor.server")
@@ -43,7 +44,11 @@ class ServerSettings:
     """served_model_names: names accepted in `model` (the first is reported); None = the model's
     file or directory name. api_key: required as `Authorization: Bearer KEY` on /v1/*, /tokenize
     and /detokenize. max_queue: most engine requests (prompts x n) accepted and not yet finished.
-    shutdown_timeout: seconds in-flight requests get to finish after SIGINT/SIGTERM."""
+    shutdown_timeout: seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
+    tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
+    read off the chat template. max_request_bytes: the largest request body (413 past it); None =
+    derived from the context length (`body_limit.default_max_request_bytes`)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -51,6 +56,22 @@ class ServerSettings:
     shutdown_timeout: float = 10.0
     retry_after_s: int = 1
     url: str | None = None  # for the start-up log line
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    max_request_bytes: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServerSettings:
+        """The settings of `conveyor serve`'s parsed options (`cli_args.add_serve_args`), checked."""
+        if args.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if args.max_request_bytes is not None and args.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+        return cls(served_model_names=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                   shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes)
 
 
 class Submission:
@@ -119,7 +140,9 @@ class Serving:
         self.names = list(settings.served_model_names or [llm.model_path.name])
         self.model_name = self.names[0]
         self.tokenizer = llm.get_tokenizer()
-        self.model_type = getattr(llm.model_config, "model_type", None)  # picks the tool-call parser
+        template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
+        self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(template))
+        self.keep_special = drops_a_marker(self.tokenizer, self.tool_parser)
         self.max_model_len = llm.max_model_len
         self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
         llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
@@ -140,6 +163,9 @@ class Serving:
         logger.info("serving %s (%s) at %s: context %d tokens, KV cache capacity %d tokens, max queue %d",
                     self.model_name, self.llm.model_path, self.settings.url or "(given sockets)", self.max_model_len,
                     self.llm.kv_capacity_tokens, self.settings.max_queue)
+        logger.info("tool calls: %s parser (%s), tool_choice \"auto\" %s", self.tool_parser.name,
+                    "--tool-call-parser" if self.settings.tool_call_parser else "read off the chat template",
+                    "on" if self.settings.enable_auto_tool_choice else "off (--enable-auto-tool-choice)")
 
     def request_shutdown(self, then: Callable[[], None]) -> bool:
         """From a signal handler: drain on the event loop, then call `then` (there). False if not started."""
@@ -253,9 +279,11 @@ class Serving:
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
                        logprobs: int | None, param: str, prompt_logprobs: int | None = None,
-                       constraint: tuple[StructuredOutputsParams | None, str | None] = (None, None)) -> list[Request]:
+                       constraint: tuple[StructuredOutputsParams | None, str | None] = (None, None),
+                       keep_special: bool = False) -> list[Request]:
         """Engine requests (validated, constraints compiled: call it off the event loop) for the prompts x n.
-        constraint: a tool choice's (constraint, field); else the body's response_format / structured_outputs."""
+        constraint: a tool choice's (constraint, field); else the body's response_format / structured_outputs.
+        keep_special: decode special tokens into the text (a tool parser's markers)."""
         structured, structured_param = body_constraint(body)
         if constraint[0] is not None:
             if structured is not None:
@@ -285,7 +313,8 @@ class Serving:
                         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias)
+                        prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
+                        skip_special_tokens=body.skip_special_tokens and not keep_special)
                     requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
@@ -324,6 +353,16 @@ class Serving:
 
         return [entry(t, lp.get(t)) | {"top_logprobs": [entry(i, v) for i, v in list(lp.items())[:n]]}
                 for t, lp in zip(token_ids, logprobs)]
+
+
+def drops_a_marker(tokenizer: Any, parser: type[ToolParser]) -> bool:
+    """Whether the tokenizer holds one of the parser's markers as a special token that decoding with
+    skip_special_tokens would drop (Mistral's `[TOOL_CALLS]`): then replies under tools keep them."""
+    for marker in parser.special:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and not tokenizer.decode(ids, skip_special_tokens=True):
+            return True
+    return False
 
 
 def new_id(kind: str) -> str:

@@ -31,12 +31,14 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
-    plan = plan_tools(body.tools, body.tool_choice, serving.model_type)
+    plan = plan_tools(body.tools, body.tool_choice, serving.tool_parser, serving.settings.enable_auto_tool_choice,
+                      body.parallel_tool_calls)
     prompt = serving.render_chat(body.messages, plan)
     rid, created = new_id("chatcmpl"), int(time.time())
     max_tokens = body.max_completion_tokens or body.max_tokens
     requests = await asyncio.to_thread(serving.build_requests, rid, [prompt], body, max_tokens, n_lp, "messages",
-                                       constraint=(plan.constraint, "tools"))
+                                       constraint=(plan.constraint, "tools"),
+                                       keep_special=plan.mode == "auto" and serving.keep_special)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name}
 
@@ -51,7 +53,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
             if replies is None:
                 delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
             else:
-                delta = replies[i].feed(out.text, out.finished, out.finish_reason == "stop")
+                delta = replies[i].feed(out.text, out.finished)
                 reason = replies[i].finish_reason(reason)
                 if not delta and not out.finished and lp is None:
                     return None
@@ -69,7 +71,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
         if plan.active:
             reply = plan.reply()
-            message = reply.message(out.text, out.finish_reason == "stop")
+            message = reply.message(out.text)
             reason = reply.finish_reason(reason)
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return JSONResponse(head | {"choices": choices, "usage": usage([prompt], finals)})
