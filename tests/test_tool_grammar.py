@@ -8,13 +8,11 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
-import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.server import BackgroundServer, ServerSettings
@@ -24,7 +22,7 @@ from conveyor.server.serving import drops_a_marker
 from conveyor.structured.strict import close_schema
 from conveyor.tool_parsers.json_formats import HermesParser, MistralParser
 
-from .conftest import TINY_COMMON
+from .serving_helpers import save_json_tiny
 from .structured_check import check
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {  # the issue's example, no
@@ -37,30 +35,6 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
                                                            "dst": {"type": "boolean"}}}}}
 SCHEMAS = {t["function"]["name"]: close_schema(t["function"]["parameters"]) for t in (WEATHER, CLOCK)}
 ASK = [{"role": "user", "content": "What is the weather in Lima?"}]
-CORPUS = ['{"name": "get_weather", "arguments": {"city": "Lima", "unit": "C", "where": {"lat": -12}}}',
-          '[{"name": "get_time", "arguments": {"zone": "UTC", "dst": true}}]', "What is the weather in Lima?",
-          '{"temperature": 25, "type": "string", "description": "sunny"}'] * 4
-
-
-def save_json_tiny(path: Path) -> Path:
-    """A random 2-layer Llama over a byte-level BPE tokenizer trained on a few JSON lines."""
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                                     eos_token="</s>")
-    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}assistant: {% endif %}")
-    tokenizer.save_pretrained(path)
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**(TINY_COMMON | {"vocab_size": len(tokenizer), "max_position_embeddings": 2048}),
-                                      tie_word_embeddings=False)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     path = save_json_tiny(tmp_path_factory.mktemp("json_tiny"))

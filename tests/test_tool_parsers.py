@@ -258,7 +258,7 @@ def test_required_moves_the_tools_definitions_to_the_root() -> None:
     schema = plan_tools(tools, "required").constraint.json
     assert schema["$defs"] == {"Item": close_schema(item["$defs"]["Item"])}
     assert all("$defs" not in o["properties"]["arguments"] for o in schema["items"]["anyOf"])
-    other = {"type": "function", "function": {"name": "c", "parameters": item | {"$defs": {"Item": {"type": "string"}}}}}
+    other = {"type": "function", "function": {"name": "c", "parameters": item | {"$defs": {"Item": {"type": "null"}}}}}
     with pytest.raises(APIError) as info:
         plan_tools([*tools, other], "required").constraint
     assert info.value.param == "tools"

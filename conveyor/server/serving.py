@@ -15,12 +15,14 @@ an error event in a stream), new requests and /health get 503, and the server dr
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import InvalidRequestError, RequestErrorCode
 from ..llm import LLM
@@ -28,6 +30,7 @@ from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .dashboard_data import STEP_HISTORY
+from .limits import default_max_request_bytes, prompt_char_limit
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
@@ -37,6 +40,8 @@ from .tools import ToolPlan, conversation
 logger = logging.getLogger("conveyor.server")
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+PREPARE_THREADS = 2  # requests tokenized at once; the others wait their turn, the event loop does not
+T = TypeVar("T")
 
 
 @dataclass
@@ -144,6 +149,11 @@ class Serving:
         self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(template))
         self.keep_special = drops_a_marker(self.tokenizer, self.tool_parser)
         self.max_model_len = llm.max_model_len
+        self.max_request_bytes = settings.max_request_bytes or default_max_request_bytes(self.max_model_len)
+        self.max_prompt_chars = prompt_char_limit(self.tokenizer, self.max_model_len)  # None: no bound
+        # Tokenizing and chat templates run here, off the event loop: /health and the streams in flight
+        # never wait for a long prompt (the tokenizer releases the GIL while it encodes).
+        self.workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="conveyor-prepare")
         self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
         llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -212,6 +222,7 @@ class Serving:
         if self._drain_task is not None:
             await self._drain_task
         await asyncio.to_thread(self.llm.manager.stop, 10.0)
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
     # -- admission --------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -249,7 +260,22 @@ class Serving:
                                 "a restart.", "engine_dead")
 
     # -- building requests ------------------------------------------------------------------
-    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the preparing threads (tokenizing, templates, constraints), not the loop."""
+        assert self.loop is not None, "the server's lifespan has not started"
+        return await self.loop.run_in_executor(self.workers, functools.partial(fn, *args, **kwargs))
+
+    def check_length(self, text: str, param: str) -> None:
+        """A prompt text too long to fit the context whatever its tokens (limits.prompt_char_limit): a 400
+        without tokenizing it."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"the prompt has {len(text)} characters; no text over {limit} characters fits the "
+                           f"model's context length of {self.max_model_len} tokens (its longest token is "
+                           f"{limit // self.max_model_len} characters)", param=param, code="context_length_exceeded")
+
+    def completion_prompts(self, body: CompletionRequest) -> list[str | list[int]]:
+        """The body's prompts, checked (empty, too long to fit): texts still untokenized (`tokenize`)."""
         prompt = body.prompt
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
@@ -259,23 +285,27 @@ class Serving:
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        ids = []
         for p in prompts:
             if isinstance(p, str):
                 if not p:
                     raise APIError(400, "prompt is empty", param="prompt")
-                ids.append(self.tokenizer.encode(p))
-            else:
-                ids.append(list(p))
-        return ids
+                self.check_length(p, "prompt")
+        return prompts
+
+    def tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt (call it off the event loop: `prepare`)."""
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
+        """The conversation's token ids (call it off the event loop: `prepare`)."""
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
         turns, template_tools = conversation(messages, tools or ToolPlan(), template, CHAT_ROLES)
         try:
-            return self.llm.render_chat(turns, tools=template_tools)
+            text = self.llm.render_chat_text(turns, tools=template_tools)
         except Exception as exc:  # no chat template, or the template rejected the conversation
             raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
+        self.check_length(text, "messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
                        logprobs: int | None, param: str, prompt_logprobs: int | None = None,

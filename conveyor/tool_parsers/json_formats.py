@@ -131,7 +131,8 @@ class DeepSeekV3Parser(ToolParser):
 
     name = "deepseek_v3"
     families = "DeepSeek V3, R1 (0528)"
-    example = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"x\": 1}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    example = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{\"x\": 1}\n```"
+               "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
     BEGIN, END = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
     MARKUP = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
     starts = (BEGIN, *MARKUP)
@@ -153,6 +154,6 @@ class DeepSeekV31Parser(DeepSeekV3Parser):
     """DeepSeek V3.1's calls: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`."""
 
     name = "deepseek_v31"
-    families = "DeepSeek V3.1, V3.2"
+    families = "DeepSeek V3.1"
     example = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{\"x\": 1}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
     BODY = re.compile(r"\s*(.+?)<｜tool▁sep｜>(.*)", re.DOTALL)

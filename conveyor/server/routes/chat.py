@@ -6,7 +6,6 @@ With `tools`, the reply goes through a `ToolReply` per choice (tools.py): tool c
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", dependencies=AUTH,
-             responses=STREAMED | error_responses(400, 401, 404, 500, 503))
+             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
@@ -33,12 +32,12 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     plan = plan_tools(body.tools, body.tool_choice, serving.tool_parser, serving.settings.enable_auto_tool_choice,
                       body.parallel_tool_calls)
-    prompt = serving.render_chat(body.messages, plan)
+    prompt = await serving.prepare(serving.render_chat, body.messages, plan)
     rid, created = new_id("chatcmpl"), int(time.time())
     max_tokens = body.max_completion_tokens or body.max_tokens
-    requests = await asyncio.to_thread(serving.build_requests, rid, [prompt], body, max_tokens, n_lp, "messages",
-                                       constraint=(plan.constraint, "tools"),
-                                       keep_special=plan.mode == "auto" and serving.keep_special)
+    requests = await serving.prepare(serving.build_requests, rid, [prompt], body, max_tokens, n_lp, "messages",
+                                     constraint=(plan.constraint, "tools"),
+                                     keep_special=plan.mode == "auto" and serving.keep_special)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name}
 
