@@ -2,7 +2,9 @@
 
 One HTTP request becomes one engine request per (prompt, choice); they are submitted to the
 shared `ContinuousBatchingManager` with an `on_output` callback that hands every output to the
-event loop (`call_soon_threadsafe`), where they are merged on one asyncio queue. The server
+event loop (`handoff`: one wake-up per engine step, off the engine's critical path), where a
+request's outputs not yet sent are coalesced into one. Tokenizing, chat templates and constraint
+compilation run on a small thread pool (`prepare`), never on the event loop. The server
 counts accepted engine requests until their final output arrives; past `max_queue` it answers
 503. Whatever ends the HTTP exchange (response sent, client gone, shutdown timeout) cancels the
 engine requests still running, so their KV blocks return to the pool within a step.
@@ -15,6 +17,7 @@ an error event in a stream), new requests and /health get 503, and the server dr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -30,7 +33,9 @@ from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .dashboard_data import STEP_HISTORY
+from .handoff import Handoff
 from .limits import default_max_request_bytes, prompt_char_limit
+from .logprobs import LogprobRenderer
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
@@ -80,27 +85,27 @@ class ServerSettings:
 
 
 class Submission:
-    """The engine requests of one HTTP request, their outputs merged on one asyncio queue."""
+    """The engine requests of one HTTP request, their outputs merged for one consumer: outputs of a request
+    that arrive before the consumer takes them are coalesced into one (one SSE event for the tokens ready
+    since the last send)."""
 
     def __init__(self, serving: Serving, requests: list[Request]) -> None:
         self.serving = serving
         self.requests = requests
         self.index = {r.request_id: i for i, r in enumerate(requests)}
         self.unfinished = set(self.index)
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.ready: dict[int, RequestOutput] = {}  # choice index -> output not yet taken (coalesced)
+        self.arrived = asyncio.Event()
         self.started = asyncio.Event()  # set by the first output
 
     def start(self) -> None:
-        serving, loop = self.serving, self.serving.loop
-        assert loop is not None, "the server's lifespan has not started"
+        serving, handoff = self.serving, self.serving.handoff
+        assert handoff is not None, "the server's lifespan has not started"
 
         def deliver(out: RequestOutput) -> None:  # on the engine thread
             if out.finished:
                 serving.metrics.observe_finished(out)
-            try:
-                loop.call_soon_threadsafe(self._arrive, out)
-            except RuntimeError:  # the event loop is closed: nobody is waiting any more
-                pass
+            handoff.put(self._arrive, out)
 
         serving.in_flight += len(self.requests)
         serving.active.add(self)
@@ -121,21 +126,33 @@ class Submission:
     def _arrive(self, out: RequestOutput) -> None:
         if out.finished and out.request_id in self.unfinished:
             self._finished(out.request_id)
-        self.queue.put_nowait(out)
+        i = self.index[out.request_id]
+        earlier = self.ready.get(i)
+        self.ready[i] = out if earlier is None else coalesce(earlier, out)
+        self.arrived.set()
         self.started.set()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) as they arrive, until every request has finished."""
         remaining = len(self.requests)
         while remaining:
-            out = await self.queue.get()
-            remaining -= out.finished
-            yield self.index[out.request_id], out
+            await self.arrived.wait()
+            self.arrived.clear()
+            taken, self.ready = self.ready, {}
+            for i, out in taken.items():
+                remaining -= out.finished
+                yield i, out
 
     def cancel(self) -> None:
         """Cancel the requests still running (idempotent; their final "abort" outputs follow)."""
         for request_id in self.unfinished:
             self.serving.llm.manager.cancel_request(request_id)
+
+
+def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two outputs of one request as one: the later snapshot with both deltas."""
+    return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text,
+                               delta_token_ids=earlier.delta_token_ids + later.delta_token_ids)
 
 
 class Serving:
@@ -149,6 +166,7 @@ class Serving:
         self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(template))
         self.keep_special = drops_a_marker(self.tokenizer, self.tool_parser)
         self.max_model_len = llm.max_model_len
+        self.logprobs = LogprobRenderer(self.tokenizer)
         self.max_request_bytes = settings.max_request_bytes or default_max_request_bytes(self.max_model_len)
         self.max_prompt_chars = prompt_char_limit(self.tokenizer, self.max_model_len)  # None: no bound
         # Tokenizing and chat templates run here, off the event loop: /health and the streams in flight
@@ -157,6 +175,7 @@ class Serving:
         self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
         llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.handoff: Handoff | None = None  # engine outputs to the loop (started with the loop)
         self.in_flight = 0  # engine requests accepted and not yet finished
         self.active: set[Submission] = set()
         self.draining = False
@@ -167,9 +186,10 @@ class Serving:
     # -- lifecycle --------------------------------------------------------------------------
     def startup(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.handoff = handoff = Handoff(self.loop)
         self.llm.manager.start()
-        loop = self.loop
-        self.llm.manager.add_death_callback(lambda exc: loop.call_soon_threadsafe(self.engine_died, exc))
+        # Through the handoff too: after the outputs that failed the requests in flight.
+        self.llm.manager.add_death_callback(lambda exc: handoff.put(self.engine_died, exc))
         logger.info("serving %s (%s) at %s: context %d tokens, KV cache capacity %d tokens, max queue %d",
                     self.model_name, self.llm.model_path, self.settings.url or "(given sockets)", self.max_model_len,
                     self.llm.kv_capacity_tokens, self.settings.max_queue)
@@ -223,6 +243,9 @@ class Serving:
             await self._drain_task
         await asyncio.to_thread(self.llm.manager.stop, 10.0)
         self.workers.shutdown(wait=False, cancel_futures=True)
+        if self.handoff is not None:
+            self.handoff.run()  # the aborts' outputs the stop published, if any
+            self.handoff.close()
 
     # -- admission --------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -351,38 +374,6 @@ class Serving:
                 except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed
                     raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from exc
         return requests
-
-    # -- rendering --------------------------------------------------------------------------
-    def token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int,
-                            offset: int) -> dict[str, Any]:
-        tokens = [self.token_str(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [{self.token_str(i): v for i, v in list(lp.items())[:n]} for lp in logprobs],
-                "text_offset": offsets}
-
-    def prompt_logprobs(self, entries: list[dict[int, float] | None], n: int) -> list[dict[str, Any] | None]:
-        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}, the
-        top-n first (ranked 1..n), then the prompt token if it is not among them (rank unknown: null)."""
-        def entry(lp: dict[int, float]) -> dict[str, Any]:
-            return {str(t): {"logprob": v, "rank": i + 1 if i < n else None, "decoded_token": self.token_str(t)}
-                    for i, (t, v) in enumerate(lp.items())}
-
-        return [None if lp is None else entry(lp) for lp in entries]
-
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int) -> list[dict[str, Any]]:
-        def entry(token_id: int, value: float | None) -> dict[str, Any]:
-            s = self.token_str(token_id)
-            return {"token": s, "logprob": value, "bytes": list(s.encode())}
-
-        return [entry(t, lp.get(t)) | {"top_logprobs": [entry(i, v) for i, v in list(lp.items())[:n]]}
-                for t, lp in zip(token_ids, logprobs)]
 
 
 def drops_a_marker(tokenizer: Any, parser: type[ToolParser]) -> bool:

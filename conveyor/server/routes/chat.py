@@ -47,7 +47,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
             lp = None
             if n_lp is not None:
-                lp = {"content": serving.chat_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp)}
+                lp = {"content": serving.logprobs.chat(out.token_ids[start:], out.logprobs[start:], n_lp)}
             reason = out.finish_reason if out.finished else None
             if replies is None:
                 delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
@@ -66,7 +66,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     finals = await collect(sub, raw)
     choices = []
     for i, out in enumerate(finals):
-        lp = None if n_lp is None else {"content": serving.chat_logprobs(out.token_ids, out.logprobs, n_lp)}
+        lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp)}
         message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
         if plan.active:
             reply = plan.reply()

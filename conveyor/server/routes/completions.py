@@ -41,7 +41,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
         def completion_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
             lp = None
             if n_lp is not None:
-                lp = serving.completion_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
+                lp = serving.logprobs.completion(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
             offsets[i] += len(out.delta_text)
             return {"index": i, "text": out.delta_text, "logprobs": lp,
                     "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
@@ -51,8 +51,8 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     finals = await collect(sub, raw)
     choices = []
     for i, out in enumerate(finals):
-        lp = None if n_lp is None else serving.completion_logprobs(out.token_ids, out.logprobs, n_lp, 0)
-        plp = None if out.prompt_logprobs is None else serving.prompt_logprobs(out.prompt_logprobs,
+        lp = None if n_lp is None else serving.logprobs.completion(out.token_ids, out.logprobs, n_lp, 0)
+        plp = None if out.prompt_logprobs is None else serving.logprobs.prompt(out.prompt_logprobs,
                                                                                body.prompt_logprobs or 0)
         choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
                         "stop_reason": None, "prompt_logprobs": plp})
