@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .config import ContinuousBatchingConfig
+from .distributed.driver import ShardedModel, load_tensor_parallel
 from .engine.draft_runner import load_draft_model
 from .engine.engine import Engine
 from .engine.stats import EngineStats
@@ -64,24 +65,35 @@ def release_freed_memory() -> None:
 
 class LLM:
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
-    `speculative_config` (vLLM's dict, or `SpeculativeConfig`) turns speculative decoding on; it
-    may also come in `config.speculative_config`."""
+    `speculative_config` (vLLM's dict, or `SpeculativeConfig`) turns speculative decoding on, and
+    `tensor_parallel_size` splits the model over that many ranks (README, "Tensor parallelism"); both
+    may also come in `config`."""
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                  quantization: str | None = None, device: str | torch.device = "auto",
                  config: ContinuousBatchingConfig | None = None,
-                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None) -> None:
+                 speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
+                 tensor_parallel_size: int | None = None) -> None:
         config = config or ContinuousBatchingConfig()
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
+        if tensor_parallel_size is not None:
+            config = replace(config, tensor_parallel_size=tensor_parallel_size)
         self.device = resolve_device(device)
         precision = resolve_precision(dtype, quantization, self.device, model)
         self.dtype = precision.dtype
         started = time.monotonic()
-        checkpoint = load_checkpoint(model, dtype=self.dtype,
-                                     keep_quantized=keeps_stored(precision.quantization, self.device))
-        self.quantization = resolve_quantization(precision, checkpoint.quantized)
-        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
+        self.sharded: ShardedModel | None = None  # rank 0's side of a tensor-parallel model
+        if config.tensor_parallel_size > 1:
+            self.sharded = load_tensor_parallel(model, precision, self.device, config.tensor_parallel_size,
+                                                config.attention_backend)
+            net, checkpoint, self.quantization = self.sharded.model, self.sharded.checkpoint, self.sharded.quantization
+            config = self.sharded.engine_config(config)
+        else:
+            checkpoint = load_checkpoint(model, dtype=self.dtype,
+                                         keep_quantized=keeps_stored(precision.quantization, self.device))
+            self.quantization = resolve_quantization(precision, checkpoint.quantized)
+            net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
         self.model_path = checkpoint.path
         self.tokenizer = checkpoint.tokenizer
         del checkpoint  # what the model did not keep of the loaded tensors is garbage now
@@ -91,6 +103,8 @@ class LLM:
                  if spec is not None and spec.method == "draft_model" else None)
         self.engine = Engine(net, self.tokenizer, config, self.device, draft_model=draft)
         self.manager = ContinuousBatchingManager(self.engine)
+        if self.sharded is not None:  # a rank that dies while the loop is idle kills the engine at once
+            self.sharded.on_failure(self.manager.kill)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
                     " ".join(vector_flags()) or "unknown")
         logger.info("loaded %s (%s, %s) in %.1f s", self.model_path.name, self.device, self.dtype,
@@ -98,6 +112,13 @@ class LLM:
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine loop; with tensor parallelism, release the model on the other ranks (they stay up
+        for this process's next `LLM` of the same size, and stop when it exits)."""
+        self.manager.stop()
+        if self.sharded is not None:
+            self.sharded.close()
 
     # -- what a server or another client reads of the engine ---------------------------------
     @property

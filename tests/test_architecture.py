@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("speculative", ("conveyor.speculative",)),
     ("config", ("conveyor.config",)),
     ("engine", ("conveyor.engine",)),
+    ("distributed", ("conveyor.distributed",)),
     ("api", ("conveyor.manager", "conveyor.llm", "conveyor.cli_args")),
     ("server", ("conveyor.server",)),
     ("scaleout", ("conveyor.scaleout",)),
