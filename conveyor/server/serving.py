@@ -58,7 +58,7 @@ class ServerSettings:
     enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
     tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
     read off the chat template. max_request_bytes: the largest request body (413 past it); None =
-    derived from the context length (`body_limit.default_max_request_bytes`)."""
+    derived from the context length (`limits.default_max_request_bytes`)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
