@@ -39,10 +39,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .scaleout.placement import plan_placement
     from .server import ServerSettings, run_server
 
-    if args.max_queue < 1:
-        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-    if args.shutdown_timeout < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    settings = ServerSettings.from_args(args)
     if args.data_parallel_size != 1 or args.data_parallel_address:
         return serve_data_parallel(args)
     if args.threads is not None:
@@ -50,8 +47,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
               config=config_from_args(args))
-    settings = ServerSettings(served_model_names=args.served_model_name, api_key=args.api_key,
-                              max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
     try:
         run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
     except EngineDeadError as exc:  # exit non-zero so that a supervisor restarts the server

@@ -13,6 +13,7 @@ from .config import ContinuousBatchingConfig
 from .layers.attention import ATTENTION_BACKENDS
 from .layers.quantization.registry import QUANTIZATIONS
 from .sched.scheduler import SCHEDULERS
+from .tool_parsers import TOOL_PARSERS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -65,4 +66,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_tool_and_body_args(parser)
     add_engine_args(parser)
+
+
+def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's tool-calling flags, and the request body limit."""
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='accept tool_choice "auto" (also the default when a request gives tools), the model '
+                        "writing its own calls; without it such requests get a 400, as in vLLM")
+    parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS), metavar="NAME",
+                        help="the format of the model's own tool calls: " + ", ".join(TOOL_PARSERS) +
+                        " (default: read off the chat template; hermes when it says nothing)")
+    parser.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                        help="largest request body, answered 413 past it before it is parsed (default: "
+                        "256 bytes per token of the context, at least 16 MiB)")

@@ -228,7 +228,11 @@ class LLM:
 
     def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the conversation through the model's chat template (with `tools`, as transformers')."""
+        return self.tokenizer.encode(self.render_chat_text(conversation, tools), add_special_tokens=False)
+
+    def render_chat_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation through the model's chat template, as the text `render_chat` tokenizes (a server
+        checks its length before it spends time tokenizing it)."""
         if not conversation:
             raise ValueError("conversation is empty: it needs at least one message")
-        ids = self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)

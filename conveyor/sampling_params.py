@@ -73,6 +73,8 @@ class SamplingParams:
     vLLM's (for perplexity and scoring; such a request computes its whole prompt, no prefix cache).
     structured_outputs: a constraint (JSON schema, regex, choice, grammar) the output must match, as
     vLLM's. logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI's rule).
+    skip_special_tokens: special tokens are left out of the text (vLLM's default); a tool-call format
+    whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept.
     """
 
     max_new_tokens: int = 64
@@ -92,6 +94,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,5 +1,5 @@
-"""Helpers of the dashboard, fuzz and soak tests: a tiny Llama with a long context (requests that run
-for a while), served on a thread, and a reader of Prometheus lines."""
+"""Helpers of the server tests: a tiny Llama with a long context (requests that run for a while), one
+over a byte-level BPE tokenizer that can spell JSON, and a reader of Prometheus lines."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conveyor import LLM, ContinuousBatchingConfig
 
@@ -26,6 +27,30 @@ def save_long_tiny(path: Path, context: int = 2048) -> Path:
     tiny_tokenizer().save_pretrained(path)
     config_file = path / "tokenizer_config.json"
     config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"chat_template": CHAT_TEMPLATE}))
+    return path
+
+
+CORPUS = ['{"name": "get_weather", "arguments": {"city": "Lima", "unit": "C", "where": {"lat": -12}}}',
+          '[{"name": "get_time", "arguments": {"zone": "UTC", "dst": true}}]', "What is the weather in Lima?",
+          '{"temperature": 25, "type": "string", "description": "sunny"}'] * 4
+
+
+def save_json_tiny(path: Path) -> Path:
+    """A random 2-layer Llama (2048 positions) over a byte-level BPE tokenizer trained on a few JSON lines."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                                     eos_token="</s>")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**(TINY_COMMON | {"vocab_size": len(tokenizer), "max_position_embeddings": 2048}),
+                                      tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
 
 

@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cache", ("conveyor.cache",)),
     ("sched", ("conveyor.sched",)),
     ("structured", ("conveyor.structured",)),
+    ("tool_parsers", ("conveyor.tool_parsers",)),
     ("layers", ("conveyor.layers",)),
     ("models", ("conveyor.models",)),
     ("speculative", ("conveyor.speculative",)),
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # What the server may import of the package: the facade and the types requests are made of.
 SERVER_ALLOWED = ("conveyor", "conveyor.llm", "conveyor.manager", "conveyor.errors", "conveyor.request",
-                  "conveyor.sampling_params", "conveyor.structured", "conveyor.server")
+                  "conveyor.sampling_params", "conveyor.structured", "conveyor.tool_parsers", "conveyor.server")
 
 
 def module_name(path: Path) -> str:

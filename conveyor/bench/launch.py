@@ -150,8 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     partial.write_text(json.dumps({"model_path": str(llm.model_path), **resolved_mode(llm),
                                    "cpu_flags": vector_flags(), "pid": os.getpid()}))
     partial.replace(args.info)
-    settings = ServerSettings(served_model_names=args.served_model_name, api_key=args.api_key,
-                              max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout)
+    settings = ServerSettings.from_args(args)
     run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

@@ -124,8 +124,9 @@ class OutputProcessor:
         """Incremental detokenization; text waits until a token completes its characters."""
         request.detok_ids.append(token)
         ids, start, read = request.detok_ids, request.detok_prefix_offset, request.detok_read_offset
-        prefix = self.tokenizer.decode(ids[start:read], skip_special_tokens=True)
-        full = self.tokenizer.decode(ids[start:], skip_special_tokens=True)
+        skip = request.params.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[start:read], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         delta = full[len(prefix):]

@@ -3,9 +3,10 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
-object), `serving` (admission, the engine bridge, rendering), `metrics` (Prometheus), `streaming`
-(server-sent events, collected results), `errors` (the error handlers), `routes` (a module per
-route family), `app` (puts them together). `run_server` serves in the foreground with graceful
+object), `serving` (admission, the engine bridge, rendering), `limits` (the body and prompt-length
+limits), `tools` and `response_format` (what a request constrains), `metrics` (Prometheus),
+`streaming` (server-sent events, collected results), `errors` (the error handlers), `routes` (a module
+per route family), `app` (puts them together). `run_server` serves in the foreground with graceful
 SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks).
 
 Behaviour where the OpenAI API leaves room (mostly as vLLM):
@@ -22,9 +23,18 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   numbered prompt-major (prompt p, choice j -> index p * n + j); usage counts each prompt once.
 - Chat roles: system, user, assistant ("developer" is read as system); text content parts are
   joined with newlines. The chat template always gets add_generation_prompt=True.
-- Not supported, answered 400 rather than ignored: echo, suffix, best_of != n, logit_bias,
-  tools, response_format other than text, top_logprobs without logprobs, prompt_logprobs with
-  stream. At most 20 logprobs (and prompt_logprobs).
+- Not supported, answered 400 rather than ignored: echo, suffix, best_of != n, top_logprobs
+  without logprobs, prompt_logprobs with stream. At most 20 logprobs (and prompt_logprobs).
+- Tools (`tools`): "none", "required" (a list of calls, constrained; `parallel_tool_calls: false`
+  makes it one), a named function (its arguments, constrained), "auto" (the model's own format,
+  read by the tool parser: `--tool-call-parser`, by default read off the chat template; refused with
+  a 400 unless the server runs with `--enable-auto-tool-choice`, as vLLM; like vLLM, tools without
+  `tool_choice` mean "auto"). Tool parameters and `strict: true` JSON schemas are closed (no
+  properties or items beyond those listed).
+- Limits before work: a body over `--max-request-bytes` is a 413 before it is read (default: 256
+  bytes per context token, at least 16 MiB); a prompt text longer than the longest token x the
+  context is a 400 before it is tokenized. Tokenizing, chat templates and constraints run on a
+  small thread pool, never on the event loop.
 - prompt_logprobs (completions, vLLM's extra field): each choice gets `prompt_logprobs`, vLLM's
   list of None (first token) or {token id: {logprob, rank, decoded_token}}; null when not asked.
   Unknown fields are ignored (as vLLM).

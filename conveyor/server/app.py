@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from ..llm import LLM
 from .errors import add_error_handlers
+from .limits import BodyLimit
 from .openapi import instance_schema
 from .routes import include_routes
 from .serving import ServerSettings, Serving
@@ -27,6 +28,7 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
             await serving.shutdown()
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=serving.max_request_bytes)
     app.state.serving = serving
     add_error_handlers(app)
     include_routes(app)

@@ -1,6 +1,6 @@
 """The server's OpenAPI schema (`/openapi.json`) as this server answers: FastAPI's, with
 
-- the error answers each route gives (400, 401, 404, 500, 503 as OpenAI's error object) in place of
+- the error answers each route gives (400, 401, 404, 413, 500, 503 as OpenAI's error object) in place of
   FastAPI's 422, which the server never sends (validation errors are 400s);
 - `text/event-stream` beside JSON for the routes that stream;
 - the bounds only the running server knows, marked in `protocol` (`x-conveyor-bound`): the served
@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 ERRORS = {400: "invalid request (validation, context length, unsupported field)",
           401: "missing or wrong API key (when the server has one)", 404: "model not served",
+          413: "request body over the server's --max-request-bytes",
           500: "the request failed inside the engine", 503: "queue full, shutting down, or the engine is dead"}
 
 

@@ -91,6 +91,7 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's {"type": "text" | "json_object" | "json_schema"}
     structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
+    skip_special_tokens: bool = True  # vLLM's extra field
 
 
 class CompletionRequest(SamplingFields):
@@ -133,6 +134,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # OpenAI's default: true
 
 
 class TokenizeRequest(_Body):

@@ -2,7 +2,9 @@
 
 OpenAI's `response_format` (`json_object`, `json_schema`) and vLLM's extra body field
 `structured_outputs` (json, regex, choice, grammar, json_object) both become a
-`StructuredOutputsParams`; `logit_bias` arrives with string keys (JSON objects have no others).
+`StructuredOutputsParams`; a `json_schema` with `strict: true` is closed first (no properties or
+items beyond those it lists, `structured.strict`), as OpenAI reads it. `logit_bias` arrives with
+string keys (JSON objects have no others).
 Malformed fields are 400s naming the field; a constraint that does not compile is refused by the
 engine's `make_request`, also before anything is queued.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..sampling_params import StructuredOutputsParams
+from ..structured.strict import close_schema
 from .protocol import APIError, SamplingFields
 
 FORMATS = ("text", "json_object", "json_schema")
@@ -44,6 +47,8 @@ def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | Non
                        param="response_format")
     if not isinstance(schema, dict):
         raise APIError(400, "response_format.json_schema.schema must be a JSON schema object", param="response_format")
+    if spec.get("strict") is True:
+        schema = close_schema(schema)
     return StructuredOutputsParams(json=schema), "response_format"
 
 

@@ -2,7 +2,9 @@
 
 One HTTP request becomes one engine request per (prompt, choice); they are submitted to the
 shared `ContinuousBatchingManager` with an `on_output` callback that hands every output to the
-event loop (`call_soon_threadsafe`), where they are merged on one asyncio queue. The server
+event loop (`handoff`: one wake-up per engine step, off the engine's critical path), where a
+request's outputs not yet sent are coalesced into one. Tokenizing, chat templates and constraint
+compilation run on a small thread pool (`prepare`), never on the event loop. The server
 counts accepted engine requests until their final output arrives; past `max_queue` it answers
 503. Whatever ends the HTTP exchange (response sent, client gone, shutdown timeout) cancels the
 engine requests still running, so their KV blocks return to the pool within a step.
@@ -15,12 +17,15 @@ an error event in a stream), new requests and /health get 503, and the server dr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import InvalidRequestError, RequestErrorCode
 from ..llm import LLM
@@ -28,14 +33,20 @@ from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .dashboard_data import STEP_HISTORY
+from .handoff import Handoff
+from .limits import default_max_request_bytes, prompt_char_limit
+from .logprobs import LogprobRenderer
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
+from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
 
 logger = logging.getLogger("conveyor.server")
 
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+PREPARE_THREADS = 2  # requests tokenized at once; the others wait their turn, the event loop does not
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,7 +54,11 @@ class ServerSettings:
     """served_model_names: names accepted in `model` (the first is reported); None = the model's
     file or directory name. api_key: required as `Authorization: Bearer KEY` on /v1/*, /tokenize
     and /detokenize. max_queue: most engine requests (prompts x n) accepted and not yet finished.
-    shutdown_timeout: seconds in-flight requests get to finish after SIGINT/SIGTERM."""
+    shutdown_timeout: seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
+    tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
+    read off the chat template. max_request_bytes: the largest request body (413 past it); None =
+    derived from the context length (`limits.default_max_request_bytes`)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -51,30 +66,46 @@ class ServerSettings:
     shutdown_timeout: float = 10.0
     retry_after_s: int = 1
     url: str | None = None  # for the start-up log line
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    max_request_bytes: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServerSettings:
+        """The settings of `conveyor serve`'s parsed options (`cli_args.add_serve_args`), checked."""
+        if args.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if args.max_request_bytes is not None and args.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+        return cls(served_model_names=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                   shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes)
 
 
 class Submission:
-    """The engine requests of one HTTP request, their outputs merged on one asyncio queue."""
+    """The engine requests of one HTTP request, their outputs merged for one consumer: outputs of a request
+    that arrive before the consumer takes them are coalesced into one (one SSE event for the tokens ready
+    since the last send)."""
 
     def __init__(self, serving: Serving, requests: list[Request]) -> None:
         self.serving = serving
         self.requests = requests
         self.index = {r.request_id: i for i, r in enumerate(requests)}
         self.unfinished = set(self.index)
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.ready: dict[int, RequestOutput] = {}  # choice index -> output not yet taken (coalesced)
+        self.arrived = asyncio.Event()
         self.started = asyncio.Event()  # set by the first output
 
     def start(self) -> None:
-        serving, loop = self.serving, self.serving.loop
-        assert loop is not None, "the server's lifespan has not started"
+        serving, handoff = self.serving, self.serving.handoff
+        assert handoff is not None, "the server's lifespan has not started"
 
         def deliver(out: RequestOutput) -> None:  # on the engine thread
             if out.finished:
                 serving.metrics.observe_finished(out)
-            try:
-                loop.call_soon_threadsafe(self._arrive, out)
-            except RuntimeError:  # the event loop is closed: nobody is waiting any more
-                pass
+            handoff.put(self._arrive, out)
 
         serving.in_flight += len(self.requests)
         serving.active.add(self)
@@ -95,21 +126,33 @@ class Submission:
     def _arrive(self, out: RequestOutput) -> None:
         if out.finished and out.request_id in self.unfinished:
             self._finished(out.request_id)
-        self.queue.put_nowait(out)
+        i = self.index[out.request_id]
+        earlier = self.ready.get(i)
+        self.ready[i] = out if earlier is None else coalesce(earlier, out)
+        self.arrived.set()
         self.started.set()
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, output) as they arrive, until every request has finished."""
         remaining = len(self.requests)
         while remaining:
-            out = await self.queue.get()
-            remaining -= out.finished
-            yield self.index[out.request_id], out
+            await self.arrived.wait()
+            self.arrived.clear()
+            taken, self.ready = self.ready, {}
+            for i, out in taken.items():
+                remaining -= out.finished
+                yield i, out
 
     def cancel(self) -> None:
         """Cancel the requests still running (idempotent; their final "abort" outputs follow)."""
         for request_id in self.unfinished:
             self.serving.llm.manager.cancel_request(request_id)
+
+
+def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two outputs of one request as one: the later snapshot with both deltas."""
+    return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text,
+                               delta_token_ids=earlier.delta_token_ids + later.delta_token_ids)
 
 
 class Serving:
@@ -119,11 +162,20 @@ class Serving:
         self.names = list(settings.served_model_names or [llm.model_path.name])
         self.model_name = self.names[0]
         self.tokenizer = llm.get_tokenizer()
-        self.model_type = getattr(llm.model_config, "model_type", None)  # picks the tool-call parser
+        template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
+        self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(template))
+        self.keep_special = drops_a_marker(self.tokenizer, self.tool_parser)
         self.max_model_len = llm.max_model_len
+        self.logprobs = LogprobRenderer(self.tokenizer)
+        self.max_request_bytes = settings.max_request_bytes or default_max_request_bytes(self.max_model_len)
+        self.max_prompt_chars = prompt_char_limit(self.tokenizer, self.max_model_len)  # None: no bound
+        # Tokenizing and chat templates run here, off the event loop: /health and the streams in flight
+        # never wait for a long prompt (the tokenizer releases the GIL while it encodes).
+        self.workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="conveyor-prepare")
         self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
         llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.handoff: Handoff | None = None  # engine outputs to the loop (started with the loop)
         self.in_flight = 0  # engine requests accepted and not yet finished
         self.active: set[Submission] = set()
         self.draining = False
@@ -134,12 +186,16 @@ class Serving:
     # -- lifecycle --------------------------------------------------------------------------
     def startup(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self.handoff = handoff = Handoff(self.loop)
         self.llm.manager.start()
-        loop = self.loop
-        self.llm.manager.add_death_callback(lambda exc: loop.call_soon_threadsafe(self.engine_died, exc))
+        # Through the handoff too: after the outputs that failed the requests in flight.
+        self.llm.manager.add_death_callback(lambda exc: handoff.put(self.engine_died, exc))
         logger.info("serving %s (%s) at %s: context %d tokens, KV cache capacity %d tokens, max queue %d",
                     self.model_name, self.llm.model_path, self.settings.url or "(given sockets)", self.max_model_len,
                     self.llm.kv_capacity_tokens, self.settings.max_queue)
+        logger.info("tool calls: %s parser (%s), tool_choice \"auto\" %s", self.tool_parser.name,
+                    "--tool-call-parser" if self.settings.tool_call_parser else "read off the chat template",
+                    "on" if self.settings.enable_auto_tool_choice else "off (--enable-auto-tool-choice)")
 
     def request_shutdown(self, then: Callable[[], None]) -> bool:
         """From a signal handler: drain on the event loop, then call `then` (there). False if not started."""
@@ -186,6 +242,10 @@ class Serving:
         if self._drain_task is not None:
             await self._drain_task
         await asyncio.to_thread(self.llm.manager.stop, 10.0)
+        self.workers.shutdown(wait=False, cancel_futures=True)
+        if self.handoff is not None:
+            self.handoff.run()  # the aborts' outputs the stop published, if any
+            self.handoff.close()
 
     # -- admission --------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
@@ -223,7 +283,22 @@ class Serving:
                                 "a restart.", "engine_dead")
 
     # -- building requests ------------------------------------------------------------------
-    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the preparing threads (tokenizing, templates, constraints), not the loop."""
+        assert self.loop is not None, "the server's lifespan has not started"
+        return await self.loop.run_in_executor(self.workers, functools.partial(fn, *args, **kwargs))
+
+    def check_length(self, text: str, param: str) -> None:
+        """A prompt text too long to fit the context whatever its tokens (limits.prompt_char_limit): a 400
+        without tokenizing it."""
+        limit = self.max_prompt_chars
+        if limit is not None and len(text) > limit:
+            raise APIError(400, f"the prompt has {len(text)} characters; no text over {limit} characters fits the "
+                           f"model's context length of {self.max_model_len} tokens (its longest token is "
+                           f"{limit // self.max_model_len} characters)", param=param, code="context_length_exceeded")
+
+    def completion_prompts(self, body: CompletionRequest) -> list[str | list[int]]:
+        """The body's prompts, checked (empty, too long to fit): texts still untokenized (`tokenize`)."""
         prompt = body.prompt
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
@@ -233,29 +308,35 @@ class Serving:
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        ids = []
         for p in prompts:
             if isinstance(p, str):
                 if not p:
                     raise APIError(400, "prompt is empty", param="prompt")
-                ids.append(self.tokenizer.encode(p))
-            else:
-                ids.append(list(p))
-        return ids
+                self.check_length(p, "prompt")
+        return prompts
+
+    def tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """Token ids of each prompt (call it off the event loop: `prepare`)."""
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
+        """The conversation's token ids (call it off the event loop: `prepare`)."""
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
         turns, template_tools = conversation(messages, tools or ToolPlan(), template, CHAT_ROLES)
         try:
-            return self.llm.render_chat(turns, tools=template_tools)
+            text = self.llm.render_chat_text(turns, tools=template_tools)
         except Exception as exc:  # no chat template, or the template rejected the conversation
             raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
+        self.check_length(text, "messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
                        logprobs: int | None, param: str, prompt_logprobs: int | None = None,
-                       constraint: tuple[StructuredOutputsParams | None, str | None] = (None, None)) -> list[Request]:
+                       constraint: tuple[StructuredOutputsParams | None, str | None] = (None, None),
+                       keep_special: bool = False) -> list[Request]:
         """Engine requests (validated, constraints compiled: call it off the event loop) for the prompts x n.
-        constraint: a tool choice's (constraint, field); else the body's response_format / structured_outputs."""
+        constraint: a tool choice's (constraint, field); else the body's response_format / structured_outputs.
+        keep_special: decode special tokens into the text (a tool parser's markers)."""
         structured, structured_param = body_constraint(body)
         if constraint[0] is not None:
             if structured is not None:
@@ -285,7 +366,8 @@ class Serving:
                         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias)
+                        prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
+                        skip_special_tokens=body.skip_special_tokens and not keep_special)
                     requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
@@ -293,37 +375,15 @@ class Serving:
                     raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from exc
         return requests
 
-    # -- rendering --------------------------------------------------------------------------
-    def token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int,
-                            offset: int) -> dict[str, Any]:
-        tokens = [self.token_str(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [{self.token_str(i): v for i, v in list(lp.items())[:n]} for lp in logprobs],
-                "text_offset": offsets}
-
-    def prompt_logprobs(self, entries: list[dict[int, float] | None], n: int) -> list[dict[str, Any] | None]:
-        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}, the
-        top-n first (ranked 1..n), then the prompt token if it is not among them (rank unknown: null)."""
-        def entry(lp: dict[int, float]) -> dict[str, Any]:
-            return {str(t): {"logprob": v, "rank": i + 1 if i < n else None, "decoded_token": self.token_str(t)}
-                    for i, (t, v) in enumerate(lp.items())}
-
-        return [None if lp is None else entry(lp) for lp in entries]
-
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int) -> list[dict[str, Any]]:
-        def entry(token_id: int, value: float | None) -> dict[str, Any]:
-            s = self.token_str(token_id)
-            return {"token": s, "logprob": value, "bytes": list(s.encode())}
-
-        return [entry(t, lp.get(t)) | {"top_logprobs": [entry(i, v) for i, v in list(lp.items())[:n]]}
-                for t, lp in zip(token_ids, logprobs)]
+def drops_a_marker(tokenizer: Any, parser: type[ToolParser]) -> bool:
+    """Whether the tokenizer holds one of the parser's markers as a special token that decoding with
+    skip_special_tokens would drop (Mistral's `[TOOL_CALLS]`): then replies under tools keep them."""
+    for marker in parser.special:
+        ids = tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) == 1 and not tokenizer.decode(ids, skip_special_tokens=True):
+            return True
+    return False
 
 
 def new_id(kind: str) -> str:

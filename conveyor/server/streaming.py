@@ -24,7 +24,26 @@ DONE = "data: [DONE]\n\n"
 
 
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj)}\n\n"
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
+class ChunkTemplate:
+    """A stream's chunk event with its constant part serialized once: `data: {head..., "choices":
+    [CHOICE]}` (and `"usage": null` when the stream reports usage), so that a token costs the
+    serialization of its choice only."""
+
+    def __init__(self, head: dict[str, Any], include_usage: bool) -> None:
+        whole = dumps(head | {"choices": [None]} | ({"usage": None} if include_usage else {}))
+        self.prefix, self.suffix = whole.split('"choices":[null]', 1)
+        self.prefix = f'data: {self.prefix}"choices":['
+        self.suffix = f"]{self.suffix}\n\n"
+
+    def __call__(self, choice: dict[str, Any]) -> str:
+        return self.prefix + dumps(choice) + self.suffix
 
 
 class ClientGone(Exception):
@@ -82,12 +101,12 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
     an error event if a request fails; a usage chunk when asked; then [DONE]. A render that returns
     None has nothing to send yet (a tool call still being parsed)."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    extra = {"usage": None} if include_usage else {}
+    chunk = ChunkTemplate(head, include_usage)
 
     async def events() -> AsyncIterator[str]:
         sent_tokens, counts = [0] * len(sub.requests), [0] * len(sub.requests)
         for choice in first_choices:
-            yield sse(head | {"choices": [choice]} | extra)
+            yield chunk(choice)
         async for i, out in sub.outputs():
             counts[i] = len(out.token_ids)
             if (err := failure(out)) is not None:
@@ -99,7 +118,7 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
             if choice is None:
                 continue
             sent_tokens[i] = len(out.token_ids)
-            yield sse(head | {"choices": [choice]} | extra)
+            yield chunk(choice)
         else:
             if include_usage:
                 yield sse(head | {"choices": [], "usage": usage(prompts, counts)})

@@ -1,11 +1,14 @@
 """Tools in chat completions: the constraint a `tool_choice` imposes, how tools and tool messages
 reach the chat template, and how a reply becomes OpenAI's `tool_calls`, whole or streamed.
 
-"required" and a named function constrain the output by the tools' parameter schemas (named: the
-arguments object itself; required: `{"name": ..., "arguments": ...}`, one option per tool), so the
-arguments always parse. "auto" lets the model write Hermes-style blocks (`tool_parsers`). A
-template that does not know tools (no `tools` in its source) gets them the way Qwen's template
-writes them: a system preamble, calls as `<tool_call>` blocks, results as `<tool_response>`.
+"required" and a named function constrain the output by the tools' parameter schemas, closed as
+OpenAI's strict function calling reads them (`structured.strict`): named, the arguments object
+itself; required, a list of `{"name": ..., "arguments": ...}` (one option per tool; at least one
+call, at most one with `parallel_tool_calls: false`), so the arguments always parse and a small
+model stops. "auto" lets the model write its own format, read by the server's tool parser
+(`tool_parsers`), and needs `--enable-auto-tool-choice` as in vLLM. A template that does not know
+tools (no `tools` in its source) gets them the way Qwen's template writes them: a system preamble,
+calls as `<tool_call>` blocks, results as `<tool_response>`.
 """
 
 from __future__ import annotations
@@ -16,14 +19,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sampling_params import StructuredOutputsParams
+from ..structured.strict import close_schema
 from .protocol import APIError, ChatMessage
-from .tool_parsers import HermesToolParser, ToolCall, parser_for
+from ..tool_parsers import ToolCall, ToolParser
+from ..tool_parsers.base import json_end
+from ..tool_parsers.json_formats import HermesParser
 
 PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
             "function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function "
             "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
             "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
-REQUIRED_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')  # the compact layout grammars write
+# One element of the "required" list, in the compact layout grammars write.
+REQUIRED_HEAD = re.compile(r'\s*,?\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+AUTO_NEEDS_FLAG = ('"auto" tool choice requires the server to be started with --enable-auto-tool-choice (its parser: '
+                   '--tool-call-parser, by default read off the chat template)')
 
 
 @dataclass
@@ -33,7 +42,8 @@ class ToolPlan:
     mode: str = "none"
     functions: list[dict[str, Any]] = field(default_factory=list)
     name: str | None = None
-    parser: type[HermesToolParser] = HermesToolParser
+    parser: type[ToolParser] = HermesParser
+    parallel: bool = True
 
     @property
     def active(self) -> bool:
@@ -41,22 +51,47 @@ class ToolPlan:
 
     @property
     def constraint(self) -> StructuredOutputsParams | None:
-        schemas = {f["name"]: f.get("parameters") or {"type": "object"} for f in self.functions}
+        schemas = {f["name"]: close_schema(f.get("parameters") or {"type": "object"}) for f in self.functions}
         if self.mode == "named":
             assert self.name is not None
             return StructuredOutputsParams(json=schemas[self.name])
-        if self.mode == "required":
-            return StructuredOutputsParams(json={"anyOf": [
-                {"type": "object", "properties": {"name": {"const": n}, "arguments": s},
-                 "required": ["name", "arguments"], "additionalProperties": False} for n, s in schemas.items()]})
-        return None
+        if self.mode != "required":
+            return None
+        definitions = hoist_definitions(schemas)
+        calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"const": n}, "arguments": s},
+             "required": ["name", "arguments"], "additionalProperties": False} for n, s in schemas.items()]}}
+        if not self.parallel:
+            calls["maxItems"] = 1
+        return StructuredOutputsParams(json=calls | definitions)
 
     def reply(self) -> ToolReply:
         return ToolReply(self)
 
 
-def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, model_type: str | None) -> ToolPlan:
-    """Validate `tools` / `tool_choice` (400s naming the field) into a plan."""
+def hoist_definitions(schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The tools' `$defs` / `definitions`, moved to the root of the "required" schema (where their
+    `#/$defs/...` references point); two tools defining one name differently is a 400."""
+    hoisted: dict[str, dict[str, Any]] = {}
+    for name, schema in schemas.items():
+        for key in ("$defs", "definitions"):
+            defs = schema.pop(key, None)
+            if defs is None:
+                continue
+            if not isinstance(defs, dict):
+                raise APIError(400, f"tool {name!r}: {key} must be an object", param="tools")
+            for def_name, definition in defs.items():
+                if hoisted.setdefault(key, {}).setdefault(def_name, definition) != definition:
+                    raise APIError(400, f"tools define {key}/{def_name} differently; tool_choice \"required\" "
+                                   "needs one meaning per name", param="tools")
+    return hoisted
+
+
+def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, parser: type[ToolParser] = HermesParser,
+               auto_enabled: bool = True, parallel: bool | None = True) -> ToolPlan:
+    """Validate `tools` / `tool_choice` (400s naming the field) into a plan. `auto_enabled`: the server
+    runs with --enable-auto-tool-choice (vLLM's rule: "auto", also as the default when tools are
+    given, is refused without it)."""
     functions = []
     for i, tool in enumerate(tools or []):
         fn = _function(tool)
@@ -67,6 +102,7 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, model_type:
             raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
         functions.append(fn)
     choice = tool_choice if tool_choice is not None else ("auto" if functions else "none")
+    parallel = parallel is not False
     if isinstance(choice, dict):
         name = _function(choice).get("name") if choice.get("type") == "function" else None
         if not isinstance(name, str):
@@ -74,13 +110,29 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any, model_type:
                            "\"function\": {\"name\": ...}}", param="tool_choice")
         if name not in {f["name"] for f in functions}:
             raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-        return ToolPlan("named", functions, name, parser_for(model_type))
+        return ToolPlan("named", functions, name, parser, parallel)
     if choice not in ("none", "auto", "required"):
         raise APIError(400, f"tool_choice must be \"none\", \"auto\", \"required\" or a named function, got {choice!r}",
                        param="tool_choice")
     if choice != "none" and not functions:
         raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
-    return ToolPlan(choice, functions, None, parser_for(model_type))
+    if choice == "auto" and not auto_enabled:
+        raise APIError(400, AUTO_NEEDS_FLAG, param="tool_choice")
+    return ToolPlan(choice, functions, None, parser, parallel)
+
+
+def required_calls(text: str) -> list[tuple[str, str]]:
+    """(name, arguments so far) of each call in a "required" reply, `[{"name": ..., "arguments": ...}, ...]`
+    as its grammar writes it; the last one's arguments may still be growing."""
+    calls, pos = [], 1
+    while head := REQUIRED_HEAD.match(text, pos):
+        name, start = json.loads(f'"{head.group(1)}"'), head.end()
+        end = json_end(text, start)
+        calls.append((name, text[start:end]))
+        if end is None:
+            break
+        pos = end + 1  # past the call object's closing brace
+    return calls
 
 
 class ToolReply:
@@ -88,15 +140,17 @@ class ToolReply:
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
-        self.parser = plan.parser()
+        self.parser = plan.parser(plan.functions)
         self.content = ""
         self.calls: list[ToolCall] = []
-        self.sent_args = 0  # constrained modes: characters of the arguments already sent
+        self.sent: list[int] = []  # constrained modes: characters of each call's arguments already sent
 
-    def feed(self, text: str, finished: bool, complete: bool) -> dict[str, Any]:
-        """The delta since the last feed. complete: the grammar finished (the whole object is there)."""
+    def feed(self, text: str, finished: bool) -> dict[str, Any]:
+        """The delta since the last feed of this growing text."""
         if self.plan.mode == "auto":
             content, calls = self.parser.feed(text, finished)
+            if not self.plan.parallel:  # as vLLM: only the first call
+                calls = calls[:max(0, 1 - len(self.calls))]
             self.content += content
             start = len(self.calls)
             self.calls += calls
@@ -104,26 +158,25 @@ class ToolReply:
             if calls:
                 delta["tool_calls"] = [{"index": start + k} | c.to_openai() for k, c in enumerate(calls)]
             return delta
-        name, args = self.plan.name, text
-        if self.plan.mode == "required":
-            head = REQUIRED_HEAD.match(text)
-            if head is None:
-                return {}
-            name, args = json.loads(f'"{head.group(1)}"'), text[head.end():]
-            if complete or not finished:  # the outer object's closing brace (held back while it may be one)
-                args = args[:-1]
-        assert name is not None
-        piece: dict[str, Any] = {"index": 0, "function": {"arguments": args[self.sent_args:]}}
-        if not self.calls:
-            self.calls.append(ToolCall(name, ""))
-            piece |= {"id": self.calls[0].id, "type": "function"}
-            piece["function"]["name"] = name
-        self.calls[0].arguments, self.sent_args = args, len(args)
-        return {"tool_calls": [piece]} if piece["function"]["arguments"] or "id" in piece else {}
+        found = [(self.plan.name, text)] if self.plan.mode == "named" else required_calls(text)
+        pieces = []
+        for i, (name, arguments) in enumerate(found):
+            piece: dict[str, Any] = {"index": i, "function": {"arguments": arguments[self.sent[i]:] if i < len(
+                self.sent) else arguments}}
+            if i == len(self.calls):
+                assert name is not None
+                self.calls.append(ToolCall(name, "", self.plan.parser.new_id()))
+                self.sent.append(0)
+                piece |= {"id": self.calls[i].id, "type": "function"}
+                piece["function"]["name"] = name
+            self.calls[i].arguments, self.sent[i] = arguments, len(arguments)
+            if piece["function"]["arguments"] or "id" in piece:
+                pieces.append(piece)
+        return {"tool_calls": pieces} if pieces else {}
 
-    def message(self, text: str, complete: bool) -> dict[str, Any]:
+    def message(self, text: str) -> dict[str, Any]:
         """The whole reply as a chat message (after no feed: it parses `text` itself)."""
-        self.feed(text, True, complete)
+        self.feed(text, True)
         if not self.calls:
             return {"role": "assistant", "content": self.content if self.plan.mode == "auto" else text}
         return {"role": "assistant", "content": self.content or None, "tool_calls": [c.to_openai() for c in self.calls]}

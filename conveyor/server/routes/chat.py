@@ -6,7 +6,6 @@ With `tools`, the reply goes through a `ToolReply` per choice (tools.py): tool c
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -25,18 +24,20 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", dependencies=AUTH,
-             responses=STREAMED | error_responses(400, 401, 404, 500, 503))
+             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
-    plan = plan_tools(body.tools, body.tool_choice, serving.model_type)
-    prompt = serving.render_chat(body.messages, plan)
+    plan = plan_tools(body.tools, body.tool_choice, serving.tool_parser, serving.settings.enable_auto_tool_choice,
+                      body.parallel_tool_calls)
+    prompt = await serving.prepare(serving.render_chat, body.messages, plan)
     rid, created = new_id("chatcmpl"), int(time.time())
     max_tokens = body.max_completion_tokens or body.max_tokens
-    requests = await asyncio.to_thread(serving.build_requests, rid, [prompt], body, max_tokens, n_lp, "messages",
-                                       constraint=(plan.constraint, "tools"))
+    requests = await serving.prepare(serving.build_requests, rid, [prompt], body, max_tokens, n_lp, "messages",
+                                     constraint=(plan.constraint, "tools"),
+                                     keep_special=plan.mode == "auto" and serving.keep_special)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name}
 
@@ -46,12 +47,12 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
             lp = None
             if n_lp is not None:
-                lp = {"content": serving.chat_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp)}
+                lp = {"content": serving.logprobs.chat(out.token_ids[start:], out.logprobs[start:], n_lp)}
             reason = out.finish_reason if out.finished else None
             if replies is None:
                 delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
             else:
-                delta = replies[i].feed(out.text, out.finished, out.finish_reason == "stop")
+                delta = replies[i].feed(out.text, out.finished)
                 reason = replies[i].finish_reason(reason)
                 if not delta and not out.finished and lp is None:
                     return None
@@ -65,11 +66,11 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     finals = await collect(sub, raw)
     choices = []
     for i, out in enumerate(finals):
-        lp = None if n_lp is None else {"content": serving.chat_logprobs(out.token_ids, out.logprobs, n_lp)}
+        lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp)}
         message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
         if plan.active:
             reply = plan.reply()
-            message = reply.message(out.text, out.finish_reason == "stop")
+            message = reply.message(out.text)
             reason = reply.finish_reason(reason)
         choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     return JSONResponse(head | {"choices": choices, "usage": usage([prompt], finals)})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -19,17 +18,19 @@ from .deps import AUTH, ServingDep
 router = APIRouter()
 
 
-@router.post("/v1/completions", dependencies=AUTH, responses=STREAMED | error_responses(400, 401, 404, 500, 503))
+@router.post("/v1/completions", dependencies=AUTH,
+             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
 async def completions(body: CompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of is not supported (other than = n)", param="best_of")
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
-    prompts = serving.completion_prompts(body)
+    texts = serving.completion_prompts(body)  # a prompt too long to fit is refused here, untokenized
+    prompts = await serving.prepare(serving.tokenize, texts)
     rid, created = new_id("cmpl"), int(time.time())
-    requests = await asyncio.to_thread(serving.build_requests, rid, prompts, body, body.max_tokens, body.logprobs,
-                                       "prompt", prompt_logprobs=body.prompt_logprobs)
+    requests = await serving.prepare(serving.build_requests, rid, prompts, body, body.max_tokens, body.logprobs,
+                                     "prompt", prompt_logprobs=body.prompt_logprobs)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "text_completion", "created": created, "model": serving.model_name}
     n_lp = body.logprobs
@@ -40,7 +41,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
         def completion_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
             lp = None
             if n_lp is not None:
-                lp = serving.completion_logprobs(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
+                lp = serving.logprobs.completion(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
             offsets[i] += len(out.delta_text)
             return {"index": i, "text": out.delta_text, "logprobs": lp,
                     "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
@@ -50,8 +51,8 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     finals = await collect(sub, raw)
     choices = []
     for i, out in enumerate(finals):
-        lp = None if n_lp is None else serving.completion_logprobs(out.token_ids, out.logprobs, n_lp, 0)
-        plp = None if out.prompt_logprobs is None else serving.prompt_logprobs(out.prompt_logprobs,
+        lp = None if n_lp is None else serving.logprobs.completion(out.token_ids, out.logprobs, n_lp, 0)
+        plp = None if out.prompt_logprobs is None else serving.logprobs.prompt(out.prompt_logprobs,
                                                                                body.prompt_logprobs or 0)
         choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
                         "stop_reason": None, "prompt_logprobs": plp})

@@ -13,17 +13,19 @@ from .deps import AUTH, ServingDep
 router = APIRouter()
 
 
-@router.post("/tokenize", dependencies=AUTH, responses=error_responses(400, 401, 404))
+@router.post("/tokenize", dependencies=AUTH, responses=error_responses(400, 401, 404, 413))
 async def tokenize(body: TokenizeRequest, serving: ServingDep) -> dict[str, Any]:
     serving.check_model(body.model)
     if body.messages is not None:
-        tokens = serving.render_chat(body.messages)
+        tokens = await serving.prepare(serving.render_chat, body.messages)
     else:
-        tokens = serving.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        serving.check_length(body.prompt, "prompt")
+        tokens = await serving.prepare(serving.tokenizer.encode, body.prompt,
+                                       add_special_tokens=body.add_special_tokens)
     return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens, "token_strs": None}
 
 
-@router.post("/detokenize", dependencies=AUTH, responses=error_responses(400, 401, 404))
+@router.post("/detokenize", dependencies=AUTH, responses=error_responses(400, 401, 404, 413))
 async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, Any]:
     serving.check_model(body.model)
     vocab = serving.llm.vocab_size

@@ -1,0 +1,47 @@
+"""Logprobs in the shapes clients read: OpenAI's completions (`tokens`, `token_logprobs`, `top_logprobs`,
+`text_offset`) and chat (`content` entries with `bytes`), and vLLM's `prompt_logprobs`. Token texts are
+decoded once per token id and kept (a vocabulary's worth of short strings at most)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class LogprobRenderer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.texts: dict[int, str] = {}
+
+    def token_str(self, token_id: int) -> str:
+        text = self.texts.get(token_id)
+        if text is None:
+            text = self.texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int,
+                   offset: int) -> dict[str, Any]:
+        tokens = [self.token_str(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [{self.token_str(i): v for i, v in list(lp.items())[:n]} for lp in logprobs],
+                "text_offset": offsets}
+
+    def prompt(self, entries: list[dict[int, float] | None], n: int) -> list[dict[str, Any] | None]:
+        """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}, the
+        top-n first (ranked 1..n), then the prompt token if it is not among them (rank unknown: null)."""
+        def entry(lp: dict[int, float]) -> dict[str, Any]:
+            return {str(t): {"logprob": v, "rank": i + 1 if i < n else None, "decoded_token": self.token_str(t)}
+                    for i, (t, v) in enumerate(lp.items())}
+
+        return [None if lp is None else entry(lp) for lp in entries]
+
+    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int) -> list[dict[str, Any]]:
+        def entry(token_id: int, value: float | None) -> dict[str, Any]:
+            s = self.token_str(token_id)
+            return {"token": s, "logprob": value, "bytes": list(s.encode())}
+
+        return [entry(t, lp.get(t)) | {"top_logprobs": [entry(i, v) for i, v in list(lp.items())[:n]]}
+                for t, lp in zip(token_ids, logprobs)]
