@@ -11,7 +11,6 @@ then only the weights the loader reads: the shards the index names (else every t
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from dataclasses import dataclass
@@ -19,10 +18,8 @@ from pathlib import Path, PurePosixPath
 
 import huggingface_hub
 from huggingface_hub import constants
-from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                    RevisionNotFoundError)
-
-logger = logging.getLogger(__name__)
+from huggingface_hub.errors import (CachedRepoTreeNotFoundError, GatedRepoError, IncompleteSnapshotError,
+                                    LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError)
 
 # `org/name` or `org/name:QUANT`: Hub ids have exactly one slash (a bare `name` is taken as a local path).
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+?)(?::(?P<quant>[\w.+-]+))?")
@@ -127,13 +124,13 @@ class HubRepo:
         return [f for f in files if f.endswith(".safetensors") and "/" not in f]
 
     def files(self, folder: Path) -> list[str]:
-        """The repo's files: listed by the Hub when online, else those in the cached snapshot."""
-        if not self.offline:
-            try:
-                return huggingface_hub.HfApi(token=self.token).list_repo_files(self.repo_id, revision=self.revision)
-            except Exception as exc:  # the Hub unreachable after all: what is cached is what there is
-                logger.warning("cannot list %s on the Hub (%s): using the cached files", self.repo_id, exc)
-        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+        """The repo's files: the listing snapshot_download cached when it reached the Hub (so no second
+        request), else those in the cached snapshot (offline, nothing else can be had)."""
+        try:
+            tree = huggingface_hub.get_cached_repo_tree(self.repo_id, revision=folder.name, cache_dir=self.cache_dir)
+            return sorted(f.path for f in tree)
+        except CachedRepoTreeNotFoundError:
+            return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
     def snapshot(self, patterns: list[str]) -> Path:
         """The snapshot folder with the files matching `patterns` downloaded (huggingface_hub's progress
@@ -150,6 +147,8 @@ class HubRepo:
                            "private repo needs HF_TOKEN or --hf-token)") from exc
         except RevisionNotFoundError as exc:
             raise HubError(f"{self.repo_id} has no revision {self.revision!r}") from exc
+        except IncompleteSnapshotError as exc:  # some of the files asked for were never downloaded
+            raise HubError(f"{self.repo_id}: {exc}") from exc
         except LocalEntryNotFoundError as exc:
             where = f"{self.repo_id}" + (f" (revision {self.revision})" if self.revision else "")
             if self.offline:
