@@ -47,6 +47,9 @@ class ContinuousBatchingConfig:
     seed: vLLM's engine seed: a request without its own seed samples from a generator seeded from this
         seed and its arrival number, so a run with the same requests in the same order repeats
         exactly; None = unseeded requests draw from torch's global generator.
+    tensor_parallel_size: ranks the model is split over (vLLM's name; `distributed/`): 1 = one process.
+        Over 1, CUDA graphs are off (None resolves to False); async batching, a draft model and a swap pool
+        are errors.
     """
 
     page_size: int = 16
@@ -69,6 +72,7 @@ class ContinuousBatchingConfig:
     step_history: int = 0
     max_model_len: int | None = None
     seed: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -77,7 +81,7 @@ class ContinuousBatchingConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
         for name in ("page_size", "max_batch_tokens", "max_requests_per_batch",
-                     "q_padding_interval_size", "kv_padding_interval_size"):
+                     "q_padding_interval_size", "kv_padding_interval_size", "tensor_parallel_size"):
             positive(name)
         if self.num_blocks is not None:
             positive("num_blocks")
@@ -104,6 +108,27 @@ class ContinuousBatchingConfig:
         if self.speculative_config is not None and self.use_async_batching:
             raise ConfigError("speculative_config does not combine with use_async_batching=True (a step's "
                               "proposals need the previous step's tokens); set use_async_batching to False or None")
+        if self.tensor_parallel_size > 1:
+            self.check_tensor_parallel()
+
+    def check_tensor_parallel(self) -> None:
+        """What runs with tensor parallelism: the eager step (rank 0 tells the other ranks each call of the
+        model, which a captured graph cannot), no async pipeline, no draft model (it would run unsharded),
+        no swap pool (it copies rank 0's blocks only; preempted requests take the soft-reset path)."""
+        tp = self.tensor_parallel_size
+        if self.use_cuda_graph:
+            raise ConfigError(f"use_cuda_graph=True does not combine with tensor_parallel_size={tp} (steps run "
+                              "eagerly); leave it None or set False")
+        self.use_cuda_graph = False
+        if self.use_async_batching:
+            raise ConfigError(f"use_async_batching=True does not combine with tensor_parallel_size={tp}; leave it "
+                              "None or set False")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ConfigError(f"a draft model does not combine with tensor_parallel_size={tp}; use the 'ngram' "
+                              "method")
+        if self.cpu_offload_space > 0:
+            raise ConfigError(f"cpu_offload_space > 0 does not combine with tensor_parallel_size={tp} (the swap pool "
+                              "holds rank 0's KV blocks only); leave it 0: preempted requests are recomputed")
 
     def context_length(self, model_max_len: int) -> int:
         """The context length this engine serves: `max_model_len`, checked against the model's own."""
@@ -128,6 +153,7 @@ VLLM_ENGINE_ARGS: dict[str, str] = {
     "block_size": "page_size",
     "swap_space": "cpu_offload_space",
     "enforce_eager": "use_cuda_graph",
+    "tensor_parallel_size": "tensor_parallel_size",
 }
 
 

@@ -10,6 +10,11 @@ class ConfigError(ValueError):
     """A configuration value is out of its allowed range, or cannot run on this device."""
 
 
+class DistributedError(RuntimeError):
+    """A tensor-parallel rank died, or stopped answering within the collectives' timeout: the group
+    cannot run another step, so the engine dies with it (not one batch's fault)."""
+
+
 class RequestErrorCode(str, Enum):
     """Why a request was refused before it was queued (OpenAI's `code` where OpenAI has one)."""
 

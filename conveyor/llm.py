@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .chat_template import load_chat_template
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
+from .distributed.driver import ShardedModel, load_tensor_parallel
 from .engine.draft_runner import load_draft_model
 from .engine.engine import Engine
 from .engine.stats import EngineStats
@@ -75,7 +76,8 @@ class LLM:
     speculative_config: vLLM's dict (or `SpeculativeConfig`) turns speculative decoding on; it may also
         come in `config.speculative_config`.
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
-    seed, enforce_eager, block_size, swap_space: vLLM's engine arguments, mapped onto `config`
+    seed, enforce_eager, block_size, swap_space, tensor_parallel_size (the model split over that many ranks:
+    README, "Tensor parallelism"): vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
@@ -93,11 +95,13 @@ class LLM:
                  enable_prefix_caching: bool | None = None, seed: int | None = None,
                  enforce_eager: bool | None = None, block_size: int | None = None, swap_space: float | None = None,
                  chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
-                 override_generation_config: dict[str, Any] | None = None) -> None:
+                 override_generation_config: dict[str, Any] | None = None,
+                 tensor_parallel_size: int | None = None) -> None:
         config = with_vllm_engine_args(
             config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space)
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
+            tensor_parallel_size=tensor_parallel_size)
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
         template = load_chat_template(chat_template) if chat_template is not None else None
@@ -109,10 +113,17 @@ class LLM:
         precision = resolve_precision(dtype, quantization, self.device, location.path)
         self.dtype = precision.dtype
         started = time.monotonic()
-        checkpoint = load_checkpoint(location.path, dtype=self.dtype,
-                                     keep_quantized=keeps_stored(precision.quantization, self.device))
-        self.quantization = resolve_quantization(precision, checkpoint.quantized)
-        net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
+        self.sharded: ShardedModel | None = None  # rank 0's side of a tensor-parallel model
+        if config.tensor_parallel_size > 1:
+            self.sharded = load_tensor_parallel(location.path, precision, self.device, config.tensor_parallel_size,
+                                                config.attention_backend)
+            net, checkpoint, self.quantization = self.sharded.model, self.sharded.checkpoint, self.sharded.quantization
+            config = self.sharded.engine_config(config)
+        else:
+            checkpoint = load_checkpoint(location.path, dtype=self.dtype,
+                                         keep_quantized=keeps_stored(precision.quantization, self.device))
+            self.quantization = resolve_quantization(precision, checkpoint.quantized)
+            net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
         self.model_path = checkpoint.path
         self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
         self.tokenizer = checkpoint.tokenizer
@@ -130,6 +141,8 @@ class LLM:
                  if spec is not None and spec.method == "draft_model" else None)
         self.engine = Engine(net, self.tokenizer, config, self.device, draft_model=draft)
         self.manager = ContinuousBatchingManager(self.engine)
+        if self.sharded is not None:  # a rank that dies while the loop is idle kills the engine at once
+            self.sharded.on_failure(self.manager.kill)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
                     " ".join(vector_flags()) or "unknown")
         logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
@@ -148,6 +161,13 @@ class LLM:
         """What a request that sets no limit may generate (the server's, vLLM's rule): the rest of the
         context, capped by the generation config. Below 1: the prompt leaves no room."""
         return self.generation_defaults.max_tokens(prompt_tokens, self.max_model_len)
+
+    def shutdown(self) -> None:
+        """Stop the engine loop; with tensor parallelism, release the model on the other ranks (they stay up
+        for this process's next `LLM` of the same size, and stop when it exits)."""
+        self.manager.stop()
+        if self.sharded is not None:
+            self.sharded.close()
 
     # -- what a server or another client reads of the engine ---------------------------------
     @property

@@ -84,6 +84,17 @@ class ContinuousBatchingManager:
         if dead is not None:
             callback(dead)
 
+    def kill(self, exc: BaseException) -> None:
+        """Stop the loop for good with `exc` as the cause, as if a step had raised it: for another thread
+        that found the engine unusable (a tensor-parallel rank died while the loop was idle)."""
+        if self.is_running():
+            self._inbox.put(("die", exc))
+            return
+        with self._death_lock:
+            dead = self._dead_error is not None
+        if not dead:
+            self._die(exc)
+
     def _raise_if_dead(self) -> None:
         if self._dead_error is not None:
             raise EngineDeadError(death_message(self._dead_error)) from self._dead_error
@@ -208,6 +219,8 @@ class ContinuousBatchingManager:
             return
 
     def _handle(self, kind: str, payload: object) -> None:
+        if kind == "die":
+            raise payload  # type: ignore[misc]
         if kind == "add":
             self.engine.add_request(payload)  # type: ignore[arg-type]
         elif kind == "cancel":

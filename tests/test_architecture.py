@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("speculative", ("conveyor.speculative",)),
     ("config", ("conveyor.config",)),
     ("engine", ("conveyor.engine",)),
+    ("distributed", ("conveyor.distributed",)),
     ("api", ("conveyor.manager", "conveyor.llm", "conveyor.cli_args", "conveyor.chat_template",
              "conveyor.generation_config", "conveyor.vllm_flags")),
     ("server", ("conveyor.server",)),

@@ -211,3 +211,49 @@ def test_plot_rate_sweep(tmp_path):
     assert_png(plot_rate_sweep(results, tmp_path / "sweep.png"))
     assert_png(plot_rate_sweep([{"request_rate": 2.0, "output_tok_per_s": 5.0, "ttft_p99_s": 0.5}],
                                tmp_path / "one.png"))
+
+
+# -- the scaling plan (replicas x tensor parallelism) ------------------------------------------------
+def test_allreduce_fit_recovers_a_line():
+    from conveyor.bench.allreduce import fit
+
+    points = [(b, 50e-6 + b / 4e9) for b in (1_000, 10_000, 100_000, 1_000_000)]
+    line = fit(points, "synthetic")
+    assert line.latency_us == pytest.approx(50, rel=1e-6) and line.gbps == pytest.approx(4, rel=1e-6)
+    assert line.seconds(2e9) == pytest.approx(50e-6 + 0.5)
+
+
+def test_allreduce_is_measured_between_two_ranks():
+    from conveyor.bench.allreduce import measure
+
+    line = measure(64, "float32", repeats=3, rows=(1, 16))
+    assert [b for b, _ in line.points] == [64 * 4, 16 * 64 * 4] and all(s > 0 for _, s in line.points)
+    assert line.latency_us >= 0 and line.gbps > 0 and "gloo" in line.source
+
+
+def test_cost_model_and_replica_steps():
+    from conveyor.bench.allreduce import AllReduceFit
+    from conveyor.bench.scaling import CostModel, plan, replica_rows
+
+    rows = replica_rows(DEFAULT_LENGTHS, DEFAULT_SLOTS)
+    assert len(rows) == 50 and sum(rows) == sum(DEFAULT_LENGTHS) and max(rows) == 4  # continuous batching's figures
+    model = CostModel(hidden_size=100, num_layers=2, vocab_size=1000, act_bytes=2, step_ms=10.0, row_ms=1.0,
+                      allreduce=AllReduceFit(latency_us=100.0, gbps=1.0))
+    assert model.step_s(4, 1) == pytest.approx(0.013)  # no communication at TP=1
+    allreduce = 100e-6 + 4 * 100 * 2 / 1e9  # two ranks: the measured line itself
+    gather = 100e-6 + 4 * 500 * 4 / 1e9
+    assert model.step_s(4, 2) == pytest.approx(0.013 / 2 + 5 * allreduce + gather)
+    table = {(r.replicas, r.tp): r for r in plan(DEFAULT_LENGTHS, DEFAULT_SLOTS, [1, 2], [1, 2], model)}
+    assert table[2, 1].makespan_s < table[1, 1].makespan_s and table[2, 2].ranks == 4
+    assert table[1, 2].comm_share_full == pytest.approx(model.comm_s(4, 2) / model.step_s(4, 2))
+
+
+def test_cli_simulate_plans_replicas_and_tensor_parallelism(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["simulate", "--no-scheduler", "--replicas", "1,2", "--tensor-parallel-sizes", "1,2",
+                 "--allreduce-latency-us", "40", "--allreduce-gbps", "10", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Scaling plan" in text and "40 us + bytes / 10.00 GB/s (given)" in text and "2 x 2" in text
+    plan = json.loads(out.read_text())["plan"]
+    assert [(r["replicas"], r["tp"]) for r in plan["rows"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert plan["model"]["hidden_size"] == 576 and plan["allreduce"]["source"] == "given"

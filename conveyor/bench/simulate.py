@@ -1,6 +1,8 @@
 """Static versus continuous batching, step by step: the seeds' simulation (SPEC section 1).
 
 `python -m conveyor.bench simulate [--lengths 5,50,8,12,40,3,30,7] [--slots 4] [--out F.json] [--plot F.png]`
+`... simulate --replicas 1,2,4 --tensor-parallel-sizes 1,2,4 [--measure-allreduce]`: the same workload on N
+replicas of T ranks each, timed with the cost model of `scaling.py` (planning past one process).
 
 Model. Every request is queued at step 0 and generates `length` tokens, one per step; a slot
 holds one request; one step is one forward pass that gives every occupied slot one token. A
@@ -31,7 +33,7 @@ import heapq
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -266,6 +268,54 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--out", default=None, help="write the report (with every request's slot and steps) as JSON")
     parser.add_argument("--plot", default=None, metavar="PNG",
                         help="draw the slot-occupancy timelines of static and continuous batching (needs matplotlib)")
+    add_plan_arguments(parser.add_argument_group(
+        "scaling plan (N replicas x T tensor-parallel ranks; cost model in conveyor/bench/scaling.py)"))
+
+
+def add_plan_arguments(group: Any) -> None:
+    from .scaling import DEFAULT_ROW_MS, DEFAULT_SHAPE, DEFAULT_STEP_MS
+
+    group.add_argument("--replicas", type=_lengths, default=None, help="replica counts to plan, e.g. 1,2,4")
+    group.add_argument("--tensor-parallel-sizes", type=_lengths, default=None, help="TP degrees to plan, e.g. 1,2,4")
+    group.add_argument("--step-ms", type=float, default=DEFAULT_STEP_MS,
+                       help=f"one process's decode step at one row, ms (default {DEFAULT_STEP_MS}: the built-in model)")
+    group.add_argument("--row-ms", type=float, default=DEFAULT_ROW_MS,
+                       help=f"what each more row adds to it, ms (default {DEFAULT_ROW_MS})")
+    group.add_argument("--model", default=None,
+                       help="take hidden size, layers and vocabulary from this model's config (default: the "
+                            "built-in model's; or give them below)")
+    for name, value in DEFAULT_SHAPE.items():
+        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}")
+    group.add_argument("--allreduce-latency-us", type=float, default=None,
+                       help="a two-rank all-reduce's fixed cost (default: measured on this machine, see DEVELOPERS.md)")
+    group.add_argument("--allreduce-gbps", type=float, default=None, help="its bandwidth, GB/s")
+    group.add_argument("--measure-allreduce", action="store_true",
+                       help="time gloo all-reduces between two local ranks at the model's hidden size first")
+
+
+def plan_from_args(args: Any, lengths: list[int]) -> dict[str, Any] | None:
+    """The scaling plan's report, or None when no --replicas / --tensor-parallel-sizes were given."""
+    if args.replicas is None and args.tensor_parallel_sizes is None:
+        return None
+    from .allreduce import measure
+    from .scaling import DEFAULT_ALLREDUCE, DEFAULT_SHAPE, CostModel, plan_report
+
+    shape = dict(DEFAULT_SHAPE)
+    if args.model is not None:
+        from ..models.loader import read_config
+
+        config = read_config(args.model)
+        shape |= {"hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+                  "vocab_size": config.vocab_size}
+    shape |= {k: getattr(args, k) for k in DEFAULT_SHAPE if getattr(args, k) is not None}
+    dtype = "bfloat16" if shape["act_bytes"] == 2 else "float32"
+    fit = measure(shape["hidden_size"], dtype) if args.measure_allreduce else DEFAULT_ALLREDUCE
+    given = {k: v for k, v in (("latency_us", args.allreduce_latency_us), ("gbps", args.allreduce_gbps))
+             if v is not None}
+    if given:
+        fit = replace(fit, **given, source="given")
+    model = CostModel(**shape, step_ms=args.step_ms, row_ms=args.row_ms, allreduce=fit)
+    return plan_report(lengths, args.slots, args.replicas or [1], args.tensor_parallel_sizes or [1], model)
 
 
 def run_from_args(args: Any) -> int:
@@ -280,6 +330,12 @@ def run_from_args(args: Any) -> int:
             raise SystemExit(f"error: {exc}") from None
     report = simulate(args.lengths, args.slots, scheduler=not args.no_scheduler, scheduler_type=args.scheduler)
     print(format_report(report))
+    scaling = plan_from_args(args, args.lengths)
+    if scaling is not None:
+        from .scaling import format_plan
+
+        report["plan"] = scaling
+        print("\n" + format_plan(scaling, args.slots))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
         print(f"\nWrote {args.out}")

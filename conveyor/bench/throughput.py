@@ -265,6 +265,9 @@ def add_arguments(parser: Any) -> None:
                      help="Conveyor's per-pass token budget (default: ContinuousBatchingConfig's)")
     eng.add_argument("--max-requests-per-batch", type=int, default=None)
     eng.add_argument("--num-blocks", type=int, default=None, help="Conveyor's KV pool size in blocks")
+    eng.add_argument("--tensor-parallel-size", type=int, default=None,
+                     help="split Conveyor's model over N ranks (README, \"Tensor parallelism\"); threads are per "
+                          "rank (cores / N unless OMP_NUM_THREADS is set), --threads applies to N = 1")
     eng.add_argument("--page-size", type=int, default=None)
     eng.add_argument("--scheduler-type", choices=list(SCHEDULERS), default=None)
     eng.add_argument("--cpu-offload-space", type=float, default=None, metavar="GIB",
@@ -358,7 +361,8 @@ def run_from_args(args: Any) -> int:
                                    ("num_blocks", args.num_blocks), ("page_size", args.page_size),
                                    ("scheduler_type", args.scheduler_type),
                                    ("cpu_offload_space", args.cpu_offload_space),
-                                   ("speculative_config", args.speculative_config)) if v is not None}
+                                   ("speculative_config", args.speculative_config),
+                                   ("tensor_parallel_size", args.tensor_parallel_size)) if v is not None}
     if args.no_block_sharing:
         overrides["allow_block_sharing"] = False
     started = time.perf_counter()

@@ -20,7 +20,7 @@ from ..cache.allocator import build_allocators, table_length
 from ..cache.offload import SwapPool, choose_victims
 from ..cache.pool import CachePool, layer_groups, plan_num_chunks
 from ..config import ContinuousBatchingConfig
-from ..errors import InvalidRequestError, RequestErrorCode
+from ..errors import DistributedError, InvalidRequestError, RequestErrorCode
 from ..layers.attention import make_attention_backend
 from ..models.base import CausalLM
 from ..request import Request, RequestState
@@ -197,6 +197,8 @@ class Engine:
             if self.draft is not None and speculating:  # the draft model's proposals for the reserved places
                 self.draft.propose(speculating)
             result = self.runner.execute(out.chunks)
+        except DistributedError:  # a tensor-parallel rank is gone: no step can run any more (the engine dies)
+            raise
         except Exception as exc:  # a broken batch fails its own requests, not the engine
             logger.exception("forward pass failed")
             return output.fail([c.request for c in out.chunks], f"forward pass failed: {exc}")

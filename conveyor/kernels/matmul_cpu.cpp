@@ -63,10 +63,10 @@ inline void quantize_block(const T* src, int8_t* q, float& d, int& sum_lo, int& 
 
 template <typename T>
 void quantize_range(const T* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) {
+    alignas(32) int8_t q[QK];
     for (int64_t m = m0; m < m1; ++m) {
         for (int64_t b = 0; b < a.nb; ++b) {
             const T* src = x + m * ldx + b * QK;
-            int8_t* q = a.q.data() + m * a.K + b * QK;
             float d;
             int sum_lo = 0, sum_hi = 0;
 #if defined(__AVX2__)
@@ -85,7 +85,7 @@ void quantize_range(const T* x, int64_t ldx, int64_t m0, int64_t m1, Activations
                 (j < 16 ? sum_lo : sum_hi) += q[j];
             }
 #endif
-            a.set_block(m, b, d, sum_lo, sum_hi);
+            a.set_block(m, b, q, d, sum_lo, sum_hi);
         }
     }
 }

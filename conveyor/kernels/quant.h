@@ -66,44 +66,47 @@ constexpr int64_t kPackRows = 12;
 constexpr int64_t kPackRows = 4;
 #endif
 
-// Activations quantized to int8 blocks of 32 (scale amax / 127). Per row: q [K], d [K/32] (scale),
-// s32 [K/32] = d * sum(q) over each block, s16 [K/16] = d * sum over each half block.
-// The same values also packed for the tiled GEMM: rows in groups of kPackRows (the last one smaller),
-// and within a group of r rows, block by block, the four-byte words of the rows interleaved (word j
-// of row i at (j * r + i) * 4 of the block's r * 32 bytes), then the block's r scales `pd`, r sums
-// `ps` (= s32), and r integer sums times -8 (`pn8`) and -128 (`pn128`): the microkernel reads one
-// pointer with constant offsets (twelve row pointers do not fit the general registers), and starts
-// its integer accumulators at pn8/pn128 to take back Q4_0's offset and the +128 that makes 8-bit
-// weights unsigned for vpdpbusd; `pn128h` holds the -128 sums of each half block (Q6_K's scales are per
-// half), the group's r first halves then its r second halves.
+// Activations quantized to int8 blocks of 32 (scale amax / 127), packed for the tiled GEMM: rows in
+// groups of kPackRows (the last one smaller), and within a group of r rows, block by block, the
+// four-byte words of the rows interleaved (word j of row i at (j * r + i) * 4 of the block's r * 32
+// bytes), so the microkernel reads one pointer at constant offsets (twelve row pointers do not fit
+// the general registers). Per block and row, in the same group order: the scale `d`, `s32` = d times
+// the block's sum, and that integer sum times -8 (`neg8`) and -128 (`neg128`), and per half block
+// times -128 (`neg128h`, the group's r first halves then its r second halves): where the
+// microkernel starts its integer accumulators to take back Q4_0's offset and the +128 that makes
+// signed weights unsigned for vpdpbusd (Q6_K's scales are per half block).
 struct Activations {
     int64_t M = 0, K = 0, nb = 0;
-    std::vector<int8_t> q, pq;
-    std::vector<float> d, s32, s16, pd, ps;
-    std::vector<int32_t> pn8, pn128, pn128h;
-    const int8_t* qrow(int64_t m, int64_t block) const { return q.data() + m * K + block * QK; }
+    std::vector<int8_t> q;
+    std::vector<float> d, s32;
+    std::vector<int32_t> neg8, neg128, neg128h;
     void shape(int64_t rows, int64_t cols) {
         M = rows, K = cols, nb = cols / QK;
-        q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), s16.resize(M * nb * 2);
-        pq.resize(M * K), pd.resize(M * nb), ps.resize(M * nb), pn8.resize(M * nb), pn128.resize(M * nb);
-        pn128h.resize(M * nb * 2);
+        q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), neg8.resize(M * nb), neg128.resize(M * nb);
+        neg128h.resize(M * nb * 2);
     }
-    // Rows in the packed group that starts at row m0 (a multiple of kPackRows).
+    // The group of row m: its first row and its number of rows.
+    static int64_t group_start(int64_t m) { return m / kPackRows * kPackRows; }
     int64_t group_rows(int64_t m0) const { return std::min<int64_t>(kPackRows, M - m0); }
-    // Row m's block b (its int8 values in q, already written) recorded with its scale and sums, and packed.
-    void set_block(int64_t m, int64_t b, float scale, int sum_lo, int sum_hi) {
-        const int64_t i = m * nb + b, g0 = m / kPackRows * kPackRows, r = group_rows(g0), row = m - g0;
-        d[i] = scale;
-        s32[i] = scale * (sum_lo + sum_hi);
-        s16[2 * i] = scale * sum_lo;
-        s16[2 * i + 1] = scale * sum_hi;
-        const int64_t pi = g0 * nb + b * r + row;
-        pd[pi] = scale, ps[pi] = s32[i], pn8[pi] = -8 * (sum_lo + sum_hi), pn128[pi] = -128 * (sum_lo + sum_hi);
-        const int64_t hi = g0 * nb * 2 + b * 2 * r + row;
-        pn128h[hi] = -128 * sum_lo, pn128h[hi + r] = -128 * sum_hi;
-        const int8_t* src = qrow(m, b);
-        int8_t* dst = pq.data() + g0 * K + b * r * QK + row * 4;
-        for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, src + 4 * j, 4);
+    // Index of row m's block b in the per-block arrays.
+    int64_t at(int64_t m, int64_t b) const {
+        const int64_t g0 = group_start(m);
+        return g0 * nb + b * group_rows(g0) + m - g0;
+    }
+    // Row m's value e (0..31) of block b.
+    int8_t value(int64_t m, int64_t b, int e) const {
+        const int64_t g0 = group_start(m), r = group_rows(g0);
+        return q[g0 * K + b * r * QK + (e / 4 * r + m - g0) * 4 + e % 4];
+    }
+    // Row m's block b: its 32 values `v` (amax / 127 = `scale`) and their sums, stored.
+    void set_block(int64_t m, int64_t b, const int8_t* v, float scale, int sum_lo, int sum_hi) {
+        const int64_t g0 = group_start(m), r = group_rows(g0), row = m - g0, i = g0 * nb + b * r + row;
+        d[i] = scale, s32[i] = scale * (sum_lo + sum_hi);
+        neg8[i] = -8 * (sum_lo + sum_hi), neg128[i] = -128 * (sum_lo + sum_hi);
+        const int64_t h = g0 * nb * 2 + b * 2 * r + row;
+        neg128h[h] = -128 * sum_lo, neg128h[h + r] = -128 * sum_hi;
+        int8_t* dst = q.data() + g0 * K + b * r * QK + row * 4;
+        for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, v + 4 * j, 4);
     }
 };
 void quantize_activations(const torch::Tensor& x, Activations& a);

@@ -46,9 +46,9 @@ inline void prefetch_group(int64_t T, const uint8_t* blk) {
 // (signed 8-bit weights made unsigned), per half block for Q6_K; Q4_1 and Q4_K start at 0.
 template <int64_t T>
 const int32_t* start_values(const Activations& a) {
-    if constexpr (T == Q4_0) return a.pn8.data();
-    else if constexpr (T == Q6_K) return a.pn128h.data();
-    else return a.pn128.data();
+    if constexpr (T == Q4_0) return a.neg8.data();
+    else if constexpr (T == Q6_K) return a.neg128h.data();
+    else return a.neg128.data();
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -84,9 +84,9 @@ void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefe
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     // The packed group (Activations): MR rows' words interleaved, per block MR * 32 bytes and MR of each sum.
-    const int8_t* x = a.pq.data() + m0 * a.K;
-    const float* xd = a.pd.data() + m0 * nb;
-    const float* xs = a.ps.data() + m0 * nb;
+    const int8_t* x = a.q.data() + m0 * a.K;
+    const float* xd = a.d.data() + m0 * nb;
+    const float* xs = a.s32.data() + m0 * nb;
     const int32_t* xstart = start_values<T>(a) + m0 * nb * (T == Q6_K ? 2 : 1);
     __m512 hd = _mm512_setzero_ps(), hm = _mm512_setzero_ps();  // a K-quant super-block's d and dmin
     for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xstart += MR * (T == Q6_K ? 2 : 1)) {
@@ -227,9 +227,9 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
     const int64_t nb = a.nb;
     __m256 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
-    const int8_t* x = a.pq.data() + m0 * a.K;
-    const float* xd = a.pd.data() + m0 * nb;
-    const float* xs = a.ps.data() + m0 * nb;
+    const int8_t* x = a.q.data() + m0 * a.K;
+    const float* xd = a.d.data() + m0 * nb;
+    const float* xs = a.s32.data() + m0 * nb;
     const int32_t* xstart = start_values<T>(a) + m0 * nb * (T == Q6_K ? 2 : 1);
     __m256 hd = _mm256_setzero_ps(), hm = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xstart += MR * (T == Q6_K ? 2 : 1)) {
@@ -330,11 +330,13 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
             float acc = 0.f;
             for (int64_t b = 0; b < a.nb; ++b) {
                 const uint8_t* blk = tile_block(T, tile, b);
-                const int8_t* xq = a.qrow(m, b);
-                const float xd = a.d[m * a.nb + b];
+                const float xd = a.d[a.at(m, b)];
                 for (int h = 0; h < 2; ++h) {  // halves: Q6_K's scales differ, the others' do not
                     int dot = 0, sum = 0;
-                    for (int e = 16 * h; e < 16 * h + 16; ++e) dot += tiled_weight(T, blk, r, e) * xq[e], sum += xq[e];
+                    for (int e = 16 * h; e < 16 * h + 16; ++e) {
+                        const int v = a.value(m, b, e);
+                        dot += tiled_weight(T, blk, r, e) * v, sum += v;
+                    }
                     float d, mn;  // w = d q + mn for this half block
                     const uint8_t* sc = blk + quant_bytes(T);
                     const uint8_t* head = tile_header(T, tile, b);

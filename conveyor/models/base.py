@@ -6,7 +6,9 @@ stored), the LM head, and the hooks a family fills (fused native ops, the native
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +47,17 @@ _LAYER_TENSORS = (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj")
                   ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"))
 
 
+class Mirror(Protocol):
+    """The other ranks of a tensor-parallel model (rank 0's `distributed.driver.RankDriver`): told of
+    every forward and LM-head call before rank 0 makes it, so that they make it too; the context
+    lasts the call (its collectives included)."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                metas: Sequence[AttentionMetadata]) -> AbstractContextManager[None]: ...
+
+    def logits(self, hidden: torch.Tensor) -> AbstractContextManager[None]: ...
+
+
 class CausalLM(nn.Module):
     """A decoder-only model over the flattened ragged batch; subclasses build the layers.
 
@@ -68,6 +81,7 @@ class CausalLM(nn.Module):
         self.lm_head_fn: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.dtype = torch.float32  # the compute dtype, set when the weights are loaded
         self.decode_stack: DecodeStack | None = None  # the native layer stack for small decode batches
+        self.mirror: Mirror | None = None  # tensor parallel, rank 0: the ranks that make every call too
 
     @property
     def max_model_len(self) -> int:
@@ -157,6 +171,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                 metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         """Hidden states `[num_tokens, hidden]` after the final norm; `kv_caches` and `metas` per layer."""
+        if self.mirror is not None:
+            with self.mirror.forward(input_ids, positions, kv_caches, metas):
+                return self.run_layers(input_ids, positions, kv_caches, metas, attention)
+        return self.run_layers(input_ids, positions, kv_caches, metas, attention)
+
+    def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                   metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
         if self.decode_stack is not None and self.decode_stack.takes(x, metas):
             cos, sin = self.rotary(positions, torch.float32)
@@ -181,7 +202,8 @@ class CausalLM(nn.Module):
         """fp32 logits for the rows that sample (only those, not every prompt token); through the packed
         head (`linear.packed_lm_head`) once the weights are loaded."""
         head = self.lm_head_fn
-        logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
+        with self.mirror.logits(hidden) if self.mirror is not None else nullcontext():
+            logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ _GGUF_LAYER_MODULES = {
 }
 _GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
+# A tensor's slice to load: (dim, start, stop), None = all of it; asked per HF name and full shape
+# (tensor parallelism: `models.sharding.ShardPlan.select`).
+Select = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+
 
 class ModelLoadError(ValueError):
     """The path exists but does not hold a valid, supported model."""
@@ -72,7 +77,7 @@ class Checkpoint:
 
     config: transformers.PretrainedConfig
     state_dict: dict[str, torch.Tensor | QuantizedTensor]
-    tokenizer: transformers.PreTrainedTokenizerBase
+    tokenizer: transformers.PreTrainedTokenizerBase | None  # None when not asked for
     path: Path
 
     @property
@@ -103,41 +108,69 @@ def default_model_path() -> Path:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+    path: str | os.PathLike[str] | None = None, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+    select: Select | None = None, tokenizer: bool = True,
 ) -> Checkpoint:
     """Load a HF model directory or a .gguf file; None loads the built-in model.
 
     Floating-point tensors are cast to `dtype`. With `keep_quantized`, a GGUF file's quantized
     tensors stay quantized where a kernel takes their type; others are dequantized to `dtype`.
+    `select` loads only a slice of each tensor it names (a tensor-parallel rank's shard): read from
+    the file as that slice, never whole. `tokenizer=False` skips the tokenizer.
     """
+    path = resolve_model_path(path)
+    if path.is_dir():
+        return _load_hf_directory(path, dtype, select, tokenizer)
+    return _load_gguf(path, dtype, keep_quantized, select, tokenizer)
+
+
+def resolve_model_path(path: str | os.PathLike[str] | None) -> Path:
+    """The checkpoint a model argument names (None: the built-in model), checked to be one we can read."""
     path = default_model_path() if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Model path does not exist: {path}")
+    if not path.is_dir() and path.suffix.lower() != ".gguf":
+        raise ModelLoadError(
+            f"Unsupported model file {path}: expected a Hugging Face model directory "
+            "(config.json + *.safetensors) or a .gguf file"
+        )
+    return path
+
+
+def read_config(path: str | os.PathLike[str] | None) -> transformers.PretrainedConfig:
+    """The model's config alone, without its tensors (to plan a tensor-parallel split before loading)."""
+    path = resolve_model_path(path)
     if path.is_dir():
-        return _load_hf_directory(path, dtype)
-    if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, dtype, keep_quantized)
-    raise ModelLoadError(
-        f"Unsupported model file {path}: expected a Hugging Face model directory "
-        "(config.json + *.safetensors) or a .gguf file"
-    )
+        return _hf_config(path)
+    reader = _gguf_reader(path)
+    return _gguf_config(reader, path, _gguf_arch(reader, path))
 
 
-def _load_hf_directory(path: Path, dtype: torch.dtype) -> Checkpoint:
+def _hf_config(path: Path) -> transformers.PretrainedConfig:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"Not a Hugging Face model directory, config.json is missing: {path}")
     try:
-        config = transformers.AutoConfig.from_pretrained(path)
+        return transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
 
+
+def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = None,
+                       tokenizer: bool = True) -> Checkpoint:
+    config = _hf_config(path)
     state_dict: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
-        state_dict.update(safetensors.torch.load_file(shard))
-    state_dict = {
-        name: t.to(dtype) if t.is_floating_point() else t for name, t in state_dict.items()
-    }
-    return Checkpoint(config, state_dict, _load_tokenizer(path, path), path)
+        with safetensors.safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                selection = select(name, tuple(part.get_shape())) if select is not None else None
+                if selection is None:
+                    t = f.get_tensor(name)
+                else:
+                    dim, start, stop = selection
+                    t = part[start:stop] if dim == 0 else part[:, start:stop]
+                state_dict[name] = t.to(dtype) if t.is_floating_point() else t
+    return Checkpoint(config, state_dict, _load_tokenizer(path, path) if tokenizer else None, path)
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -168,18 +201,27 @@ def _load_tokenizer(path: Path, directory: Path, **kwargs: Any) -> transformers.
         raise ModelLoadError(f"Cannot load the tokenizer of {path}: {exc}") from exc
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> Checkpoint:
+def _gguf_reader(path: Path) -> gguf.GGUFReader:
     try:
-        reader = gguf.GGUFReader(path)
+        return gguf.GGUFReader(path)
     # The GGUF parser raises arbitrary errors (ValueError, IndexError, ...) on malformed input.
     except Exception as exc:
         raise ModelLoadError(f"Not a valid GGUF file: {path} ({exc})") from exc
 
+
+def _gguf_arch(reader: gguf.GGUFReader, path: Path) -> str:
     arch = _gguf_field(reader, path, "general.architecture")
     if arch not in _GGUF_CONFIGS:
         raise ModelLoadError(
             f"Unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(_GGUF_CONFIGS)}"
         )
+    return arch
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, select: Select | None = None,
+               tokenizer: bool = True) -> Checkpoint:
+    reader = _gguf_reader(path)
+    arch = _gguf_arch(reader, path)
     config = _gguf_config(reader, path, arch)
 
     state_dict: dict[str, torch.Tensor | QuantizedTensor] = {}
@@ -191,26 +233,54 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False) -> 
             continue
         # GGUF lists dimensions innermost first; HF/numpy order is the reverse.
         shape = list(reversed(tensor.shape.tolist()))
+        selection = select(hf_name, tuple(shape)) if select is not None else None
+        part, kept_shape = _gguf_slice(tensor, shape, selection)
         permute_heads = None
         if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
-            permute_heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            permute_heads = heads * kept_shape[0] // shape[0]  # a slice of whole heads
         qtype = int(tensor.tensor_type)
-        if keep_quantized and qtype in KERNEL_TYPES and len(shape) == 2:
-            weight = QuantizedTensor(torch.from_numpy(np.array(tensor.data, dtype=np.uint8)), qtype, tuple(shape))
+        if keep_quantized and qtype in KERNEL_TYPES and len(shape) == 2 and part is not None:
+            weight = QuantizedTensor(torch.from_numpy(np.array(part, dtype=np.uint8)), qtype, kept_shape)
             if permute_heads is not None:  # a permutation of whole rows: the blocks move as they are
-                weight = weight.index_rows(_undo_llama_rope_permute(np.arange(shape[0]), permute_heads))
+                weight = weight.index_rows(_undo_llama_rope_permute(np.arange(kept_shape[0]), permute_heads))
             state_dict[hf_name] = weight
             continue
         if keep_quantized and tensor.tensor_type not in FLOAT_TYPES:
-            widened.add(tensor.tensor_type.name)
-        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            widened.add(tensor.tensor_type.name if part is not None else
+                        f"{tensor.tensor_type.name} (a shard not on block boundaries)")
+        if part is None:  # columns not on block boundaries: the whole tensor dequantized, then sliced
+            dim, start, stop = selection
+            weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)[:, start:stop]
+        else:
+            weights = gguf.quants.dequantize(part, tensor.tensor_type).reshape(kept_shape)
         if permute_heads is not None:
             weights = _undo_llama_rope_permute(weights, permute_heads)
         state_dict[hf_name] = torch.tensor(weights, dtype=dtype)
     if widened:
         logger.info("%s: no kernel takes %s tensors: dequantized to %s", path.name, ", ".join(sorted(widened)),
                     str(dtype).removeprefix("torch."))
-    return Checkpoint(config, state_dict, _gguf_tokenizer(path), path)
+    return Checkpoint(config, state_dict, _gguf_tokenizer(path) if tokenizer else None, path)
+
+
+def _gguf_slice(tensor: Any, shape: list[int], selection: tuple[int, int, int] | None
+                ) -> tuple[np.ndarray | None, tuple[int, ...]]:
+    """The file's data for `selection` of a tensor (still memory-mapped, still in its own type), and the
+    selected shape. Rows are whole byte rows; columns of a block type are whole blocks, so a column
+    slice that does not fall on block boundaries gives None (the caller dequantizes, then slices)."""
+    if selection is None:
+        return tensor.data, tuple(shape)
+    dim, start, stop = selection
+    kept = list(shape)
+    kept[dim] = stop - start
+    if dim == 0:
+        return tensor.data[start:stop], tuple(kept)
+    if tensor.data.dtype != np.uint8:  # F32/F16: one element per weight
+        return tensor.data[:, start:stop], tuple(kept)
+    block, size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    if start % block or stop % block:
+        return None, tuple(kept)
+    return tensor.data[:, start // block * size:stop // block * size], tuple(kept)
 
 
 def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
