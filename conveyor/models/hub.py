@@ -75,12 +75,14 @@ class HubRepo:
         self.cache_dir = Path(download_dir).expanduser() if download_dir is not None else Path(constants.HF_HUB_CACHE)
         self.token = token
         self.offline = constants.HF_HUB_OFFLINE
+        self.commit: str | None = None  # once the small files are in: the weights come from the same commit
 
     def fetch(self, quant: str | None, gguf_file: str | None) -> Path:
         if quant and gguf_file:
             raise ValueError(f"give the GGUF file either as {self.repo_id}:{quant} or as gguf_file={gguf_file!r}, "
                              "not both")
         folder = self.snapshot(METADATA_PATTERNS)
+        self.commit = folder.name
         files = self.files(folder)
         ggufs = sorted(f for f in files  # a vision projector (mmproj-*.gguf) is no language model
                        if f.lower().endswith(".gguf") and not PurePosixPath(f).name.startswith("mmproj"))
@@ -137,7 +139,7 @@ class HubRepo:
         bars); offline, the cached folder as it is."""
         try:
             return Path(huggingface_hub.snapshot_download(
-                self.repo_id, revision=self.revision, cache_dir=self.cache_dir, allow_patterns=patterns,
+                self.repo_id, revision=self.commit or self.revision, cache_dir=self.cache_dir, allow_patterns=patterns,
                 token=self.token, local_files_only=self.offline))
         except GatedRepoError as exc:
             raise HubError(f"{self.repo_id} is gated: accept its terms on huggingface.co and set HF_TOKEN "
