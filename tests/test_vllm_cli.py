@@ -5,18 +5,22 @@ a vLLM flag we do not take refused with what to use instead, `conveyor serve --h
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 
+import httpx
 import pytest
 
+from conveyor import LLM
 from conveyor.cli import main
-from conveyor.cli_args import add_engine_args, add_serve_args, config_from_args, model_from_args
+from conveyor.cli_args import add_engine_args, add_serve_args, config_from_args, llm_kwargs_from_args, model_from_args
 from conveyor.errors import ConfigError
 from conveyor.scaleout import add_data_parallel_args
 from conveyor.scaleout.launch import forwarded_options
+from conveyor.server import BackgroundServer
 from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED, check_vllm_flags
 
-from .conftest import TinyModel
+from .conftest import TinyModel, random_prompts
 
 TEMPLATE = "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 
@@ -89,6 +93,39 @@ def test_vllm_names_on_the_command_line() -> None:
         config_from_args(parser.parse_args(["--max-num-seqs", "2", "--max-requests-per-batch", "8"]))
     with pytest.raises(ConfigError, match="enable_prefix_caching.*disagrees with allow_block_sharing=False"):
         config_from_args(parser.parse_args(["--no-block-sharing", "--enable-prefix-caching"]))
+
+
+def test_serve_flags_take_effect_on_the_server(tiny_llama: TinyModel) -> None:
+    """`conveyor serve MODEL --max-model-len 64 --max-num-seqs 2`: the context the server answers with and
+    enforces (a 400 naming max_model_len), and never more than two requests in a step."""
+    args = serve_parser().parse_args([str(tiny_llama.path), "--max-model-len", "64", "--max-num-seqs", "2",
+                                      "--dtype", "float32", "--num-blocks", "64"])
+    llm = LLM(**llm_kwargs_from_args(args))
+    sizes: list[int] = []
+    schedule = llm.engine.schedule
+
+    def recording():
+        out = schedule()
+        sizes.append(len(out.chunks))
+        return out
+
+    llm.engine.schedule = recording
+    with BackgroundServer(llm) as url, httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 64
+        over = http.post("/v1/completions", json={"prompt": [5] * 60, "max_tokens": 5})
+        assert over.status_code == 400 and "context length of 64 tokens (max_model_len)" in over.text
+
+        async def five_at_once() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                return await asyncio.gather(*[
+                    client.post("/v1/completions", json={"prompt": p, "max_tokens": 40, "ignore_eos": True})
+                    for p in random_prompts([5, 9, 3, 7, 6])])
+
+        responses = asyncio.run(five_at_once())
+    assert [r.json()["usage"]["completion_tokens"] for r in responses] == [40] * 5
+    assert max(sizes) == 2  # five at once were sent: two ran together, never more
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+    llm.shutdown()
 
 
 def test_serve_help_is_grouped(capsys: pytest.CaptureFixture[str]) -> None:
