@@ -18,6 +18,7 @@ from .layers.quantization.registry import QUANTIZATIONS
 from .sched.scheduler import SCHEDULERS
 
 MODEL_FIELDS = ("max_model_len", "seed")  # config fields that are model options in vLLM's --help
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's short forms of config fields' flags
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     group.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with native bf16, "
                        "else fp32), float32 (the exact path), bfloat16 or float16")
-    group.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+    group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                        help="weight format (default: gguf for a quantized GGUF file unless --dtype float32, else none)")
     group.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
                        help="the context length served (prompt + generated tokens), at most the model's "
@@ -57,15 +58,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
     group = parser.add_argument_group("engine and scheduling (ContinuousBatchingConfig; README, Configuration)")
     for f in fields(ContinuousBatchingConfig):
-        flag = f"--{f.name.replace('_', '-')}"
+        flags = [f"--{f.name.replace('_', '-')}", *SHORT_FLAGS.get(f.name, [])]
         if f.name in MODEL_FIELDS:
             continue
         if f.type in ("int", "int | None"):
-            group.add_argument(flag, type=int, default=None)
+            group.add_argument(*flags, type=int, default=None)
         elif f.type in ("float", "float | None"):
-            group.add_argument(flag, type=float, default=None)
+            group.add_argument(*flags, type=float, default=None)
         elif f.type == "bool | None":  # --use-cuda-graph / --no-use-cuda-graph; absent = auto
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--scheduler-type", choices=list(SCHEDULERS), default=None)
     group.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
                        help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
@@ -85,6 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--block-size", type=int, default=None, metavar="TOKENS", help="--page-size")
     vllm.add_argument("--swap-space", type=float, default=None, metavar="GIB", help="--cpu-offload-space")
     vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: --no-use-cuda-graph")
+    vllm.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N", help="--num-blocks")
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
@@ -98,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
                                  max_num_batched_tokens=args.max_num_batched_tokens,
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
-                                 swap_space=args.swap_space, enforce_eager=args.enforce_eager)
+                                 swap_space=args.swap_space, enforce_eager=args.enforce_eager,
+                                 num_gpu_blocks_override=args.num_gpu_blocks_override)
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:

@@ -152,6 +152,7 @@ VLLM_ENGINE_ARGS: dict[str, str] = {
     "enable_prefix_caching": "allow_block_sharing",
     "block_size": "page_size",
     "swap_space": "cpu_offload_space",
+    "num_gpu_blocks_override": "num_blocks",
     "enforce_eager": "use_cuda_graph",
     "tensor_parallel_size": "tensor_parallel_size",
 }

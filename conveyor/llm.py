@@ -76,7 +76,7 @@ class LLM:
     speculative_config: vLLM's dict (or `SpeculativeConfig`) turns speculative decoding on; it may also
         come in `config.speculative_config`.
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
-    seed, enforce_eager, block_size, swap_space, tensor_parallel_size (the model split over that many ranks:
+    seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split over that many ranks:
     README, "Tensor parallelism"): vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
@@ -96,12 +96,12 @@ class LLM:
                  enforce_eager: bool | None = None, block_size: int | None = None, swap_space: float | None = None,
                  chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
                  override_generation_config: dict[str, Any] | None = None,
-                 tensor_parallel_size: int | None = None) -> None:
+                 num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None) -> None:
         config = with_vllm_engine_args(
             config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
-            tensor_parallel_size=tensor_parallel_size)
+            num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size)
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
         template = load_chat_template(chat_template) if chat_template is not None else None

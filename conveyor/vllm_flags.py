@@ -8,9 +8,11 @@ from __future__ import annotations
 LORA = "LoRA adapters are not supported: merge the adapter into the weights (peft's merge_and_unload) and serve that"
 TOKENIZER = ("the tokenizer is the model's own (its directory, Hub repo or GGUF file); to use another, copy its "
              "files into the model directory")
+PIPELINE = "pipeline parallelism is not supported: --tensor-parallel-size N splits the model over N devices, " \
+           "--data-parallel-size N runs N replicas behind a router"
 UNSUPPORTED: dict[str, str] = {
-    "--pipeline-parallel-size": "pipeline parallelism is not supported; --data-parallel-size N runs N replicas "
-                                "behind a router",
+    "--pipeline-parallel-size": PIPELINE,
+    "-pp": PIPELINE,
     "--distributed-executor-backend": "there is no distributed executor: --data-parallel-size N starts the replicas "
                                       "itself, and conveyor.scaleout.ray_serve runs them on Ray Serve",
     "--tokenizer": TOKENIZER,
@@ -42,6 +44,8 @@ UNSUPPORTED: dict[str, str] = {
     "--hf-overrides": "edit the model's config.json instead",
     "--kv-transfer-config": "disaggregated prefill (KV transfer between instances) is not supported",
     "--enable-sleep-mode": "sleep mode is not supported: stop the server and start it again",
+    "--enable-expert-parallel": "mixture-of-experts models are not supported",
+    "--enable-log-requests": "requests are not logged; GET /metrics has their counts and latencies",
 }
 # vLLM flags whose effect is what Conveyor always does: taken, with a log line saying so.
 ALREADY_SO: dict[str, str] = {
@@ -49,6 +53,8 @@ ALREADY_SO: dict[str, str] = {
     "--enable-chunked-prefill": "prefill is always chunked",
     "--disable-log-requests": "requests are never logged",
     "--disable-log-stats": "no periodic stats are logged (GET /metrics has them)",
+    "--disable-custom-all-reduce": "tensor parallelism all-reduces through torch.distributed, never a custom kernel",
+    "--disable-frontend-multiprocessing": "the HTTP front end runs in the engine's process",
 }
 
 

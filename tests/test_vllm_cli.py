@@ -37,6 +37,8 @@ def test_serve_takes_the_model_first_or_as_model(capsys: pytest.CaptureFixture[s
     for argv in (["org/m"], ["--model", "org/m"], ["org/m", "--model", "org/m"], ["--port", "1", "org/m"]):
         assert model_from_args(parser.parse_args(argv)) == "org/m", argv
     assert model_from_args(parser.parse_args([])) is None  # the built-in model
+    short = parser.parse_args(["org/m", "-tp", "2", "-dp", "3", "-q", "int8"])  # vLLM's short forms
+    assert (short.tensor_parallel_size, short.data_parallel_size, short.quantization) == (2, 3, "int8")
     assert main(["serve", "a/b", "--model", "c/d"]) == 2
     assert "the model is given twice, as 'a/b' and as --model 'c/d': give one" in capsys.readouterr().err
 
@@ -64,7 +66,8 @@ def test_generate_takes_a_chat_template(tiny_llama: TinyModel, tmp_path, capsys:
     assert "chat template file not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--tokenizer", "--kv-cache-dtype=fp8", "--pipeline-parallel-size", "--enable-lora"])
+@pytest.mark.parametrize("flag", ["--tokenizer", "--kv-cache-dtype=fp8", "--pipeline-parallel-size", "-pp",
+                                  "--enable-lora"])
 def test_a_vllm_flag_we_do_not_take_says_what_to_use(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "org/m", flag, "x"]) == 2
     name = flag.split("=")[0]
@@ -85,10 +88,10 @@ def test_vllm_names_on_the_command_line() -> None:
     config = config_from_args(parser.parse_args([
         "--max-model-len", "128", "--seed", "4", "--max-num-seqs", "2", "--max-num-batched-tokens", "64",
         "--gpu-memory-utilization", "0.3", "--no-enable-prefix-caching", "--block-size", "8", "--swap-space", "1",
-        "--enforce-eager"]))
+        "--enforce-eager", "--num-gpu-blocks-override", "40"]))
     assert (config.max_model_len, config.seed, config.max_requests_per_batch, config.max_batch_tokens,
             config.max_memory_percent, config.allow_block_sharing, config.page_size, config.cpu_offload_space,
-            config.use_cuda_graph) == (128, 4, 2, 64, 0.3, False, 8, 1.0, False)
+            config.use_cuda_graph, config.num_blocks) == (128, 4, 2, 64, 0.3, False, 8, 1.0, False, 40)
     with pytest.raises(ConfigError, match="max_num_seqs .*=2 disagrees with max_requests_per_batch=8"):
         config_from_args(parser.parse_args(["--max-num-seqs", "2", "--max-requests-per-batch", "8"]))
     with pytest.raises(ConfigError, match="enable_prefix_caching.*disagrees with allow_block_sharing=False"):
