@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 from dataclasses import fields
 from typing import Any
 
@@ -19,6 +20,14 @@ from .sched.scheduler import SCHEDULERS
 
 MODEL_FIELDS = ("max_model_len", "seed")  # config fields that are model options in vLLM's --help
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's short forms of config fields' flags
+
+
+def token_count(value: str) -> int:
+    """A token count as vLLM's `--max-model-len` takes it: 2048, 32k (32000), 25.6k, 32K or 32Ki (32768)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(k|K|Ki)?", value.strip())
+    if match is None or (match[2] in ("K", "Ki") and "." in match[1]) or (match[2] is None and "." in match[1]):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a token count (e.g. 2048, 32k = 32000, 32K = 32768)")
+    return int(float(match[1]) * {None: 1, "k": 1000, "K": 1024, "Ki": 1024}[match[2]])
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +47,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "else fp32), float32 (the exact path), bfloat16 or float16")
     group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                        help="weight format (default: gguf for a quantized GGUF file unless --dtype float32, else none)")
-    group.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
-                       help="the context length served (prompt + generated tokens), at most the model's "
-                       "(default: the model's)")
+    group.add_argument("--max-model-len", type=token_count, default=None, metavar="TOKENS",
+                       help="the context length served (prompt + generated tokens), at most the model's; "
+                       "2048, 32k (32000) or 32K (32768) (default: the model's)")
     group.add_argument("--seed", type=int, default=None,
                        help="engine seed: requests without a seed sample from generators seeded by it and their "
                        "arrival order, so a run repeats exactly (default: unseeded)")

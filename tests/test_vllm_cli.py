@@ -74,6 +74,16 @@ def test_a_vllm_flag_we_do_not_take_says_what_to_use(flag: str, capsys: pytest.C
     assert capsys.readouterr().err == f"error: {name} (vLLM's) is not supported: {UNSUPPORTED[name]}\n"
 
 
+def test_max_model_len_takes_vllms_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = serve_parser()
+    for given, tokens in (("2048", 2048), ("32k", 32000), ("25.6k", 25600), ("32K", 32768), ("8Ki", 8192)):
+        assert parser.parse_args(["--max-model-len", given]).max_model_len == tokens, given
+    for bad in ("1.5K", "2048.5", "32m", "lots"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-model-len", bad])
+        assert f"{bad!r} is not a token count (e.g. 2048, 32k = 32000, 32K = 32768)" in capsys.readouterr().err
+
+
 def test_flags_asking_for_what_we_always_do_are_taken() -> None:
     argv, notes = check_vllm_flags(["org/m", "--trust-remote-code", "--port", "1", "--disable-log-requests"])
     assert argv == ["org/m", "--port", "1"]
