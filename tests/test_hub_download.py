@@ -157,3 +157,15 @@ def test_what_the_hub_refuses_says_what_to_do(hub: FakeHub, tmp_path: Path, monk
     with pytest.raises(HubError, match=f"cannot download org/nope from the Hugging Face Hub and it is not in the "
                                        f"cache {tmp_path}"):
         resolve_model_path("org/nope", download_dir=tmp_path)
+
+
+
+def test_offline_a_file_never_downloaded_is_named(hub: FakeHub, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """One quant downloaded online, another asked for offline: the cached snapshot is incomplete."""
+    hub.repos["org/m-GGUF"] = {"m.Q4_K_M.gguf": b"4", "m.Q8_0.gguf": b"8", "config.json": b"{}"}
+    resolve_model_path("org/m-GGUF:Q8_0", download_dir=tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert resolve_model_path("org/m-GGUF:Q8_0", download_dir=tmp_path).path.read_bytes() == b"8"
+    with pytest.raises(HubError, match=r"^org/m-GGUF: .*missing \(m.Q4_K_M.gguf\)"):
+        resolve_model_path("org/m-GGUF:Q4_K_M", download_dir=tmp_path)
