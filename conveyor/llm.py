@@ -34,6 +34,7 @@ from .models.loader import load_checkpoint
 from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
+from .vllm_flags import check_vllm_kwargs
 
 logger = logging.getLogger("conveyor")
 
@@ -82,6 +83,9 @@ class LLM:
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
         leaves unset), "vllm" (ignore it) or a directory; `override_generation_config` goes over it.
+    vllm_kwargs: vLLM's other engine arguments: those that ask for what Conveyor always does
+        (`trust_remote_code`, ...) are taken with a log line, the others are errors saying what to use
+        (`vllm_flags`).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
@@ -96,7 +100,10 @@ class LLM:
                  enforce_eager: bool | None = None, block_size: int | None = None, swap_space: float | None = None,
                  chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
                  override_generation_config: dict[str, Any] | None = None,
-                 num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None) -> None:
+                 num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
+                 **vllm_kwargs: Any) -> None:
+        for note in check_vllm_kwargs(vllm_kwargs):
+            logger.info("%s", note)
         config = with_vllm_engine_args(
             config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,

@@ -1,9 +1,12 @@
 """vLLM's command-line flags that `conveyor serve` and `conveyor generate` do not take, each with what to
 do instead, so that a vLLM deployment script fails with a sentence rather than argparse's
 "unrecognized arguments"; and the few whose vLLM meaning is what Conveyor always does, taken and
-ignored with a log line. (The flags Conveyor takes under vLLM's names are in `cli_args`.)"""
+ignored with a log line. The same for `LLM(...)`'s keyword arguments of those names (vLLM's `LLM`
+takes every engine argument). (The flags Conveyor takes under vLLM's names are in `cli_args`.)"""
 
 from __future__ import annotations
+
+from typing import Any
 
 LORA = "LoRA adapters are not supported: merge the adapter into the weights (peft's merge_and_unload) and serve that"
 TOKENIZER = ("the tokenizer is the model's own (its directory, Hub repo or GGUF file); to use another, copy its "
@@ -78,3 +81,20 @@ def check_vllm_flags(argv: list[str]) -> tuple[list[str], list[str]]:
             continue
         kept.append(arg)
     return kept, notes
+
+
+def check_vllm_kwargs(kwargs: dict[str, Any]) -> list[str]:
+    """A note for each keyword argument whose vLLM meaning is what Conveyor always does (`ALREADY_SO`);
+    `UnsupportedFlagError` for a vLLM argument Conveyor does not take, naming what to use; `TypeError`,
+    as Python's own, for any other name."""
+    notes: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        negated = f"--no-{flag[2:]}"
+        if flag in UNSUPPORTED or (value is False and negated in UNSUPPORTED):
+            raise UnsupportedFlagError(f"{name}={value!r} (vLLM's) is not supported: "
+                                       f"{UNSUPPORTED.get(flag) or UNSUPPORTED[negated]}")
+        if flag not in ALREADY_SO:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        notes.append(f"{name}={value!r}: no effect, {ALREADY_SO[flag]}")
+    return notes

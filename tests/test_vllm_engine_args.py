@@ -9,6 +9,7 @@ import torch
 from conveyor import LLM, CachePool, ContinuousBatchingConfig, InvalidRequestError, SamplingParams
 from conveyor.config import VLLM_ENGINE_ARGS, with_vllm_engine_args
 from conveyor.errors import ConfigError
+from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED
 
 from .conftest import TinyModel, random_prompts
 
@@ -110,3 +111,20 @@ def test_gpu_memory_utilization_is_the_pools_share_of_free_memory(tiny_llama: Ti
                                               head_dim=16)
         assert chunks[share] == int(free * share) // per_chunk
     assert chunks[0.1] in (2 * chunks[0.05], 2 * chunks[0.05] + 1)
+
+
+def test_vllm_arguments_we_do_not_take_say_what_to_use(tiny_llama: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
+    """As on the command line: vLLM's `LLM(trust_remote_code=True)` is taken (a log line says why it has no
+    effect); `kv_cache_dtype`, `enable_chunked_prefill=False` are refused with what to use; a name vLLM
+    does not have either is Python's TypeError."""
+    with caplog.at_level("INFO", logger="conveyor"):
+        llm = tiny(tiny_llama, trust_remote_code=True, disable_log_stats=True)
+    assert f"trust_remote_code=True: no effect, {ALREADY_SO['--trust-remote-code']}" in caplog.text
+    assert llm.generate([[5, 6]], sampled(2), use_tqdm=False)[0].num_output_tokens == 2
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='fp8' \\(vLLM's\\) is not supported: "
+                                         f"{UNSUPPORTED['--kv-cache-dtype']}"):
+        tiny(tiny_llama, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False .* prefill is always chunked"):
+        tiny(tiny_llama, enable_chunked_prefill=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_sequences'"):
+        tiny(tiny_llama, max_num_sequences=2)
