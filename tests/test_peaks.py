@@ -10,7 +10,7 @@ import torch
 from conveyor.bench.peaks import linear_path, measure_peaks
 from conveyor.kernels import cpu_flags, cpu_matmul_ops, cpu_peak_ops
 from conveyor.layers.quantization.linear import BF16_KERNEL_MAX_ROWS, QuantMatmul
-from conveyor.layers.quantization.tensors import quantize_int4, quantize_int8
+from conveyor.layers.quantization.tensors import bf16_rows, quantize_int4, quantize_int8
 
 # The CPU flags each path's instructions need (all of them).
 NEEDS = {"fp32-fma": {"avx2", "fma"}, "int8-i16": {"avx2"}, "int8-i32": {"avx2"},
@@ -68,3 +68,5 @@ def test_linear_paths() -> None:
     flags = cpu_flags()
     assert kind == ("amx-bf16" if "amx_bf16" in flags else "bf16-avx512" if "avx512_bf16" in flags else "fp32-fma")
     assert linear_path(torch.nn.Linear(64, 48), 64, torch.float32) == ("float32 dense (oneDNN/MKL)", "fp32-fma")
+    assert linear_path(QuantMatmul([bf16_rows(w)]), 64, torch.bfloat16) == (
+        f"BF16: bf16 tiles, fp32 FMA kernel ({isa})", "fp32-fma")

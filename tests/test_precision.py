@@ -238,8 +238,9 @@ def test_gguf_mode_runs_the_files_weights(tiny_llama: TinyModel, quantized_gguf:
     err = (next_token_logprobs(ours, prompts) - next_token_logprobs(exact, prompts)).abs().max().item()
     assert err < 0.3, f"gguf mode vs the file's dequantized weights: {err:.3f}"  # int8 activations, bf16 (0.12)
     assert agreement(greedy(ours, prompts), greedy(exact, prompts)) >= 0.5
-    bf32 = LLM(quantized_gguf, dtype="bfloat16", quantization="none")
-    assert not any(isinstance(m, QuantLinear) for m in bf32.engine.model.modules())
+    bf32 = LLM(quantized_gguf, dtype="bfloat16", quantization="none")  # dense: bf16 tiles, nothing quantized
+    linears = [m for m in bf32.engine.model.modules() if isinstance(m, QuantLinear)]
+    assert linears and {s.type_name for m in linears for s in m.kernel.segments} == {"BF16"}
 
 
 def test_gguf_without_quantized_tensors(tmp_path: Path, tiny_llama: TinyModel, gguf_tokenizer: None) -> None:

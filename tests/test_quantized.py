@@ -24,9 +24,11 @@ from conveyor.layers.quantization.linear import (
     merge_segments,
 )
 from conveyor.layers.quantization.tensors import (
+    BF16,
     I8,
     GGMLType,
     QuantizedTensor,
+    bf16_rows,
     cat_rows,
     quantize_int4,
     quantize_int8,
@@ -236,20 +238,23 @@ def test_avx2_path() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 11])
-def test_dense_weight_streaming_matmul(ops, dtype: torch.dtype, rows: int) -> None:
-    """The dense few-row kernel (the decode stack's, for dense bf16 projections) against F.linear on
-    the same bf16-rounded inputs: fp32 rounding (bf16 products are exact in fp32)."""
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 67, 600])
+def test_bf16_tiles_matmul(ops, dtype: torch.dtype, rows: int) -> None:
+    """Dense bf16 weights in the kernels' tiles: the matmul equals F.linear in fp32 over the same bf16
+    weights (bf16 x fp32 products are exact; only the summation order differs), the bias added, the
+    output in the input's dtype; the tiles give the weights back exactly."""
     torch.manual_seed(rows)
-    for cols in (64, 100, 576):  # 100: a tail past the vector width
-        weight, bias = torch.randn(37, cols).to(dtype), torch.randn(37)
+    for cols in (64, 100, 576):  # 100: not a multiple of the vector width
+        weight, bias = torch.randn(37, cols).bfloat16(), torch.randn(37)
+        tiles = bf16_rows(weight).tiled(ops)
+        assert tiles.layout == "tiles" and torch.equal(tiles.dequantize(torch.bfloat16), weight)
         x = torch.randn(rows, cols).to(dtype)
-        out = torch.empty(rows, 37)
-        ops.dense_matmul(x, weight, bias, out)
-        assert_close_scaled(out, F.linear(x.float(), weight.float(), bias), 1e-5)
+        out = QuantMatmul([bf16_rows(weight)], bias)(x)
+        assert out.dtype == dtype and out.shape == (rows, 37)
+        assert_close_scaled(out, F.linear(x.float(), weight.float(), bias), 1e-5 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8])
+@pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8, BF16])
 @pytest.mark.parametrize("rows,out_rows", [(1, 45), (13, 1040), (64, 2063)])
 def test_fused_argmax_equals_argmax_of_the_matmul(ops, qtype: int, rows: int, out_rows: int) -> None:
     """The LM head fused with greedy sampling (`quant_argmax`) picks the same index as torch.argmax of
@@ -258,6 +263,8 @@ def test_fused_argmax_equals_argmax_of_the_matmul(ops, qtype: int, rows: int, ou
     torch.manual_seed(rows)
     if qtype == I8:
         w = quantize_int8(torch.randn(out_rows, 96))
+    elif qtype == BF16:
+        w = bf16_rows(torch.randn(out_rows, 96))
     else:
         w = gguf_tensor(qtype, out_rows, 96, seed=rows)
     matmul = QuantMatmul([w], out_dtype=torch.float32)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conveyor.cache.transfer import HostCopy, to_device
+from conveyor.kernels import cpu_sampling_ops
 from conveyor.layers.sampler import SampledBatch, Sampler
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
@@ -21,7 +23,8 @@ def _request(i: int, seed: int | None = None, **params: object) -> Request:
 
 
 def _reference_row(row: torch.Tensor, request: Request) -> int:
-    """One row alone, written out plainly: penalties, temperature, top-k, top-p, min-p, exponential race."""
+    """One row alone, written out plainly: penalties, temperature, top-k, top-p, min-p, then the first
+    token whose running probability passes the row's uniform number (the seed's first draw)."""
     p = request.params
     row = row.clone()
     if p.repetition_penalty != 1.0:
@@ -39,8 +42,9 @@ def _reference_row(row: torch.Tensor, request: Request) -> int:
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if p.min_p:
         probs = probs.masked_fill(probs < probs.max() * p.min_p, 0.0)
-    noise = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(p.seed))
-    return int((probs / noise).argmax())
+    u = torch.rand(1, dtype=torch.float64, generator=torch.Generator().manual_seed(p.seed)).item()
+    cum = probs.double().cumsum(0)
+    return int((cum > u * cum[-1]).nonzero()[0])
 
 
 def test_sampler_matches_a_row_by_row_reference() -> None:
@@ -59,6 +63,39 @@ def test_sampler_matches_a_row_by_row_reference() -> None:
     expected = dict(zip(top.indices.tolist(), top.values.tolist())) | {tokens[4]: lp[4, tokens[4]].item()}
     assert logprobs[4] == expected
     assert logprobs[5] == {tokens[5]: lp[5, tokens[5]].item()}  # logprobs=0: the chosen token only
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_sampling_rule_on_a_big_vocabulary(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native kernel and PyTorch's `probs` + `draw` take the same token for the same uniforms over a
+    49k vocabulary (top-k through a heap, top-p sorting only the tokens above a threshold; a masked token never drawn, even
+    at u = 0), and the token frequencies of many draws follow the filtered distribution."""
+    if native and cpu_sampling_ops() is None:
+        pytest.skip("native kernels unavailable")
+    if not native:
+        monkeypatch.setattr("conveyor.layers.sampler.cpu_sampling_ops", lambda: None)
+    vocab = 49152
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, vocab, generator=g) * 4
+    logits[:, 0] = -1e30  # a grammar mask
+    settings = [dict(temperature=0.7), dict(temperature=1.0, top_k=40), dict(temperature=0.9, top_p=0.9),
+                dict(temperature=1.3, top_p=0.5, min_p=0.05), dict(temperature=0.5, min_p=0.2),
+                dict(temperature=2.0, top_k=1000, top_p=0.95)]
+    requests = [_request(i, **kw) for i, kw in enumerate(settings)]
+    probs = Sampler.probs(logits, requests)
+    for _ in range(20):
+        u = torch.rand(6, dtype=torch.float64, generator=g)
+        tokens = Sampler.sample_with(logits, requests, u)
+        assert torch.equal(tokens, Sampler.draw(probs, u)), (u, tokens)
+    for u in (0.0, 1 - 2**-40):  # the ends, where rounding picks among the least likely tokens: never a masked one
+        tokens = Sampler.sample_with(logits, requests, torch.full((6,), u, dtype=torch.float64))
+        assert (tokens != 0).all(), (u, tokens)
+    row = logits[2:3].repeat(4000, 1)  # top-p 0.9 at temperature 0.9: draws follow the kept probabilities
+    drawn = Sampler.sample_with(row, [requests[2]] * 4000, torch.rand(4000, dtype=torch.float64, generator=g))
+    kept = probs[2] / probs[2].sum()
+    top = kept.topk(5).indices
+    freq = torch.stack([(drawn == t).float().mean() for t in top])
+    assert (freq - kept[top]).abs().max() < 0.03, (freq, kept[top])
 
 
 def test_transfers_on_cpu_are_plain_tensors() -> None:

@@ -35,8 +35,19 @@ def test_replicas_get_disjoint_cores_and_never_more_threads_than_cores():
 def test_replicas_get_a_gpu_each():
     gpus = plan_placement(2, gpus=2, cpus=[0, 1, 2, 3])
     assert [p.env()["CUDA_VISIBLE_DEVICES"] for p in gpus] == ["0", "1"] and gpus[0].threads == 2
-    with pytest.raises(ValueError, match="3 local replicas need 3 GPUs, one each; 2 visible"):
+    with pytest.raises(ValueError, match="3 local replicas need 3 GPUs, one a process; 2 visible"):
         plan_placement(3, gpus=2)
+
+
+def test_tensor_parallel_replicas_take_a_core_or_gpu_per_rank():
+    two = plan_placement(2, ranks=2, cpus=[0, 1, 2, 3])
+    assert [(p.cpus, p.threads) for p in two] == [((0, 1), 1), ((2, 3), 1)]
+    with pytest.raises(ValueError, match=r"2 replicas x 2 tensor-parallel ranks need 4 cores.*--tensor-parallel-size"):
+        plan_placement(2, ranks=2, cpus=[0, 1])
+    gpus = plan_placement(2, gpus=4, ranks=2)
+    assert [p.env()["CUDA_VISIBLE_DEVICES"] for p in gpus] == ["0,1", "2,3"]
+    with pytest.raises(ValueError, match="need 4 GPUs"):
+        plan_placement(2, gpus=3, ranks=2)
 
 
 @pytest.mark.parametrize("address, expected", [("http://10.0.0.2:8000", "http://10.0.0.2:8000"),
@@ -155,6 +166,7 @@ def test_prefix_repetition_workload_shares_prefixes():
     (["--data-parallel-size", "2", "--data-parallel-address", "node-b"], "is not a replica URL"),
     (["--data-parallel-size", "1", "--data-parallel-address", "http://a:1", "http://b:2"], "give at least 2"),
     (["--data-parallel-size", "0"], "--data-parallel-size must be >= 1"),
+    (["--data-parallel-size", "2", "--tensor-parallel-size", "2"], "2 replicas x 2 tensor-parallel ranks need"),
 ])
 def test_bad_data_parallel_settings_fail_before_anything_starts(argv: list[str], message: str,
                                                                  capsys: pytest.CaptureFixture[str],

@@ -37,6 +37,8 @@ def linear_path(fn: Any, rows: int, dtype: torch.dtype) -> tuple[str, str]:
             return f"{types}: dequantize + {dtype_name(dtype)} matmul", (
                 _bf16_matmul_kind() if dtype == torch.bfloat16 else "fp32-fma")
         isa = cpu_matmul_ops().isa()
+        if all(s.type_name == "BF16" for s in fn.segments):  # dense bf16 tiles: widened, fp32 FMAs
+            return f"BF16: bf16 tiles, fp32 FMA kernel ({isa})", "fp32-fma"
         if "vnni" in isa:
             kind = "int8-vnni"
         else:

@@ -140,7 +140,8 @@ def format_report(report: dict[str, Any]) -> str:
                   f"prefill took {s['prefill_s']:.1f} s in {s['prefill_steps']} steps):",
                   part("step", "step_s"), part("model forward", "forward_s"),
                   part("LM head + sampling", "lm_head_sampling_s"),
-                  f"    (LM head {_ms(s['lm_head_s'])}, sampler {_ms(s['sampling_s'])})",
+                  (f"    (LM head fused with the greedy argmax {_ms(s['lm_head_s'])}: no logits, no sampler)"
+                   if s.get("fused_head") else f"    (LM head {_ms(s['lm_head_s'])}, sampler {_ms(s['sampling_s'])})"),
                   part("input preparation", "prepare_s"),
                   part("rest (schedule, append, detokenize)", "rest_s"),
                   f"  -> {s['tok_per_s']:.1f} tok/s",

@@ -144,7 +144,7 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
 def cpu_paged_attention() -> ModuleType | None:
     """The paged decode-attention extension, or None when the build fails."""
     return _build("conveyor_paged_attention_cpu", ["paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("attention_cpu.h",))
+                  "-ffp-contract=fast", headers=("attention_cpu.h", "vec_math.h"))
 
 
 @cache
@@ -164,6 +164,12 @@ def cpu_matmul_ops() -> ModuleType | None:
 
 
 @cache
+def cpu_sampling_ops() -> ModuleType | None:
+    """Sampling of many rows (`sampling_cpu.cpp`: `sample_rows`), or None when the build fails."""
+    return _build("conveyor_sampling_cpu", ["sampling_cpu.cpp"], headers=("vec_math.h",))
+
+
+@cache
 def cpu_peak_ops() -> ModuleType | None:
     """The compute-peak loops of each instruction path (`peak_cpu.cpp`: `peak_kinds()`,
     `peak_gops(kind, threads)`) that `bench roofline`/`step` set the linears against, or None."""
@@ -171,7 +177,7 @@ def cpu_peak_ops() -> ModuleType | None:
 
 
 KERNELS = {"paged attention": cpu_paged_attention, "fused ops": cpu_fused_ops, "matmuls": cpu_matmul_ops,
-           "peak loops": cpu_peak_ops}
+           "sampling": cpu_sampling_ops, "peak loops": cpu_peak_ops}
 
 
 def build_all() -> dict[str, bool]:

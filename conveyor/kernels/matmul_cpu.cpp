@@ -1,12 +1,11 @@
-// Weight-streaming matmuls on CPU: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for quantized
-// weights (GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and our per-channel int8, I8), bf16 and fp32.
+// The matmul ops on CPU: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for weights in the kernels'
+// tiles (quant_layout.h): GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, our per-channel int8 (I8) and dense bf16.
 //
 // Quantized weights: the activations are quantized once per call to int8 blocks of 32 (one fp32
 // scale per block, as ggml's Q8_0) and the weights are dotted in integer arithmetic (VNNI where the
-// CPU has it), on the 16-row tiled layout every type is repacked into at load (quant_layout.h; the
-// GEMM in quant_gemm.cpp). Threads split the output rows (tiles), so each streams its own contiguous
-// slice of the weights: the decode-sized products are bound by memory bandwidth. bf16 weights use vdpbf16ps where the
-// CPU has AVX512-BF16; fp32 weights plain FMAs. The instruction set is chosen at compile time (the
+// CPU has it); bf16 weights are widened and multiplied with fp32 activations (quant_gemm.cpp). Threads
+// split the output tiles, so each streams its own contiguous slice of the weights: the decode-sized
+// products are bound by memory bandwidth. The instruction set is chosen at compile time (the
 // extension is built with -march=native on the machine that runs it); `isa()` says which.
 #include "quant.h"
 
@@ -19,8 +18,6 @@
 
 namespace conveyor {
 namespace {
-
-constexpr int kTile = 8;  // activation rows per pass over a dense weight row
 
 #if defined(__AVX2__)
 inline int hsum_epi32(__m256i v) {
@@ -96,82 +93,6 @@ void quantize_typed(const T* x, int64_t ldx, int64_t M, int64_t K, Activations& 
     at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { quantize_range(x, ldx, begin, end, a); });
 }
 
-// ---- bf16 and fp32 weights -------------------------------------------------------------------------
-// One weight row against MB activation rows (fp32 copies, contiguous, ldx apart).
-template <int MB>
-void row_f32(const float* w, const float* x, int64_t ldx, int64_t K, float* out) {
-    int64_t k = 0;
-    float s[MB] = {};
-#if defined(__AVX512F__)
-    __m512 acc[MB][2];
-    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    for (; k + 32 <= K; k += 32) {
-        const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + k + 16);
-        for (int i = 0; i < MB; ++i) {
-            acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * ldx + k), acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * ldx + k + 16), acc[i][1]);
-        }
-    }
-    for (int i = 0; i < MB; ++i) s[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
-#elif defined(__AVX2__)
-    __m256 acc[MB][2];
-    for (int i = 0; i < MB; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-    for (; k + 16 <= K; k += 16) {
-        const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
-        for (int i = 0; i < MB; ++i) {
-            acc[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), acc[i][1]);
-        }
-    }
-    for (int i = 0; i < MB; ++i) s[i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
-#endif
-    for (; k < K; ++k)
-        for (int i = 0; i < MB; ++i) s[i] += w[k] * x[i * ldx + k];
-    for (int i = 0; i < MB; ++i) out[i] = s[i];
-}
-
-// bf16 weights; activations as fp32 (xf) and, for vdpbf16ps, as bf16 (xb).
-template <int MB>
-void row_bf16(const c10::BFloat16* w, const float* xf, const c10::BFloat16* xb, int64_t ldx, int64_t K, float* out) {
-    int64_t k = 0;
-    float s[MB] = {};
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-    __m512 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
-    for (; k + 32 <= K; k += 32) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
-        for (int i = 0; i < MB; ++i)
-            acc[i] = _mm512_dpbf16_ps(acc[i], wv, (__m512bh)_mm512_loadu_si512(xb + i * ldx + k));
-    }
-    for (int i = 0; i < MB; ++i) s[i] = _mm512_reduce_add_ps(acc[i]);
-#elif defined(__AVX2__)
-    __m256 acc[MB];
-    for (int i = 0; i < MB; ++i) acc[i] = _mm256_setzero_ps();
-    for (; k + 8 <= K; k += 8) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
-        const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-        for (int i = 0; i < MB; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + i * ldx + k), acc[i]);
-    }
-    for (int i = 0; i < MB; ++i) s[i] = hsum(acc[i]);
-    xb = nullptr;
-#else
-    xb = nullptr;
-#endif
-    for (; k < K; ++k)  // with bf16 products (vdpbf16ps) the tail also takes bf16 activations
-        for (int i = 0; i < MB; ++i) s[i] += static_cast<float>(w[k]) * (xb ? static_cast<float>(xb[i * ldx + k]) : xf[i * ldx + k]);
-    for (int i = 0; i < MB; ++i) out[i] = s[i];
-}
-
-template <int MB>
-void dense_tile(const void* w, bool bf16, const float* xf, const c10::BFloat16* xb, int64_t K, int64_t n, float* vals) {
-    if (bf16) row_bf16<MB>(static_cast<const c10::BFloat16*>(w) + n * K, xf, xb, K, K, vals);
-    else row_f32<MB>(static_cast<const float*>(w) + n * K, xf, K, K, vals);
-}
-
-using DenseFn = void (*)(const void*, bool, const float*, const c10::BFloat16*, int64_t, int64_t, float*);
-constexpr DenseFn kDenseFns[kTile] = {dense_tile<1>, dense_tile<2>, dense_tile<3>, dense_tile<4>,
-                                      dense_tile<5>, dense_tile<6>, dense_tile<7>, dense_tile<8>};
-
 void check_out(const torch::Tensor& out, int64_t M, int64_t N) {
     TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.size(1) == N && out.stride(1) == 1,
                 "out must be [", M, ", ", N, "] with contiguous rows");
@@ -179,45 +100,31 @@ void check_out(const torch::Tensor& out, int64_t M, int64_t N) {
                 "out must be fp32 or bf16");
 }
 
-// Output rows (tiles) per task, at least: threads get contiguous slices of the weight.
-constexpr int64_t kRowGrain = 16;
-
-// An fp32 view to write results into: `out` itself when it is fp32, else a scratch copied back.
-struct Fp32Out {
-    torch::Tensor out, buf;
-    explicit Fp32Out(torch::Tensor o) : out(std::move(o)) {
-        buf = out.scalar_type() == torch::kFloat32 ? out : torch::empty(out.sizes(), out.options().dtype(torch::kFloat32));
-    }
-    float* data() { return buf.data_ptr<float>(); }
-    int64_t ld() const { return buf.stride(0); }
-    void finish(const c10::optional<torch::Tensor>& bias) {
-        if (bias.has_value() && bias->defined()) buf.add_(bias->to(torch::kFloat32));
-        if (!buf.is_same(out)) out.copy_(buf);
-    }
-};
-
 }  // namespace
 
-void quantize_activations(const torch::Tensor& x, Activations& a) {
-    if (x.scalar_type() == torch::kFloat32)
-        quantize_typed(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), a);
-    else
-        quantize_typed(x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0), x.size(1), a);
+void prepare_activations(const torch::Tensor& x, int64_t type, Activations& a) {
+    const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
+    if (type == BF16) {
+        a.shape_floats(M, K);
+        at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+            for (int64_t m = m0; m < m1; ++m) {
+                if (x.scalar_type() == torch::kFloat32) a.set_floats(m, x.data_ptr<float>() + m * ldx);
+                else a.set_floats(m, x.data_ptr<c10::BFloat16>() + m * ldx);
+            }
+        });
+    } else if (x.scalar_type() == torch::kFloat32) {
+        quantize_typed(x.data_ptr<float>(), ldx, M, K, a);
+    } else {
+        quantize_typed(x.data_ptr<c10::BFloat16>(), ldx, M, K, a);
+    }
 }
 
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) {
     quantize_range(x, ldx, m0, m1, a);
 }
 
-void dense_rows_matmul(const void* w, bool bf16, const float* xf, const c10::BFloat16* xb, int64_t M, int64_t K,
-                       int64_t n0, int64_t n1, float* out, int64_t ldo) {
-    float vals[kTile];
-    for (int64_t n = n0; n < n1; ++n)
-        for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-            const int mb = static_cast<int>(std::min<int64_t>(kTile, M - m0));
-            kDenseFns[mb - 1](w, bf16, xf + m0 * K, xb ? xb + m0 * K : nullptr, K, n, vals);
-            for (int i = 0; i < mb; ++i) out[(m0 + i) * ldo + n] = vals[i];
-        }
+void pack_float_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) {
+    for (int64_t m = m0; m < m1; ++m) a.set_floats(m, x + m * ldx);
 }
 
 }  // namespace conveyor
@@ -248,7 +155,7 @@ void quant_matmul(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Te
         scales = row_scales.data_ptr<float>();
     }
     thread_local Activations act;
-    quantize_activations(x, act);
+    prepare_activations(x, type, act);
     const Activations& a = act;
     const uint8_t* wp = weight.data_ptr<uint8_t>();
     torch::Tensor b32;
@@ -273,7 +180,7 @@ torch::Tensor quant_argmax(torch::Tensor x, torch::Tensor weight, int64_t type, 
                 weight.size(1) == tile_bytes(type, K), "weight must be tiled uint8 [", tiles, ", ", tile_bytes(type, K), "]");
     const float* scales = type == I8 ? row_scales.data_ptr<float>() : nullptr;
     thread_local Activations act;
-    quantize_activations(x, act);
+    prepare_activations(x, type, act);
     const Activations& a = act;
     const uint8_t* wp = weight.data_ptr<uint8_t>();
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
@@ -322,31 +229,6 @@ torch::Tensor repack(torch::Tensor rows, int64_t type, int64_t K) {
     auto out = torch::empty({tiles, tile_bytes(type, K)}, rows.options());
     conveyor::repack_tiles(type, rows.data_ptr<uint8_t>(), N, K, out.data_ptr<uint8_t>());
     return out;
-}
-
-// out [M, N] = x [M, K] times a dense fp32 or bf16 weight [N, K], plus bias: the weight-streaming
-// product for decode-sized inputs (a few rows), no packing.
-void dense_matmul(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias, torch::Tensor out) {
-    TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && weight.is_contiguous() && x.size(1) == weight.size(1),
-                "x [M, K] and a contiguous weight [N, K] expected");
-    const auto wt = weight.scalar_type();
-    TORCH_CHECK(wt == torch::kFloat32 || wt == torch::kBFloat16, "weight must be fp32 or bf16");
-    const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-    check_out(out, M, N);
-    auto xf = x.to(torch::kFloat32).contiguous();
-    torch::Tensor xb;
-    if (wt == torch::kBFloat16) xb = x.to(torch::kBFloat16).contiguous();
-    Fp32Out res(out);
-    float* op = res.data();
-    const int64_t ldo = res.ld();
-    const float* xp = xf.data_ptr<float>();
-    const bool bf16 = wt == torch::kBFloat16;
-    const c10::BFloat16* xbp = bf16 ? xb.data_ptr<c10::BFloat16>() : nullptr;
-    const void* wp = weight.data_ptr();
-    at::parallel_for(0, N, kRowGrain, [&](int64_t n0, int64_t n1) {
-        dense_rows_matmul(wp, bf16, xp, xbp, M, K, n0, n1, op, ldo);
-    });
-    res.finish(bias);
 }
 
 // Rows `ids` of a tiled quantized matrix, dequantized into out [len(ids), K] (fp32 or bf16): embedding
@@ -415,7 +297,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("quant_matmul", &quant_matmul, "x @ W.T for a quantized weight (CPU)");
     m.def("quant_argmax", &quant_argmax, "argmax over n of x @ W.T for a tiled weight (the LM head fused with greedy sampling)");
     m.def("repack_tiles", &repack, "GGUF rows (or I8 rows) -> the 16-row tiled layout");
-    m.def("dense_matmul", &dense_matmul, "x @ W.T for a few rows of x, fp32 or bf16 weight (CPU)");
     m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as fp32/bf16 (CPU)");
     m.def("dequantize_matrix", &dequantize_matrix, "a whole tiled matrix as fp32/bf16 (CPU)");
     m.def("row_bytes", &row_bytes, "bytes per GGUF-layout row of K elements");

@@ -21,8 +21,9 @@ constexpr int64_t QK = 32;     // activation block, and the block of Q4_0/Q4_1/Q
 constexpr int64_t QK_K = 256;  // super-block of the K-quants
 constexpr int64_t kTileRows = 16;  // output rows interleaved in one tile
 
-// GGUF/ggml type ids (ggml.h) of the block types handled here, and our per-channel int8.
-enum WeightType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, I8 = 1000 };
+// GGUF/ggml type ids (ggml.h) of the block types handled here, our per-channel int8, and dense bf16
+// weights in the same tiles (not quantized: multiplied in fp32 with fp32 activations).
+enum WeightType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, I8 = 1000, BF16 = 1001 };
 
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
 struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
@@ -52,9 +53,9 @@ inline float hsum(__m256 v) {
 #endif
 
 inline bool is_kernel_type(int64_t type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || type == I8;
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || type == I8 || type == BF16;
 }
-inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : QK; }
+inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : type == BF16 ? 1 : QK; }
 int64_t row_bytes(int64_t type, int64_t K);   // one row in GGUF's layout (I8: K bytes)
 int64_t tile_bytes(int64_t type, int64_t K);  // one tile of kTileRows rows in the tiled layout (quant_layout.h)
 
@@ -75,15 +76,28 @@ constexpr int64_t kPackRows = 4;
 // times -128 (`neg128h`, the group's r first halves then its r second halves): where the
 // microkernel starts its integer accumulators to take back Q4_0's offset and the +128 that makes
 // signed weights unsigned for vpdpbusd (Q6_K's scales are per half block).
+//
+// For BF16 weights the activations stay fp32, packed the same way value by value (`f`: value k of row
+// i of a group of r rows at k * r + i): `shape_floats`, then `set_floats` per row.
 struct Activations {
     int64_t M = 0, K = 0, nb = 0;
     std::vector<int8_t> q;
-    std::vector<float> d, s32;
+    std::vector<float> d, s32, f;
     std::vector<int32_t> neg8, neg128, neg128h;
     void shape(int64_t rows, int64_t cols) {
         M = rows, K = cols, nb = cols / QK;
         q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), neg8.resize(M * nb), neg128.resize(M * nb);
         neg128h.resize(M * nb * 2);
+    }
+    void shape_floats(int64_t rows, int64_t cols) {
+        M = rows, K = cols, nb = cols / QK;
+        f.resize(M * K);
+    }
+    template <typename T>
+    void set_floats(int64_t m, const T* x) {
+        const int64_t g0 = group_start(m), r = group_rows(g0);
+        float* dst = f.data() + g0 * K + (m - g0);
+        for (int64_t k = 0; k < K; ++k) dst[k * r] = static_cast<float>(x[k]);
     }
     // The group of row m: its first row and its number of rows.
     static int64_t group_start(int64_t m) { return m / kPackRows * kPackRows; }
@@ -109,10 +123,12 @@ struct Activations {
         for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, v + 4 * j, 4);
     }
 };
-void quantize_activations(const torch::Tensor& x, Activations& a);
-// Rows [m0, m1) of x (fp32, ldx apart) into `a`, already shaped for them; serial (threads may quantize
-// disjoint row ranges of one `a` at once).
+// x [M, K] as the kernels of weight type `type` take it: int8 blocks, or packed fp32 for BF16.
+void prepare_activations(const torch::Tensor& x, int64_t type, Activations& a);
+// Rows [m0, m1) of x (fp32, ldx apart) into `a`, already shaped for them (`shape`, or `shape_floats`
+// for BF16 weights); serial (threads may prepare disjoint row ranges of one `a` at once).
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a);
+void pack_float_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a);
 
 // Where a tiled matmul writes: out [M, N] (columns from `col0` on), rows `ld` elements apart, fp32 or
 // bf16, plus an fp32 bias [N].
@@ -134,11 +150,6 @@ struct TileOut {
 // matrix (I8: times `row_scales`, padded to whole tiles), N rows in all (quant_gemm.cpp).
 void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const Activations& a, int64_t t0,
                   int64_t t1, int64_t N, const TileOut& out);
-
-// Output rows [n0, n1) of out[M, N] = x [M, K] times a dense fp32 or (bf16) bf16 weight [N, K]; with a
-// bf16 weight `xb` is x rounded to bf16 (for vdpbf16ps) and `xf` x in fp32.
-void dense_rows_matmul(const void* w, bool bf16, const float* xf, const c10::BFloat16* xb, int64_t M, int64_t K,
-                       int64_t n0, int64_t n1, float* out, int64_t ldo);
 
 // Row `row` of a tiled matrix as fp32.
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,

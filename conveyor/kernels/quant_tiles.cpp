@@ -1,6 +1,6 @@
-// The tiled layout (quant_layout.h): GGUF rows and our I8 repacked into tiles once at load, and tiles
-// dequantized (rows for embedding lookups, whole matrices for the AMX CPUs' prefill path), to ggml's
-// values bit for bit.
+// The tiled layout (quant_layout.h): GGUF rows, our I8 and dense bf16 rows repacked into tiles once at
+// load, and tiles dequantized (rows for embedding lookups, whole matrices for the AMX CPUs' prefill
+// path), to ggml's values bit for bit.
 #include "quant_layout.h"
 
 #include <ATen/Parallel.h>
@@ -92,15 +92,27 @@ int64_t row_bytes(int64_t type, int64_t K) {
         case Q4_K: return K / QK_K * sizeof(BlockQ4_K);
         case Q6_K: return K / QK_K * sizeof(BlockQ6_K);
         case I8: return K;
+        case BF16: return 2 * K;
     }
     TORCH_CHECK(false, "unsupported weight type ", type);
 }
 
-int64_t tile_bytes(int64_t type, int64_t K) { return K / QK / group_blocks(type) * group_bytes(type); }
+int64_t tile_bytes(int64_t type, int64_t K) {
+    return type == BF16 ? K * kTileRows * 2 : K / QK / group_blocks(type) * group_bytes(type);
+}
 
 void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     const int64_t nb = K / QK, rb = row_bytes(type, K), tb = tile_bytes(type, K), tiles = (N + kTileRows - 1) / kTileRows;
     std::memset(dst, 0, tiles * tb);
+    if (type == BF16) {  // value k of row r at (k * 16 + r) * 2 of its tile
+        at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+            for (int64_t t = begin; t < end; ++t)
+                for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r)
+                    for (int64_t k = 0; k < K; ++k)
+                        std::memcpy(dst + t * tb + (k * kTileRows + r) * 2, src + (t * kTileRows + r) * rb + 2 * k, 2);
+        });
+        return;
+    }
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
             uint8_t* tile = dst + t * tb;
@@ -117,6 +129,11 @@ void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
                           float* y) {
     const uint8_t* tile = tiles + (row / kTileRows) * tile_bytes(type, K);
+    if (type == BF16) {
+        const c10::BFloat16* v = reinterpret_cast<const c10::BFloat16*>(tile) + row % kTileRows;
+        for (int64_t k = 0; k < K; ++k) y[k] = static_cast<float>(v[k * kTileRows]);
+        return;
+    }
     const float scale = type == I8 ? row_scales[row] : 1.f;
     for (int64_t b = 0; b < K / QK; ++b, y += QK)
         dequantize_block_row(type, tile, b, static_cast<int>(row % kTileRows), scale, y);
@@ -128,6 +145,18 @@ void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_s
 void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t N, int64_t K, int64_t t0,
                       int64_t t1, void* out, bool bf16) {
     const int64_t nb = K / QK, tb = tile_bytes(type, K);
+    if (type == BF16) {  // the tile transposed back
+        for (int64_t t = t0; t < t1; ++t)
+            for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
+                const c10::BFloat16* v = reinterpret_cast<const c10::BFloat16*>(tiles + t * tb) + r;
+                const int64_t off = (t * kTileRows + r) * K;
+                for (int64_t k = 0; k < K; ++k) {
+                    if (bf16) static_cast<c10::BFloat16*>(out)[off + k] = v[k * kTileRows];
+                    else static_cast<float*>(out)[off + k] = static_cast<float>(v[k * kTileRows]);
+                }
+            }
+        return;
+    }
     float row[4 * QK];
     for (int64_t t = t0; t < t1; ++t) {
         for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {

@@ -18,7 +18,15 @@ from transformers import PretrainedConfig
 from ..kernels import cpu_fused_ops, native_kernels_enabled
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import packed_lm_head, prepack_linears
-from ..layers.quantization.linear import QuantEmbedding, QuantLinear, QuantMatmul, Weight, fuse_rows, plan_weights
+from ..layers.quantization.linear import (
+    QuantEmbedding,
+    QuantLinear,
+    QuantMatmul,
+    Weight,
+    fuse_rows,
+    plan_weights,
+    tile_bf16_modules,
+)
 from ..layers.quantization.tensors import QuantizedTensor
 from .decode_stack import DecodeStack
 
@@ -130,6 +138,7 @@ class CausalLM(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
+        tile_bf16_modules(model)  # bf16 on CPU: the native GEMM's tiles (see quantization/linear.py)
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
             model.use_fused_ops(cpu_fused_ops())
         model.lm_head_fn = model.head_fn()

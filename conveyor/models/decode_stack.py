@@ -1,6 +1,5 @@
-"""The native decode stack: every decoder layer of a Llama-family model with quantized (or dense bf16)
-weights in one native call, for decode batches of up to `MAX_ROWS` rows
-(`kernels/decode_stack_cpu.cpp`).
+"""The native decode stack: every decoder layer of a Llama-family model with tiled weights (quantized, or
+bf16) in one native call, for decode batches of up to `MAX_ROWS` rows (`kernels/decode_stack_cpu.cpp`).
 
 At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python,
 the built-in model's 30 layers cost ~3 ms a step of dispatch and thread fork/join, as much as
@@ -8,10 +7,9 @@ streaming its 92 MiB of weights. The stack keeps the threads up across all layer
 barriers instead. It computes the residual stream, norms, RoPE and attention in fp32 (the eager
 bf16 path rounds the residual to bf16 between ops), reads and writes the same KV pages, and is
 used only where its inputs are exactly the eager path's: Llama-family layers (no q/k norms, no
-soft-capping), projections quantized or dense bf16 (dense fp32 is the exact path, which stays on
-PyTorch's matmuls), decode-only batches. Prefill chunks and batches of
-more than 64 rows (where bf16 matmuls on dequantized weights beat the int8 kernels) stay on the
-eager path. Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
+soft-capping), projections in the kernels' tiles (dense fp32 is the exact path, which stays on
+PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more than 64 rows stay on the
+eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
 `CONVEYOR_DECODE_STACK=0` turns it off.
 
 Its threads meet at 8 barriers a layer, so when another process takes a core a barrier waits for
@@ -66,22 +64,14 @@ def stack_enabled() -> bool:
     return os.environ.get("CONVEYOR_DECODE_STACK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-# The native stack's types for dense segments (the rest are quantized weight types).
-_DENSE_TYPES = {torch.float32: -1, torch.bfloat16: -2}
-
-
 def _segments(linear: torch.nn.Module) -> list[tuple] | None:
-    """A projection as the native stack takes it, or None where it cannot: tiled quantized segments, or
-    one dense bf16 weight. Dense fp32 is the exact path: it stays on
-    PyTorch's matmuls."""
+    """A projection as the native stack takes it (its tiled segments: quantized, or bf16), or None where it
+    cannot: dense fp32 is the exact path, which stays on PyTorch's matmuls."""
     if isinstance(linear, QuantLinear):
         segments = linear.kernel.segments
         if any(s.layout != "tiles" for s in segments):  # built without the kernels
             return None
         return [(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0]) for s in segments]
-    weight = getattr(linear, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.dim() == 2:
-        return [(weight.detach().contiguous(), _DENSE_TYPES[weight.dtype], torch.empty(0), weight.shape[0])]
     return None
 
 

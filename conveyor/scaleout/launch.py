@@ -71,7 +71,8 @@ def plan(args: argparse.Namespace) -> tuple[list[Placement], list[str]]:
         raise ValueError(f"--data-parallel-size {args.data_parallel_size} counts every replica, the "
                          f"{len(remote)} --data-parallel-address ones included: give at least {len(remote)}")
     check_router(args.router, args.router_policy)
-    return plan_placement(local, args.threads, gpus=visible_gpus(args.device)), remote
+    ranks = getattr(args, "tensor_parallel_size", None) or 1
+    return plan_placement(local, args.threads, gpus=visible_gpus(args.device), ranks=ranks), remote
 
 
 def build_supervisor(args: argparse.Namespace, placements: list[Placement], remote: list[str]) -> Supervisor:

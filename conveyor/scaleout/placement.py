@@ -6,6 +6,10 @@ On CPU every replica gets `threads` cores of its own out of the cores this proce
 about tenfold at their barriers (DEVELOPERS.md, "Timing on a shared machine"), so asking for more
 threads than there are cores is an error before anything starts, not a warning. On CUDA replica i sees
 only GPU i (`CUDA_VISIBLE_DEVICES`).
+
+A replica split over `ranks` tensor-parallel processes (`--tensor-parallel-size`) takes `ranks` times
+its threads in cores (its launcher gives each rank the replica's cores divided by the ranks), or
+`ranks` GPUs of its own.
 """
 
 from __future__ import annotations
@@ -21,17 +25,17 @@ class Placement:
     index: int
     cpus: tuple[int, ...]
     threads: int
-    gpu: int | None = None
+    gpus: tuple[int, ...] = ()
 
     def env(self) -> dict[str, str]:
         """The environment variables that give the replica process its share."""
         env = {"OMP_NUM_THREADS": str(self.threads), "MKL_NUM_THREADS": str(self.threads)}
-        if self.gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = str(self.gpu)
+        if self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
         return env
 
     def describe(self) -> str:
-        where = f"GPU {self.gpu}" if self.gpu is not None else f"CPUs {','.join(map(str, self.cpus))}"
+        where = (f"GPU {','.join(map(str, self.gpus))}" if self.gpus else f"CPUs {','.join(map(str, self.cpus))}")
         return f"replica {self.index}: {where}, {self.threads} thread(s)"
 
 
@@ -40,25 +44,31 @@ def usable_cpus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def plan_placement(replicas: int, threads: int | None = None, *, gpus: int = 0,
+def plan_placement(replicas: int, threads: int | None = None, *, gpus: int = 0, ranks: int = 1,
                    cpus: list[int] | None = None) -> list[Placement]:
-    """Resources for `replicas` local replicas. On CPU (`gpus` = 0): `threads` each (default: the cores
-    divided evenly), pinned to disjoint cores; `replicas` x `threads` over the cores raises ValueError.
-    With GPUs: one each (more replicas than GPUs raises); `threads` defaults to the cores divided evenly."""
+    """Resources for `replicas` local replicas of `ranks` tensor-parallel processes each. On CPU (`gpus`
+    = 0): `threads` per process (default: the cores divided evenly), each replica pinned to `ranks` x
+    `threads` cores of its own; more than there are raises ValueError. With GPUs: `ranks` each (more
+    than are visible raises); `threads` defaults to the cores divided evenly."""
     cpus = usable_cpus() if cpus is None else cpus
     if replicas < 1:
         return []
     if threads is not None and threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    split = f" x {ranks} tensor-parallel ranks" if ranks > 1 else ""
     if gpus:
-        if replicas > gpus:
-            raise ValueError(f"{replicas} local replicas need {replicas} GPUs, one each; {gpus} visible")
-        per = threads or max(1, len(cpus) // replicas)
-        return [Placement(i, tuple(cpus), per, gpu=i) for i in range(replicas)]
-    per = threads if threads is not None else len(cpus) // replicas
-    if per < 1 or replicas * per > len(cpus):
-        asked = f"{replicas} replicas x {per} thread(s)" if per else f"{replicas} replicas"
-        raise ValueError(f"{asked} need {replicas * max(per, 1)} cores, and this process may use {len(cpus)} "
-                         f"(CPUs {','.join(map(str, cpus))}): lower --data-parallel-size or --threads, so that "
-                         "replicas do not share cores")
-    return [Placement(i, tuple(cpus[i * per:(i + 1) * per]), per) for i in range(replicas)]
+        if replicas * ranks > gpus:
+            raise ValueError(f"{replicas} local replicas{split} need {replicas * ranks} GPUs, one a process; "
+                             f"{gpus} visible")
+        per = threads or max(1, len(cpus) // (replicas * ranks))
+        return [Placement(i, tuple(cpus), per, gpus=tuple(range(i * ranks, (i + 1) * ranks)))
+                for i in range(replicas)]
+    per = threads if threads is not None else len(cpus) // (replicas * ranks)
+    width = per * ranks
+    if per < 1 or replicas * width > len(cpus):
+        asked = f"{replicas} replicas{split} x {per} thread(s)" if per else f"{replicas} replicas{split}"
+        raise ValueError(f"{asked} need {replicas * ranks * max(per, 1)} cores, and this process may use "
+                         f"{len(cpus)} (CPUs {','.join(map(str, cpus))}): lower --data-parallel-size"
+                         f"{', --tensor-parallel-size' if ranks > 1 else ''} or --threads, so that processes "
+                         "do not share cores")
+    return [Placement(i, tuple(cpus[i * width:(i + 1) * width]), per) for i in range(replicas)]

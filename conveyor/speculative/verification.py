@@ -6,7 +6,7 @@ accepted while they equal the row's token (`rejection.verify` on those tokens). 
 deterministic, as n-gram and greedy draft-model proposals are (q one-hot), this is the rejection
 sampling of Leviathan et al.: proposal x is accepted with probability p(x), and a rejected position
 takes a token distributed as norm(max(p - q, 0)) = p given "not x". It also keeps a seeded
-request's tokens those of speculation off: each emitted token uses the noise row plain decoding
+request's tokens those of speculation off: each emitted token uses the uniform number plain decoding
 would have drawn for it, and the generator is rewound to just after the rows actually used.
 
 This module decides the tokens; the engine's `OutputProcessor.verify` appends them one by one (so
@@ -38,19 +38,14 @@ def sample_rows(logits: torch.Tensor,
         return tokens, states
     device = logits.device
     rows = to_device(sampled, torch.long, device)
-    probs = Sampler.probs(logits.index_select(0, rows), [owners[i] for i in sampled])
-    noise = torch.empty_like(probs)
-    unseeded = [j for j, i in enumerate(sampled) if owners[i].generator is None]
-    if unseeded:
-        noise[to_device(unseeded, torch.long, device)] = torch.empty(len(unseeded), probs.shape[1],
-                                                                     device=device).exponential_()
     chunk_of = [n for n, c in enumerate(chunks) for _ in range(c.num_tokens)]
-    for j, i in enumerate(sampled):
-        generator = owners[i].generator
-        if generator is not None:
-            noise[j].exponential_(generator=generator)
-            states[chunk_of[i]].append(generator.get_state())
-    tokens[rows] = (probs / noise).argmax(dim=-1)
+    requests = [owners[i] for i in sampled]
+
+    def keep_state(j: int) -> None:  # a seeded request's state after each of its rows, in row order
+        states[chunk_of[sampled[j]]].append(requests[j].generator.get_state())
+
+    tokens[rows] = Sampler.sample_with(logits.index_select(0, rows), requests,
+                                       Sampler.uniforms(requests, device, keep_state))
     return tokens, states
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from ...kernels import cpu_flags, cpu_matmul_ops, native_kernels_enabled
 from .registry import quantization_method
-from .tensors import QuantizedTensor, cat_rows
+from .tensors import QuantizedTensor, bf16_rows, cat_rows
 
 # On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
 # the AMX tiles (module docstring); without AMX the kernel wins at every row count.
@@ -184,6 +184,32 @@ class QuantEmbedding(nn.Module):
 
 
 Weight = torch.Tensor | QuantizedTensor
+
+
+def tile_bf16_modules(model: nn.Module) -> int:
+    """Replace, in place, every bf16 CPU `nn.Linear` and `nn.Embedding` of a loaded model with the same
+    weights in the kernels' tiles (`QuantLinear` / `QuantEmbedding` over `bf16_rows`; a tied LM head
+    then shares the embedding's tiles): one copy of the weights, multiplied by the native GEMM (bf16
+    widened to fp32, FMAs; oneDNN's bf16 matmul ran at half its speed on AVX-512 CPUs without AMX).
+    How many were replaced; none without the native kernels."""
+    if matmul_ops() is None:
+        return 0
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            weight = getattr(child, "weight", None)
+            if (type(child) not in (nn.Linear, nn.Embedding) or weight.dtype != torch.bfloat16
+                    or weight.device.type != "cpu"):
+                continue
+            if type(child) is nn.Embedding:
+                tiled: nn.Module = QuantEmbedding(bf16_rows(weight), torch.bfloat16)
+            else:
+                tiled = QuantLinear([bf16_rows(weight)], bias=child.bias is not None, dtype=torch.bfloat16)
+                if child.bias is not None:
+                    tiled.bias.data.copy_(child.bias.data)
+            setattr(parent, name, tiled)
+            replaced += 1
+    return replaced
 
 
 def fuse_rows(parts: list[Weight]) -> torch.Tensor | list[Weight]:

@@ -1,4 +1,5 @@
-"""Quantized weight matrices: GGUF's own block formats kept as they are, and our int8 and int4.
+"""Quantized weight matrices: GGUF's own block formats kept as they are, our int8 and int4, and dense
+bf16 matrices in the same tiles (`bf16_rows`).
 
 A `QuantizedTensor` is a `[rows, cols]` matrix stored as `rows` byte rows in one block layout:
 GGUF's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K (ggml's layouts, the file's bytes unchanged, so a GGUF
@@ -23,17 +24,18 @@ import torch
 
 GGMLType = gguf.GGMLQuantizationType
 I8 = 1000  # our per-channel int8 (not a GGUF type); the kernels' id for it
+BF16 = 1001  # dense bf16 rows, tiled for the kernels like the quantized types (not quantized)
 
 # Types the native kernels take, with their block size (weights per block).
 KERNEL_TYPES: dict[int, int] = {GGMLType.Q4_0: 32, GGMLType.Q4_1: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256,
-                                GGMLType.Q6_K: 256, I8: 32}
+                                GGMLType.Q6_K: 256, I8: 32, BF16: 1}
 TILE_ROWS = 16  # rows of a tile of the kernels' layout
 # Float types GGUF files use for tensors that are not quantized.
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
 
 def type_name(qtype: int) -> str:
-    return "I8" if qtype == I8 else GGMLType(qtype).name
+    return {I8: "I8", BF16: "BF16"}.get(qtype) or GGMLType(qtype).name
 
 
 @dataclass
@@ -100,7 +102,9 @@ class QuantizedTensor:
             cpu_matmul_ops().dequantize_rows(self.data, int(self.qtype), self.row_scales_or_empty(),
                                              torch.arange(self.shape[0]), self.shape[0], out)
             return out
-        if self.qtype == I8:
+        if self.qtype == BF16:
+            w = self.data.view(torch.bfloat16)
+        elif self.qtype == I8:
             w = self.data.view(torch.int8).float() * self.row_scales.float().unsqueeze(1)
         else:
             w = torch.from_numpy(gguf.quants.dequantize(self.data.cpu().numpy(), GGMLType(self.qtype)))
@@ -115,8 +119,8 @@ class QuantizedTensor:
 
 
 def row_bytes(qtype: int, cols: int) -> int:
-    if qtype == I8:
-        return cols
+    if qtype in (I8, BF16):
+        return cols * (2 if qtype == BF16 else 1)
     block, size = gguf.GGML_QUANT_SIZES[GGMLType(qtype)]
     return cols // block * size
 
@@ -131,6 +135,13 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     scales = None if parts[0].row_scales is None else torch.cat([p.row_scales for p in parts])
     return QuantizedTensor(torch.cat([p.data for p in parts]), parts[0].qtype,
                            (sum(p.shape[0] for p in parts), parts[0].shape[1]), scales)
+
+
+def bf16_rows(weight: torch.Tensor) -> QuantizedTensor:
+    """A dense weight as bf16 rows (rounded if it is not bf16), for the kernels' tiles: the same values
+    as `weight.bfloat16()`, one copy."""
+    w = weight.detach().to(torch.bfloat16).contiguous()
+    return QuantizedTensor(w.view(torch.uint8).reshape(w.shape[0], -1), BF16, tuple(w.shape))
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:
