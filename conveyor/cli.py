@@ -7,20 +7,40 @@ import argparse
 import logging
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
-from .cli_args import add_engine_args, add_serve_args, config_from_args
+from .cli_args import add_engine_args, add_serve_args, llm_kwargs_from_args, model_from_args
+from .models.hub import HUB_ID
 from .scaleout import add_data_parallel_args, serve_data_parallel
+from .vllm_flags import ALREADY_SO, UNSUPPORTED, UnsupportedFlagError, check_vllm_flags
+
+logger = logging.getLogger("conveyor")
+SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+GENERATE_DEFAULTS = {"max_new_tokens": 128, "temperature": 0.0}  # where the generation config gives none
+
+
+def looks_like_model(arg: str) -> bool:
+    """Whether `conveyor generate`'s first argument names the model rather than a prompt: a model
+    directory, a .gguf file, or a Hub id (org/name[:QUANT])."""
+    path = Path(arg).expanduser()
+    try:
+        if (path / "config.json").is_file() or (path.is_file() and path.suffix.lower() == ".gguf"):
+            return True
+    except OSError:  # a prompt too long to be a path
+        return False
+    return HUB_ID.fullmatch(arg) is not None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .llm import LLM
-    from .sampling_params import SamplingParams
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                            seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-              config=config_from_args(args))
+    if args.model is None and len(args.prompts) > 1 and looks_like_model(args.prompts[0]):
+        args.model, args.prompts = args.prompts[0], args.prompts[1:]  # conveyor generate MODEL PROMPT...
+    llm = LLM(**llm_kwargs_from_args(args))
+    values = {k: v for k, v in GENERATE_DEFAULTS.items() if k not in llm.generation_defaults.values}
+    values |= {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+    params = replace(llm.get_default_sampling_params(), **values, stop=args.stop or [], ignore_eos=args.ignore_eos)
     if args.raw:
         outputs = llm.generate(args.prompts, params, use_tqdm=len(args.prompts) > 1)
     else:
@@ -40,13 +60,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server import ServerSettings, run_server
 
     settings = ServerSettings.from_args(args)
+    args.model = model_from_args(args)  # replicas get it as --model
     if args.data_parallel_size != 1 or args.data_parallel_address:
+        if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
+            from .models.hub import resolve_model_path
+            from .scaleout.launch import plan
+
+            plan(args)  # the settings first, then one download (into the cache the replicas load from)
+            resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
+                               gguf_file=args.gguf_file, token=args.hf_token)
         return serve_data_parallel(args)
     if args.threads is not None:
         plan_placement(1, args.threads)  # the same check as for replicas: no more threads than cores
         torch.set_num_threads(args.threads)
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-              config=config_from_args(args))
+    llm = LLM(**llm_kwargs_from_args(args))
     try:
         run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
     except EngineDeadError as exc:  # exit non-zero so that a supervisor restarts the server
@@ -73,21 +100,30 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="Continuous-batching LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="complete prompts and print the results")
-    gen.add_argument("prompts", nargs="+", help="one or more prompts (sent as one user turn each, through the "
-                     "model's chat template, unless --raw)")
-    gen.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen = sub.add_parser("generate", help="complete prompts and print the results",
+                         usage="conveyor generate [MODEL] PROMPT [PROMPT ...] [options]")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT",
+                     help="one or more prompts (sent as one user turn each, through the model's chat template, "
+                     "unless --raw); without --model, a first argument that is a model directory, .gguf file or "
+                     "Hub id (org/name) is the model")
+    sampling = gen.add_argument_group("sampling (default: the generation config's, else greedy, 128 tokens)")
+    sampling.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
+    sampling.add_argument("--max-new-tokens", type=int, default=None)
+    sampling.add_argument("--temperature", type=float, default=None)
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--min-p", type=float, default=None)
+    sampling.add_argument("--repetition-penalty", type=float, default=None)
+    sampling.add_argument("--stop", action="append", help="stop string (repeatable)")
+    sampling.add_argument("--ignore-eos", action="store_true")
     add_engine_args(gen)
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `conveyor serve --help`)")
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (see `conveyor serve --help`)",
+                           usage="conveyor serve [MODEL] [options]",
+                           description="OpenAI-compatible HTTP server: `conveyor serve [MODEL] [options]`, vLLM's "
+                           "command line where Conveyor has the feature.",
+                           epilog=f"vLLM flags not taken, each refused with what to use instead: "
+                           f"{', '.join(UNSUPPORTED)}. Taken without effect (Conveyor always does what they ask): "
+                           f"{', '.join(ALREADY_SO)}.")
     add_serve_args(serve)
     add_data_parallel_args(serve)
     sub.add_parser("build-kernels", help="build the native CPU kernels now (once per environment; setup does it)")
@@ -96,8 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:
         from .bench.commands import main as bench_main
         return bench_main(argv[1:], prog="conveyor bench")
+    try:
+        argv, notes = check_vllm_flags(argv)
+    except UnsupportedFlagError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for note in notes:
+        logger.info("%s", note)
     try:
         commands = {"serve": cmd_serve, "generate": cmd_generate, "build-kernels": cmd_build_kernels}
         return commands[args.command](args)

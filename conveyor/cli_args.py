@@ -1,83 +1,175 @@
 """The command-line options that build an engine and a server: one module that `conveyor generate`,
 `conveyor serve` and the benchmarks that launch a server (`bench launch`) all read. Choices come from
 the registries (`QUANTIZATIONS`, `SCHEDULERS`, `ATTENTION_BACKENDS`), fields from
-`ContinuousBatchingConfig`."""
+`ContinuousBatchingConfig`, vLLM's names from `config.VLLM_ENGINE_ARGS`. Options come in groups (model,
+engine and scheduling, vLLM's names, server) so that `--help` reads like vLLM's."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 from dataclasses import fields
+from typing import Any
 
-from .config import ContinuousBatchingConfig
+from .config import ContinuousBatchingConfig, with_vllm_engine_args
 from .layers.attention import ATTENTION_BACKENDS
 from .layers.quantization.registry import QUANTIZATIONS
 from .sched.scheduler import SCHEDULERS
 from .tool_parsers import TOOL_PARSERS
 
+MODEL_FIELDS = ("max_model_len", "seed")  # config fields that are model options in vLLM's --help
+SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's short forms of config fields' flags
+
+
+def token_count(value: str) -> int:
+    """A token count as vLLM's `--max-model-len` takes it: 2048, 32k (32000), 25.6k, 32K or 32Ki (32768)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(k|K|Ki)?", value.strip())
+    if match is None or (match[2] in ("K", "Ki") and "." in match[1]) or (match[2] is None and "." in match[1]):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a token count (e.g. 2048, 32k = 32000, 32K = 32768)")
+    return int(float(match[1]) * {None: 1, "k": 1000, "K": 1024, "Ki": 1024}[match[2]])
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", default=None, help="HF model directory, .gguf file or Hugging Face Hub id (org/name, "
+                       "org/name:QUANT for a GGUF repo's file of that quant type) (default: built-in "
+                       "SmolLM2-135M-Instruct)")
+    group.add_argument("--revision", default=None, help="the Hub revision (branch, tag or commit) of a Hub id")
+    group.add_argument("--download-dir", default=None, metavar="DIR",
+                       help="the Hugging Face cache to download into and load from (default: HF_HUB_CACHE, "
+                       "~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 uses the cache only")
+    group.add_argument("--gguf-file", default=None, metavar="NAME", help="the GGUF file of a Hub repo or directory")
+    group.add_argument("--hf-token", default=None, help="Hugging Face token for gated or private repos (default: "
+                       "HF_TOKEN, else the one `hf auth login` saved)")
+    group.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    group.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with native bf16, "
+                       "else fp32), float32 (the exact path), bfloat16 or float16")
+    group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                       help="weight format (default: gguf for a quantized GGUF file unless --dtype float32, else none)")
+    group.add_argument("--max-model-len", type=token_count, default=None, metavar="TOKENS",
+                       help="the context length served (prompt + generated tokens), at most the model's; "
+                       "2048, 32k (32000) or 32K (32768) (default: the model's)")
+    group.add_argument("--seed", type=int, default=None,
+                       help="engine seed: requests without a seed sample from generators seeded by it and their "
+                       "arrival order, so a run repeats exactly (default: unseeded)")
+    group.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="a Jinja chat template file, or the template itself, used instead of the model's")
+    group.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                       help="auto (default): the model's generation_config.json gives the sampling defaults of "
+                       "what a request leaves unset; vllm: ignore it; DIR: that directory's file")
+    group.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help='sampling defaults over the generation config, e.g. \'{"temperature": 0.5}\'')
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Model and `ContinuousBatchingConfig` options shared by every command that builds an engine."""
-    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: built-in "
-                        "SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
-    parser.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with native bf16, "
-                        "else fp32), float32 (the exact path), bfloat16 or float16")
-    parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
-                        help="weight format (default: gguf for a quantized GGUF file unless --dtype float32, else none)")
+    """Model, `ContinuousBatchingConfig` and vLLM-named options, shared by every command that builds an engine."""
+    add_model_args(parser)
+    group = parser.add_argument_group("engine and scheduling (ContinuousBatchingConfig; README, Configuration)")
     for f in fields(ContinuousBatchingConfig):
+        flags = [f"--{f.name.replace('_', '-')}", *SHORT_FLAGS.get(f.name, [])]
+        if f.name in MODEL_FIELDS:
+            continue
         if f.type in ("int", "int | None"):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=int, default=None)
+            group.add_argument(*flags, type=int, default=None)
         elif f.type in ("float", "float | None"):
-            parser.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=None)
+            group.add_argument(*flags, type=float, default=None)
         elif f.type == "bool | None":  # --use-cuda-graph / --no-use-cuda-graph; absent = auto
-            parser.add_argument(f"--{f.name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--scheduler-type", choices=list(SCHEDULERS), default=None)
-    parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
-                        help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
-    parser.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
-    parser.add_argument("--speculative-config", default=None, metavar="JSON",
-                        help="speculative decoding, vLLM's JSON, e.g. "
-                        '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (vLLM's flag): --no-use-cuda-graph")
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None)
+    group.add_argument("--scheduler-type", choices=list(SCHEDULERS), default=None)
+    group.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
+                       help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
+    group.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding, vLLM's JSON, e.g. "
+                       '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    vllm = parser.add_argument_group("vLLM's names for the options above")
+    vllm.add_argument("--max-num-seqs", type=int, default=None, metavar="N", help="--max-requests-per-batch")
+    vllm.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N", help="--max-batch-tokens")
+    vllm.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                      help="--max-memory-percent: the share of the memory free after the weights and one pass's "
+                      "working memory that the KV cache takes (on CPU, of the available system memory; default "
+                      "0.9 on CUDA, 0.5 on CPU)")
+    vllm.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                      help="prefix caching (default on; --no-enable-prefix-caching = --no-block-sharing)")
+    vllm.add_argument("--block-size", type=int, default=None, metavar="TOKENS", help="--page-size")
+    vllm.add_argument("--swap-space", type=float, default=None, metavar="GIB", help="--cpu-offload-space")
+    vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: --no-use-cuda-graph")
+    vllm.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N", help="--num-blocks")
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    """The engine configuration; a vLLM name that disagrees with our name for the same option is an error."""
     values = {f.name: getattr(args, f.name) for f in fields(ContinuousBatchingConfig)
               if getattr(args, f.name, None) is not None}
     if args.no_block_sharing:
         values["allow_block_sharing"] = False
-    if args.enforce_eager:
-        values["use_cuda_graph"] = False
-    return ContinuousBatchingConfig(**values)  # speculative_config: its JSON text, parsed and validated there
+    config = ContinuousBatchingConfig(**values)  # speculative_config: its JSON text, parsed and validated there
+    return with_vllm_engine_args(config, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
+                                 gpu_memory_utilization=args.gpu_memory_utilization,
+                                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+                                 swap_space=args.swap_space, enforce_eager=args.enforce_eager,
+                                 num_gpu_blocks_override=args.num_gpu_blocks_override)
+
+
+def model_from_args(args: argparse.Namespace) -> str | None:
+    """The model: `conveyor serve MODEL` or `--model MODEL` (both, if they differ: an error)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None and args.model is not None and tag != args.model:
+        raise ValueError(f"the model is given twice, as {tag!r} and as --model {args.model!r}: give one")
+    return tag or args.model
+
+
+def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(**kwargs)` for these options."""
+    overrides = None
+    if args.override_generation_config is not None:
+        try:
+            overrides = json.loads(args.override_generation_config)
+        except ValueError as exc:
+            raise ValueError(f"--override-generation-config is not valid JSON: {exc}") from exc
+        if not isinstance(overrides, dict):
+            raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+    return dict(model=model_from_args(args), dtype=args.dtype, quantization=args.quantization, device=args.device,
+                config=config_from_args(args), revision=args.revision, download_dir=args.download_dir,
+                gguf_file=args.gguf_file, hf_token=args.hf_token, chat_template=args.chat_template,
+                generation_config=args.generation_config, override_generation_config=overrides)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
-                        "(default: $CONVEYOR_API_KEY, else no key)")
-    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                        help="model name(s) accepted in requests; the first is reported (default: the model's "
-                        "file or directory name)")
-    parser.add_argument("--max-queue", type=int, default=512,
-                        help="most generations (prompts x n) accepted and unfinished; past it, 503 + Retry-After")
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_tool_and_body_args(parser)
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as --model (vLLM's `vllm serve MODEL`)")
     add_engine_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
+                       "(default: $CONVEYOR_API_KEY, else no key)")
+    group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) accepted in requests; the first is reported (default: the Hub id as "
+                       "given, else the model's file or directory name)")
+    group.add_argument("--max-queue", type=int, default=512,
+                       help="most generations (prompts x n) accepted and unfinished; past it, 503 + Retry-After")
+    group.add_argument("--shutdown-timeout", type=float, default=10.0,
+                       help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted")
+    group.add_argument("--log-level", "--uvicorn-log-level", default="info", metavar="LEVEL",
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="critical, error, warning, info (default) or debug")
+    add_tool_and_body_args(parser)
 
 
 def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's tool-calling flags, and the request body limit."""
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='accept tool_choice "auto" (also the default when a request gives tools), the model '
-                        "writing its own calls; without it such requests get a 400, as in vLLM")
-    parser.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS), metavar="NAME",
-                        help="the format of the model's own tool calls: " + ", ".join(TOOL_PARSERS) +
-                        " (default: read off the chat template; hermes when it says nothing)")
-    parser.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
-                        help="largest request body, answered 413 past it before it is parsed (default: "
-                        "256 bytes per token of the context, at least 16 MiB)")
+    group = parser.add_argument_group("tool calling and request limits")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='accept tool_choice "auto" (also the default when a request gives tools), the model '
+                       "writing its own calls; without it such requests get a 400, as in vLLM")
+    group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS), metavar="NAME",
+                       help="the format of the model's own tool calls: " + ", ".join(TOOL_PARSERS) +
+                       " (default: read off the chat template; hermes when it says nothing)")
+    group.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                       help="largest request body, answered 413 past it before it is parsed (default: "
+                       "256 bytes per token of the context, at least 16 MiB)")

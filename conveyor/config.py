@@ -6,7 +6,7 @@ tables those keep (`layers.attention.ATTENTION_BACKENDS`, `sched.scheduler.SCHED
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from .errors import ConfigError
@@ -42,6 +42,11 @@ class ContinuousBatchingConfig:
     speculative_config: vLLM's speculative decoding options (a dict or `SpeculativeConfig`), None = off.
     step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
         0 = off (the server turns it on).
+    max_model_len: the context length served (prompt + generated tokens of one request), at most the
+        model's own; None = the model's (vLLM's name and meaning).
+    seed: vLLM's engine seed: a request without its own seed samples from a generator seeded from this
+        seed and its arrival number, so a run with the same requests in the same order repeats
+        exactly; None = unseeded requests draw from torch's global generator.
     tensor_parallel_size: ranks the model is split over (vLLM's name; `distributed/`): 1 = one process.
         Over 1, CUDA graphs are off (None resolves to False); async batching, a draft model and a swap pool
         are errors.
@@ -65,6 +70,8 @@ class ContinuousBatchingConfig:
     attention_backend: str = "auto"
     speculative_config: Any = None
     step_history: int = 0
+    max_model_len: int | None = None
+    seed: int | None = None
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -78,8 +85,11 @@ class ContinuousBatchingConfig:
             positive(name)
         if self.num_blocks is not None:
             positive("num_blocks")
-        if self.max_batch_pages is not None:
-            positive("max_batch_pages")
+        for name in ("max_batch_pages", "max_model_len"):
+            if getattr(self, name) is not None:
+                positive(name)
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
+            raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
             raise ConfigError(f"max_memory_percent must be in (0, 1], got {self.max_memory_percent}")
         if self.scheduler_type not in SCHEDULERS:
@@ -119,3 +129,56 @@ class ContinuousBatchingConfig:
         if self.cpu_offload_space > 0:
             raise ConfigError(f"cpu_offload_space > 0 does not combine with tensor_parallel_size={tp} (the swap pool "
                               "holds rank 0's KV blocks only); leave it 0: preempted requests are recomputed")
+
+    def context_length(self, model_max_len: int) -> int:
+        """The context length this engine serves: `max_model_len`, checked against the model's own."""
+        if self.max_model_len is None:
+            return model_max_len
+        if self.max_model_len > model_max_len:
+            raise ConfigError(f"max_model_len={self.max_model_len} is larger than the model's context length of "
+                              f"{model_max_len} tokens (max_position_embeddings in its config); give at most "
+                              f"{model_max_len}, or leave it out to serve the whole context")
+        return self.max_model_len
+
+
+# vLLM's engine arguments that are fields here, under another name or the same one. `LLM(...)` and the
+# command line take them.
+VLLM_ENGINE_ARGS: dict[str, str] = {
+    "max_model_len": "max_model_len",
+    "seed": "seed",
+    "max_num_seqs": "max_requests_per_batch",
+    "max_num_batched_tokens": "max_batch_tokens",
+    "gpu_memory_utilization": "max_memory_percent",
+    "enable_prefix_caching": "allow_block_sharing",
+    "block_size": "page_size",
+    "swap_space": "cpu_offload_space",
+    "num_gpu_blocks_override": "num_blocks",
+    "enforce_eager": "use_cuda_graph",
+    "tensor_parallel_size": "tensor_parallel_size",
+}
+
+
+def with_vllm_engine_args(config: ContinuousBatchingConfig | None, **given: Any) -> ContinuousBatchingConfig:
+    """`config` (or the defaults) with vLLM-named engine arguments applied (those not None;
+    `enforce_eager=False` leaves CUDA graphs automatic). A field that `config` sets away from its default
+    and a vLLM name sets to something else is a `ConfigError`: two answers, neither silently wins."""
+    unknown = set(given) - set(VLLM_ENGINE_ARGS)
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s) {sorted(unknown)}; vLLM's names taken: "
+                          f"{sorted(VLLM_ENGINE_ARGS)}")
+    config = config or ContinuousBatchingConfig()
+    defaults = {f.name: f.default for f in fields(ContinuousBatchingConfig)}
+    values: dict[str, Any] = {}
+    for name, value in given.items():
+        if name == "enforce_eager":
+            value = False if value else None  # use_cuda_graph's value
+        if value is None:
+            continue
+        field_name = VLLM_ENGINE_ARGS[name]
+        current = getattr(config, field_name)
+        if current != defaults[field_name] and current != value:
+            label = name if name == field_name else f"{name} (vLLM's name for {field_name})"
+            raise ConfigError(f"{label}={given[name]!r} disagrees with {field_name}={current!r} given in the config: "
+                              "give one of them")
+        values[field_name] = value
+    return replace(config, **values) if values else config

@@ -16,21 +16,25 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from .config import ContinuousBatchingConfig
+from .chat_template import load_chat_template
+from .config import ContinuousBatchingConfig, with_vllm_engine_args
 from .distributed.driver import ShardedModel, load_tensor_parallel
 from .engine.draft_runner import load_draft_model
 from .engine.engine import Engine
 from .engine.stats import EngineStats
 from .engine.step_history import StepHistory
+from .generation_config import GenerationDefaults
 from .kernels import vector_flags
 from .layers.precision import keeps_stored, resolve_precision, resolve_quantization
 from .layers.quantization.linear import describe_weights
 from .manager import ContinuousBatchingManager
 from .models import build_model
+from .models.hub import resolve_model_path
 from .models.loader import load_checkpoint
 from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
+from .vllm_flags import check_vllm_kwargs
 
 logger = logging.getLogger("conveyor")
 
@@ -65,39 +69,80 @@ def release_freed_memory() -> None:
 
 class LLM:
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
-    `speculative_config` (vLLM's dict, or `SpeculativeConfig`) turns speculative decoding on, and
-    `tensor_parallel_size` splits the model over that many ranks (README, "Tensor parallelism"); both
-    may also come in `config`."""
+
+    model: a Hugging Face model directory, a .gguf file, or a Hub id (`org/name`, `org/name:QUANT` for a
+        GGUF repo's file of that quant type) fetched through huggingface_hub (`revision`, `download_dir`
+        as its cache, `gguf_file` naming the repo's or directory's GGUF file, `hf_token` else HF_TOKEN;
+        HF_HUB_OFFLINE=1 uses the cache only).
+    speculative_config: vLLM's dict (or `SpeculativeConfig`) turns speculative decoding on; it may also
+        come in `config.speculative_config`.
+    max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
+    seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split over that many ranks:
+    README, "Tensor parallelism"): vLLM's engine arguments, mapped onto `config`
+    (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
+    chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
+    generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
+        leaves unset), "vllm" (ignore it) or a directory; `override_generation_config` goes over it.
+    vllm_kwargs: vLLM's other engine arguments: those that ask for what Conveyor always does
+        (`trust_remote_code`, ...) are taken with a log line, the others are errors saying what to use
+        (`vllm_flags`).
+    """
 
     def __init__(self, model: str | os.PathLike | None = None, *, dtype: str | torch.dtype = "auto",
                  quantization: str | None = None, device: str | torch.device = "auto",
                  config: ContinuousBatchingConfig | None = None,
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
-                 tensor_parallel_size: int | None = None) -> None:
-        config = config or ContinuousBatchingConfig()
+                 revision: str | None = None, download_dir: str | os.PathLike | None = None,
+                 gguf_file: str | None = None, hf_token: str | bool | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
+                 enable_prefix_caching: bool | None = None, seed: int | None = None,
+                 enforce_eager: bool | None = None, block_size: int | None = None, swap_space: float | None = None,
+                 chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
+                 override_generation_config: dict[str, Any] | None = None,
+                 num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
+                 **vllm_kwargs: Any) -> None:
+        for note in check_vllm_kwargs(vllm_kwargs):
+            logger.info("%s", note)
+        config = with_vllm_engine_args(
+            config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
+            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
+            num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size)
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
-        if tensor_parallel_size is not None:
-            config = replace(config, tensor_parallel_size=tensor_parallel_size)
+        template = load_chat_template(chat_template) if chat_template is not None else None
         self.device = resolve_device(device)
-        precision = resolve_precision(dtype, quantization, self.device, model)
+        location = resolve_model_path(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file,
+                                      token=hf_token)
+        self.generation_defaults = GenerationDefaults.load(generation_config, location.path,
+                                                           override_generation_config)
+        precision = resolve_precision(dtype, quantization, self.device, location.path)
         self.dtype = precision.dtype
         started = time.monotonic()
         self.sharded: ShardedModel | None = None  # rank 0's side of a tensor-parallel model
         if config.tensor_parallel_size > 1:
-            self.sharded = load_tensor_parallel(model, precision, self.device, config.tensor_parallel_size,
+            self.sharded = load_tensor_parallel(location.path, precision, self.device, config.tensor_parallel_size,
                                                 config.attention_backend)
             net, checkpoint, self.quantization = self.sharded.model, self.sharded.checkpoint, self.sharded.quantization
             config = self.sharded.engine_config(config)
         else:
-            checkpoint = load_checkpoint(model, dtype=self.dtype,
+            checkpoint = load_checkpoint(location.path, dtype=self.dtype,
                                          keep_quantized=keeps_stored(precision.quantization, self.device))
             self.quantization = resolve_quantization(precision, checkpoint.quantized)
             net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
         self.model_path = checkpoint.path
+        self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
         self.tokenizer = checkpoint.tokenizer
         del checkpoint  # what the model did not keep of the loaded tensors is garbage now
         release_freed_memory()
+        if template is not None:  # everything that renders chats (the server too) reads it from the tokenizer
+            self.tokenizer.chat_template = template
+            try:
+                self.render_chat([{"role": "user", "content": "Hello"}])
+            except Exception as exc:  # Jinja's and transformers' many errors: fail now, not at the first chat
+                raise ValueError(f"the chat template {chat_template!s:.80} cannot render a user message: "
+                                 f"{exc}") from exc
         spec = config.speculative_config
         draft = (load_draft_model(spec, self.model_path, net, self.device)
                  if spec is not None and spec.method == "draft_model" else None)
@@ -107,11 +152,22 @@ class LLM:
             self.sharded.on_failure(self.manager.kill)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
                     " ".join(vector_flags()) or "unknown")
-        logger.info("loaded %s (%s, %s) in %.1f s", self.model_path.name, self.device, self.dtype,
-                    time.monotonic() - started)
+        logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
+                    self.device, self.dtype, time.monotonic() - started, self.max_model_len,
+                    self.generation_defaults.describe())
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams' defaults with the model's generation config applied (vLLM's name): what
+        `generate` and `chat` use without sampling params, and what the server fills unset fields from."""
+        return self.generation_defaults.sampling_params()
+
+    def default_max_tokens(self, prompt_tokens: int) -> int:
+        """What a request that sets no limit may generate (the server's, vLLM's rule): the rest of the
+        context, capped by the generation config. Below 1: the prompt leaves no room."""
+        return self.generation_defaults.max_tokens(prompt_tokens, self.max_model_len)
 
     def shutdown(self) -> None:
         """Stop the engine loop; with tensor parallelism, release the model on the other ranks (they stay up
@@ -181,7 +237,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -219,20 +275,26 @@ class LLM:
 
     def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the model's own chat template."""
+             use_tqdm: bool = True, chat_template: str | os.PathLike | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the chat template: the model's (or `LLM`'s
+        `chat_template`), or this call's `chat_template` (a file or the template text, as vLLM's)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = [self.render_chat(c) for c in conversations]  # type: ignore[arg-type]
+        template = load_chat_template(chat_template) if chat_template is not None else None
+        prompts = [self.render_chat(c, chat_template=template) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of the conversation through the model's chat template (with `tools`, as transformers')."""
-        return self.tokenizer.encode(self.render_chat_text(conversation, tools), add_special_tokens=False)
+    def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    chat_template: str | None = None) -> list[int]:
+        """Token ids of the conversation through the chat template (with `tools`, as transformers'), or
+        through `chat_template` (the template text)."""
+        return self.tokenizer.encode(self.render_chat_text(conversation, tools, chat_template), add_special_tokens=False)
 
-    def render_chat_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The conversation through the model's chat template, as the text `render_chat` tokenizes (a server
+    def render_chat_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                         chat_template: str | None = None) -> str:
+        """The conversation through the chat template, as the text `render_chat` tokenizes (a server
         checks its length before it spends time tokenizing it)."""
         if not conversation:
             raise ValueError("conversation is empty: it needs at least one message")
-        return self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                  chat_template=chat_template)

@@ -48,7 +48,7 @@ def test_bad_prompts_raise_before_anything_is_queued(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         llm.generate([[]], greedy(2), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match=r"\(500 tokens\) \+ max_new_tokens \(100\) = 600 exceeds the "
-                                                  r"model's context length of 512"):
+                                                  r"context length of 512 tokens \(max_model_len\)"):
         llm.generate([[5] * 500], greedy(100), use_tqdm=False)
     with pytest.raises(InvalidRequestError, match=r"integers in \[0, 300\)"):
         llm.generate([[5, 300]], greedy(2), use_tqdm=False)

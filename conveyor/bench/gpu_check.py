@@ -228,7 +228,8 @@ def run_check(args: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
         _release(device)
     if args.hf and prompts and not over():
         try:
-            hf, how = load_hf_model(args.model, _dtype_of(report["model"]["dtype"]), _device_of(report["model"]))
+            model = report["model"]  # its path: a Hub id's cached files
+            hf, how = load_hf_model(model["path"], _dtype_of(model["dtype"]), _device_of(model))
             report["model"]["hf_loaded_via"] = how
         except Exception as exc:
             hf = None

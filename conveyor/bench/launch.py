@@ -133,7 +133,7 @@ def launched_server(*, model: str | None, dtype: str = "auto", quantization: str
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`conveyor serve` that first writes what it resolved to `--info` (the launched side)."""
-    from ..cli_args import add_serve_args, config_from_args
+    from ..cli_args import add_serve_args, llm_kwargs_from_args
     from ..kernels import vector_flags
     from ..llm import LLM
     from ..server import ServerSettings, run_server
@@ -144,8 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_serve_args(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, device=args.device,
-              config=config_from_args(args))
+    llm = LLM(**llm_kwargs_from_args(args))
     partial = Path(f"{args.info}.partial")
     partial.write_text(json.dumps({"model_path": str(llm.model_path), **resolved_mode(llm),
                                    "cpu_flags": vector_flags(), "pid": os.getpid()}))

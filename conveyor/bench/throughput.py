@@ -199,7 +199,7 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
         from .hf_baselines import load_hf_model, run_generate_batch, run_static_generate
 
         started = time.perf_counter()
-        hf, how = load_hf_model(model if model is not None else llm.model_path, llm.dtype, llm.device)
+        hf, how = load_hf_model(llm.model_path, llm.dtype, llm.device)  # a Hub id: its cached files
         report["model"]["hf_loaded_via"] = how
         report["model"]["hf_load_s"] = time.perf_counter() - started
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids[0] if eos_ids else 0)

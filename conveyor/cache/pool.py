@@ -131,7 +131,8 @@ def working_memory_bytes(model: Any, config: Any, dtype: torch.dtype) -> int:
     c = model.config
     elem = torch.tensor([], dtype=dtype).element_size()
     q, kv = c.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
-    tokens, rows, context = config.max_batch_tokens, config.max_requests_per_batch, model.max_model_len
+    tokens, rows = config.max_batch_tokens, config.max_requests_per_batch
+    context = config.max_model_len or model.max_model_len
     activations = tokens * (4 * c.hidden_size + 3 * q + 4 * kv + 3 * c.intermediate_size) * elem
     scores = 2 * c.num_attention_heads * tokens * context * 4
     logits = 3 * rows * c.vocab_size * 4

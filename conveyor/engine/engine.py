@@ -50,7 +50,7 @@ class Engine:
         self.config = config
         self.device = device
         self.dtype = next(model.parameters()).dtype
-        self.max_model_len = model.max_model_len
+        self.max_model_len = config.context_length(model.max_model_len)  # max_model_len, or the model's
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         # The cache layout follows the model's attention types: layer groups of equal size (a chunk is
@@ -79,7 +79,7 @@ class Engine:
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               self.capacity_tokens, self.allocator.blocks_for_tokens,
-                                              config.max_batch_pages, device)
+                                              config.max_batch_pages, device, seed=config.seed)
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")

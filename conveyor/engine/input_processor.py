@@ -6,6 +6,8 @@ Safe from any thread: it reads only what is fixed once the engine is built.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -20,9 +22,9 @@ from ..structured.constraints import Constraints
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], capacity_tokens: int, blocks_for_tokens: Callable[[int], int],
-                 max_batch_pages: int | None, device: torch.device) -> None:
+                 max_batch_pages: int | None, device: torch.device, seed: int | None = None) -> None:
         """`capacity_tokens`: the longest sequence the KV pool holds; `blocks_for_tokens`: the pages a
-        sequence of that many tokens reads (the allocator's)."""
+        sequence of that many tokens reads (the allocator's); `seed`: the engine's seed (config.seed)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -32,6 +34,8 @@ class InputProcessor:
         self.max_batch_pages = max_batch_pages
         self.device = device
         self.constraints = Constraints(tokenizer, vocab_size, eos_token_ids)  # structured outputs
+        self.seed = seed
+        self.unseeded = itertools.count()  # arrival numbers of sampled requests without a seed (atomic next)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
         """Tokenize and validate; raises InvalidRequestError naming the limit."""
@@ -40,7 +44,8 @@ class InputProcessor:
         if total > self.max_model_len:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
-                f"model's context length of {self.max_model_len} tokens", RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
+                f"context length of {self.max_model_len} tokens (max_model_len)",
+                RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
         if len(token_ids) > self.capacity_tokens:
             raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
                                       f"{self.capacity_tokens} tokens", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
@@ -64,9 +69,17 @@ class InputProcessor:
                                       "structured_outputs") from exc
         request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
         request.grammar = grammar
-        if params.seed is not None and not params.greedy:
-            request.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        if not params.greedy and (params.seed is not None or self.seed is not None):
+            request.generator = torch.Generator(device=self.device).manual_seed(self.request_seed(params))
         return request
+
+    def request_seed(self, params: SamplingParams) -> int:
+        """The request's own seed, else one drawn from the engine's seed and the request's arrival number:
+        the same requests in the same order sample the same tokens (vLLM's `seed`)."""
+        if params.seed is not None:
+            return params.seed
+        digest = hashlib.blake2b(f"{self.seed}:{next(self.unseeded)}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
 
     def prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         """(token ids, the text if the prompt was text)."""

@@ -163,8 +163,8 @@ class ModelRunner:
     def enable_padding(self, config: ContinuousBatchingConfig, buffer_sets: int = 1) -> None:
         """Pad every step into static buffers (`step_buffers`); `buffer_sets` alternate (async batching
         prepares one while the previous step still reads the other)."""
-        width = max(table_length(self.model.max_model_len, self.page_size, allocator.window)
-                    for allocator, _ in self.groups)
+        context = config.max_model_len or self.model.max_model_len
+        width = max(table_length(context, self.page_size, allocator.window) for allocator, _ in self.groups)
         self.buffers = [StepBuffers(len(self.groups), config.max_batch_tokens, config.max_requests_per_batch, width,
                                     config.max_requests_per_batch, config.q_padding_interval_size,
                                     max(1, config.kv_padding_interval_size // self.page_size), self.device)

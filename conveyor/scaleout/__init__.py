@@ -34,7 +34,7 @@ __all__ = ["add_data_parallel_args"]
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
     """`conveyor serve`'s options for replicas behind a router."""
     group = parser.add_argument_group("data parallel (replicas behind a router; pip install \"conveyor[router]\")")
-    group.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                        help="replicas of the engine, each its own process with its own KV cache, behind one "
                        "router at --host:--port (default 1: no router); counts the --data-parallel-address ones")
     group.add_argument("--data-parallel-address", nargs="+", default=None, metavar="URL",

@@ -159,7 +159,7 @@ class Serving:
     def __init__(self, llm: LLM, settings: ServerSettings) -> None:
         self.llm = llm
         self.settings = settings
-        self.names = list(settings.served_model_names or [llm.model_path.name])
+        self.names = list(settings.served_model_names or [llm.model_name])
         self.model_name = self.names[0]
         self.tokenizer = llm.get_tokenizer()
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
@@ -345,14 +345,17 @@ class Serving:
             structured, structured_param = constraint
         bias = logit_bias(body)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        top_k = body.top_k or 0
+        default = self.llm.get_default_sampling_params()  # the model's generation config over ours (vLLM)
+        unset = {name: getattr(default, name) if getattr(body, name) is None else getattr(body, name)
+                 for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+        unset["top_k"] = max(unset["top_k"], 0)  # -1: off, as 0
         if body.seed is not None and not -2**63 <= body.seed <= 2**64 - body.n:
             raise APIError(400, f"seed must be a 64-bit integer, got {body.seed}", param="seed")
         requests = []
         for p, ids in enumerate(prompts):
             limit = max_tokens
-            if limit is None:  # vLLM: the rest of the context
-                limit = self.max_model_len - len(ids)
+            if limit is None:  # vLLM: the rest of the context (capped by the generation config)
+                limit = self.llm.default_max_tokens(len(ids))
                 if limit < 1:
                     raise APIError(400, f"prompt ({len(ids)} tokens) leaves no room to generate within the model's "
                                    f"context length of {self.max_model_len} tokens", param=param,
@@ -360,9 +363,7 @@ class Serving:
             for j in range(body.n):
                 try:
                     params = SamplingParams(
-                        max_new_tokens=limit, temperature=1.0 if body.temperature is None else body.temperature,
-                        top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if top_k == -1 else top_k,
-                        min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+                        max_new_tokens=limit, **unset,
                         presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,

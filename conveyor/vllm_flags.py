@@ -1,0 +1,100 @@
+"""vLLM's command-line flags that `conveyor serve` and `conveyor generate` do not take, each with what to
+do instead, so that a vLLM deployment script fails with a sentence rather than argparse's
+"unrecognized arguments"; and the few whose vLLM meaning is what Conveyor always does, taken and
+ignored with a log line. The same for `LLM(...)`'s keyword arguments of those names (vLLM's `LLM`
+takes every engine argument). (The flags Conveyor takes under vLLM's names are in `cli_args`.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LORA = "LoRA adapters are not supported: merge the adapter into the weights (peft's merge_and_unload) and serve that"
+TOKENIZER = ("the tokenizer is the model's own (its directory, Hub repo or GGUF file); to use another, copy its "
+             "files into the model directory")
+PIPELINE = "pipeline parallelism is not supported: --tensor-parallel-size N splits the model over N devices, " \
+           "--data-parallel-size N runs N replicas behind a router"
+UNSUPPORTED: dict[str, str] = {
+    "--pipeline-parallel-size": PIPELINE,
+    "-pp": PIPELINE,
+    "--distributed-executor-backend": "there is no distributed executor: --data-parallel-size N starts the replicas "
+                                      "itself, and conveyor.scaleout.ray_serve runs them on Ray Serve",
+    "--tokenizer": TOKENIZER,
+    "--tokenizer-mode": TOKENIZER,
+    "--tokenizer-revision": "--revision applies to the model and its tokenizer together",
+    "--kv-cache-dtype": "the KV cache is kept in the compute dtype: choose it with --dtype",
+    "--load-format": "the format follows the files: a directory of *.safetensors, or a .gguf file "
+                     "(--gguf-file NAME or org/name:QUANT for a Hub repo)",
+    "--enable-lora": LORA,
+    "--lora-modules": LORA,
+    "--max-lora-rank": LORA,
+    "--max-loras": LORA,
+    "--cpu-offload-gb": "weights are not offloaded; --swap-space GIB (--cpu-offload-space) keeps preempted "
+                        "requests' KV blocks in host memory",
+    "--no-enable-chunked-prefill": "prefill is always chunked, --max-num-batched-tokens tokens a step: raise that "
+                                   "to prefill longer prompts in one step",
+    "--scheduling-policy": "requests are admitted first come, first served; --scheduler-type fifo|prefill_first "
+                           "orders decodes and prefills within a step",
+    "--reasoning-parser": "reasoning is not split out of the reply: it stays in the message content",
+    "--guided-decoding-backend": "structured outputs always run on llguidance: drop the flag",
+    "--structured-outputs-config": "structured outputs always run on llguidance: drop the flag",
+    "--limit-mm-per-prompt": "Conveyor serves text-only models; multimodal inputs are not supported",
+    "--task": "Conveyor generates text; embedding, scoring and pooling models are not supported",
+    "--runner": "Conveyor generates text; embedding, scoring and pooling models are not supported",
+    "--ssl-keyfile": "the server speaks plain HTTP: put a TLS-terminating proxy (nginx, Caddy) in front",
+    "--ssl-certfile": "the server speaks plain HTTP: put a TLS-terminating proxy (nginx, Caddy) in front",
+    "--compilation-config": "there is no torch.compile step; CUDA graphs of decode steps are on by default on CUDA "
+                            "(--enforce-eager turns them off)",
+    "--hf-overrides": "edit the model's config.json instead",
+    "--kv-transfer-config": "disaggregated prefill (KV transfer between instances) is not supported",
+    "--enable-sleep-mode": "sleep mode is not supported: stop the server and start it again",
+    "--enable-expert-parallel": "mixture-of-experts models are not supported",
+    "--enable-log-requests": "requests are not logged; GET /metrics has their counts and latencies",
+}
+# vLLM flags whose effect is what Conveyor always does: taken, with a log line saying so.
+ALREADY_SO: dict[str, str] = {
+    "--trust-remote-code": "Conveyor runs its own implementation of each supported architecture, never a repo's code",
+    "--enable-chunked-prefill": "prefill is always chunked",
+    "--disable-log-requests": "requests are never logged",
+    "--disable-log-stats": "no periodic stats are logged (GET /metrics has them)",
+    "--disable-custom-all-reduce": "tensor parallelism all-reduces through torch.distributed, never a custom kernel",
+    "--disable-frontend-multiprocessing": "the HTTP front end runs in the engine's process",
+}
+
+
+class UnsupportedFlagError(ValueError):
+    """A vLLM flag Conveyor does not take; the message says what to use instead."""
+
+
+def check_vllm_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(argv without the `ALREADY_SO` flags, a note for each of those); `UnsupportedFlagError` for the first
+    `UNSUPPORTED` flag, naming what to use. Arguments after `--` are left alone."""
+    kept: list[str] = []
+    notes: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return kept + argv[i:], notes
+        flag = arg.split("=", 1)[0]
+        if flag in UNSUPPORTED:
+            raise UnsupportedFlagError(f"{flag} (vLLM's) is not supported: {UNSUPPORTED[flag]}")
+        if flag in ALREADY_SO and "=" not in arg:
+            notes.append(f"{flag}: no effect, {ALREADY_SO[flag]}")
+            continue
+        kept.append(arg)
+    return kept, notes
+
+
+def check_vllm_kwargs(kwargs: dict[str, Any]) -> list[str]:
+    """A note for each keyword argument whose vLLM meaning is what Conveyor always does (`ALREADY_SO`);
+    `UnsupportedFlagError` for a vLLM argument Conveyor does not take, naming what to use; `TypeError`,
+    as Python's own, for any other name."""
+    notes: list[str] = []
+    for name, value in kwargs.items():
+        flag = "--" + name.replace("_", "-")
+        negated = f"--no-{flag[2:]}"
+        if flag in UNSUPPORTED or (value is False and negated in UNSUPPORTED):
+            raise UnsupportedFlagError(f"{name}={value!r} (vLLM's) is not supported: "
+                                       f"{UNSUPPORTED.get(flag) or UNSUPPORTED[negated]}")
+        if flag not in ALREADY_SO:
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
+        notes.append(f"{name}={value!r}: no effect, {ALREADY_SO[flag]}")
+    return notes

@@ -1,0 +1,130 @@
+"""vLLM's engine arguments in `LLM(...)`: each one's effect on the engine (context cap, batch size, seed,
+prefix caching, memory share), and a clear error where one disagrees with the config or the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor import LLM, CachePool, ContinuousBatchingConfig, InvalidRequestError, SamplingParams
+from conveyor.config import VLLM_ENGINE_ARGS, with_vllm_engine_args
+from conveyor.errors import ConfigError
+from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED
+
+from .conftest import TinyModel, random_prompts
+
+
+def tiny(model: TinyModel, **kwargs: object) -> LLM:
+    return LLM(model.path, dtype="float32", config=ContinuousBatchingConfig(num_blocks=128), **kwargs)
+
+
+def sampled(n: int, **kw: object) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=1.0, ignore_eos=True, **kw)
+
+
+def test_each_vllm_name_sets_its_field_and_a_disagreement_is_an_error() -> None:
+    given = {"max_model_len": 100, "seed": 3, "max_num_seqs": 5, "max_num_batched_tokens": 48,
+             "gpu_memory_utilization": 0.25, "enable_prefix_caching": False, "block_size": 8, "swap_space": 1.5,
+             "enforce_eager": True, "num_gpu_blocks_override": 40}
+    assert set(given) | {"tensor_parallel_size"} == set(VLLM_ENGINE_ARGS)
+    config = with_vllm_engine_args(None, **given)
+    assert (config.max_model_len, config.seed, config.max_requests_per_batch, config.max_batch_tokens,
+            config.max_memory_percent, config.allow_block_sharing, config.page_size, config.cpu_offload_space,
+            config.use_cuda_graph, config.num_blocks) == (100, 3, 5, 48, 0.25, False, 8, 1.5, False, 40)
+    assert with_vllm_engine_args(None, tensor_parallel_size=2).tensor_parallel_size == 2
+    assert with_vllm_engine_args(None, enforce_eager=False).use_cuda_graph is None  # vLLM's default: automatic
+    same = ContinuousBatchingConfig(max_requests_per_batch=5)
+    assert with_vllm_engine_args(same, max_num_seqs=5).max_requests_per_batch == 5  # agreeing twice is fine
+    with pytest.raises(ConfigError, match=r"max_num_seqs \(vLLM's name for max_requests_per_batch\)=2 disagrees "
+                                          r"with max_requests_per_batch=8"):
+        with_vllm_engine_args(ContinuousBatchingConfig(max_requests_per_batch=8), max_num_seqs=2)
+    with pytest.raises(ConfigError, match="enable_prefix_caching.*disagrees with allow_block_sharing=False"):
+        with_vllm_engine_args(ContinuousBatchingConfig(allow_block_sharing=False), enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="max_memory_percent must be in"):
+        with_vllm_engine_args(None, gpu_memory_utilization=1.5)
+
+
+def test_max_model_len_caps_the_context(tiny_llama: TinyModel) -> None:
+    llm = tiny(tiny_llama, max_model_len=64)
+    assert llm.max_model_len == 64 and llm.engine.config.max_model_len == 64
+    with pytest.raises(InvalidRequestError, match=r"= 70 exceeds the context length of 64 tokens \(max_model_len\)"):
+        llm.generate([[5] * 60], sampled(10), use_tqdm=False)
+    [out] = llm.generate([[5] * 60], sampled(4), use_tqdm=False)
+    assert out.num_output_tokens == 4
+    assert llm.default_max_tokens(60) == 4  # what a server request without max_tokens may generate
+    with pytest.raises(ConfigError, match="max_model_len=1000 is larger than the model's context length of 512"):
+        tiny(tiny_llama, max_model_len=1000)
+
+
+def test_max_num_seqs_bounds_every_batch(tiny_llama: TinyModel) -> None:
+    llm = tiny(tiny_llama, max_num_seqs=2)
+    engine = llm.engine
+    sizes: list[int] = []
+    schedule = engine.schedule
+
+    def recording():
+        out = schedule()
+        sizes.append(len(out.chunks))
+        return out
+
+    engine.schedule = recording
+    outputs = llm.generate(random_prompts([5, 9, 3, 7, 6]), sampled(6), use_tqdm=False)
+    assert [o.num_output_tokens for o in outputs] == [6] * 5
+    assert max(sizes) == 2  # two at once, never more
+    assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
+
+
+def test_seed_repeats_a_run_and_leaves_seeded_requests_alone(tiny_llama: TinyModel) -> None:
+    prompts = random_prompts([4, 6, 5])
+
+    def run(llm: LLM, **kw: object) -> list[list[int]]:
+        return [o.token_ids for o in llm.generate(prompts, sampled(8, **kw), use_tqdm=False)]
+
+    first, again, other = run(tiny(tiny_llama, seed=7)), run(tiny(tiny_llama, seed=7)), run(tiny(tiny_llama, seed=8))
+    assert first == again and first != other
+    assert len({tuple(t) for t in first}) == 3  # each request draws its own numbers
+    assert run(tiny(tiny_llama, seed=7), seed=3) == run(tiny(tiny_llama), seed=3)  # a request's own seed wins
+
+
+def test_no_enable_prefix_caching_turns_prefix_caching_off(tiny_llama: TinyModel) -> None:
+    prompt = random_prompts([40])[0]
+    for enabled in (True, False):
+        llm = tiny(tiny_llama, enable_prefix_caching=enabled)
+        llm.generate([prompt], sampled(2), use_tqdm=False)
+        llm.generate([prompt], sampled(2), use_tqdm=False)
+        assert llm.engine.block_sharing is enabled
+        assert (llm.stats().prefix_cache_hit_tokens > 0) is enabled
+
+
+def test_gpu_memory_utilization_is_the_pools_share_of_free_memory(tiny_llama: TinyModel,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU the share is of the available system memory left after one pass's working memory."""
+    free = 64 * 2**20
+    monkeypatch.setattr("conveyor.cache.pool.available_memory", lambda device: free)
+    monkeypatch.setattr("conveyor.engine.engine.working_memory", lambda *args: 0)  # all of it left for the pool
+    chunks = {}
+    for share in (0.05, 0.1):
+        llm = LLM(tiny_llama.path, dtype="float32", gpu_memory_utilization=share)
+        assert llm.engine.config.max_memory_percent == share
+        chunks[share] = llm.engine.pool.num_chunks
+        per_chunk = CachePool.bytes_per_chunk(dtype=torch.float32, page_size=16, num_layers=2, num_kv_heads=2,
+                                              head_dim=16)
+        assert chunks[share] == int(free * share) // per_chunk
+    assert chunks[0.1] in (2 * chunks[0.05], 2 * chunks[0.05] + 1)
+
+
+def test_vllm_arguments_we_do_not_take_say_what_to_use(tiny_llama: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
+    """As on the command line: vLLM's `LLM(trust_remote_code=True)` is taken (a log line says why it has no
+    effect); `kv_cache_dtype`, `enable_chunked_prefill=False` are refused with what to use; a name vLLM
+    does not have either is Python's TypeError."""
+    with caplog.at_level("INFO", logger="conveyor"):
+        llm = tiny(tiny_llama, trust_remote_code=True, disable_log_stats=True)
+    assert f"trust_remote_code=True: no effect, {ALREADY_SO['--trust-remote-code']}" in caplog.text
+    assert llm.generate([[5, 6]], sampled(2), use_tqdm=False)[0].num_output_tokens == 2
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='fp8' \\(vLLM's\\) is not supported: "
+                                         f"{UNSUPPORTED['--kv-cache-dtype']}"):
+        tiny(tiny_llama, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="enable_chunked_prefill=False .* prefill is always chunked"):
+        tiny(tiny_llama, enable_chunked_prefill=False)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_sequences'"):
+        tiny(tiny_llama, max_num_sequences=2)
