@@ -56,9 +56,13 @@ class SamplingParamsError(ValueError):
     """A sampling parameter is outside its allowed range."""
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclass
 class SamplingParams:
-    """How one request decodes. `temperature=0` is greedy; the other filters then do nothing.
+    """How one request decodes. `temperature=0` is greedy (as is any below `GREEDY_BELOW`, vLLM's rule: dividing
+    by it would overflow); the other filters then do nothing.
 
     top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1].
     min_p: drop tokens below min_p x the top probability. repetition_penalty: > 1 discourages
@@ -139,4 +143,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -98,6 +98,16 @@ def test_sampling_rule_on_a_big_vocabulary(native: bool, monkeypatch: pytest.Mon
     assert (freq - kept[top]).abs().max() < 0.03, (freq, kept[top])
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 6e-173, 1e-6])
+def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
+    """Dividing by a temperature that rounds to 0 in fp32 would make every logit infinite (a fuzzer's
+    request once drew token -1): below 1e-5 a request decodes greedily, as in vLLM."""
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(2))
+    requests = [_request(i, temperature=temperature) for i in range(3)]
+    assert requests[0].params.greedy
+    assert torch.equal(Sampler().sample(logits.clone(), requests).tokens, logits.argmax(dim=-1))
+
+
 def test_transfers_on_cpu_are_plain_tensors() -> None:
     cpu = torch.device("cpu")
     moved = to_device([3, 1, 2], torch.long, cpu)

@@ -130,7 +130,8 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
         last = i;
         if (run > target) return i;
     }
-    return last;  // rounding: u close to 1
+    if (last >= 0) return last;  // rounding: u close to 1
+    return std::max_element(logits, logits + V) - logits;  // nothing kept (non-finite values): the likeliest
 }
 
 }  // namespace
