@@ -25,6 +25,7 @@ import torch
 GGMLType = gguf.GGMLQuantizationType
 I8 = 1000  # our per-channel int8 (not a GGUF type); the kernels' id for it
 BF16 = 1001  # dense bf16 rows, tiled for the kernels like the quantized types (not quantized)
+DENSE_BYTES = {I8: 1, BF16: 2}  # bytes a value of our own types (no blocks: a row is its values)
 
 # Types the native kernels take, with their block size (weights per block).
 KERNEL_TYPES: dict[int, int] = {GGMLType.Q4_0: 32, GGMLType.Q4_1: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256,
@@ -119,8 +120,8 @@ class QuantizedTensor:
 
 
 def row_bytes(qtype: int, cols: int) -> int:
-    if qtype in (I8, BF16):
-        return cols * (2 if qtype == BF16 else 1)
+    if qtype in DENSE_BYTES:
+        return cols * DENSE_BYTES[qtype]
     block, size = gguf.GGML_QUANT_SIZES[GGMLType(qtype)]
     return cols // block * size
 
