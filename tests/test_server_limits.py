@@ -29,15 +29,18 @@ def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 
 
 def health_while(url: str, work: list[threading.Thread]) -> list[float]:
-    """/health latencies, polled every 50 ms while `work` runs."""
+    """/health latencies, polled every 50 ms while `work` runs (at least once: a fast 413 can beat the
+    first poll)."""
     for thread in work:
         thread.start()
     latencies = []
     with httpx.Client(timeout=30) as client:
-        while any(t.is_alive() for t in work):
+        while True:
             started = time.monotonic()
             assert client.get(f"{url}/health").status_code == 200
             latencies.append(time.monotonic() - started)
+            if not any(t.is_alive() for t in work):
+                break
             time.sleep(0.05)
     for thread in work:
         thread.join()
