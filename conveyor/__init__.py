@@ -21,10 +21,10 @@ from .engine.stats import EngineStats
 from .errors import InvalidRequestError
 from .llm import LLM
 from .manager import ContinuousBatchingManager
-from .request import RequestOutput, RequestState
+from .request import CompletionOutput, RequestOutput, RequestState
 from .sampling_params import SamplingParams
 from .sched.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatchingManager", "Engine", "EngineStats",
-           "InvalidRequestError", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
+           "InvalidRequestError", "CompletionOutput", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
            "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator"]

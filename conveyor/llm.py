@@ -31,14 +31,12 @@ from .manager import ContinuousBatchingManager
 from .models import build_model
 from .models.hub import resolve_model_path
 from .models.loader import load_checkpoint
-from .request import Request, RequestOutput
+from .request import Prompt, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
 from .vllm_flags import check_vllm_kwargs
 
 logger = logging.getLogger("conveyor")
-
-Prompt = str | list[int]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -229,11 +227,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs in input order.
+        """Generate for every prompt (text, token ids, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": ...}`);
+        outputs in input order.
 
         All prompts are validated before any is queued, so one bad prompt raises and runs nothing.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):

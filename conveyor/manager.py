@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 from .engine.engine import Engine
 from .engine.stats import EngineStats
-from .request import Request, RequestOutput, RequestState
+from .request import Prompt, Request, RequestOutput, RequestState
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("conveyor")
@@ -106,7 +106,7 @@ class ContinuousBatchingManager:
         self.stop()
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, streaming: bool = False) -> str:
         """Validate and queue a request; returns its id. Raises ValueError on bad input."""
         request_id = request_id if request_id is not None else self.new_request_id()

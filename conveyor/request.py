@@ -12,11 +12,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .sampling_params import SamplingParams
+
+# Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
+Prompt = str | list[int] | dict[str, Any]
 
 if TYPE_CHECKING:
     import llguidance
@@ -54,6 +57,18 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """vLLM's per-sequence view of a result (`out.outputs[0].text`); this engine makes one sequence per request,
+    and its logprobs are plain floats, not vLLM's `Logprob` objects."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
 @dataclass
 class RequestOutput:
     """What a user receives: the whole result so far, plus the delta since the previous output."""
@@ -79,6 +94,11 @@ class RequestOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape of the same result, so `out.outputs[0].text` works as it does there."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason)]
 
 
 class Request:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -79,6 +80,9 @@ class SamplingParams:
     vLLM's. logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI's rule).
     skip_special_tokens: special tokens are left out of the text (vLLM's default); a tool-call format
     whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept.
+
+    `max_tokens` is vLLM's name for `max_new_tokens`: `SamplingParams(max_tokens=32)` and `params.max_tokens`
+    work as in vLLM (the default stays 64, not vLLM's 16).
     """
 
     max_new_tokens: int = 64
@@ -144,3 +148,30 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def max_tokens(self) -> int:
+        """vLLM's name for `max_new_tokens`."""
+        return self.max_new_tokens
+
+    @max_tokens.setter
+    def max_tokens(self, value: int) -> None:
+        self.max_new_tokens = value
+
+
+def _accept_vllm_max_tokens(init: Any) -> Any:
+    """The dataclass's `__init__`, also taking vLLM's `max_tokens=` (a property, not a second field, so
+    `dataclasses.replace` and `fields` see one length setting)."""
+
+    @functools.wraps(init)
+    def __init__(self: SamplingParams, *args: Any, max_tokens: int | None = None, **kwargs: Any) -> None:
+        if max_tokens is not None:
+            if kwargs.setdefault("max_new_tokens", max_tokens) != max_tokens:
+                raise SamplingParamsError(f"max_tokens={max_tokens!r} and max_new_tokens={kwargs['max_new_tokens']!r} "
+                                          "disagree (they are the same setting: give one)")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _accept_vllm_max_tokens(SamplingParams.__init__)  # type: ignore[method-assign]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -35,10 +37,38 @@ def run_all(engine: Engine) -> None:
     ({"top_k": -1}, "top_k must be an integer >= 0"),
     ({"min_p": 2.0}, "min_p must be in [0, 1]"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+    ({"max_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+    ({"max_tokens": 8, "max_new_tokens": 9}, "max_tokens=8 and max_new_tokens=9 disagree"),
 ])
 def test_bad_sampling_params_raise(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         SamplingParams(**kwargs)
+
+
+def test_vllm_max_tokens_is_max_new_tokens(llm: LLM) -> None:
+    """vLLM's `SamplingParams(max_tokens=N)` generates N tokens, read back as vLLM reads them; `replace` still
+    sees one length setting."""
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    assert params.max_new_tokens == params.max_tokens == 5
+    assert replace(params, max_new_tokens=3).max_tokens == 3
+    out = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]
+    assert len(out.token_ids) == 5
+    assert out.outputs[0].token_ids == out.token_ids and out.outputs[0].text == out.text  # vLLM's shape
+    assert out.outputs[0].finish_reason == out.finish_reason == "length"
+
+
+def test_vllm_prompt_dicts(llm: LLM) -> None:
+    """vLLM's `{"prompt_token_ids": ids}` and `{"prompt": text}` give what the ids and the text give; other keys
+    are refused by name."""
+    params = greedy(3)
+    ids, text = [5, 6, 7, 8], "hello there"
+    plain = [o.token_ids for o in llm.generate([ids, text], params, use_tqdm=False)]
+    dicts = llm.generate([{"prompt_token_ids": ids}, {"prompt": text}], params, use_tqdm=False)
+    assert [o.token_ids for o in dicts] == plain and dicts[1].prompt == text
+    assert llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].token_ids == plain[0]
+    with pytest.raises(InvalidRequestError, match=r"not supported: \['multi_modal_data'\]"):
+        llm.generate({"prompt": text, "multi_modal_data": {}}, params, use_tqdm=False)
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 def test_bad_prompts_raise_before_anything_is_queued(llm: LLM) -> None:

@@ -23,7 +23,7 @@ from ..config import ContinuousBatchingConfig
 from ..errors import DistributedError, InvalidRequestError, RequestErrorCode
 from ..layers.attention import make_attention_backend
 from ..models.base import CausalLM
-from ..request import Request, RequestState
+from ..request import Prompt, Request, RequestState
 from ..sampling_params import SamplingParams
 from ..sched.output import SchedulerOutput
 from ..sched.scheduler import make_scheduler
@@ -126,7 +126,7 @@ class Engine:
         return tuple(sorted(ids))
 
     # -- requests in ------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Tokenize and validate (`InputProcessor`); raises InvalidRequestError naming the limit. Safe from any
         thread."""
         return self.input_processor.make_request(request_id, prompt, params)

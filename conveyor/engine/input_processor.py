@@ -9,12 +9,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import InvalidRequestError, RequestErrorCode
-from ..request import Request
+from ..request import Prompt, Request
 from ..sampling_params import SamplingParams
 from ..structured.constraints import Constraints
 
@@ -37,7 +38,7 @@ class InputProcessor:
         self.seed = seed
         self.unseeded = itertools.count()  # arrival numbers of sampled requests without a seed (atomic next)
 
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Tokenize and validate; raises InvalidRequestError naming the limit."""
         token_ids, text = self.prompt_ids(prompt)
         total = len(token_ids) + params.max_new_tokens
@@ -81,8 +82,11 @@ class InputProcessor:
         digest = hashlib.blake2b(f"{self.seed}:{next(self.unseeded)}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little")
 
-    def prompt_ids(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
-        """(token ids, the text if the prompt was text)."""
+    def prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """(token ids, the text if the prompt was text). vLLM's prompt dicts are taken too: `{"prompt": text}`
+        and `{"prompt_token_ids": ids}`."""
+        if isinstance(prompt, dict):
+            prompt = self._vllm_prompt(prompt)
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", RequestErrorCode.INVALID_PROMPT, "prompt")
@@ -96,3 +100,15 @@ class InputProcessor:
         if not token_ids:
             raise InvalidRequestError("prompt is empty (0 tokens)", RequestErrorCode.INVALID_PROMPT, "prompt")
         return token_ids, text
+
+    @staticmethod
+    def _vllm_prompt(prompt: dict[str, Any]) -> str | list[int]:
+        """The text or ids of vLLM's `TextPrompt` / `TokensPrompt`; other keys (multi-modal data, embeddings)
+        are refused by name rather than ignored."""
+        other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if other or not prompt:
+            raise InvalidRequestError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids'; not supported: "
+                                      f"{other or 'an empty dict'}", RequestErrorCode.INVALID_PROMPT, "prompt")
+        if "prompt_token_ids" in prompt:
+            return prompt["prompt_token_ids"]
+        return prompt["prompt"]
