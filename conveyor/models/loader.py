@@ -28,6 +28,7 @@ import torch
 import transformers
 
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
+from .gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
@@ -201,15 +202,15 @@ def _load_tokenizer(path: Path, directory: Path, **kwargs: Any) -> transformers.
         raise ModelLoadError(f"Cannot load the tokenizer of {path}: {exc}") from exc
 
 
-def _gguf_reader(path: Path) -> gguf.GGUFReader:
+def _gguf_reader(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(path)
-    # The GGUF parser raises arbitrary errors (ValueError, IndexError, ...) on malformed input.
+        return GGUFFile(path)
+    # Malformed input can also fail in numpy or struct (e.g. a bad type code, a short file).
     except Exception as exc:
         raise ModelLoadError(f"Not a valid GGUF file: {path} ({exc})") from exc
 
 
-def _gguf_arch(reader: gguf.GGUFReader, path: Path) -> str:
+def _gguf_arch(reader: GGUFFile, path: Path) -> str:
     arch = _gguf_field(reader, path, "general.architecture")
     if arch not in _GGUF_CONFIGS:
         raise ModelLoadError(
@@ -306,16 +307,16 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
 _REQUIRED = object()
 
 
-def _gguf_field(reader: gguf.GGUFReader, path: Path, key: str, default: Any = _REQUIRED) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
+def _gguf_field(reader: GGUFFile, path: Path, key: str, default: Any = _REQUIRED) -> Any:
+    value = reader.metadata.get(key)
+    if value is None:
         if default is _REQUIRED:
             raise ModelLoadError(f"GGUF metadata field {key!r} is missing in {path}")
         return default
-    return field.contents()
+    return value
 
 
-def _gguf_config(reader: gguf.GGUFReader, path: Path, arch: str) -> transformers.PretrainedConfig:
+def _gguf_config(reader: GGUFFile, path: Path, arch: str) -> transformers.PretrainedConfig:
     """Build the HF config from GGUF metadata, mirroring transformers' own GGUF mapping."""
 
     def field(key: str, default: Any = _REQUIRED) -> Any:
@@ -326,8 +327,8 @@ def _gguf_config(reader: gguf.GGUFReader, path: Path, arch: str) -> transformers
     head_dim = field(
         f"{arch}.attention.key_length", field(f"{arch}.rope.dimension_count", hidden // n_head)
     )
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = field(f"{arch}.vocab_size", len(tokens.data) if tokens is not None else _REQUIRED)
+    tokens = reader.metadata.get("tokenizer.ggml.tokens")
+    vocab_size = field(f"{arch}.vocab_size", len(tokens) if tokens is not None else _REQUIRED)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size,
