@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.initialization import no_init_weights
 
 from ..kernels import cpu_fused_ops, native_kernels_enabled
 from ..layers.attention import AttentionBackend, AttentionMetadata
@@ -108,7 +109,8 @@ class CausalLM(nn.Module):
         if config.model_type not in cls.model_types:
             raise ValueError(f"model type {config.model_type!r} is not supported by {cls.__name__} "
                              f"(supported: {', '.join(cls.model_types)})")
-        model = cls.build(config, state_dict)
+        with no_init_weights():  # every parameter is loaded below: random init was 1.6 s of a 5 s load
+            model = cls.build(config, state_dict)
         if "lm_head.weight" not in state_dict:
             model.tied, model.lm_head = True, None
         fused: dict[str, Weight | list[Weight]] = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
