@@ -26,6 +26,7 @@ import numpy as np
 import safetensors.torch
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
 
@@ -151,7 +152,7 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
         raise ModelLoadError(f"Not a Hugging Face model directory, config.json is missing: {path}")
     try:
         return transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, StrictDataclassError) as exc:  # the last: a field transformers' validation rejects
         raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
 
 
