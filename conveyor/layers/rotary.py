@@ -88,6 +88,12 @@ class RotaryEmbedding(nn.Module):
         else:
             raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: default, "
                              f"{', '.join(ROPE_INIT_FUNCTIONS)})")
+        factors = getattr(config, "rope_freq_factors", None)  # a Llama 3 GGUF's `rope_freqs` (its llama3 scaling)
+        if factors is not None:
+            if rope_type != "default" or len(factors) != inv_freq.numel():
+                raise ValueError(f"rope_freq_factors ({len(factors)}) go with the default RoPE of "
+                                 f"{inv_freq.numel()} frequencies, not {rope_type!r}")
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.scaling = float(scaling)
         self.rotary_dim = 2 * inv_freq.numel()
