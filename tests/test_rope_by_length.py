@@ -156,17 +156,21 @@ def test_prefix_cache_shares_only_equal_rotations(models: dict[str, Model], kind
 
 
 @pytest.fixture(scope="module")
-def smooth(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """Phi-4-mini-like weights at a trained model's scale (what the precision tests measure on)."""
-    return Model("phi4_mini", tmp_path_factory.mktemp("phi4_mini_smooth"), initializer_range=0.05)
+def smooth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
+    """Weights at a trained model's scale (what the precision tests measure on)."""
+    return {kind: Model(kind, tmp_path_factory.mktemp(f"{kind}_smooth"), initializer_range=0.05)
+            for kind in ("phi4_mini", "phi3_longrope")}
 
 
-@pytest.mark.parametrize(("dtype", "quantization"), [("bfloat16", None), ("auto", "int8"), ("bfloat16", "int8")])
-def test_precision_modes_stay_close(smooth: Model, dtype: str, quantization: str | None) -> None:
+@pytest.mark.parametrize(("kind", "dtype", "quantization"), [
+    ("phi4_mini", "bfloat16", None), ("phi4_mini", "auto", "int8"), ("phi4_mini", "bfloat16", "int8"),
+    ("phi3_longrope", "bfloat16", "int8")])  # full rotary: the native decode stack, positions carrying lengths
+def test_precision_modes_stay_close(smooth: dict[str, Model], kind: str, dtype: str, quantization: str | None) -> None:
     """bf16 and int8 against the fp32 exact path, within the limits test_precision sets for Llama (prompts
     past LongRoPE's threshold included)."""
     prompts = random_prompts([5, 12, 20, 30, 34, 40, 8, 25], seed=41)
-    fp32, other = smooth.llm(), smooth.llm(dtype=dtype, quantization=quantization)
+    fp32, other = smooth[kind].llm(), smooth[kind].llm(dtype=dtype, quantization=quantization)
+    assert (other.engine.model.decode_stack is not None) == (kind == "phi3_longrope")
     tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization is None else QUANT_MODES[quantization][1]
     err = (next_token_logprobs(other, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
     assert err < tolerance, f"{dtype}/{quantization}: log-prob error {err:.3f}"
@@ -214,3 +218,14 @@ def test_tensor_parallelism_names_what_it_cannot_split(models: dict[str, Model])
     assert len(plan_shards(config, 1)) == 1
     with pytest.raises(ConfigError, match="phi3 checkpoints store q/k/v and gate/up fused"):
         plan_shards(config, 2)
+
+
+def test_speculation_stops_at_the_longrope_switch(models: dict[str, Model]) -> None:
+    """Proposals never cross the switch: a pass crossing it would verify against the short K/V the switch
+    recomputes. The model drafts for itself, so every proposal is accepted, up to the switch too."""
+    model = models["phi3_longrope"]
+    prompts = random_prompts([20, 27, 30], seed=17)
+    spec = {"method": "draft_model", "model": str(model.path), "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+    llm = model.llm(page_size=4, speculative_config=spec)
+    run_and_compare(model, llm, prompts, [20, 12, 8], "self-drafted across the switch")
+    assert llm.stats().spec_decode_num_accepted_tokens > 20

@@ -84,7 +84,8 @@ class Engine:
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
-        self.speculator = Speculator(spec, self.max_model_len, sliding=window is not None) if spec else None
+        self.speculator = (Speculator(spec, self.max_model_len, sliding=window is not None,
+                                      rope_switch=model.rope_switch) if spec else None)
         # The draft model's runner, beside the target's: it fills the proposals the scheduler reserved.
         self.draft = DraftProposer(draft_model, self.allocator, num_chunks, page, device,
                                    config.attention_backend) if draft_model is not None else None
