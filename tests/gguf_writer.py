@@ -98,8 +98,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         w.add_rope_scaling_orig_ctx_len(full.get("original_max_position_embeddings", config.max_position_embeddings))
         w.add_sliding_window(config.sliding_window or 0)
         if full["rope_type"] == "longrope":
-            scale = config.max_position_embeddings / full["original_max_position_embeddings"]
-            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(full["original_max_position_embeddings"])))
+            original = full["original_max_position_embeddings"]
+            scale = config.max_position_embeddings / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
             for kind in ("long", "short"):
                 if f"rope_factors_{kind}.weight" not in drop:
                     w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(full[f"{kind}_factor"], dtype=np.float32))
@@ -115,7 +116,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
             continue
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE layout
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
-            data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+            rows = data.shape[0] // heads // 2
+            data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
         qtype = types.get(gguf_name.split(".")[-2], QType.F32) if isinstance(types, dict) else types

@@ -31,9 +31,9 @@ CONFIGS = TINY_CONFIGS | ROPE_CONFIGS | {
     "llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})}
-FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"), ("qwen3", "qwen3"),
-            ("qwen3_yarn", "qwen3"), ("gemma2", "gemma2"), ("gemma3", "gemma3"), ("phi3_longrope", "phi3"),
-            ("phi4_mini", "phi3"), ("phi4", "phi3")]
+FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
+            ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma2", "gemma2"), ("gemma3", "gemma3"),
+            ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 
@@ -109,7 +109,8 @@ def test_gguf_loads_like_the_directory(kind: str, arch: str, tmp_path: Path, toy
     # RoPE over the whole context (short prompts barely turn the slow frequencies Llama 3 and YaRN scale).
     # Llama 3's factors come from the file, divided in another order than transformers': not bit for bit.
     positions = torch.arange(from_dir.engine.max_model_len)
-    for ours, theirs in zip(*(m.engine.model.rotary_for_layer(positions, torch.float32) for m in (from_file, from_dir))):
+    by_layer = [m.engine.model.rotary_for_layer(positions, torch.float32) for m in (from_file, from_dir)]
+    for ours, theirs in zip(*by_layer):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6 if kind == "llama3" else 0)
     exact = llm(family.q8_dir)
     assert greedy_ids(llm(family.q8)) == greedy_ids(exact), f"{kind}: Q8_0 GGUF dequantized"

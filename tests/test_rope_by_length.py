@@ -203,7 +203,8 @@ WIGGLE = {"rope_parameters": {"rope_type": "wiggle", "rope_theta": 10000.0}}
      "model type 'gpt2' is not supported"),
     ("phi3_longrope", dict(config={"hidden_act": "gelu"}), "hidden_act 'gelu'"),
     ("phi3_longrope", dict(drop="model.layers.1.self_attn.qkv_proj.weight"), "layers.1.qkv_proj.weight"),
-    ("llama_dynamic", dict(drop="model.layers.0.self_attn.k_proj.weight"), "no tensor 'model.layers.0.self_attn.k_proj"),
+    ("llama_dynamic", dict(drop="model.layers.0.self_attn.k_proj.weight"),
+     "no tensor 'model.layers.0.self_attn.k_proj"),
     ("phi4_mini", dict(drop="model.norm.weight"), "no tensor 'model.norm.weight'"),
 ])
 def test_unsupported_or_broken_checkpoints_are_named(models: dict[str, Model], tmp_path: Path, kind: str,

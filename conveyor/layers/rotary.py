@@ -35,7 +35,6 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 LENGTH_SHIFT = 32  # positions below 2**32; a token's RoPE length above them
 _POSITION_MASK = (1 << LENGTH_SHIFT) - 1
-BY_LENGTH = ("longrope", "dynamic")  # the rope types whose frequencies depend on the sequence length
 
 
 def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:

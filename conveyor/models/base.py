@@ -123,8 +123,9 @@ class CausalLM(nn.Module):
         model = cls.build(config, state_dict)
         if "lm_head.weight" not in state_dict:
             model.tied, model.lm_head = True, None
-        fused: dict[str, Weight | list[Weight]] = {"embed_tokens.weight": _tensor(state_dict, "model.embed_tokens.weight"),
-                                                   "norm.weight": _tensor(state_dict, "model.norm.weight")}
+        fused: dict[str, Weight | list[Weight]] = {
+            "embed_tokens.weight": _tensor(state_dict, "model.embed_tokens.weight"),
+            "norm.weight": _tensor(state_dict, "model.norm.weight")}
         if model.lm_head is not None:
             fused["lm_head.weight"] = state_dict["lm_head.weight"]
         for i in range(config.num_hidden_layers):

@@ -91,13 +91,15 @@ def _gemma(arch: str, field: Field, common: dict[str, Any]) -> dict[str, Any]:
 
 def _phi3(field: Field, tensors: Sequence[Any], common: dict[str, Any]) -> dict[str, Any]:
     head_dim = common["hidden_size"] // common["num_attention_heads"]  # (rope.dimension_count is the rotated part)
-    rope = dict(common["rope_parameters"], partial_rotary_factor=field("phi3.rope.dimension_count", head_dim) / head_dim)
+    rotated = field("phi3.rope.dimension_count", head_dim)
+    rope = dict(common["rope_parameters"], partial_rotary_factor=rotated / head_dim)
     factors = {t.name: t for t in tensors if t.name.startswith("rope_factors_")}
     if factors:
         for kind in ("long", "short"):
             tensor = factors.get(f"rope_factors_{kind}.weight")
             if tensor is None:
-                raise ValueError(f"GGUF tensor 'rope_factors_{kind}.weight' is missing (LongRoPE needs both factor sets)")
+                raise ValueError(f"GGUF tensor 'rope_factors_{kind}.weight' is missing (LongRoPE needs both "
+                                 "factor sets)")
             rope[f"{kind}_factor"] = np.asarray(tensor.data, dtype=np.float32).tolist()
         rope["rope_type"] = "longrope"
     return {"head_dim": head_dim, "rope_parameters": rope,
