@@ -19,9 +19,9 @@ with the request's `rope_length` its prompt length, a function of the token alon
 batching, speculation and preemption (which recomputes) all give each token the rotation it had in
 transformers. Phi-3 adds one step: when its sequence passes LongRoPE's original length, transformers
 drops the cache and recomputes every token with the long factors, and so does the engine, raising the
-request's `rope_length` to its whole length (`CausalLM.rope_switch`, `Engine.schedule`). (vLLM decides
-per batch instead: the long factors for every request once any position in the batch passes the
-threshold.) The runner passes each token's length in the high bits of its position (`with_lengths`);
+request's `rope_length` to its whole length (`CausalLM.rope_switch`, `Engine.schedule`). (vLLM picks
+one set at start-up instead: the long factors for every request, short ones included, whenever
+`max_model_len` exceeds the original length.) The runner passes each token's length in the high bits of its position (`with_lengths`);
 a plain position means length `p + 1`. A prompt token's K/V then depends on `rope_length` besides the
 tokens before it: `prefix_key` says which lengths rotate alike, and prefix caching keys blocks by it.
 """
