@@ -136,7 +136,8 @@ class ContinuousBatchingConfig:
             return model_max_len
         if self.max_model_len > model_max_len:
             raise ConfigError(f"max_model_len={self.max_model_len} is larger than the model's context length of "
-                              f"{model_max_len} tokens (max_position_embeddings in its config); give at most "
+                              f"{model_max_len} tokens (max_position_embeddings in its config, times a dynamic RoPE's "
+                              "factor); give at most "
                               f"{model_max_len}, or leave it out to serve the whole context")
         return self.max_model_len
 

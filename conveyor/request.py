@@ -113,6 +113,9 @@ class Request:
         self.state = RequestState.PENDING
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        # The length RoPE rotates every token for at least, where the rotation depends on it (LongRoPE, dynamic
+        # NTK: `layers.rotary`): the prompt's; the whole sequence's once a LongRoPE switch recomputed it.
+        self.rope_length = len(self.prompt_token_ids)
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None

@@ -65,9 +65,10 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 class TinyModel:
     """A random HF model saved to `path`; `reference` is the same model in transformers (eager, fp32)."""
 
-    def __init__(self, kind: str, path: Path) -> None:
+    def __init__(self, kind: str, path: Path, config: transformers.PretrainedConfig | None = None) -> None:
+        """`config`: another test's model (`kind` then only names it); else `TINY_CONFIGS[kind]`."""
         torch.manual_seed(0)
-        config = TINY_CONFIGS[kind]()
+        config = config if config is not None else TINY_CONFIGS[kind]()
         config._attn_implementation = "eager"
         self.reference = transformers.AutoModelForCausalLM.from_config(config).eval()
         self.reference.generation_config.eos_token_id = None

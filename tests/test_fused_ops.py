@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.kernels import cpu_fused_ops
-from conveyor.models.llama import RMSNorm, RotaryEmbedding, rotate_half
+from conveyor.layers.rotary import RotaryEmbedding, rotate_half
+from conveyor.models.llama import RMSNorm
 
 from .conftest import TinyModel
 

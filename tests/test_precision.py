@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -18,6 +17,7 @@ from conveyor.layers.quantization.tensors import GGMLType, QuantizedTensor
 from conveyor.models.loader import _undo_llama_rope_permute, load_checkpoint
 
 from .conftest import VOCAB, TinyModel, agreement, random_prompts, tiny_tokenizer
+from .gguf_writer import write_gguf
 
 CPU = torch.device("cpu")
 
@@ -141,52 +141,8 @@ def test_quantized_mode_quality(smooth: TinyModel, prompts: list[list[int]], dty
 
 def write_quantized_gguf(path: Path, model: TinyModel, types: dict[str, GGMLType]) -> None:
     """The tiny Llama as llama.cpp writes it: Q/K rows permuted to its RoPE layout, matrices quantized
-    with gguf's own quantizer (`types`: by GGUF tensor kind, the rest F32)."""
-    config = model.reference.config
-    sd = {k: v.numpy() for k, v in model.reference.state_dict().items()}
-    writer = gguf.GGUFWriter(path, "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"w{i}" for i in range(VOCAB)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    def permute(w: np.ndarray, heads: int) -> np.ndarray:  # the inverse of _undo_llama_rope_permute
-        return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-    def add(name: str, w: np.ndarray) -> None:
-        kind = name.split(".")[-2]
-        qtype = types.get(kind)
-        if qtype is None:
-            writer.add_tensor(name, w.astype(np.float32))
-        else:
-            writer.add_tensor(name, gguf.quants.quantize(w.astype(np.float32), qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", sd["model.embed_tokens.weight"])
-    add("output_norm.weight", sd["model.norm.weight"])
-    add("output.weight", sd["lm_head.weight"])
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        add(f"blk.{i}.attn_q.weight", permute(sd[p + "self_attn.q_proj.weight"], config.num_attention_heads))
-        add(f"blk.{i}.attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads))
-        add(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
-        add(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        add(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        add(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
-        add(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
-        add(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with gguf's own quantizer (`types`: by GGUF tensor kind, the rest F32), the LM head its own tensor."""
+    write_gguf(path, model.reference, "llama", types, head=True)
 
 
 # attn_v in another type than q and k: a fused qkv of two segments, as K-quant files have.

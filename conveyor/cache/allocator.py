@@ -27,7 +27,7 @@ chunks run out. Without sharing no block is ever hashed, so every freed block go
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..request import Request
 from .pool import CachePool
@@ -222,11 +222,14 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
     attention_type = "full_attention"
     supports_sharing = True
 
-    def __init__(self, pool: CachePool, block_sharing: bool = False, num_groups: int = 1) -> None:
+    def __init__(self, pool: CachePool, block_sharing: bool = False, num_groups: int = 1,
+                 prefix_key: Callable[[int], bytes] | None = None) -> None:
+        """`prefix_key`: what besides the tokens decides a prompt's K/V, by `Request.rope_length` (the model's)."""
         super().__init__(pool, num_groups)
         if block_sharing and num_groups != 1:
             raise ValueError("block sharing needs a model with full attention only (one layer group)")
         self.block_sharing = block_sharing
+        self.prefix_key = prefix_key
         self.prefix_cache = PrefixCache()
         self._hashes: dict[str, BlockHashes] = {}  # request -> digests of its leading completed blocks
         self._num_registered: dict[str, int] = {}  # request -> leading blocks already indexed (or matched)
@@ -304,7 +307,8 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         them for the next try); tied to the request object, so a reused id never reads stale ones."""
         hashes = self._hashes.get(request.request_id)
         if hashes is None or hashes.tokens is not request:
-            hashes = self._hashes[request.request_id] = BlockHashes(self.page_size, request)
+            key = self.prefix_key(request.rope_length) if self.prefix_key is not None else b""
+            hashes = self._hashes[request.request_id] = BlockHashes(self.page_size, request, key)
         return hashes
 
     def _hold(self, block: int) -> None:
@@ -382,17 +386,20 @@ LayerGroup = tuple[AttentionTypeAllocator, int, list[int]]  # (its allocator, in
 
 
 def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], window: int | None,
-                     block_sharing: bool) -> tuple[CacheAllocator, list[LayerGroup]]:
+                     block_sharing: bool, prefix_key: Callable[[int], bytes] | None = None
+                     ) -> tuple[CacheAllocator, list[LayerGroup]]:
     """One allocator per attention type over `pool` for the model's layer `groups` (see
     `cache_pool.layer_groups`): the allocator the scheduler sees (the only one, or a
-    `HybridCacheAllocator` over all), and per group its allocator and index within it."""
+    `HybridCacheAllocator` over all), and per group its allocator and index within it. `prefix_key`
+    as `FullAttentionCacheAllocator` takes it."""
     allocators: dict[str, AttentionTypeAllocator] = {}
     out: list[LayerGroup] = []
     for attention_type, layers in groups:
         if attention_type not in allocators:
             k = sum(t == attention_type for t, _ in groups)
             if attention_type == "full_attention":
-                allocators[attention_type] = FullAttentionCacheAllocator(pool, block_sharing, num_groups=k)
+                allocators[attention_type] = FullAttentionCacheAllocator(pool, block_sharing, num_groups=k,
+                                                                         prefix_key=prefix_key)
             else:
                 assert window is not None, "sliding layers need a window"
                 allocators[attention_type] = SlidingAttentionCacheAllocator(pool, window, num_groups=k)

@@ -2,9 +2,11 @@
 
 A block is *completed* when all `page_size` of its tokens have K/V in the cache. Its digest is
 `sha256(parent digest + its token ids as little-endian int64)`, chained from the sequence's first
-block (whose parent digest is empty), so equal digests mean equal token prefixes up to and
-including that block. The digest depends on nothing but the tokens: it is the same in every
-process and on every machine (Python's `hash` is salted per process, so it is never used).
+block, whose parent is the sequence's root: empty, or, where the model's K/V depends on more than the
+tokens (RoPE scaled by the prompt's length, `models.base.CausalLM.prefix_key`), the digest of that key.
+Equal digests mean equal token prefixes up to and including that block (and equal keys). The digest
+depends on nothing else: it is the same in every process and on every machine (Python's `hash` is
+salted per process, so it is never used).
 
 `PrefixCache` keeps the hash index, digest <-> block (one block per digest, one digest per
 block), and the *cached* blocks: completed blocks that no request holds any more, whose content
@@ -45,9 +47,10 @@ class TokenSource(Protocol):
 class BlockHashes:
     """The chained digests of one sequence's leading completed blocks, each computed once."""
 
-    def __init__(self, page_size: int, tokens: TokenSource) -> None:
+    def __init__(self, page_size: int, tokens: TokenSource, key: bytes = b"") -> None:
         self.page_size = page_size
         self.tokens = tokens
+        self.root = hashlib.sha256(key).digest() if key else ROOT_DIGEST
         self.digests: list[bytes] = []
 
     def digest(self, index: int) -> bytes:
@@ -56,7 +59,7 @@ class BlockHashes:
             i = len(self.digests)
             block = self.tokens.token_slice(i * self.page_size, (i + 1) * self.page_size)
             assert len(block) == self.page_size, f"block {i} is not complete"
-            self.digests.append(block_digest(self.digests[-1] if self.digests else ROOT_DIGEST, block))
+            self.digests.append(block_digest(self.digests[-1] if self.digests else self.root, block))
         return self.digests[index]
 
 

@@ -80,6 +80,10 @@ class _DraftView:
     def num_tokens(self) -> int:
         return self.request.num_tokens + len(self.drafts)
 
+    @property
+    def rope_length(self) -> int:
+        return self.request.rope_length
+
     def token_slice(self, start: int, end: int) -> list[int]:
         base = self.request.num_tokens
         head = self.request.token_slice(start, min(end, base)) if start < base else []

@@ -74,7 +74,8 @@ class Engine:
         self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
         # Prefix caching needs every allocator to share blocks: full-attention-only models.
         self.block_sharing = config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
-        self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing)
+        self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing,
+                                                         model.prefix_key if model.rope_by_length else None)
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
@@ -83,7 +84,8 @@ class Engine:
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
-        self.speculator = Speculator(spec, self.max_model_len, sliding=window is not None) if spec else None
+        self.speculator = (Speculator(spec, self.max_model_len, sliding=window is not None,
+                                      rope_switch=model.rope_switch) if spec else None)
         # The draft model's runner, beside the target's: it fills the proposals the scheduler reserved.
         self.draft = DraftProposer(draft_model, self.allocator, num_chunks, page, device,
                                    config.attention_backend) if draft_model is not None else None
@@ -213,6 +215,8 @@ class Engine:
 
     def schedule(self) -> SchedulerOutput:
         """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""
+        if self.model.rope_switch is not None:
+            self._switch_rope(self.model.rope_switch)
         out = self._schedule_once()
         while out.stalled:
             scheduled = {c.request.request_id for c in out.chunks}
@@ -269,9 +273,23 @@ class Engine:
             request.state = self._resume_state.pop(request.request_id)
             self.counters.swap_ins += 1
 
+    def _switch_rope(self, switch: int) -> None:
+        """Requests whose sequence just passed the model's RoPE switch length (`CausalLM.rope_switch`)
+        recompute all their K/V, rotated for their whole length from now on (`Request.rope_length`)."""
+        passed = [r for r in self.scheduler.active if r.rope_length <= switch < r.num_tokens]
+        if passed and self.pipeline is not None:
+            self.pipeline.wait()  # the step in flight writes their blocks
+        for request in passed:
+            request.rope_length = request.num_tokens
+            self._recompute(request)
+
     def _soft_reset(self, request: Request) -> None:
         self.counters.soft_resets += 1
         self.counters.offloads += 1
+        self._recompute(request)
+
+    def _recompute(self, request: Request) -> None:
+        """Drop the request's K/V and queue it first: its whole sequence is prefilled again."""
         self.allocator.free(request.request_id)
         self.scheduler.requeue_front(request)
         request.num_computed_tokens = 0

@@ -22,6 +22,7 @@ from ..cache.allocator import AttentionTypeAllocator, LayerGroup, table_length
 from ..cache.pool import CachePool
 from ..config import ContinuousBatchingConfig
 from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
+from ..layers.rotary import with_lengths
 from ..layers.sampler import SampledBatch, Sampler
 from ..request import Request
 from ..sched.output import ScheduledChunk
@@ -149,6 +150,7 @@ class ModelRunner:
             for j, layer in enumerate(layers):
                 self.layer_group[layer], self.layer_kv[layer] = g, pool.kv[j]
         self.device = device
+        self.rope_by_length = bool(getattr(model, "rope_by_length", False))  # LongRoPE, dynamic NTK (`layers.rotary`)
         self.attention = attention or make_attention_backend(device, next(model.parameters()).dtype)
         # A speculating chunk runs as decode rows (the decode stack takes them) where decode attention
         # reads the pass's own K/V from the cache: row j then sees rows 0..j-1 through its context length.
@@ -198,6 +200,9 @@ class ModelRunner:
         metas = [self._group_metadata(allocator, index, decodes, prefills, decode_pos)
                  for allocator, index in self.groups]
         input_ids, pos = torch.tensor(ids, device=dev), torch.cat(positions)
+        if self.rope_by_length:  # each token's RoPE length with its position: max(request.rope_length, position + 1)
+            floors = [c.request.rope_length for c in decodes + prefills for _ in range(c.num_tokens)]
+            pos = with_lengths(pos, torch.maximum(pos + 1, torch.tensor(floors, device=dev)))
         plan = self._prompt_logprob_plan(decodes + prefills)
         if self.buffers:
             step = self.buffers[buffer_set].load(input_ids, pos, metas, sample_rows)

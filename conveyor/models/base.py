@@ -29,6 +29,7 @@ from ..layers.quantization.linear import (
     tile_bf16_modules,
 )
 from ..layers.quantization.tensors import QuantizedTensor
+from ..layers.rotary import RotaryEmbedding
 from .decode_stack import DecodeStack
 
 
@@ -48,12 +49,20 @@ def attention_layer_types(config: PretrainedConfig) -> list[str]:
     return types
 
 
-# Hugging Face names of per-layer tensors copied as they are (those a checkpoint has).
-_LAYER_TENSORS = (("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"),
+# Hugging Face names of per-layer tensors copied as they are (those a checkpoint has). Phi-3 stores q/k/v
+# and gate/up fused, as the layers hold them.
+_LAYER_TENSORS = (("qkv_proj", "self_attn.qkv_proj"), ("gate_up_proj", "mlp.gate_up_proj"),
+                  ("o_proj", "self_attn.o_proj"), ("down_proj", "mlp.down_proj"),
                   ("input_layernorm", "input_layernorm"), ("post_attention_layernorm", "post_attention_layernorm"),
                   ("pre_feedforward_layernorm", "pre_feedforward_layernorm"),
                   ("post_feedforward_layernorm", "post_feedforward_layernorm"),
                   ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"))
+
+
+def _tensor(state_dict: dict[str, Weight], name: str) -> Weight:
+    if name not in state_dict:
+        raise ValueError(f"the checkpoint has no tensor {name!r}")
+    return state_dict[name]
 
 
 class Mirror(Protocol):
@@ -94,7 +103,10 @@ class CausalLM(nn.Module):
 
     @property
     def max_model_len(self) -> int:
-        return self.config.max_position_embeddings
+        """`max_position_embeddings`, times the factor of a dynamic NTK RoPE, which exists to run past it
+        (vLLM's rule)."""
+        factors = [m.factor for m in self.modules() if isinstance(m, RotaryEmbedding) and m.rope_type == "dynamic"]
+        return int(self.config.max_position_embeddings * max(factors, default=1.0))
 
     @classmethod
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "CausalLM":
@@ -113,8 +125,9 @@ class CausalLM(nn.Module):
             model = cls.build(config, state_dict)
         if "lm_head.weight" not in state_dict:
             model.tied, model.lm_head = True, None
-        fused: dict[str, Weight | list[Weight]] = {"embed_tokens.weight": state_dict["model.embed_tokens.weight"],
-                                                   "norm.weight": state_dict["model.norm.weight"]}
+        fused: dict[str, Weight | list[Weight]] = {
+            "embed_tokens.weight": _tensor(state_dict, "model.embed_tokens.weight"),
+            "norm.weight": _tensor(state_dict, "model.norm.weight")}
         if model.lm_head is not None:
             fused["lm_head.weight"] = state_dict["lm_head.weight"]
         for i in range(config.num_hidden_layers):
@@ -122,10 +135,10 @@ class CausalLM(nn.Module):
             for kind in ("weight", "bias"):
                 if f"{src}self_attn.q_proj.{kind}" in state_dict:
                     fused[f"{dst}qkv_proj.{kind}"] = fuse_rows(
-                        [state_dict[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv"])
+                        [_tensor(state_dict, f"{src}self_attn.{n}_proj.{kind}") for n in "qkv"])
                 if f"{src}mlp.gate_proj.{kind}" in state_dict:
                     fused[f"{dst}gate_up_proj.{kind}"] = fuse_rows(
-                        [state_dict[f"{src}mlp.{n}_proj.{kind}"] for n in ("gate", "up")])
+                        [_tensor(state_dict, f"{src}mlp.{n}_proj.{kind}") for n in ("gate", "up")])
                 for name, hf in _LAYER_TENSORS:
                     if f"{src}{hf}.{kind}" in state_dict:
                         fused[f"{dst}{name}.{kind}"] = state_dict[f"{src}{hf}.{kind}"]
@@ -136,7 +149,10 @@ class CausalLM(nn.Module):
             if isinstance(parts, list):
                 model.set_submodule(name.removesuffix(".weight"), model.quantized_module(name, parts, dtype))
                 del planned[name]
-        model.load_state_dict(planned, strict=True)
+        try:
+            model.load_state_dict(planned, strict=True)
+        except RuntimeError as exc:  # names the missing or unexpected tensors (by the model's names)
+            raise ValueError(f"the {config.model_type} checkpoint does not fit {cls.__name__}: {exc}") from None
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
@@ -178,6 +194,25 @@ class CausalLM(nn.Module):
     def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin `[num_tokens, head_dim]` for every layer (shared by all here)."""
         return [self.rotary(positions, dtype)] * self.num_layers
+
+    @property
+    def rope_by_length(self) -> bool:
+        """Whether some layer's RoPE depends on the sequence length (LongRoPE, dynamic NTK): then each
+        token's position carries its request's length (`layers.rotary.with_lengths`)."""
+        return any(m.by_length for m in self.modules() if isinstance(m, RotaryEmbedding))
+
+    def prefix_key(self, rope_length: int) -> bytes:
+        """What besides its tokens decides a prompt's K/V (b"" where nothing does), by the request's
+        `rope_length`: prefix caching shares blocks only between requests with equal keys
+        (`layers.rotary.RotaryEmbedding.prefix_key`)."""
+        keys = [m.prefix_key(rope_length) for m in self.modules() if isinstance(m, RotaryEmbedding)]
+        return ",".join(map(str, keys)).encode() if any(keys) else b""
+
+    @property
+    def rope_switch(self) -> int | None:
+        """The length past which a request's K/V are all recomputed with other RoPE frequencies (None:
+        never; Phi-3's LongRoPE, see `models.phi3`)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                 metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:

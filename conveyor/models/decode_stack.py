@@ -95,7 +95,7 @@ class DecodeStack:
         if any(type(layer) is not layer_class or layer.q_norm is not None or layer.softcap is not None
                or not all(_segments(getattr(layer, p)) is not None for p in projections) for layer in layers):
             return None
-        if getattr(model, "rotary", None) is None:
+        if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None
         first = layers[0]
         config = model.config

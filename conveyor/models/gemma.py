@@ -17,8 +17,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM
-from .llama import DecoderLayer, RotaryEmbedding
+from .llama import DecoderLayer
 
 
 class GemmaRMSNorm(nn.Module):

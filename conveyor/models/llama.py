@@ -1,5 +1,5 @@
 """The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over one flattened ragged batch, and the
-pieces other families reuse (`RotaryEmbedding`, the decoder layer); `CausalLM` is in `base`.
+pieces other families reuse (the decoder layer, RMSNorm); `CausalLM` is in `base`, RoPE in `layers.rotary`.
 
 Input is every scheduled token of every request, concatenated: `[num_tokens]` ids and positions.
 Norms, projections and the MLP run on all tokens at once; attention goes through the backend,
@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .base import CausalLM
 from .decode_stack import DecodeStack
 
@@ -37,51 +37,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> dict:
-    """RoPE settings from either transformers 5 (`rope_parameters`, per layer type for Gemma 3) or 4
-    (`rope_theta`, `rope_scaling`)."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        return dict(params[layer_type]) if layer_type in params else params
-    params = dict(getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    return params
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin for arbitrary positions; inverse frequencies from transformers' own RoPE initialisers.
-    `layer_type` picks the settings of one layer type where they differ by type (Gemma 3)."""
-
-    def __init__(self, config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> None:
-        super().__init__()
-        params = rope_parameters(config, layer_type)
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            base = params["rope_theta"]
-            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-            scaling = 1.0
-        elif rope_type in ROPE_INIT_FUNCTIONS and not rope_type.startswith("dynamic"):
-            kwargs = {"layer_type": layer_type} if layer_type in (getattr(config, "rope_parameters", None) or {}) else {}
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **kwargs)
-        else:
-            raise ValueError(f"RoPE type {rope_type!r} is not supported (supported: default, linear, llama3, yarn, "
-                             "longrope)")
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
-        self.scaling = float(scaling)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[:, None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -116,12 +71,11 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused is not None:  # in place, on the qkv output (or the norms' outputs)
+        if self.fused is not None and cos.shape[-1] == self.head_dim:  # in place, on the qkv (or norms') output
             self.fused.rope_(q, cos, sin)
             self.fused.rope_(k, cos, sin)
-        else:
-            q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
-            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        else:  # (partial rotary: only the first dimensions of each head)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -139,6 +93,7 @@ class LlamaForCausalLM(CausalLM):
     """The Llama family; variants (biases, q/k norms, tying) come from the weights."""
 
     model_types = ("llama", "mistral", "qwen2", "qwen3")
+    partial_rotary = False  # whether the family honours `partial_rotary_factor` with the default RoPE
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  mlp_bias: bool = False, qk_norm: bool = False) -> None:
@@ -146,7 +101,7 @@ class LlamaForCausalLM(CausalLM):
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.rotary = RotaryEmbedding(config, self.head_dim, partial_rotary=self.partial_rotary)
 
     def use_fused_ops(self, ops: ModuleType | None) -> None:
         """Run the Llama layers' norms, RoPE and SiLU * up through native fused ops (None: PyTorch)."""

@@ -26,8 +26,10 @@ import numpy as np
 import safetensors.torch
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
+from . import gguf_families
 from .gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,9 @@ _GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "gemma2": transformers.Gemma2Config,
+    "gemma3": transformers.Gemma3TextConfig,
+    "phi3": transformers.Phi3Config,
 }
 
 _GGUF_GLOBAL_TENSORS = {
@@ -152,7 +157,7 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
         raise ModelLoadError(f"Not a Hugging Face model directory, config.json is missing: {path}")
     try:
         return transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, StrictDataclassError) as exc:  # the last: a field transformers' validation rejects
         raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
 
 
@@ -228,7 +233,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
     state_dict: dict[str, torch.Tensor | QuantizedTensor] = {}
     widened: set[str] = set()
     for tensor in reader.tensors:
-        hf_name = _gguf_to_hf_name(tensor.name)
+        hf_name = _gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             logger.debug("Ignoring GGUF tensor %s in %s", tensor.name, path)
             continue
@@ -257,6 +262,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
             weights = gguf.quants.dequantize(part, tensor.tensor_type).reshape(kept_shape)
         if permute_heads is not None:
             weights = _undo_llama_rope_permute(weights, permute_heads)
+        if arch in gguf_families.NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
+            weights = weights - np.float32(1)  # Gemma's 1 + (w - 1) is the file's w again (exact for w in [0.5, 2])
         state_dict[hf_name] = torch.tensor(weights, dtype=dtype)
     if widened:
         logger.info("%s: no kernel takes %s tensors: dequantized to %s", path.name, ", ".join(sorted(widened)),
@@ -349,16 +356,24 @@ def _gguf_config(reader: GGUFFile, path: Path, arch: str) -> transformers.Pretra
     if arch == "qwen2":
         # Qwen2 always has Q/K/V biases (hardcoded in transformers' Qwen2 model).
         kwargs["attention_bias"] = True
-    return _GGUF_CONFIGS[arch](**kwargs)
+    try:  # RoPE scaling and what differs by architecture (`gguf_families`)
+        kwargs["rope_parameters"] = gguf_families.rope_parameters(field, arch)
+        kwargs.update(gguf_families.arch_config(arch, field, reader.tensors, kwargs))
+        return _GGUF_CONFIGS[arch](**kwargs)
+    except ModelLoadError:
+        raise
+    except (ValueError, StrictDataclassError) as exc:  # unsupported metadata, or values transformers rejects
+        raise ModelLoadError(f"Invalid GGUF metadata in {path}: {exc}") from exc
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _gguf_to_hf_name(name: str, arch: str) -> str | None:
     if name in _GGUF_GLOBAL_TENSORS:
         return _GGUF_GLOBAL_TENSORS[name]
     match = _GGUF_LAYER_TENSOR.fullmatch(name)
-    if match is None or match[2] not in _GGUF_LAYER_MODULES:
+    modules = _GGUF_LAYER_MODULES | gguf_families.ARCH_LAYER_MODULES.get(arch, {})
+    if match is None or match[2] not in modules:
         return None
-    return f"model.layers.{match[1]}.{_GGUF_LAYER_MODULES[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{modules[match[2]]}.{match[3]}"
 
 
 def _undo_llama_rope_permute(weights: np.ndarray, n_head: int) -> np.ndarray:

@@ -47,6 +47,7 @@ _GATE_UP = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
 _DOWN = re.compile(r"\.mlp\.down_proj\.weight$")
 _ROW_PARALLEL_BIAS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.bias$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+FUSED_CHECKPOINTS = ("phi3",)  # q/k/v and gate/up stored fused: a shard would need three row ranges of one tensor
 
 
 def split(n: int, parts: int) -> list[Range]:
@@ -122,6 +123,9 @@ def plan_shards(config: PretrainedConfig, world_size: int) -> list[ShardPlan]:
             f"tensor_parallel_size={world_size} cannot split this model's attention ({heads} query heads in {kv} KV "
             f"groups): a rank holds whole KV groups, or one KV head replicated over ranks that split its "
             f"{heads // kv} query heads; sizes that work: {valid_sizes(heads, kv)}")
+    if world_size > 1 and config.model_type in FUSED_CHECKPOINTS:
+        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} checkpoints store q/k/v and "
+                          "gate/up fused, which tensor parallelism does not split yet; use tensor_parallel_size=1")
     inter = config.intermediate_size
     unit = next(u for u in MLP_UNITS if inter % u == 0)
     if inter // unit < world_size:

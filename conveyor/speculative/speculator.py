@@ -28,7 +28,9 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, sliding: bool) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, sliding: bool,
+                 rope_switch: int | None = None) -> None:
+        """`rope_switch`: the target's (`CausalLM.rope_switch`): proposals stop short of it."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.proposer = None
@@ -37,6 +39,7 @@ class Speculator:
             self.proposer = NgramProposer(self.k, config.prompt_lookup_max, config.prompt_lookup_min)
         self.max_model_len = max_model_len
         self.sliding = sliding
+        self.rope_switch = rope_switch
         self.disable_by_batch_size = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
         self.num_drafts = 0  # verification steps with at least one proposal (vLLM's counters)
         self.num_draft_tokens = 0
@@ -56,9 +59,13 @@ class Speculator:
 
     def propose(self, request: Request, budget: int) -> list[int]:
         """Proposals for a decoding request, at most `budget` tokens (the pass's token budget left
-        after its own token) and never past its `max_new_tokens` or the context length."""
+        after its own token) and never past its `max_new_tokens` or the context length, nor past the
+        model's RoPE switch while the request is short of it (a pass that crosses it would verify against
+        K/V the switch recomputes: `Engine._switch_rope`)."""
         room = min(self.k, budget, request.params.max_new_tokens - len(request.output_token_ids) - 1,
                    self.max_model_len - request.num_tokens - 1)
+        if self.rope_switch is not None and request.rope_length <= self.rope_switch:
+            room = min(room, self.rope_switch - request.num_tokens)
         if room < 1 or not self.serves(request):
             return []
         if self.proposer is None:

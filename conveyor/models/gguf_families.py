@@ -1,0 +1,108 @@
+"""What llama.cpp's converter (`convert_hf_to_gguf.py`) writes differently per GGUF architecture, read back
+into the Hugging Face form the loader gives everything downstream.
+
+- RoPE: `{arch}.rope.freq_base`, and a scaling the converter writes for the full-attention layers
+  (`rope.scaling.type` linear or yarn with its factor, original length and YaRN's betas and attention factor).
+  Llama 3's scaling is no metadata: the converter computes its per-frequency factors and stores them as the
+  tensor `rope_freqs`, which divide the inverse frequencies (`rope_freq_factors` in the config,
+  `layers.rotary`).
+- Gemma 2/3 (`gemma2`, `gemma3`): the norm weights are stored plus one (llama.cpp's RMSNorm multiplies by
+  the weight, Gemma's by 1 + weight); layer norms named `ffn_norm` (before the MLP), `post_attention_norm`,
+  `post_ffw_norm`; soft-capping and the sliding window from the metadata. Gemma 3's sliding layers have
+  their own RoPE base (`rope.freq_base_swa`, llama.cpp's 10000 where an older file lacks it), every sixth
+  layer is global unless the file lists `attention.sliding_window_pattern`. The query scale is not stored:
+  llama.cpp takes `hidden / heads` for the 27B models (46 and 62 layers) and `head_dim` otherwise.
+- Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
+  them; `rope.dimension_count` the rotated dimensions (partial rotary); LongRoPE's factors as the tensors
+  `rope_factors_long`/`rope_factors_short` and its original length as `rope.scaling.original_context_length`
+  (the attention factor follows from the lengths, as transformers computes it); `attention.sliding_window`
+  0 for none (Phi-4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+Field = Callable[..., Any]  # field(key, default=required): a metadata value of the file
+
+# GGUF layer tensor kinds whose Hugging Face module differs from the common table's, by architecture.
+_GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
+    "gemma2": _GEMMA_NORMS,
+    "gemma3": _GEMMA_NORMS,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
+_BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
+
+
+def rope_parameters(field: Field, arch: str) -> dict[str, Any]:
+    """transformers' `rope_parameters` (of the full-attention layers) from the file's RoPE metadata."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": field(f"{arch}.rope.freq_base", 10000.0)}
+    kind = field(f"{arch}.rope.scaling.type", "none")
+    if kind == "linear":
+        rope |= {"rope_type": "linear", "factor": field(f"{arch}.rope.scaling.factor")}
+    elif kind == "yarn":
+        rope |= {"rope_type": "yarn", "factor": field(f"{arch}.rope.scaling.factor"),
+                 "original_max_position_embeddings": field(f"{arch}.rope.scaling.original_context_length")}
+        for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                          ("yarn_attn_factor", "attention_factor")):
+            value = field(f"{arch}.rope.scaling.{key}", None)
+            if value is not None:
+                rope[name] = value
+    elif kind not in ("none", "longrope"):  # LongRoPE: Phi-3's factor tensors (`arch_config`)
+        raise ValueError(f"GGUF RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn, longrope)")
+    return rope
+
+
+def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[str, Any]) -> dict[str, Any]:
+    """The config fields of `arch` beyond (or instead of) the `common` ones the loader read."""
+    freqs = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    out = {} if freqs is None else {"rope_freq_factors": np.asarray(freqs.data, dtype=np.float32).tolist()}
+    if arch in ("gemma2", "gemma3"):
+        out |= _gemma(arch, field, common)
+    elif arch == "phi3":
+        out |= _phi3(field, tensors, common)
+    return out
+
+
+def _gemma(arch: str, field: Field, common: dict[str, Any]) -> dict[str, Any]:
+    big = common["num_hidden_layers"] == _BIG_GEMMA_LAYERS[arch]
+    out: dict[str, Any] = {
+        "sliding_window": field(f"{arch}.attention.sliding_window", None),
+        "final_logit_softcapping": field(f"{arch}.final_logit_softcapping", None),
+        "query_pre_attn_scalar": common["hidden_size"] // common["num_attention_heads"] if big else common["head_dim"],
+    }
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = field("gemma2.attn_logit_softcapping", None)
+        return out
+    out["rope_parameters"] = {"full_attention": common["rope_parameters"],
+                              "sliding_attention": {"rope_type": "default",
+                                                    "rope_theta": field("gemma3.rope.freq_base_swa", 10000.0)}}
+    pattern = field("gemma3.attention.sliding_window_pattern", None)
+    if pattern is not None:  # one flag a layer (newer converters)
+        out["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    return out
+
+
+def _phi3(field: Field, tensors: Sequence[Any], common: dict[str, Any]) -> dict[str, Any]:
+    head_dim = common["hidden_size"] // common["num_attention_heads"]  # (rope.dimension_count is the rotated part)
+    rotated = field("phi3.rope.dimension_count", head_dim)
+    rope = dict(common["rope_parameters"], partial_rotary_factor=rotated / head_dim)
+    factors = {t.name: t for t in tensors if t.name.startswith("rope_factors_")}
+    if factors:
+        for kind in ("long", "short"):
+            tensor = factors.get(f"rope_factors_{kind}.weight")
+            if tensor is None:
+                raise ValueError(f"GGUF tensor 'rope_factors_{kind}.weight' is missing (LongRoPE needs both "
+                                 "factor sets)")
+            rope[f"{kind}_factor"] = np.asarray(tensor.data, dtype=np.float32).tolist()
+        rope["rope_type"] = "longrope"
+    return {"head_dim": head_dim, "rope_parameters": rope,
+            "original_max_position_embeddings": field("phi3.rope.scaling.original_context_length",
+                                                      common["max_position_embeddings"]),
+            "sliding_window": field("phi3.attention.sliding_window", 0) or None}

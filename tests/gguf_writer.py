@@ -1,0 +1,131 @@
+"""Tiny Hugging Face models written as GGUF files the way llama.cpp's converter (`convert_hf_to_gguf.py`)
+writes each architecture: its metadata, gguf's own tensor-name map for the architecture, Llama's Q/K row
+permutation to llama.cpp's RoPE layout, Gemma's norms stored plus one, Phi-3's fused tensors and LongRoPE
+factor tensors, Llama 3's RoPE factors as `rope_freqs`; matrices in a type of gguf's own quantizer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+from .conftest import VOCAB
+
+QType = gguf.GGMLQuantizationType
+
+
+def hf_state(model: transformers.PreTrainedModel, head: bool = False) -> dict[str, np.ndarray]:
+    """The tensors a checkpoint directory holds (a tied head is not stored, unless `head`)."""
+    state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings and not head:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def toy_vocab(writer: gguf.GGUFWriter) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"w{i}" for i in range(VOCAB)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
+def llama3_factors(config: transformers.PretrainedConfig, rope: dict) -> np.ndarray:
+    """What `convert_hf_to_gguf.py` computes for Llama 3's scaling, op for op."""
+    dim = config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high, old = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"], 8192
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types: QType | dict[str, QType],
+               vocab: Callable[[gguf.GGUFWriter], None] = toy_vocab, drop: tuple[str, ...] = (),
+               extra: Callable[[gguf.GGUFWriter], None] | None = None, head: bool = False) -> None:
+    """`model` as llama.cpp's converter writes it for `arch`: matrices in `types` (one type, F32 or a block
+    type, or one per GGUF tensor kind such as "attn_q", the rest F32); the vocabulary `vocab` writes; GGUF
+    tensors `drop` left out and `extra` metadata added (broken files); `head`: an `output` tensor even for a
+    tied head (the converter writes none)."""
+    config = model.config
+    rope = dict(config.rope_parameters)
+    full = rope.get("full_attention", rope)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch != "gemma2":  # (the Gemma 2 converter writes no base: llama.cpp's default 10000)
+        w.add_rope_freq_base(full["rope_theta"])
+    if getattr(config, "head_dim", None) and arch != "phi3":
+        w.add_key_length(config.head_dim)
+        w.add_value_length(config.head_dim)
+    if full["rope_type"] == "llama3":  # the converter's Llama 3 factors, a tensor
+        w.add_tensor("rope_freqs.weight", llama3_factors(config, full))
+    if full["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
+    elif full["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        w.add_final_logit_softcapping(config.final_logit_softcapping)
+        w.add_sliding_window(config.sliding_window)
+    if arch == "gemma3":
+        w.add_sliding_window(config.sliding_window)
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    tensors = hf_state(model, head)
+    if arch == "phi3":
+        head_dim = config.hidden_size // config.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * full.get("partial_rotary_factor", 1.0)))
+        w.add_rope_scaling_orig_ctx_len(full.get("original_max_position_embeddings", config.max_position_embeddings))
+        w.add_sliding_window(config.sliding_window or 0)
+        if full["rope_type"] == "longrope":
+            original = full["original_max_position_embeddings"]
+            scale = config.max_position_embeddings / original
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)))
+            for kind in ("long", "short"):
+                if f"rope_factors_{kind}.weight" not in drop:
+                    w.add_tensor(f"rope_factors_{kind}.weight", np.asarray(full[f"{kind}_factor"], dtype=np.float32))
+    vocab(w)
+    if extra is not None:
+        extra(w)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     config.num_hidden_layers)
+    for name, data in tensors.items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, f"{arch}: no GGUF name for {name}"
+        if gguf_name in drop:
+            continue
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE layout
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            rows = data.shape[0] // heads // 2
+            data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+            data = data + 1
+        qtype = types.get(gguf_name.split(".")[-2], QType.F32) if isinstance(types, dict) else types
+        if data.ndim == 2 and qtype != QType.F32:
+            w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name, data.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
