@@ -46,12 +46,14 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def cli_server(tiny_dir: Path):
     """`conveyor serve MODEL` (vLLM's form) in a subprocess (max queue 3), started early so it loads while
-    other tests run; yields the process, its URL and its log file."""
+    other tests run; yields the process, its URL and its log file. fp32: the queue test compares the texts of
+    requests that join the batch at different steps, which only the exact path keeps identical."""
     port = free_port()
     log = tiny_dir / "serve.log"
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", str(tiny_dir), "--port",
-                                 str(port), "--max-queue", "3", "--num-blocks", "256", "--shutdown-timeout", "10"],
+                                 str(port), "--max-queue", "3", "--num-blocks", "256", "--shutdown-timeout", "10",
+                                 "--dtype", "float32"],
                                 stdout=out, stderr=subprocess.STDOUT)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
