@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -63,12 +64,15 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 class TinyModel:
-    """A random HF model saved to `path`; `reference` is the same model in transformers (eager, fp32)."""
+    """A random HF model saved to `path` (from `TINY_CONFIGS[kind]`, or `make_config`); `reference` is the
+    same model in transformers (eager, fp32)."""
 
-    def __init__(self, kind: str, path: Path) -> None:
+    def __init__(self, kind: str, path: Path, make_config: Callable[[], transformers.PretrainedConfig] | None = None
+                 ) -> None:
         torch.manual_seed(0)
-        config = TINY_CONFIGS[kind]()
+        config = (make_config or TINY_CONFIGS[kind])()
         config._attn_implementation = "eager"
+        config._experts_implementation = "eager"  # mixture-of-experts models: the loop over experts
         self.reference = transformers.AutoModelForCausalLM.from_config(config).eval()
         self.reference.generation_config.eos_token_id = None
         self.reference.save_pretrained(path)

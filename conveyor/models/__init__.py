@@ -9,8 +9,9 @@ from ..layers.quantization.linear import Weight
 from .base import CausalLM
 from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM
+from .moe import MoeForCausalLM
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM)
+MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM)
                                             for t in cls.model_types}
 
 
