@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-import transformers
 
 from conveyor import LLM
 from conveyor.config import ConfigError, ContinuousBatchingConfig
@@ -20,36 +19,12 @@ from conveyor.layers.moe import Expert, SparseMoe, group_by_expert, route_softma
 from conveyor.layers.quantization.linear import QuantLinear
 from conveyor.models.sharding import plan_shards
 
-from .conftest import VOCAB, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
+from .conftest import MOE_CONFIGS, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
 from .test_hf_equivalence import LENGTHS, MAX_NEW, run_and_compare
 from .test_precision import BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, greedy, next_token_logprobs
 from .test_prefix_cache import PAGE, shared_prefix_scenario
 
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=512, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-              tie_word_embeddings=False)
 pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops: a busy 2-core box fork/joins slowly
-
-MOE_CONFIGS = {
-    "mixtral": lambda **kw: transformers.MixtralConfig(**(COMMON | kw), intermediate_size=64, num_local_experts=4,
-                                                       num_experts_per_tok=2),
-    # q/k normalized over the whole projection, q/k/v clipped
-    "olmoe": lambda **kw: transformers.OlmoeConfig(**(COMMON | kw), intermediate_size=64, num_experts=4,
-                                                   num_experts_per_tok=2, clip_qkv=4.0),
-    # a shared expert with its sigmoid gate; weights not renormalized; layer 1 dense; q/k/v biases
-    "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(
-        **(COMMON | kw), intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        num_experts=8, num_experts_per_tok=3, mlp_only_layers=[1]),
-    # per-head q/k norms, 4 of 8 experts renormalized
-    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
-        **(COMMON | kw), head_dim=32, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
-        num_experts_per_tok=4, norm_topk_prob=True),
-}
-
-
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
-    return {kind: TinyModel(kind, tmp_path_factory.mktemp(kind), make) for kind, make in MOE_CONFIGS.items()}
 
 
 def all_free(llm: LLM) -> bool:

@@ -30,6 +30,11 @@ _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
 _HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
+def hf_expert_names(model_type: str) -> tuple[str, str, str, str]:
+    """Hugging Face names of a model type's sparse block and its experts' gate, up and down projections."""
+    return _HF_EXPERTS.get(model_type, _HF_EXPERTS_DEFAULT)
+
+
 def expert_count(config: PretrainedConfig) -> int:
     """Routed experts per sparse layer (0: a dense model)."""
     return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
@@ -106,7 +111,7 @@ class MoeForCausalLM(CausalLM):
         activation = getattr(config, "hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"{config.model_type}: hidden_act {activation!r} is not supported (supported: silu)")
-        self.hf_block, *self.hf_experts = _HF_EXPERTS.get(config.model_type, _HF_EXPERTS_DEFAULT)
+        self.hf_block, *self.hf_experts = hf_expert_names(config.model_type)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral has no such setting: always
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
@@ -160,8 +165,8 @@ class MoeForCausalLM(CausalLM):
                 [tensor(f"{src}shared_expert.gate_proj.weight", what), tensor(f"{src}shared_expert.up_proj.weight",
                                                                               what)])
             weights[f"{dst}shared_expert.down_proj.weight"] = tensor(f"{src}shared_expert.down_proj.weight", what)
-            gate_weight = _dense(tensor(f"{src}shared_expert_gate.weight", "the shared expert's gate"))
-            weights[f"{dst}shared_expert_gate.weight"] = gate_weight.reshape(1, -1)
+            weights[f"{dst}shared_expert_gate.weight"] = _dense(tensor(f"{src}shared_expert_gate.weight",
+                                                                       "the shared expert's gate"))
         return weights
 
 
