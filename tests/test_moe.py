@@ -13,10 +13,14 @@ import safetensors.torch
 import torch
 
 from conveyor import LLM
+from conveyor.bench.expert_load import sparse_blocks
+from conveyor.bench.roofline import step_config
+from conveyor.bench.roofline_report import format_report, run_step
 from conveyor.config import ConfigError, ContinuousBatchingConfig
 from conveyor.engine.graph_runner import use_cuda_graphs
 from conveyor.layers.moe import Expert, SparseMoe, group_by_expert, route_softmax
-from conveyor.layers.quantization.linear import QuantLinear
+from conveyor.layers.quantization.linear import QuantLinear, matmul_ops
+from conveyor.layers.quantization.tensors import bf16_rows, quantize_int4, quantize_int8
 from conveyor.models.sharding import plan_shards
 
 from .conftest import MOE_CONFIGS, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
@@ -110,6 +114,36 @@ def test_sparse_block_equals_the_direct_sum() -> None:
         assert isinstance(block.experts[0], Expert)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(("dtype", "weights"), [(torch.float32, quantize_int8), (torch.float32, quantize_int4),
+                                                (torch.bfloat16, bf16_rows)])
+def test_grouped_native_experts_equal_the_loop(dtype: torch.dtype, weights) -> None:
+    """The one-call native experts (tiled weights) against the loop over experts on the same weights:
+    the same kernels; with fp32 activations the same sums in the same order, bf16 rounds the loop's
+    intermediates."""
+    if matmul_ops() is None:
+        pytest.skip("the native kernels did not build")
+    torch.manual_seed(0)
+    block = SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=False, shared_intermediate_size=32)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for expert in [*block.experts, block.shared_expert]:
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(expert, name, QuantLinear([weights(getattr(expert, name).weight)], bias=False, dtype=dtype))
+    block = block.to(dtype)
+    assert block.group_experts()
+    x = torch.randn(40, 64).to(dtype)
+    grouped, loads = block(x), []
+    block.observer = loads.append
+    block.grouped = None
+    loop = block(x)
+    assert sum(1 for n in loads[0] if n) >= 5
+    if dtype == torch.float32:
+        torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(grouped.float(), loop.float(), rtol=0.02, atol=0.02)
+
+
 def _copy(model: TinyModel, root: Path) -> Path:
     path = root / "copy"
     shutil.copytree(model.path, path)
@@ -147,3 +181,24 @@ def test_no_cuda_graphs_for_moe() -> None:
     assert use_cuda_graphs(ContinuousBatchingConfig(), gpu, capturable=False) is False
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         use_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=True), gpu, capturable=False)
+
+
+def test_step_bench_reports_the_expert_load(moe_models: dict[str, TinyModel]) -> None:
+    """`bench step` on an MoE model: the experts' shapes at their share of the rows, the active parameters,
+    the rows per expert, the sparse blocks' share of the step."""
+    llm = LLM(moe_models["qwen2_moe"].path, dtype="float32", config=step_config(8, 10, 2 + 1 + 4))
+    report = run_step(llm, batch=8, context=10, steps=2, warmup_steps=1, repeats=2, warmup=1)
+    mm, step = report["matmul"], report["step"]
+    shapes = {s["name"]: s for s in mm["shapes"]}
+    # layer 0 sparse (8 experts, top-3: 3 rows each at 8 rows, all busy), layer 1 dense
+    assert (shapes["experts.gate_up_proj (3 rows)"]["count"], shapes["experts.gate_up_proj (3 rows)"]["rows"]) == (8, 3)
+    assert shapes["gate_up_proj"]["count"] == 1 and shapes["shared_expert.down_proj"]["rows"] == 8
+    assert mm["flops_per_token"] == 2 * (2 * (128 * 64 + 64 * 64) + (256 * 64 + 64 * 128) + 3 * (64 * 64 + 64 * 32)
+                                         + (128 * 64 + 64 * 64) + 300 * 64)
+    load = step["expert_load"]
+    assert (load["layer_calls"], load["experts"], load["top_k"], load["routed_rows_per_call"]) == (2, 8, 3, 24)
+    assert load["rows_per_expert"]["min"] <= load["rows_per_expert"]["median"] <= load["rows_per_expert"]["max"] <= 8
+    assert 0 < step["moe_s"] < step["forward_s"] and 0 < step["moe_fraction"] < 1
+    text = format_report(report)
+    assert "of which mixture-of-experts blocks" in text and "24 routed rows per sparse layer (top-3 of 8" in text
+    assert all(block.observer is None for block in sparse_blocks(llm.engine.model))

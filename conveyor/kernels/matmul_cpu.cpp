@@ -132,6 +132,7 @@ void pack_float_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activa
 using namespace conveyor;
 
 void register_decode_stack(py::module_& m);
+void register_grouped_experts(py::module_& m);
 
 // out [M, N] (fp32 or bf16, contiguous rows: a column slice of a wider output is fine) = x [M, K] (fp32
 // or bf16) times a tiled quantized weight [ceil(N/16), tile_bytes] (I8 with row scales padded to whole
@@ -303,4 +304,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("tile_bytes", &tile_bytes, "bytes per 16-row tile of K elements");
     m.def("isa", &isa, "the instruction set the kernels were compiled for");
     register_decode_stack(m);
+    register_grouped_experts(m);
 }

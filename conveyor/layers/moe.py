@@ -25,10 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .quantization.linear import QuantLinear, bf16_kernel_max_rows, matmul_ops
+
 
 class Router(nn.Module):
-    """`x -> x @ weight.T (+ bias)`: router (or shared-expert gate) logits. Not an `nn.Linear`, so
-    quantization and packing leave it dense: a quantized router would move tokens between experts."""
+    """`x -> x @ weight.T (+ bias)` in fp32: router (or shared-expert gate) logits. Not an `nn.Linear`, so
+    quantization and packing leave it dense (a quantized router would move tokens between experts);
+    fp32 whatever the compute dtype (CPU bf16 matmuls and softmax of a few columns are slow paths)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -36,7 +39,7 @@ class Router(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,14 +106,50 @@ class SparseMoe(nn.Module):
         self.shared_expert = Expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         self.shared_expert_gate = Router(hidden_size, 1) if shared_intermediate_size else None
         self.observer: Callable[[list[int]], None] | None = None
+        self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
+        # On an AMX CPU, bf16 experts with more rows than this run faster through oneDNN's AMX matmul
+        # (`QuantMatmul`, the loop): prefill chunks. None: the grouped kernels take any rows.
+        self.amx_rows = bf16_kernel_max_rows()
+
+    def group_experts(self) -> bool:
+        """Run the routed experts through the native `GroupedExperts` (one call per layer and step, see
+        `kernels/moe_cpu.cpp`) when every expert's weights are in the kernels' tiles (quantized, or bf16
+        on CPU) and the kernels are built; else (fp32 dense, CUDA) the loop over experts. Whether it does."""
+        ops = matmul_ops()
+        linears = [linear for e in self.experts for linear in (e.gate_up_proj, e.down_proj)]
+        self.grouped = None
+        if ops is None or not all(isinstance(m, QuantLinear) and m.bias is None
+                                  and all(s.layout == "tiles" for s in m.kernel.segments) for m in linears):
+            return False
+        first = self.experts[0]
+        self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features)
+        for e in self.experts:
+            self.grouped.add_expert(*[[(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0])
+                                       for s in m.kernel.segments] for m in (e.gate_up_proj, e.down_proj)])
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route_softmax(self.router(x), self.top_k, self.renormalize)
         groups = group_by_expert(ids, self.num_experts)
         if self.observer is not None:
             self.observer(groups.counts)
+        row_weights = weights.reshape(-1).index_select(0, groups.order)
+        combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if self.grouped is not None and (self.amx_rows is None or x.dtype != torch.bfloat16
+                                         or max(groups.counts) <= self.amx_rows):
+            self.grouped.forward(x.contiguous(), groups.counts, row_weights, groups.tokens, combined,
+                                 torch.get_num_threads())
+        else:
+            self.run_experts(x, groups, row_weights.unsqueeze(1), combined)
+        if self.shared_expert is not None:
+            combined += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return combined.to(x.dtype)
+
+    def run_experts(self, x: torch.Tensor, groups: ExpertGroups, row_weights: torch.Tensor,
+                    combined: torch.Tensor) -> None:
+        """The loop over the experts that have rows, each on its slice of the sorted rows; then the
+        weighted rows added to `combined` in the sorted order."""
         rows = x.index_select(0, groups.tokens)
-        row_weights = weights.reshape(-1, 1).index_select(0, groups.order)
         out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
         start = 0
         for expert, n in zip(self.experts, groups.counts):
@@ -118,7 +157,4 @@ class SparseMoe(nn.Module):
                 end = start + n
                 torch.mul(expert(rows[start:end]), row_weights[start:end], out=out[start:end])
                 start = end
-        combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, groups.tokens, out)
-        if self.shared_expert is not None:
-            combined += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return combined.to(x.dtype)
+        combined.index_add_(0, groups.tokens, out)

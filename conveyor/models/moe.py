@@ -133,10 +133,13 @@ class MoeForCausalLM(CausalLM):
                    qk_norm=config.model_type == "qwen3_moe")
 
     def use_fused_ops(self, ops: ModuleType | None) -> None:
-        """Norms, RoPE and SiLU * up through the native fused ops (None: PyTorch)."""
+        """Norms, RoPE and SiLU * up through the native fused ops (None: PyTorch); experts with tiled
+        weights (quantized, bf16) grouped in one native call per layer (`SparseMoe.group_experts`)."""
         for module in self.modules():
             if type(module) in (RMSNorm, MoeDecoderLayer, OlmoeDecoderLayer, Expert):
                 module.fused = ops
+            if isinstance(module, SparseMoe):
+                module.group_experts()
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         """The router, each expert's fused gate/up and its down, and the shared expert with its gate."""
