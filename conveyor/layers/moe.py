@@ -80,6 +80,7 @@ class Expert(nn.Module):
         self.gate_up_proj = nn.utils.skip_init(nn.Linear, hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.utils.skip_init(nn.Linear, intermediate_size, hidden_size, bias=False)
         self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32/bf16 on CPU
+        self.prepack = False  # fp32: plain F.linear, not oneDNN-packed copies (see `linear.prepack_linears`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -104,6 +105,8 @@ class SparseMoe(nn.Module):
         self.router = Router(hidden_size, num_experts)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
         self.shared_expert = Expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        if self.shared_expert is not None:
+            self.shared_expert.prepack = True  # it takes every row, as a dense MLP does
         self.shared_expert_gate = Router(hidden_size, 1) if shared_intermediate_size else None
         self.observer: Callable[[list[int]], None] | None = None
         self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
