@@ -20,7 +20,7 @@ from conveyor.config import ConfigError, ContinuousBatchingConfig
 from conveyor.engine.graph_runner import use_cuda_graphs
 from conveyor.layers.moe import Expert, SparseMoe, group_by_expert, route_softmax
 from conveyor.layers.quantization.linear import QuantLinear, matmul_ops
-from conveyor.layers.quantization.tensors import bf16_rows, quantize_int4, quantize_int8
+from conveyor.layers.quantization.tensors import bf16_rows, f32_rows, quantize_int4, quantize_int8
 from conveyor.models.sharding import plan_shards
 
 from .conftest import MOE_CONFIGS, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
@@ -42,6 +42,7 @@ def test_moe_models_match_transformers(moe_models: dict[str, TinyModel], kind: s
     llm = model.llm(max_batch_tokens=64)
     moe = [layer.mlp for layer in llm.engine.model.layers if layer.mlp is not None]
     assert len(moe) == (1 if kind == "qwen2_moe" else 2)
+    assert all(block.grouped is not None for block in moe) or matmul_ops() is None  # fp32 experts in F32 tiles
     loads: list[list[int]] = []
     for block in moe:
         block.observer = loads.append
@@ -116,7 +117,7 @@ def test_sparse_block_equals_the_direct_sum() -> None:
 
 @torch.no_grad()
 @pytest.mark.parametrize(("dtype", "weights"), [(torch.float32, quantize_int8), (torch.float32, quantize_int4),
-                                                (torch.bfloat16, bf16_rows)])
+                                                (torch.float32, f32_rows), (torch.bfloat16, bf16_rows)])
 def test_grouped_native_experts_equal_the_loop(dtype: torch.dtype, weights) -> None:
     """The one-call native experts (tiled weights) against the loop over experts on the same weights:
     the same kernels; with fp32 activations the same sums in the same order, bf16 rounds the loop's

@@ -99,7 +99,7 @@ class DecodeStack {
                 Segment s{t[0].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[1].cast<int64_t>(),
                           t[3].cast<int64_t>(), n0};
                 n0 += s.rows;
-                (s.type == conveyor::BF16 ? lin.floats : lin.quantized) = true;
+                (conveyor::is_dense(s.type) ? lin.floats : lin.quantized) = true;
                 lin.segments.push_back(s);
             }
             TORCH_CHECK(n0 == N[i], "linear ", i, " has ", n0, " output rows, expected ", N[i]);

@@ -1,5 +1,5 @@
 // A linear layer as the native layer code holds it (the decode stack, the grouped experts): row
-// segments of one weight in the kernels' tiles, each a quantized type or BF16, and the SiLU * up
+// segments of one weight in the kernels' tiles, each a quantized type or dense, and the SiLU * up
 // between the MLP's two products.
 #pragma once
 
@@ -30,7 +30,7 @@ struct Linear {
             Segment s{t[0].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[1].cast<int64_t>(),
                       t[3].cast<int64_t>(), N};
             N += s.rows;
-            (s.type == BF16 ? floats : quantized) = true;
+            (is_dense(s.type) ? floats : quantized) = true;
             segments.push_back(s);
         }
     }

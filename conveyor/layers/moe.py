@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .quantization.linear import QuantLinear, bf16_kernel_max_rows, matmul_ops
+from .quantization.tensors import f32_rows
 
 
 class Router(nn.Module):
@@ -116,13 +117,22 @@ class SparseMoe(nn.Module):
 
     def group_experts(self) -> bool:
         """Run the routed experts through the native `GroupedExperts` (one call per layer and step, see
-        `kernels/moe_cpu.cpp`) when every expert's weights are in the kernels' tiles (quantized, or bf16
-        on CPU) and the kernels are built; else (fp32 dense, CUDA) the loop over experts. Whether it does."""
+        `kernels/moe_cpu.cpp`) where the kernels are built: dense fp32 experts are moved into the kernels'
+        F32 tiles first (one copy; bf16 and quantized ones are tiled already). Else (CUDA, no kernels,
+        biases) the loop over experts. Whether it does."""
         ops = matmul_ops()
-        linears = [linear for e in self.experts for linear in (e.gate_up_proj, e.down_proj)]
         self.grouped = None
-        if ops is None or not all(isinstance(m, QuantLinear) and m.bias is None
-                                  and all(s.layout == "tiles" for s in m.kernel.segments) for m in linears):
+        if ops is None:
+            return False
+        for expert in self.experts:
+            for name in ("gate_up_proj", "down_proj"):
+                linear = getattr(expert, name)
+                if (type(linear) is nn.Linear and linear.bias is None and linear.weight.dtype == torch.float32
+                        and linear.weight.device.type == "cpu"):
+                    setattr(expert, name, QuantLinear([f32_rows(linear.weight)], bias=False, dtype=torch.float32))
+        linears = [linear for e in self.experts for linear in (e.gate_up_proj, e.down_proj)]
+        if not all(isinstance(m, QuantLinear) and m.bias is None and all(s.layout == "tiles" for s in m.kernel.segments)
+                   for m in linears):
             return False
         first = self.experts[0]
         self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features)
