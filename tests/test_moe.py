@@ -203,3 +203,20 @@ def test_step_bench_reports_the_expert_load(moe_models: dict[str, TinyModel]) ->
     text = format_report(report)
     assert "of which mixture-of-experts blocks" in text and "24 routed rows per sparse layer (top-3 of 8" in text
     assert all(block.observer is None for block in sparse_blocks(llm.engine.model))
+
+
+def test_step_pair_interleaves_two_models(moe_models: dict[str, TinyModel], tiny_llama: TinyModel, tmp_path: Path,
+                                          capsys) -> None:
+    """`bench step-pair`: both models' decode steps alternate; each one's median and the per-pair ratio."""
+    from conveyor.bench.commands import main
+
+    out = tmp_path / "pair.json"
+    assert main(["step-pair", str(tiny_llama.path), str(moe_models["mixtral"].path), "--batch", "4", "--context", "8",
+                 "--steps", "3", "--dtype", "float32", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    a, b = report["models"]
+    assert (a["path"], b["path"]) == (str(tiny_llama.path), str(moe_models["mixtral"].path))
+    assert len(a["step_samples_s"]) == len(b["step_samples_s"]) == 3 and a["step_s"] > 0 and b["step_s"] > 0
+    ratios = sorted(y / x for x, y in zip(a["step_samples_s"], b["step_samples_s"]))
+    assert report["b_over_a"] == pytest.approx(ratios[1])
+    assert "B / A:" in capsys.readouterr().out
