@@ -47,7 +47,8 @@ UNSUPPORTED: dict[str, str] = {
     "--hf-overrides": "edit the model's config.json instead",
     "--kv-transfer-config": "disaggregated prefill (KV transfer between instances) is not supported",
     "--enable-sleep-mode": "sleep mode is not supported: stop the server and start it again",
-    "--enable-expert-parallel": "mixture-of-experts models are not supported",
+    "--enable-expert-parallel": "experts are not split over ranks: a mixture-of-experts model runs whole on one "
+                                "rank (--tensor-parallel-size 1); --data-parallel-size N runs N replicas",
     "--enable-log-requests": "requests are not logged; GET /metrics has their counts and latencies",
 }
 # vLLM flags whose effect is what Conveyor always does: taken, with a log line saying so.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,24 @@ TINY_CONFIGS = {
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
 }
 
+# Mixture-of-experts models (`moe_models`), kept out of TINY_CONFIGS so that only their tests build them.
+MOE_COMMON = TINY_COMMON | {"tie_word_embeddings": False}
+MOE_CONFIGS = {
+    "mixtral": lambda **kw: transformers.MixtralConfig(**(MOE_COMMON | kw | {"intermediate_size": 64}),
+                                                       num_local_experts=4, num_experts_per_tok=2),
+    # q/k normalized over the whole projection, q/k/v clipped
+    "olmoe": lambda **kw: transformers.OlmoeConfig(**(MOE_COMMON | kw | {"intermediate_size": 64}), num_experts=4,
+                                                   num_experts_per_tok=2, clip_qkv=4.0),
+    # a shared expert with its sigmoid gate; weights not renormalized; layer 1 dense; q/k/v biases
+    "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(
+        **(MOE_COMMON | kw), moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=3, mlp_only_layers=[1]),
+    # per-head q/k norms, 4 of 8 experts renormalized
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
+        **(MOE_COMMON | kw), head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
+        norm_topk_prob=True),
+}
+
 
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
     """Word-level tokenizer: token i is the word "w{i}"; 0-2 are unk/bos/eos."""
@@ -63,13 +82,15 @@ def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
 
 
 class TinyModel:
-    """A random HF model saved to `path`; `reference` is the same model in transformers (eager, fp32)."""
+    """A random HF model saved to `path` (from `TINY_CONFIGS[kind]`, or `make_config`); `reference` is the
+    same model in transformers (eager, fp32)."""
 
     def __init__(self, kind: str, path: Path, config: transformers.PretrainedConfig | None = None) -> None:
         """`config`: another test's model (`kind` then only names it); else `TINY_CONFIGS[kind]`."""
         torch.manual_seed(0)
         config = config if config is not None else TINY_CONFIGS[kind]()
         config._attn_implementation = "eager"
+        config._experts_implementation = "eager"  # mixture-of-experts models: the loop over experts
         self.reference = transformers.AutoModelForCausalLM.from_config(config).eval()
         self.reference.generation_config.eos_token_id = None
         self.reference.save_pretrained(path)
@@ -95,6 +116,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
     return {kind: TinyModel(kind, tmp_path_factory.mktemp(kind)) for kind in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def moe_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    return {kind: TinyModel(kind, tmp_path_factory.mktemp(kind), make()) for kind, make in MOE_CONFIGS.items()}
 
 
 @pytest.fixture(scope="session")

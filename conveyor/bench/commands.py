@@ -3,7 +3,7 @@
 Subcommands: `throughput` (offline throughput, optionally against transformers), `simulate`
 (static versus continuous batching, step by step, also through Conveyor's scheduler), `roofline`
 (matmul rates and the dense-decode ceiling), `step` (Conveyor's decode step split, against that
-ceiling), `serve` (online serving benchmark of any OpenAI-compatible server, over HTTP),
+ceiling), `step-pair` (two models' decode steps interleaved), `serve` (online serving benchmark of any OpenAI-compatible server, over HTTP),
 `perplexity` (a model's perplexity on a text, in windows, through prompt logprobs), `fuzz`
 (schemathesis against a server's OpenAPI schema), `soak` (a long mixed load with disconnects). The
 project CLI can mount the suite with `add_subcommands(subparsers)` or simply call `main(argv)`.
@@ -26,7 +26,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import fuzz, gpu_check, perplexity, roofline_report, serve, simulate, soak, throughput
+    from . import fuzz, gpu_check, perplexity, roofline_report, serve, simulate, soak, step_pair, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -47,6 +47,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "engine and times Engine.step() split into model forward, LM head + sampling, input preparation and the "
          "rest; prints the step's ratio to the dense ceiling of the same run, and its weight-streaming rate "
          "(weight bytes per step over forward + LM head time) against the machine's measured read bandwidth."),
+        ("step-pair", step_pair, {},
+         "two models' decode steps interleaved step by step: each one's median and the ratio B / A",
+         "Loads both models, prefills batch random prompts of context tokens in each, then alternates their "
+         "engine steps (A, B, A, B, ...) so every pair sees the same machine; prints each model's median decode "
+         "step and the median of the per-pair ratios B / A (e.g. a mixture-of-experts model against a dense "
+         "model with the same active parameters)."),
         ("simulate", simulate, {},
          "static vs continuous batching, step by step (the seeds' simulation; no model)",
          "Simulate static and continuous batching of requests with given output lengths on a number of slots, "

@@ -39,6 +39,8 @@ def linear_path(fn: Any, rows: int, dtype: torch.dtype) -> tuple[str, str]:
         isa = cpu_matmul_ops().isa()
         if all(s.type_name == "BF16" for s in fn.segments):  # dense bf16 tiles: widened, fp32 FMAs
             return f"BF16: bf16 tiles, fp32 FMA kernel ({isa})", "fp32-fma"
+        if all(s.type_name == "F32" for s in fn.segments):  # dense fp32 tiles (mixture-of-experts experts)
+            return f"F32: fp32 tiles, fp32 FMA kernel ({isa})", "fp32-fma"
         if "vnni" in isa:
             kind = "int8-vnni"
         else:

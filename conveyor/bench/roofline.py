@@ -5,7 +5,8 @@ Four measurements, all on the same model object (a `CausalLM`, as `LLM` builds i
 
 1. Matmul rate: the model's own linear layers (as its forward runs them: oneDNN-packed on CPU
    fp32, the quantized kernels for quantized weights) on each distinct weight shape (fused
-   qkv_proj, o_proj, gate_up_proj, down_proj of one layer, and the LM head) at M = batch rows.
+   qkv_proj, o_proj, gate_up_proj, down_proj of one layer, and the LM head) at M = batch rows (a
+   mixture-of-experts model's experts at their share, batch x top-k / experts: `expert_load.py`).
    FLOPs per token are 2 x the parameters touched per token (every layer's linears plus the LM
    head), so the per-shape times, weighted by how often each shape runs, give the tok/s ceiling of
    the linear layers alone; each shape's weight bytes over its time give its streaming rate. On
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from ..layers.attention import AttentionBackend, attend
 from ..layers.quantization.linear import QuantMatmul
 from .bandwidth import head_bytes, linear_bytes
+from .expert_load import ExpertLoad, expert_shapes, sparse_blocks
 from .peaks import linear_path, measure_peaks
 
 MIN_SAMPLE_S = 2e-3  # matmul timing: repeat a call until one sample lasts at least this long
@@ -89,20 +91,25 @@ def model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def linear_layers(model: Any) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], int, int, int, int]]:
-    """(name, the model's own callable, out_features, in_features, times run per token, weight bytes read
-    per call) of each distinct linear layer shape: the modules the forward calls (oneDNN-packed on CPU
-    fp32, see `models/linear.py`; quantized kernels, see `models/quant_linear.py`) and its LM head."""
+def linear_layers(model: Any, batch: int) -> list[tuple[str, Callable[[torch.Tensor], torch.Tensor], int, int, int,
+                                                      int, int]]:
+    """(name, the model's own callable, out_features, in_features, calls per decode step, weight bytes read
+    per call, rows per call) of each distinct linear layer shape: the modules the forward calls
+    (oneDNN-packed on CPU fp32, see `layers/linear.py`; quantized kernels, see `layers/quantization/`)
+    and its LM head. A mixture-of-experts model's experts run at their share of the rows
+    (`expert_load.expert_shapes`); its dense MLP shapes count only the layers that have one."""
     layer = model.layers[0]
-    n = model.num_layers
     head = model.lm_head_fn or (lambda h: F.linear(h, model.lm_head_weight))
     if isinstance(model.lm_head_fn, QuantMatmul):
         head_shape = (model.lm_head_fn.out_features, model.lm_head_fn.in_features)
     else:
         head_shape = tuple(model.lm_head_weight.shape)
-    layers = [(name, getattr(layer, name)) for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-    return ([(name, m, m.out_features, m.in_features, n, linear_bytes(m)) for name, m in layers]
-            + [("lm_head", head, *head_shape, 1, head_bytes(model)[0])])
+    dense = [layer for layer in model.layers if hasattr(layer, "gate_up_proj")]
+    calls = [(name, getattr(layer, name), model.num_layers, batch) for name in ("qkv_proj", "o_proj")]
+    calls += [(name, getattr(dense[0], name), len(dense), batch) for name in ("gate_up_proj", "down_proj") if dense]
+    calls += [(name, m, count, rows) for name, m, count, rows, _ in expert_shapes(model, batch)]
+    return ([(name, m, m.out_features, m.in_features, count, linear_bytes(m), rows) for name, m, count, rows in calls]
+            + [("lm_head", head, *head_shape, 1, head_bytes(model)[0], batch)])
 
 
 @torch.inference_mode()
@@ -113,17 +120,17 @@ def measure_matmuls(model: Any, batch: int, *, repeats: int = 10, warmup: int = 
     device = model_device(model)
     shapes = []
     step_flops = step_s = params = 0.0
-    for name, fn, out_f, in_f, count, nbytes in linear_layers(model):
-        x = torch.randn(batch, in_f, generator=g).to(device=device, dtype=model.dtype)
+    for name, fn, out_f, in_f, count, nbytes, rows in linear_layers(model, batch):
+        x = torch.randn(rows, in_f, generator=g).to(device=device, dtype=model.dtype)
         t = _time_call(lambda x=x, fn=fn: fn(x), device, repeats, warmup)
-        flops = 2.0 * batch * in_f * out_f
-        shapes.append({"name": name, "out_features": out_f, "in_features": in_f, "count": count,
+        flops = 2.0 * rows * in_f * out_f
+        shapes.append({"name": name, "out_features": out_f, "in_features": in_f, "count": count, "rows": rows,
                        "time_s": t, "gflops": flops / t / 1e9, "weight_bytes": nbytes, "gb_per_s": nbytes / t / 1e9})
         if device.type == "cpu":
-            shapes[-1]["path"], shapes[-1]["peak_kind"] = linear_path(fn, batch, model.dtype)
+            shapes[-1]["path"], shapes[-1]["peak_kind"] = linear_path(fn, rows, model.dtype)
         step_flops += flops * count
         step_s += t * count
-        params += in_f * out_f * count
+        params += in_f * out_f * count * rows / batch  # active parameters per token
     peaks = measure_peaks({s["peak_kind"] for s in shapes}) if device.type == "cpu" else {}
     for s in shapes:
         s["peak_gops"] = peak = peaks.get(s.get("peak_kind"))
@@ -273,7 +280,8 @@ class _Probe:
 @contextlib.contextmanager
 def instrument(engine: Any) -> Iterator[_Probe]:
     """Time `runner.execute`, `runner.prepare`, `model.forward`, `model.compute_logits` and `runner.sampler.sample`,
-    and `model.greedy_tokens` (the LM head fused with greedy sampling, which stands for both when it runs)."""
+    `model.greedy_tokens` (the LM head fused with greedy sampling, which stands for both when it runs), and a
+    mixture-of-experts model's sparse blocks (all layers' under "moe")."""
     runner = engine.runner
     probe = _Probe(engine.device)
     try:
@@ -283,6 +291,8 @@ def instrument(engine: Any) -> Iterator[_Probe]:
         probe.wrap(runner.model, "compute_logits", "lm_head")
         probe.wrap(runner.model, "greedy_tokens", "fused_head")
         probe.wrap(runner.sampler, "sample", "sampling")
+        for block in sparse_blocks(runner.model):  # mixture-of-experts blocks, summed over the layers
+            probe.wrap(block, "forward", "moe")
         yield probe
     finally:
         probe.restore()
@@ -349,9 +359,10 @@ def measure_step(llm: Any, batch: int, context: int, *, steps: int = 10, warmup_
 
         rows: list[dict[str, float]] = []
         contexts: list[int] = []
+        load = ExpertLoad(engine.runner.model)
         for i in range(warmup_steps + steps):
             in_cache = [r.num_tokens - 1 for r in requests]
-            with instrument(engine) as probe:
+            with instrument(engine) as probe, load if i >= warmup_steps else contextlib.nullcontext():
                 _sync(device)
                 t0 = time.perf_counter()
                 stepped = engine.step()
@@ -376,7 +387,8 @@ def measure_step(llm: Any, batch: int, context: int, *, steps: int = 10, warmup_
                          "lm_head_sampling_s": t["execute"] - t["prepare"] - t["forward"],
                          "lm_head_s": head, "forward_lm_head_s": t["forward"] + head,
                          "sampling_s": t.get("sampling", 0.0), "fused_head": float(fused),
-                         "rest_s": total - t["execute"], "outside_forward_s": total - t["forward"]})
+                         "rest_s": total - t["execute"], "outside_forward_s": total - t["forward"],
+                         "moe_s": t.get("moe", 0.0)})
             contexts += [min(in_cache), max(in_cache)]
     finally:
         for r in requests:
@@ -392,4 +404,6 @@ def measure_step(llm: Any, batch: int, context: int, *, steps: int = 10, warmup_
             "outside_forward_fraction": median([r["outside_forward_s"] / r["step_s"] for r in rows]),
             "host_fraction": median([(r["step_s"] - r["forward_s"] - r["lm_head_s"]) / r["step_s"] for r in rows]),
             "tok_per_s": batch / medians["step_s"],
-            "step_samples_s": [r["step_s"] for r in rows]}
+            "step_samples_s": [r["step_s"] for r in rows],
+            **({"moe_fraction": median([r["moe_s"] / r["step_s"] for r in rows]), "expert_load": load.summary()}
+               if load.blocks else {})}

@@ -138,7 +138,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines += ["", f"Conveyor decode step ({b} running sequences, {s['timed_context'][0]}-{s['timed_context'][1]} "
                   f"tokens in cache; median of {s['steps']} steps after {s['warmup_steps']} warm-up; "
                   f"prefill took {s['prefill_s']:.1f} s in {s['prefill_steps']} steps):",
-                  part("step", "step_s"), part("model forward", "forward_s"),
+                  part("step", "step_s"), part("model forward", "forward_s"), *_expert_lines(s, part),
                   part("LM head + sampling", "lm_head_sampling_s"),
                   (f"    (LM head fused with the greedy argmax {_ms(s['lm_head_s'])}: no logits, no sampler)"
                    if s.get("fused_head") else f"    (LM head {_ms(s['lm_head_s'])}, sampler {_ms(s['sampling_s'])})"),
@@ -155,6 +155,19 @@ def format_report(report: dict[str, Any]) -> str:
                   f"{'met' if t['step_over_dense_met'] else 'NOT met'}", ""]
         lines += format_streaming(report["streaming"], t["streaming_fraction_min"])
     return "\n".join(lines)
+
+
+def _expert_lines(s: dict[str, Any], part: Any) -> list[str]:
+    """A mixture-of-experts model's sparse blocks in the step (inside the model forward) and its expert load."""
+    load = s.get("expert_load")
+    if not load or not load["rows_per_expert"]:
+        return []
+    r = load["rows_per_expert"]
+    return [part("  of which mixture-of-experts blocks", "moe_s"),
+            f"    expert load: {load['routed_rows_per_call']:.0f} routed rows per sparse layer (top-{load['top_k']} of "
+            f"{load['experts']} experts); rows per expert per layer and step min {r['min']} / median "
+            f"{r['median']:g} / max {r['max']}; {load['busy_experts_median']:g} experts busy (median of "
+            f"{load['layer_calls']} layer calls)"]
 
 
 # -- command line ---------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ class Engine:
         page, window = config.page_size, model.sliding_window
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
-        use_graphs = use_cuda_graphs(config, device)
+        use_graphs = use_cuda_graphs(config, device, model.cuda_graphs)
         working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
         if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
             working += graph_memory_bytes(model, config, self.dtype)

@@ -26,10 +26,15 @@ from .step_buffers import PaddedShape, round_up
 MAX_GRAPHS = 64  # captured graphs kept; the least recently replayed is dropped first
 
 
-def use_cuda_graphs(config: ContinuousBatchingConfig, device: torch.device) -> bool:
-    """`use_cuda_graph` resolved for this device: None = on for CUDA, off elsewhere."""
+def use_cuda_graphs(config: ContinuousBatchingConfig, device: torch.device, capturable: bool = True) -> bool:
+    """`use_cuda_graph` resolved for this device: None = on for CUDA, off elsewhere, and off for a model
+    whose forward reads device values on the host (`capturable` False: mixture-of-experts models size
+    each expert's slice from the routing)."""
     if config.use_cuda_graph is None:
-        return device.type == "cuda"
+        return device.type == "cuda" and capturable
+    if config.use_cuda_graph and not capturable:
+        raise ConfigError("use_cuda_graph=True: this model's forward cannot be captured in a CUDA graph (its "
+                          "mixture-of-experts layers size each expert's rows from the routing); use None or False")
     if config.use_cuda_graph and device.type != "cuda":
         raise ConfigError(f"use_cuda_graph=True needs a CUDA device, got {device.type!r} (allowed on this device: "
                           "None or False; pad_steps=True pads steps without capturing)")

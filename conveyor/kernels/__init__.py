@@ -157,10 +157,12 @@ def cpu_fused_ops() -> ModuleType | None:
 @cache
 def cpu_matmul_ops() -> ModuleType | None:
     """Weight-streaming matmuls over GGUF-quantized, int8, bf16 and fp32 weights (`matmul_cpu.cpp`,
-    `quant_tiles.cpp`, `quant_gemm.cpp`) and the native decode stack (`decode_stack_cpu.cpp`), or
-    None when the build fails."""
-    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_gemm.cpp", "decode_stack_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("quant.h", "quant_layout.h", "attention_cpu.h", "vec_math.h"))
+    `quant_tiles.cpp`, `quant_gemm.cpp`), the native decode stack (`decode_stack_cpu.cpp`) and a
+    mixture-of-experts layer's grouped experts (`moe_cpu.cpp`), or None when the build fails."""
+    return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_gemm.cpp", "decode_stack_cpu.cpp",
+                                          "moe_cpu.cpp"],
+                  "-ffp-contract=fast", headers=("quant.h", "quant_layout.h", "attention_cpu.h", "tiled_linear.h",
+                                                 "vec_math.h"))
 
 
 @cache

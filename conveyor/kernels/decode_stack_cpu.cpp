@@ -11,6 +11,7 @@
 // are fp32; K/V are stored in the cache's dtype.
 #include "attention_cpu.h"
 #include "quant.h"
+#include "tiled_linear.h"
 #include "vec_math.h"
 
 #include <omp.h>
@@ -22,36 +23,9 @@
 namespace {
 
 using conveyor::Activations;
-
-// One row segment of a linear: rows [n0, n0 + rows) of the output, in the kernels' tiles (a quantized
-// type or BF16).
-struct Segment {
-    torch::Tensor data, scales;
-    int64_t type, rows, n0;
-    int64_t tiles() const { return (rows + conveyor::kTileRows - 1) / conveyor::kTileRows; }
-};
-
-struct Linear {
-    std::vector<Segment> segments;
-    torch::Tensor bias;  // fp32 [N] or undefined
-    int64_t N = 0, K = 0;
-    bool quantized = false, floats = false;  // what its input must be prepared as: int8 blocks, packed fp32
-
-    // This thread's share of every segment: out [M, N] (row stride ldo) from the prepared input `a`.
-    void run(const Activations& a, float* out, int64_t ldo, int thread, int threads) const {
-        for (const Segment& s : segments) {
-            const int64_t u = s.tiles(), u0 = u * thread / threads, u1 = u * (thread + 1) / threads;
-            if (u0 == u1) continue;
-            conveyor::tiles_matmul(s.type, s.data.data_ptr<uint8_t>(), s.scales.numel() ? s.scales.data_ptr<float>() : nullptr,
-                                   a, u0, u1, s.rows, conveyor::TileOut{out + s.n0, ldo});
-        }
-    }
-    void add_bias_row(float* row) const {
-        if (!bias.defined()) return;
-        const float* b = bias.data_ptr<float>();
-        for (int64_t n = 0; n < N; ++n) row[n] += b[n];
-    }
-};
+using conveyor::Linear;
+using conveyor::Segment;
+using conveyor::silu_mul;
 
 struct Layer {
     torch::Tensor input_norm, post_norm;  // fp32
@@ -84,25 +58,6 @@ void store_row(T* dst, const float* src, int64_t n) {
     for (; i + 16 <= n; i += 16) conveyor::store16(dst + i, _mm512_loadu_ps(src + i));
 #endif
     for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-// a = silu(gate) * up, with a vector e^x (per element libm expf calls took ~6% of a 64-row step).
-void silu_mul(const float* gate, const float* up, int64_t n, float* a) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 e = conveyor::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(up + i)));
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = conveyor::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(up + i)));
-    }
-#endif
-    for (; i < n; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
 }  // namespace
@@ -144,7 +99,7 @@ class DecodeStack {
                 Segment s{t[0].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[1].cast<int64_t>(),
                           t[3].cast<int64_t>(), n0};
                 n0 += s.rows;
-                (s.type == conveyor::BF16 ? lin.floats : lin.quantized) = true;
+                (conveyor::is_dense(s.type) ? lin.floats : lin.quantized) = true;
                 lin.segments.push_back(s);
             }
             TORCH_CHECK(n0 == N[i], "linear ", i, " has ", n0, " output rows, expected ", N[i]);

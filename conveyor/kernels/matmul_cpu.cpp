@@ -1,5 +1,5 @@
 // The matmul ops on CPU: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for weights in the kernels'
-// tiles (quant_layout.h): GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, our per-channel int8 (I8) and dense bf16.
+// tiles (quant_layout.h): GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, our per-channel int8 (I8) and dense bf16 and fp32.
 //
 // Quantized weights: the activations are quantized once per call to int8 blocks of 32 (one fp32
 // scale per block, as ggml's Q8_0) and the weights are dotted in integer arithmetic (VNNI where the
@@ -104,7 +104,7 @@ void check_out(const torch::Tensor& out, int64_t M, int64_t N) {
 
 void prepare_activations(const torch::Tensor& x, int64_t type, Activations& a) {
     const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-    if (type == BF16) {
+    if (is_dense(type)) {
         a.shape_floats(M, K);
         at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
             for (int64_t m = m0; m < m1; ++m) {
@@ -132,6 +132,7 @@ void pack_float_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activa
 using namespace conveyor;
 
 void register_decode_stack(py::module_& m);
+void register_grouped_experts(py::module_& m);
 
 // out [M, N] (fp32 or bf16, contiguous rows: a column slice of a wider output is fine) = x [M, K] (fp32
 // or bf16) times a tiled quantized weight [ceil(N/16), tile_bytes] (I8 with row scales padded to whole
@@ -303,4 +304,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("tile_bytes", &tile_bytes, "bytes per 16-row tile of K elements");
     m.def("isa", &isa, "the instruction set the kernels were compiled for");
     register_decode_stack(m);
+    register_grouped_experts(m);
 }

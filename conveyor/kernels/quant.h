@@ -21,9 +21,10 @@ constexpr int64_t QK = 32;     // activation block, and the block of Q4_0/Q4_1/Q
 constexpr int64_t QK_K = 256;  // super-block of the K-quants
 constexpr int64_t kTileRows = 16;  // output rows interleaved in one tile
 
-// GGUF/ggml type ids (ggml.h) of the block types handled here, our per-channel int8, and dense bf16
-// weights in the same tiles (not quantized: multiplied in fp32 with fp32 activations).
-enum WeightType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, I8 = 1000, BF16 = 1001 };
+// GGUF/ggml type ids (ggml.h) of the block types handled here, our per-channel int8, and dense bf16 and
+// fp32 weights in the same tiles (not quantized: multiplied in fp32 with fp32 activations; F32 holds a
+// mixture-of-experts model's fp32 experts).
+enum WeightType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, I8 = 1000, BF16 = 1001, F32 = 1002 };
 
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
 struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
@@ -53,9 +54,13 @@ inline float hsum(__m256 v) {
 #endif
 
 inline bool is_kernel_type(int64_t type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || type == I8 || type == BF16;
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || type == I8 || type == BF16 ||
+           type == F32;
 }
-inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : type == BF16 ? 1 : QK; }
+// Dense (not quantized) tiles: one value per weight, their inputs packed as fp32.
+inline bool is_dense(int64_t type) { return type == BF16 || type == F32; }
+inline int64_t dense_bytes(int64_t type) { return type == F32 ? 4 : 2; }
+inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : is_dense(type) ? 1 : QK; }
 int64_t row_bytes(int64_t type, int64_t K);   // one row in GGUF's layout (I8: K bytes)
 int64_t tile_bytes(int64_t type, int64_t K);  // one tile of kTileRows rows in the tiled layout (quant_layout.h)
 
@@ -77,7 +82,7 @@ constexpr int64_t kPackRows = 4;
 // microkernel starts its integer accumulators to take back Q4_0's offset and the +128 that makes
 // signed weights unsigned for vpdpbusd (Q6_K's scales are per half block).
 //
-// For BF16 weights the activations stay fp32, packed the same way value by value (`f`: value k of row
+// For dense (BF16, F32) weights the activations stay fp32, packed the same way value by value (`f`: value k of row
 // i of a group of r rows at k * r + i): `shape_floats`, then `set_floats` per row.
 struct Activations {
     int64_t M = 0, K = 0, nb = 0;
@@ -123,10 +128,10 @@ struct Activations {
         for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, v + 4 * j, 4);
     }
 };
-// x [M, K] as the kernels of weight type `type` take it: int8 blocks, or packed fp32 for BF16.
+// x [M, K] as the kernels of weight type `type` take it: int8 blocks, or packed fp32 for BF16 and F32.
 void prepare_activations(const torch::Tensor& x, int64_t type, Activations& a);
 // Rows [m0, m1) of x (fp32, ldx apart) into `a`, already shaped for them (`shape`, or `shape_floats`
-// for BF16 weights); serial (threads may prepare disjoint row ranges of one `a` at once).
+// for dense weights); serial (threads may prepare disjoint row ranges of one `a` at once).
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a);
 void pack_float_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a);
 

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <type_traits>
 #include <utility>
 
 namespace conveyor {
@@ -77,18 +78,19 @@ inline void scale_into(const __m512i* dot, __m512 wd, const float* xd, __m512* a
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(wd, _mm512_set1_ps(xd[i])), acc[i]);
 }
 
-// BF16 tiles: per input k, the tile's 16 weights widened to fp32 (a shift) and one FMA per activation
-// row, broadcast from the packed fp32 group. vdpbf16ps would take bf16 activations, but it runs at
-// half the FMA rate on the AVX-512 Xeons measured here (`bench/peaks.py`: bf16-avx512 82 GFLOP/s a
-// core, fp32-fma 163).
-template <int MR>
-void bf16_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefetch, __m512* acc) {
+// Dense tiles (W = bf16 or float): per input k, the tile's 16 weights (bf16 widened to fp32, a shift)
+// and one FMA per activation row, broadcast from the packed fp32 group. vdpbf16ps would take bf16
+// activations, but it runs at half the FMA rate on the AVX-512 Xeons measured here (`bench/peaks.py`:
+// bf16-avx512 82 GFLOP/s a core, fp32-fma 163).
+template <typename W, int MR>
+void dense_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefetch, __m512* acc) {
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     const float* x = a.f.data() + m0 * a.K;
-    const c10::BFloat16* w = reinterpret_cast<const c10::BFloat16*>(tile);
+    const W* w = reinterpret_cast<const W*>(tile);
     for (int64_t k = 0; k < a.K; ++k, x += MR, w += kTileRows) {
-        if (prefetch && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+        if (prefetch && (sizeof(W) == 4 || k % 2 == 0))  // a cache line: 2 steps of bf16, 1 of fp32
+            _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
         const __m512 wv = load16(w);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[i]), acc[i]);
@@ -175,7 +177,8 @@ template <int64_t T, int MR>
 void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, int64_t m0, int64_t n0, int64_t N,
                const TileOut& out) {
     __m512 res[MR];
-    if constexpr (T == BF16) bf16_pass<MR>(tile, a, m0, m0 == 0, res);
+    if constexpr (T == BF16) dense_pass<c10::BFloat16, MR>(tile, a, m0, m0 == 0, res);
+    else if constexpr (T == F32) dense_pass<float, MR>(tile, a, m0, m0 == 0, res);
     else tile_pass<T, MR>(tile, a, m0, m0 == 0, res);
     const int64_t valid = std::min<int64_t>(kTileRows, N - n0);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
@@ -241,14 +244,15 @@ inline void scale_into(const __m256i* dot, __m256 wd, const float* xd, __m256* a
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(wd, _mm256_set1_ps(xd[i])), acc[i]);
 }
 
-template <int MR>
-void bf16_half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* acc) {
+template <typename W, int MR>
+void dense_half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* acc) {
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     const float* x = a.f.data() + m0 * a.K;
-    const uint8_t* w = tile + 16 * half;
-    for (int64_t k = 0; k < a.K; ++k, x += MR, w += 2 * kTileRows) {
-        if (prefetch && k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-        const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16b(w)), 16));
+    const uint8_t* w = tile + 8 * sizeof(W) * half;
+    for (int64_t k = 0; k < a.K; ++k, x += MR, w += sizeof(W) * kTileRows) {
+        if (prefetch && (sizeof(W) == 4 || k % 2 == 0)) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+        const __m256 wv = sizeof(W) == 4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(w))
+                                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16b(w)), 16));
         for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_set1_ps(x[i]), acc[i]);
     }
 }
@@ -337,7 +341,8 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
                const TileOut& out) {
     for (int half = 0; half < 2; ++half) {
         __m256 res[MR];
-        if constexpr (T == BF16) bf16_half_pass<MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
+        if constexpr (T == BF16) dense_half_pass<c10::BFloat16, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
+        else if constexpr (T == F32) dense_half_pass<float, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
         else half_pass<T, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
         const int64_t base = n0 + 8 * half, valid = std::min<int64_t>(8, N - base);
         if (valid <= 0) break;
@@ -360,8 +365,9 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
         const int64_t m = m0 + i;
         for (int r = 0; r < valid; ++r) {
             float acc = 0.f;
-            if constexpr (T == BF16) {
-                const c10::BFloat16* w = reinterpret_cast<const c10::BFloat16*>(tile) + r;
+            if constexpr (T == BF16 || T == F32) {
+                using W = std::conditional_t<T == F32, float, c10::BFloat16>;
+                const W* w = reinterpret_cast<const W*>(tile) + r;
                 const int64_t g0 = Activations::group_start(m), rows = a.group_rows(g0);
                 for (int64_t k = 0; k < a.K; ++k) acc += static_cast<float>(w[k * kTileRows]) * a.f[g0 * a.K + k * rows + m - g0];
                 out.store(m, n0 + r, acc);
@@ -433,6 +439,7 @@ void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const
         case Q6_K: return typed_tiles_matmul<Q6_K>(w, row_scales, a, t0, t1, N, out);
         case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out);
         case BF16: return typed_tiles_matmul<BF16>(w, row_scales, a, t0, t1, N, out);
+        case F32: return typed_tiles_matmul<F32>(w, row_scales, a, t0, t1, N, out);
         default: TORCH_CHECK(false, "type ", type, " has no tiled layout");
     }
 }

@@ -1,4 +1,4 @@
-// The tiled layout (quant_layout.h): GGUF rows, our I8 and dense bf16 rows repacked into tiles once at
+// The tiled layout (quant_layout.h): GGUF rows, our I8 and dense bf16 and fp32 rows repacked into tiles once at
 // load, and tiles dequantized (rows for embedding lookups, whole matrices for the AMX CPUs' prefill
 // path), to ggml's values bit for bit.
 #include "quant_layout.h"
@@ -93,23 +93,25 @@ int64_t row_bytes(int64_t type, int64_t K) {
         case Q6_K: return K / QK_K * sizeof(BlockQ6_K);
         case I8: return K;
         case BF16: return 2 * K;
+        case F32: return 4 * K;
     }
     TORCH_CHECK(false, "unsupported weight type ", type);
 }
 
 int64_t tile_bytes(int64_t type, int64_t K) {
-    return type == BF16 ? K * kTileRows * 2 : K / QK / group_blocks(type) * group_bytes(type);
+    return is_dense(type) ? K * kTileRows * dense_bytes(type) : K / QK / group_blocks(type) * group_bytes(type);
 }
 
 void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst) {
     const int64_t nb = K / QK, rb = row_bytes(type, K), tb = tile_bytes(type, K), tiles = (N + kTileRows - 1) / kTileRows;
     std::memset(dst, 0, tiles * tb);
-    if (type == BF16) {  // value k of row r at (k * 16 + r) * 2 of its tile
+    if (is_dense(type)) {  // value k of row r at (k * 16 + r) * e of its tile, e bytes a value
+        const int64_t e = dense_bytes(type);
         at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
             for (int64_t t = begin; t < end; ++t)
                 for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r)
                     for (int64_t k = 0; k < K; ++k)
-                        std::memcpy(dst + t * tb + (k * kTileRows + r) * 2, src + (t * kTileRows + r) * rb + 2 * k, 2);
+                        std::memcpy(dst + t * tb + (k * kTileRows + r) * e, src + (t * kTileRows + r) * rb + e * k, e);
         });
         return;
     }
@@ -134,6 +136,11 @@ void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_s
         for (int64_t k = 0; k < K; ++k) y[k] = static_cast<float>(v[k * kTileRows]);
         return;
     }
+    if (type == F32) {
+        const float* v = reinterpret_cast<const float*>(tile) + row % kTileRows;
+        for (int64_t k = 0; k < K; ++k) y[k] = v[k * kTileRows];
+        return;
+    }
     const float scale = type == I8 ? row_scales[row] : 1.f;
     for (int64_t b = 0; b < K / QK; ++b, y += QK)
         dequantize_block_row(type, tile, b, static_cast<int>(row % kTileRows), scale, y);
@@ -145,14 +152,15 @@ void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_s
 void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t N, int64_t K, int64_t t0,
                       int64_t t1, void* out, bool bf16) {
     const int64_t nb = K / QK, tb = tile_bytes(type, K);
-    if (type == BF16) {  // the tile transposed back
+    if (is_dense(type)) {  // the tile transposed back
         for (int64_t t = t0; t < t1; ++t)
             for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
-                const c10::BFloat16* v = reinterpret_cast<const c10::BFloat16*>(tiles + t * tb) + r;
                 const int64_t off = (t * kTileRows + r) * K;
                 for (int64_t k = 0; k < K; ++k) {
-                    if (bf16) static_cast<c10::BFloat16*>(out)[off + k] = v[k * kTileRows];
-                    else static_cast<float*>(out)[off + k] = static_cast<float>(v[k * kTileRows]);
+                    const float v = type == F32 ? reinterpret_cast<const float*>(tiles + t * tb)[r + k * kTileRows]
+                                                : static_cast<float>(reinterpret_cast<const c10::BFloat16*>(tiles + t * tb)[r + k * kTileRows]);
+                    if (bf16) static_cast<c10::BFloat16*>(out)[off + k] = c10::BFloat16(v);
+                    else static_cast<float*>(out)[off + k] = v;
                 }
             }
         return;

@@ -109,9 +109,14 @@ class PackedLinear(nn.Module):
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace, in place, every fp32 CPU `nn.Linear` of a loaded model with a `PackedLinear`; how many.
-    0, and nothing changed, on CUDA, other dtypes, without oneDNN, or with `CONVEYOR_PACKED_LINEAR=0`."""
+    0, and nothing changed, on CUDA, other dtypes, without oneDNN, or with `CONVEYOR_PACKED_LINEAR=0`.
+    A module with `prepack = False` keeps its own linears plain: a mixture-of-experts expert, whose
+    rows change every step (oneDNN builds a primitive per shape, its cache is kept small) and whose
+    packed copies would double the largest part of the model."""
     replaced = 0
     for parent in list(model.modules()):
+        if not getattr(parent, "prepack", True):
+            continue
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and packing_enabled(child.weight.device, child.weight.dtype):
                 setattr(parent, name, PackedLinear(child))

@@ -9,11 +9,12 @@ from ..layers.quantization.linear import Weight
 from .base import CausalLM
 from .gemma import GemmaForCausalLM
 from .llama import LlamaForCausalLM
+from .moe import MoeForCausalLM
 from .phi3 import Phi3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM)
+MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM,
+                                                                 Phi3ForCausalLM)
                                             for t in cls.model_types}
-MODEL_CLASSES.update({t: Phi3ForCausalLM for t in Phi3ForCausalLM.model_types})
 
 
 def build_model(config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,

@@ -84,6 +84,7 @@ class CausalLM(nn.Module):
 
     model_types: tuple[str, ...] = ()
     final_softcap: float | None = None
+    cuda_graphs = True  # a forward pass can be captured in a CUDA graph (no host reads of device values)
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -142,6 +143,7 @@ class CausalLM(nn.Module):
                 for name, hf in _LAYER_TENSORS:
                     if f"{src}{hf}.{kind}" in state_dict:
                         fused[f"{dst}{name}.{kind}"] = state_dict[f"{src}{hf}.{kind}"]
+            fused.update(model.layer_weights(state_dict, i))
         matrices = {f"{name}.weight" for name, module in model.named_modules()
                     if isinstance(module, (nn.Linear, nn.Embedding))}
         planned = plan_weights(fused, quantization, dtype, matrices)
@@ -162,6 +164,11 @@ class CausalLM(nn.Module):
         model.lm_head_fn = model.head_fn()
         model.decode_stack = model.build_decode_stack() if device.type == "cpu" else None
         return model
+
+    def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
+        """Layer `layer`'s tensors beyond the shared ones (attention, dense MLP, norms), by this model's
+        names: a family's own (experts, routers). ValueError naming a missing one."""
+        return {}
 
     def quantized_module(self, name: str, parts: list[QuantizedTensor], dtype: torch.dtype) -> nn.Module:
         """The quantized stand-in for the embedding or linear layer that holds weight `name`."""

@@ -41,7 +41,7 @@ class RMSNorm(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
-                 qk_norm: bool) -> None:
+                 qk_norm: bool, mlp: bool = True) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -55,8 +55,9 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
+        if mlp:  # (a mixture-of-experts layer has its own)
+            self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=mlp_bias)
+            self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
         self.scale = head_dim ** -0.5
         self.softcap: float | None = None
         self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU

@@ -29,7 +29,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
-from . import gguf_families
+from . import gguf_experts, gguf_families
 from .gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,7 @@ _GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,
+    **gguf_experts.ARCHITECTURES,
 }
 
 _GGUF_GLOBAL_TENSORS = {
@@ -232,7 +233,11 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
 
     state_dict: dict[str, torch.Tensor | QuantizedTensor] = {}
     widened: set[str] = set()
+    num_experts = getattr(config, "num_experts", None) or 0
     for tensor in reader.tensors:
+        if num_experts and (experts := _gguf_expert_tensor(tensor, config, dtype, keep_quantized, widened)):
+            state_dict.update(experts)
+            continue
         hf_name = _gguf_to_hf_name(tensor.name, arch)
         if hf_name is None:
             logger.debug("Ignoring GGUF tensor %s in %s", tensor.name, path)
@@ -269,6 +274,22 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
         logger.info("%s: no kernel takes %s tensors: dequantized to %s", path.name, ", ".join(sorted(widened)),
                     str(dtype).removeprefix("torch."))
     return Checkpoint(config, state_dict, _gguf_tokenizer(path) if tokenizer else None, path)
+
+
+def _gguf_expert_tensor(tensor: Any, config: transformers.PretrainedConfig, dtype: torch.dtype, keep_quantized: bool,
+                        widened: set[str]) -> dict[str, torch.Tensor | QuantizedTensor] | None:
+    """A mixture-of-experts tensor by its HF names (a stacked `ffn_*_exps` split per expert, see
+    `gguf_experts`); None for any other tensor. Never sliced: tensor parallelism refuses these models."""
+    match = _GGUF_LAYER_TENSOR.fullmatch(tensor.name)
+    names = match and gguf_experts.hf_names(int(match[1]), match[2], match[3], config.model_type, config.num_experts)
+    if not names:
+        return None
+    if len(names) > 1 and len(tensor.data) != len(names):
+        raise ModelLoadError(f"{tensor.name} holds {len(tensor.data)} experts, the file's expert_count is {len(names)}")
+    weights, kept = gguf_experts.expert_matrices(tensor, names, dtype, keep_quantized)
+    if keep_quantized and not kept and tensor.tensor_type not in FLOAT_TYPES:
+        widened.add(tensor.tensor_type.name)
+    return weights
 
 
 def _gguf_slice(tensor: Any, shape: list[int], selection: tuple[int, int, int] | None
@@ -356,10 +377,14 @@ def _gguf_config(reader: GGUFFile, path: Path, arch: str) -> transformers.Pretra
     if arch == "qwen2":
         # Qwen2 always has Q/K/V biases (hardcoded in transformers' Qwen2 model).
         kwargs["attention_bias"] = True
-    try:  # RoPE scaling and what differs by architecture (`gguf_families`)
+    try:  # RoPE scaling, what differs by architecture (`gguf_families`), experts (`gguf_experts`)
         kwargs["rope_parameters"] = gguf_families.rope_parameters(field, arch)
         kwargs.update(gguf_families.arch_config(arch, field, reader.tensors, kwargs))
-        return _GGUF_CONFIGS[arch](**kwargs)
+        experts = gguf_experts.config_fields(arch, field, {t.name for t in reader.tensors},
+                                             kwargs["num_hidden_layers"])
+        if arch == "llama" and experts:  # llama.cpp writes Mixtral as llama with experts
+            return transformers.MixtralConfig(**kwargs, **experts)
+        return _GGUF_CONFIGS[arch](**kwargs, **experts)
     except ModelLoadError:
         raise
     except (ValueError, StrictDataclassError) as exc:  # unsupported metadata, or values transformers rejects

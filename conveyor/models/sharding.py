@@ -33,6 +33,7 @@ from ..layers.precision import Precision, keeps_stored, resolve_quantization
 from . import build_model
 from .base import CausalLM
 from .loader import Checkpoint, load_checkpoint
+from .moe import expert_count
 
 logger = logging.getLogger("conveyor")
 
@@ -118,6 +119,10 @@ def plan_shards(config: PretrainedConfig, world_size: int) -> list[ShardPlan]:
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {world_size!r}")
+    if world_size > 1 and expert_count(config):
+        raise ConfigError(f"tensor_parallel_size={world_size}: mixture-of-experts models ({config.model_type}, "
+                          f"{expert_count(config)} experts) are not split over ranks yet; run them with "
+                          "tensor_parallel_size=1, or as replicas with --data-parallel-size")
     if world_size not in valid_sizes(heads, kv):
         raise ConfigError(
             f"tensor_parallel_size={world_size} cannot split this model's attention ({heads} query heads in {kv} KV "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tensors import I8, KERNEL_TYPES, GGMLType, QuantizedTensor, quantize_int4, quantize_int8, type_name
+from .tensors import F32, I8, KERNEL_TYPES, GGMLType, QuantizedTensor, quantize_int4, quantize_int8, type_name
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
     # 4-bit in groups of 32 with an fp16 scale and minimum (GGUF's Q4_1 layout)
     QuantizationMethod("int4", quantize_int4, (type_name(GGMLType.Q4_1),), ("cpu",), self_draft=True),
     # a GGUF file's own quantized tensors, kept as they are
-    QuantizationMethod("gguf", None, tuple(type_name(t) for t in KERNEL_TYPES if t != I8), ("cpu",),
+    QuantizationMethod("gguf", None, tuple(type_name(t) for t in KERNEL_TYPES if t not in (I8, F32)), ("cpu",),
                        keeps_stored=True, self_draft=True),
 )}
 QUANTIZATIONS = tuple(QUANTIZATION_METHODS)

@@ -25,18 +25,19 @@ import torch
 GGMLType = gguf.GGMLQuantizationType
 I8 = 1000  # our per-channel int8 (not a GGUF type); the kernels' id for it
 BF16 = 1001  # dense bf16 rows, tiled for the kernels like the quantized types (not quantized)
-DENSE_BYTES = {I8: 1, BF16: 2}  # bytes a value of our own types (no blocks: a row is its values)
+F32 = 1002  # dense fp32 rows, likewise (a mixture-of-experts model's fp32 experts, `layers.moe`)
+DENSE_BYTES = {I8: 1, BF16: 2, F32: 4}  # bytes a value of our own types (no blocks: a row is its values)
 
 # Types the native kernels take, with their block size (weights per block).
 KERNEL_TYPES: dict[int, int] = {GGMLType.Q4_0: 32, GGMLType.Q4_1: 32, GGMLType.Q8_0: 32, GGMLType.Q4_K: 256,
-                                GGMLType.Q6_K: 256, I8: 32, BF16: 1}
+                                GGMLType.Q6_K: 256, I8: 32, BF16: 1, F32: 1}
 TILE_ROWS = 16  # rows of a tile of the kernels' layout
 # Float types GGUF files use for tensors that are not quantized.
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
 
 def type_name(qtype: int) -> str:
-    return {I8: "I8", BF16: "BF16"}.get(qtype) or GGMLType(qtype).name
+    return {I8: "I8", BF16: "BF16", F32: "F32"}.get(qtype) or GGMLType(qtype).name
 
 
 @dataclass
@@ -103,8 +104,8 @@ class QuantizedTensor:
             cpu_matmul_ops().dequantize_rows(self.data, int(self.qtype), self.row_scales_or_empty(),
                                              torch.arange(self.shape[0]), self.shape[0], out)
             return out
-        if self.qtype == BF16:
-            w = self.data.view(torch.bfloat16)
+        if self.qtype in (BF16, F32):
+            w = self.data.view(torch.bfloat16 if self.qtype == BF16 else torch.float32)
         elif self.qtype == I8:
             w = self.data.view(torch.int8).float() * self.row_scales.float().unsqueeze(1)
         else:
@@ -143,6 +144,12 @@ def bf16_rows(weight: torch.Tensor) -> QuantizedTensor:
     as `weight.bfloat16()`, one copy."""
     w = weight.detach().to(torch.bfloat16).contiguous()
     return QuantizedTensor(w.view(torch.uint8).reshape(w.shape[0], -1), BF16, tuple(w.shape))
+
+
+def f32_rows(weight: torch.Tensor) -> QuantizedTensor:
+    """A dense fp32 weight as F32 rows, for the kernels' tiles: the same values, one copy once tiled."""
+    w = weight.detach().float().contiguous()
+    return QuantizedTensor(w.view(torch.uint8).reshape(w.shape[0], -1), F32, tuple(w.shape))
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedTensor:

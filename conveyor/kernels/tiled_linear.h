@@ -1,0 +1,97 @@
+// A linear layer as the native layer code holds it (the decode stack, the grouped experts): row
+// segments of one weight in the kernels' tiles, each a quantized type or dense, and the SiLU * up
+// between the MLP's two products.
+#pragma once
+
+#include "quant.h"
+#include "vec_math.h"
+
+#include <cmath>
+
+namespace conveyor {
+
+// One row segment of a linear: rows [n0, n0 + rows) of the output, in the kernels' tiles (a quantized
+// type or BF16).
+struct Segment {
+    torch::Tensor data, scales;
+    int64_t type, rows, n0;
+    int64_t tiles() const { return (rows + kTileRows - 1) / kTileRows; }
+};
+
+struct Linear {
+    std::vector<Segment> segments;
+    torch::Tensor bias;  // fp32 [N] or undefined
+    int64_t N = 0, K = 0;
+    bool quantized = false, floats = false;  // what its input must be prepared as: int8 blocks, packed fp32
+
+    // Segments from Python tuples (data, type, row scales (empty if none), rows), in output order.
+    void add_segments(const std::vector<py::tuple>& parts) {
+        for (const py::tuple& t : parts) {
+            Segment s{t[0].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[1].cast<int64_t>(),
+                      t[3].cast<int64_t>(), N};
+            N += s.rows;
+            (is_dense(s.type) ? floats : quantized) = true;
+            segments.push_back(s);
+        }
+    }
+    int64_t tiles() const {
+        int64_t n = 0;
+        for (const Segment& s : segments) n += s.tiles();
+        return n;
+    }
+    // Rows [m0, m1) of x (fp32, ldx apart) into `a` as this linear's input (shaped for them already).
+    void prepare(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a) const {
+        if (quantized) quantize_rows(x, ldx, m0, m1, a);
+        if (floats) pack_float_rows(x, ldx, m0, m1, a);
+    }
+    void shape(Activations& a, int64_t rows) const {
+        if (quantized) a.shape(rows, K);
+        if (floats) a.shape_floats(rows, K);
+    }
+    // Tiles [u0, u1) of the whole weight (counted across the segments): out [M, N] (row stride ldo).
+    void run_tiles(const Activations& a, float* out, int64_t ldo, int64_t u0, int64_t u1) const {
+        int64_t first = 0;
+        for (const Segment& s : segments) {
+            const int64_t lo = std::max(u0 - first, int64_t{0}), hi = std::min(u1 - first, s.tiles());
+            if (lo < hi)
+                tiles_matmul(s.type, s.data.data_ptr<uint8_t>(), s.scales.numel() ? s.scales.data_ptr<float>() : nullptr,
+                             a, lo, hi, s.rows, TileOut{out + s.n0, ldo});
+            first += s.tiles();
+        }
+    }
+    // This thread's share of every segment: out [M, N] (row stride ldo) from the prepared input `a`.
+    void run(const Activations& a, float* out, int64_t ldo, int thread, int threads) const {
+        for (const Segment& s : segments) {
+            const int64_t u = s.tiles(), u0 = u * thread / threads, u1 = u * (thread + 1) / threads;
+            if (u0 == u1) continue;
+            tiles_matmul(s.type, s.data.data_ptr<uint8_t>(), s.scales.numel() ? s.scales.data_ptr<float>() : nullptr,
+                         a, u0, u1, s.rows, TileOut{out + s.n0, ldo});
+        }
+    }
+    void add_bias_row(float* row) const {
+        if (!bias.defined()) return;
+        const float* b = bias.data_ptr<float>();
+        for (int64_t n = 0; n < N; ++n) row[n] += b[n];
+    }
+};
+
+// a = silu(gate) * up, with a vector e^x (per element libm expf calls took ~6% of a 64-row step).
+inline void silu_mul(const float* gate, const float* up, int64_t n, float* a) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(up + i)));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+}  // namespace conveyor

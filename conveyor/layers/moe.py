@@ -1,0 +1,173 @@
+"""Mixture-of-experts layers over the flattened ragged batch: the router, the experts' MLPs run grouped
+by expert, and the weighted combine.
+
+Grouping: the batch's `[tokens, k]` expert ids are flattened and sorted once (a stable `argsort`), so
+each expert's rows are one contiguous slice of the gathered inputs and its two matmuls run once on
+that slice. The experts are plain `nn.Linear` layers, one pair per expert, so loading replaces them
+like any other linear: oneDNN-packed in fp32, bf16 tiles, int8/int4/GGUF `QuantLinear` (the file's
+blocks as stored). The loop is over the experts that have rows, with one host read of the per-expert
+counts per layer and step; nothing loops over tokens.
+
+The arithmetic is transformers' eager one (`MixtralExperts.forward` and its copies): router logits in
+the compute dtype, softmax in fp32, top-k, renormalized where the config says so, each expert's
+output times its routing weight, summed per token with `index_add_` into zeros in expert order (the
+stable sort keeps that order, and `index_add_` on CPU adds its rows in index order), so fp32 outputs
+match it token for token. The sum is kept in fp32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .quantization.linear import QuantLinear, bf16_kernel_max_rows, matmul_ops
+from .quantization.tensors import f32_rows
+
+
+class Router(nn.Module):
+    """`x -> x @ weight.T (+ bias)` in fp32: router (or shared-expert gate) logits. Not an `nn.Linear`, so
+    quantization and packing leave it dense (a quantized router would move tokens between experts);
+    fp32 whatever the compute dtype (CPU bf16 matmuls and softmax of a few columns are slow paths)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+
+
+def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 routing weights and expert ids `[tokens, top_k]`: softmax over all experts, top-k, then
+    (Mixtral, Qwen3-MoE) the k weights divided by their sum."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+@dataclass
+class ExpertGroups:
+    """The batch's (token, slot) pairs sorted by expert: `order` their flat positions, `tokens` the
+    token of each, `counts` how many rows each expert has (on the host: it sizes the slices)."""
+
+    order: torch.Tensor
+    tokens: torch.Tensor
+    counts: list[int]
+
+
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """One stable sort of the flattened expert ids; within an expert, tokens stay in batch order."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return ExpertGroups(order, order // ids.shape[1], counts)
+
+
+class Expert(nn.Module):
+    """One SwiGLU MLP: `down(silu(gate) * up)` with gate and up fused in one matmul (gate rows first)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        # Uninitialized: the checkpoint fills them (hundreds of experts would otherwise be randomly
+        # initialized for nothing).
+        self.gate_up_proj = nn.utils.skip_init(nn.Linear, hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.utils.skip_init(nn.Linear, intermediate_size, hidden_size, bias=False)
+        self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32/bf16 on CPU
+        self.prepack = False  # fp32: plain F.linear, not oneDNN-packed copies (see `linear.prepack_linears`)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None:
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoe(nn.Module):
+    """Routed experts (top-k of `num_experts`), plus Qwen2-MoE's shared expert scaled by a sigmoid gate.
+
+    `observer`, when set, is called with each forward's per-expert row counts (the bench's expert
+    load); it costs nothing when unset, since the counts are read anyway."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
+        self.top_k, self.renormalize, self.num_experts = top_k, renormalize, num_experts
+        self.router = Router(hidden_size, num_experts)
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.shared_expert = Expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        if self.shared_expert is not None:
+            self.shared_expert.prepack = True  # it takes every row, as a dense MLP does
+        self.shared_expert_gate = Router(hidden_size, 1) if shared_intermediate_size else None
+        self.observer: Callable[[list[int]], None] | None = None
+        self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
+        # On an AMX CPU, bf16 experts with more rows than this run faster through oneDNN's AMX matmul
+        # (`QuantMatmul`, the loop): prefill chunks. None: the grouped kernels take any rows.
+        self.amx_rows = bf16_kernel_max_rows()
+
+    def group_experts(self) -> bool:
+        """Run the routed experts through the native `GroupedExperts` (one call per layer and step, see
+        `kernels/moe_cpu.cpp`) where the kernels are built: dense fp32 experts are moved into the kernels'
+        F32 tiles first (one copy; bf16 and quantized ones are tiled already). Else (CUDA, no kernels,
+        biases) the loop over experts. Whether it does."""
+        ops = matmul_ops()
+        self.grouped = None
+        if ops is None:
+            return False
+        for expert in self.experts:
+            for name in ("gate_up_proj", "down_proj"):
+                linear = getattr(expert, name)
+                if (type(linear) is nn.Linear and linear.bias is None and linear.weight.dtype == torch.float32
+                        and linear.weight.device.type == "cpu"):
+                    setattr(expert, name, QuantLinear([f32_rows(linear.weight)], bias=False, dtype=torch.float32))
+        linears = [linear for e in self.experts for linear in (e.gate_up_proj, e.down_proj)]
+        if not all(isinstance(m, QuantLinear) and m.bias is None and all(s.layout == "tiles" for s in m.kernel.segments)
+                   for m in linears):
+            return False
+        first = self.experts[0]
+        self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features)
+        for e in self.experts:
+            self.grouped.add_expert(*[[(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0])
+                                       for s in m.kernel.segments] for m in (e.gate_up_proj, e.down_proj)])
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route_softmax(self.router(x), self.top_k, self.renormalize)
+        groups = group_by_expert(ids, self.num_experts)
+        if self.observer is not None:
+            self.observer(groups.counts)
+        row_weights = weights.reshape(-1).index_select(0, groups.order)
+        combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if self.grouped is not None and (self.amx_rows is None or x.dtype != torch.bfloat16
+                                         or max(groups.counts) <= self.amx_rows):
+            self.grouped.forward(x.contiguous(), groups.counts, row_weights, groups.tokens, combined,
+                                 torch.get_num_threads())
+        else:
+            self.run_experts(x, groups, row_weights.unsqueeze(1), combined)
+        if self.shared_expert is not None:
+            combined += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return combined.to(x.dtype)
+
+    def run_experts(self, x: torch.Tensor, groups: ExpertGroups, row_weights: torch.Tensor,
+                    combined: torch.Tensor) -> None:
+        """The loop over the experts that have rows, each on its slice of the sorted rows; then the
+        weighted rows added to `combined` in the sorted order."""
+        rows = x.index_select(0, groups.tokens)
+        out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, n in zip(self.experts, groups.counts):
+            if n:
+                end = start + n
+                torch.mul(expert(rows[start:end]), row_weights[start:end], out=out[start:end])
+                start = end
+        combined.index_add_(0, groups.tokens, out)

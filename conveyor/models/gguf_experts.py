@@ -1,0 +1,91 @@
+"""Mixture-of-experts GGUF files as llama.cpp's converter writes them: `general.architecture` qwen2moe,
+qwen3moe, olmoe, and Mixtral as `llama` with `llama.expert_count`; the experts' matrices stacked in
+3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router `ffn_gate_inp`, Qwen2-MoE's
+shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one row, often stored 1-D).
+
+The loader asks here for the config fields the expert keys give (`config_fields`) and for the Hugging
+Face names a tensor stands for (`hf_names`): one per expert for a stacked tensor, which the loader
+splits into per-expert matrices (quantized blocks kept as stored where a kernel takes them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+import transformers
+
+from ..layers.quantization.tensors import KERNEL_TYPES, QuantizedTensor
+from .moe import hf_expert_names
+
+# GGUF `general.architecture` -> HF config class, for the architectures that only exist with experts.
+ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
+    "qwen2moe": transformers.Qwen2MoeConfig,
+    "qwen3moe": transformers.Qwen3MoeConfig,
+    "olmoe": transformers.OlmoeConfig,
+}
+# Whether the k routing weights are renormalized, where the file does not say (`expert_weights_norm`):
+# what llama.cpp's graph for each architecture does (Mixtral always renormalizes).
+_RENORMALIZE = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
+# Layer tensor kinds -> the HF module under the sparse block (the stacked ones: index in gate, up, down).
+_BLOCK_TENSORS = {"ffn_gate_inp": "gate", "ffn_gate_shexp": "shared_expert.gate_proj",
+                  "ffn_up_shexp": "shared_expert.up_proj", "ffn_down_shexp": "shared_expert.down_proj",
+                  "ffn_gate_inp_shexp": "shared_expert_gate"}
+_STACKED = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+
+
+def config_fields(arch: str, field: Callable[..., Any], tensor_names: set[str], num_layers: int) -> dict[str, Any]:
+    """The HF config fields of a file's experts (empty: a dense model). `field(key)` reads a required
+    metadata key, `field(key, default)` an optional one. A `llama` file with experts is Mixtral: the
+    caller builds a `MixtralConfig` when `num_local_experts` is here."""
+    experts = field(f"{arch}.expert_count", 0)
+    if not experts:
+        return {}
+    fields: dict[str, Any] = {"num_experts_per_tok": field(f"{arch}.expert_used_count")}
+    if arch == "llama":
+        return fields | {"num_local_experts": experts}
+    fields |= {"num_experts": experts,
+               "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", _RENORMALIZE.get(arch, False)))}
+    if arch in ("qwen2moe", "qwen3moe"):
+        fields["moe_intermediate_size"] = field(f"{arch}.expert_feed_forward_length", None)
+        # Dense layers have no router: Qwen2/3-MoE's mlp_only_layers.
+        fields["mlp_only_layers"] = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = field(f"{arch}.expert_shared_feed_forward_length", 0)
+    if arch == "olmoe" and (clamp := field(f"{arch}.attention.clamp_kqv", None)) is not None:
+        fields["clip_qkv"] = clamp
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def hf_names(layer: int, kind: str, suffix: str, model_type: str, num_experts: int) -> list[str] | None:
+    """The HF names GGUF tensor `blk.{layer}.{kind}.{suffix}` stands for: one per expert for a stacked
+    tensor, else one; None for a tensor that is not the experts'."""
+    block, *projections = hf_expert_names(model_type)
+    prefix = f"model.layers.{layer}.{block}."
+    if kind in _STACKED:
+        projection = projections[_STACKED[kind]]
+        return [f"{prefix}experts.{e}.{projection}.{suffix}" for e in range(num_experts)]
+    if kind in _BLOCK_TENSORS:
+        return [f"{prefix}{_BLOCK_TENSORS[kind]}.{suffix}"]
+    return None
+
+
+def expert_matrices(tensor: Any, names: list[str], dtype: torch.dtype, keep_quantized: bool
+                    ) -> tuple[dict[str, torch.Tensor | QuantizedTensor], bool]:
+    """A GGUF reader tensor as the matrices `names` (one per expert of a stacked tensor, experts outermost),
+    and whether they were kept quantized (`keep_quantized` and a type a kernel takes; else dequantized)."""
+    shape = list(reversed(tensor.shape.tolist()))
+    stacked = len(names) > 1
+    parts = list(tensor.data) if stacked else [tensor.data]
+    rows = shape[1:] if stacked else shape
+    if names[0].endswith("shared_expert_gate.weight"):  # one row, which llama.cpp stores 1-D
+        rows = [1, rows[-1]]
+    qtype = int(tensor.tensor_type)
+    if keep_quantized and qtype in KERNEL_TYPES and len(rows) == 2:
+        return {name: QuantizedTensor(torch.from_numpy(np.array(part, dtype=np.uint8)), qtype, tuple(rows))
+                for name, part in zip(names, parts)}, True
+    return {name: torch.tensor(gguf.quants.dequantize(part, tensor.tensor_type).reshape(rows), dtype=dtype)
+            for name, part in zip(names, parts)}, False

@@ -1,0 +1,178 @@
+"""Mixture-of-experts families over one flattened ragged batch: Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE.
+
+Their attention is Llama's (`llama.DecoderLayer`: fused q/k/v, RoPE, paged attention; Qwen3-MoE's
+per-head q/k norms; Qwen2-MoE's q/k/v biases), OLMoE's differs only in normalizing q and k over the
+whole projection (and clipping q/k/v where `clip_qkv` is set). The MLP is `layers.moe.SparseMoe`:
+softmax top-k routing, renormalized as each config says (Mixtral always; OLMoE, Qwen2-MoE and
+Qwen3-MoE per `norm_topk_prob`), with Qwen2-MoE's sigmoid-gated shared expert; Qwen2/3-MoE layers in
+`mlp_only_layers` or off the `decoder_sparse_step` keep a dense MLP, as transformers builds them.
+Checkpoints are read by their Hugging Face names, one tensor per expert as `save_pretrained` and the
+Hub's files have them (the GGUF loader splits llama.cpp's stacked `ffn_*_exps` into the same names).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.moe import Expert, SparseMoe
+from ..layers.quantization.linear import Weight, fuse_rows
+from ..layers.quantization.tensors import QuantizedTensor
+from .base import CausalLM
+from .llama import DecoderLayer, RMSNorm, RotaryEmbedding, rotate_half
+
+# Hugging Face names of a sparse block and its experts' gate, up and down projections, by model type.
+_HF_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def hf_expert_names(model_type: str) -> tuple[str, str, str, str]:
+    """Hugging Face names of a model type's sparse block and its experts' gate, up and down projections."""
+    return _HF_EXPERTS.get(model_type, _HF_EXPERTS_DEFAULT)
+
+
+def expert_count(config: PretrainedConfig) -> int:
+    """Routed experts per sparse layer (0: a dense model)."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
+
+
+def sparse_layers(config: PretrainedConfig) -> list[bool]:
+    """Whether each layer's MLP is the sparse block (Qwen2/3-MoE: not in `mlp_only_layers`, and on every
+    `decoder_sparse_step`-th layer; the other families: every layer)."""
+    skip = set(getattr(config, "mlp_only_layers", None) or [])
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return [i not in skip and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
+
+
+class MoeDecoderLayer(DecoderLayer):
+    """Llama's attention, then the sparse block (`mlp`) or, on a dense layer, Llama's MLP."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, qk_norm: bool,
+                 moe: SparseMoe | None) -> None:
+        super().__init__(config, head_dim, qkv_bias, o_bias=False, mlp_bias=False, qk_norm=qk_norm,
+                         mlp=moe is None)
+        self.mlp = moe
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        if self.mlp is None:
+            return super().forward(x, cos, sin, kv_cache, meta, attention)
+        x = x + self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class OlmoeDecoderLayer(MoeDecoderLayer):
+    """OLMoE: q and k normalized over the whole projection, before RoPE; q/k/v clipped by `clip_qkv`."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, moe: SparseMoe) -> None:
+        super().__init__(config, head_dim, qkv_bias, qk_norm=False, moe=moe)
+        self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+        self.clip = getattr(config, "clip_qkv", None)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (y.clamp(min=-self.clip, max=self.clip) for y in (q, k, v))
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.fused is not None:
+            self.fused.rope_(q, cos, sin)
+            self.fused.rope_(k, cos, sin)
+        else:
+            q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
+            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+        o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MoeForCausalLM(CausalLM):
+    """Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE; variants (q/k/v biases, q/k norms) come from the weights."""
+
+    model_types = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
+    cuda_graphs = False  # each expert's rows are counted on the host
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+        super().__init__(config)
+        experts, top_k = expert_count(config), config.num_experts_per_tok
+        if experts < 1:
+            raise ValueError(f"{config.model_type}: num_experts must be at least 1, got {experts}")
+        if not 1 <= top_k <= experts:
+            raise ValueError(f"{config.model_type}: num_experts_per_tok={top_k} must be between 1 and the number "
+                             f"of experts ({experts})")
+        activation = getattr(config, "hidden_act", "silu")
+        if activation != "silu":
+            raise ValueError(f"{config.model_type}: hidden_act {activation!r} is not supported (supported: silu)")
+        self.hf_block, *self.hf_experts = hf_expert_names(config.model_type)
+        inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral has no such setting: always
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+
+        def layer(sparse: bool) -> MoeDecoderLayer:
+            moe = SparseMoe(config.hidden_size, inter, experts, top_k, renormalize, shared) if sparse else None
+            if config.model_type == "olmoe":
+                return OlmoeDecoderLayer(config, self.head_dim, qkv_bias, moe)
+            return MoeDecoderLayer(config, self.head_dim, qkv_bias, qk_norm, moe)
+
+        self.layers = nn.ModuleList(layer(sparse) for sparse in sparse_layers(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    @classmethod
+    def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "MoeForCausalLM":
+        p = "model.layers.0."
+        return cls(config, qkv_bias=f"{p}self_attn.q_proj.bias" in state_dict,
+                   qk_norm=config.model_type == "qwen3_moe")
+
+    def use_fused_ops(self, ops: ModuleType | None) -> None:
+        """Norms, RoPE and SiLU * up through the native fused ops (None: PyTorch); experts with tiled
+        weights (quantized, bf16) grouped in one native call per layer (`SparseMoe.group_experts`)."""
+        for module in self.modules():
+            if type(module) in (RMSNorm, MoeDecoderLayer, OlmoeDecoderLayer, Expert):
+                module.fused = ops
+            if isinstance(module, SparseMoe):
+                module.group_experts()
+
+    def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
+        """The router, each expert's fused gate/up and its down, and the shared expert with its gate."""
+        moe = self.layers[layer].mlp
+        if moe is None:
+            return {}
+        src, dst = f"model.layers.{layer}.{self.hf_block}.", f"layers.{layer}.mlp."
+
+        def tensor(name: str, what: str) -> Weight:
+            if name not in state_dict:
+                raise ValueError(f"the checkpoint has no tensor {name} ({what} of layer {layer}, a mixture-of-"
+                                 f"experts layer of {moe.num_experts} experts)")
+            return state_dict[name]
+
+        gate, up, down = self.hf_experts
+        weights: dict[str, Weight | list[Weight]] = {
+            f"{dst}router.weight": _dense(tensor(f"{src}gate.weight", "the router"))}
+        for e in range(moe.num_experts):
+            what = f"expert {e}"
+            weights[f"{dst}experts.{e}.gate_up_proj.weight"] = fuse_rows(
+                [tensor(f"{src}experts.{e}.{gate}.weight", what), tensor(f"{src}experts.{e}.{up}.weight", what)])
+            weights[f"{dst}experts.{e}.down_proj.weight"] = tensor(f"{src}experts.{e}.{down}.weight", what)
+        if moe.shared_expert is not None:
+            what = "the shared expert"
+            weights[f"{dst}shared_expert.gate_up_proj.weight"] = fuse_rows(
+                [tensor(f"{src}shared_expert.gate_proj.weight", what), tensor(f"{src}shared_expert.up_proj.weight",
+                                                                              what)])
+            weights[f"{dst}shared_expert.down_proj.weight"] = tensor(f"{src}shared_expert.down_proj.weight", what)
+            weights[f"{dst}shared_expert_gate.weight"] = _dense(tensor(f"{src}shared_expert_gate.weight",
+                                                                       "the shared expert's gate"))
+        return weights
+
+
+def _dense(weight: Weight) -> torch.Tensor:
+    """A router stays dense: a GGUF file's quantized one is dequantized (llama.cpp keeps them F32)."""
+    return weight.dequantize() if isinstance(weight, QuantizedTensor) else weight

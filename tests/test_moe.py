@@ -1,0 +1,222 @@
+"""Mixture-of-experts models (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE): greedy outputs equal transformers'
+(fp32, eager attention and experts) with chunked prefill, mixed batches and prefix caching; the other
+modes within the precision tests' tolerance; the grouping by expert; bad configs and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from conveyor import LLM
+from conveyor.bench.expert_load import sparse_blocks
+from conveyor.bench.roofline import step_config
+from conveyor.bench.roofline_report import format_report, run_step
+from conveyor.config import ConfigError, ContinuousBatchingConfig
+from conveyor.engine.graph_runner import use_cuda_graphs
+from conveyor.layers.moe import Expert, SparseMoe, group_by_expert, route_softmax
+from conveyor.layers.quantization.linear import QuantLinear, matmul_ops
+from conveyor.layers.quantization.tensors import bf16_rows, f32_rows, quantize_int4, quantize_int8
+from conveyor.models.sharding import plan_shards
+
+from .conftest import MOE_CONFIGS, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
+from .test_hf_equivalence import LENGTHS, MAX_NEW, run_and_compare
+from .test_precision import BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, greedy, next_token_logprobs
+from .test_prefix_cache import PAGE, shared_prefix_scenario
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops: a busy 2-core box fork/joins slowly
+
+
+def all_free(llm: LLM) -> bool:
+    return llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+
+
+@pytest.mark.parametrize("kind", list(MOE_CONFIGS))
+def test_moe_models_match_transformers(moe_models: dict[str, TinyModel], kind: str) -> None:
+    """Prompts of 1-250 tokens under a 64-token budget: chunked prefills beside decode rows."""
+    model = moe_models[kind]
+    llm = model.llm(max_batch_tokens=64)
+    moe = [layer.mlp for layer in llm.engine.model.layers if layer.mlp is not None]
+    assert len(moe) == (1 if kind == "qwen2_moe" else 2)
+    assert all(block.grouped is not None for block in moe) or matmul_ops() is None  # fp32 experts in F32 tiles
+    loads: list[list[int]] = []
+    for block in moe:
+        block.observer = loads.append
+    run_and_compare(model, llm, random_prompts(LENGTHS), MAX_NEW, kind)
+    assert all_free(llm)
+    assert llm.stats().prefill_tokens == sum(LENGTHS)
+    busy = [sum(1 for n in counts if n) for counts in loads]
+    assert max(busy) == moe[0].num_experts and all(sum(c) % moe[0].top_k == 0 for c in loads)
+
+
+def test_moe_prefix_caching_keeps_outputs(moe_models: dict[str, TinyModel]) -> None:
+    model = moe_models["qwen2_moe"]
+    llm = model.llm(page_size=PAGE, max_batch_tokens=24)
+    outputs = shared_prefix_scenario(llm, model.reference)
+    assert llm.stats().prefix_cache_hit_tokens > 0
+    for name, prompt in outputs.pop("prompts").items():
+        ref, logits = hf_greedy(model.reference, prompt, len(outputs[name]))
+        assert_greedy_match(outputs[name], ref, logits, f"prefix-cached request {name}")
+    assert all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def smooth_moe(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """Qwen2-MoE at a trained model's weight scale (as the precision tests' `llama_smooth`), tied head."""
+    return TinyModel("qwen2_moe", tmp_path_factory.mktemp("qwen2_moe_smooth"),
+                     MOE_CONFIGS["qwen2_moe"](initializer_range=0.05, tie_word_embeddings=True))
+
+
+@pytest.mark.parametrize("quantization", ["none", *QUANT_MODES])
+def test_moe_modes_within_precision_tolerance(smooth_moe: TinyModel, quantization: str) -> None:
+    """bf16 dense, int8 and int4 experts (the kernels' `QuantLinear`, router kept dense) against fp32,
+    by the precision tests' limits (for the quantized modes: the weights' rounding included)."""
+    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
+    fp32 = smooth_moe.llm()
+    llm = smooth_moe.llm(dtype="bfloat16", quantization=quantization)
+    block = llm.engine.model.layers[0].mlp
+    assert block.router.weight.dtype == torch.bfloat16
+    assert quantization == "none" or isinstance(block.experts[0].gate_up_proj, QuantLinear)
+    tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization == "none" else QUANT_MODES[quantization][1]
+    err = (next_token_logprobs(llm, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
+    assert err < tolerance, f"bf16/{quantization}: log-prob error {err:.3f}"
+    rate = agreement(greedy(llm, prompts), greedy(fp32, prompts))
+    assert rate >= least, f"bf16/{quantization}: greedy agreement {rate:.2f}"
+    assert all_free(llm)
+
+
+def test_grouping_is_one_stable_sort() -> None:
+    ids = torch.tensor([[2, 0], [1, 2], [2, 3], [0, 1]])
+    groups = group_by_expert(ids, 5)
+    assert groups.counts == [2, 2, 3, 1, 0]
+    assert groups.tokens.tolist() == [0, 3, 1, 3, 0, 1, 2, 2]  # by expert, tokens in batch order within one
+    assert ids.reshape(-1)[groups.order].tolist() == [0, 0, 1, 1, 2, 2, 2, 3]
+
+
+@torch.no_grad()
+def test_sparse_block_equals_the_direct_sum() -> None:
+    """Each token's output is the routing-weighted sum of its k experts' MLPs (renormalized or not)."""
+    torch.manual_seed(0)
+    for renormalize in (True, False):
+        block = SparseMoe(16, 8, num_experts=5, top_k=3, renormalize=renormalize, shared_intermediate_size=4)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+        x = torch.randn(7, 16)
+        weights, ids = route_softmax(block.router(x), 3, renormalize)
+        assert torch.allclose(weights.sum(-1), torch.ones(7)) == renormalize
+        expected = torch.stack([sum(w * block.experts[e](x[t:t + 1])[0] for w, e in zip(weights[t], ids[t].tolist()))
+                                for t in range(7)])
+        expected += torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+        torch.testing.assert_close(block(x), expected)
+        assert isinstance(block.experts[0], Expert)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("dtype", "weights"), [(torch.float32, quantize_int8), (torch.float32, quantize_int4),
+                                                (torch.float32, f32_rows), (torch.bfloat16, bf16_rows)])
+def test_grouped_native_experts_equal_the_loop(dtype: torch.dtype, weights) -> None:
+    """The one-call native experts (tiled weights) against the loop over experts on the same weights:
+    the same kernels; with fp32 activations the same sums in the same order, bf16 rounds the loop's
+    intermediates."""
+    if matmul_ops() is None:
+        pytest.skip("the native kernels did not build")
+    torch.manual_seed(0)
+    block = SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=False, shared_intermediate_size=32)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for expert in [*block.experts, block.shared_expert]:
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(expert, name, QuantLinear([weights(getattr(expert, name).weight)], bias=False, dtype=dtype))
+    block = block.to(dtype)
+    assert block.group_experts()
+    x = torch.randn(40, 64).to(dtype)
+    grouped, loads = block(x), []
+    block.observer = loads.append
+    block.grouped = None
+    loop = block(x)
+    assert sum(1 for n in loads[0] if n) >= 5
+    if dtype == torch.float32:
+        torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(grouped.float(), loop.float(), rtol=0.02, atol=0.02)
+
+
+def _copy(model: TinyModel, root: Path) -> Path:
+    path = root / "copy"
+    shutil.copytree(model.path, path)
+    return path
+
+
+def test_more_experts_per_token_than_experts_is_an_error(moe_models: dict[str, TinyModel], tmp_path: Path) -> None:
+    path = _copy(moe_models["mixtral"], tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_experts_per_tok": 5}))
+    with pytest.raises(ValueError, match=r"num_experts_per_tok=5 must be between 1 and the number of experts \(4\)"):
+        LLM(path, dtype="float32")
+
+
+def test_a_missing_expert_tensor_is_named(moe_models: dict[str, TinyModel], tmp_path: Path) -> None:
+    path = _copy(moe_models["mixtral"], tmp_path)
+    tensors = safetensors.torch.load_file(path / "model.safetensors")
+    missing = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    del tensors[missing]
+    safetensors.torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"no tensor {missing} \(expert 3 of layer 1"):
+        LLM(path, dtype="float32")
+
+
+def test_tensor_parallel_moe_is_a_clear_error(moe_models: dict[str, TinyModel]) -> None:
+    config = moe_models["qwen3_moe"].reference.config
+    assert len(plan_shards(config, 1)) == 1
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        plan_shards(config, 2)
+
+
+def test_no_cuda_graphs_for_moe() -> None:
+    """The expert slices are sized on the host, so a CUDA graph cannot hold the forward."""
+    gpu = torch.device("cuda")
+    assert use_cuda_graphs(ContinuousBatchingConfig(), gpu, capturable=False) is False
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        use_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=True), gpu, capturable=False)
+
+
+def test_step_bench_reports_the_expert_load(moe_models: dict[str, TinyModel]) -> None:
+    """`bench step` on an MoE model: the experts' shapes at their share of the rows, the active parameters,
+    the rows per expert, the sparse blocks' share of the step."""
+    llm = LLM(moe_models["qwen2_moe"].path, dtype="float32", config=step_config(8, 10, 2 + 1 + 4))
+    report = run_step(llm, batch=8, context=10, steps=2, warmup_steps=1, repeats=2, warmup=1)
+    mm, step = report["matmul"], report["step"]
+    shapes = {s["name"]: s for s in mm["shapes"]}
+    # layer 0 sparse (8 experts, top-3: 3 rows each at 8 rows, all busy), layer 1 dense
+    assert (shapes["experts.gate_up_proj (3 rows)"]["count"], shapes["experts.gate_up_proj (3 rows)"]["rows"]) == (8, 3)
+    assert shapes["gate_up_proj"]["count"] == 1 and shapes["shared_expert.down_proj"]["rows"] == 8
+    assert mm["flops_per_token"] == 2 * (2 * (128 * 64 + 64 * 64) + (256 * 64 + 64 * 128) + 3 * (64 * 64 + 64 * 32)
+                                         + (128 * 64 + 64 * 64) + 300 * 64)
+    load = step["expert_load"]
+    assert (load["layer_calls"], load["experts"], load["top_k"], load["routed_rows_per_call"]) == (2, 8, 3, 24)
+    assert load["rows_per_expert"]["min"] <= load["rows_per_expert"]["median"] <= load["rows_per_expert"]["max"] <= 8
+    assert 0 < step["moe_s"] < step["forward_s"] and 0 < step["moe_fraction"] < 1
+    text = format_report(report)
+    assert "of which mixture-of-experts blocks" in text and "24 routed rows per sparse layer (top-3 of 8" in text
+    assert all(block.observer is None for block in sparse_blocks(llm.engine.model))
+
+
+def test_step_pair_interleaves_two_models(moe_models: dict[str, TinyModel], tiny_llama: TinyModel, tmp_path: Path,
+                                          capsys) -> None:
+    """`bench step-pair`: both models' decode steps alternate; each one's median and the per-pair ratio."""
+    from conveyor.bench.commands import main
+
+    out = tmp_path / "pair.json"
+    assert main(["step-pair", str(tiny_llama.path), str(moe_models["mixtral"].path), "--batch", "4", "--context", "8",
+                 "--steps", "3", "--dtype", "float32", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    a, b = report["models"]
+    assert (a["path"], b["path"]) == (str(tiny_llama.path), str(moe_models["mixtral"].path))
+    assert len(a["step_samples_s"]) == len(b["step_samples_s"]) == 3 and a["step_s"] > 0 and b["step_s"] > 0
+    ratios = sorted(y / x for x, y in zip(a["step_samples_s"], b["step_samples_s"]))
+    assert report["b_over_a"] == pytest.approx(ratios[1])
+    assert "B / A:" in capsys.readouterr().out
