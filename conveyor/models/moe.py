@@ -22,8 +22,9 @@ from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.moe import Expert, SparseMoe
 from ..layers.quantization.linear import Weight, fuse_rows
 from ..layers.quantization.tensors import QuantizedTensor
+from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .base import CausalLM
-from .llama import DecoderLayer, RMSNorm, RotaryEmbedding, rotate_half
+from .llama import DecoderLayer, RMSNorm
 
 # Hugging Face names of a sparse block and its experts' gate, up and down projections, by model type.
 _HF_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
@@ -88,8 +89,7 @@ class OlmoeDecoderLayer(MoeDecoderLayer):
             self.fused.rope_(q, cos, sin)
             self.fused.rope_(k, cos, sin)
         else:
-            q = q * cos.unsqueeze(1) + rotate_half(q) * sin.unsqueeze(1)
-            k = k * cos.unsqueeze(1) + rotate_half(k) * sin.unsqueeze(1)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
         return self.o_proj(o.reshape(t, self.q_size))
 
