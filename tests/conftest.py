@@ -58,9 +58,9 @@ MOE_COMMON = TINY_COMMON | {"tie_word_embeddings": False}
 MOE_CONFIGS = {
     "mixtral": lambda **kw: transformers.MixtralConfig(**(MOE_COMMON | kw | {"intermediate_size": 64}),
                                                        num_local_experts=4, num_experts_per_tok=2),
-    # q/k normalized over the whole projection, q/k/v clipped
+    # q/k normalized over the whole projection, q/k/v clipped, q/k/v/o biases
     "olmoe": lambda **kw: transformers.OlmoeConfig(**(MOE_COMMON | kw | {"intermediate_size": 64}), num_experts=4,
-                                                   num_experts_per_tok=2, clip_qkv=4.0),
+                                                   num_experts_per_tok=2, clip_qkv=4.0, attention_bias=True),
     # a shared expert with its sigmoid gate; weights not renormalized; layer 1 dense; q/k/v biases
     "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(
         **(MOE_COMMON | kw), moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,

@@ -83,9 +83,9 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
         add(b + "attn_k.weight", permute(sd[p + "self_attn.k_proj.weight"], config.num_key_value_heads))
         add(b + "attn_v.weight", sd[p + "self_attn.v_proj.weight"])
         add(b + "attn_output.weight", sd[p + "self_attn.o_proj.weight"])
-        for n in "qkv":
+        for n, gguf_name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
             if f"{p}self_attn.{n}_proj.bias" in sd:
-                add(f"{b}attn_{n}.bias", sd[f"{p}self_attn.{n}_proj.bias"])
+                add(f"{b}{gguf_name}.bias", sd[f"{p}self_attn.{n}_proj.bias"])
         for n in "qk":
             if f"{p}self_attn.{n}_norm.weight" in sd:
                 add(f"{b}attn_{n}_norm.weight", sd[f"{p}self_attn.{n}_norm.weight"])

@@ -25,11 +25,13 @@ from conveyor.layers.quantization.linear import (
 )
 from conveyor.layers.quantization.tensors import (
     BF16,
+    F32,
     I8,
     GGMLType,
     QuantizedTensor,
     bf16_rows,
     cat_rows,
+    f32_rows,
     quantize_int4,
     quantize_int8,
 )
@@ -252,6 +254,22 @@ def test_bf16_tiles_matmul(ops, dtype: torch.dtype, rows: int) -> None:
         out = QuantMatmul([bf16_rows(weight)], bias)(x)
         assert out.dtype == dtype and out.shape == (rows, 37)
         assert_close_scaled(out, F.linear(x.float(), weight.float(), bias), 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 67])
+def test_f32_tiles_matmul(ops, rows: int) -> None:
+    """Dense fp32 weights in the kernels' tiles (a mixture-of-experts model's fp32 experts): F.linear's
+    values up to the summation order; the tiles give the weights back exactly, row by row and whole."""
+    torch.manual_seed(rows)
+    for cols in (64, 100, 576):
+        weight = torch.randn(37, cols)
+        tiles = f32_rows(weight).tiled(ops)
+        assert tiles.layout == "tiles" and tiles.qtype == F32 and torch.equal(tiles.dequantize(), weight)
+        whole = torch.empty(37, cols)
+        ops.dequantize_matrix(tiles.data, F32, tiles.row_scales_or_empty(), whole)
+        assert torch.equal(whole, weight)
+        x = torch.randn(rows, cols)
+        assert_close_scaled(QuantMatmul([f32_rows(weight)])(x), F.linear(x, weight), 1e-5)
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8, BF16])

@@ -2,17 +2,18 @@
 by expert, and the weighted combine.
 
 Grouping: the batch's `[tokens, k]` expert ids are flattened and sorted once (a stable `argsort`), so
-each expert's rows are one contiguous slice of the gathered inputs and its two matmuls run once on
-that slice. The experts are plain `nn.Linear` layers, one pair per expert, so loading replaces them
-like any other linear: oneDNN-packed in fp32, bf16 tiles, int8/int4/GGUF `QuantLinear` (the file's
-blocks as stored). The loop is over the experts that have rows, with one host read of the per-expert
-counts per layer and step; nothing loops over tokens.
+each expert's rows are one contiguous slice and its two matmuls run once on that slice; one host read
+of the per-expert counts per layer and step, nothing loops over tokens. The experts are plain
+`nn.Linear` pairs, so loading treats them as any linear (bf16 tiles, int8/int4/GGUF `QuantLinear`
+with the file's blocks as stored; fp32 ones stay unpacked). On CPU with the native kernels
+`group_experts` hands them all to one call per layer (`kernels/moe_cpu.cpp`; fp32 experts moved into
+F32 tiles first); elsewhere a loop runs the experts that have rows.
 
-The arithmetic is transformers' eager one (`MixtralExperts.forward` and its copies): router logits in
-the compute dtype, softmax in fp32, top-k, renormalized where the config says so, each expert's
-output times its routing weight, summed per token with `index_add_` into zeros in expert order (the
-stable sort keeps that order, and `index_add_` on CPU adds its rows in index order), so fp32 outputs
-match it token for token. The sum is kept in fp32 whatever the compute dtype.
+The arithmetic is transformers' eager one (`MixtralExperts.forward` and its copies): softmax in fp32,
+top-k, renormalized where the config says so, each expert's output times its routing weight, summed
+per token into zeros in expert order (the stable sort keeps that order; `index_add_` on CPU and the
+native sum add rows in index order), so fp32 outputs match it token for token. The router logits and
+the sum are fp32 whatever the compute dtype.
 """
 
 from __future__ import annotations
@@ -30,17 +31,16 @@ from .quantization.tensors import f32_rows
 
 
 class Router(nn.Module):
-    """`x -> x @ weight.T (+ bias)` in fp32: router (or shared-expert gate) logits. Not an `nn.Linear`, so
+    """`x -> x @ weight.T` in fp32: router (or shared-expert gate) logits. Not an `nn.Linear`, so
     quantization and packing leave it dense (a quantized router would move tokens between experts);
     fp32 whatever the compute dtype (CPU bf16 matmuls and softmax of a few columns are slow paths)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        return F.linear(x.float(), self.weight.float())
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,9 +52,9 @@ def sparse_layers(config: PretrainedConfig) -> list[bool]:
 class MoeDecoderLayer(DecoderLayer):
     """Llama's attention, then the sparse block (`mlp`) or, on a dense layer, Llama's MLP."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, qk_norm: bool,
+    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  moe: SparseMoe | None) -> None:
-        super().__init__(config, head_dim, qkv_bias, o_bias=False, mlp_bias=False, qk_norm=qk_norm,
+        super().__init__(config, head_dim, qkv_bias, o_bias=o_bias, mlp_bias=False, qk_norm=qk_norm,
                          mlp=moe is None)
         self.mlp = moe
 
@@ -69,8 +69,8 @@ class MoeDecoderLayer(DecoderLayer):
 class OlmoeDecoderLayer(MoeDecoderLayer):
     """OLMoE: q and k normalized over the whole projection, before RoPE; q/k/v clipped by `clip_qkv`."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, moe: SparseMoe) -> None:
-        super().__init__(config, head_dim, qkv_bias, qk_norm=False, moe=moe)
+    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, moe: SparseMoe) -> None:
+        super().__init__(config, head_dim, qkv_bias, o_bias, qk_norm=False, moe=moe)
         self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
         self.clip = getattr(config, "clip_qkv", None)
@@ -95,12 +95,13 @@ class OlmoeDecoderLayer(MoeDecoderLayer):
 
 
 class MoeForCausalLM(CausalLM):
-    """Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE; variants (q/k/v biases, q/k norms) come from the weights."""
+    """Mixtral, OLMoE, Qwen2-MoE and Qwen3-MoE; variants (attention biases, q/k norms) come from the weights."""
 
     model_types = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
     cuda_graphs = False  # each expert's rows are counted on the host
 
-    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, qk_norm: bool = False) -> None:
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: bool = False) -> None:
         super().__init__(config)
         experts, top_k = expert_count(config), config.num_experts_per_tok
         if experts < 1:
@@ -119,8 +120,8 @@ class MoeForCausalLM(CausalLM):
         def layer(sparse: bool) -> MoeDecoderLayer:
             moe = SparseMoe(config.hidden_size, inter, experts, top_k, renormalize, shared) if sparse else None
             if config.model_type == "olmoe":
-                return OlmoeDecoderLayer(config, self.head_dim, qkv_bias, moe)
-            return MoeDecoderLayer(config, self.head_dim, qkv_bias, qk_norm, moe)
+                return OlmoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, moe)
+            return MoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm, moe)
 
         self.layers = nn.ModuleList(layer(sparse) for sparse in sparse_layers(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -130,7 +131,7 @@ class MoeForCausalLM(CausalLM):
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "MoeForCausalLM":
         p = "model.layers.0."
         return cls(config, qkv_bias=f"{p}self_attn.q_proj.bias" in state_dict,
-                   qk_norm=config.model_type == "qwen3_moe")
+                   o_bias=f"{p}self_attn.o_proj.bias" in state_dict, qk_norm=config.model_type == "qwen3_moe")
 
     def use_fused_ops(self, ops: ModuleType | None) -> None:
         """Norms, RoPE and SiLU * up through the native fused ops (None: PyTorch); experts with tiled
