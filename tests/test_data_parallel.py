@@ -46,11 +46,12 @@ class Deployment:
 def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     model = save_long_tiny(tmp_path_factory.mktemp("dp_tiny"))
     port = free_port()
-    # max 2 requests per batch: a replica given more queues them (requests that have sent nothing yet)
+    # max 2 requests per batch: a replica given more queues them (requests that have sent nothing yet);
+    # a generous drain: under a loaded CI machine, 300 tokens on one thread took over 20 s
     proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", "--model", str(model), "--dtype",
                              "float32", "--num-blocks", "512", "--max-requests-per-batch", "2", "--port", str(port),
                              "--data-parallel-size", "2", "--threads", "1", "--log-level", "warning",
-                             "--shutdown-timeout", "20"], stdin=subprocess.DEVNULL)
+                             "--shutdown-timeout", "90"], stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
     while not http_ok(f"{url}/health"):
