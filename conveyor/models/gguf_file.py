@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from gguf.gguf_reader import quant_shape_to_byte_shape
 
 _SCALARS = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
             GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
@@ -117,5 +116,7 @@ class GGUFFile:
         if kind in _ELEMENT_TYPES:
             array = raw.view(_ELEMENT_TYPES[kind]).reshape(shape)
         else:
-            array = raw.reshape(quant_shape_to_byte_shape(shape, kind))
+            if shape[-1] % block:
+                raise ValueError(f"tensor {name}: a row of {shape[-1]} is not whole {kind.name} blocks of {block}")
+            array = raw.reshape(*shape[:-1], shape[-1] // block * size)  # rows of block bytes
         return GGUFTensor(name, kind, dims, array)
