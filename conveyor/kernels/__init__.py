@@ -142,9 +142,12 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
 
 @cache
 def cpu_paged_attention() -> ModuleType | None:
-    """The paged decode-attention extension, or None when the build fails."""
+    """The paged attention extension (decode and prefill), or None when the build fails. No contraction
+    into fused multiply-adds: the kernels say where they fuse (`fmadd`), so decode and prefill round a
+    query's arithmetic alike (`attention_blocks.h`)."""
     return _build("conveyor_paged_attention_cpu", ["paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("attention_cpu.h", "prefill_attention_cpu.h", "vec_math.h"))
+                  "-ffp-contract=off",
+                  headers=("attention_blocks.h", "attention_cpu.h", "prefill_attention_cpu.h", "vec_math.h"))
 
 
 @cache
@@ -160,7 +163,8 @@ def cpu_matmul_ops() -> ModuleType | None:
     `quant_tiles.cpp`, `quant_gemm.cpp`) and the native decode stack (`decode_stack_cpu.cpp`), or
     None when the build fails."""
     return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_gemm.cpp", "decode_stack_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("quant.h", "quant_layout.h", "attention_cpu.h", "vec_math.h"))
+                  "-ffp-contract=fast",
+                  headers=("quant.h", "quant_layout.h", "attention_blocks.h", "attention_cpu.h", "vec_math.h"))
 
 
 @cache

@@ -154,23 +154,29 @@ class DecodeStack {
     }
 
     // x [B, hidden] fp32 (updated in place and returned); cos/sin [B, D] fp32; per layer its KV cache
-    // [2, slots, Hkv, D], decode block tables [B, width], context lengths [B] and the slots [B] the
-    // new K/V go to; `threads` <= 0: torch's intra-op thread count. `shared_rows`: some request has
-    // several rows (speculative proposals): every row's K/V is stored before any row attends.
+    // [2, slots, Hkv, D]; per layer group its decode block tables [B, width], context lengths [B], the
+    // slots [B] the new K/V go to and its sliding window (0: none; its tables are then rings of that
+    // many slots); the rows' positions [B]; `threads` <= 0: torch's intra-op thread count.
+    // `shared_rows`: some request has several rows (speculative proposals): every row's K/V is stored
+    // before any row attends.
     torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
                           std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
-                          std::vector<torch::Tensor> slots, int64_t page_size, int64_t threads, bool shared_rows) {
+                          std::vector<torch::Tensor> slots, std::vector<int64_t> windows, torch::Tensor positions,
+                          int64_t page_size, int64_t threads, bool shared_rows) {
         const int64_t B = x.size(0);
         TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden_, "x must be fp32 [B, hidden]");
         TORCH_CHECK(B >= 1 && B <= max_rows_, "the stack takes 1 to ", max_rows_, " rows, got ", B);
         TORCH_CHECK(kv.size() == layers_.size(), "one KV cache per layer expected");
+        TORCH_CHECK(windows.size() == tables.size() && positions.is_contiguous() &&
+                    positions.scalar_type() == torch::kInt64 && positions.numel() == B,
+                    "one window per layer group and int64 positions [B] expected");
         TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32, "fp32 cos/sin");
         const auto dtype = kv[0].scalar_type();
         TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the KV cache must be fp32 or bf16");
         for (auto& t : kv) TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, "contiguous KV caches of one dtype");
         const int nt = static_cast<int>(threads > 0 ? threads : at::get_num_threads());
-        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, page_size, nt, shared_rows);
-        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, page_size, nt, shared_rows);
+        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, windows, positions, page_size, nt, shared_rows);
+        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, windows, positions, page_size, nt, shared_rows);
         return x;
     }
 
@@ -185,7 +191,8 @@ class DecodeStack {
     template <typename T>
     void run(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
              const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& lens,
-             const std::vector<torch::Tensor>& slots, int64_t page, int threads, bool shared_rows) {
+             const std::vector<torch::Tensor>& slots, const std::vector<int64_t>& windows,
+             const torch::Tensor& positions, int64_t page, int threads, bool shared_rows) {
         const int64_t B = x.size(0), qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_;
         float* xp = x.data_ptr<float>();
         const float* cp = cos.data_ptr<float>();
@@ -218,9 +225,12 @@ class DecodeStack {
                 const int64_t* bt = tables[L.group].data_ptr<int64_t>();
                 const int64_t width = tables[L.group].size(1);
                 const int64_t* len = lens[L.group].data_ptr<int64_t>();
+                const int64_t window = windows[L.group];
+                const int64_t* pos = positions.data_ptr<int64_t>();
                 const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
+                    const int64_t first = window > 0 ? pos[b] - len[b] + 1 : 0;  // a ring holds the window's positions
                     conveyor::attend_request<T>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
-                                                page, Hkv_, D_, G, g0, g1, scale, 0.f, scratch,
+                                                first, window, page, Hkv_, D_, G, g0, g1, scale, 0.f, scratch,
                                                 attn_.data() + b * qd + g0 * G * D_);
                 };
                 const auto rope_and_store = [&](int64_t b) {

@@ -123,9 +123,10 @@ class DecodeStack:
         tables = [m.decode_block_tables for m in metas]
         lens = [m.decode_context_lens for m in metas]
         slots = [m.slot_mapping for m in metas]
+        windows = [m.window or 0 for m in metas]
         threads = self.threads.choose()
         started = time.perf_counter()
         self.native.forward(h, cos.float().contiguous(), sin.float().contiguous(), list(kv_caches), tables, lens,
-                            slots, page_size, threads, metas[0].decode_shared_rows)
+                            slots, windows, metas[0].decode_positions, page_size, threads, metas[0].decode_shared_rows)
         self.threads.record(time.perf_counter() - started)
         return h.to(x.dtype)
