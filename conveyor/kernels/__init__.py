@@ -154,7 +154,7 @@ def cpu_paged_attention() -> ModuleType | None:
 def cpu_fused_ops() -> ModuleType | None:
     """The fused elementwise ops (`rms_norm`, `rope_`, `silu_mul`), or None when the build fails. No
     contraction into fused multiply-adds, so each op rounds like the PyTorch ops it replaces."""
-    return _build("conveyor_fused_cpu", ["fused_cpu.cpp"], "-ffp-contract=off", headers=("vec_math.h",))
+    return _build("conveyor_fused_cpu", ["fused_cpu.cpp"], "-ffp-contract=off", headers=("row_ops.h", "vec_math.h"))
 
 
 @cache
@@ -164,7 +164,8 @@ def cpu_matmul_ops() -> ModuleType | None:
     None when the build fails."""
     return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_gemm.cpp", "decode_stack_cpu.cpp"],
                   "-ffp-contract=fast",
-                  headers=("quant.h", "quant_layout.h", "attention_blocks.h", "attention_cpu.h", "vec_math.h"))
+                  headers=("quant.h", "quant_layout.h", "attention_blocks.h", "attention_cpu.h", "row_ops.h",
+                           "vec_math.h"))
 
 
 @cache

@@ -7,10 +7,16 @@
 // there are fewer rows than threads): the matmuls split their output tiles across threads (each
 // streams its own slice of every weight), and the elementwise steps (norms, RoPE, K/V writes, SiLU,
 // residual adds, activation quantization) and attention split the rows, or, with fewer rows than
-// threads, attention splits the (row, kv head) pairs. The residual stream, norms, RoPE and attention
-// are fp32; K/V are stored in the cache's dtype.
+// threads, attention splits the (row, kv head) pairs.
+//
+// It computes exactly what the eager layers compute, bit for bit: the same GEMM and attention kernels,
+// the fused ops' per-row arithmetic (row_ops.h), and in a bf16 model every value rounded to bf16 where
+// the eager path's bf16 tensors round it (projection outputs, attention output, residual adds); values
+// are held in fp32 arrays, bf16-exact. So a request's tokens do not depend on whether its step went
+// through the stack (decode-only, <= 64 rows) or the eager layers (batch invariance).
 #include "attention_cpu.h"
 #include "quant.h"
+#include "row_ops.h"
 #include "vec_math.h"
 
 #include <omp.h>
@@ -59,22 +65,21 @@ struct Layer {
     int64_t group = 0;  // which layer group's attention metadata this layer reads
 };
 
-void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-    const float inv = 1.f / std::sqrt(ss / n + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+// x[0:n] rounded to T where T is bf16 (what a bf16 tensor holds); fp32 keeps it.
+template <typename T>
+void round_row(float* x, int64_t n) {
+    if constexpr (std::is_same_v<T, float>) return;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, conveyor::round_bf16(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; ++i) x[i] = conveyor::round_as<T>(x[i]);
 }
 
-// Rotate-half RoPE in place on `heads` heads of dim D.
-void rope(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
-    const int64_t half = D / 2;
-    for (int64_t h = 0; h < heads; ++h, x += D)
-        for (int64_t i = 0; i < half; ++i) {
-            const float x1 = x[i], x2 = x[i + half];
-            x[i] = x1 * c[i] - x2 * s[i];
-            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-        }
+// The residual add of a layer's output: x = x + y, rounded as a bf16 add rounds.
+template <typename T>
+void add_row(float* x, const float* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = conveyor::round_as<T>(x[i] + y[i]);
 }
 
 template <typename T>
@@ -84,25 +89,6 @@ void store_row(T* dst, const float* src, int64_t n) {
     for (; i + 16 <= n; i += 16) conveyor::store16(dst + i, _mm512_loadu_ps(src + i));
 #endif
     for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-}
-
-// a = silu(gate) * up, with a vector e^x (per element libm expf calls took ~6% of a 64-row step).
-void silu_mul(const float* gate, const float* up, int64_t n, float* a) {
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 e = conveyor::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)), _mm512_loadu_ps(up + i)));
-    }
-#elif defined(__AVX2__) && defined(__FMA__)
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = conveyor::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e)), _mm256_loadu_ps(up + i)));
-    }
-#endif
-    for (; i < n; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
 }
 
 }  // namespace
@@ -215,7 +201,8 @@ class DecodeStack {
                 lin.run(act, out, ld, tid, nt);
             };
             for (int64_t b = r0; b < r1; ++b)
-                rms_norm(xp + b * hidden_, layers_[0].input_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
+                conveyor::rms_norm_row<T>(xp + b * hidden_, layers_[0].input_norm.data_ptr<float>(), hidden_, eps,
+                                          xn_.data() + b * hidden_);
             prepare(layers_[0].qkv, xn_.data(), hidden_, act_hidden_);
             for (size_t l = 0; l < layers_.size(); ++l) {
                 const Layer& L = layers_[l];
@@ -232,11 +219,14 @@ class DecodeStack {
                     conveyor::attend_request<T>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
                                                 first, window, page, Hkv_, D_, G, g0, g1, scale, 0.f, scratch,
                                                 attn_.data() + b * qd + g0 * G * D_);
+                    round_row<T>(attn_.data() + b * qd + g0 * G * D_, (g1 - g0) * G * D_);
                 };
                 const auto rope_and_store = [&](int64_t b) {
                     float* row = qkv_.data() + b * qkv_n;
                     L.qkv.add_bias_row(row);
-                    rope(row, H_ + Hkv_, D_, cp + b * D_, sp + b * D_);  // q heads, then k heads
+                    round_row<T>(row, qkv_n);
+                    for (int64_t h = 0; h < H_ + Hkv_; ++h)  // q heads, then k heads
+                        conveyor::rope_head<T>(row + h * D_, cp + b * D_, sp + b * D_, D_);
                     store_row(kc + slot[b] * kvd, row + qd, kvd);
                     store_row(vc + slot[b] * kvd, row + qd + kvd, kvd);
                 };
@@ -270,8 +260,10 @@ class DecodeStack {
 #pragma omp barrier
                 for (int64_t b = r0; b < r1; ++b) {
                     L.o.add_bias_row(out_.data() + b * hidden_);
-                    for (int64_t i = 0; i < hidden_; ++i) xp[b * hidden_ + i] += out_[b * hidden_ + i];
-                    rms_norm(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
+                    round_row<T>(out_.data() + b * hidden_, hidden_);
+                    add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
+                    conveyor::rms_norm_row<T>(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps,
+                                              xn_.data() + b * hidden_);
                 }
                 prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
 #pragma omp barrier
@@ -280,7 +272,8 @@ class DecodeStack {
                 for (int64_t b = r0; b < r1; ++b) {
                     float* gate = mid_.data() + b * 2 * inter_;
                     L.gate_up.add_bias_row(gate);
-                    silu_mul(gate, gate + inter_, inter_, act_.data() + b * inter_);
+                    round_row<T>(gate, 2 * inter_);
+                    conveyor::silu_mul_row<T>(gate, gate + inter_, inter_, act_.data() + b * inter_);
                 }
                 prepare(L.down, act_.data(), inter_, act_inter_);
 #pragma omp barrier
@@ -289,10 +282,11 @@ class DecodeStack {
                 const Layer* next = l + 1 < layers_.size() ? &layers_[l + 1] : nullptr;
                 for (int64_t b = r0; b < r1; ++b) {  // the residual add, then the next layer's input norm
                     L.down.add_bias_row(out_.data() + b * hidden_);
-                    for (int64_t i = 0; i < hidden_; ++i) xp[b * hidden_ + i] += out_[b * hidden_ + i];
+                    round_row<T>(out_.data() + b * hidden_, hidden_);
+                    add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
                     if (next)
-                        rms_norm(xp + b * hidden_, next->input_norm.data_ptr<float>(), hidden_, eps,
-                                 xn_.data() + b * hidden_);
+                        conveyor::rms_norm_row<T>(xp + b * hidden_, next->input_norm.data_ptr<float>(), hidden_, eps,
+                                                  xn_.data() + b * hidden_);
                 }
                 if (next) prepare(next->qkv, xn_.data(), hidden_, act_hidden_);
             }
