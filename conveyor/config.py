@@ -6,6 +6,7 @@ tables those keep (`layers.attention.ATTENTION_BACKENDS`, `sched.scheduler.SCHED
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -50,6 +51,11 @@ class ContinuousBatchingConfig:
     tensor_parallel_size: ranks the model is split over (vLLM's name; `distributed/`): 1 = one process.
         Over 1, CUDA graphs are off (None resolves to False); async batching, a draft model and a swap pool
         are errors.
+    batch_invariant: guarantee that a request's tokens and logprobs do not depend on what it is batched
+        with or how its prompt is chunked (`models/batch_invariance.py`). On CPU in bf16 (or with quantized
+        weights) they do not anyway, except on AMX CPUs; True refuses an engine that cannot keep it (dense
+        fp32, CUDA, the PyTorch attention backend) and keeps AMX CPUs' bf16 inputs on the native kernel at
+        every row count. None = vLLM's switch, the environment's VLLM_BATCH_INVARIANT=1 (False otherwise).
     """
 
     page_size: int = 16
@@ -73,6 +79,7 @@ class ContinuousBatchingConfig:
     max_model_len: int | None = None
     seed: int | None = None
     tensor_parallel_size: int = 1
+    batch_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -104,6 +111,10 @@ class ContinuousBatchingConfig:
             raise ConfigError(f"step_history must be an integer >= 0 (0 = off), got {self.step_history!r}")
         if self.cpu_offload_space < 0:
             raise ConfigError(f"cpu_offload_space must be >= 0 GiB, got {self.cpu_offload_space}")
+        if self.batch_invariant is None:
+            self.batch_invariant = os.environ.get("VLLM_BATCH_INVARIANT", "0").strip() == "1"
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant must be True, False or None, got {self.batch_invariant!r}")
         self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.speculative_config is not None and self.use_async_batching:
             raise ConfigError("speculative_config does not combine with use_async_batching=True (a step's "

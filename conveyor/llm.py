@@ -18,6 +18,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .chat_template import load_chat_template
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
+from .errors import ConfigError
 from .distributed.driver import ShardedModel, load_tensor_parallel
 from .engine.draft_runner import load_draft_model
 from .engine.engine import Engine
@@ -74,6 +75,8 @@ class LLM:
         HF_HUB_OFFLINE=1 uses the cache only).
     speculative_config: vLLM's dict (or `SpeculativeConfig`) turns speculative decoding on; it may also
         come in `config.speculative_config`.
+    batch_invariant: guarantee that a request's output does not depend on its batch or on how its prompt
+        is chunked (`config.batch_invariant`; None: VLLM_BATCH_INVARIANT=1 turns it on, as in vLLM).
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
     seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split over that many ranks:
     README, "Tensor parallelism"): vLLM's engine arguments, mapped onto `config`
@@ -99,9 +102,10 @@ class LLM:
                  chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
                  override_generation_config: dict[str, Any] | None = None,
                  num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
-                 **vllm_kwargs: Any) -> None:
+                 batch_invariant: bool | None = None, **vllm_kwargs: Any) -> None:
         for note in check_vllm_kwargs(vllm_kwargs):
             logger.info("%s", note)
+        given_config = config
         config = with_vllm_engine_args(
             config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
@@ -109,6 +113,11 @@ class LLM:
             num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size)
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
+        if batch_invariant is not None and batch_invariant != config.batch_invariant:
+            if given_config is not None:
+                raise ConfigError(f"batch_invariant={batch_invariant!r} disagrees with the config's "
+                                  f"batch_invariant={config.batch_invariant!r}: give one of them")
+            config = replace(config, batch_invariant=batch_invariant)
         template = load_chat_template(chat_template) if chat_template is not None else None
         self.device = resolve_device(device)
         location = resolve_model_path(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file,

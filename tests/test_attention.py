@@ -122,7 +122,7 @@ def run_prefill(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int
     spans, rows, offset, start = [], [], 0, 0
     for n, n_ctx in chunks:
         spans.append((start, n, torch.randperm(slots, generator=g)[:n_ctx]))
-        rows.append([start, n, offset, n_ctx])
+        rows.append([start, n, offset, n_ctx, n_ctx])
         start, offset = start + n, offset + n_ctx
     out = torch.full_like(q, float("nan"))
     scale = dim ** -0.5
@@ -164,11 +164,12 @@ def sliding_prefill_batch(dtype: torch.dtype):
     key_pos = torch.arange(3, 16)
     slots = cache_slots(ring, page)[key_pos % window]
     q_pos = key_pos[7:].unsqueeze(1)
-    span = PrefillSpan(q_start=1, q_len=6, ctx_slots=slots[:7], mask=(key_pos <= q_pos) & (key_pos > q_pos - window))
+    span = PrefillSpan(q_start=1, q_len=6, ctx_slots=slots[:7], mask=(key_pos <= q_pos) & (key_pos > q_pos - window),
+                       start=10)
     decode_table = torch.tensor([[3, 4]])
     meta = AttentionMetadata(slot_mapping=torch.cat([torch.tensor([4 * page + 2]), slots[7:]]), page_size=page,
                              num_decodes=1, decode_block_tables=decode_table, decode_context_lens=torch.tensor([7]),
-                             prefills=[span], window=window)
+                             decode_positions=torch.tensor([6]), prefills=[span], window=window)
     q = torch.randn(7, heads, dim, generator=g).to(dtype)
     k, v = (torch.randn(7, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
     return q, k, v, kv, meta

@@ -77,3 +77,104 @@ def test_prefill_kernel_matches_reference_on_long_contexts(heads: int, kv_heads:
                                                            dtype: torch.dtype) -> None:
     out, expected = run_prefill(heads, kv_heads, dim, chunks, window, softcap, dtype)
     torch.testing.assert_close(out, expected, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
+def sequence_case(length: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int, seed: int):
+    """One sequence's queries, keys and values [length, heads, dim], and a cache holding its K/V at random pages
+    (slot of position p: `slots[p]`)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(length, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(length, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    pages = math.ceil(length / page) + 3
+    table = torch.randperm(pages, generator=g)[:math.ceil(length / page)]
+    slots = (table[:, None] * page + torch.arange(page)).flatten()[:length]
+    kv = torch.randn(2, pages * page, kv_heads, dim, generator=g).to(dtype)
+    kv[0, slots], kv[1, slots] = k, v
+    return q, k, v, kv, table, slots
+
+
+def decode_every_position(q, k, v, table, page: int, window: int, scale: float, softcap: float) -> torch.Tensor:
+    """Each position's attention as a decode row (all rows in one call), over the cache as the engine keeps it: the
+    whole sequence's pages, or for a sliding window a ring of `window` slots per row holding its last positions."""
+    n, kv_heads, dim = k.shape
+    positions = torch.arange(n)
+    if not window:
+        kv = torch.zeros(2, (int(table.max()) + 1) * page, kv_heads, dim, dtype=k.dtype)
+        slots = (table[:, None] * page + torch.arange(page)).flatten()[:n]
+        kv[0, slots], kv[1, slots] = k, v
+        return cpu_paged_attention().paged_decode_attention(q, kv, table.expand(n, -1).contiguous(), positions + 1,
+                                                            positions, 0, page, scale, softcap)
+    ring_pages = math.ceil(window / page)
+    kv = torch.zeros(2, n * ring_pages * page, kv_heads, dim, dtype=k.dtype)
+    tables = torch.arange(n * ring_pages).view(n, ring_pages)
+    for pos in range(n):
+        for p in range(max(0, pos - window + 1), pos + 1):
+            ring = p % window
+            slot = int(tables[pos, ring // page]) * page + ring % page
+            kv[0, slot], kv[1, slot] = k[p], v[p]
+    return cpu_paged_attention().paged_decode_attention(q, kv, tables, (positions + 1).clamp(max=window), positions,
+                                                        window, page, scale, softcap)
+
+
+def prefill_in_chunks(q, k, v, kv, slots, chunk_lens: list[int], window: int, scale: float, softcap: float,
+                      together: bool) -> torch.Tensor:
+    """The sequence prefilled in chunks of `chunk_lens`, each over the positions before it (its window's, with a
+    window) read from the cache; `together`: every chunk in one kernel call, as chunks of different requests."""
+    kernel = cpu_paged_attention()
+    out = torch.full_like(q, float("nan"))
+    calls, start = [], 0
+    for n in chunk_lens:
+        lo = max(0, start - window + 1) if window else 0
+        calls.append((start, n, slots[lo:start]))
+        start += n
+    assert start == q.shape[0]
+    groups = [calls] if together else [[c] for c in calls]
+    for group in groups:
+        rows = torch.cat([torch.arange(s, s + n) for s, n, _ in group])
+        chunks, offset, q_start = [], 0, 0
+        for s, n, ctx in group:
+            chunks.append([q_start, n, offset, len(ctx), s])
+            offset, q_start = offset + len(ctx), q_start + n
+        o = torch.empty_like(q[rows])
+        kernel.paged_prefill_attention(q[rows], k[rows], v[rows], kv, torch.cat([c for *_, c in group]).long(),
+                                       torch.tensor(chunks), window, scale, softcap, o)
+        out[rows] = o
+    return out
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "window", "softcap", "dtype", "page"), [
+    (9, 3, 64, 0, 0.0, torch.bfloat16, 16),    # the built-in model's heads
+    (9, 3, 64, 0, 0.0, torch.float32, 16),
+    (8, 1, 128, 0, 0.0, torch.bfloat16, 16),   # 8 query heads on one kv head
+    (4, 4, 80, 0, 30.0, torch.bfloat16, 8),    # one query head per kv head, soft-capped, D not a power of two
+    (6, 2, 33, 40, 0.0, torch.float32, 4),     # odd head dim, a window shorter than a key block
+    (12, 2, 16, 100, 5.0, torch.bfloat16, 16),  # a window across key blocks, capped
+    (2, 1, 256, 0, 50.0, torch.float32, 16),   # Gemma 2's head dim and cap
+])
+def test_a_query_gets_the_same_bits_in_any_chunk_and_in_decode(heads: int, kv_heads: int, dim: int, window: int,
+                                                               softcap: float, dtype: torch.dtype, page: int) -> None:
+    """Batch invariance of the attention kernels: keys in blocks at absolute positions, the same arithmetic per
+    query (attention_blocks.h), so a position's output is bitwise the same whether it is decoded, prefilled in one
+    chunk or in chunks of any size, alone or in one call with other chunks."""
+    length = 300
+    q, k, v, kv, table, slots = sequence_case(length, heads, kv_heads, dim, dtype, page, seed=dim + heads + window)
+    scale = dim ** -0.5
+    decoded = decode_every_position(q, k, v, table, page, window, scale, softcap)
+    whole = prefill_in_chunks(q, k, v, kv, slots, [length], window, scale, softcap, together=False)
+    torch.testing.assert_close(whole.double(), run_reference(q, k, v, window, scale, softcap),
+                               **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+    assert torch.equal(decoded, whole)
+    for chunk_lens, together in (([64] * 4 + [44], False), ([7, 100, 1, 128, 64], True), ([1] * 5 + [295], False)):
+        assert torch.equal(prefill_in_chunks(q, k, v, kv, slots, chunk_lens, window, scale, softcap, together), whole)
+
+
+def run_reference(q, k, v, window: int, scale: float, softcap: float) -> torch.Tensor:
+    """fp64 attention of one sequence over itself, causal (within the window)."""
+    group = q.shape[1] // k.shape[1]
+    keys, values = (x.double().repeat_interleave(group, 1) for x in (k, v))
+    scores = torch.einsum("ihd,jhd->hij", q.double(), keys) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    i, j = torch.arange(q.shape[0])[:, None], torch.arange(q.shape[0])[None]
+    visible = (j <= i) & ((j > i - window) if window else True)
+    return torch.einsum("hij,jhd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)

@@ -3,12 +3,13 @@
 Both compute from the same bf16 weights and caches but round differently (the kernels accumulate in
 fp32 and round once; PyTorch's bf16 ops round after each op, its SDPA differs again), and the tiny
 random models have many near-tied logits, so greedy continuations part after a while. Measured over
-these 32 prompts x 24 tokens, native prefill (or PyTorch's SDPA): 81% (83%) of the tokens come before the
-first difference for llama, 77% (76%) for windowed Mistral, and the native run is as close to the
-fp32 run as the PyTorch run is (llama: 66% (67%) vs 70% of tokens; windowed Mistral: 82% (85%) vs
-72%). The thresholds leave room for that spread and
-still fail on a wrong kernel: ignoring the window gave 10%, reading the ring after the pass writes it
-37%, a softmax scale 5% off 37%.
+these 32 prompts x 24 tokens: the native run agrees with the PyTorch run on 93% of the tokens for
+llama_smooth (weights at a trained model's scale), 75% for windowed Mistral, and is as close to the
+fp32 run as the PyTorch run is (llama_smooth: 97% vs 96%; windowed Mistral: 81% vs 70%). On the
+large-weight `llama` the logits are so often near-tied that the measure is mostly noise (native 60%
+vs PyTorch 70% of tokens as the fp32 run's, the same with the decode stack on or off). The
+thresholds leave room for that spread and still fail on a wrong kernel: ignoring the window gave
+10%, reading the ring after the pass writes it 37%, a softmax scale 5% off 37%.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def generate(model: TinyModel, dtype: str) -> tuple[LLM, list[list[int]]]:
     return llm, [o.token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral_sliding"])
+@pytest.mark.parametrize("kind", ["llama_smooth", "mistral_sliding"])
 def test_native_bf16_agrees_with_pytorch_bf16(tiny_models: dict[str, TinyModel], kind: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     llm, native = generate(tiny_models[kind], "bfloat16")

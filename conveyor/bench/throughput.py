@@ -12,6 +12,7 @@ own interpreter (`vllm_compare.py`).
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import logging
@@ -273,6 +274,9 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--cpu-offload-space", type=float, default=None, metavar="GIB",
                      help="host swap space for offloaded requests' KV blocks (default 0: soft resets)")
     eng.add_argument("--no-block-sharing", action="store_true", help="allow_block_sharing=False: no prefix caching")
+    eng.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                     help="batch_invariant: outputs independent of batching and chunking (default: "
+                          "VLLM_BATCH_INVARIANT=1 turns it on)")
     eng.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="speculative decoding, vLLM's JSON, e.g. "
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -362,7 +366,8 @@ def run_from_args(args: Any) -> int:
                                    ("scheduler_type", args.scheduler_type),
                                    ("cpu_offload_space", args.cpu_offload_space),
                                    ("speculative_config", args.speculative_config),
-                                   ("tensor_parallel_size", args.tensor_parallel_size)) if v is not None}
+                                   ("tensor_parallel_size", args.tensor_parallel_size),
+                                   ("batch_invariant", args.batch_invariant)) if v is not None}
     if args.no_block_sharing:
         overrides["allow_block_sharing"] = False
     started = time.perf_counter()

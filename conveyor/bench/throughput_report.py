@@ -94,7 +94,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"prefix cache {engine['prefix_cache_hit_tokens']} of {engine['prefix_cache_query_tokens']} "
                      f"queried tokens hit ({'on' if c['allow_block_sharing'] else 'off'}); offloads "
                      f"{engine['offloads']} (swapped {engine['swap_outs']}, swapped in {engine['swap_ins']}, "
-                     f"soft resets {engine['soft_resets']})")
+                     f"soft resets {engine['soft_resets']})"
+                     + ("; batch-invariant" if c.get("batch_invariant") else ""))
     if report.get("structured"):
         notes.append(f"structured: every request constrained by {report['structured']['constraint'][:60]}...; "
                      f"constrained / plain output tok/s = {report['structured']['output_tok_per_s_ratio']:.2f}")

@@ -23,6 +23,7 @@ from ..config import ContinuousBatchingConfig
 from ..errors import DistributedError, InvalidRequestError, RequestErrorCode
 from ..layers.attention import make_attention_backend
 from ..models.base import CausalLM
+from ..models.batch_invariance import make_batch_invariant
 from ..request import Prompt, Request, RequestState
 from ..sampling_params import SamplingParams
 from ..sched.output import SchedulerOutput
@@ -93,6 +94,8 @@ class Engine:
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
         self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
                                   attention=make_attention_backend(device, self.dtype, config.attention_backend))
+        if config.batch_invariant:
+            make_batch_invariant(model, self.runner.attention, device, self.dtype)
         # Async batching (on by default where graphs are) alternates two sets of static buffers.
         use_async = config.use_async_batching
         if use_async is None:  # speculation needs each step's tokens before the next is scheduled

@@ -104,6 +104,7 @@ class StepBuffers:
             padded_metas.append(AttentionMetadata(
                 slot_mapping=self.slot_mapping[g, :padded], page_size=meta.page_size, num_decodes=ndp,
                 decode_block_tables=tables if ndp else None, decode_context_lens=lens if ndp else None,
+                decode_positions=self.positions[:ndp] if ndp else None,
                 prefills=[replace(span, q_start=span.q_start + pad) for span in meta.prefills], window=meta.window,
                 decode_shared_rows=meta.decode_shared_rows))
         samples = sample_bucket(len(sample_rows))

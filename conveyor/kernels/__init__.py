@@ -142,16 +142,19 @@ def _build(name: str, sources: list[str], *cflags: str, headers: tuple[str, ...]
 
 @cache
 def cpu_paged_attention() -> ModuleType | None:
-    """The paged decode-attention extension, or None when the build fails."""
+    """The paged attention extension (decode and prefill), or None when the build fails. No contraction
+    into fused multiply-adds: the kernels say where they fuse (`fmadd`), so decode and prefill round a
+    query's arithmetic alike (`attention_blocks.h`)."""
     return _build("conveyor_paged_attention_cpu", ["paged_attention_cpu.cpp", "prefill_attention_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("attention_cpu.h", "prefill_attention_cpu.h", "vec_math.h"))
+                  "-ffp-contract=off",
+                  headers=("attention_blocks.h", "attention_cpu.h", "prefill_attention_cpu.h", "vec_math.h"))
 
 
 @cache
 def cpu_fused_ops() -> ModuleType | None:
     """The fused elementwise ops (`rms_norm`, `rope_`, `silu_mul`), or None when the build fails. No
     contraction into fused multiply-adds, so each op rounds like the PyTorch ops it replaces."""
-    return _build("conveyor_fused_cpu", ["fused_cpu.cpp"], "-ffp-contract=off", headers=("vec_math.h",))
+    return _build("conveyor_fused_cpu", ["fused_cpu.cpp"], "-ffp-contract=off", headers=("row_ops.h", "vec_math.h"))
 
 
 @cache
@@ -161,8 +164,9 @@ def cpu_matmul_ops() -> ModuleType | None:
     mixture-of-experts layer's grouped experts (`moe_cpu.cpp`), or None when the build fails."""
     return _build("conveyor_matmul_cpu", ["matmul_cpu.cpp", "quant_tiles.cpp", "quant_gemm.cpp", "decode_stack_cpu.cpp",
                                           "moe_cpu.cpp"],
-                  "-ffp-contract=fast", headers=("quant.h", "quant_layout.h", "attention_cpu.h", "tiled_linear.h",
-                                                 "vec_math.h"))
+                  "-ffp-contract=fast",
+                  headers=("quant.h", "quant_layout.h", "attention_blocks.h", "attention_cpu.h", "row_ops.h",
+                           "tiled_linear.h", "vec_math.h"))
 
 
 @cache

@@ -2,23 +2,26 @@
 // place (fp32, or bf16 widened to fp32; scores, softmax and sums in fp32). Shared by the paged
 // decode kernel (paged_attention_cpu.cpp) and the native decode stack (decode_stack_cpu.cpp).
 //
+// Its arithmetic is attention_blocks.h's, the prefill kernel's: keys in blocks of absolute positions,
+// each score one multiply-add chain down the head dim, the online softmax folded block by block, so a
+// token decoded here gets the bits a prefill chunk would give it. W keys at a time are turned by
+// head-dim entry in registers (`key_columns`), so their scores come out along the vector lanes, one
+// broadcast query element per step; the V rows are summed along the head dim, a broadcast
+// probability per key.
+//
 // Decode reads every cached K and V row once per step and does little arithmetic on it (at 64 rows
 // of ~200 tokens, ~10 MB a layer): its time is the memory's, plus whatever arithmetic the memory
-// does not hide. So a request's K rows (then its V rows) are first pulled into L2 by a loop of plain
-// loads, a chunk at a time, then used: measured on one core with K/V from DRAM, the memory streams
-// such a loop 2-3x faster than the same lines read among the arithmetic (software prefetches, in
-// bursts or spread between the heads' work, changed nothing). The arithmetic goes in blocks of W
-// positions, whole rows (every kv head asked for, as the pages lay them out): a row's vectors are
-// loaded straight into the products (bf16 widened two vectors per load with a shift and a mask:
-// even, then odd elements, the order queries are taken in and outputs given back in), scores for
-// 8 positions x up to 3 query heads a kv head from each row vector loaded, summed W at a time
-// (`group_sums`), and each V row read once into registers for a chunk of its kv head's query heads.
+// does not hide. So a request's K and V rows are first pulled into L2 by a loop of plain loads, a
+// chunk at a time, then used: measured on one core with K/V from DRAM, the memory streams such a
+// loop 2-3x faster than the same lines read among the arithmetic.
 #pragma once
 
+#include "attention_blocks.h"
 #include "vec_math.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -27,59 +30,14 @@ namespace conveyor {
 
 // A thread's buffers for `attend_request`, reused across calls.
 struct DecodeScratch {
-    std::vector<float> q, s, o, inv;  // queries (row order, scaled), scores, output sums (row order), 1 / sum
-    std::vector<int64_t> slot;        // each position's offset in the cache
-    std::vector<char> pad;            // a block of rows copied and zero-padded when D is not a whole number of pairs
+    std::vector<float> q, o, p, m, l;  // scaled queries, output sums, a block's probabilities, max, sum
+    std::vector<int64_t> slot;          // each visible position's row offset in the cache
+    std::vector<char> zero;             // a zero K row (lanes without a key)
 };
 
-// Vector j of a row: fp32 in place; bf16 two vectors per 2W values, the even-indexed then the odd.
-inline vecw row_vec(const float* p, int j) { return loadw(p + j * W); }
-inline vecw row_vec(const bf16* p, int j) {
-    uvecw x;
-    std::memcpy(&x, p + j / 2 * 2 * W, sizeof x);
-    const uvecw w = j % 2 ? x & 0xffff0000u : x << 16;
-    vecw v;
-    std::memcpy(&v, &w, sizeof v);
-    return v;
-}
-// x[0:D] * scale into row order, zero-padded to J vectors (y), and y * scale back (x).
-template <typename T>
-inline void to_row_order(const float* x, int64_t D, float scale, float* y, int64_t J) {
-    float tmp[2 * W];
-    for (int64_t j = 0; j < J; j += 2) {
-        const float* src = x + j * W;
-        if ((j + 2) * W > D) {  // the last, partial pair
-            for (int64_t d = 0; d < 2 * W; ++d) tmp[d] = j * W + d < D ? src[d] : 0.f;
-            src = tmp;
-        }
-        vecw a = loadw(src) * scale, b = loadw(src + W);
-        b *= scale;
-        if constexpr (std::is_same_v<T, bf16>) deinterleave(a, b, a, b);
-        storew(y + j * W, a);
-        storew(y + (j + 1) * W, b);
-    }
-}
-template <typename T>
-inline void from_row_order(const float* y, int64_t J, float scale, float* x, int64_t D) {
-    for (int64_t j = 0; j < J; j += 2) {
-        vecw a = loadw(y + j * W) * scale, b = loadw(y + (j + 1) * W);
-        b *= scale;
-        if constexpr (std::is_same_v<T, bf16>) interleave(a, b, a, b);
-        if ((j + 2) * W <= D) {
-            storew(x + j * W, a);
-            storew(x + (j + 1) * W, b);
-        } else {
-            float tmp[2 * W];
-            storew(tmp, a);
-            storew(tmp + W, b);
-            for (int64_t d = 0; j * W + d < D; ++d) x[j * W + d] = tmp[d];
-        }
-    }
-}
-
 namespace detail {
-constexpr int kRegisters = W == 16 ? 30 : 14;  // vector registers the V pass may hold
-constexpr int64_t kChunkBytes = 128 << 10;      // K or V rows pulled into L2 at a time
+constexpr int kRegisters = W == 16 ? 30 : 14;  // vector registers the products may hold
+constexpr int64_t kChunkBytes = 256 << 10;      // K and V rows pulled into L2 at a time
 
 // f(std::integral_constant<int, n>{}) for a runtime n in [1, N].
 template <int N, typename F>
@@ -90,135 +48,193 @@ inline void with_count(int64_t n, F&& f) {
     f(std::integral_constant<int, N>{});
 }
 
+// How a V row's J vectors are read: straight (fp32 rows, or a head dim that is not a whole number of
+// vector pairs), or, for bf16, as pairs: vector 2k holds the even entries of values [2kW, 2(k+1)W),
+// 2k + 1 the odd ones (one load, a shift and a mask for two vectors).
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, bf16>;
+
+template <bool Pairs, bool Full, typename T, int J>
+inline void value_vectors(const T* row, int64_t D, vecw* v) {
+    if constexpr (Pairs) {
+        for (int k = 0; k < J / 2; ++k) {
+            uvecw x, even, odd;
+            std::memcpy(&x, row + 2 * k * W, sizeof x);
+            even = x << 16;
+            odd = x & 0xffff0000u;
+            std::memcpy(&v[2 * k], &even, sizeof(vecw));
+            std::memcpy(&v[2 * k + 1], &odd, sizeof(vecw));
+        }
+    } else {
+        for (int j = 0; j < J; ++j) {
+            if (Full || (j + 1) * W <= D) {
+                v[j] = loadw(row + j * W);
+            } else {
+                float tmp[W] = {};
+                for (int64_t d = j * W; d < D; ++d) tmp[d - j * W] = to_float(row[d]);
+                v[j] = loadw(tmp);
+            }
+        }
+    }
+}
+
+// One block for a query head: its scores s (NV vectors; lanes [lo, hi) hold keys, the rest none)
+// folded into the running max m and sum l, the output o (J vectors) rescaled if m moved; p gets the
+// probabilities (exactly 0 where no key). The order of every operation is attention_blocks.h's.
+template <int NV, int J>
+inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, float& l, float* o, float* p) {
+    ivecw lane;
+    for (int i = 0; i < W; ++i) lane[i] = i;
+    vecw mx = splat(kMasked);
+    ivecw key[NV];
+    for (int v = 0; v < NV; ++v) {
+        vecw x = s[v];
+        if (cap > 0.f) x = vtanh(x / cap) * cap;
+        key[v] = (lane + v * W >= static_cast<int32_t>(lo)) & (lane + v * W < static_cast<int32_t>(hi));
+        s[v] = select(key[v], x, splat(kMasked));
+        mx = vmax(mx, s[v]);
+    }
+    const float bm = lane_max(mx);
+    const bool moved = bm > m;
+    const float m1 = moved ? bm : m;
+    vecw e[NV];
+    for (int v = 0; v < NV; ++v) {
+        e[v] = select(key[v], vexp(s[v] - m1), vecw{});
+        storew(p + v * W, e[v]);
+    }
+    const float sum = block_sum<NV>(e);
+    if (moved) {
+        const float alpha = vexp(splat(m - m1))[0];
+        l = fmadd(l, alpha, sum);
+        m = m1;
+        for (int j = 0; j < J; ++j) storew(o + j * W, loadw(o + j * W) * alpha);
+    } else {
+        l = l + sum;
+    }
+}
+
+// o[c] = fmadd(p[c][i], v_i, o[c]) for key lanes i in [lo, hi) in order, C query heads at once (o: [C][J * W],
+// as `value_vectors` lays a row out; p: [C][kKeyBlock]); v_i is rows[i] + offset (D values, widened).
+template <bool Pairs, bool Full, typename T, int C, int J>
+inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64_t hi, int64_t D, const float* p,
+                         float* o) {
+    vecw a[C][J];
+    for (int c = 0; c < C; ++c)
+        for (int j = 0; j < J; ++j) a[c][j] = loadw(o + (c * J + j) * W);
+    for (int64_t i = lo; i < hi; ++i) {
+        vecw v[J];
+        value_vectors<Pairs, Full, T, J>(rows[i] + offset, D, v);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) {
+            const vecw x = splat(p[c * kKeyBlock + i]);
+#pragma GCC unroll 32
+            for (int j = 0; j < J; ++j) a[c][j] = fmadd(x, v[j], a[c][j]);
+        }
+    }
+    for (int c = 0; c < C; ++c)
+        for (int j = 0; j < J; ++j) storew(o + (c * J + j) * W, a[c][j]);
+}
+
 template <typename T, int J>
-void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t page, int64_t Hkv,
-            int64_t D, int64_t G, int64_t h0, int64_t h1, float scale, float cap, DecodeScratch& sc, float* out) {
+void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t first, int64_t ring,
+            int64_t page, int64_t Hkv, int64_t D, int64_t G, int64_t h0, int64_t h1, float scale, float cap,
+            DecodeScratch& sc, float* out) {
     constexpr int64_t Dp = J * W;
-    constexpr int GB = std::max(1, std::min(8, (kRegisters - J) / J));  // query heads per V chunk
-    constexpr int GK = W == 16 ? 3 : 1;  // query heads per score chunk: 8 positions x GK accumulators
-    const int64_t nh = h1 - h0, heads = nh * G, lp = round_up(len, W);
-    const bool direct = D == Dp;           // rows read in place, else copied into `pad`, zero-padded
-    const int64_t hs = direct ? D : Dp;    // a kv head's offset within a row
+    constexpr int GV = std::max(1, std::min(8, (kRegisters - J) / J));  // query heads per pass over V rows
+    constexpr int GK = W == 16 ? 8 : 4;                                  // query heads per pass over K rows
+    const int64_t nh = h1 - h0, heads = nh * G;
+    const bool pairs = kPairs<T> && D == Dp && J % 2 == 0;
     sc.slot.resize(len);
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += page, ++b)
-        for (int64_t t = t0, first = (table[b] * page - t0) * Hkv * D + h0 * D; t < std::min(len, t0 + page); ++t)
-            sc.slot[t] = first + t * Hkv * D;
-    sc.q.resize(heads * Dp);
-    for (int64_t r = 0; r < heads; ++r) to_row_order<T>(q + r * D, D, scale, sc.q.data() + r * Dp, J);
-    sc.s.resize(heads * lp);
+    int64_t i = ring > 0 ? first % ring : first, b = i / page, o = i % page;  // slot index of position first + t
+    for (int64_t t = 0; t < len; ++t) {
+        sc.slot[t] = (table[b] * page + o) * Hkv * D + h0 * D;
+        if (++i == ring) i = b = o = 0;  // the ring wraps around
+        else if (++o == page) o = 0, ++b;
+    }
+    sc.q.assign(heads * Dp, 0.f);
+    for (int64_t r = 0; r < heads; ++r)
+        for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
     sc.o.assign(heads * Dp, 0.f);
-    sc.inv.resize(heads);
-    if (!direct) sc.pad.assign(W * nh * Dp * sizeof(T), 0);
-    T* pad = reinterpret_cast<T*>(sc.pad.data());
+    sc.m.assign(heads, kMasked);
+    sc.l.assign(heads, 0.f);
+    sc.p.resize(heads * kKeyBlock);
+    sc.zero.assign(nh * Dp * sizeof(T), 0);
+    const T* zero = reinterpret_cast<const T*>(sc.zero.data());
 
     // Rows are pulled in a chunk at a time by a loop of plain loads, one a line and nothing between
     // them, then used from L2: measured here (one thread, K/V from DRAM), the memory streams such a
     // loop 2-3x faster than the same lines read among the arithmetic, with software prefetches or not.
     const int64_t row_bytes = nh * D * static_cast<int64_t>(sizeof(T));
-    const int64_t chunk = std::max<int64_t>(W, kChunkBytes / row_bytes / W * W);  // positions
-    const auto touch = [&](const T* base, int64_t t0, int64_t t1) {
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (2 * row_bytes) / kKeyBlock) * kKeyBlock;  // positions
+    const auto touch = [&](int64_t t0, int64_t t1) {
         uint32_t x = 0;
-        for (int64_t t = t0; t < t1; ++t) {
-            const uintptr_t p = reinterpret_cast<uintptr_t>(base + sc.slot[t]);
-            for (uintptr_t l = p & ~uintptr_t{63}; l < p + row_bytes; l += 64) x |= *reinterpret_cast<const uint32_t*>(l);
-        }
+        for (const T* base : {kc, vc})
+            for (int64_t t = t0; t < t1; ++t) {
+                const uintptr_t p = reinterpret_cast<uintptr_t>(base + sc.slot[t]);
+                for (uintptr_t l = p & ~uintptr_t{63}; l < p + row_bytes; l += 64) x |= *reinterpret_cast<const uint32_t*>(l);
+            }
         asm volatile("" : : "r"(x));
     };
-    const T* rows[W];
-    const auto block = [&](const T* base, int64_t t0, int64_t nb) {  // rows[i]: position t0 + i (the last for i >= nb)
-        for (int64_t i = 0; i < W; ++i) {
-            const T* src = base + sc.slot[t0 + std::min(i, nb - 1)];
-            if (direct) {
-                rows[i] = src;
-            } else if (i < nb) {
-                for (int64_t h = 0; h < nh; ++h) std::copy(src + h * D, src + h * D + D, pad + (i * nh + h) * Dp);
-                rows[i] = pad + i * nh * Dp;
-            } else {
-                rows[i] = rows[nb - 1];
-            }
+    const T *krows[kKeyBlock], *vrows[kKeyBlock];
+    vecw s[GK][kBlockVectors];
+    int64_t next_touch = 0;
+    for (int64_t t0 = 0; t0 < len;) {
+        // A block: positions [p0, p0 + kKeyBlock); its lanes [lo, hi) hold positions first + t0, ...
+        const int64_t p0 = block_start(first + t0), lo = first + t0 - p0, hi = std::min(kKeyBlock, first + len - p0);
+        const int64_t t1 = t0 + hi - lo;
+        if (t0 >= next_touch) {
+            next_touch = std::min(len, t0 + chunk);
+            touch(t0, next_touch);
         }
-    };
-    for (int64_t t0 = 0; t0 < len; t0 += W) {  // scores: W positions x every query head
-        if (t0 % chunk == 0) touch(kc, t0, std::min(len, t0 + chunk));
-        block(kc, t0, std::min<int64_t>(W, len - t0));
-        for (int64_t h = 0; h < nh; ++h)
-            for (int64_t g0 = 0; g0 < G; g0 += GK)
-                with_count<GK>(std::min<int64_t>(GK, G - g0), [&](auto count) {
-                    constexpr int C = decltype(count)::value;
-                    const float* qr = sc.q.data() + (h * G + g0) * Dp;
-                    vecw part[C][W / 8];
-                    for (int group = 0; group < W / 8; ++group) {
-                        vecw acc[C][8] = {};
+        for (int64_t n = 0; n < kKeyBlock; ++n) {  // each lane's rows, kv head h0's (zero rows where no key)
+            const bool key = n >= lo && n < hi;
+            krows[n] = key ? kc + sc.slot[t0 + n - lo] : zero;
+            vrows[n] = key ? vc + sc.slot[t0 + n - lo] : zero;
+        }
+        with_count<kBlockVectors>((hi + W - 1) / W, [&](auto nv) {
+            constexpr int NV = decltype(nv)::value;
+            for (int64_t h = 0; h < nh; ++h) {
+                // Scores: W keys turned by head-dim entry at a time, straight into the chains.
+                for (int64_t g0 = 0; g0 < G; g0 += GK)
+                    with_count<GK>(std::min<int64_t>(GK, G - g0), [&](auto count) {
+                        constexpr int C = decltype(count)::value;
+                        const float* qh = sc.q.data() + (h * G + g0) * Dp;
+                        for (int v = 0; v < NV; ++v) {
+                            vecw acc[C] = {};
+                            key_columns(krows + v * W, h * D, D, [&](int64_t d, vecw k) {
 #pragma GCC unroll 8
-                        for (int i = 0; i < 8; ++i) {
-                            const T* row = rows[sum_lane(group, i)] + h * hs;
-#pragma GCC unroll 32
-                            for (int j = 0; j < J; ++j) {
-                                const vecw k = row_vec(row, j);
-#pragma GCC unroll 8
-                                for (int c = 0; c < C; ++c) acc[c][i] += loadw(qr + c * Dp + j * W) * k;
-                            }
+                                for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(qh[c * Dp + d]), k, acc[c]);
+                            });
+                            for (int c = 0; c < C; ++c) s[c][v] = acc[c];
                         }
-                        for (int c = 0; c < C; ++c) part[c][group] = group_sums(acc[c]);
-                    }
-                    for (int c = 0; c < C; ++c)  // lanes past len: padding, never read
-                        storew(sc.s.data() + (h * G + g0 + c) * lp + t0, join_groups(part[c]));
-                });
-    }
-    constexpr float inf = std::numeric_limits<float>::infinity();
-    for (int64_t r = 0; r < heads; ++r) {  // softmax (its 1 / sum applied to the output)
-        float* s = sc.s.data() + r * lp;
-        const int64_t full = len / W * W;
-        vecw mx = splat(-inf);
-        for (int64_t t = 0; t < lp; t += W) {
-            vecw x = loadw(s + t);
-            if (cap > 0.f) x = vtanh(x / cap) * cap;
-            if (t >= full) {  // the last, partial block: its padding lanes out of the max and the sum
-                for (int64_t i = len - t; i < W; ++i) x[i] = -inf;
-            }
-            storew(s + t, x);
-            mx = vmax(mx, x);
-        }
-        const vecw m = splat(lane_max(mx));
-        vecw sum = {};
-        for (int64_t t = 0; t < lp; t += W) {
-            vecw e = vexp(loadw(s + t) - m);
-            if (t >= full) {
-                for (int64_t i = len - t; i < W; ++i) e[i] = 0.f;
-            }
-            storew(s + t, e);
-            sum += e;
-        }
-        sc.inv[r] = 1.f / lane_sum(sum);
-    }
-    for (int64_t t0 = 0; t0 < len; t0 += W) {  // weighted sums of the V rows
-        const int64_t nb = std::min<int64_t>(W, len - t0);
-        if (t0 % chunk == 0) touch(vc, t0, std::min(len, t0 + chunk));
-        block(vc, t0, nb);
-        for (int64_t h = 0; h < nh; ++h)
-            for (int64_t g0 = 0; g0 < G; g0 += GB)
-                with_count<GB>(std::min<int64_t>(GB, G - g0), [&](auto count) {
-                    constexpr int C = decltype(count)::value;
-                    const int64_t r0 = h * G + g0;
-                    vecw a[C][J];
-                    for (int c = 0; c < C; ++c)
-                        for (int j = 0; j < J; ++j) a[c][j] = loadw(sc.o.data() + (r0 + c) * Dp + j * W);
-                    for (int64_t i = 0; i < nb; ++i) {
-                        vecw v[J];
-#pragma GCC unroll 32
-                        for (int j = 0; j < J; ++j) v[j] = row_vec(rows[i] + h * hs, j);
-#pragma GCC unroll 8
                         for (int c = 0; c < C; ++c) {
-                            const vecw p = splat(sc.s[(r0 + c) * lp + t0 + i]);
-#pragma GCC unroll 32
-                            for (int j = 0; j < J; ++j) a[c][j] += p * v[j];
+                            const int64_t r = h * G + g0 + c;
+                            block_softmax<NV, J>(s[c], lo, hi, cap, sc.m[r], sc.l[r], sc.o.data() + r * Dp,
+                                                 sc.p.data() + r * kKeyBlock);
                         }
-                    }
-                    for (int c = 0; c < C; ++c)
-                        for (int j = 0; j < J; ++j) storew(sc.o.data() + (r0 + c) * Dp + j * W, a[c][j]);
-                });
+                    });
+                for (int64_t g0 = 0; g0 < G; g0 += GV)
+                    with_count<GV>(std::min<int64_t>(GV, G - g0), [&](auto count) {
+                        constexpr int C = decltype(count)::value;
+                        const int64_t r0 = h * G + g0;
+                        const float* pr = sc.p.data() + r0 * kKeyBlock;
+                        float* orow = sc.o.data() + r0 * Dp;
+                        if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
+                        else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
+                        else block_values<false, false, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
+                    });
+            }
+        });
+        t0 = t1;
     }
-    for (int64_t r = 0; r < heads; ++r) from_row_order<T>(sc.o.data() + r * Dp, J, sc.inv[r], out + r * D, D);
+    for (int64_t r = 0; r < heads; ++r) {
+        const float inv = 1.f / sc.l[r];
+        const float* o_r = sc.o.data() + r * Dp;
+        for (int64_t d = 0; d < D; ++d) {  // entry d of the row sits where `value_vectors` put it
+            const int64_t at = pairs ? (d / (2 * W) * 2 + d % 2) * W + d % (2 * W) / 2 : d;
+            out[r * D + d] = o_r[at] * inv;
+        }
+    }
 }
 }  // namespace detail
 
@@ -226,24 +242,28 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
 constexpr int64_t kMaxDecodeHeadDim = 32 * W;
 
 // Attention of one request's kv heads [h0, h1), each with its G query heads (q and out: fp32
-// [(h1 - h0) * G, D], contiguous), over its first `len` cached positions: pages of `page` slots
-// listed in `table`, rows of Hkv * D values (K at kc, V at vc). `cap` > 0 soft-caps the scores as
-// Gemma 2 does (tanh(s / cap) * cap). D <= kMaxDecodeHeadDim.
+// [(h1 - h0) * G, D], contiguous), over `len` cached positions first, first + 1, ...: position p at
+// slot index p (or p % ring for a sliding window's ring of `ring` slots; ring 0: no ring) of the
+// pages of `page` slots listed in `table`, rows of Hkv * D values (K at kc, V at vc). `cap` > 0
+// soft-caps the scores as Gemma 2 does (tanh(s / cap) * cap). D <= kMaxDecodeHeadDim.
 template <typename T>
-void attend_request(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t page,
-                    int64_t Hkv, int64_t D, int64_t G, int64_t h0, int64_t h1, float scale, float cap, DecodeScratch& sc,
-                    float* out) {
-    const int64_t pairs = (D + 2 * W - 1) / (2 * W);  // J = 2 * pairs vectors a row, rounded up below
+void attend_request(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t first,
+                    int64_t ring, int64_t page, int64_t Hkv, int64_t D, int64_t G, int64_t h0, int64_t h1, float scale,
+                    float cap, DecodeScratch& sc, float* out) {
+    const int64_t vectors = (D + W - 1) / W;
     const auto run = [&](auto j) {
-        detail::attend<T, decltype(j)::value>(q, kc, vc, table, len, page, Hkv, D, G, h0, h1, scale, cap, sc, out);
+        detail::attend<T, decltype(j)::value>(q, kc, vc, table, len, first, ring, page, Hkv, D, G, h0, h1, scale, cap,
+                                              sc, out);
     };
-    if (pairs <= 1) run(std::integral_constant<int, 2>{});
-    else if (pairs <= 2) run(std::integral_constant<int, 4>{});
-    else if (pairs <= 3) run(std::integral_constant<int, 6>{});
-    else if (pairs <= 4) run(std::integral_constant<int, 8>{});
-    else if (pairs <= 6) run(std::integral_constant<int, 12>{});
-    else if (pairs <= 8) run(std::integral_constant<int, 16>{});
-    else if (pairs <= 12) run(std::integral_constant<int, 24>{});
+    if (vectors <= 1) run(std::integral_constant<int, 1>{});
+    else if (vectors <= 2) run(std::integral_constant<int, 2>{});
+    else if (vectors <= 3) run(std::integral_constant<int, 3>{});
+    else if (vectors <= 4) run(std::integral_constant<int, 4>{});
+    else if (vectors <= 6) run(std::integral_constant<int, 6>{});
+    else if (vectors <= 8) run(std::integral_constant<int, 8>{});
+    else if (vectors <= 12) run(std::integral_constant<int, 12>{});
+    else if (vectors <= 16) run(std::integral_constant<int, 16>{});
+    else if (vectors <= 24) run(std::integral_constant<int, 24>{});
     else run(std::integral_constant<int, 32>{});
 }
 

@@ -7,10 +7,16 @@
 // there are fewer rows than threads): the matmuls split their output tiles across threads (each
 // streams its own slice of every weight), and the elementwise steps (norms, RoPE, K/V writes, SiLU,
 // residual adds, activation quantization) and attention split the rows, or, with fewer rows than
-// threads, attention splits the (row, kv head) pairs. The residual stream, norms, RoPE and attention
-// are fp32; K/V are stored in the cache's dtype.
+// threads, attention splits the (row, kv head) pairs.
+//
+// It computes exactly what the eager layers compute, bit for bit: the same GEMM and attention kernels,
+// the fused ops' per-row arithmetic (row_ops.h), and in a bf16 model every value rounded to bf16 where
+// the eager path's bf16 tensors round it (projection outputs, attention output, residual adds); values
+// are held in fp32 arrays, bf16-exact. So a request's tokens do not depend on whether its step went
+// through the stack (decode-only, <= 64 rows) or the eager layers (batch invariance).
 #include "attention_cpu.h"
 #include "quant.h"
+#include "row_ops.h"
 #include "tiled_linear.h"
 #include "vec_math.h"
 
@@ -33,22 +39,21 @@ struct Layer {
     int64_t group = 0;  // which layer group's attention metadata this layer reads
 };
 
-void rms_norm(const float* x, const float* w, int64_t n, float eps, float* out) {
-    float ss = 0.f;
-    for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
-    const float inv = 1.f / std::sqrt(ss / n + eps);
-    for (int64_t i = 0; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+// x[0:n] rounded to T where T is bf16 (what a bf16 tensor holds); fp32 keeps it.
+template <typename T>
+void round_row(float* x, int64_t n) {
+    if constexpr (std::is_same_v<T, float>) return;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, conveyor::round_bf16(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; ++i) x[i] = conveyor::round_as<T>(x[i]);
 }
 
-// Rotate-half RoPE in place on `heads` heads of dim D.
-void rope(float* x, int64_t heads, int64_t D, const float* c, const float* s) {
-    const int64_t half = D / 2;
-    for (int64_t h = 0; h < heads; ++h, x += D)
-        for (int64_t i = 0; i < half; ++i) {
-            const float x1 = x[i], x2 = x[i + half];
-            x[i] = x1 * c[i] - x2 * s[i];
-            x[i + half] = x2 * c[i + half] + x1 * s[i + half];
-        }
+// The residual add of a layer's output: x = x + y, rounded as a bf16 add rounds.
+template <typename T>
+void add_row(float* x, const float* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] = conveyor::round_as<T>(x[i] + y[i]);
 }
 
 template <typename T>
@@ -109,23 +114,29 @@ class DecodeStack {
     }
 
     // x [B, hidden] fp32 (updated in place and returned); cos/sin [B, D] fp32; per layer its KV cache
-    // [2, slots, Hkv, D], decode block tables [B, width], context lengths [B] and the slots [B] the
-    // new K/V go to; `threads` <= 0: torch's intra-op thread count. `shared_rows`: some request has
-    // several rows (speculative proposals): every row's K/V is stored before any row attends.
+    // [2, slots, Hkv, D]; per layer group its decode block tables [B, width], context lengths [B], the
+    // slots [B] the new K/V go to and its sliding window (0: none; its tables are then rings of that
+    // many slots); the rows' positions [B]; `threads` <= 0: torch's intra-op thread count.
+    // `shared_rows`: some request has several rows (speculative proposals): every row's K/V is stored
+    // before any row attends.
     torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
                           std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
-                          std::vector<torch::Tensor> slots, int64_t page_size, int64_t threads, bool shared_rows) {
+                          std::vector<torch::Tensor> slots, std::vector<int64_t> windows, torch::Tensor positions,
+                          int64_t page_size, int64_t threads, bool shared_rows) {
         const int64_t B = x.size(0);
         TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden_, "x must be fp32 [B, hidden]");
         TORCH_CHECK(B >= 1 && B <= max_rows_, "the stack takes 1 to ", max_rows_, " rows, got ", B);
         TORCH_CHECK(kv.size() == layers_.size(), "one KV cache per layer expected");
+        TORCH_CHECK(windows.size() == tables.size() && positions.is_contiguous() &&
+                    positions.scalar_type() == torch::kInt64 && positions.numel() == B,
+                    "one window per layer group and int64 positions [B] expected");
         TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32, "fp32 cos/sin");
         const auto dtype = kv[0].scalar_type();
         TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the KV cache must be fp32 or bf16");
         for (auto& t : kv) TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, "contiguous KV caches of one dtype");
         const int nt = static_cast<int>(threads > 0 ? threads : at::get_num_threads());
-        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, page_size, nt, shared_rows);
-        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, page_size, nt, shared_rows);
+        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, windows, positions, page_size, nt, shared_rows);
+        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, windows, positions, page_size, nt, shared_rows);
         return x;
     }
 
@@ -140,7 +151,8 @@ class DecodeStack {
     template <typename T>
     void run(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
              const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& lens,
-             const std::vector<torch::Tensor>& slots, int64_t page, int threads, bool shared_rows) {
+             const std::vector<torch::Tensor>& slots, const std::vector<int64_t>& windows,
+             const torch::Tensor& positions, int64_t page, int threads, bool shared_rows) {
         const int64_t B = x.size(0), qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_;
         float* xp = x.data_ptr<float>();
         const float* cp = cos.data_ptr<float>();
@@ -163,7 +175,8 @@ class DecodeStack {
                 lin.run(act, out, ld, tid, nt);
             };
             for (int64_t b = r0; b < r1; ++b)
-                rms_norm(xp + b * hidden_, layers_[0].input_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
+                conveyor::rms_norm_row<T>(xp + b * hidden_, layers_[0].input_norm.data_ptr<float>(), hidden_, eps,
+                                          xn_.data() + b * hidden_);
             prepare(layers_[0].qkv, xn_.data(), hidden_, act_hidden_);
             for (size_t l = 0; l < layers_.size(); ++l) {
                 const Layer& L = layers_[l];
@@ -173,15 +186,21 @@ class DecodeStack {
                 const int64_t* bt = tables[L.group].data_ptr<int64_t>();
                 const int64_t width = tables[L.group].size(1);
                 const int64_t* len = lens[L.group].data_ptr<int64_t>();
+                const int64_t window = windows[L.group];
+                const int64_t* pos = positions.data_ptr<int64_t>();
                 const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
+                    const int64_t first = window > 0 ? pos[b] - len[b] + 1 : 0;  // a ring holds the window's positions
                     conveyor::attend_request<T>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
-                                                page, Hkv_, D_, G, g0, g1, scale, 0.f, scratch,
+                                                first, window, page, Hkv_, D_, G, g0, g1, scale, 0.f, scratch,
                                                 attn_.data() + b * qd + g0 * G * D_);
+                    round_row<T>(attn_.data() + b * qd + g0 * G * D_, (g1 - g0) * G * D_);
                 };
                 const auto rope_and_store = [&](int64_t b) {
                     float* row = qkv_.data() + b * qkv_n;
                     L.qkv.add_bias_row(row);
-                    rope(row, H_ + Hkv_, D_, cp + b * D_, sp + b * D_);  // q heads, then k heads
+                    round_row<T>(row, qkv_n);
+                    for (int64_t h = 0; h < H_ + Hkv_; ++h)  // q heads, then k heads
+                        conveyor::rope_head<T>(row + h * D_, cp + b * D_, sp + b * D_, D_);
                     store_row(kc + slot[b] * kvd, row + qd, kvd);
                     store_row(vc + slot[b] * kvd, row + qd + kvd, kvd);
                 };
@@ -215,8 +234,10 @@ class DecodeStack {
 #pragma omp barrier
                 for (int64_t b = r0; b < r1; ++b) {
                     L.o.add_bias_row(out_.data() + b * hidden_);
-                    for (int64_t i = 0; i < hidden_; ++i) xp[b * hidden_ + i] += out_[b * hidden_ + i];
-                    rms_norm(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps, xn_.data() + b * hidden_);
+                    round_row<T>(out_.data() + b * hidden_, hidden_);
+                    add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
+                    conveyor::rms_norm_row<T>(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps,
+                                              xn_.data() + b * hidden_);
                 }
                 prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
 #pragma omp barrier
@@ -225,7 +246,8 @@ class DecodeStack {
                 for (int64_t b = r0; b < r1; ++b) {
                     float* gate = mid_.data() + b * 2 * inter_;
                     L.gate_up.add_bias_row(gate);
-                    silu_mul(gate, gate + inter_, inter_, act_.data() + b * inter_);
+                    round_row<T>(gate, 2 * inter_);
+                    conveyor::silu_mul_row<T>(gate, gate + inter_, inter_, act_.data() + b * inter_);
                 }
                 prepare(L.down, act_.data(), inter_, act_inter_);
 #pragma omp barrier
@@ -234,10 +256,11 @@ class DecodeStack {
                 const Layer* next = l + 1 < layers_.size() ? &layers_[l + 1] : nullptr;
                 for (int64_t b = r0; b < r1; ++b) {  // the residual add, then the next layer's input norm
                     L.down.add_bias_row(out_.data() + b * hidden_);
-                    for (int64_t i = 0; i < hidden_; ++i) xp[b * hidden_ + i] += out_[b * hidden_ + i];
+                    round_row<T>(out_.data() + b * hidden_, hidden_);
+                    add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
                     if (next)
-                        rms_norm(xp + b * hidden_, next->input_norm.data_ptr<float>(), hidden_, eps,
-                                 xn_.data() + b * hidden_);
+                        conveyor::rms_norm_row<T>(xp + b * hidden_, next->input_norm.data_ptr<float>(), hidden_, eps,
+                                                  xn_.data() + b * hidden_);
                 }
                 if (next) prepare(next->qkv, xn_.data(), hidden_, act_hidden_);
             }

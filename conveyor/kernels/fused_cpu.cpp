@@ -6,29 +6,20 @@
 // are computed in fp32 and rounded to bf16 wherever the PyTorch bf16 op would round (SiLU * up:
 // once, at the end). AVX-512 (and for SiLU, AVX2) vectors where the CPU has them, the same
 // operations in the same order as the scalar loops (SiLU's e^x is a vector polynomial to ~1 ulp
-// instead of libm's): a 512-token prefill chunk spent ~9% of its time in scalar expf calls.
+// instead of libm's): a 512-token prefill chunk spent ~9% of its time in scalar expf calls. The
+// per-row arithmetic is row_ops.h's, which the native decode stack runs too: a row gets the same bits
+// on either path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <cmath>
 #include <type_traits>
 
-#include "vec_math.h"
+#include "row_ops.h"
 
 using bf16 = at::BFloat16;
 
 // Rows are processed on one thread up to this many (decode batches), split across threads above.
 constexpr int64_t kRowGrain = 64;
-
-static inline float to_float(float x) { return x; }
-static inline float to_float(bf16 x) { return static_cast<float>(x); }
-
-// x rounded to T, as a PyTorch op on T-typed tensors rounds its result (round to nearest even).
-template <typename T>
-static inline float round_as(float x) {
-    if constexpr (std::is_same_v<T, float>) return x;
-    else return static_cast<float>(bf16(x));
-}
 
 static void check_float(const torch::Tensor& t, const char* name) {
     TORCH_CHECK((t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) && t.device().is_cpu(),
@@ -56,34 +47,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
     const int64_t n = x.size(-1), rows = x.numel() / n;
     TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "weight must be contiguous with ", n, " elements");
     auto out = torch::empty_like(x);
-    const float feps = static_cast<float>(eps), fn = static_cast<float>(n);
+    const float feps = static_cast<float>(eps);
     dispatch(x, [&](auto* tag) {
         using T = std::remove_pointer_t<decltype(tag)>;
         const T* xp = x.data_ptr<T>();
         const T* w = weight.data_ptr<T>();
         T* op = out.data_ptr<T>();
         at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-            for (int64_t r = begin; r < end; ++r) {
-                const T* xr = xp + r * n;
-                float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                int64_t i = 0;
-                for (; i + 8 <= n; i += 8)
-                    for (int l = 0; l < 8; ++l) part[l] += to_float(xr[i + l]) * to_float(xr[i + l]);
-                float ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-                for (; i < n; ++i) ss += to_float(xr[i]) * to_float(xr[i]);
-                const float inv = 1.f / std::sqrt(ss / fn + feps);
-                T* orow = op + r * n;
-                int64_t j = 0;
-#if defined(__AVX512F__)
-                const __m512 iv = _mm512_set1_ps(inv);
-                for (; j + 16 <= n; j += 16) {
-                    __m512 v = _mm512_mul_ps(conveyor::load16(xr + j), iv);
-                    if constexpr (!std::is_same_v<T, float>) v = conveyor::round_bf16(v);
-                    conveyor::store16(orow + j, _mm512_mul_ps(conveyor::load16(w + j), v));
-                }
-#endif
-                for (; j < n; ++j) orow[j] = T(to_float(w[j]) * round_as<T>(to_float(xr[j]) * inv));
-            }
+            for (int64_t r = begin; r < end; ++r) conveyor::rms_norm_row<T>(xp + r * n, w, n, feps, op + r * n);
         });
     });
     return out;
@@ -101,7 +72,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
                 "with contiguous heads");
     cos = cos.contiguous();
     sin = sin.contiguous();
-    const int64_t tokens = x.size(0), H = x.size(1), D = x.size(2), half = D / 2, row = x.stride(0);
+    const int64_t tokens = x.size(0), H = x.size(1), D = x.size(2), row = x.stride(0);
     TORCH_CHECK(cos.numel() == tokens * D && sin.numel() == tokens * D, "cos and sin must be [tokens, dim]");
     dispatch(x, [&](auto* tag) {
         using T = std::remove_pointer_t<decltype(tag)>;
@@ -109,35 +80,8 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
         const T* cp = cos.data_ptr<T>();
         const T* sp = sin.data_ptr<T>();
         at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-            for (int64_t t = begin; t < end; ++t) {
-                const T* c = cp + t * D;
-                const T* s = sp + t * D;
-                for (int64_t h = 0; h < H; ++h) {
-                    T* v = xp + t * row + h * D;
-                    int64_t i = 0;
-#if defined(__AVX512F__)
-                    for (; i < half; i += 16) {
-                        const __mmask16 m = static_cast<__mmask16>(half - i >= 16 ? 0xFFFF : (1u << (half - i)) - 1);
-                        const __m512 x1 = conveyor::load16(v + i, m), x2 = conveyor::load16(v + half + i, m);
-                        const __m512 c1 = conveyor::load16(c + i, m), c2 = conveyor::load16(c + half + i, m);
-                        const __m512 s1 = conveyor::load16(s + i, m), s2 = conveyor::load16(s + half + i, m);
-                        __m512 a = _mm512_mul_ps(x1, c1), b = _mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1);
-                        __m512 e = _mm512_mul_ps(x2, c2), f = _mm512_mul_ps(x1, s2);
-                        if constexpr (!std::is_same_v<T, float>)
-                            a = conveyor::round_bf16(a), b = conveyor::round_bf16(b), e = conveyor::round_bf16(e),
-                            f = conveyor::round_bf16(f);
-                        conveyor::store16(v + i, _mm512_add_ps(a, b), m);
-                        conveyor::store16(v + half + i, _mm512_add_ps(e, f), m);
-                    }
-#endif
-                    for (; i < half; ++i) {
-                        const float x1 = to_float(v[i]), x2 = to_float(v[i + half]);
-                        v[i] = T(round_as<T>(x1 * to_float(c[i])) + round_as<T>((-x2) * to_float(s[i])));
-                        v[i + half] =
-                            T(round_as<T>(x2 * to_float(c[i + half])) + round_as<T>(x1 * to_float(s[i + half])));
-                    }
-                }
-            }
+            for (int64_t t = begin; t < end; ++t)
+                for (int64_t h = 0; h < H; ++h) conveyor::rope_head<T>(xp + t * row + h * D, cp + t * D, sp + t * D, D);
         });
     });
 }
@@ -157,30 +101,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
         at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
             for (int64_t r = begin; r < end; ++r) {
                 const T* g = gp + r * width;
-                const T* u = g + n;
-                T* o = op + r * n;
-                int64_t i = 0;
-#if defined(__AVX512F__)
-                const __m512 one = _mm512_set1_ps(1.f);
-                for (; i + 16 <= n; i += 16) {
-                    const __m512 gi = conveyor::load16(g + i);
-                    const __m512 e = conveyor::exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi));
-                    conveyor::store16(o + i, _mm512_mul_ps(_mm512_div_ps(gi, _mm512_add_ps(one, e)), conveyor::load16(u + i)));
-                }
-#elif defined(__AVX2__) && defined(__FMA__)
-                if constexpr (std::is_same_v<T, float>) {
-                    const __m256 one = _mm256_set1_ps(1.f);
-                    for (; i + 8 <= n; i += 8) {
-                        const __m256 gi = _mm256_loadu_ps(g + i);
-                        const __m256 e = conveyor::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gi));
-                        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gi, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-                    }
-                }
-#endif
-                for (; i < n; ++i) {
-                    const float gi = to_float(g[i]);
-                    o[i] = T(gi / (1.f + std::exp(-gi)) * to_float(u[i]));
-                }
+                conveyor::silu_mul_row<T>(g, g + n, n, op + r * n);
             }
         });
     });

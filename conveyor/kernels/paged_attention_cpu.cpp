@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <type_traits>
 #include <vector>
 
@@ -19,8 +20,9 @@ using namespace conveyor;
 namespace {
 
 template <typename T>
-void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, T* op, int64_t B,
-            int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size, float scale, float cap) {
+void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, const int64_t* positions,
+            int64_t window, T* op, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size,
+            float scale, float cap) {
     constexpr bool fp32 = std::is_same_v<T, float>;
     at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
         DecodeScratch scratch;
@@ -36,8 +38,10 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int6
                 qb = qf.data();
                 ob = of.data();
             }
-            attend_request<T>(qb, kp, vp, bt + b * max_blocks, lens[b], page_size, Hkv, D, H / Hkv, 0, Hkv, scale, cap,
-                              scratch, ob);
+            // A sliding window's ring holds positions [position - len + 1, position], p at slot p % window.
+            const int64_t first = window > 0 ? positions[b] - lens[b] + 1 : 0;
+            attend_request<T>(qb, kp, vp, bt + b * max_blocks, lens[b], first, window, page_size, Hkv, D, H / Hkv, 0,
+                              Hkv, scale, cap, scratch, ob);
             if constexpr (!fp32)
                 for (int64_t i = 0; i < H * D; ++i) op[b * H * D + i] = bf16(of[i]);
         }
@@ -59,6 +63,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
                                      torch::Tensor kv_cache,      // [2, slots, Hkv, D]
                                      torch::Tensor block_tables,  // [B, max_blocks] int64
                                      torch::Tensor context_lens,  // [B] int64
+                                     c10::optional<torch::Tensor> positions,  // [B] int64: each row's position
+                                     int64_t window,              // > 0: the tables are rings of `window` slots
                                      int64_t page_size, double scale, double softcap) {
     const auto dtype = kv_cache.scalar_type();
     TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "fp32 or bf16 only");
@@ -68,12 +74,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q,             // [B, H, D]
     const int64_t B = q.size(0), H = q.size(1), D = q.size(2), slots = kv_cache.size(1), Hkv = kv_cache.size(2);
     TORCH_CHECK(D <= kMaxDecodeHeadDim, "head dim ", D, " is above the CPU kernel's limit of ", kMaxDecodeHeadDim);
     TORCH_CHECK(H % Hkv == 0, "query heads ", H, " are not a multiple of kv heads ", Hkv);
+    TORCH_CHECK(window <= 0 || (positions.has_value() && positions->is_contiguous() &&
+                                positions->scalar_type() == torch::kInt64 && positions->numel() == B),
+                "a sliding window needs every row's position (int64 [B])");
     auto out = torch::empty_like(q);
     const int64_t* bt = block_tables.data_ptr<int64_t>();
     const int64_t* lens = context_lens.data_ptr<int64_t>();
+    const int64_t* pos = window > 0 ? positions->data_ptr<int64_t>() : nullptr;
     const auto run = [&](auto* qp, auto* kp, auto* op) {
-        decode(qp, kp, kp + slots * Hkv * D, bt, lens, op, B, H, Hkv, D, block_tables.size(1), page_size,
-               static_cast<float>(scale), static_cast<float>(softcap));
+        decode(qp, kp, kp + slots * Hkv * D, bt, lens, pos, std::max<int64_t>(window, 0), op, B, H, Hkv, D,
+               block_tables.size(1), page_size, static_cast<float>(scale), static_cast<float>(softcap));
     };
     if (dtype == torch::kFloat32)
         run(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>());
@@ -89,7 +99,7 @@ void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's 
                              torch::Tensor v,          // [T, Hkv, D] and values
                              torch::Tensor kv_cache,   // [2, slots, Hkv, D]
                              torch::Tensor ctx_slots,  // [sum of n_ctx] int64: each chunk's context slots, in order
-                             torch::Tensor chunks,     // [C, 4] int64: q_start, q_len, offset into ctx_slots, n_ctx
+                             torch::Tensor chunks,     // [C, 5] int64: q_start, q_len, offset into ctx_slots, n_ctx, start
                              int64_t window, double scale, double softcap,
                              torch::Tensor out) {      // [T, H, D] contiguous
     const auto dtype = kv_cache.scalar_type();
@@ -101,9 +111,13 @@ void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's 
     TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous, shaped like q");
     TORCH_CHECK(kv_cache.is_contiguous() && ctx_slots.is_contiguous() && chunks.is_contiguous() &&
                 ctx_slots.scalar_type() == torch::kInt64 && chunks.scalar_type() == torch::kInt64 &&
-                chunks.dim() == 2 && chunks.size(1) == 4, "ctx_slots [n] and chunks [C, 4]: contiguous int64");
+                chunks.dim() == 2 && chunks.size(1) == 5, "ctx_slots [n] and chunks [C, 5]: contiguous int64");
     const int64_t H = q.size(1), D = q.size(2), Hkv = kv_cache.size(2), slots = kv_cache.size(1);
     TORCH_CHECK(k.size(1) == Hkv && k.size(2) == D && H % Hkv == 0, "head counts or sizes disagree");
+    const int64_t* c = chunks.data_ptr<int64_t>();
+    for (int64_t i = 0; i < chunks.size(0); ++i)
+        TORCH_CHECK(c[i * 5 + 4] >= c[i * 5 + 3], "chunk ", i, " starts at position ", c[i * 5 + 4], " after ",
+                    c[i * 5 + 3], " context positions: its context is the positions before it");
     const auto run = [&](auto* qp, auto* kp, auto* vp, auto* cp, auto* op) {
         using T = std::remove_const_t<std::remove_pointer_t<decltype(qp)>>;
         prefill_attention<T>({qp, kp, vp, cp, cp + slots * Hkv * D, q.stride(0), k.stride(0), v.stride(0),

@@ -3,26 +3,30 @@
 // earlier context (cache slots, read in place) and to its own new K/V (taken from the batch, so the
 // kernel runs before the pass writes the cache: a sliding ring may reuse the context's slots for the
 // chunk's own tokens), causally, within an optional sliding window; flash-style (online softmax over
-// blocks of keys), one task per (chunk, kv head, query tile) so every K/V block is reused by all of
-// the tile's query rows. `softcap` > 0 caps the scores as Gemma 2 does: tanh(score / softcap) * softcap.
+// blocks of keys), one task per (chunk, kv head, query tile), so every K/V block is loaded once for
+// all of the tile's query rows (its queries times the kv head's G query heads). `softcap` > 0 caps
+// the scores as Gemma 2 does: tanh(score / softcap) * softcap.
 //
-// Prefill is compute-bound, and everything in it is vectorized along the query rows of a tile (the
-// queries of one kv head's G query heads): scores are kept transposed, keys x rows, so the softmax's
-// running max and sum are plain vector operations and any head dim works. The two products run in
-// register blocks of KB keys (or head-dim entries) x CB row vectors, near the FMA units' peak; what
-// is left to gain is around them (measured, 1 thread, 512 queries over 1024 keys, bf16: about a
-// third of the time went to widening, softmax and rescaling): bf16 rows widened W values per
-// instruction, the block's row max taken from the score registers when no mask or cap touches it,
-// and the output rescaled only when some row's max moved.
+// Key blocks sit at absolute positions and every row's arithmetic is attention_blocks.h's, the
+// decode kernel's (attention_cpu.h): a query gets the same bits here as in decode, and in any chunk.
+//
+// Prefill is compute-bound, and everything in it is vectorized along the query rows of a tile:
+// scores are kept transposed, keys x rows, so the softmax's running max and sum are plain vector
+// operations and any head dim works. The two products run in register blocks of KB keys (or head-dim
+// entries) x CB row vectors. Before the tiles, each chunk's key blocks are laid out by head-dim entry
+// (`key_columns`: the score loop walks one pointer and broadcasts KB neighbours) and bf16 V rows
+// widened, once per kv head for all of its tiles (per tile, that took ~10% of the time). The block's
+// row max is taken from the score registers when no mask or cap touches it, and the output's rescale
+// rides on the weighted sum's loads.
+#include "attention_blocks.h"
 #include "prefill_attention_cpu.h"
-#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstring>
-#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -40,18 +44,14 @@ constexpr int KB = 8;
 constexpr int KB = 4;
 #endif
 constexpr int CB = 3;
-constexpr int64_t NB = 64;         // keys per block (a multiple of KB): its scores and V rows stay near
+constexpr int64_t NB = kKeyBlock;
 constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head) per task
-static_assert(NB % KB == 0, "a block pads its last keys to a multiple of KB, within NB");
+static_assert(NB % KB == 0 && NB % W == 0 && (W == KB || W == 2 * KB), "a block pads its keys to a multiple of KB, within NB");
 
-// Masked scores: finite, so a row with nothing visible yet has a finite max (its sums are reset by
-// the first visible key: e^(kMasked - max) ~ 0) and padding rows stay finite.
-constexpr float kMasked = -1e30f;
-
-// st[n][rows] = k[n] . qt[:, rows] for KB keys n and C row vectors (qt is [D][Rp], st [NB][Rp]);
-// mx[c] = max(mx[c], the row vector's scores).
-template <int C>
-inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t Rp, float* st, vecw* mx) {
+// st[i][rows] = the scores of KB keys i (key i's d-th entry: K(i, d)) with C row vectors of qt
+// ([D][Rp]), st [NB][Rp]; mx[c] = max(mx[c], the row vector's scores).
+template <int C, typename Keys>
+inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, float* st, vecw* mx) {
     vecw acc[KB][C] = {};
     for (int64_t d = 0; d < D; ++d) {
         vecw q[C];
@@ -59,9 +59,9 @@ inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t R
         for (int c = 0; c < C; ++c) q[c] = loadw(qt + d * Rp + c * W);
 #pragma GCC unroll 8
         for (int i = 0; i < KB; ++i) {
-            const float x = k[i][d];
+            const vecw x = splat(K(i, d));
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) acc[i][c] += x * q[c];
+            for (int c = 0; c < C; ++c) acc[i][c] = fmadd(x, q[c], acc[i][c]);
         }
     }
     for (int c = 0; c < C; ++c) {
@@ -74,22 +74,23 @@ inline void qk_tile(const float* const* k, const float* qt, int64_t D, int64_t R
     }
 }
 
-// ot[d][rows] += sum_n v[n][d] * pt[n][rows] for R head-dim entries d and C row vectors, n < len:
-// pt is [NB][Rp], ot [D][Rp].
+// ot[d][rows] = ot[d][rows] * alpha[rows], then fmadd(pt[n][rows], v[n][d], ot[d][rows]) for n =
+// 0..len-1 in order, R head-dim entries d and C row vectors: pt is [NB][Rp], ot [D][Rp].
 template <int R, int C>
-inline void pv_tile(const float* const* v, int64_t d, const float* pt, int64_t len, int64_t Rp, float* ot) {
+inline void pv_tile(const float* const* v, int64_t d, const float* pt, int64_t len, int64_t Rp, const vecw* alpha,
+                    float* ot) {
     vecw acc[R][C];
     for (int i = 0; i < R; ++i)
-        for (int c = 0; c < C; ++c) acc[i][c] = loadw(ot + (d + i) * Rp + c * W);
+        for (int c = 0; c < C; ++c) acc[i][c] = loadw(ot + (d + i) * Rp + c * W) * alpha[c];
     for (int64_t n = 0; n < len; ++n) {
         vecw p[C];
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) p[c] = loadw(pt + n * Rp + c * W);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
-            const float x = v[n][d + i];
+            const vecw x = splat(v[n][d + i]);
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) acc[i][c] += x * p[c];
+            for (int c = 0; c < C; ++c) acc[i][c] = fmadd(x, p[c], acc[i][c]);
         }
     }
     for (int i = 0; i < R; ++i)
@@ -118,47 +119,128 @@ struct Task {
     int64_t chunk, kv_head, q0, q1, k0, k1;  // queries [q0, q1) of the chunk, keys [k0, k1) of its sequence
 };
 
-// A chunk's key sequence is its n_ctx context slots, then its q_len own tokens; query i of the
-// chunk sits at key index n_ctx + i and sees keys j <= n_ctx + i (and j > n_ctx + i - window).
+// A chunk's key blocks: absolute blocks [first, first + count) of each kv head; where it has several
+// query tiles (`shared`), laid out once in the shared buffers, kv head h's block b at index base +
+// h * count + b - first, else by its one tile (a pass through memory for nothing).
+struct ChunkBlocks {
+    int64_t k_min, first, count, base;  // k_min: its first key any query sees
+    bool shared;
+};
+
+// The shared buffers, the calling thread's (reused across calls: fresh large allocations fault their
+// pages in every time).
+struct BlockBuffers {
+    std::vector<float> kt, v;  // per block: K laid out [D][NB]; bf16 V rows widened, [NB][D]
+};
+thread_local BlockBuffers caller_buffers;
+
+// A chunk's key sequence is its n_ctx context slots, then its q_len own tokens: key j sits at position
+// j + start - n_ctx, query i at start + i, and it sees keys at positions <= its own (and > its own -
+// window).
 template <typename T>
 void prefill(const PrefillArgs<T>& a) {
     constexpr bool fp32 = std::is_same_v<T, float>;
-    const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, row = a.kv_heads * D, window = a.window;
+    const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, row = Hkv * D;
+    const int64_t window = a.window;
     const float cap = a.softcap;
     const int64_t tq = std::max<int64_t>(1, kTileRows / G), Rp = (tq * G + W - 1) / W * W, nv = Rp / W;
     std::vector<Task> tasks;
+    std::vector<ChunkBlocks> blocks(a.num_chunks);
+    int64_t num_blocks = 0;
     for (int64_t c = 0; c < a.num_chunks; ++c) {
-        const int64_t q_len = a.chunks[c * 4 + 1], n_ctx = a.chunks[c * 4 + 3];
+        const int64_t q_len = a.chunks[c * 5 + 1], n_ctx = a.chunks[c * 5 + 3], off = a.chunks[c * 5 + 4] - n_ctx;
+        if (q_len == 0) continue;
+        const int64_t k_min = window > 0 ? std::max<int64_t>(0, n_ctx - window + 1) : 0;
+        const int64_t first = (k_min + off) / NB, last = (n_ctx + q_len - 1 + off) / NB;
+        const bool shared = q_len > tq;
+        blocks[c] = {k_min, first, last - first + 1, num_blocks, shared};
+        if (shared) num_blocks += (last - first + 1) * Hkv;
         for (int64_t q0 = 0; q0 < q_len; q0 += tq) {
             const int64_t q1 = std::min(q_len, q0 + tq);
             const int64_t k0 = window > 0 ? std::max<int64_t>(0, n_ctx + q0 - window + 1) : 0;
-            for (int64_t h = 0; h < a.kv_heads; ++h) tasks.push_back({c, h, q0, q1, k0, n_ctx + q1});
+            for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({c, h, q0, q1, k0, n_ctx + q1});
         }
     }
-    // Taken dynamically, a kv head's tiles one after another (its K/V rows stay in L2 from tile to
+    // Key j's K (or V) row: from the cache for the context, from the batch for the chunk's own.
+    const auto key = [&](const int64_t* chunk, int64_t h, int64_t j, const T* cache, const T* batch, int64_t stride) {
+        const int64_t n_ctx = chunk[3];
+        return j < n_ctx ? cache + a.ctx_slots[chunk[2] + j] * row + h * D : batch + (chunk[0] + j - n_ctx) * stride + h * D;
+    };
+    const std::vector<T> zero_t(D, T(0.f));  // the K row of a block's missing keys
+    const std::vector<float> zero(D, 0.f);   // and its V row
+    // Chunk c's block at position p0 of kv head h: its K and V rows (lane n: position p0 + n; the zero
+    // rows where the chunk has no such key: before its first, past its last), bf16 ones widened into
+    // kb and vb ([NB][D]).
+    const auto block_rows = [&](int64_t c, int64_t h, int64_t p0, const T** krow, const float** kf, const float** vf,
+                                float* kb, float* vb) {
+        const int64_t* chunk = a.chunks + c * 5;
+        const int64_t off = chunk[4] - chunk[3], n1 = std::min(NB, chunk[3] + chunk[1] + off - p0);
+        for (int64_t n = 0; n < n1; ++n) {
+            const int64_t j = p0 + n - off;
+            const bool present = j >= blocks[c].k_min;
+            const T* k = present ? key(chunk, h, j, a.cache_k, a.k, a.k_stride) : zero_t.data();
+            const T* v = present ? key(chunk, h, j, a.cache_v, a.v, a.v_stride) : zero_t.data();
+            if (krow) krow[n] = k;
+            if constexpr (fp32) {
+                if (kf) kf[n] = k;
+                vf[n] = v;
+            } else {
+                if (kf) {
+                    widen(k, D, kb + n * D);
+                    kf[n] = kb + n * D;
+                }
+                widen(v, D, vb + n * D);
+                vf[n] = vb + n * D;
+            }
+        }
+        return n1;
+    };
+    // The blocks of chunks with several tiles, laid out once for all of them (per tile, the layout took
+    // ~10% of the time).
+    BlockBuffers& buffers = caller_buffers;  // the workers below use this thread's
+    buffers.kt.resize(num_blocks * D * NB);
+    if (!fp32) buffers.v.resize(num_blocks * NB * D);
+    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<const T*> krow(NB);
+        std::vector<const float*> vf(NB);
+        for (int64_t i = begin; i < end; ++i) {
+            int64_t c = 0;
+            while (!blocks[c].shared || blocks[c].base + blocks[c].count * Hkv <= i) ++c;
+            const ChunkBlocks& cb = blocks[c];
+            const int64_t h = (i - cb.base) / cb.count, p0 = (cb.first + (i - cb.base) % cb.count) * NB;
+            const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(), nullptr,
+                                          fp32 ? nullptr : buffers.v.data() + i * NB * D);
+            float* kt = buffers.kt.data() + i * D * NB;
+            for (int64_t n = n1; n < round_up(n1, W); ++n) krow[n] = zero_t.data();
+            for (int64_t n0 = 0; n0 < n1; n0 += W)
+                key_columns(krow.data() + n0, 0, D, [&](int64_t d, vecw col) { storew(kt + d * NB + n0, col); });
+        }
+    });
+
+    // Taken dynamically, a kv head's tiles one after another (its K/V blocks stay in L2 from tile to
     // tile), longest first within it (the causal tiles differ in length).
     std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) {
         if (x.kv_head != y.kv_head) return x.kv_head < y.kv_head;
         return (x.q1 - x.q0) * (x.k1 - x.k0) > (y.q1 - y.q0) * (y.k1 - y.k0);
     });
     std::atomic<size_t> next{0};
-    const std::vector<float> zero(D, 0.f);  // the K and V row of a block's padding keys
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         std::vector<float> qt(D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
-        std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block's K and V rows widened
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
-        std::vector<vecw> bmax(nv);
+        std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block of a chunk with one tile
+        std::vector<vecw> bmax(nv), alpha(nv);
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
             const Task& t = tasks[ti];
-            const int64_t q_start = a.chunks[t.chunk * 4], n_ctx = a.chunks[t.chunk * 4 + 3];
-            const int64_t* slots = a.ctx_slots + a.chunks[t.chunk * 4 + 2];
+            const int64_t* chunk = a.chunks + t.chunk * 5;
+            const ChunkBlocks& cb = blocks[t.chunk];
+            const int64_t q_start = chunk[0], n_ctx = chunk[3], start = chunk[4], off = start - n_ctx;
             const int64_t R = (t.q1 - t.q0) * G;  // row r: query q0 + r / G, head kv_head * G + r % G
             std::fill(qt.begin(), qt.end(), 0.f);
             for (int64_t r = 0; r < Rp; ++r) {
-                const int64_t qj = n_ctx + t.q0 + std::min(r, R - 1) / G;  // the row's own key index
-                hi[r] = static_cast<int32_t>(r < R ? qj : -1);  // padding rows see nothing
-                lo[r] = static_cast<int32_t>(window > 0 ? qj - window : -1);
+                const int64_t pos = start + t.q0 + std::min(r, R - 1) / G;  // the row's position
+                hi[r] = static_cast<int32_t>(r < R ? pos : -1);  // padding rows see nothing
+                lo[r] = static_cast<int32_t>(window > 0 ? pos - window : -1);
                 if (r >= R) continue;
                 const T* src = a.q + (q_start + t.q0 + r / G) * a.q_stride + (t.kv_head * G + r % G) * D;
                 for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
@@ -166,49 +248,43 @@ void prefill(const PrefillArgs<T>& a) {
             std::fill(ot.begin(), ot.end(), 0.f);
             std::fill(m.begin(), m.end(), kMasked);
             std::fill(l.begin(), l.end(), 0.f);
-            // Key j's K (or V) row: from the cache for the context, from the batch for the chunk's own.
-            const auto key = [&](int64_t j, const T* cache, const T* batch, int64_t stride) {
-                return j < n_ctx ? cache + slots[j] * row + t.kv_head * D : batch + (q_start + j - n_ctx) * stride + t.kv_head * D;
-            };
-            // The next block's rows, a KB keys' share at a time between the products (they come from L2
-            // or beyond, and its widening waited on them).
-            const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-            const auto prefetch_next = [&](int64_t j) {
-                for (int64_t i = 0; i < KB && j + i < t.k1; ++i)
-                    for (const T* p : {key(j + i, a.cache_k, a.k, a.k_stride), key(j + i, a.cache_v, a.v, a.v_stride)})
-                        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p) + b);
-            };
-            for (int64_t j0 = t.k0; j0 < t.k1; j0 += NB) {
-                const int64_t nb = std::min(NB, t.k1 - j0), nbp = (nb + KB - 1) / KB * KB;
-                for (int64_t n = 0; n < nbp; ++n) {
-                    if (n >= nb) {
-                        krow[n] = vrow[n] = zero.data();
-                        continue;
+            const int64_t first_pos = start + t.q0, last_pos = start + t.q1 - 1;
+            for (int64_t p0 = block_start(t.k0 + off); p0 < t.k1 + off; p0 += NB) {
+                // Lanes [0, nb) of the block at position p0: those up to the tile's last key.
+                // Lanes [0, nb) of the block at position p0: those up to the tile's last key; the K
+                // rows laid out by head-dim entry (a chunk with several tiles) or read as rows.
+                const int64_t nb = std::min(NB, t.k1 + off - p0), nbp = (nb + KB - 1) / KB * KB;
+                const int64_t i = cb.base + t.kv_head * cb.count + p0 / NB - cb.first;
+                const float* kt = buffers.kt.data() + i * D * NB;
+                if (cb.shared) {
+                    for (int64_t n = 0; n < nb; ++n) {
+                        const int64_t j = p0 + n - off;
+                        if (j < cb.k_min) vrow[n] = zero.data();
+                        else if constexpr (fp32) vrow[n] = key(chunk, t.kv_head, j, a.cache_v, a.v, a.v_stride);
+                        else vrow[n] = buffers.v.data() + (i * NB + n) * D;
                     }
-                    const T* k = key(j0 + n, a.cache_k, a.k, a.k_stride);
-                    const T* v = key(j0 + n, a.cache_v, a.v, a.v_stride);
-                    if constexpr (fp32) {
-                        krow[n] = k;
-                        vrow[n] = v;
-                    } else {
-                        widen(k, D, kb.data() + n * D);
-                        widen(v, D, vb.data() + n * D);
-                        krow[n] = kb.data() + n * D;
-                        vrow[n] = vb.data() + n * D;
-                    }
+                } else {
+                    block_rows(t.chunk, t.kv_head, p0, nullptr, krow.data(), vrow.data(), kb.data(), vb.data());
                 }
+                for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data();
                 std::fill(bmax.begin(), bmax.end(), splat(kMasked));  // each row vector's max of raw scores
-                for (int64_t n = 0; n < nbp; n += KB) {
-                    prefetch_next(j0 + NB + n);
-                    row_groups(0, nv, [&](auto cb, int64_t c) {
-                        qk_tile<decltype(cb)::value>(krow.data() + n, qt.data() + c * W, D, Rp,
-                                                     st.data() + n * Rp + c * W, bmax.data() + c);
+                for (int64_t n = 0; n < nbp; n += KB)
+                    row_groups(0, nv, [&](auto count, int64_t c) {
+                        constexpr int C = decltype(count)::value;
+                        float* s = st.data() + n * Rp + c * W;
+                        if (cb.shared)
+                            qk_tile<C>([&](int i, int64_t d) { return kt[d * NB + n + i]; }, qt.data() + c * W, D, Rp, s,
+                                       bmax.data() + c);
+                        else
+                            qk_tile<C>([&](int i, int64_t d) { return krow[n + i][d]; }, qt.data() + c * W, D, Rp, s,
+                                       bmax.data() + c);
                     });
-                }
                 // Online softmax, a row vector at a time: cap and mask the block's scores (masks only in
-                // blocks on the diagonal, the window's edge or the sequence's end; their max taken again),
-                // then fold them into the rows' running max m, sum l and output ot.
-                const bool edge = j0 + nbp - 1 > n_ctx + t.q0 || (window > 0 && j0 <= n_ctx + t.q1 - 1 - window);
+                // blocks on the diagonal, at the window's edge, or with lanes past the tile's keys or
+                // before the chunk's first; their max taken again), then fold them into the rows' running
+                // max m and sum l; the output's rescale by alpha comes with the weighted sum below.
+                const bool edge = nbp > nb || p0 + nb - 1 > first_pos || p0 < cb.k_min + off ||
+                                  (window > 0 && p0 <= last_pos - window);
                 for (int64_t c = 0; c < nv; ++c) {
                     vecw mx = bmax[c];
                     if (cap > 0.f || edge) {
@@ -221,8 +297,9 @@ void prefill(const PrefillArgs<T>& a) {
                             vecw x = loadw(p);
                             if (cap > 0.f) x = vtanh(x / cap) * cap;
                             if (edge) {
-                                const int32_t j = static_cast<int32_t>(n < nb ? j0 + n : INT32_MAX);
-                                x = select((j <= vhi) & (j > vlo), x, splat(kMasked));
+                                const bool key = n < nb && p0 + n - off >= cb.k_min;
+                                const int32_t pos = static_cast<int32_t>(key ? p0 + n : INT32_MAX);
+                                x = select((pos <= vhi) & (pos > vlo), x, splat(kMasked));
                             }
                             storew(p, x);
                             mx = vmax(mx, x);
@@ -231,30 +308,39 @@ void prefill(const PrefillArgs<T>& a) {
                     const vecw m0 = loadw(m.data() + c * W);
                     const ivecw moved = mx > m0;
                     const vecw m1 = select(moved, mx, m0);
-                    vecw sum = {};
                     for (int64_t n = 0; n < nbp; ++n) {
                         float* p = st.data() + n * Rp + c * W;
-                        const vecw e = vexp(loadw(p) - m1);
+                        const vecw x = loadw(p);
+                        vecw e = vexp(x - m1);
+                        if (edge) e = select(x > kMasked, e, vecw{});  // masked: exactly 0
                         storew(p, e);
-                        sum += e;
                     }
+                    vecw chains[W];  // chain i: keys i, W + i, 2W + i, ...: the sum's order (`block_sum`)
+#pragma GCC unroll 16
+                    for (int i = 0; i < W; ++i) {
+                        chains[i] = i < nbp ? loadw(st.data() + i * Rp + c * W) : vecw{};
+                        for (int64_t n = W + i; n < nbp; n += W) chains[i] = chains[i] + loadw(st.data() + n * Rp + c * W);
+                    }
+                    const vecw sum = fold_chains(chains);
                     if (any(moved)) {  // else alpha = e^0 = 1 in every lane
-                        const vecw alpha = vexp(m0 - m1);
-                        storew(l.data() + c * W, loadw(l.data() + c * W) * alpha + sum);
+                        alpha[c] = vexp(m0 - m1);
+                        storew(l.data() + c * W, fmadd(loadw(l.data() + c * W), alpha[c], sum));
                         storew(m.data() + c * W, m1);
-                        for (float* o = ot.data() + c * W; o < ot.data() + D * Rp; o += Rp) storew(o, loadw(o) * alpha);
                     } else {
+                        alpha[c] = splat(1.f);
                         storew(l.data() + c * W, loadw(l.data() + c * W) + sum);
                     }
                 }
                 int64_t d = 0;
                 for (; d + KB <= D; d += KB)
                     row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<KB, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, ot.data() + c * W);
+                        pv_tile<KB, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, alpha.data() + c,
+                                                         ot.data() + c * W);
                     });
                 for (; d < D; ++d)
                     row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<1, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, ot.data() + c * W);
+                        pv_tile<1, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, alpha.data() + c,
+                                                        ot.data() + c * W);
                     });
             }
             for (int64_t r = 0; r < R; ++r) {

@@ -7,7 +7,8 @@ namespace conveyor {
 
 // A batch's prefill chunks: queries, new keys and values [tokens, heads, D] (rows `*_stride` apart,
 // heads contiguous), the cache's K and V rows (Hkv * D values a slot), each chunk's context slots
-// (in order, all chunks' concatenated) and per chunk {q_start, q_len, offset into ctx_slots, n_ctx};
+// (in order, all chunks' concatenated) and per chunk {q_start, q_len, offset into ctx_slots, n_ctx,
+// start} (start: the position of its first query; its context is the n_ctx positions before it);
 // out [tokens, heads, D] contiguous. `window` > 0: sliding-window attention; `softcap` > 0: scores
 // capped as tanh(s / softcap) * softcap.
 template <typename T>

@@ -128,6 +128,28 @@ inline vecw splat(float x) {  // a broadcast (`vecw{} + x` would add 0 first: si
 #endif
 }
 inline vecw select(ivecw mask, vecw a, vecw b) { return mask ? a : b; }
+
+// a * b + c, rounded once where the target has fused multiply-adds, else rounded twice: the same in
+// both forms, so code that must round alike everywhere (attention's per-row arithmetic) says which
+// it takes instead of leaving it to the compiler's contraction.
+inline vecw fmadd(vecw a, vecw b, vecw c) {
+#if defined(__AVX512F__)
+    return vecw(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(c)));
+#elif defined(__FMA__)
+    return vecw(_mm256_fmadd_ps(__m256(a), __m256(b), __m256(c)));
+#else
+    const vecw p = a * b;
+    return p + c;
+#endif
+}
+inline float fmadd(float a, float b, float c) {
+#if defined(__FMA__)
+    return __builtin_fmaf(a, b, c);
+#else
+    const float p = a * b;
+    return p + c;
+#endif
+}
 inline vecw vmax(vecw a, vecw b) { return select(a > b, a, b); }
 inline bool any(ivecw mask) {  // some lane set (a comparison's result: all bits or none)
     ivecw zero = {};
@@ -170,75 +192,35 @@ inline vecw vtanh(vecw x) {
     return select(ax < 0.625f, small, select(x < 0.f, -big, big));
 }
 
-inline float lane_max(vecw v) {
+inline float lane_max(vecw v) {  // exact in any order
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps(__m512(v));
+#else
     float m = v[0];
     for (int i = 1; i < W; ++i) m = m > v[i] ? m : v[i];
     return m;
-}
-inline float lane_sum(vecw v) {
-    float s = 0.f;
-    for (int i = 0; i < W; ++i) s += v[i];
-    return s;
+#endif
 }
 
 namespace detail {
-template <int... L>
-inline void deinterleave(vecw a, vecw b, vecw& even, vecw& odd, std::integer_sequence<int, L...>) {
-    even = __builtin_shufflevector(a, b, (2 * L)...);
-    odd = __builtin_shufflevector(a, b, (2 * L + 1)...);
+// One step of `transpose`: swaps bit S of the row index with bit S of the lane index between rows a
+// and b = a's row + S (lanes j with bit S set of a trade places with lanes j - S of b).
+template <int S, int... L>
+inline void swap_blocks(vecw& a, vecw& b, std::integer_sequence<int, L...>) {
+    const vecw x = __builtin_shufflevector(a, b, ((L & S) ? W + L - S : L)...);
+    const vecw y = __builtin_shufflevector(a, b, ((L & S) ? W + L : L + S)...);
+    a = x;
+    b = y;
 }
-template <int... L>
-inline void interleave(vecw even, vecw odd, vecw& lo, vecw& hi, std::integer_sequence<int, L...>) {
-    lo = __builtin_shufflevector(even, odd, ((L % 2 ? W : 0) + L / 2)...);
-    hi = __builtin_shufflevector(even, odd, ((L % 2 ? W : 0) + W / 2 + L / 2)...);
-}
-
-constexpr int bit_reverse(int i, int bits) {
-    int r = 0;
-    for (int b = 0; b < bits; ++b) r |= ((i >> b) & 1) << (bits - 1 - b);
-    return r;
-}
-
-// One halving step of the fold tree (`group_sums`): a and b hold partial sums in groups of `width` lanes; the result holds
-// a's and b's partial sums in alternating groups of width / 2 (low halves + high halves).
-template <int width, int... L>
-inline vecw fold(vecw a, vecw b, std::integer_sequence<int, L...>) {
-    constexpr int h = width / 2;
-    // lane l of the result: group l / h; even groups from a, odd from b; low half + high half
-    const vecw lo = __builtin_shufflevector(a, b, ((L / h) % 2 ? W : 0) + (L / width) * width + L % h...);
-    const vecw hi = __builtin_shufflevector(a, b, ((L / h) % 2 ? W : 0) + (L / width) * width + h + L % h...);
-    return lo + hi;
-}
-
-template <int width, int n>
-inline void fold_all(vecw* v) {
-    if constexpr (n > 1) {
-        for (int i = 0; i < n / 2; ++i) v[i] = fold<width>(v[2 * i], v[2 * i + 1], std::make_integer_sequence<int, W>{});
-        fold_all<width / 2, n / 2>(v);
-    }
+template <int S>
+inline void transpose_steps(vecw* r) {
+    for (int i = 0; i < W; ++i)
+        if (!(i & S)) swap_blocks<S>(r[i], r[i + S], std::make_integer_sequence<int, W>{});
+    if constexpr (S > 1) transpose_steps<S / 2>(r);
 }
 }  // namespace detail
 
-// 2W values (a, b) split into their even- and odd-indexed ones, and back.
-inline void deinterleave(vecw a, vecw b, vecw& even, vecw& odd) {
-    detail::deinterleave(a, b, even, odd, std::make_integer_sequence<int, W>{});
-}
-inline void interleave(vecw even, vecw odd, vecw& a, vecw& b) {
-    detail::interleave(even, odd, a, b, std::make_integer_sequence<int, W>{});
-}
-
-// The horizontal sums of W vectors in one vector, by a tree of folds (W - 1 adds and 2 (W - 1)
-// shuffles for W sums, against W full reductions), taken 8 vectors at a time: group g (of W / 8)
-// holds, as its vector i, the one whose sum goes to lane sum_lane(g, i); `group_sums` folds a group
-// (clobbering it), `join_groups` the groups' results.
-constexpr int sum_lane(int group, int i) { return detail::bit_reverse(8 * group + i, W == 16 ? 4 : 3); }
-inline vecw group_sums(vecw* v) {
-    detail::fold_all<W, 8>(v);
-    return v[0];
-}
-inline vecw join_groups(const vecw* g) {
-    if constexpr (W == 16) return detail::fold<2>(g[0], g[1], std::make_integer_sequence<int, W>{});
-    else return g[0];
-}
+// r[i][j] <- r[j][i] for a W x W block held as W vectors (W log2 W two-vector shuffles).
+inline void transpose(vecw* r) { detail::transpose_steps<W / 2>(r); }
 
 }  // namespace conveyor

@@ -63,7 +63,8 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     window: int | None = None  # the group's sliding window (None: full attention)
     prefill_ctx_slots: torch.Tensor | None = None  # every chunk's ctx_slots, concatenated (native backend)
-    prefill_chunks: torch.Tensor | None = None  # [chunks, 4] int64: q_start, q_len, offset in prefill_ctx_slots, n_ctx
+    # [chunks, 5] int64: q_start, q_len, offset in prefill_ctx_slots, n_ctx, start (native backend)
+    prefill_chunks: torch.Tensor | None = None
     ragged: object | None = None  # the Triton backend's per-pass index tensors (`triton_attention.RaggedBatch`)
 
 
@@ -185,7 +186,7 @@ class CpuPagedAttention(AttentionBackend):
             for span in meta.prefills:
                 offsets.append(offsets[-1] + span.ctx_slots.numel())
             meta.prefill_ctx_slots = torch.cat([span.ctx_slots for span in meta.prefills]).to(torch.int64)
-            meta.prefill_chunks = torch.tensor([[span.q_start, span.q_len, offset, span.ctx_slots.numel()]
+            meta.prefill_chunks = torch.tensor([[span.q_start, span.q_len, offset, span.ctx_slots.numel(), span.start]
                                                 for span, offset in zip(meta.prefills, offsets)], dtype=torch.int64)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -204,7 +205,8 @@ class CpuPagedAttention(AttentionBackend):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 softcap: float | None) -> torch.Tensor:
         return self.kernel.paged_decode_attention(q.contiguous(), kv_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, meta.page_size, scale, softcap or 0.0)
+                                                  meta.decode_context_lens, meta.decode_positions, meta.window or 0,
+                                                  meta.page_size, scale, softcap or 0.0)
 
 
 class TritonPagedAttention(AttentionBackend):

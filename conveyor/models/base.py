@@ -233,7 +233,7 @@ class CausalLM(nn.Module):
                    metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
         if self.decode_stack is not None and self.decode_stack.takes(x, metas):
-            cos, sin = self.rotary(positions, torch.float32)
+            cos, sin = self.rotary(positions, x.dtype)  # as the eager layers take them (bf16: rounded)
             return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size))
         for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),
                                                      kv_caches, metas):

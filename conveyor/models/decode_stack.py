@@ -4,9 +4,10 @@ bf16) in one native call, for decode batches of up to `MAX_ROWS` rows (`kernels/
 At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python,
 the built-in model's 30 layers cost ~3 ms a step of dispatch and thread fork/join, as much as
 streaming its 92 MiB of weights. The stack keeps the threads up across all layers and meets at
-barriers instead. It computes the residual stream, norms, RoPE and attention in fp32 (the eager
-bf16 path rounds the residual to bf16 between ops), reads and writes the same KV pages, and is
-used only where its inputs are exactly the eager path's: Llama-family layers (no q/k norms, no
+barriers instead. It computes what the eager layers compute, bit for bit (the same kernels, the
+fused ops' per-row arithmetic, bf16 values rounded where the eager bf16 tensors round them), reads
+and writes the same KV pages, so a request's tokens do not depend on which path its steps took
+(batch invariance). It is used where it applies: Llama-family layers (no q/k norms, no
 soft-capping), projections in the kernels' tiles (dense fp32 is the exact path, which stays on
 PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more than 64 rows stay on the
 eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
@@ -123,9 +124,10 @@ class DecodeStack:
         tables = [m.decode_block_tables for m in metas]
         lens = [m.decode_context_lens for m in metas]
         slots = [m.slot_mapping for m in metas]
+        windows = [m.window or 0 for m in metas]
         threads = self.threads.choose()
         started = time.perf_counter()
         self.native.forward(h, cos.float().contiguous(), sin.float().contiguous(), list(kv_caches), tables, lens,
-                            slots, page_size, threads, metas[0].decode_shared_rows)
+                            slots, windows, metas[0].decode_positions, page_size, threads, metas[0].decode_shared_rows)
         self.threads.record(time.perf_counter() - started)
         return h.to(x.dtype)

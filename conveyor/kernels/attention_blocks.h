@@ -1,0 +1,100 @@
+// The arithmetic the CPU attention kernels share for one query row, written down once so that a
+// query's output is the same bits whichever kernel computes it (prefill, prefill_attention_cpu.cpp;
+// decode, attention_cpu.h), whatever chunk of its prompt it sits in and whatever it is batched with:
+//
+//   - keys are taken in blocks of kKeyBlock ABSOLUTE positions, [b * kKeyBlock, (b + 1) * kKeyBlock),
+//     in order; lane n of a block is position b * kKeyBlock + n, so nothing depends on where the
+//     query's chunk started;
+//   - a score is one fused multiply-add chain down the head dim, d = 0, 1, ..., D - 1, from 0:
+//     s = fmadd(q[d] * scale, k[d], s) (bf16 keys widened to fp32, exactly); soft-capped, tanh(s / cap) * cap;
+//   - per block, over its visible keys: m1 = max(m, the block's max score); alpha = e^(m - m1) (skipped
+//     where m1 == m: it is 1); p = e^(s - m1), exactly 0 for a masked or missing key; sum = `block_sum`
+//     of the p (lane chains, then a fixed tree); l = fmadd(l, alpha, sum) (l + sum when unmoved);
+//     o = o * alpha; then o = fmadd(p, v, o) key by key in position order;
+//   - out = o * (1 / l); m starts at kMasked, l and o at 0.
+//
+// Every operation is lane-wise, so it does not matter which lane a row or a key lands in: prefill
+// vectorizes along query rows, decode along keys. `fmadd` (vec_math.h) makes the fusing explicit; the
+// kernels are built without the compiler's contraction.
+#pragma once
+
+#include "vec_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace conveyor {
+
+constexpr int64_t kKeyBlock = 64;  // a multiple of W and of the prefill kernel's key register block
+constexpr int kBlockVectors = kKeyBlock / W;
+
+// Masked scores: finite, so a row with nothing visible yet has a finite max (its probabilities are
+// then exactly 0: masked) and padding rows stay finite.
+constexpr float kMasked = -1e30f;
+
+// First position of the block holding position `pos` (>= 0).
+constexpr int64_t block_start(int64_t pos) { return pos / kKeyBlock * kKeyBlock; }
+
+// The sum of a block's probabilities p[0..kKeyBlock) (missing keys: 0), in this order: lane chains
+// c[l] = ((p[l] + p[W + l]) + p[2W + l]) + ..., then a tree, c[l] = c[l] + c[l + h] for h = W/2, ..., 1;
+// the sum is c[0]. Decode takes it on the block's vectors (`block_sum`); prefill, whose lanes are
+// rows, keeps the W chains of each row in W vectors (`fold_chains`).
+namespace detail {
+template <int H, int... L>
+inline vecw fold_lanes(vecw c, std::integer_sequence<int, L...> lanes) {  // c[l] + c[l + H], then H / 2, ...
+    if constexpr (H >= 1) return fold_lanes<H / 2>(c + __builtin_shufflevector(c, c, ((L + H) % W)...), lanes);
+    else return c;
+}
+}  // namespace detail
+template <int NV>
+inline float block_sum(const vecw* p) {
+    vecw c = p[0];
+    for (int v = 1; v < NV; ++v) c = c + p[v];
+    return detail::fold_lanes<W / 2>(c, std::make_integer_sequence<int, W>{})[0];
+}
+inline vecw fold_chains(vecw* c) {
+    for (int h = W / 2; h >= 1; h /= 2)
+        for (int l = 0; l < h; ++l) c[l] = c[l] + c[l + h];
+    return c[0];
+}
+
+// Calls f(d, column) for d = 0, 1, ..., D - 1 in order, column holding element d of W key rows
+// (rows[i] + offset for lane i, widened): a block of keys turned by head-dim entry, so a score is a
+// chain of multiply-adds down a column. bf16 rows are turned as 32-bit pairs and split after (half
+// the shuffles of widening first); a tail of fewer than W entries is gathered.
+template <typename T, typename F>
+inline void key_columns(const T* const* rows, int64_t offset, int64_t D, F&& f) {
+    int64_t d0 = 0;
+    vecw r[W];
+    if constexpr (std::is_same_v<T, bf16>) {
+        for (; d0 + 2 * W <= D; d0 += 2 * W) {
+            for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + d0, sizeof(vecw));
+            transpose(r);
+            for (int j = 0; j < W; ++j) {
+                uvecw x, even, odd;
+                std::memcpy(&x, &r[j], sizeof x);
+                even = x << 16;
+                odd = x & 0xffff0000u;
+                vecw e, o;
+                std::memcpy(&e, &even, sizeof e);
+                std::memcpy(&o, &odd, sizeof o);
+                f(d0 + 2 * j, e);
+                f(d0 + 2 * j + 1, o);
+            }
+        }
+    }
+    for (; d0 + W <= D; d0 += W) {
+        for (int i = 0; i < W; ++i) r[i] = loadw(rows[i] + offset + d0);
+        transpose(r);
+        for (int j = 0; j < W; ++j) f(d0 + j, r[j]);
+    }
+    for (; d0 < D; ++d0) {
+        float c[W];
+        for (int i = 0; i < W; ++i) c[i] = to_float(rows[i][offset + d0]);
+        f(d0, loadw(c));
+    }
+}
+
+}  // namespace conveyor
