@@ -93,7 +93,8 @@ def sequence_case(length: int, heads: int, kv_heads: int, dim: int, dtype: torch
     return q, k, v, kv, table, slots
 
 
-def decode_every_position(q, k, v, table, page: int, window: int, scale: float, softcap: float) -> torch.Tensor:
+def decode_every_position(q, k, v, table, page: int, window: int, scale: float, softcap: float,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Each position's attention as a decode row (all rows in one call), over the cache as the engine keeps it: the
     whole sequence's pages, or for a sliding window a ring of `window` slots per row holding its last positions."""
     n, kv_heads, dim = k.shape
@@ -103,7 +104,7 @@ def decode_every_position(q, k, v, table, page: int, window: int, scale: float, 
         slots = (table[:, None] * page + torch.arange(page)).flatten()[:n]
         kv[0, slots], kv[1, slots] = k, v
         return cpu_paged_attention().paged_decode_attention(q, kv, table.expand(n, -1).contiguous(), positions + 1,
-                                                            positions, 0, page, scale, softcap)
+                                                            positions, 0, page, scale, softcap, sinks)
     ring_pages = math.ceil(window / page)
     kv = torch.zeros(2, n * ring_pages * page, kv_heads, dim, dtype=k.dtype)
     tables = torch.arange(n * ring_pages).view(n, ring_pages)
@@ -113,11 +114,11 @@ def decode_every_position(q, k, v, table, page: int, window: int, scale: float, 
             slot = int(tables[pos, ring // page]) * page + ring % page
             kv[0, slot], kv[1, slot] = k[p], v[p]
     return cpu_paged_attention().paged_decode_attention(q, kv, tables, (positions + 1).clamp(max=window), positions,
-                                                        window, page, scale, softcap)
+                                                        window, page, scale, softcap, sinks)
 
 
 def prefill_in_chunks(q, k, v, kv, slots, chunk_lens: list[int], window: int, scale: float, softcap: float,
-                      together: bool) -> torch.Tensor:
+                      together: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The sequence prefilled in chunks of `chunk_lens`, each over the positions before it (its window's, with a
     window) read from the cache; `together`: every chunk in one kernel call, as chunks of different requests."""
     kernel = cpu_paged_attention()
@@ -137,7 +138,7 @@ def prefill_in_chunks(q, k, v, kv, slots, chunk_lens: list[int], window: int, sc
             offset, q_start = offset + len(ctx), q_start + n
         o = torch.empty_like(q[rows])
         kernel.paged_prefill_attention(q[rows], k[rows], v[rows], kv, torch.cat([c for *_, c in group]).long(),
-                                       torch.tensor(chunks), window, scale, softcap, o)
+                                       torch.tensor(chunks), window, scale, softcap, o, sinks)
         out[rows] = o
     return out
 
@@ -168,8 +169,9 @@ def test_a_query_gets_the_same_bits_in_any_chunk_and_in_decode(heads: int, kv_he
         assert torch.equal(prefill_in_chunks(q, k, v, kv, slots, chunk_lens, window, scale, softcap, together), whole)
 
 
-def run_reference(q, k, v, window: int, scale: float, softcap: float) -> torch.Tensor:
-    """fp64 attention of one sequence over itself, causal (within the window)."""
+def run_reference(q, k, v, window: int, scale: float, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 attention of one sequence over itself, causal (within the window); `sinks`: one more logit per
+    head in each softmax's denominator, with no value (gpt-oss)."""
     group = q.shape[1] // k.shape[1]
     keys, values = (x.double().repeat_interleave(group, 1) for x in (k, v))
     scores = torch.einsum("ihd,jhd->hij", q.double(), keys) * scale
@@ -177,4 +179,43 @@ def run_reference(q, k, v, window: int, scale: float, softcap: float) -> torch.T
         scores = torch.tanh(scores / softcap) * softcap
     i, j = torch.arange(q.shape[0])[:, None], torch.arange(q.shape[0])[None]
     visible = (j <= i) & ((j > i - window) if window else True)
-    return torch.einsum("hij,jhd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
+        probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hij,jhd->ihd", probs, values)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "window", "dtype", "page"), [
+    (8, 2, 64, 0, torch.float32, 16),      # gpt-oss's head dim, full attention
+    (8, 2, 64, 100, torch.bfloat16, 16),   # and its sliding layers (a window across key blocks)
+    (6, 3, 33, 40, torch.float32, 4),      # odd head dim, a window shorter than a key block
+])
+def test_attention_sinks_same_bits_in_any_chunk_and_in_decode(heads: int, kv_heads: int, dim: int, window: int,
+                                                              dtype: torch.dtype, page: int) -> None:
+    """gpt-oss's attention sinks (a logit per query head in the softmax's denominator) enter both kernels'
+    online softmax in one place (the row's start), so prefill and decode stay bitwise equal; the outputs
+    match an fp64 reference, and differ from attention without sinks."""
+    length = 300
+    q, k, v, kv, table, slots = sequence_case(length, heads, kv_heads, dim, dtype, page, seed=7 + dim + window)
+    sinks = torch.linspace(-2.0, 6.0, heads)  # from negligible to dominating a row's few keys
+    scale = dim ** -0.5
+    decoded = decode_every_position(q, k, v, table, page, window, scale, 0.0, sinks)
+    whole = prefill_in_chunks(q, k, v, kv, slots, [length], window, scale, 0.0, False, sinks)
+    torch.testing.assert_close(whole.double(), run_reference(q, k, v, window, scale, 0.0, sinks),
+                               **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+    assert torch.equal(decoded, whole)
+    for chunk_lens, together in (([64] * 4 + [44], False), ([7, 100, 1, 128, 64], True)):
+        assert torch.equal(prefill_in_chunks(q, k, v, kv, slots, chunk_lens, window, scale, 0.0, together, sinks),
+                           whole)
+    plain = prefill_in_chunks(q, k, v, kv, slots, [length], window, scale, 0.0, False)
+    assert (plain - whole).abs().max() > 0.1
+
+
+def test_attention_sinks_of_the_wrong_shape_are_an_error() -> None:
+    q, kv, meta = decode_case([5], 4, 2, 16, torch.float32)
+    with pytest.raises(RuntimeError, match=r"one logit per query head \(4\)"):
+        cpu_paged_attention().paged_decode_attention(q, kv, meta.decode_block_tables, meta.decode_context_lens, None, 0,
+                                                     meta.page_size, 0.25, 0.0, torch.zeros(3))

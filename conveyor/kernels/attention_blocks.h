@@ -11,7 +11,11 @@
 //     where m1 == m: it is 1); p = e^(s - m1), exactly 0 for a masked or missing key; sum = `block_sum`
 //     of the p (lane chains, then a fixed tree); l = fmadd(l, alpha, sum) (l + sum when unmoved);
 //     o = o * alpha; then o = fmadd(p, v, o) key by key in position order;
-//   - out = o * (1 / l); m starts at kMasked, l and o at 0.
+//   - out = o * (1 / l); m starts at kMasked, l and o at 0;
+//   - an attention sink (gpt-oss: a learned logit per query head that joins the softmax's denominator
+//     and has no value) is the row's first key: m starts at the sink, l at 1 (= e^(sink - sink)), o at
+//     0 (`start_row`). One place, before any block, so prefill and decode fold it identically; a model
+//     without sinks starts as before and pays nothing.
 //
 // Every operation is lane-wise, so it does not matter which lane a row or a key lands in: prefill
 // vectorizes along query rows, decode along keys. `fmadd` (vec_math.h) makes the fusing explicit; the
@@ -33,6 +37,12 @@ constexpr int kBlockVectors = kKeyBlock / W;
 // Masked scores: finite, so a row with nothing visible yet has a finite max (its probabilities are
 // then exactly 0: masked) and padding rows stay finite.
 constexpr float kMasked = -1e30f;
+
+// A row's running max and sum before its first block: the sink's (see above), or none (sink nullptr).
+inline void start_row(const float* sink, float& m, float& l) {
+    m = sink ? *sink : kMasked;
+    l = sink ? 1.f : 0.f;
+}
 
 // First position of the block holding position `pos` (>= 0).
 constexpr int64_t block_start(int64_t pos) { return pos / kKeyBlock * kKeyBlock; }

@@ -138,7 +138,7 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
 template <typename T, int J>
 void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t first, int64_t ring,
             int64_t page, int64_t Hkv, int64_t D, int64_t G, int64_t h0, int64_t h1, float scale, float cap,
-            DecodeScratch& sc, float* out) {
+            const float* sinks, DecodeScratch& sc, float* out) {
     constexpr int64_t Dp = J * W;
     constexpr int GV = std::max(1, std::min(8, (kRegisters - J) / J));  // query heads per pass over V rows
     constexpr int GK = W == 16 ? 8 : 4;                                  // query heads per pass over K rows
@@ -155,8 +155,9 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     for (int64_t r = 0; r < heads; ++r)
         for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
     sc.o.assign(heads * Dp, 0.f);
-    sc.m.assign(heads, kMasked);
-    sc.l.assign(heads, 0.f);
+    sc.m.resize(heads);
+    sc.l.resize(heads);
+    for (int64_t r = 0; r < heads; ++r) start_row(sinks ? sinks + h0 * G + r : nullptr, sc.m[r], sc.l[r]);
     sc.p.resize(heads * kKeyBlock);
     sc.zero.assign(nh * Dp * sizeof(T), 0);
     const T* zero = reinterpret_cast<const T*>(sc.zero.data());
@@ -245,15 +246,17 @@ constexpr int64_t kMaxDecodeHeadDim = 32 * W;
 // [(h1 - h0) * G, D], contiguous), over `len` cached positions first, first + 1, ...: position p at
 // slot index p (or p % ring for a sliding window's ring of `ring` slots; ring 0: no ring) of the
 // pages of `page` slots listed in `table`, rows of Hkv * D values (K at kc, V at vc). `cap` > 0
-// soft-caps the scores as Gemma 2 does (tanh(s / cap) * cap). D <= kMaxDecodeHeadDim.
+// soft-caps the scores as Gemma 2 does (tanh(s / cap) * cap). `sinks` (nullptr: none): one attention
+// sink logit per query head of the model (all H of them, not just [h0 * G, h1 * G)), attention_blocks.h.
+// D <= kMaxDecodeHeadDim.
 template <typename T>
 void attend_request(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t first,
                     int64_t ring, int64_t page, int64_t Hkv, int64_t D, int64_t G, int64_t h0, int64_t h1, float scale,
-                    float cap, DecodeScratch& sc, float* out) {
+                    float cap, const float* sinks, DecodeScratch& sc, float* out) {
     const int64_t vectors = (D + W - 1) / W;
     const auto run = [&](auto j) {
         detail::attend<T, decltype(j)::value>(q, kc, vc, table, len, first, ring, page, Hkv, D, G, h0, h1, scale, cap,
-                                              sc, out);
+                                              sinks, sc, out);
     };
     if (vectors <= 1) run(std::integral_constant<int, 1>{});
     else if (vectors <= 2) run(std::integral_constant<int, 2>{});

@@ -191,7 +191,7 @@ class DecodeStack {
                 const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
                     const int64_t first = window > 0 ? pos[b] - len[b] + 1 : 0;  // a ring holds the window's positions
                     conveyor::attend_request<T>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
-                                                first, window, page, Hkv_, D_, G, g0, g1, scale, 0.f, scratch,
+                                                first, window, page, Hkv_, D_, G, g0, g1, scale, 0.f, nullptr, scratch,
                                                 attn_.data() + b * qd + g0 * G * D_);
                     round_row<T>(attn_.data() + b * qd + g0 * G * D_, (g1 - g0) * G * D_);
                 };

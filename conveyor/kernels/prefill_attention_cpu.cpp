@@ -246,8 +246,8 @@ void prefill(const PrefillArgs<T>& a) {
                 for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
             }
             std::fill(ot.begin(), ot.end(), 0.f);
-            std::fill(m.begin(), m.end(), kMasked);
-            std::fill(l.begin(), l.end(), 0.f);
+            for (int64_t r = 0; r < Rp; ++r)  // padding rows: no sink
+                start_row(a.sinks && r < R ? a.sinks + t.kv_head * G + r % G : nullptr, m[r], l[r]);
             const int64_t first_pos = start + t.q0, last_pos = start + t.q1 - 1;
             for (int64_t p0 = block_start(t.k0 + off); p0 < t.k1 + off; p0 += NB) {
                 // Lanes [0, nb) of the block at position p0: those up to the tile's last key.

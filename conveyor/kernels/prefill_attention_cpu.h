@@ -10,7 +10,8 @@ namespace conveyor {
 // (in order, all chunks' concatenated) and per chunk {q_start, q_len, offset into ctx_slots, n_ctx,
 // start} (start: the position of its first query; its context is the n_ctx positions before it);
 // out [tokens, heads, D] contiguous. `window` > 0: sliding-window attention; `softcap` > 0: scores
-// capped as tanh(s / softcap) * softcap.
+// capped as tanh(s / softcap) * softcap; `sinks` (nullptr: none) one attention-sink logit per query
+// head (attention_blocks.h).
 template <typename T>
 struct PrefillArgs {
     const T *q, *k, *v, *cache_k, *cache_v;
@@ -18,6 +19,7 @@ struct PrefillArgs {
     const int64_t *ctx_slots, *chunks;
     int64_t num_chunks, heads, kv_heads, head_dim, window;
     float scale, softcap;
+    const float* sinks;
     T* out;
 };
 
