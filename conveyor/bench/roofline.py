@@ -158,7 +158,7 @@ class DenseDecodeAttention(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: DenseDecodeMetadata, scale: float,  # type: ignore[override]
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [B, H, D]; k, v: [B, Hkv, D]. Returns [B, H, D]."""
         pos = meta.position
         if q.shape[0] != kv_cache.shape[1] or pos >= kv_cache.shape[3]:
@@ -168,7 +168,7 @@ class DenseDecodeAttention(AttentionBackend):
         kv_cache[1, :, :, pos] = v
         keys, values = (kv_cache[0], kv_cache[1]) if pos + 1 == kv_cache.shape[3] else \
             (kv_cache[0, :, :, :pos + 1], kv_cache[1, :, :, :pos + 1])
-        return attend(q.unsqueeze(2), keys, values, None, False, scale, softcap).squeeze(2)
+        return attend(q.unsqueeze(2), keys, values, None, False, scale, softcap, sinks).squeeze(2)
 
 
 def dense_kv_caches(model: Any, batch: int, max_len: int, *, seed: int = 0) -> list[torch.Tensor]:

@@ -76,9 +76,10 @@ def ragged_batch(decode_positions: torch.Tensor | None, decode_block_tables: tor
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: RaggedBatch,
-                    scale: float, softcap: float | None) -> torch.Tensor:
+                    scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (any row and head strides); kv_cache: [2, slots, Hkv, D] with
-    unit last stride. Reads the cache, does not write it. Returns [T, H, D]."""
+    unit last stride; `sinks`: gpt-oss's attention-sink logits, fp32 [H] (None: none). Reads the cache,
+    does not write it. Returns [T, H, D]."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     num_heads, dim = q.shape[1], q.shape[2]
@@ -86,27 +87,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     group = num_heads // num_kv_heads
     gp = triton.next_power_of_2(group)
     out = torch.empty_like(q)
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.device != q.device):
+        raise ValueError(f"sinks must be one logit per query head ({num_heads}) on {q.device}, got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     _paged_attention_kernel[(batch.tiles.shape[1], num_kv_heads)](
-        q, k, v, kv_cache, out, batch.tiles, batch.seqs, batch.block_tables,
+        q, k, v, kv_cache, out, q if sinks is None else sinks.float().contiguous(), batch.tiles, batch.seqs, batch.block_tables,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), batch.block_tables.stride(0),
         batch.tiles.shape[1], batch.seqs.shape[1], scale, softcap or 1.0, batch.window or NO_WINDOW,
         batch.page_size, dim, G=group, GP=gp, TQ=batch.queries_per_tile, BLOCK_M=max(16, batch.queries_per_tile * gp),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=BLOCK_N, SOFTCAP=softcap is not None,
-        DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16)
+        SINKS=sinks is not None, DOT_FP32=INTERPRETED and q.dtype == torch.bfloat16)
     return out
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, out_ptr, tiles_ptr, seqs_ptr, tables_ptr,
+def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, out_ptr, sinks_ptr, tiles_ptr, seqs_ptr, tables_ptr,
                             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                             stride_ckv, stride_cslot, stride_ch, stride_bt, num_tiles, num_seqs,
                             scale, softcap, ring, page_size, dim,
                             G: tl.constexpr, GP: tl.constexpr, TQ: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
-                            DOT_FP32: tl.constexpr):
-    """One (tile, kv head). `DOT_FP32`: triton 3.7's interpreter multiplies bf16 `tl.dot` operands as
-    their raw uint16 bits, so there bf16 operands are widened first (the same exact products)."""
+                            SINKS: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One (tile, kv head). `SINKS`: each row's head's sink logit is its first key, with no value (m
+    starts at it, l at 1), as in the CPU kernels. `DOT_FP32`: triton 3.7's interpreter multiplies bf16
+    `tl.dot` operands as their raw uint16 bits, so there bf16 operands are widened first (the same
+    exact products)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     seq = tl.load(tiles_ptr + tile)
@@ -127,8 +133,12 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, out_ptr, tiles_ptr, 
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n = tl.arange(0, BLOCK_N)
     k_cache = cache_ptr + kvh * stride_ch

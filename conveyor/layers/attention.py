@@ -69,22 +69,30 @@ class AttentionMetadata:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,
-           scale: float, softcap: float | None) -> torch.Tensor:
-    """`q [B, H, n, D]` over `k, v [B, Hkv, L, D]`. SDPA, or (with logit soft-capping, which SDPA
-    lacks) the eager sequence transformers uses: scores, `tanh(s / cap) * cap`, mask, fp32 softmax."""
+           scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`q [B, H, n, D]` over `k, v [B, Hkv, L, D]`. SDPA, or (with logit soft-capping or attention sinks,
+    which SDPA lacks) the eager sequence transformers uses: scores, `tanh(s / cap) * cap`, mask, then
+    Gemma 2's fp32 softmax, or gpt-oss's: each head's sink logit `sinks [H]` appended to its rows, the
+    max subtracted, softmax, the sink's column dropped."""
     gqa = q.shape[1] != k.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
                                               enable_gqa=gqa)
     if gqa:
         k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
-    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if is_causal:
         n, length = q.shape[2], k.shape[2]
         mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    logits = torch.cat((scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype) @ v
 
 
 class AttentionBackend:
@@ -96,7 +104,10 @@ class AttentionBackend:
         """Derive any per-pass index tensors the backend needs (once per forward, not per layer)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`sinks`: gpt-oss's attention sinks, one logit per query head (fp32 [H]) joining every softmax's
+        denominator; None: none. Every backend here honours them."""
         raise NotImplementedError
 
 
@@ -136,7 +147,8 @@ class TorchPagedAttention(AttentionBackend):
             meta.decode_mask = visible[:, None, None, :]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
         contexts = [(kv_cache[0].index_select(0, span.ctx_slots), kv_cache[1].index_select(0, span.ctx_slots))
                     for span in meta.prefills]
@@ -144,22 +156,22 @@ class TorchPagedAttention(AttentionBackend):
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.num_decodes:
-            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap)
+            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap, sinks)
         for span, (k_ctx, v_ctx) in zip(meta.prefills, contexts):
             rows = slice(span.q_start, span.q_start + span.q_len)
             keys, values = ((torch.cat((ctx, new[rows])) if ctx.shape[0] else new[rows]).transpose(0, 1).unsqueeze(0)
                             for ctx, new in ((k_ctx, k), (v_ctx, v)))  # [1, Hkv, n_ctx + q_len, D]
             o = attend(q[rows].transpose(0, 1).unsqueeze(0), keys, values, span.mask, span.mask is None, scale,
-                       softcap)
+                       softcap, sinks)
             out[rows] = o.squeeze(0).transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         nd, slots = q.shape[0], meta.decode_kv_slots
         keys, values = (x.view(nd, slots.shape[1], *kv_cache.shape[2:]).transpose(1, 2)  # [B, Hkv, L, D]
                         for x in self._gather(kv_cache, slots.flatten()))
-        return attend(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale, softcap).squeeze(2)
+        return attend(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale, softcap, sinks).squeeze(2)
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -190,23 +202,24 @@ class CpuPagedAttention(AttentionBackend):
                                                 for span, offset in zip(meta.prefills, offsets)], dtype=torch.int64)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
         out = torch.empty(q.shape, dtype=q.dtype)
         if meta.prefills:
             self.kernel.paged_prefill_attention(q, k, v, kv_cache, meta.prefill_ctx_slots, meta.prefill_chunks,
-                                                meta.window or 0, scale, softcap or 0.0, out)
+                                                meta.window or 0, scale, softcap or 0.0, out, sinks)
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         if meta.num_decodes:
-            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap)
+            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap, sinks)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                softcap: float | None) -> torch.Tensor:
+                softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         return self.kernel.paged_decode_attention(q.contiguous(), kv_cache, meta.decode_block_tables,
                                                   meta.decode_context_lens, meta.decode_positions, meta.window or 0,
-                                                  meta.page_size, scale, softcap or 0.0)
+                                                  meta.page_size, scale, softcap or 0.0, sinks)
 
 
 class TritonPagedAttention(AttentionBackend):
@@ -228,9 +241,10 @@ class TritonPagedAttention(AttentionBackend):
                                                device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, softcap: float | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
-        out = self.kernel.paged_attention(q, k, v, kv_cache, meta.ragged, scale, softcap)
+        out = self.kernel.paged_attention(q, k, v, kv_cache, meta.ragged, scale, softcap, sinks)
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         return out
