@@ -10,11 +10,17 @@
 // products, split the same way. Then (5) each row's output times its routing weight is added to its
 // token's fp32 output in the sorted order (threads split the hidden columns, so the order of the
 // additions to one value is the sorted order whatever the thread count).
+//
+// gpt-oss's experts (`limit` > 0): biases on both products (the gate/up one added before the
+// activation in (3), the down one to each row before its weighting in (5)) and the clamped SwiGLU
+// instead of SiLU * up; the others pay nothing for it.
 #include "quant.h"
 #include "tiled_linear.h"
 
 #include <ATen/Parallel.h>
 #include <omp.h>
+
+#include <utility>
 
 #include <vector>
 
@@ -24,7 +30,7 @@ using conveyor::Activations;
 using conveyor::Linear;
 
 struct Expert {
-    Linear gate_up, down;
+    Linear gate_up, down;  // their `bias`: fp32 or undefined
 };
 
 struct WorkItem {
@@ -33,16 +39,27 @@ struct WorkItem {
 
 class GroupedExperts {
   public:
-    GroupedExperts(int64_t hidden, int64_t intermediate) : hidden_(hidden), inter_(intermediate) {}
+    // `limit` > 0: gpt-oss's clamped SwiGLU with `alpha` (tiled_linear.h); else SiLU * up.
+    GroupedExperts(int64_t hidden, int64_t intermediate, double alpha, double limit)
+        : hidden_(hidden), inter_(intermediate), alpha_(static_cast<float>(alpha)), limit_(static_cast<float>(limit)) {}
 
-    // One expert's gate/up (gate rows first) and down, as (data, type, row scales, rows) segments.
-    void add_expert(std::vector<py::tuple> gate_up, std::vector<py::tuple> down) {
+    // One expert's gate/up (gate rows first) and down, as (data, type, row scales, rows) segments, and
+    // their biases (fp32, or None).
+    void add_expert(std::vector<py::tuple> gate_up, std::vector<py::tuple> down, c10::optional<torch::Tensor> gate_up_bias,
+                    c10::optional<torch::Tensor> down_bias) {
         Expert e;
         e.gate_up.K = hidden_, e.down.K = inter_;
         e.gate_up.add_segments(gate_up);
         e.down.add_segments(down);
         TORCH_CHECK(e.gate_up.N == 2 * inter_ && e.down.N == hidden_, "expert ", experts_.size(), ": gate/up has ",
                     e.gate_up.N, " rows (expected ", 2 * inter_, "), down ", e.down.N, " (expected ", hidden_, ")");
+        for (auto [bias, linear] : {std::pair{&gate_up_bias, &e.gate_up}, std::pair{&down_bias, &e.down}}) {
+            if (!bias->has_value()) continue;
+            TORCH_CHECK((*bias)->scalar_type() == torch::kFloat32 && (*bias)->is_contiguous() &&
+                        (*bias)->numel() == linear->N, "expert ", experts_.size(), ": a bias must be contiguous fp32 [",
+                        linear->N, "]");
+            linear->bias = **bias;
+        }
         experts_.push_back(std::move(e));
         in_.emplace_back();
         mid_act_.emplace_back();
@@ -123,9 +140,12 @@ class GroupedExperts {
                                                      w.u1);
             }
 #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; ++r) {  // (3) SiLU * up, and the down input
+            for (int64_t r = 0; r < R; ++r) {  // (3) the activation, and the down input
                 const int64_t e = row_expert[r];
-                conveyor::silu_mul(mid_.data() + r * 2 * I, mid_.data() + r * 2 * I + I, I, act_.data() + r * I);
+                float* m = mid_.data() + r * 2 * I;
+                experts_[e].gate_up.add_bias_row(m);
+                if (limit_ > 0.f) conveyor::clamped_swiglu(m, m + I, I, alpha_, limit_, act_.data() + r * I);
+                else conveyor::silu_mul(m, m + I, I, act_.data() + r * I);
                 experts_[e].down.prepare(act_.data() + start[e] * I, I, r - start[e], r - start[e] + 1, mid_act_[e]);
             }
 #pragma omp for schedule(dynamic, 1)
@@ -139,7 +159,13 @@ class GroupedExperts {
                 float* dst = op + tok[r] * H;
                 const float* src = y_.data() + r * H;
                 const float w = wp[r];
-                for (int64_t c = c0; c < c1; ++c) dst[c] += src[c] * w;
+                const torch::Tensor& bias = experts_[row_expert[r]].down.bias;
+                if (bias.defined()) {
+                    const float* b = bias.data_ptr<float>();
+                    for (int64_t c = c0; c < c1; ++c) dst[c] += (src[c] + b[c]) * w;
+                } else {
+                    for (int64_t c = c0; c < c1; ++c) dst[c] += src[c] * w;
+                }
             }
         }
     }
@@ -148,6 +174,7 @@ class GroupedExperts {
 
   private:
     int64_t hidden_, inter_;
+    float alpha_, limit_;
     std::vector<Expert> experts_;
     std::vector<Activations> in_, mid_act_;
     std::vector<float> mid_, act_, y_;
@@ -157,8 +184,10 @@ class GroupedExperts {
 
 void register_grouped_experts(py::module_& m) {
     py::class_<GroupedExperts>(m, "GroupedExperts")
-        .def(py::init<int64_t, int64_t>())
-        .def("add_expert", &GroupedExperts::add_expert)
+        .def(py::init<int64_t, int64_t, double, double>(), py::arg("hidden"), py::arg("intermediate"),
+             py::arg("alpha") = 1.0, py::arg("limit") = 0.0)
+        .def("add_expert", &GroupedExperts::add_expert, py::arg("gate_up"), py::arg("down"),
+             py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none())
         .def("forward", &GroupedExperts::forward, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("num_experts", &GroupedExperts::num_experts);
 }

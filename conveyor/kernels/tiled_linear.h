@@ -1,11 +1,12 @@
 // A linear layer as the native layer code holds it (the decode stack, the grouped experts): row
-// segments of one weight in the kernels' tiles, each a quantized type or dense, and the SiLU * up
-// between the MLP's two products.
+// segments of one weight in the kernels' tiles, each a quantized type or dense, and the activations
+// between the MLP's two products (SiLU * up; gpt-oss's clamped SwiGLU).
 #pragma once
 
 #include "quant.h"
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace conveyor {
@@ -92,6 +93,36 @@ inline void silu_mul(const float* gate, const float* up, int64_t n, float* a) {
     }
 #endif
     for (; i < n; ++i) a[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+
+// gpt-oss's clamped SwiGLU (transformers' `GptOssExperts._apply_gate`): g = min(gate, limit), u =
+// clamp(up, -limit, limit), a = (u + 1) * (g * sigmoid(g * alpha)); the sigmoid as 1 / (1 + e^-x) with
+// the vector e^x.
+inline void clamped_swiglu(const float* gate, const float* up, int64_t n, float alpha, float limit, float* a) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit), one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_min_ps(_mm512_loadu_ps(gate + i), lim);
+        const __m512 u = _mm512_max_ps(_mm512_min_ps(_mm512_loadu_ps(up + i), lim), nlim);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(g, _mm512_set1_ps(alpha))));
+        const __m512 glu = _mm512_mul_ps(g, _mm512_div_ps(one, _mm512_add_ps(one, e)));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(_mm512_add_ps(u, one), glu));
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_min_ps(_mm256_loadu_ps(gate + i), lim);
+        const __m256 u = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(up + i), lim), nlim);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(g, _mm256_set1_ps(alpha))));
+        const __m256 glu = _mm256_mul_ps(g, _mm256_div_ps(one, _mm256_add_ps(one, e)));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(_mm256_add_ps(u, one), glu));
+    }
+#endif
+    for (; i < n; ++i) {
+        const float g = std::min(gate[i], limit), u = std::max(std::min(up[i], limit), -limit);
+        a[i] = (u + 1.f) * (g * (1.f / (1.f + std::exp(-(g * alpha)))));
+    }
 }
 
 }  // namespace conveyor

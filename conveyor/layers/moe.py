@@ -14,6 +14,10 @@ top-k, renormalized where the config says so, each expert's output times its rou
 per token into zeros in expert order (the stable sort keeps that order; `index_add_` on CPU and the
 native sum add rows in index order), so fp32 outputs match it token for token. The router logits and
 the sum are fp32 whatever the compute dtype.
+
+gpt-oss (`GptOssMLP`) differs in three places, each a constructor argument: the router has a bias,
+the softmax comes after the top-k, over the k chosen logits (`route_topk_softmax`), and the experts
+have biases and a clamped SwiGLU (`ClampedSwiglu`).
 """
 
 from __future__ import annotations
@@ -31,16 +35,17 @@ from .quantization.tensors import f32_rows
 
 
 class Router(nn.Module):
-    """`x -> x @ weight.T` in fp32: router (or shared-expert gate) logits. Not an `nn.Linear`, so
+    """`x -> x @ weight.T (+ bias)` in fp32: router (or shared-expert gate) logits. Not an `nn.Linear`, so
     quantization and packing leave it dense (a quantized router would move tokens between experts);
     fp32 whatever the compute dtype (CPU bf16 matmuls and softmax of a few columns are slow paths)."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +56,26 @@ def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing (`GptOssTopKRouter`): the top-k logits, then a softmax over those k alone."""
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(values, dim=-1, dtype=torch.float32), ids
+
+
+@dataclass(frozen=True)
+class ClampedSwiglu:
+    """gpt-oss's expert activation (`GptOssExperts._apply_gate`), on gate and up as separate halves:
+    the gate clamped above at `limit`, up to [-limit, limit], then `(up + 1) * gate * sigmoid(gate * alpha)`."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 @dataclass
@@ -72,19 +97,24 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> ExpertGroups:
 
 
 class Expert(nn.Module):
-    """One SwiGLU MLP: `down(silu(gate) * up)` with gate and up fused in one matmul (gate rows first)."""
+    """One SwiGLU MLP: `down(silu(gate) * up)` with gate and up fused in one matmul (gate rows first);
+    gpt-oss's: biases on both, `activation` its clamped SwiGLU."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 activation: ClampedSwiglu | None = None) -> None:
         super().__init__()
         # Uninitialized: the checkpoint fills them (hundreds of experts would otherwise be randomly
         # initialized for nothing).
-        self.gate_up_proj = nn.utils.skip_init(nn.Linear, hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.utils.skip_init(nn.Linear, intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.utils.skip_init(nn.Linear, hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.utils.skip_init(nn.Linear, intermediate_size, hidden_size, bias=bias)
+        self.activation = activation
         self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32/bf16 on CPU
         self.prepack = False  # fp32: plain F.linear, not oneDNN-packed copies (see `linear.prepack_linears`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.activation is not None:
+            return self.down_proj(self.activation(*gate_up.chunk(2, dim=-1)))
         if self.fused is not None:
             return self.down_proj(self.fused.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -93,18 +123,22 @@ class Expert(nn.Module):
 
 class SparseMoe(nn.Module):
     """Routed experts (top-k of `num_experts`), plus Qwen2-MoE's shared expert scaled by a sigmoid gate.
+    `activation` set: gpt-oss's block (router and experts with biases, top-k then softmax, its activation).
 
     `observer`, when set, is called with each forward's per-expert row counts (the bench's expert
     load); it costs nothing when unset, since the counts are read anyway."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 shared_intermediate_size: int = 0) -> None:
+                 shared_intermediate_size: int = 0, activation: ClampedSwiglu | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.top_k, self.renormalize, self.num_experts = top_k, renormalize, num_experts
-        self.router = Router(hidden_size, num_experts)
-        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.activation = activation
+        gpt_oss = activation is not None
+        self.router = Router(hidden_size, num_experts, bias=gpt_oss)
+        self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, bias=gpt_oss, activation=activation)
+                                     for _ in range(num_experts))
         self.shared_expert = Expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         if self.shared_expert is not None:
             self.shared_expert.prepack = True  # it takes every row, as a dense MLP does
@@ -118,8 +152,8 @@ class SparseMoe(nn.Module):
     def group_experts(self) -> bool:
         """Run the routed experts through the native `GroupedExperts` (one call per layer and step, see
         `kernels/moe_cpu.cpp`) where the kernels are built: dense fp32 experts are moved into the kernels'
-        F32 tiles first (one copy; bf16 and quantized ones are tiled already). Else (CUDA, no kernels,
-        biases) the loop over experts. Whether it does."""
+        F32 tiles first (one copy; bf16 and quantized ones are tiled already), biases handed over in
+        fp32. Else (CUDA, no kernels) the loop over experts. Whether it does."""
         ops = matmul_ops()
         self.grouped = None
         if ops is None:
@@ -127,22 +161,30 @@ class SparseMoe(nn.Module):
         for expert in self.experts:
             for name in ("gate_up_proj", "down_proj"):
                 linear = getattr(expert, name)
-                if (type(linear) is nn.Linear and linear.bias is None and linear.weight.dtype == torch.float32
+                if (type(linear) is nn.Linear and linear.weight.dtype == torch.float32
                         and linear.weight.device.type == "cpu"):
-                    setattr(expert, name, QuantLinear([f32_rows(linear.weight)], bias=False, dtype=torch.float32))
+                    tiled = QuantLinear([f32_rows(linear.weight)], bias=linear.bias is not None, dtype=torch.float32)
+                    if linear.bias is not None:
+                        tiled.bias.data.copy_(linear.bias.data)
+                    setattr(expert, name, tiled)
         linears = [linear for e in self.experts for linear in (e.gate_up_proj, e.down_proj)]
-        if not all(isinstance(m, QuantLinear) and m.bias is None and all(s.layout == "tiles" for s in m.kernel.segments)
+        if not all(isinstance(m, QuantLinear) and all(s.layout == "tiles" for s in m.kernel.segments)
                    for m in linears):
             return False
-        first = self.experts[0]
-        self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features)
+        first, act = self.experts[0], self.activation
+        self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features,
+                                          act.alpha if act else 1.0, act.limit if act else 0.0)
         for e in self.experts:
+            linears = (e.gate_up_proj, e.down_proj)
             self.grouped.add_expert(*[[(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0])
-                                       for s in m.kernel.segments] for m in (e.gate_up_proj, e.down_proj)])
+                                       for s in m.kernel.segments] for m in linears],
+                                    *[None if m.bias is None else m.bias.detach().float().contiguous() for m in linears])
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route_softmax(self.router(x), self.top_k, self.renormalize)
+        logits = self.router(x)
+        weights, ids = (route_softmax(logits, self.top_k, self.renormalize) if self.activation is None
+                        else route_topk_softmax(logits, self.top_k))
         groups = group_by_expert(ids, self.num_experts)
         if self.observer is not None:
             self.observer(groups.counts)
