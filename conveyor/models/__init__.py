@@ -8,12 +8,13 @@ from transformers import PretrainedConfig
 from ..layers.quantization.linear import Weight
 from .base import CausalLM
 from .gemma import GemmaForCausalLM
+from .gpt_oss import GptOssForCausalLM
 from .llama import LlamaForCausalLM
 from .moe import MoeForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM,
-                                                                 Phi3ForCausalLM)
+                                                                 GptOssForCausalLM, Phi3ForCausalLM)
                                             for t in cls.model_types}
 
 

@@ -7,8 +7,8 @@ streaming its 92 MiB of weights. The stack keeps the threads up across all layer
 barriers instead. It computes what the eager layers compute, bit for bit (the same kernels, the
 fused ops' per-row arithmetic, bf16 values rounded where the eager bf16 tensors round them), reads
 and writes the same KV pages, so a request's tokens do not depend on which path its steps took
-(batch invariance). It is used where it applies: Llama-family layers (no q/k norms, no
-soft-capping), projections in the kernels' tiles (dense fp32 is the exact path, which stays on
+(batch invariance). It is used where it applies: Llama-family layers (no q/k norms, soft-capping
+or attention sinks), projections in the kernels' tiles (dense fp32 is the exact path, which stays on
 PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more than 64 rows stay on the
 eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
 `CONVEYOR_DECODE_STACK=0` turns it off.
@@ -94,7 +94,7 @@ class DecodeStack:
         layers = list(model.layers)
         projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
         if any(type(layer) is not layer_class or layer.q_norm is not None or layer.softcap is not None
-               or not all(_segments(getattr(layer, p)) is not None for p in projections) for layer in layers):
+               or layer.sinks is not None or not all(_segments(getattr(layer, p)) is not None for p in projections) for layer in layers):
             return None
         if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None

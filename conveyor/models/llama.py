@@ -60,6 +60,7 @@ class DecoderLayer(nn.Module):
             self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=mlp_bias)
         self.scale = head_dim ** -0.5
         self.softcap: float | None = None
+        self.sinks: nn.Parameter | None = None  # gpt-oss's attention sinks, one logit per query head
         self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -77,7 +78,8 @@ class DecoderLayer(nn.Module):
             self.fused.rope_(k, cos, sin)
         else:  # (partial rotary: only the first dimensions of each head)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap)
+        sinks = None if self.sinks is None else self.sinks.float()  # (the kernels take fp32)
+        o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap, sinks)
         return self.o_proj(o.reshape(t, self.q_size))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,

@@ -1,0 +1,272 @@
+"""gpt-oss (`GptOssForCausalLM`): attention sinks, alternating sliding and full layers, YaRN RoPE, biases,
+and the sparse block (router bias, top-k then softmax, stacked interleaved experts, clamped SwiGLU).
+
+A tiny random model (4 layers, sliding window 8 so every longer prompt crosses it, 8 experts top-2,
+sinks and expert biases set to values that matter, a SwiGLU limit low enough to clamp) is compared
+with transformers fp32 eager: greedy ids identical through chunked prefill, mixed batches and prefix
+caching, on the native and the PyTorch attention backends; the other weight formats within the MoE
+precision limits; the pieces (grouped experts, the Triton kernel's sinks) against references; bad
+configs and checkpoints as clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from conveyor import LLM
+from conveyor.config import ConfigError
+from conveyor.engine.graph_runner import use_cuda_graphs
+from conveyor.layers.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
+from conveyor.layers.moe import ClampedSwiglu, SparseMoe
+from conveyor.layers.quantization.linear import QuantLinear, matmul_ops
+from conveyor.layers.quantization.tensors import bf16_rows, f32_rows, quantize_int4, quantize_int8
+from conveyor.models.sharding import plan_shards
+
+from .conftest import MOE_COMMON, WINDOW, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
+from .test_hf_equivalence import LENGTHS, MAX_NEW, run_and_compare
+from .test_precision import BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, greedy, next_token_logprobs
+from .test_prefix_cache import PAGE, shared_prefix_scenario
+from .test_triton_attention import interpreter_only, ragged_metadata
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+LIMIT = 2.0  # the SwiGLU clamp (7.0 in the released models): low enough that the tiny model's gates reach it
+
+
+def gpt_oss_config(**overrides: object) -> transformers.GptOssConfig:
+    """4 layers, sliding and full alternating (transformers' default `layer_types`), YaRN (factor 4 over
+    128 original positions), 8 experts, top-2."""
+    return transformers.GptOssConfig(**(MOE_COMMON | {"num_hidden_layers": 4, "intermediate_size": 32} | overrides),
+                                     head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
+                                     swiglu_limit=LIMIT, rope_parameters={
+                                         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
+                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
+
+
+def make_model(path: Path, **overrides: object) -> TinyModel:
+    """The tiny model with sinks from -2 to 4 per layer (transformers initializes them near 0) and
+    non-zero expert biases (initialized to 0), saved again."""
+    model = TinyModel("gpt_oss", path, gpt_oss_config(**overrides))
+    g = torch.Generator().manual_seed(5)
+    scale = model.reference.config.initializer_range
+    with torch.no_grad():
+        for layer in model.reference.model.layers:
+            sinks = layer.self_attn.sinks
+            sinks.copy_(torch.linspace(-2.0, 4.0, sinks.numel())[torch.randperm(sinks.numel(), generator=g)])
+            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+                bias.copy_(torch.randn(bias.shape, generator=g) * scale)
+    model.reference.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    return make_model(tmp_path_factory.mktemp("gpt_oss"))
+
+
+def all_free(llm: LLM) -> bool:
+    return llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+
+
+def test_the_tiny_model_exercises_what_it_tests(gpt_oss: TinyModel) -> None:
+    """Sliding and full layers, sinks that matter, gates past the clamp: else the tests below prove less."""
+    config = gpt_oss.reference.config
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2 and max(LENGTHS) > 4 * WINDOW
+    llm = gpt_oss.llm()
+    model = llm.engine.model
+    assert model.layer_types == config.layer_types and model.sliding_window == WINDOW
+    assert all(layer.sinks.abs().max() > 1 for layer in model.layers)
+    x = torch.randn(64, config.hidden_size)
+    gate_up = model.layers[0].mlp.experts[0].gate_up_proj(model.layers[0].post_attention_layernorm(x))
+    assert (gate_up[:, :config.intermediate_size] > LIMIT).any() and (gate_up[:, config.intermediate_size:].abs()
+                                                                       > LIMIT).any()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gpt_oss_matches_transformers(gpt_oss: TinyModel, backend: str) -> None:
+    """Prompts of 1-250 tokens under a 64-token budget: chunked prefills beside decode rows, contexts
+    past the window, on the native CPU kernels (fp32 experts grouped in F32 tiles) and on PyTorch."""
+    llm = gpt_oss.llm(max_batch_tokens=64, attention_backend=backend)
+    engine_backend = llm.engine.runner.attention
+    expected = CpuPagedAttention if backend == "auto" and matmul_ops() is not None else TorchPagedAttention
+    assert type(engine_backend) is expected
+    blocks = [layer.mlp for layer in llm.engine.model.layers]
+    assert all(block.grouped is not None for block in blocks) or matmul_ops() is None
+    run_and_compare(gpt_oss, llm, random_prompts(LENGTHS, seed=3), MAX_NEW, f"gpt-oss ({backend})")
+    assert all_free(llm)
+    assert llm.stats().prefill_tokens == sum(LENGTHS)
+
+
+def test_gpt_oss_prefix_caching_keeps_outputs(gpt_oss: TinyModel) -> None:
+    llm = gpt_oss.llm(page_size=PAGE, max_batch_tokens=24)
+    outputs = shared_prefix_scenario(llm, gpt_oss.reference)
+    for name, prompt in outputs.pop("prompts").items():
+        ref, logits = hf_greedy(gpt_oss.reference, prompt, len(outputs[name]))
+        assert_greedy_match(outputs[name], ref, logits, f"prefix-cached request {name}")
+    assert all_free(llm)
+
+
+@pytest.fixture(scope="module")
+def smooth_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """At a trained model's weight scale (as the precision tests' `llama_smooth`)."""
+    return make_model(tmp_path_factory.mktemp("gpt_oss_smooth"), initializer_range=0.05)
+
+
+@pytest.mark.parametrize("quantization", ["none", *QUANT_MODES])
+def test_gpt_oss_modes_within_precision_tolerance(smooth_gpt_oss: TinyModel, quantization: str) -> None:
+    """bf16 dense, int8 and int4 experts (with their biases; router and sinks dense) against fp32, by the
+    precision tests' limits."""
+    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
+    fp32 = smooth_gpt_oss.llm()
+    llm = smooth_gpt_oss.llm(dtype="bfloat16", quantization=quantization)
+    block = llm.engine.model.layers[0].mlp
+    assert block.router.bias is not None
+    assert quantization == "none" or isinstance(block.experts[0].gate_up_proj, QuantLinear)
+    tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization == "none" else QUANT_MODES[quantization][1]
+    err = (next_token_logprobs(llm, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
+    assert err < tolerance, f"bf16/{quantization}: log-prob error {err:.3f}"
+    rate = agreement(greedy(llm, prompts), greedy(fp32, prompts))
+    assert rate >= least, f"bf16/{quantization}: greedy agreement {rate:.2f}"
+    assert all_free(llm)
+
+
+@torch.no_grad()
+def test_sparse_block_is_transformers_gpt_oss_mlp() -> None:
+    """The block (PyTorch loop) against transformers' `GptOssMLP` on the same weights, de-interleaved as
+    the loader does: router bias, top-k then softmax, expert biases, the clamped SwiGLU."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = gpt_oss_config(hidden_size=32, intermediate_size=16)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    ref = GptOssMLP(config).eval()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    block = SparseMoe(32, 16, 8, 2, renormalize=False, activation=ClampedSwiglu(config.swiglu_alpha, LIMIT))
+    block.router.weight.copy_(ref.router.weight)
+    block.router.bias.copy_(ref.router.bias)
+    experts = ref.experts
+    for e, expert in enumerate(block.experts):
+        rows = experts.gate_up_proj[e].T
+        expert.gate_up_proj.weight.copy_(torch.cat((rows[0::2], rows[1::2])))
+        expert.gate_up_proj.bias.copy_(torch.cat((experts.gate_up_proj_bias[e, 0::2],
+                                                  experts.gate_up_proj_bias[e, 1::2])))
+        expert.down_proj.weight.copy_(experts.down_proj[e].T)
+        expert.down_proj.bias.copy_(experts.down_proj_bias[e])
+    x = torch.randn(1, 40, 32)
+    torch.testing.assert_close(block(x[0]), ref(x)[0][0], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("dtype", "weights"), [(torch.float32, quantize_int8), (torch.float32, quantize_int4),
+                                                (torch.float32, f32_rows), (torch.bfloat16, bf16_rows)])
+def test_grouped_native_experts_with_biases_and_clamped_swiglu_equal_the_loop(dtype: torch.dtype, weights) -> None:
+    """gpt-oss's experts in the one-call native kernel (biases, clamped SwiGLU) against the loop over
+    experts on the same tiled weights."""
+    if matmul_ops() is None:
+        pytest.skip("the native kernels did not build")
+    torch.manual_seed(0)
+    block = SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=False, activation=ClampedSwiglu(1.702, 1.5))
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for expert in block.experts:
+        for name in ("gate_up_proj", "down_proj"):
+            dense = getattr(expert, name)
+            tiled = QuantLinear([weights(dense.weight)], bias=True, dtype=dtype)
+            tiled.bias.data.copy_(dense.bias.data)
+            setattr(expert, name, tiled)
+    block = block.to(dtype)
+    assert block.group_experts()
+    x = torch.randn(40, 64).to(dtype)
+    grouped, loads = block(x), []
+    block.observer = loads.append
+    block.grouped = None
+    loop = block(x)
+    assert sum(1 for n in loads[0] if n) >= 5
+    if dtype == torch.float32:
+        torch.testing.assert_close(grouped, loop, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(grouped.float(), loop.float(), rtol=0.02, atol=0.02)
+
+
+@interpreter_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernel_takes_attention_sinks(dtype: torch.dtype) -> None:
+    """The Triton kernel (under the interpreter) with sinks against the PyTorch backend's eager sinks, on
+    a ragged batch of decode rows and prefill chunks across a sliding window."""
+    specs = [(1, 2), (1, 30), (6, 0), (12, 20)]
+    heads, kv_heads, dim, page, window, num_chunks = 4, 2, 16, 4, 8, 64
+    g = torch.Generator().manual_seed(1)
+    total = sum(n for n, _ in specs)
+    q = torch.randn(total, heads, dim, generator=g).to(dtype)
+    k, v = (torch.randn(total, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
+    cache = torch.randn(2, num_chunks * page, kv_heads, dim, generator=g).to(dtype)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0])
+    outputs = []
+    for backend, s in ((TorchPagedAttention(), sinks), (TritonPagedAttention(), sinks), (TritonPagedAttention(), None)):
+        meta = ragged_metadata(specs, page, window, num_chunks, 0, torch.device("cpu"))
+        backend.prepare(meta)
+        outputs.append(backend.forward(q, k, v, cache.clone(), meta, dim ** -0.5, None, s).float())
+    ref, out, plain = outputs
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, ref, **tol)
+    assert (plain - out).abs().max() > 0.1
+
+
+def _edited(model: TinyModel, root: Path, config: dict | None = None,
+            tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    path = root / "copy"
+    shutil.copytree(model.path, path)
+    if config:
+        (path / "config.json").write_text(json.dumps(json.loads((path / "config.json").read_text()) | config))
+    if tensors:
+        weights = safetensors.torch.load_file(path / "model.safetensors") | tensors
+        safetensors.torch.save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_a_sink_count_that_does_not_match_the_heads_is_an_error(gpt_oss: TinyModel, tmp_path: Path) -> None:
+    path = _edited(gpt_oss, tmp_path, tensors={"model.layers.2.self_attn.sinks": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"model.layers.2.self_attn.sinks \(the attention sinks, one logit per query "
+                                         r"head \(4\) of layer 2\) has shape \(3,\), the config needs \(4,\)"):
+        LLM(path, dtype="float32")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported \(supported: silu"),
+    ({"swiglu_limit": 0.0}, r"swiglu_limit positive, got 1.702 and 0.0"),
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be between 1 and the number of experts \(8\)"),
+])
+def test_bad_gpt_oss_configs_are_clear_errors(gpt_oss: TinyModel, tmp_path: Path, change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LLM(_edited(gpt_oss, tmp_path, config=change), dtype="float32")
+
+
+def test_missing_expert_biases_are_named(gpt_oss: TinyModel, tmp_path: Path) -> None:
+    path = _edited(gpt_oss, tmp_path)
+    weights = safetensors.torch.load_file(path / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.down_proj_bias"]
+    safetensors.torch.save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"no tensor model.layers.1.mlp.experts.down_proj_bias \(the experts' down "
+                                         r"biases of layer 1\)"):
+        LLM(path, dtype="float32")
+
+
+def test_tensor_parallel_and_cuda_graphs_refuse_gpt_oss(gpt_oss: TinyModel) -> None:
+    """As for the other mixture-of-experts families: not split over ranks, no CUDA graphs (the expert
+    slices are sized on the host)."""
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        plan_shards(gpt_oss.reference.config, 2)
+    from conveyor.models import GptOssForCausalLM
+
+    assert GptOssForCausalLM.cuda_graphs is False
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        from conveyor.config import ContinuousBatchingConfig
+
+        use_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=True), torch.device("cuda"), capturable=False)
