@@ -47,7 +47,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with native bf16, "
                        "else fp32), float32 (the exact path), bfloat16 or float16")
     group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
-                       help="weight format (default: gguf for a quantized GGUF file unless --dtype float32, else none)")
+                       help="weight format (default: gguf for a quantized GGUF file, mxfp4 for an MXFP4 checkpoint, "
+                       "unless --dtype float32; else none)")
     group.add_argument("--max-model-len", type=token_count, default=None, metavar="TOKENS",
                        help="the context length served (prompt + generated tokens), at most the model's; "
                        "2048, 32k (32000) or 32K (32768) (default: the model's)")

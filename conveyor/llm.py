@@ -136,7 +136,7 @@ class LLM:
         else:
             checkpoint = load_checkpoint(location.path, dtype=self.dtype,
                                          keep_quantized=keeps_stored(precision.quantization, self.device))
-            self.quantization = resolve_quantization(precision, checkpoint.quantized)
+            self.quantization = resolve_quantization(precision, checkpoint.stored_format)
             net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
         self.model_path = checkpoint.path
         self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default

@@ -169,7 +169,8 @@ def test_a_query_gets_the_same_bits_in_any_chunk_and_in_decode(heads: int, kv_he
         assert torch.equal(prefill_in_chunks(q, k, v, kv, slots, chunk_lens, window, scale, softcap, together), whole)
 
 
-def run_reference(q, k, v, window: int, scale: float, softcap: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def run_reference(q, k, v, window: int, scale: float, softcap: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """fp64 attention of one sequence over itself, causal (within the window); `sinks`: one more logit per
     head in each softmax's denominator, with no value (gpt-oss)."""
     group = q.shape[1] // k.shape[1]

@@ -41,7 +41,7 @@ def load_draft_model(spec: SpeculativeConfig, target_path: Path, target: CausalL
     path = target_path if spec.model is None else Path(spec.model)
     checkpoint = load_checkpoint(path, dtype=dtype, keep_quantized=keeps_stored(quantization, device))
     if quantization is None:
-        quantization = "gguf" if checkpoint.quantized else "none"
+        quantization = checkpoint.stored_format or "none"
     vocab, target_vocab = checkpoint.config.vocab_size, target.config.vocab_size
     if vocab != target_vocab:
         raise ValueError(f"speculative_config.model: the draft's vocabulary has {vocab} tokens, the target's "

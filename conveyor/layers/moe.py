@@ -176,9 +176,9 @@ class SparseMoe(nn.Module):
                                           act.alpha if act else 1.0, act.limit if act else 0.0)
         for e in self.experts:
             linears = (e.gate_up_proj, e.down_proj)
+            biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]
             self.grouped.add_expert(*[[(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0])
-                                       for s in m.kernel.segments] for m in linears],
-                                    *[None if m.bias is None else m.bias.detach().float().contiguous() for m in linears])
+                                       for s in m.kernel.segments] for m in linears], *biases)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

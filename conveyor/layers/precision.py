@@ -6,24 +6,29 @@ the exact path: dense fp32 weights (a GGUF file's quantized tensors dequantized)
 identical to transformers' fp32 eager, so it takes no quantization.
 
 `quantization`: "none" (dense weights), "int8" (per-channel int8), "int4" (groups of 32, 4-bit),
-"gguf" (a GGUF file's own quantized tensors, kept as they are). None = "gguf" for a GGUF file
-with quantized tensors unless the exact path was asked for, "none" otherwise. Quantized weights
-run on CPU only (their kernels are CPU kernels).
+"gguf" (a GGUF file's own quantized tensors, kept as they are), "mxfp4" (an MXFP4 checkpoint's
+blocks, kept as the Q8_0 blocks that hold them exactly). None = the file's own format ("gguf" for a
+GGUF file with quantized tensors, "mxfp4" for an MXFP4 checkpoint) unless the exact path was asked
+for, "none" otherwise. Quantized weights run on CPU only (their kernels are CPU kernels).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..kernels import cpu_flags
+from .quantization.mxfp4 import is_mxfp4
 from .quantization.registry import quantization_method
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# What a checkpoint must be for a format that keeps its stored tensors (`QuantizationMethod.keeps_stored`).
+_STORED_IN = {"gguf": "a GGUF file", "mxfp4": "an MXFP4 checkpoint (quantization_config.quant_method 'mxfp4')"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,19 @@ def cpu_native_bf16() -> list[str]:
     return [f for f in BF16_FLAGS if f in cpu_flags()]
 
 
+def stored_format(model_path: str | Path | None) -> str | None:
+    """The quantized format a checkpoint stores, by its path: "gguf" for a GGUF file (None: the built-in
+    model, one), "mxfp4" for a Hugging Face directory whose config.json says so, else None."""
+    if model_path is None or Path(model_path).suffix.lower() == ".gguf":
+        return "gguf"
+    config = Path(model_path) / "config.json"
+    try:
+        quant = json.loads(config.read_text()).get("quantization_config") if config.is_file() else None
+    except (OSError, ValueError):
+        return None  # (the loader reports an unreadable config)
+    return "mxfp4" if is_mxfp4(quant) else None
+
+
 def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device: torch.device,
                       model_path: str | Path | None) -> Precision:
     """Validate `dtype` and `quantization` for this device and model file; ValueError names the choices."""
@@ -56,10 +74,10 @@ def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device
         where = " and ".join(d.upper() for d in method.devices)
         raise ValueError(f"quantization={quantization!r} runs on {where} only; on {device.type} use "
                          "quantization='none' (or None)")
-    is_gguf = model_path is None or Path(model_path).suffix.lower() == ".gguf"
-    if method is not None and method.keeps_stored and not is_gguf:
-        raise ValueError(f"quantization={quantization!r} needs a GGUF file, {model_path} is not one; use 'int8', "
-                         "'int4' or 'none'")
+    stored = stored_format(model_path)
+    if method is not None and method.keeps_stored and stored != method.name:
+        raise ValueError(f"quantization={quantization!r} needs {_STORED_IN.get(method.name, method.name)}, "
+                         f"{model_path} is not one; use 'int8', 'int4' or 'none'")
     if dtype == "auto":
         if device.type == "cuda":
             resolved, reason = torch.bfloat16, "bf16 on CUDA"
@@ -70,7 +88,7 @@ def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device
     else:
         resolved = dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
         reason = f"{str(resolved).removeprefix('torch.')} as asked"
-    if device.type == "cpu" and quantization is None and not is_gguf:
+    if device.type == "cpu" and quantization is None and stored is None:
         quantization = "none"
     if exact or device.type != "cpu":
         quantization = "none"
@@ -82,11 +100,12 @@ def keeps_stored(quantization: str | None, device: torch.device) -> bool:
     return device.type == "cpu" and (quantization is None or quantization_method(quantization).keeps_stored)
 
 
-def resolve_quantization(precision: Precision, file_quantized: bool) -> str:
-    """The weight format once the file is read: None means "gguf" if it has quantized tensors."""
+def resolve_quantization(precision: Precision, stored: str | None) -> str:
+    """The weight format once the file is read (`stored`: `Checkpoint.stored_format`, the format of the
+    quantized tensors it holds): None means that format, if any."""
     if precision.quantization is not None:
-        if quantization_method(precision.quantization).keeps_stored and not file_quantized:
-            raise ValueError(f"quantization={precision.quantization!r} needs quantized tensors, and this GGUF file "
+        if quantization_method(precision.quantization).keeps_stored and stored != precision.quantization:
+            raise ValueError(f"quantization={precision.quantization!r} needs quantized tensors, and this file "
                              "has none a kernel takes; use 'int8', 'int4' or 'none'")
         return precision.quantization
-    return "gguf" if file_quantized else "none"
+    return stored or "none"

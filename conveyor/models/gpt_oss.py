@@ -12,11 +12,15 @@ Checkpoints store each layer's experts stacked and transposed against `nn.Linear
 `mlp.experts.gate_up_proj [E, hidden, 2 * intermediate]` with gate and up in interleaved columns
 (gate 2j, up 2j + 1), `down_proj [E, intermediate, hidden]`, each with a `_bias`. `layer_weights`
 cuts them into the layers' per-expert rows, gate rows first, as the other families hold them, so
-every weight format (fp32, bf16, int8, int4) runs them through the same grouped experts.
+every weight format (fp32, bf16, int8, int4) runs them through the same grouped experts. MXFP4
+checkpoints (how gpt-oss ships: `*_blocks` and `*_scales`, rows already output features) become Q8_0
+blocks holding the same values (`layers.quantization.mxfp4`): kept so ("mxfp4", the default on CPU
+for such a checkpoint), or dequantized exactly for the other formats.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from types import ModuleType
 
@@ -26,11 +30,14 @@ from transformers import PretrainedConfig
 
 from ..layers.moe import ClampedSwiglu, SparseMoe
 from ..layers.quantization.linear import Weight
+from ..layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_to_q8_0
 from ..layers.quantization.tensors import QuantizedTensor
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM
 from .llama import RMSNorm
 from .moe import MoeDecoderLayer, expert_count
+
+logger = logging.getLogger(__name__)
 
 
 class GptOssDecoderLayer(MoeDecoderLayer):
@@ -93,9 +100,8 @@ class GptOssForCausalLM(CausalLM):
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         """The attention sinks, the router, and each expert's gate/up (de-interleaved, gate rows first) and
         down, with their biases, as `nn.Linear` rows."""
-        moe = self.layers[layer].mlp
         src, dst = f"model.layers.{layer}.", f"layers.{layer}."
-        heads, experts = self.config.num_attention_heads, moe.num_experts
+        heads, experts = self.config.num_attention_heads, self.layers[layer].mlp.num_experts
         hidden, inter = self.config.hidden_size, self.config.intermediate_size
 
         def tensor(name: str, what: str, shape: tuple[int, ...]) -> Weight:
@@ -107,23 +113,43 @@ class GptOssForCausalLM(CausalLM):
                                  f"needs {shape}")
             return value
 
-        sinks = tensor("self_attn.sinks", f"the attention sinks, one logit per query head ({heads})", (heads,))
-        gate_up = _dense(tensor("mlp.experts.gate_up_proj", f"the experts' stacked gate/up",
-                                (experts, hidden, 2 * inter)))
+        def expert_rows(name: str, what: str, rows: int, cols: int) -> list[Weight]:
+            """Each expert's `[rows, cols]` matrix (`nn.Linear`'s layout): Q8_0 from MXFP4 blocks, whose rows
+            are already output features (dense where a block's scale fits no fp16), or the dense stack's
+            `[cols, rows]` transposed."""
+            if src + name + "_blocks" not in state_dict:
+                stacked = _dense(tensor(name, what, (experts, cols, rows)))
+                return [stacked[e].T for e in range(experts)]
+            groups = cols // BLOCK
+            blocks = tensor(name + "_blocks", what, (experts, rows, groups, BLOCK // 2))
+            scales = tensor(name + "_scales", what, (experts, rows, groups))
+            out: list[Weight] = []
+            for e in range(experts):
+                try:
+                    out.append(mxfp4_to_q8_0(blocks[e], scales[e]))
+                except ValueError as exc:
+                    logger.warning("%s%s, expert %d: %s; this matrix is kept dense", src, name, e, exc)
+                    out.append(dequantize_mxfp4(blocks[e], scales[e]))
+            return out
+
         gate_up_bias = _dense(tensor("mlp.experts.gate_up_proj_bias", "the experts' gate/up biases",
                                      (experts, 2 * inter)))
-        down = _dense(tensor("mlp.experts.down_proj", "the experts' stacked down", (experts, inter, hidden)))
         down_bias = _dense(tensor("mlp.experts.down_proj_bias", "the experts' down biases", (experts, hidden)))
+        gate_up = expert_rows("mlp.experts.gate_up_proj", "the experts' stacked gate/up", 2 * inter, hidden)
+        down = expert_rows("mlp.experts.down_proj", "the experts' stacked down", hidden, inter)
         weights: dict[str, Weight | list[Weight]] = {
-            f"{dst}sinks": sinks,
+            f"{dst}sinks": tensor("self_attn.sinks", f"the attention sinks, one logit per query head ({heads})",
+                                  (heads,)),
             f"{dst}mlp.router.weight": _dense(tensor("mlp.router.weight", "the router", (experts, hidden))),
             f"{dst}mlp.router.bias": _dense(tensor("mlp.router.bias", "the router's bias", (experts,)))}
+        gates_first = torch.cat((torch.arange(0, 2 * inter, 2), torch.arange(1, 2 * inter, 2)))  # from interleaved
         for e in range(experts):
-            rows = gate_up[e].T  # [2 * inter, hidden], gate and up rows interleaved
-            weights[f"{dst}mlp.experts.{e}.gate_up_proj.weight"] = torch.cat((rows[0::2], rows[1::2]))
-            weights[f"{dst}mlp.experts.{e}.gate_up_proj.bias"] = torch.cat((gate_up_bias[e, 0::2],
-                                                                            gate_up_bias[e, 1::2]))
-            weights[f"{dst}mlp.experts.{e}.down_proj.weight"] = down[e].T.contiguous()
+            w = gate_up[e]
+            weights[f"{dst}mlp.experts.{e}.gate_up_proj.weight"] = (
+                w.index_rows(gates_first) if isinstance(w, QuantizedTensor) else w[gates_first])
+            weights[f"{dst}mlp.experts.{e}.gate_up_proj.bias"] = gate_up_bias[e, gates_first]
+            weights[f"{dst}mlp.experts.{e}.down_proj.weight"] = (
+                down[e] if isinstance(down[e], QuantizedTensor) else down[e].contiguous())
             weights[f"{dst}mlp.experts.{e}.down_proj.bias"] = down_bias[e]
         return weights
 

@@ -28,6 +28,7 @@ import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 
+from ..layers.quantization.mxfp4 import is_mxfp4
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
 from . import gguf_experts, gguf_families
 from .gguf_file import GGUFFile
@@ -91,6 +92,14 @@ class Checkpoint:
     def quantized(self) -> bool:
         """Whether some tensors were kept quantized (a GGUF file loaded with `keep_quantized`)."""
         return any(isinstance(t, QuantizedTensor) for t in self.state_dict.values())
+
+    @property
+    def stored_format(self) -> str | None:
+        """The quantized format of the tensors it holds as stored: "mxfp4" (an MXFP4 checkpoint's blocks,
+        which the model turns into Q8_0 or dequantizes), "gguf" (a GGUF file's, kept), None."""
+        if is_mxfp4(getattr(self.config, "quantization_config", None)):
+            return "mxfp4"
+        return "gguf" if self.quantized else None
 
 
 def default_model_path() -> Path:

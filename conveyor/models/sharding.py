@@ -168,7 +168,7 @@ def load_shard(path: str | Path | None, precision: Precision, device: torch.devi
     checkpoint = load_checkpoint(path, dtype=precision.dtype, keep_quantized=keeps_stored(precision.quantization,
                                                                                           device),
                                  select=plan.select, tokenizer=tokenizer)
-    quantization = resolve_quantization(precision, checkpoint.quantized)
+    quantization = resolve_quantization(precision, checkpoint.stored_format)
     state = checkpoint.state_dict
     if plan.rank != 0:  # a row-parallel bias is added once, by rank 0, before the all-reduce
         for name in [n for n in state if _ROW_PARALLEL_BIAS.search(n)]:
