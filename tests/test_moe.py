@@ -75,11 +75,17 @@ def smooth_moe(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 def test_moe_modes_within_precision_tolerance(smooth_moe: TinyModel, quantization: str) -> None:
     """bf16 dense, int8 and int4 experts (the kernels' `QuantLinear`, router kept dense) against fp32,
     by the precision tests' limits (for the quantized modes: the weights' rounding included)."""
-    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
-    fp32 = smooth_moe.llm()
-    llm = smooth_moe.llm(dtype="bfloat16", quantization=quantization)
-    block = llm.engine.model.layers[0].mlp
+    block = assert_mode_within_tolerance(smooth_moe, quantization).engine.model.layers[0].mlp
     assert block.router.weight.dtype == torch.bfloat16
+
+
+def assert_mode_within_tolerance(model: TinyModel, quantization: str) -> LLM:
+    """The model in bf16 with `quantization` against fp32 by the precision tests' limits; the bf16 LLM,
+    its experts checked to be in that format."""
+    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
+    fp32 = model.llm()
+    llm = model.llm(dtype="bfloat16", quantization=quantization)
+    block = next(layer.mlp for layer in llm.engine.model.layers if layer.mlp is not None)
     assert quantization == "none" or isinstance(block.experts[0].gate_up_proj, QuantLinear)
     tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization == "none" else QUANT_MODES[quantization][1]
     err = (next_token_logprobs(llm, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
@@ -87,6 +93,7 @@ def test_moe_modes_within_precision_tolerance(smooth_moe: TinyModel, quantizatio
     rate = agreement(greedy(llm, prompts), greedy(fp32, prompts))
     assert rate >= least, f"bf16/{quantization}: greedy agreement {rate:.2f}"
     assert all_free(llm)
+    return llm
 
 
 def test_grouping_is_one_stable_sort() -> None:
@@ -125,12 +132,22 @@ def test_grouped_native_experts_equal_the_loop(dtype: torch.dtype, weights) -> N
     if matmul_ops() is None:
         pytest.skip("the native kernels did not build")
     torch.manual_seed(0)
-    block = SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=False, shared_intermediate_size=32)
+    assert_grouped_equals_loop(SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=False,
+                                         shared_intermediate_size=32), dtype, weights)
+
+
+def assert_grouped_equals_loop(block: SparseMoe, dtype: torch.dtype, weights, fp32_tol: float = 1e-6) -> None:
+    """`block` (hidden 64) with random weights moved into `weights`' tiles (biases kept): its one native
+    call against its loop over experts on 40 rows."""
     for p in block.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    for expert in [*block.experts, block.shared_expert]:
+    for expert in [*block.experts, *([block.shared_expert] if block.shared_expert is not None else [])]:
         for name in ("gate_up_proj", "down_proj"):
-            setattr(expert, name, QuantLinear([weights(getattr(expert, name).weight)], bias=False, dtype=dtype))
+            dense = getattr(expert, name)
+            tiled = QuantLinear([weights(dense.weight)], bias=dense.bias is not None, dtype=dtype)
+            if dense.bias is not None:
+                tiled.bias.data.copy_(dense.bias.data)
+            setattr(expert, name, tiled)
     block = block.to(dtype)
     assert block.group_experts()
     x = torch.randn(40, 64).to(dtype)
@@ -140,7 +157,7 @@ def test_grouped_native_experts_equal_the_loop(dtype: torch.dtype, weights) -> N
     loop = block(x)
     assert sum(1 for n in loads[0] if n) >= 5
     if dtype == torch.float32:
-        torch.testing.assert_close(grouped, loop, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grouped, loop, rtol=fp32_tol, atol=fp32_tol)
     else:
         torch.testing.assert_close(grouped.float(), loop.float(), rtol=0.02, atol=0.02)
 

@@ -35,7 +35,7 @@ from ..layers.quantization.tensors import QuantizedTensor
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM
 from .llama import RMSNorm
-from .moe import MoeDecoderLayer, expert_count
+from .moe import MoeDecoderLayer, routed_experts
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +70,7 @@ class GptOssForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        experts, top_k = expert_count(config), config.num_experts_per_tok
-        if experts < 1:
-            raise ValueError(f"gpt_oss: num_local_experts must be at least 1, got {experts}")
-        if not 1 <= top_k <= experts:
-            raise ValueError(f"gpt_oss: num_experts_per_tok={top_k} must be between 1 and the number of experts "
-                             f"({experts})")
+        experts, top_k = routed_experts(config)
         activation = swiglu(config)
         self.layers = nn.ModuleList(
             GptOssDecoderLayer(config, self.head_dim, SparseMoe(config.hidden_size, config.intermediate_size, experts,

@@ -41,6 +41,18 @@ def expert_count(config: PretrainedConfig) -> int:
     return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0)
 
 
+def routed_experts(config: PretrainedConfig) -> tuple[int, int]:
+    """The config's experts per sparse layer and experts per token; ValueError where they do not make a
+    mixture (no experts, or k outside 1..experts)."""
+    experts, top_k = expert_count(config), config.num_experts_per_tok
+    if experts < 1:
+        raise ValueError(f"{config.model_type}: num_experts must be at least 1, got {experts}")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{config.model_type}: num_experts_per_tok={top_k} must be between 1 and the number "
+                         f"of experts ({experts})")
+    return experts, top_k
+
+
 def sparse_layers(config: PretrainedConfig) -> list[bool]:
     """Whether each layer's MLP is the sparse block (Qwen2/3-MoE: not in `mlp_only_layers`, and on every
     `decoder_sparse_step`-th layer; the other families: every layer)."""
@@ -103,12 +115,7 @@ class MoeForCausalLM(CausalLM):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: bool = False) -> None:
         super().__init__(config)
-        experts, top_k = expert_count(config), config.num_experts_per_tok
-        if experts < 1:
-            raise ValueError(f"{config.model_type}: num_experts must be at least 1, got {experts}")
-        if not 1 <= top_k <= experts:
-            raise ValueError(f"{config.model_type}: num_experts_per_tok={top_k} must be between 1 and the number "
-                             f"of experts ({experts})")
+        experts, top_k = routed_experts(config)
         activation = getattr(config, "hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"{config.model_type}: hidden_act {activation!r} is not supported (supported: silu)")
