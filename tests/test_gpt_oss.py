@@ -19,7 +19,7 @@ import safetensors.torch
 import torch
 import transformers
 
-from conveyor import LLM
+from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError, ContinuousBatchingConfig
 from conveyor.engine.graph_runner import use_cuda_graphs
 from conveyor.layers.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
@@ -122,6 +122,19 @@ def smooth_model(path: Path) -> TinyModel:
     flips (bf16, int8 activations) swaps half of a layer's MLP (transformers' own bf16 run parted from
     its fp32 one by 0.58 in log-probability with the residual at the weights' scale)."""
     return make_model(path, embed_scale=20.0, initializer_range=0.05)
+
+
+def test_gpt_oss_is_batch_invariant(gpt_oss: TinyModel) -> None:
+    """bf16 with `batch_invariant=True`: sinks, sliding layers and the grouped experts give a request the
+    same tokens and bitwise the same logprobs alone and batched with others in chunks of 32 tokens."""
+    prompts = random_prompts([40, 7, 90, 13, 25, 60], seed=2)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+    llm = gpt_oss.llm(dtype="bfloat16", batch_invariant=True, max_batch_tokens=32)
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, together in zip(prompts, batched):
+        alone = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert (alone.token_ids, alone.logprobs) == (together.token_ids, together.logprobs)
+    assert all_free(llm)
 
 
 @pytest.fixture(scope="module")
