@@ -178,10 +178,11 @@ def test_sigterm_drains_every_replica_and_exits_0(deployment: Deployment):
     url, pids = deployment.url, [e["pid"] for e in deployment.data()["engines"]]
 
     async def load() -> tuple[list[dict[str, Any]], int]:
-        seen = asyncio.Event()
+        seen = [asyncio.Event() for _ in range(4)]
         async with httpx.AsyncClient(trust_env=False, timeout=REQUEST_TIMEOUT_S) as client:
-            tasks = [asyncio.create_task(stream(client, url, i, seen)) for i in range(4)]
-            await asyncio.wait_for(seen.wait(), REQUEST_TIMEOUT_S)
+            tasks = [asyncio.create_task(stream(client, url, i, seen[i])) for i in range(4)]
+            # every stream under way before the signal: one still in the router would rightly get a 503
+            await asyncio.wait_for(asyncio.gather(*(event.wait() for event in seen)), REQUEST_TIMEOUT_S)
             deployment.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             late = await client.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 2})
