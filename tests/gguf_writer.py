@@ -52,6 +52,18 @@ def llama3_factors(config: transformers.PretrainedConfig, rope: dict) -> np.ndar
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
+def gguf_header(path: Path, arch: str, config: transformers.PretrainedConfig) -> gguf.GGUFWriter:
+    """A writer with the shape keys every architecture's converter writes."""
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    return w
+
+
 def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types: QType | dict[str, QType],
                vocab: Callable[[gguf.GGUFWriter], None] = toy_vocab, drop: tuple[str, ...] = (),
                extra: Callable[[gguf.GGUFWriter], None] | None = None, head: bool = False) -> None:
@@ -62,13 +74,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     config = model.config
     rope = dict(config.rope_parameters)
     full = rope.get("full_attention", rope)
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
+    w = gguf_header(path, arch, config)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch != "gemma2":  # (the Gemma 2 converter writes no base: llama.cpp's default 10000)
         w.add_rope_freq_base(full["rope_theta"])

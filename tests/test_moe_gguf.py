@@ -23,6 +23,7 @@ from conveyor.models.moe import hf_expert_names
 
 from .conftest import (MOE_CONFIGS, VOCAB, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts,
                        tiny_tokenizer)
+from .gguf_writer import gguf_header
 from .test_precision import greedy, next_token_logprobs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,13 +39,7 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
     arch, kind = ARCHITECTURES[config.model_type], config.model_type
     block, gate, up, down = hf_expert_names(kind)
     head_dim = model.reference.model.layers[0].self_attn.head_dim
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer = gguf_header(path, arch, config)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
