@@ -98,6 +98,37 @@ def test_sampling_rule_on_a_big_vocabulary(native: bool, monkeypatch: pytest.Mon
     assert (freq - kept[top]).abs().max() < 0.03, (freq, kept[top])
 
 
+def test_native_batch_matches_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU greedy and sampled rows go through one native call: greedy rows take their first largest
+    logit (ties included), sampled rows the same token as PyTorch's argmax + `probs` + `draw` for the same
+    uniforms (seeded rows), on a vocabulary that is not a multiple of the kernel's blocks of 16; a greedy row with a seed
+    leaves its generator alone."""
+    if cpu_sampling_ops() is None:
+        pytest.skip("native kernels unavailable")
+    vocab = 1000
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, vocab, generator=g) * 2
+    logits[0, 10] = logits[0, 700] = logits[0].max() + 1  # a tie: the first one wins
+    requests = [_request(0, temperature=0), _request(1, seed=4, temperature=0.8),
+                _request(2, seed=6, temperature=1.0, top_k=30), _request(3, temperature=1e-7),
+                _request(4, seed=5, temperature=1.2, top_p=0.7)]
+    requests[3].generator = torch.Generator().manual_seed(9)  # greedy (tiny temperature) but seeded
+    untouched = requests[3].generator.get_state()
+    for _ in range(30):
+        seeded = [r.generator.get_state() for r in requests if r.generator is not None]
+        torch.manual_seed(len(seeded))
+        native = Sampler().sample(logits.clone(), requests).tokens
+        for r, state in zip([r for r in requests if r.generator is not None], seeded):
+            r.generator.set_state(state)
+        monkeypatch.setattr("conveyor.layers.sampler.cpu_sampling_ops", lambda: None)
+        torch.manual_seed(len(seeded))
+        reference = Sampler().sample(logits.clone(), requests).tokens
+        monkeypatch.undo()
+        assert torch.equal(native, reference), (native, reference)
+        assert native[0] == 10 and native[3] == logits[3].argmax()
+    assert torch.equal(requests[3].generator.get_state(), untouched)
+
+
 @pytest.mark.parametrize("temperature", [1e-300, 6e-173, 1e-6])
 def test_a_tiny_temperature_is_greedy(temperature: float) -> None:
     """Dividing by a temperature that rounds to 0 in fp32 would make every logit infinite (a fuzzer's

@@ -1,12 +1,15 @@
 // Sampling of many rows at once on CPU: per row temperature, top-k, top-p and min-p filtering, then one
 // draw from the kept distribution by inverse CDF with a uniform number given per row (the caller draws
-// it from the request's own generator, or the global one), rows in parallel.
+// it from the request's own generator, or the global one), rows in parallel. A row with temperature 0
+// is greedy (its first largest logit), so a mixed batch is one call.
 //
 // PyTorch's way (`layers/sampler.py` keeps it for other devices) costs, for 64 rows of a 49k vocabulary
 // on one core: a full sort for top-p ~300 ms, `exponential_` noise for the exponential race ~100 ms.
-// Here a row is one pass of vectorized e^x, a heap of the k largest instead of a sort for top-k, a
-// sort of only the tokens above a threshold that already holds more than p of the mass for top-p,
-// and one pass for the draw.
+// Here a row is a vector pass for the scaled logits and their max, one of vector e^x, a heap of the k
+// largest instead of a sort for top-k, a sort of only the tokens above a threshold that already holds
+// more than p of the mass for top-p, and a draw that sums blocks of 16 and scans only the block where
+// the running sum passes the target. One row of 49k at temperature 1 took 178 us with scalar passes
+// and per-call scratch vectors (their pages faulted in on every call); see DEVELOPERS.md for now.
 //
 // The rule, the same as `Sampler.probs` + `Sampler.draw`: z = logits / temperature; top-k keeps
 // z >= the k-th largest; softmax; top-p drops a token when the probability of the more likely ones
@@ -27,6 +30,56 @@ namespace {
 // -inf or -1e30, must not keep e^-87 of probability).
 constexpr float kMinExponent = -87.f;
 
+// z[i] = logits[i] * inv_t; returns their largest (a NaN never wins, as in std::max(mx, z)).
+float scale_and_max(const float* logits, int64_t V, float inv_t, float* z) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 s = _mm512_set1_ps(inv_t);
+    __m512 acc = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(logits + i), s);
+        _mm512_storeu_ps(z + i, v);
+        acc = _mm512_max_ps(v, acc);  // the second operand where either is NaN
+    }
+    mx = _mm512_reduce_max_ps(acc);
+#elif defined(__AVX2__)
+    const __m256 s = _mm256_set1_ps(inv_t);
+    __m256 acc = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(logits + i), s);
+        _mm256_storeu_ps(z + i, v);
+        acc = _mm256_max_ps(v, acc);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (float x : lanes) mx = std::max(mx, x);
+#endif
+    for (; i < V; ++i) mx = std::max(mx, z[i] = logits[i] * inv_t);
+    return mx;
+}
+
+// The first index of the largest logit: a greedy row (-1 when every logit is NaN).
+int64_t argmax_row(const float* x, int64_t V) {
+    float mx = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= V; i += 16) acc = _mm512_max_ps(_mm512_loadu_ps(x + i), acc);
+    mx = _mm512_reduce_max_ps(acc);
+#elif defined(__AVX2__)
+    __m256 acc = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= V; i += 8) acc = _mm256_max_ps(_mm256_loadu_ps(x + i), acc);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (float v : lanes) mx = std::max(mx, v);
+#endif
+    for (; i < V; ++i) mx = std::max(mx, x[i]);
+    for (i = 0; i < V; ++i)
+        if (x[i] == mx) return i;
+    return 0;
+}
+
 // e[i] = exp(z[i] - mx) where z[i] >= keep_from (else 0), and their sum.
 double exp_shifted(const float* z, int64_t V, float mx, float keep_from, float* e) {
     double total = 0.0;
@@ -42,6 +95,19 @@ double exp_shifted(const float* z, int64_t V, float mx, float keep_from, float* 
         acc = _mm512_add_ps(acc, x);
     }
     total = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 m = _mm256_set1_ps(mx), lo = _mm256_set1_ps(keep_from), floor = _mm256_set1_ps(kMinExponent);
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(z + i), d = _mm256_sub_ps(v, m);
+        const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), _mm256_cmp_ps(d, floor, _CMP_GE_OQ));
+        const __m256 x = _mm256_and_ps(keep, conveyor::exp8(d));
+        _mm256_storeu_ps(e + i, x);
+        acc = _mm256_add_ps(acc, x);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (float x : lanes) total += x;
 #endif
     for (; i < V; ++i) {
         e[i] = z[i] >= keep_from && z[i] - mx >= kMinExponent ? std::exp(z[i] - mx) : 0.f;
@@ -50,7 +116,53 @@ double exp_shifted(const float* z, int64_t V, float mx, float keep_from, float* 
     return total;
 }
 
-struct Scratch {
+// The sum of e[i, i + 16).
+float block_sum(const float* e) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(_mm512_loadu_ps(e));
+#elif defined(__AVX2__)
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(_mm256_loadu_ps(e), _mm256_loadu_ps(e + 8)));
+    float sum = 0.f;
+    for (float x : lanes) sum += x;
+    return sum;
+#else
+    float sum = 0.f;
+    for (int j = 0; j < 16; ++j) sum += e[j];
+    return sum;
+#endif
+}
+
+// The first i (vocabulary order) where the running sum of e (>= 0) exceeds target: blocks of 16 that
+// cannot hold it are added whole, only the block where it falls is scanned token by token. When the sum
+// never exceeds it (rounding, u close to 1): the last token with e > 0; -1 when there is none.
+int64_t draw(const float* e, int64_t V, double target) {
+    double run = 0.0;
+    int64_t last_block = -1, i = 0;
+    for (; i + 16 <= V; i += 16) {
+        const float sum = block_sum(e + i);
+        if (sum <= 0.f) continue;
+        last_block = i;
+        if (run + sum <= target) {
+            run += sum;
+            continue;
+        }
+        for (int64_t j = i; j < i + 16; ++j)
+            if (e[j] > 0.f && (run += e[j]) > target) return j;
+    }
+    int64_t last = -1;
+    for (; i < V; ++i) {
+        if (e[i] <= 0.f) continue;
+        last = i;
+        if ((run += e[i]) > target) return i;
+    }
+    if (last < 0 && last_block >= 0)
+        for (int64_t j = last_block; j < last_block + 16; ++j)
+            if (e[j] > 0.f) last = j;
+    return last;
+}
+
+struct Scratch {  // one per thread and kept: sized once, its pages faulted in once
     std::vector<float> z, e, heap;
     std::vector<int32_t> idx;
 };
@@ -74,12 +186,11 @@ float kth_largest(const float* z, int64_t V, int64_t k, std::vector<float>& heap
 
 int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t top_k, float top_p, float min_p,
                    double u, Scratch& s) {
-    s.z.resize(V), s.e.resize(V);
+    if (temperature <= 0.f) return argmax_row(logits, V);
+    if (static_cast<int64_t>(s.z.size()) < V) s.z.resize(V), s.e.resize(V);
     float* z = s.z.data();
     float* e = s.e.data();
-    const float inv_t = 1.f / temperature;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < V; ++i) mx = std::max(mx, z[i] = logits[i] * inv_t);
+    const float mx = scale_and_max(logits, V, 1.f / temperature, z);
     float keep_from = -INFINITY;
     if (top_k > 0 && top_k < V) keep_from = kth_largest(z, V, top_k, s.heap);
     double total = exp_shifted(z, V, mx, keep_from, e);
@@ -121,45 +232,40 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
             total += e[i];
         }
     }
-    const double target = u * total;
-    double run = 0.0;
-    int64_t last = -1;
-    for (int64_t i = 0; i < V; ++i) {
-        if (e[i] <= 0.f) continue;
-        run += e[i];
-        last = i;
-        if (run > target) return i;
-    }
-    if (last >= 0) return last;  // rounding: u close to 1
-    return std::max_element(logits, logits + V) - logits;  // nothing kept (non-finite values): the likeliest
+    const int64_t token = draw(e, V, u * total);
+    return token >= 0 ? token : argmax_row(logits, V);  // nothing kept (non-finite values): the likeliest
 }
 
 }  // namespace
 
-// tokens [R] for logits [R, V] (fp32, contiguous rows) with per-row temperature (> 0), top_k (0 = off),
-// top_p (1 = off), min_p (0 = off) and a uniform u in [0, 1).
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor temperature, torch::Tensor top_k, torch::Tensor top_p,
-                          torch::Tensor min_p, torch::Tensor u) {
+// tokens [R] for logits [R, V] (fp32, contiguous rows) with per-row parameters [R, 4] (fp64: temperature
+// (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off)) and a uniform u [R] in [0, 1).
+torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor params, torch::Tensor u) {
     TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1,
                 "logits must be fp32 [rows, vocab] with contiguous rows");
     const int64_t R = logits.size(0), V = logits.size(1);
-    auto t = temperature.to(torch::kFloat32).contiguous(), k = top_k.to(torch::kInt64).contiguous();
-    auto p = top_p.to(torch::kFloat32).contiguous(), mp = min_p.to(torch::kFloat32).contiguous();
-    auto uu = u.to(torch::kFloat64).contiguous();
-    for (auto* x : {&t, &k, &p, &mp, &uu}) TORCH_CHECK(x->numel() == R, "one parameter per row expected");
+    const auto pp = params.to(torch::kFloat64).contiguous();
+    const auto uu = u.to(torch::kFloat64).contiguous();
+    TORCH_CHECK(pp.dim() == 2 && pp.size(0) == R && pp.size(1) == 4 && uu.numel() == R,
+                "params [rows, 4] and u [rows] expected");
     auto out = torch::empty({R}, torch::kInt64);
     const float* lp = logits.data_ptr<float>();
+    const double* prm = pp.data_ptr<double>();
+    const double* up = uu.data_ptr<double>();
+    int64_t* op = out.data_ptr<int64_t>();
     const int64_t ld = logits.stride(0);
     at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-        Scratch s;
-        for (int64_t r = r0; r < r1; ++r)
-            out.data_ptr<int64_t>()[r] = sample_row(lp + r * ld, V, t.data_ptr<float>()[r], k.data_ptr<int64_t>()[r],
-                                                   p.data_ptr<float>()[r], mp.data_ptr<float>()[r],
-                                                   uu.data_ptr<double>()[r], s);
+        thread_local Scratch s;
+        for (int64_t r = r0; r < r1; ++r) {
+            const double* q = prm + 4 * r;
+            op[r] = sample_row(lp + r * ld, V, static_cast<float>(q[0]), static_cast<int64_t>(q[1]),
+                               static_cast<float>(q[2]), static_cast<float>(q[3]), up[r], s);
+        }
     });
     return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("sample_rows", &sample_rows, "one token per row: temperature, top-k, top-p, min-p, inverse CDF (CPU)");
+    m.def("sample_rows", &sample_rows,
+          "one token per row: greedy, or temperature, top-k, top-p, min-p and inverse CDF (CPU)");
 }

@@ -4,9 +4,10 @@ Greedy and sampled rows mix freely. A sampled row draws one uniform number, from
 generator when it has a seed (else the global one), and takes the token where the running sum of
 its filtered distribution (vocabulary order) passes that fraction of the total (inverse CDF): a
 seeded request's tokens depend only on its seed and its logits, never on what else is in the batch.
-On CPU the filtering and the draw are one native pass per row (`kernels/sampling_cpu.cpp`: 64 rows of
-a 49k vocabulary with top-p took ~300 ms sorting in PyTorch); elsewhere `probs` + `draw` in PyTorch,
-the same rule.
+On CPU the whole batch is one native call, a pass per row: a greedy row's argmax, a sampled row's
+filtering and draw (`kernels/sampling_cpu.cpp`: 64 rows of a 49k vocabulary with top-p took ~300 ms
+sorting in PyTorch; one row at temperature 1, ~1 ms a token with PyTorch's argmax beside the scalar
+kernel, now ~0.05 ms); elsewhere argmax, then `probs` + `draw` for the sampled rows in PyTorch, the same rule.
 
 Everything runs on the logits' device: per-request parameters and row indices are staged through
 pinned memory (`transfer.to_device`), and `Sampler.sample` returns device tensors, so nothing
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -106,11 +108,15 @@ class Sampler:
             self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
         if constrained:  # last: nothing after it may lift a masked token
             self._grammar_masks(logits.shape[1]).apply(logits, grammars)
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            rows = to_device(sampled, torch.long, device)
-            tokens[rows] = self._sample(logits.index_select(0, rows), [requests[i] for i in sampled])
+        native = cpu_sampling_ops() if device.type == "cpu" and native_kernels_enabled() else None
+        if native is not None:  # greedy and sampled rows in one native pass
+            tokens = Sampler.native_rows(native, logits, requests, Sampler.uniforms(requests, device))
+        else:
+            tokens = logits.argmax(dim=-1)
+            sampled = [i for i, p in enumerate(params) if not p.greedy]
+            if sampled:
+                rows = to_device(sampled, torch.long, device)
+                tokens[rows] = self._sample(logits.index_select(0, rows), [requests[i] for i in sampled])
         top_n = [params[i].logprobs or 0 for i in wanted]
         batch = SampledBatch(tokens, wanted, top_n)
         if wanted:
@@ -166,7 +172,7 @@ class Sampler:
         `drawn(row)`, e.g. to keep the generator's state), the others' from the global one in one call."""
         u = torch.rand(len(requests), dtype=torch.float64, device=device)
         for i, r in enumerate(requests):
-            if r.generator is not None:
+            if r.generator is not None and not r.params.greedy:  # a greedy row's u goes unused
                 u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator, device=r.generator.device)[0]
                 if drawn is not None:
                     drawn(i)
@@ -178,10 +184,14 @@ class Sampler:
         ops = cpu_sampling_ops() if logits.device.type == "cpu" and native_kernels_enabled() else None
         if ops is None:
             return Sampler.draw(Sampler.probs(logits, requests), u)
-        params = [r.params for r in requests]
-        return ops.sample_rows(logits.float().contiguous(), torch.tensor([p.temperature for p in params]),
-                               torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
-                               torch.tensor([p.min_p for p in params]), u)
+        return Sampler.native_rows(ops, logits, requests, u)
+
+    @staticmethod
+    def native_rows(ops: ModuleType, logits: torch.Tensor, requests: list[Request], u: torch.Tensor) -> torch.Tensor:
+        """Every row's token in one native call (`kernels/sampling_cpu.cpp`): a greedy row's first largest
+        logit, a sampled row's draw. Its parameters travel as one fp64 tensor (temperature 0 = greedy)."""
+        params = [(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.params for r in requests)]
+        return ops.sample_rows(logits.float().contiguous(), torch.tensor(params, dtype=torch.float64), u)
 
     @staticmethod
     def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
