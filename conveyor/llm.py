@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from .engine.stats import EngineStats
 from .engine.step_history import StepHistory
 from .generation_config import GenerationDefaults
 from .kernels import vector_flags
+from .kernels.openmp import run_on_fresh_thread
 from .layers.precision import keeps_stored, resolve_precision, resolve_quantization
 from .layers.quantization.linear import describe_weights
 from .manager import ContinuousBatchingManager
@@ -133,16 +135,39 @@ class LLM:
                                                 config.attention_backend)
             net, checkpoint, self.quantization = self.sharded.model, self.sharded.checkpoint, self.sharded.quantization
             config = self.sharded.engine_config(config)
+            path, tokenizer = checkpoint.path, checkpoint.tokenizer
+            del checkpoint
+            release_freed_memory()
+            self._build_engine(net, path, tokenizer, location.hub_id, config, template, chat_template)
         else:
-            checkpoint = load_checkpoint(location.path, dtype=self.dtype,
-                                         keep_quantized=keeps_stored(precision.quantization, self.device))
-            self.quantization = resolve_quantization(precision, checkpoint.stored_format)
-            net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
-        self.model_path = checkpoint.path
-        self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
-        self.tokenizer = checkpoint.tokenizer
-        del checkpoint  # what the model did not keep of the loaded tensors is garbage now
-        release_freed_memory()
+            def build() -> torch.nn.Module:
+                checkpoint = load_checkpoint(location.path, dtype=self.dtype,
+                                             keep_quantized=keeps_stored(precision.quantization, self.device))
+                self.quantization = resolve_quantization(precision, checkpoint.stored_format)
+                net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
+                path, tokenizer = checkpoint.path, checkpoint.tokenizer
+                del checkpoint  # what the model did not keep of the loaded tensors is garbage now
+                release_freed_memory()
+                self._build_engine(net, path, tokenizer, location.hub_id, config, template, chat_template)
+                return net
+
+            # On CPU on a thread that exits, so that the engine thread's OpenMP team is the process's only one
+            net = run_on_fresh_thread(build) if self.device.type == "cpu" else build()
+        if self.sharded is not None:  # a rank that dies while the loop is idle kills the engine at once
+            self.sharded.on_failure(self.manager.kill)
+        logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
+                    " ".join(vector_flags()) or "unknown")
+        logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
+                    self.device, self.dtype, time.monotonic() - started, self.max_model_len,
+                    self.generation_defaults.describe())
+
+    def _build_engine(self, net: torch.nn.Module, model_path: Path, tokenizer: PreTrainedTokenizerBase,
+                      hub_id: str | None, config: ContinuousBatchingConfig, template: str | None,
+                      chat_template: str | os.PathLike | None) -> None:
+        """The tokenizer (and its chat template, checked), draft model, engine and manager of a loaded model."""
+        self.model_path = model_path
+        self.model_name = hub_id or model_path.name  # what the server answers to by default
+        self.tokenizer = tokenizer
         if template is not None:  # everything that renders chats (the server too) reads it from the tokenizer
             self.tokenizer.chat_template = template
             try:
@@ -155,13 +180,6 @@ class LLM:
                  if spec is not None and spec.method == "draft_model" else None)
         self.engine = Engine(net, self.tokenizer, config, self.device, draft_model=draft)
         self.manager = ContinuousBatchingManager(self.engine)
-        if self.sharded is not None:  # a rank that dies while the loop is idle kills the engine at once
-            self.sharded.on_failure(self.manager.kill)
-        logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
-                    " ".join(vector_flags()) or "unknown")
-        logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
-                    self.device, self.dtype, time.monotonic() - started, self.max_model_len,
-                    self.generation_defaults.describe())
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
