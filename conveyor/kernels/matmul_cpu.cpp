@@ -295,8 +295,9 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("quant_matmul", &quant_matmul, "x @ W.T for a quantized weight (CPU)");
-    m.def("quant_argmax", &quant_argmax, "argmax over n of x @ W.T for a tiled weight (the LM head fused with greedy sampling)");
+    m.def("quant_matmul", &quant_matmul, "x @ W.T for a quantized weight (CPU)", py::call_guard<py::gil_scoped_release>());
+    m.def("quant_argmax", &quant_argmax, "argmax over n of x @ W.T for a tiled weight (the LM head fused with greedy sampling)",
+          py::call_guard<py::gil_scoped_release>());
     m.def("repack_tiles", &repack, "GGUF rows (or I8 rows) -> the 16-row tiled layout");
     m.def("dequantize_rows", &dequantize_rows, "rows of a quantized matrix as fp32/bf16 (CPU)");
     m.def("dequantize_matrix", &dequantize_matrix, "a whole tiled matrix as fp32/bf16 (CPU)");

@@ -149,10 +149,12 @@ void paged_prefill_attention(torch::Tensor q,          // [T, H, D] the batch's 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV cache (CPU)",
           py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("positions"),
-          py::arg("window"), py::arg("page_size"), py::arg("scale"), py::arg("softcap"), py::arg("sinks") = py::none());
+          py::arg("window"), py::arg("page_size"), py::arg("scale"), py::arg("softcap"), py::arg("sinks") = py::none(),
+          py::call_guard<py::gil_scoped_release>());
     m.def("paged_prefill_attention", &paged_prefill_attention, "prefill attention over the paged KV cache (CPU)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("kv_cache"), py::arg("ctx_slots"), py::arg("chunks"),
-          py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("out"), py::arg("sinks") = py::none());
+          py::arg("window"), py::arg("scale"), py::arg("softcap"), py::arg("out"), py::arg("sinks") = py::none(),
+          py::call_guard<py::gil_scoped_release>());
     m.def("prefill_vector_width", &conveyor::prefill_vector_width,
           "floats per vector register in the prefill kernel (16: AVX-512)");
 }

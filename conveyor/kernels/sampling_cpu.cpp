@@ -267,5 +267,6 @@ torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor params, torch::Ten
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sample_rows", &sample_rows,
-          "one token per row: greedy, or temperature, top-k, top-p, min-p and inverse CDF (CPU)");
+          "one token per row: greedy, or temperature, top-k, top-p, min-p and inverse CDF (CPU)",
+          py::call_guard<py::gil_scoped_release>());
 }
