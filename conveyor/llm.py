@@ -10,7 +10,6 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,29 +129,41 @@ class LLM:
         self.dtype = precision.dtype
         started = time.monotonic()
         self.sharded: ShardedModel | None = None  # rank 0's side of a tensor-parallel model
-        if config.tensor_parallel_size > 1:
-            self.sharded = load_tensor_parallel(location.path, precision, self.device, config.tensor_parallel_size,
-                                                config.attention_backend)
-            net, checkpoint, self.quantization = self.sharded.model, self.sharded.checkpoint, self.sharded.quantization
-            config = self.sharded.engine_config(config)
-            path, tokenizer = checkpoint.path, checkpoint.tokenizer
-            del checkpoint
-            release_freed_memory()
-            self._build_engine(net, path, tokenizer, location.hub_id, config, template, chat_template)
-        else:
-            def build() -> torch.nn.Module:
+        def load() -> torch.nn.Module:
+            """The model, its tokenizer, the draft model, the engine and its manager."""
+            engine_config = config
+            if config.tensor_parallel_size > 1:
+                self.sharded = load_tensor_parallel(location.path, precision, self.device,
+                                                    config.tensor_parallel_size, config.attention_backend)
+                net, checkpoint = self.sharded.model, self.sharded.checkpoint
+                self.quantization = self.sharded.quantization
+                engine_config = self.sharded.engine_config(config)
+            else:
                 checkpoint = load_checkpoint(location.path, dtype=self.dtype,
                                              keep_quantized=keeps_stored(precision.quantization, self.device))
                 self.quantization = resolve_quantization(precision, checkpoint.stored_format)
                 net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
-                path, tokenizer = checkpoint.path, checkpoint.tokenizer
-                del checkpoint  # what the model did not keep of the loaded tensors is garbage now
-                release_freed_memory()
-                self._build_engine(net, path, tokenizer, location.hub_id, config, template, chat_template)
-                return net
+            self.model_path = checkpoint.path
+            self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
+            self.tokenizer = checkpoint.tokenizer
+            del checkpoint  # what the model did not keep of the loaded tensors is garbage now
+            release_freed_memory()
+            if template is not None:  # everything that renders chats (the server too) reads it from the tokenizer
+                self.tokenizer.chat_template = template
+                try:
+                    self.render_chat([{"role": "user", "content": "Hello"}])
+                except Exception as exc:  # Jinja's and transformers' many errors: fail now, not at the first chat
+                    raise ValueError(f"the chat template {chat_template!s:.80} cannot render a user message: "
+                                     f"{exc}") from exc
+            spec = engine_config.speculative_config
+            draft = (load_draft_model(spec, self.model_path, net, self.device)
+                     if spec is not None and spec.method == "draft_model" else None)
+            self.engine = Engine(net, self.tokenizer, engine_config, self.device, draft_model=draft)
+            self.manager = ContinuousBatchingManager(self.engine)
+            return net
 
-            # On CPU on a thread that exits, so that the engine thread's OpenMP team is the process's only one
-            net = run_on_fresh_thread(build) if self.device.type == "cpu" else build()
+        # On CPU in one process, on a thread that exits, so that the engine thread's OpenMP team is the only one
+        net = run_on_fresh_thread(load) if self.device.type == "cpu" and config.tensor_parallel_size == 1 else load()
         if self.sharded is not None:  # a rank that dies while the loop is idle kills the engine at once
             self.sharded.on_failure(self.manager.kill)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
@@ -160,26 +171,6 @@ class LLM:
         logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
                     self.device, self.dtype, time.monotonic() - started, self.max_model_len,
                     self.generation_defaults.describe())
-
-    def _build_engine(self, net: torch.nn.Module, model_path: Path, tokenizer: PreTrainedTokenizerBase,
-                      hub_id: str | None, config: ContinuousBatchingConfig, template: str | None,
-                      chat_template: str | os.PathLike | None) -> None:
-        """The tokenizer (and its chat template, checked), draft model, engine and manager of a loaded model."""
-        self.model_path = model_path
-        self.model_name = hub_id or model_path.name  # what the server answers to by default
-        self.tokenizer = tokenizer
-        if template is not None:  # everything that renders chats (the server too) reads it from the tokenizer
-            self.tokenizer.chat_template = template
-            try:
-                self.render_chat([{"role": "user", "content": "Hello"}])
-            except Exception as exc:  # Jinja's and transformers' many errors: fail now, not at the first chat
-                raise ValueError(f"the chat template {chat_template!s:.80} cannot render a user message: "
-                                 f"{exc}") from exc
-        spec = config.speculative_config
-        draft = (load_draft_model(spec, self.model_path, net, self.device)
-                 if spec is not None and spec.method == "draft_model" else None)
-        self.engine = Engine(net, self.tokenizer, config, self.device, draft_model=draft)
-        self.manager = ContinuousBatchingManager(self.engine)
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer

@@ -30,50 +30,44 @@ namespace {
 // -inf or -1e30, must not keep e^-87 of probability).
 constexpr float kMinExponent = -87.f;
 
+using conveyor::loadw;
+using conveyor::splat;
+using conveyor::vecw;
+using conveyor::W;
+
+// The sum of v's lanes: one fp32 reduction on AVX-512, lane by lane in Acc elsewhere.
+template <typename Acc>
+Acc lane_sum(vecw v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_add_ps(__m512(v));
+#else
+    Acc sum = 0;
+    for (int j = 0; j < W; ++j) sum += v[j];
+    return sum;
+#endif
+}
+
 // z[i] = logits[i] * inv_t; returns their largest (a NaN never wins, as in std::max(mx, z)).
 float scale_and_max(const float* logits, int64_t V, float inv_t, float* z) {
-    float mx = -INFINITY;
+    const vecw s = splat(inv_t);
+    vecw acc = splat(-INFINITY);
     int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 s = _mm512_set1_ps(inv_t);
-    __m512 acc = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= V; i += 16) {
-        const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(logits + i), s);
-        _mm512_storeu_ps(z + i, v);
-        acc = _mm512_max_ps(v, acc);  // the second operand where either is NaN
+    for (; i + W <= V; i += W) {
+        const vecw v = loadw(logits + i) * s;
+        conveyor::storew(z + i, v);
+        acc = conveyor::vmax(v, acc);  // acc where v is NaN
     }
-    mx = _mm512_reduce_max_ps(acc);
-#elif defined(__AVX2__)
-    const __m256 s = _mm256_set1_ps(inv_t);
-    __m256 acc = _mm256_set1_ps(-INFINITY);
-    for (; i + 8 <= V; i += 8) {
-        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(logits + i), s);
-        _mm256_storeu_ps(z + i, v);
-        acc = _mm256_max_ps(v, acc);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    for (float x : lanes) mx = std::max(mx, x);
-#endif
+    float mx = conveyor::lane_max(acc);
     for (; i < V; ++i) mx = std::max(mx, z[i] = logits[i] * inv_t);
     return mx;
 }
 
-// The first index of the largest logit: a greedy row (-1 when every logit is NaN).
+// The first index of the largest logit: a greedy row (0 when every logit is NaN).
 int64_t argmax_row(const float* x, int64_t V) {
-    float mx = -INFINITY;
+    vecw acc = splat(-INFINITY);
     int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 acc = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= V; i += 16) acc = _mm512_max_ps(_mm512_loadu_ps(x + i), acc);
-    mx = _mm512_reduce_max_ps(acc);
-#elif defined(__AVX2__)
-    __m256 acc = _mm256_set1_ps(-INFINITY);
-    for (; i + 8 <= V; i += 8) acc = _mm256_max_ps(_mm256_loadu_ps(x + i), acc);
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    for (float v : lanes) mx = std::max(mx, v);
-#endif
+    for (; i + W <= V; i += W) acc = conveyor::vmax(loadw(x + i), acc);
+    float mx = conveyor::lane_max(acc);
     for (; i < V; ++i) mx = std::max(mx, x[i]);
     for (i = 0; i < V; ++i)
         if (x[i] == mx) return i;
@@ -82,33 +76,16 @@ int64_t argmax_row(const float* x, int64_t V) {
 
 // e[i] = exp(z[i] - mx) where z[i] >= keep_from (else 0), and their sum.
 double exp_shifted(const float* z, int64_t V, float mx, float keep_from, float* e) {
-    double total = 0.0;
+    const vecw m = splat(mx), lo = splat(keep_from), floor = splat(kMinExponent);
+    vecw acc = splat(0.f);
     int64_t i = 0;
-#if defined(__AVX512F__)
-    const __m512 m = _mm512_set1_ps(mx), lo = _mm512_set1_ps(keep_from), floor = _mm512_set1_ps(kMinExponent);
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= V; i += 16) {
-        const __m512 v = _mm512_loadu_ps(z + i), d = _mm512_sub_ps(v, m);
-        const __mmask16 keep = _mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(d, floor, _CMP_GE_OQ);
-        const __m512 x = _mm512_maskz_mov_ps(keep, conveyor::exp16(d));
-        _mm512_storeu_ps(e + i, x);
-        acc = _mm512_add_ps(acc, x);
+    for (; i + W <= V; i += W) {
+        const vecw v = loadw(z + i), d = v - m;
+        const vecw x = conveyor::select((v >= lo) & (d >= floor), conveyor::vexp(d), splat(0.f));
+        conveyor::storew(e + i, x);
+        acc += x;
     }
-    total = _mm512_reduce_add_ps(acc);
-#elif defined(__AVX2__) && defined(__FMA__)
-    const __m256 m = _mm256_set1_ps(mx), lo = _mm256_set1_ps(keep_from), floor = _mm256_set1_ps(kMinExponent);
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= V; i += 8) {
-        const __m256 v = _mm256_loadu_ps(z + i), d = _mm256_sub_ps(v, m);
-        const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), _mm256_cmp_ps(d, floor, _CMP_GE_OQ));
-        const __m256 x = _mm256_and_ps(keep, conveyor::exp8(d));
-        _mm256_storeu_ps(e + i, x);
-        acc = _mm256_add_ps(acc, x);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, acc);
-    for (float x : lanes) total += x;
-#endif
+    double total = lane_sum<double>(acc);
     for (; i < V; ++i) {
         e[i] = z[i] >= keep_from && z[i] - mx >= kMinExponent ? std::exp(z[i] - mx) : 0.f;
         total += e[i];
@@ -118,19 +95,9 @@ double exp_shifted(const float* z, int64_t V, float mx, float keep_from, float* 
 
 // The sum of e[i, i + 16).
 float block_sum(const float* e) {
-#if defined(__AVX512F__)
-    return _mm512_reduce_add_ps(_mm512_loadu_ps(e));
-#elif defined(__AVX2__)
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_add_ps(_mm256_loadu_ps(e), _mm256_loadu_ps(e + 8)));
-    float sum = 0.f;
-    for (float x : lanes) sum += x;
-    return sum;
-#else
-    float sum = 0.f;
-    for (int j = 0; j < 16; ++j) sum += e[j];
-    return sum;
-#endif
+    vecw v = loadw(e);
+    if constexpr (W == 8) v += loadw(e + 8);
+    return lane_sum<float>(v);
 }
 
 // The first i (vocabulary order) where the running sum of e (>= 0) exceeds target: blocks of 16 that

@@ -37,6 +37,11 @@ if TYPE_CHECKING:
     from ..structured.masks import GrammarMasks
 
 
+def native_sampling(device: torch.device) -> ModuleType | None:
+    """The native sampling kernel where it runs (CPU, kernels on and built), else None."""
+    return cpu_sampling_ops() if device.type == "cpu" and native_kernels_enabled() else None
+
+
 @dataclass
 class SampledBatch:
     """One step's samples, still on the device: `tokens` `[rows]`; for the rows in `wanted` (those that
@@ -108,7 +113,7 @@ class Sampler:
             self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
         if constrained:  # last: nothing after it may lift a masked token
             self._grammar_masks(logits.shape[1]).apply(logits, grammars)
-        native = cpu_sampling_ops() if device.type == "cpu" and native_kernels_enabled() else None
+        native = native_sampling(device)
         if native is not None:  # greedy and sampled rows in one native pass
             tokens = Sampler.native_rows(native, logits, requests, Sampler.uniforms(requests, device))
         else:
@@ -181,7 +186,7 @@ class Sampler:
     @staticmethod
     def sample_with(logits: torch.Tensor, requests: list[Request], u: torch.Tensor) -> torch.Tensor:
         """Each row's token from its filtered distribution and its uniform `u` (see the module docstring)."""
-        ops = cpu_sampling_ops() if logits.device.type == "cpu" and native_kernels_enabled() else None
+        ops = native_sampling(logits.device)
         if ops is None:
             return Sampler.draw(Sampler.probs(logits, requests), u)
         return Sampler.native_rows(ops, logits, requests, u)
