@@ -47,6 +47,44 @@ def test_llm_leaves_no_openmp_team_on_the_caller(tiny_llama) -> None:
     assert main_team == before + 1, out.stdout  # the main thread's own team: one worker thread more
 
 
+# A served LLM: requests, a /metrics scrape (the KV pool's resident pages: 40,000 pages a layer, more than
+# one OpenMP grain) and a streamed request start no OpenMP team on the server's threads.
+SERVED = r"""
+import json, os, sys, threading, time, urllib.request
+import torch
+from conveyor import LLM
+from conveyor.server import BackgroundServer
+
+def native_threads():
+    time.sleep(0.3)
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+def post(url, body):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=60).read()
+
+torch.set_num_threads(2)
+llm = LLM(sys.argv[1], dtype="float32", num_gpu_blocks_override=40000)
+with BackgroundServer(llm) as url:
+    post(url + "/v1/completions", {"model": llm.model_name, "prompt": [5, 6, 7], "max_tokens": 4})
+    before = native_threads()
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=60).read().decode()
+    assert "kv_cache_resident_bytes" in metrics
+    post(url + "/v1/completions", {"model": llm.model_name, "prompt": [8, 9], "max_tokens": 4, "stream": True})
+    print(before, native_threads())
+"""
+
+
+def test_serving_starts_no_second_openmp_team(tiny_llama) -> None:
+    if sys.platform != "linux":
+        pytest.skip("reads /proc")
+    out = subprocess.run([sys.executable, "-c", SERVED, str(tiny_llama.path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, after = map(int, out.stdout.split()[-2:])
+    assert after == before, out.stdout
+
+
 def test_run_on_fresh_thread_returns_and_raises() -> None:
     import threading
 

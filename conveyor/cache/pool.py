@@ -23,6 +23,7 @@ import mmap
 from collections import deque
 from typing import Any
 
+import numpy as np
 import torch
 
 NUM_RESERVED_CHUNKS = 2
@@ -102,7 +103,9 @@ def resident_pages(address: int, length: int) -> int:
     vec = (ctypes.c_ubyte * pages)()
     if _libc().mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * mmap.PAGESIZE), vec) != 0:
         raise OSError(ctypes.get_errno(), "mincore failed on the KV pool's memory")
-    return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum())
+    # numpy, not torch: this runs on the server's event loop, and a torch op over this many bytes would
+    # start an OpenMP team on that thread, a second one beside the engine's (see kernels/openmp.py).
+    return int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
 
 
 @functools.cache
