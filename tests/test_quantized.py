@@ -273,11 +273,11 @@ def test_f32_tiles_matmul(ops, rows: int) -> None:
 
 
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8, BF16])
-@pytest.mark.parametrize("rows,out_rows", [(1, 45), (13, 1040), (64, 2063)])
+@pytest.mark.parametrize("rows,out_rows", [(1, 45), (13, 1040), (64, 2063), (256, 1040)])
 def test_fused_argmax_equals_argmax_of_the_matmul(ops, qtype: int, rows: int, out_rows: int) -> None:
     """The LM head fused with greedy sampling (`quant_argmax`) picks the same index as torch.argmax of
     the same kernel's outputs, ties to the first, whatever the thread split (2063 rows: 129 tiles, more
-    than one 64-tile chunk, a partial last tile)."""
+    than one 64-tile chunk, a partial last tile; 256 rows: chunks of 16 tiles)."""
     torch.manual_seed(rows)
     if qtype == I8:
         w = quantize_int8(torch.randn(out_rows, 96))
@@ -298,3 +298,19 @@ def test_fused_argmax_equals_argmax_of_the_matmul(ops, qtype: int, rows: int, ou
     assert matmul.argmax(x.bfloat16()).shape == (rows,)
     with_bias = QuantMatmul([w], bias=torch.zeros(out_rows))
     assert with_bias.argmax(x) is None  # not fused: the kernel takes no bias
+
+
+def test_wide_output_streams_the_same_values(ops) -> None:
+    """An fp32 output of 8 MiB or more (the LM head's logits at many rows) is written with non-temporal
+    stores where its tiles are whole and aligned: the same values as an output that is not streamed (rows
+    not 16 floats apart), the partial last tile included."""
+    w = gguf_tensor(GGMLType.Q8_0, 33_000, 64, seed=3)  # 2,063 tiles, the last one half full
+    kw = w.tiled(ops)
+    x = torch.randn(64, 64)
+    out = torch.empty(64, 33_008)[:, :33_000]  # rows 16-float aligned: 8.4 MB streamed
+    assert out.data_ptr() % 64 == 0 and out.numel() * 4 >= 8 << 20
+    plain = torch.empty(64, 33_001)[:, :33_000]
+    for dst in (out, plain):
+        ops.quant_matmul(x, kw.data, w.qtype, torch.empty(0), None, dst)
+    assert torch.equal(out, plain)
+    assert_close_scaled(out[:, -100:], quantize_activations(x) @ w.dequantize()[-100:].T, 2e-6)

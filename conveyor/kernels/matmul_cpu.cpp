@@ -8,6 +8,7 @@
 // products are bound by memory bandwidth. The instruction set is chosen at compile time (the
 // extension is built with -march=native on the machine that runs it); `isa()` says which.
 #include "quant.h"
+#include "vec_math.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -134,6 +135,31 @@ using namespace conveyor;
 void register_decode_stack(py::module_& m);
 void register_grouped_experts(py::module_& m);
 
+namespace {
+
+// Outputs from this size on are written around the caches (`TileOut::stream`): 8 MiB, a few times L2,
+// past what the next op could find in cache anyway.
+constexpr int64_t kStreamOutputBytes = 8 << 20;
+
+// Logits per thread computed before they are scanned: a chunk that stays in L2 beside the activations.
+constexpr int64_t kArgmaxChunkFloats = 64 * 1024;
+
+// Where row[0:len) (columns n0...) holds a value above `best`: best and at become its largest value and
+// that value's first column. NaNs never win, as in a scan with `row[n] > best`.
+void improve_max(const float* row, int64_t len, int64_t n0, float& best, int64_t& at) {
+    vecw acc = splat(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + W <= len; i += W) acc = vmax(loadw(row + i), acc);  // acc where the logit is NaN
+    float mx = lane_max(acc);
+    for (; i < len; ++i) mx = std::max(mx, row[i]);
+    if (!(mx > best)) return;
+    for (i = 0; row[i] != mx; ++i) {
+    }
+    best = mx, at = n0 + i;
+}
+
+}  // namespace
+
 // out [M, N] (fp32 or bf16, contiguous rows: a column slice of a wider output is fine) = x [M, K] (fp32
 // or bf16) times a tiled quantized weight [ceil(N/16), tile_bytes] (I8 with row scales padded to whole
 // tiles), plus bias [N]; written in place.
@@ -161,16 +187,19 @@ void quant_matmul(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Te
     const uint8_t* wp = weight.data_ptr<uint8_t>();
     torch::Tensor b32;
     if (bias.has_value() && bias->defined()) b32 = bias->to(torch::kFloat32).contiguous();
+    const bool stream = out.scalar_type() == torch::kFloat32 && M * N * 4 >= kStreamOutputBytes &&
+                        reinterpret_cast<uintptr_t>(out.data_ptr()) % 64 == 0 && out.stride(0) % kTileRows == 0;
     const TileOut to{out.data_ptr(), out.stride(0), out.scalar_type() == torch::kBFloat16,
-                     b32.defined() ? b32.data_ptr<float>() : nullptr};
+                     b32.defined() ? b32.data_ptr<float>() : nullptr, 0, stream};
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { tiles_matmul(type, wp, scales, a, t0, t1, N, to); });
 }
 
 // argmax_n (x @ W.T)[m, n] for every row m of x, for a tiled W [N, K]: the LM head fused with greedy
 // sampling, so a step's [M, vocab] logits are never written and read back (64 rows of a 49k vocabulary:
 // 12.6 MB twice). Threads take contiguous ranges of tiles and keep each row's best value and index;
-// logits are computed 64 tiles at a time into a buffer that stays in cache. Ties go to the lowest index,
-// as torch.argmax.
+// logits are computed a few tiles at a time into a buffer that stays in cache (256 KB), and each row's
+// part is scanned with vector maxima (a scalar compare per logit cost as much as the matmul at 256
+// rows). Ties go to the lowest index, as torch.argmax.
 torch::Tensor quant_argmax(torch::Tensor x, torch::Tensor weight, int64_t type, torch::Tensor row_scales, int64_t N) {
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with contiguous rows");
     TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x must be fp32 or bf16");
@@ -187,24 +216,17 @@ torch::Tensor quant_argmax(torch::Tensor x, torch::Tensor weight, int64_t type, 
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
     std::vector<float> best(parts * M, -std::numeric_limits<float>::infinity());
     std::vector<int64_t> where(parts * M, 0);
-    constexpr int64_t kChunkTiles = 64;
+    const int64_t chunk_tiles = std::clamp<int64_t>(kArgmaxChunkFloats / (M * kTileRows), 1, 64);
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-        std::vector<float> buf(M * kChunkTiles * kTileRows);
+        std::vector<float> buf(M * chunk_tiles * kTileRows);
         for (int64_t p = p0; p < p1; ++p) {
             float* bv = best.data() + p * M;
             int64_t* bi = where.data() + p * M;
-            for (int64_t t0 = tiles * p / parts, t_end = tiles * (p + 1) / parts; t0 < t_end; t0 += kChunkTiles) {
-                const int64_t t1 = std::min(t0 + kChunkTiles, t_end), n0 = t0 * kTileRows, n1 = std::min(t1 * kTileRows, N);
+            for (int64_t t0 = tiles * p / parts, t_end = tiles * (p + 1) / parts; t0 < t_end; t0 += chunk_tiles) {
+                const int64_t t1 = std::min(t0 + chunk_tiles, t_end), n0 = t0 * kTileRows, n1 = std::min(t1 * kTileRows, N);
                 const int64_t ld = (t1 - t0) * kTileRows;
                 tiles_matmul(type, wp, scales, a, t0, t1, N, TileOut{buf.data(), ld, false, nullptr, n0});
-                for (int64_t m = 0; m < M; ++m) {
-                    const float* row = buf.data() + m * ld;
-                    float v = bv[m];
-                    int64_t at = bi[m];
-                    for (int64_t n = n0; n < n1; ++n)
-                        if (row[n - n0] > v) v = row[n - n0], at = n;
-                    bv[m] = v, bi[m] = at;
-                }
+                for (int64_t m = 0; m < M; ++m) improve_max(buf.data() + m * ld, n1 - n0, n0, bv[m], bi[m]);
             }
         }
     });

@@ -143,7 +143,13 @@ struct TileOut {
     bool bf16 = false;
     const float* bias = nullptr;
     int64_t col0 = 0;
+    // Whole fp32 tiles go out with non-temporal stores: for an output far larger than the caches (the
+    // LM head's logits at many rows), which would otherwise read every line before writing it.
+    bool stream = false;
     int64_t at(int64_t m, int64_t n) const { return m * ld + n - col0; }
+    const char* address(int64_t m, int64_t n) const {
+        return static_cast<const char*>(data) + at(m, n) * (bf16 ? 2 : 4);
+    }
     void store(int64_t m, int64_t n, float v) const {
         if (bias) v += bias[n];
         if (bf16) static_cast<c10::BFloat16*>(data)[at(m, n)] = c10::BFloat16(v);
