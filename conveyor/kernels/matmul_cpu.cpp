@@ -147,14 +147,10 @@ constexpr int64_t kArgmaxChunkFloats = 64 * 1024;
 // Where row[0:len) (columns n0...) holds a value above `best`: best and at become its largest value and
 // that value's first column. NaNs never win, as in a scan with `row[n] > best`.
 void improve_max(const float* row, int64_t len, int64_t n0, float& best, int64_t& at) {
-    vecw acc = splat(-std::numeric_limits<float>::infinity());
-    int64_t i = 0;
-    for (; i + W <= len; i += W) acc = vmax(loadw(row + i), acc);  // acc where the logit is NaN
-    float mx = lane_max(acc);
-    for (; i < len; ++i) mx = std::max(mx, row[i]);
+    const float mx = row_max(row, len);
     if (!(mx > best)) return;
-    for (i = 0; row[i] != mx; ++i) {
-    }
+    int64_t i = 0;
+    while (row[i] != mx) ++i;
     best = mx, at = n0 + i;
 }
 

@@ -64,12 +64,8 @@ float scale_and_max(const float* logits, int64_t V, float inv_t, float* z) {
 
 // The first index of the largest logit: a greedy row (0 when every logit is NaN).
 int64_t argmax_row(const float* x, int64_t V) {
-    vecw acc = splat(-INFINITY);
-    int64_t i = 0;
-    for (; i + W <= V; i += W) acc = conveyor::vmax(loadw(x + i), acc);
-    float mx = conveyor::lane_max(acc);
-    for (; i < V; ++i) mx = std::max(mx, x[i]);
-    for (i = 0; i < V; ++i)
+    const float mx = conveyor::row_max(x, V);
+    for (int64_t i = 0; i < V; ++i)
         if (x[i] == mx) return i;
     return 0;
 }

@@ -10,6 +10,8 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -200,6 +202,16 @@ inline float lane_max(vecw v) {  // exact in any order
     for (int i = 1; i < W; ++i) m = m > v[i] ? m : v[i];
     return m;
 #endif
+}
+
+// The largest of x[0:n) (-inf for none); a NaN never wins, as in std::max(mx, x[i]).
+inline float row_max(const float* x, int64_t n) {
+    vecw acc = splat(-INFINITY);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) acc = vmax(loadw(x + i), acc);  // acc where x is NaN
+    float mx = lane_max(acc);
+    for (; i < n; ++i) mx = std::max(mx, x[i]);
+    return mx;
 }
 
 namespace detail {
