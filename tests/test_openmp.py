@@ -10,17 +10,22 @@ import pytest
 
 from conveyor.kernels.openmp import run_on_fresh_thread
 
+from .conftest import TinyModel
+
 # In a fresh process (the test runner's main thread has teams of its own by now): native threads that are
 # not Python threads, i.e. OpenMP workers, before and after building an LLM whose loader runs a parallel op,
 # then after the main thread runs one itself (the check can fail).
-SCRIPT = r"""
+NATIVE_THREADS = r"""
 import os, sys, threading, time
 import torch
-import conveyor.llm
 
 def native_threads():
     time.sleep(0.3)  # a finished thread's pool workers leave asynchronously
     return len(os.listdir("/proc/self/task")) - threading.active_count()
+"""
+
+SCRIPT = NATIVE_THREADS + r"""
+import conveyor.llm
 
 build_model = conveyor.llm.build_model
 def parallel_build(*args, **kwargs):
@@ -36,28 +41,27 @@ print(before, after, native_threads())
 """
 
 
-def test_llm_leaves_no_openmp_team_on_the_caller(tiny_llama) -> None:
+def thread_counts(script: str, model: TinyModel, count: int) -> list[int]:
+    """The last `count` numbers `script` prints, run in a fresh process on `model`."""
     if sys.platform != "linux":
         pytest.skip("reads /proc")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_llama.path)], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", script, str(model.path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    before, after, main_team = map(int, out.stdout.split()[-3:])
-    assert after == before, out.stdout
-    assert main_team == before + 1, out.stdout  # the main thread's own team: one worker thread more
+    return [int(n) for n in out.stdout.split()[-count:]]
+
+
+def test_llm_leaves_no_openmp_team_on_the_caller(tiny_llama: TinyModel) -> None:
+    before, after, main_team = thread_counts(SCRIPT, tiny_llama, 3)
+    assert after == before, (before, after, main_team)
+    assert main_team == before + 1, (before, after, main_team)  # the main thread's own team: one worker more
 
 
 # A served LLM: requests, a /metrics scrape (the KV pool's resident pages: 40,000 pages a layer, more than
 # one OpenMP grain) and a streamed request start no OpenMP team on the server's threads.
-SERVED = r"""
-import json, os, sys, threading, time, urllib.request
-import torch
+SERVED = NATIVE_THREADS + r"""
+import json, urllib.request
 from conveyor import LLM
 from conveyor.server import BackgroundServer
-
-def native_threads():
-    time.sleep(0.3)
-    return len(os.listdir("/proc/self/task")) - threading.active_count()
 
 def post(url, body):
     request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
@@ -75,14 +79,9 @@ with BackgroundServer(llm) as url:
 """
 
 
-def test_serving_starts_no_second_openmp_team(tiny_llama) -> None:
-    if sys.platform != "linux":
-        pytest.skip("reads /proc")
-    out = subprocess.run([sys.executable, "-c", SERVED, str(tiny_llama.path)], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    before, after = map(int, out.stdout.split()[-2:])
-    assert after == before, out.stdout
+def test_serving_starts_no_second_openmp_team(tiny_llama: TinyModel) -> None:
+    before, after = thread_counts(SERVED, tiny_llama, 2)
+    assert after == before, (before, after)
 
 
 def test_run_on_fresh_thread_returns_and_raises() -> None:
