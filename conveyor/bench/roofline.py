@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ..engine.step_buffers import LogitsBuffer
 from ..layers.attention import AttentionBackend, attend
 from ..layers.quantization.linear import QuantMatmul
 from .bandwidth import head_bytes, linear_bytes
@@ -99,7 +99,7 @@ def linear_layers(model: Any, batch: int) -> list[tuple[str, Callable[[torch.Ten
     and its LM head. A mixture-of-experts model's experts run at their share of the rows
     (`expert_load.expert_shapes`); its dense MLP shapes count only the layers that have one."""
     layer = model.layers[0]
-    head = model.lm_head_fn or (lambda h: F.linear(h, model.lm_head_weight))
+    head = HeadCall(model)
     if isinstance(model.lm_head_fn, QuantMatmul):
         head_shape = (model.lm_head_fn.out_features, model.lm_head_fn.in_features)
     else:
@@ -110,6 +110,18 @@ def linear_layers(model: Any, batch: int) -> list[tuple[str, Callable[[torch.Ten
     calls += [(name, m, count, rows) for name, m, count, rows, _ in expert_shapes(model, batch)]
     return ([(name, m, m.out_features, m.in_features, count, linear_bytes(m), rows) for name, m, count, rows in calls]
             + [("lm_head", head, *head_shape, 1, head_bytes(model)[0], batch)])
+
+
+class HeadCall:
+    """The LM head as the engine's runner calls it: `compute_logits`, on CPU into one reused logits
+    buffer (`LogitsBuffer`); `kernel` is the head's own callable, for `peaks.linear_path`."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.kernel, self.logits = model, model.lm_head_fn, LogitsBuffer()
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        width = self.model.logits_out_width if hidden.device.type == "cpu" else None
+        return self.model.compute_logits(hidden, self.logits.take(hidden.shape[0], width) if width else None)
 
 
 @torch.inference_mode()

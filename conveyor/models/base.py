@@ -251,12 +251,23 @@ class CausalLM(nn.Module):
         argmax = getattr(self.lm_head_fn, "argmax", None)
         return argmax(hidden) if argmax is not None else None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def logits_out_width(self) -> int | None:
+        """The width of the `out` buffer `compute_logits` writes into (a quantized head's output
+        features); None where the head allocates its own logits and ignores `out`."""
+        head = self.lm_head_fn
+        return head.out_features if isinstance(head, QuantMatmul) else None
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits for the rows that sample (only those, not every prompt token); through the packed
-        head (`linear.packed_lm_head`) once the weights are loaded."""
+        head (`linear.packed_lm_head`) once the weights are loaded. A quantized head writes them into
+        `out` when given (the caller's reused `[rows, logits_out_width]` buffer); others ignore it."""
         head = self.lm_head_fn
         with self.mirror.logits(hidden) if self.mirror is not None else nullcontext():
-            logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
+            if out is not None and isinstance(head, QuantMatmul):
+                logits = head(hidden, out=out)
+            else:
+                logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits.float()

@@ -97,7 +97,9 @@ class QuantMatmul:
         limit = self.bf16_max_rows
         return self.ops is not None and (dtype != torch.bfloat16 or limit is None or rows <= limit)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`out`: a contiguous `[rows, out_features]` buffer of the output dtype to write into (an LM head's
+        logits buffer that the caller reuses step after step; see `engine.step_buffers.LogitsBuffer`)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
@@ -105,8 +107,12 @@ class QuantMatmul:
         dtype = self.out_dtype or x.dtype
         ops = self.ops
         bias = None if self.bias is None else self.bias.detach()
+        if out is not None and (out.shape != (x2.shape[0], self.out_features) or out.dtype != dtype
+                                or not out.is_contiguous()):
+            raise ValueError(f"quantized linear: out must be a contiguous {dtype} [{x2.shape[0]}, "
+                             f"{self.out_features}] tensor, got {out.dtype} {list(out.shape)}")
         if self.takes_kernel(x2.shape[0], x.dtype):
-            out = torch.empty(x2.shape[0], self.out_features, dtype=dtype)
+            out = torch.empty(x2.shape[0], self.out_features, dtype=dtype) if out is None else out
             start = 0
             for seg in self.segments:
                 end = start + seg.shape[0]
@@ -120,7 +126,8 @@ class QuantMatmul:
                 outs.append(F.linear(x2, SCRATCH.dequantize(seg, x.dtype, ops),
                                      None if bias is None else bias[start:end].to(x.dtype)))
                 start = end
-            out = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(dtype)
+            result = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(dtype)
+            out = result if out is None else out.copy_(result)
         return out.view(*lead, self.out_features)
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
