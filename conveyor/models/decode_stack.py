@@ -38,7 +38,10 @@ MAX_ROWS = 64
 class ThreadChooser:
     """Picks the stack's thread count from recent timings: `choose()` before a call, `record()` after.
     Every `probe_every` calls the other choice runs once; the one with the lower median of its last
-    `window` timings wins."""
+    `window` timings wins. A probe faster than the current choice's median replaces its option's
+    older timings, which are stale (taken while a neighbour held a core, say): the better count comes
+    back at once instead of after `window // 2 + 1` probes, and a lucky probe loses again within a
+    few calls."""
 
     def __init__(self, threads: int, probe_every: int = 64, window: int = 5) -> None:
         self.options = [threads] if threads <= 1 else [threads, 1]
@@ -56,9 +59,17 @@ class ThreadChooser:
         return self.pending
 
     def record(self, seconds: float) -> None:
-        self.times[self.pending].append(seconds)
-        medians = {n: sorted(t)[len(t) // 2] for n, t in self.times.items() if t}
+        times = self.times[self.pending]
+        if self.pending != self.current and seconds < self.median(self.current):
+            times.clear()
+        times.append(seconds)
+        medians = {n: self.median(n) for n, t in self.times.items() if t}
         self.current = min(medians, key=medians.get)
+
+    def median(self, threads: int) -> float:
+        """The median of that count's last timings (infinite with none yet)."""
+        t = sorted(self.times[threads])
+        return t[len(t) // 2] if t else float("inf")
 
 
 def stack_enabled() -> bool:
