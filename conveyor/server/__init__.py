@@ -7,7 +7,11 @@ object), `serving` (admission, the engine bridge, rendering), `limits` (the body
 limits), `tools` and `response_format` (what a request constrains), `metrics` (Prometheus),
 `streaming` (server-sent events, collected results), `errors` (the error handlers), `routes` (a module
 per route family), `app` (puts them together). `run_server` serves in the foreground with graceful
-SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks).
+SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks). uvicorn runs on
+uvloop and httptools (dependencies, as vLLM's server): each streamed token wakes the event loop and
+writes a chunk, and on 2 cores that work takes its time from the decode threads (one stream on the
+built-in model, AVX-512 Xeon, interleaved: TPOT 4.3-4.7 ms against 4.8-6.6 ms on asyncio and h11,
+the decode stack's median 2.9 against 3.4-3.6 ms a step).
 
 Behaviour where the OpenAI API leaves room (mostly as vLLM):
 - max_tokens: completions default to 16 (OpenAI's and vLLM's default); chat completions, and a
