@@ -143,4 +143,3 @@ class LogitsBuffer:
         if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != vocab:
             buffer = self.buffer = torch.empty(sample_bucket(rows), vocab)
         return buffer[:rows]
-

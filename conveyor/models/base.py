@@ -268,6 +268,6 @@ class CausalLM(nn.Module):
                 logits = head(hidden, out=out)
             else:
                 logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
-        if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        if self.final_softcap is not None:  # in place: the logits are the head's own (or `out`)
+            logits = logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits.float()
