@@ -20,12 +20,12 @@ pytestmark = pytest.mark.skipif(matmul_ops() is None, reason="native kernels una
 
 
 def test_buffer_grows_and_hands_out_views() -> None:
-    logits = LogitsBuffer()
-    first = logits.take(3, 10)
+    logits = LogitsBuffer(10)
+    first = logits.take(3)
     assert first.shape == (3, 10) and first.is_contiguous() and logits.buffer.shape == (4, 10)
-    assert logits.take(4, 10).data_ptr() == first.data_ptr(), "a step that fits reuses the buffer"
-    assert logits.take(9, 10).shape == (9, 10) and logits.buffer.shape == (16, 10)
-    assert logits.take(2, 12).shape == (2, 12), "another width takes a new buffer"
+    assert logits.take(4).data_ptr() == first.data_ptr(), "a step that fits reuses the buffer"
+    assert logits.take(9).shape == (9, 10) and logits.buffer.shape == (16, 10)
+    assert LogitsBuffer(None).take(3) is None, "a head that writes into no buffer gets none"
 
 
 def test_quant_head_writes_into_out() -> None:

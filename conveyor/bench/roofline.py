@@ -117,11 +117,11 @@ class HeadCall:
     buffer (`LogitsBuffer`); `kernel` is the head's own callable, for `peaks.linear_path`."""
 
     def __init__(self, model: Any) -> None:
-        self.model, self.kernel, self.logits = model, model.lm_head_fn, LogitsBuffer()
+        self.model, self.kernel = model, model.lm_head_fn
+        self.logits = LogitsBuffer(model.logits_out_width if model_device(model).type == "cpu" else None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        width = self.model.logits_out_width if hidden.device.type == "cpu" else None
-        return self.model.compute_logits(hidden, self.logits.take(hidden.shape[0], width) if width else None)
+        return self.model.compute_logits(hidden, self.logits.take(hidden.shape[0]))
 
 
 @torch.inference_mode()

@@ -157,8 +157,7 @@ class ModelRunner:
         # (Not with sliding windows: a later row's ring slot can still be in an earlier row's window.)
         self.drafts_decode = self.attention.decode_reads_written and all(a.window is None for a, _ in self.groups)
         self.sampler = Sampler()
-        self.logits_buffer = LogitsBuffer()
-        self.logits_width: int | None = getattr(model, "logits_out_width", None) if device.type == "cpu" else None
+        self.logits_buffer = LogitsBuffer(getattr(model, "logits_out_width", None) if device.type == "cpu" else None)
         self.page_size = pool.page_size
         self.max_logit_rows = max_logit_rows  # LM head rows at a time for prompt logprobs (bounds the logits)
         self.buffers: list[StepBuffers] = []  # static step buffers, when steps are padded
@@ -296,7 +295,8 @@ class ModelRunner:
                 tokens = self.model.greedy_tokens(hidden.index_select(0, rows[:len(step.samplers)]))
             logits = None
             if tokens is None and rows.numel():
-                out = None if step.verified else self.logits_out(rows.numel())  # verified rows' outlive the step
+                # the reused buffer, except for verified rows' logits, which outlive the step
+                out = None if step.verified else self.logits_buffer.take(rows.numel())
                 logits = self.model.compute_logits(hidden.index_select(0, rows), out)
         prompt_logprobs = self._prompt_logprobs(step.prompt_plan, hidden) if step.prompt_plan else []
         verify_logits = logits[len(step.samplers):] if step.verified else None
@@ -306,11 +306,6 @@ class ModelRunner:
         elif step.samplers:
             batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers).start_copy()
         return LaunchedStep(step.samplers, batch, prompt_logprobs, step.num_pad, step.verified, verify_logits)
-
-    def logits_out(self, rows: int) -> torch.Tensor | None:
-        """A view of the runner's logits buffer for `rows` rows of logits that die with their step, where the
-        head writes into one (a quantized head on CPU: `CausalLM.logits_out_width`); else None."""
-        return None if self.logits_width is None else self.logits_buffer.take(rows, self.logits_width)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
         """Hidden states of every row of the step (each layer with its group's metadata)."""

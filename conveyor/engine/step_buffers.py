@@ -132,14 +132,18 @@ class LogitsBuffer:
     largest mmap threshold (32 MB), so each step maps it anew and faults in and zeroes every page
     (20-28 ms of a 55-64 ms LM head at 256 rows, against 36 ms into a reused buffer, measured on the
     2-core AVX-512 Xeon). The runner takes a view only for logits that die with their step: not for
-    the rows kept for speculative verification, which outlive it. Grows to the largest step seen."""
+    the rows kept for speculative verification, which outlive it. Grows to the largest step seen.
+    `width`: the head's `CausalLM.logits_out_width` on CPU; None where the head writes into no buffer."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int | None) -> None:
+        self.width = width
         self.buffer: torch.Tensor | None = None
 
-    def take(self, rows: int, vocab: int) -> torch.Tensor:
-        """A contiguous `[rows, vocab]` fp32 view, overwritten by the next `take`."""
+    def take(self, rows: int) -> torch.Tensor | None:
+        """A contiguous `[rows, width]` fp32 view, overwritten by the next `take`; None without a width."""
+        if self.width is None:
+            return None
         buffer = self.buffer
-        if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != vocab:
-            buffer = self.buffer = torch.empty(sample_bucket(rows), vocab)
+        if buffer is None or buffer.shape[0] < rows:
+            buffer = self.buffer = torch.empty(sample_bucket(rows), self.width)
         return buffer[:rows]

@@ -63,8 +63,7 @@ class ThreadChooser:
         if self.pending != self.current and seconds < self.median(self.current):
             times.clear()
         times.append(seconds)
-        medians = {n: self.median(n) for n, t in self.times.items() if t}
-        self.current = min(medians, key=medians.get)
+        self.current = min(self.options, key=self.median)
 
     def median(self, threads: int) -> float:
         """The median of that count's last timings (infinite with none yet)."""
