@@ -1,7 +1,8 @@
 """Tiny Hugging Face models written as GGUF files the way llama.cpp's converter (`convert_hf_to_gguf.py`)
 writes each architecture: its metadata, gguf's own tensor-name map for the architecture, Llama's Q/K row
 permutation to llama.cpp's RoPE layout, Gemma's norms stored plus one, Phi-3's fused tensors and LongRoPE
-factor tensors, Llama 3's RoPE factors as `rope_freqs`; matrices in a type of gguf's own quantizer."""
+factor tensors, Llama 3's RoPE factors as `rope_freqs`; matrices in a type of gguf's own quantizer. And a
+small random GGUF written tensor by tensor, for loader tests that need no Hugging Face model."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 import torch
 import transformers
 
-from .conftest import VOCAB
+from tests.utils import VOCAB, TinyModel
 
 QType = gguf.GGMLQuantizationType
 
@@ -135,3 +136,72 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# attn_v in another type than q and k: a fused qkv of two segments, as K-quant files have.
+GGUF_TYPES = {"attn_q": QType.Q4_1, "attn_k": QType.Q4_1, "attn_v": QType.Q8_0, "attn_output": QType.Q4_0,
+              "ffn_gate": QType.Q4_1, "ffn_up": QType.Q4_1, "ffn_down": QType.Q8_0, "token_embd": QType.Q8_0,
+              "output": QType.Q8_0}
+
+
+def write_quantized_gguf(path: Path, model: TinyModel, types: dict[str, QType]) -> None:
+    """The tiny Llama as llama.cpp writes it: Q/K rows permuted to its RoPE layout, matrices quantized
+    with gguf's own quantizer (`types`: by GGUF tensor kind, the rest F32), the LM head its own tensor."""
+    write_gguf(path, model.reference, "llama", types, head=True)
+
+
+def tiny_head_dim(arch: str) -> int:
+    """Qwen3's head_dim is independent of hidden/heads; 16 here, so it must come from key_length."""
+    return 16 if arch == "qwen3" else 32 // 4
+
+
+def write_tiny_gguf(path: Path, arch: str) -> None:
+    """A small random-weight GGUF (float32, untied head) for architectures without a real fixture."""
+    rng = np.random.default_rng(0)
+    hidden, n_head, n_kv, ffn, vocab = 32, 4, 2, 48, 16
+    head_dim = tiny_head_dim(arch)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv)
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(vocab)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def add(name: str, *shape: int) -> None:
+        writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
+
+    add("token_embd.weight", vocab, hidden)
+    add("output_norm.weight", hidden)
+    add("output.weight", vocab, hidden)
+    add("rope_freqs.weight", head_dim // 2)  # not a model parameter: must be ignored
+    for i in range(2):
+        add(f"blk.{i}.attn_norm.weight", hidden)
+        add(f"blk.{i}.attn_q.weight", n_head * head_dim, hidden)
+        add(f"blk.{i}.attn_k.weight", n_kv * head_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", n_kv * head_dim, hidden)
+        add(f"blk.{i}.attn_output.weight", hidden, n_head * head_dim)
+        add(f"blk.{i}.ffn_norm.weight", hidden)
+        add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, ffn)
+        if arch == "qwen2":
+            add(f"blk.{i}.attn_q.bias", n_head * head_dim)
+            add(f"blk.{i}.attn_k.bias", n_kv * head_dim)
+            add(f"blk.{i}.attn_v.bias", n_kv * head_dim)
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", head_dim)
+            add(f"blk.{i}.attn_k_norm.weight", head_dim)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -1,18 +1,26 @@
 """Helpers of the server tests: a tiny Llama with a long context (requests that run for a while), one
-over a byte-level BPE tokenizer that can spell JSON, and a reader of Prometheus lines."""
+over a byte-level BPE tokenizer that can spell JSON, prompts of its words, `conveyor serve`'s parser,
+waiting for a server subprocess, and a reader of Prometheus lines."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import random
+import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from conveyor import LLM, ContinuousBatchingConfig
+from conveyor.cli_args import add_serve_args
+from conveyor.scaleout import add_data_parallel_args
 
-from .conftest import TINY_COMMON, tiny_tokenizer
+from tests.utils import TINY_COMMON, VOCAB, tiny_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
                  "{% if add_generation_prompt %}w5{% endif %}")
@@ -59,9 +67,37 @@ def long_tiny_llm(path: Path, num_blocks: int = 1024, **config: object) -> LLM:
                                                                       **config))
 
 
-def metric(text: str, name: str) -> float:
-    """The first sample of `name` in a Prometheus text page (0 when absent)."""
+def random_words(seed: int, n: int) -> str:
+    """A prompt of `n` random words of the word-level tokenizer."""
+    return " ".join(f"w{t}" for t in random.Random(seed).choices(range(3, VOCAB), k=n))
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`conveyor serve`'s options, data parallelism included."""
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    add_data_parallel_args(parser)
+    return parser
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 90) -> None:
+    """Until the server subprocess `proc` answers /health (its `log` in the error if it exits first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("server did not become healthy")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The first sample of `name` with these `labels` in a Prometheus text page (0 when absent)."""
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
     return 0.0

@@ -28,7 +28,7 @@ from conveyor.kernels import cpu_matmul_ops, vector_flags
 from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
 from conveyor.request import RequestState
 
-from .conftest import TinyModel, random_prompts
+from tests.utils import TinyModel, random_prompts
 
 BATCH, CONTEXT = 3, 15
 

@@ -12,7 +12,7 @@ import pytest
 from conveyor import LLM
 from conveyor.server import BackgroundServer, ServerSettings
 
-from .serving_helpers import long_tiny_llm, save_long_tiny
+from tests.serving_helpers import long_tiny_llm, save_long_tiny
 
 pytest.importorskip("schemathesis", reason="needs schemathesis (the test extra)")
 

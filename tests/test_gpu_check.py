@@ -21,7 +21,7 @@ from conveyor.bench.gpu_check import (
 )
 from conveyor.bench.workloads import load_workload
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4" failures="1" errors="0" skipped="1">
 <testcase classname="tests.test_cuda" name="test_a"/><testcase classname="tests.test_cuda" name="test_b">

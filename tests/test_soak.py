@@ -12,7 +12,7 @@ import pytest
 from conveyor.bench.launch import launched_server
 from conveyor.bench.soak import Soak, print_report
 
-from .serving_helpers import save_long_tiny
+from tests.serving_helpers import save_long_tiny
 
 
 @pytest.mark.slow

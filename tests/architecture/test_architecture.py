@@ -10,7 +10,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "conveyor"
+PACKAGE = Path(__file__).resolve().parents[2] / "conveyor"
 
 # Bottom-up; a module imports from its own layer and the layers below it. A prefix names a module or a
 # folder of them; the package root (`conveyor`, the public API) is the "api" layer.

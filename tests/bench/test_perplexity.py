@@ -13,7 +13,7 @@ import torch
 from conveyor.bench.commands import main
 from conveyor.bench.perplexity import plan_windows
 
-from .conftest import TinyModel, random_prompts
+from tests.utils import TinyModel, random_prompts
 
 TOKENS = random_prompts([70], seed=50)[0]
 

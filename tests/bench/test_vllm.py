@@ -1,7 +1,7 @@
 """`conveyor bench throughput --compare vllm`: the plumbing, with a stand-in "vLLM interpreter".
 
 The interpreter given to `--vllm-python` is a shell script that runs this Python with
-`tests/bench_fake_vllm` on its path, so the real `vllm_runner.py` runs against a fake `vllm` module
+`tests/bench/fake_vllm` on its path, so the real `vllm_runner.py` runs against a fake `vllm` module
 (transformers' eager greedy decoding; see its docstring). The fake logs what reached it: the
 model, dtype and kwargs, every request's sampling parameters and the environment.
 """
@@ -32,9 +32,9 @@ from conveyor.bench.vllm_compare import (
 from conveyor.bench.workloads import BenchRequest, Workload
 from conveyor.kernels import vector_flags
 
-from .conftest import TinyModel, random_prompts
+from tests.utils import TinyModel, random_prompts
 
-FAKE_VLLM = Path(__file__).with_name("bench_fake_vllm")
+FAKE_VLLM = Path(__file__).with_name("fake_vllm")
 
 
 def interpreter(tmp_path: Path, body: str | None = None) -> str:

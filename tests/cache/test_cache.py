@@ -16,12 +16,9 @@ from conveyor.cache.prefix_cache import block_digest
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
 
+from tests.utils import check_allocator_invariants, make_pool
+
 RESERVED = set(range(NUM_RESERVED_CHUNKS))
-
-
-def make_pool(num_chunks: int, page_size: int = 4) -> CachePool:
-    return CachePool(num_chunks, page_size, num_layers=1, num_kv_heads=1, head_dim=1,
-                     dtype=torch.float32, device=torch.device("cpu"))
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -272,32 +269,6 @@ def admit(alloc: FullAttentionCacheAllocator, request: Request, end: int | None 
 
 def sharing_allocator(num_chunks: int, page_size: int = 4) -> FullAttentionCacheAllocator:
     return FullAttentionCacheAllocator(make_pool(num_chunks, page_size), block_sharing=True)
-
-
-def check_allocator_invariants(alloc: FullAttentionCacheAllocator) -> None:
-    """Every block is uninitialized, held or cached, exactly one of them; ref counts are the holders;
-    the hash index is one to one, over held and cached blocks only; reserved chunks are never used."""
-    pool, cache = alloc.pool, alloc.prefix_cache
-    uninit = list(pool._free)
-    cached = list(cache._cached)
-    holders: dict[int, int] = {}
-    for table in alloc.block_tables.values():
-        assert len(table) == len(set(table)), "a block twice in one table"
-        for b in table:
-            holders[b] = holders.get(b, 0) + 1
-    assert holders == alloc.ref_counts, "ref counts differ from the number of tables holding each block"
-    assert all(n >= 1 for n in alloc.ref_counts.values())
-    every = uninit + list(holders) + cached
-    assert len(every) == len(set(every)), "a block in two states at once"
-    assert sorted(every) == list(range(NUM_RESERVED_CHUNKS, pool.num_chunks)), "blocks lost, or reserved ones used"
-    assert alloc.num_free_blocks == len(uninit) + len(cached)
-    assert pool.num_free + alloc.num_cached_blocks + len(holders) == alloc.num_total_blocks
-    assert {d: b for b, d in cache._digest_of.items()} == cache._block_of, "hash index not one to one"
-    assert set(cached) <= set(cache._digest_of), "a cached block without a digest"
-    assert set(cache._digest_of) <= set(holders) | set(cached), "an uninitialized block kept its digest"
-    if not alloc.block_sharing:
-        assert not cache._digest_of and not cached
-        assert all(n == 1 for n in alloc.ref_counts.values()), "a block held twice without sharing"
 
 
 def test_disabled_sharing_matches_nothing():

@@ -14,7 +14,7 @@ from conveyor.engine.engine import Engine
 from conveyor.errors import InvalidRequestError
 from conveyor.request import RequestState
 
-from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts
+from tests.utils import TinyModel, assert_greedy_match, hf_greedy, random_prompts
 
 PAGE = 4
 SMALL = dict(page_size=PAGE, num_blocks=24, max_batch_tokens=32, safety_margin=0.0)  # too small for all at once
@@ -22,6 +22,10 @@ PROMPTS = random_prompts([20, 15, 25, 10, 18], seed=5)
 MAX_NEW = [24, 28, 16, 30, 20]
 PARAMS = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
 BLOCK_BYTES = 2 * PAGE * 2 * 2 * 16 * 4  # tiny llama: K and V, 2 layers, 2 kv heads, head_dim 16, fp32
+
+# The engine stepped from the test's own thread is much slower with two intra-op threads on a shared 2-core
+# machine (the manager's thread is not affected); one thread keeps the file fast.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gib(blocks: int) -> float:
@@ -36,16 +40,6 @@ def reference(tiny_llama: TinyModel) -> list[list[int]]:
         ref, logits = hf_greedy(tiny_llama.reference, prompt, n)
         assert_greedy_match(out, ref, logits, f"unconstrained prompt {i}")
     return outs
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The engine stepped from the test's own thread is much slower with two intra-op threads on a
-    shared 2-core machine (the manager's thread is not affected); one thread keeps the file fast."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(autouse=True)

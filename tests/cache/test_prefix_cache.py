@@ -8,19 +8,12 @@ import struct
 
 import pytest
 
-from conveyor import LLM, SamplingParams
 from conveyor.cache.prefix_cache import BlockHashes, PrefixCache, block_digest
 from conveyor.engine.engine import Engine
 from conveyor.request import Request
 
-from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts
-from .test_cache import check_allocator_invariants
-
-PAGE = 4
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+from tests.utils import (PAGE, TinyModel, assert_greedy_match, check_allocator_invariants, greedy, hf_greedy,
+                         random_prompts, shared_prefix_scenario)
 
 
 def chain(tokens: list[int], num_blocks: int, page_size: int = PAGE) -> list[bytes]:
@@ -83,45 +76,6 @@ def test_prefix_cache_index_and_lifo_eviction():
 
 
 # -- outputs and savings -----------------------------------------------------------------------
-
-def shared_prefix_scenario(llm: LLM, reference) -> dict[str, list[int]]:
-    """Five requests over one 40-token base, joining while the first one runs (page size 4,
-    24-token budget, so the first prompt prefills in three chunks):
-    a: base + 10 tokens;  b: base + 7 others, added while a is mid-prefill;
-    c: a's prompt again and d: its first 48 tokens (whole prompts cached), added once a decodes;
-    e: a's prompt + its first 10 generated tokens, added once a has computed them."""
-    engine = llm.engine
-    base = random_prompts([40], seed=11)[0]
-    tails = random_prompts([10, 7], seed=12)
-    a_ref, _ = hf_greedy(reference, base + tails[0], 12)
-    prompts = {"a": base + tails[0], "b": base + tails[1]}
-    prompts |= {"c": prompts["a"], "d": prompts["a"][:48], "e": prompts["a"] + a_ref[:10]}
-    max_new = {"a": 12, "b": 6, "c": 8, "d": 5, "e": 6}
-    requests = {}
-
-    def add(name: str) -> None:
-        requests[name] = engine.make_request(name, prompts[name], greedy(max_new[name]))
-        engine.add_request(requests[name])
-
-    add("a")
-    engine.step()
-    engine.step()
-    add("b")  # a has 48 tokens computed, 12 blocks indexed: b shares 10 of them
-    engine.step()
-    assert requests["a"].output_token_ids and requests["b"].num_computed_tokens > 0
-    if engine.block_sharing:
-        assert engine.allocator.block_table("b")[:10] == engine.allocator.block_table("a")[:10]
-        assert engine.allocator.block_table("b")[10] != engine.allocator.block_table("a")[10]
-    add("c")
-    add("d")
-    while len(requests["a"].output_token_ids) < 8:  # a's tokens up to 56 computed: 14 blocks indexed
-        engine.step()
-    add("e")
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert all(r.finish_reason == "length" for r in requests.values())
-    return {name: r.output_token_ids for name, r in requests.items()} | {"prompts": prompts}
-
 
 def test_outputs_identical_with_and_without_prefix_caching(tiny_llama: TinyModel) -> None:
     results = {}

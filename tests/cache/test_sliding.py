@@ -10,26 +10,17 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor import SamplingParams
 from conveyor.cache.allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
-from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool, layer_groups
+from conveyor.cache.pool import NUM_RESERVED_CHUNKS, layer_groups
 from conveyor.engine.engine import Engine
 from conveyor.models.base import attention_layer_types
 
-from .conftest import TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, hf_greedy, random_prompts
+from tests.utils import (TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, greedy, hf_greedy, make_pool,
+                         random_prompts)
 
 SLIDING_KINDS = ["mistral_sliding", "gemma2", "gemma3"]
 PROMPTS = random_prompts([3, 9, 20, 31], seed=3)  # up to ~4 windows long
 MAX_NEW = 20
-
-
-def make_pool(num_chunks: int, page_size: int = 4) -> CachePool:
-    return CachePool(num_chunks, page_size, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32,
-                     device=torch.device("cpu"))
-
-
-def greedy(n: int = MAX_NEW) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -152,7 +143,7 @@ def test_hybrid_allocator_invariants_under_random_ops(num_chunks, page_size, win
 ], ids=["page4", "page3-chunk5", "page16-chunk13"])
 def test_sliding_and_hybrid_models_match_transformers(kind, config, tiny_models, references):
     llm = tiny_models[kind].llm(**config)
-    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     assert_matches(kind, [o.token_ids for o in outs], references, str(config))
     assert_nothing_held(llm.engine)
 
@@ -162,7 +153,7 @@ def test_pytorch_attention_path_matches_too(kind, tiny_models, references, monke
     monkeypatch.setenv("CONVEYOR_NATIVE_KERNELS", "0")
     llm = tiny_models[kind].llm(page_size=4, max_batch_tokens=7)
     assert type(llm.engine.runner.attention).__name__ == "TorchPagedAttention"
-    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     assert_matches(kind, [o.token_ids for o in outs], references, "pytorch attention")
 
 
@@ -200,7 +191,7 @@ def test_hybrid_offloading_keeps_outputs(scheduler_type, swap, tiny_models, refe
     swapping their full and sliding chunks, or by recomputation) and the outputs do not change."""
     llm = tiny_models["gemma2"].llm(page_size=4, num_blocks=30, scheduler_type=scheduler_type,
                                     cpu_offload_space=1.0 if swap else 0.0)
-    outs = llm.generate(PROMPTS, greedy(), use_tqdm=False)
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     stats = llm.stats()
     assert stats.offloads > 0
     assert (stats.swap_ins > 0) == swap and (stats.soft_resets > 0) == (not swap)
@@ -216,6 +207,6 @@ def test_hybrid_request_larger_than_the_pool_fails_alone(tiny_models, references
     too_long = random_prompts([llm.engine.capacity_tokens + 1], seed=9)[0]
     with pytest.raises(ValueError, match="KV cache capacity"):
         llm.generate([too_long], greedy(1), use_tqdm=False)
-    outs = llm.generate(PROMPTS[:2], greedy(), use_tqdm=False)
+    outs = llm.generate(PROMPTS[:2], greedy(MAX_NEW), use_tqdm=False)
     assert_matches("gemma2", [o.token_ids for o in outs], references, "after a refused request")
     assert_nothing_held(llm.engine)

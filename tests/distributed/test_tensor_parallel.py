@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,12 +26,13 @@ from conveyor.layers.quantization.tensors import QuantizedTensor
 from conveyor.manager import EngineDeadError
 from conveyor.models.loader import load_checkpoint, read_config
 from conveyor.models.sharding import plan_shards, valid_sizes
+from conveyor.scaleout.net import free_port
 
-from .conftest import TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
-from .test_precision import BF16_AGREEMENT, BF16_TOLERANCE, GGUF_TYPES, greedy, next_token_logprobs, \
-    write_quantized_gguf
+from tests.gguf_writer import GGUF_TYPES, write_quantized_gguf
+from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, TinyModel, agreement, all_free, assert_greedy_match,
+                         greedy_ids, hf_greedy, next_token_logprobs, random_prompts)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = random_prompts([5, 9, 14, 20, 3, 30, 11], seed=7)
 
 
@@ -46,10 +46,6 @@ def tp_llm(path: Path | str, tp: int = 2, dtype: str = "float32", quantization: 
            **config: object) -> LLM:
     return LLM(path, dtype=dtype, quantization=quantization, tensor_parallel_size=tp,
                config=ContinuousBatchingConfig(num_blocks=128, **config))
-
-
-def assert_pool_returned(llm: LLM) -> None:
-    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -144,7 +140,7 @@ def test_tp2_greedy_matches_transformers(tiny_models: dict[str, TinyModel], kind
     for prompt, out in zip(PROMPTS, outs):
         ref, logits = hf_greedy(model.reference, prompt, 16)
         assert_greedy_match(out.token_ids, ref, logits, f"{kind} TP=2")
-    assert_pool_returned(llm)
+    assert all_free(llm)
     llm.shutdown()
 
 
@@ -160,7 +156,7 @@ def test_tp2_logprobs_and_seeded_sampling_equal_tp1(tiny_llama: TinyModel) -> No
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     for x, y in zip(a[0].prompt_logprobs[1:] + a[0].logprobs, b[0].prompt_logprobs[1:] + b[0].logprobs):
         assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
-    assert_pool_returned(two)
+    assert all_free(two)
     two.shutdown()
 
 
@@ -179,23 +175,20 @@ def test_tp2_speculation_prefix_cache_and_padding_equal_tp1(tiny_llama: TinyMode
     assert a == b
     stats = two.stats()
     assert stats.spec_decode_num_drafts > 0 and stats.prefix_cache_hit_tokens > 0
-    assert_pool_returned(two)
+    assert all_free(two)
     two.shutdown()
 
 
-def test_tp2_gguf_blocks_close_to_tp1(quantized_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tp2_gguf_blocks_close_to_tp1(quantized_gguf: Path, gguf_tokenizer: None) -> None:
     """The file's Q4_0/Q4_1/Q8_0 blocks split as they are: only the order of the sums changes."""
-    from .conftest import tiny_tokenizer
-
-    monkeypatch.setattr("conveyor.models.loader._gguf_tokenizer", lambda path: tiny_tokenizer())
     one, two = LLM(quantized_gguf), tp_llm(quantized_gguf, dtype="auto")
     assert one.quantization == two.quantization == "gguf"
     err = (next_token_logprobs(two, PROMPTS) - next_token_logprobs(one, PROMPTS)).abs().max().item()
-    rate = agreement(greedy(two, PROMPTS), greedy(one, PROMPTS))
+    rate = agreement(greedy_ids(two, PROMPTS), greedy_ids(one, PROMPTS))
     print(f"gguf TP=2 vs TP=1: log-prob error {err:.4f}, greedy agreement {rate:.2f}")
     assert err < BF16_TOLERANCE, f"gguf TP=2 vs TP=1: log-prob error {err:.3f}"
     assert rate >= BF16_AGREEMENT, f"gguf TP=2 vs TP=1: greedy agreement {rate:.2f}"
-    assert_pool_returned(two)
+    assert all_free(two)
     two.shutdown()
 
 
@@ -208,7 +201,7 @@ def test_tp2_quantized_from_floats_close_to_tp1(tiny_models: dict[str, TinyModel
     two = tp_llm(smooth.path, dtype="auto", quantization=quantization)
     assert two.quantization == quantization
     err = (next_token_logprobs(two, PROMPTS) - next_token_logprobs(one, PROMPTS)).abs().max().item()
-    rate = agreement(greedy(two, PROMPTS), greedy(one, PROMPTS))
+    rate = agreement(greedy_ids(two, PROMPTS), greedy_ids(one, PROMPTS))
     print(f"{quantization} TP=2 vs TP=1: log-prob error {err:.4f}, greedy agreement {rate:.2f}")
     assert err < BF16_TOLERANCE and rate >= BF16_AGREEMENT
     two.shutdown()
@@ -219,7 +212,7 @@ def test_tp2_bf16_within_the_precision_tolerance(tiny_models: dict[str, TinyMode
     fp32 = LLM(smooth.path, dtype="float32", config=ContinuousBatchingConfig(num_blocks=128))
     two = tp_llm(smooth.path, dtype="bfloat16")
     err = (next_token_logprobs(two, PROMPTS) - next_token_logprobs(fp32, PROMPTS)).abs().max().item()
-    rate = agreement(greedy(two, PROMPTS), greedy(fp32, PROMPTS))
+    rate = agreement(greedy_ids(two, PROMPTS), greedy_ids(fp32, PROMPTS))
     print(f"bf16 TP=2 vs fp32: log-prob error {err:.4f}, greedy agreement {rate:.2f}")
     assert err < BF16_TOLERANCE, f"bf16 TP=2 vs fp32: log-prob error {err:.3f}"
     assert rate >= BF16_AGREEMENT
@@ -227,12 +220,6 @@ def test_tp2_bf16_within_the_precision_tolerance(tiny_models: dict[str, TinyMode
 
 
 # -- torchrun across "nodes" -----------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(importlib.util.find_spec("torch.distributed.run") is None, reason="torchrun is not installed")
 def test_torchrun_two_nodes_on_loopback(tiny_llama: TinyModel) -> None:
     """Two torchrun agents (`--nnodes 2`, one process each) on a loopback rendezvous run `conveyor generate`;
@@ -280,7 +267,7 @@ def test_a_dead_rank_ends_the_group_with_a_clear_error(tiny_llama: TinyModel) ->
         assert out.num_output_tokens < 400
     with pytest.raises(EngineDeadError, match="rank 1"):
         llm.manager.add_request(PROMPTS[0], SamplingParams(max_new_tokens=2))
-    assert_pool_returned(llm)
+    assert all_free(llm)
     again = tp_llm(tiny_llama.path)  # a new group replaces the failed one
     assert launch._CURRENT.processes[1].pid != worker.pid
     out = again.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)[0]

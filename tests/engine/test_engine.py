@@ -11,16 +11,12 @@ from conveyor import LLM, ContinuousBatchingConfig, InvalidRequestError, Request
 from conveyor.engine.engine import Engine
 from conveyor.models.loader import ModelLoadError
 
-from .conftest import TinyModel, hf_greedy, random_prompts
+from tests.utils import TinyModel, greedy, hf_greedy, random_prompts
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama: TinyModel) -> LLM:
     return tiny_llama.llm(page_size=4, num_blocks=128, max_batch_tokens=16)
-
-
-def greedy(n: int, **kw: object) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
 
 
 def run_all(engine: Engine) -> None:

@@ -16,10 +16,11 @@ import pytest
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.manager import EngineDeadError
+from conveyor.scaleout.net import free_port
 from conveyor.server import BackgroundServer
 
-from .conftest import TinyModel
-from .test_server import free_port, wait_healthy
+from tests.serving_helpers import wait_healthy
+from tests.utils import TinyModel
 
 CAUSE = "simulated engine crash"
 LONG = {"prompt": "w5 w6 w7", "max_tokens": 400, "ignore_eos": True, "temperature": 0}

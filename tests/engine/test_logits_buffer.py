@@ -13,8 +13,7 @@ from conveyor.layers.quantization.linear import QuantMatmul, matmul_ops
 from conveyor.layers.quantization.tensors import quantize_int8
 from conveyor.models.base import CausalLM
 
-from .conftest import TinyModel, random_prompts
-from .test_speculative_engine import NGRAM, copy_prompts
+from tests.utils import NGRAM, TinyModel, copy_prompts, random_prompts
 
 pytestmark = pytest.mark.skipif(matmul_ops() is None, reason="native kernels unavailable")
 

@@ -1,5 +1,6 @@
 """KV cache sizing on CUDA: the profiling pass (run here on CPU through the real runner) and the
-arithmetic from `torch.cuda`'s counters, which are monkeypatched; the real thing is in test_cuda.py."""
+arithmetic from `torch.cuda`'s counters, which are monkeypatched; the real thing is in
+tests/entrypoints/test_cuda.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks,
 from conveyor.engine import memory_profile
 from conveyor.engine.memory_profile import profile_split, run_profile_pass, scratch_chunks, working_memory
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
 CUDA = torch.device("cuda")
 

@@ -10,11 +10,7 @@ import torch
 from conveyor import LLM, InvalidRequestError, SamplingParams
 from conveyor.engine.engine import Engine
 
-from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts
-
-
-def greedy(n: int, **kw: object) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
+from tests.utils import TinyModel, assert_greedy_match, greedy, hf_greedy, random_prompts
 
 
 @torch.inference_mode()

@@ -14,26 +14,11 @@ from conveyor.layers.sampler import Sampler
 from conveyor.models.loader import default_model_path, load_checkpoint
 from conveyor.request import Request
 
-from .conftest import TinyModel, agreement, assert_greedy_match, random_prompts
+from tests.utils import (LENGTHS, MAX_NEW, TinyModel, agreement, all_free, assert_greedy_match, hf_greedy,
+                         random_prompts)
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
-LENGTHS = [1, 5, 17, 33, 64, 100, 7, 250]
-MAX_NEW = [12, 3, 20, 9, 16, 1, 24, 10]
-
-
-@torch.inference_mode()
-def hf_greedy_cuda(model: transformers.PreTrainedModel, prompt: list[int], max_new_tokens: int,
-                   **kwargs: object) -> tuple[list[int], torch.Tensor]:
-    ids = torch.tensor([prompt], device=CUDA)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kwargs)
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.logits)[:, 0].float().cpu()
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    allocator = llm.engine.allocator
-    assert allocator.num_free_blocks == allocator.num_total_blocks
 
 
 @pytest.fixture(autouse=True)
@@ -55,9 +40,9 @@ def test_fp32_greedy_matches_transformers_on_cuda(tiny_models: dict[str, TinyMod
         params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in MAX_NEW]
         prompts = random_prompts(LENGTHS)
         for i, (prompt, out) in enumerate(zip(prompts, llm.generate(prompts, params, use_tqdm=False))):
-            ref, logits = hf_greedy_cuda(reference, prompt, MAX_NEW[i])
+            ref, logits = hf_greedy(reference, prompt, MAX_NEW[i])
             assert_greedy_match(out.token_ids, ref, logits, f"{kind} on CUDA, prompt {i}")
-        assert_all_blocks_free(llm)
+        assert all_free(llm)
     finally:
         model.reference.to("cpu")
 
@@ -84,9 +69,9 @@ def test_builtin_model_fp32_matches_transformers_on_cuda() -> None:
     outputs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, temperature=0) for n in max_new],
                            use_tqdm=False)
     for i, (prompt, n, out) in enumerate(zip(prompts, max_new, outputs)):
-        ref, logits = hf_greedy_cuda(reference, prompt, n, eos_token_id=checkpoint.config.eos_token_id)
+        ref, logits = hf_greedy(reference, prompt, n, eos_token_id=checkpoint.config.eos_token_id)
         assert_greedy_match(out.token_ids, ref, logits, f"SmolLM2 on CUDA, prompt {i}")
-    assert_all_blocks_free(llm)
+    assert all_free(llm)
 
 
 def test_bf16_is_the_cuda_default_and_generates_sanely(tiny_models: dict[str, TinyModel]) -> None:
@@ -99,11 +84,11 @@ def test_bf16_is_the_cuda_default_and_generates_sanely(tiny_models: dict[str, Ti
     assert [len(o.token_ids) for o in outputs] == MAX_NEW and all(o.finish_reason == "length" for o in outputs)
     reference = model.reference.to(CUDA)  # transformers fp32 on the GPU (no CPU kernels to build here)
     try:
-        exact = [hf_greedy_cuda(reference, p, n)[0] for p, n in zip(prompts, MAX_NEW)]
+        exact = [hf_greedy(reference, p, n)[0] for p, n in zip(prompts, MAX_NEW)]
     finally:
         model.reference.to("cpu")
     assert agreement([o.token_ids for o in outputs], exact) > 0.5
-    assert_all_blocks_free(llm)
+    assert all_free(llm)
 
 
 def test_pool_is_sized_from_device_memory_after_a_profiling_pass(tiny_llama: TinyModel) -> None:
@@ -116,7 +101,7 @@ def test_pool_is_sized_from_device_memory_after_a_profiling_pass(tiny_llama: Tin
     outputs = llm.generate(random_prompts([300, 40]), SamplingParams(max_new_tokens=8, temperature=0,
                                                                      ignore_eos=True), use_tqdm=False)
     assert [len(o.token_ids) for o in outputs] == [8, 8]
-    assert_all_blocks_free(llm)
+    assert all_free(llm)
 
 
 def test_block_accounting_with_cancel_stop_seeds_and_pinned_swaps(tiny_llama: TinyModel) -> None:
@@ -137,14 +122,14 @@ def test_block_accounting_with_cancel_stop_seeds_and_pinned_swaps(tiny_llama: Ti
     got = tight.generate(prompts, params, use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert tight.stats().swap_outs > 0 and tight.stats().swap_ins == tight.stats().swap_outs
-    assert_all_blocks_free(tight)
+    assert all_free(tight)
     engine = tight.engine
     request = engine.make_request("cancel-me", prompts[0], SamplingParams(max_new_tokens=50, ignore_eos=True))
     engine.add_request(request)
     for _ in range(3):
         engine.step()
     engine.cancel_request("cancel-me")
-    assert_all_blocks_free(tight)
+    assert all_free(tight)
     assert engine.pool.num_chunks == 24 + NUM_RESERVED_CHUNKS and engine.swap.num_free == engine.swap.num_slots
 
 

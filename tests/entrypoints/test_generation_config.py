@@ -17,9 +17,8 @@ from conveyor.chat_template import load_chat_template
 from conveyor.generation_config import GenerationDefaults
 from conveyor.server import BackgroundServer
 
-from .conftest import TinyModel
+from tests.utils import USER_CHAT_TEMPLATE, TinyModel
 
-TEMPLATE = "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
 GENERATION = {"temperature": 0.0, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 5,
               "do_sample": True, "bos_token_id": 1}
 
@@ -76,15 +75,16 @@ def test_offline_defaults_come_from_the_generation_config(model_dir: Path) -> No
 
 
 def test_chat_template_from_a_file_inline_or_per_call(tiny_llama: TinyModel, tmp_path: Path) -> None:
-    (tmp_path / "t.jinja").write_text(TEMPLATE)
-    assert load_chat_template(tmp_path / "t.jinja") == TEMPLATE == load_chat_template(str(tmp_path / "t.jinja"))
+    (tmp_path / "t.jinja").write_text(USER_CHAT_TEMPLATE)
+    assert load_chat_template(tmp_path / "t.jinja") == USER_CHAT_TEMPLATE \
+        == load_chat_template(str(tmp_path / "t.jinja"))
     assert load_chat_template("{{ messages[0]['content'] }}\\n") == "{{ messages[0]['content'] }}\n"  # vLLM's escapes
     with pytest.raises(ValueError, match="chat template file not found: nope.jinja"):
         load_chat_template("nope.jinja")
     hello = [{"role": "user", "content": "w5"}]
     model = llm(tiny_llama.path, chat_template=tmp_path / "t.jinja")
     assert model.render_chat(hello) == [7, 5, 8, 9]
-    inline = TEMPLATE.replace("w7", "w10")
+    inline = USER_CHAT_TEMPLATE.replace("w7", "w10")
     [out] = model.chat(hello, SamplingParams(max_new_tokens=1), use_tqdm=False, chat_template=inline)
     assert out.prompt_token_ids == [10, 5, 8, 9]
     with pytest.raises(ValueError, match="cannot render a user message"):
@@ -92,7 +92,7 @@ def test_chat_template_from_a_file_inline_or_per_call(tiny_llama: TinyModel, tmp
 
 
 def test_the_server_fills_unset_fields_and_caps_the_context(model_dir: Path, tmp_path: Path) -> None:
-    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    (tmp_path / "t.jinja").write_text(USER_CHAT_TEMPLATE)
     model = llm(model_dir, max_model_len=64, chat_template=tmp_path / "t.jinja")
     with BackgroundServer(model) as url, httpx.Client(base_url=url, timeout=60) as http:
         models = http.get("/v1/models").json()["data"]

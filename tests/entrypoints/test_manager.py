@@ -11,7 +11,7 @@ import pytest
 from conveyor import LLM, ContinuousBatchingManager, SamplingParams
 from conveyor.cli import main as cli_main
 
-from .conftest import TinyModel, random_prompts
+from tests.utils import TinyModel, greedy, random_prompts
 
 
 @pytest.fixture(scope="module")
@@ -19,15 +19,11 @@ def llm(tiny_llama: TinyModel) -> LLM:
     return tiny_llama.llm(page_size=4, num_blocks=256, max_batch_tokens=32)
 
 
-def params(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
-
-
 def test_streams_tokens_as_they_arrive(llm: LLM) -> None:
     prompts = random_prompts([12, 30, 5], seed=20)
-    expected = llm.generate(prompts, params(15), use_tqdm=False)
+    expected = llm.generate(prompts, greedy(15), use_tqdm=False)
     with ContinuousBatchingManager(llm.engine) as manager:
-        ids = [manager.add_request(p, params(15), streaming=True) for p in prompts]
+        ids = [manager.add_request(p, greedy(15), streaming=True) for p in prompts]
         for rid, ref in zip(ids, expected):
             chunks = list(manager.request_id_iter(rid))
             assert len(chunks) > 1 and chunks[-1].finished and not any(c.finished for c in chunks[:-1])
@@ -41,8 +37,8 @@ def test_streams_tokens_as_they_arrive(llm: LLM) -> None:
 
 def test_cancel_request_ends_it_promptly(llm: LLM) -> None:
     with ContinuousBatchingManager(llm.engine) as manager:
-        long_id = manager.add_request(random_prompts([20], seed=21)[0], params(480), streaming=True)
-        other_id = manager.add_request(random_prompts([8], seed=22)[0], params(10))
+        long_id = manager.add_request(random_prompts([20], seed=21)[0], greedy(480), streaming=True)
+        other_id = manager.add_request(random_prompts([8], seed=22)[0], greedy(10))
         stream = manager.request_id_iter(long_id)
         first = next(stream)
         assert not first.finished
@@ -58,7 +54,7 @@ def test_cancel_request_ends_it_promptly(llm: LLM) -> None:
 
 def test_get_result_any_order_and_timeout(llm: LLM) -> None:
     with ContinuousBatchingManager(llm.engine) as manager:
-        ids = {manager.add_request(p, params(n)) for p, n in zip(random_prompts([4, 9], seed=23), (3, 6))}
+        ids = {manager.add_request(p, greedy(n)) for p, n in zip(random_prompts([4, 9], seed=23), (3, 6))}
         got = {manager.get_result(timeout=30).request_id for _ in ids}
         assert got == ids
         assert manager.get_result(timeout=0.05) is None
@@ -70,7 +66,7 @@ def test_get_result_any_order_and_timeout(llm: LLM) -> None:
 
 def test_stop_aborts_requests_in_flight(llm: LLM) -> None:
     manager = ContinuousBatchingManager(llm.engine).start()
-    rid = manager.add_request(random_prompts([10], seed=24)[0], params(480), streaming=True)
+    rid = manager.add_request(random_prompts([10], seed=24)[0], greedy(480), streaming=True)
     stream = manager.request_id_iter(rid)
     assert not next(stream).finished
     manager.stop()

@@ -20,7 +20,7 @@ from conveyor.sampling_params import StructuredOutputsParams
 from conveyor.sched.scheduler import SCHEDULERS, FIFOScheduler, Scheduler
 from conveyor.speculative import SpeculativeConfig
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
 
 def choices(parser: argparse.ArgumentParser, dest: str) -> list[str]:

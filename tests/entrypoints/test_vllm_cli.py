@@ -1,6 +1,6 @@
 """vLLM's command line: the model as the first argument or `--model`, vLLM's flag names mapped onto ours,
 a vLLM flag we do not take refused with what to use instead, `conveyor serve --help` in groups.
-(`conveyor serve MODEL` as a subprocess: tests/test_server.py's `cli_server`.)"""
+(`conveyor serve MODEL` as a subprocess: tests/server/test_server.py's `cli_server`.)"""
 
 from __future__ import annotations
 
@@ -13,23 +13,14 @@ import pytest
 
 from conveyor import LLM
 from conveyor.cli import main
-from conveyor.cli_args import add_engine_args, add_serve_args, config_from_args, llm_kwargs_from_args, model_from_args
+from conveyor.cli_args import add_engine_args, config_from_args, llm_kwargs_from_args, model_from_args
 from conveyor.errors import ConfigError
-from conveyor.scaleout import add_data_parallel_args
 from conveyor.scaleout.launch import forwarded_options
 from conveyor.server import BackgroundServer
 from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED, check_vllm_flags
 
-from .conftest import TinyModel, random_prompts
-
-TEMPLATE = "{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}{% if add_generation_prompt %}w9{% endif %}"
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    add_serve_args(parser)
-    add_data_parallel_args(parser)
-    return parser
+from tests.serving_helpers import serve_parser
+from tests.utils import USER_CHAT_TEMPLATE, TinyModel, random_prompts
 
 
 def test_serve_takes_the_model_first_or_as_model(capsys: pytest.CaptureFixture[str]) -> None:
@@ -56,7 +47,7 @@ def test_generate_takes_the_model_first(tiny_llama: TinyModel, capsys: pytest.Ca
 
 def test_generate_takes_a_chat_template(tiny_llama: TinyModel, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """The tiny tokenizer has no chat template: without --chat-template a chat cannot be rendered."""
-    (tmp_path / "t.jinja").write_text(TEMPLATE)
+    (tmp_path / "t.jinja").write_text(USER_CHAT_TEMPLATE)
     common = ["--model", str(tiny_llama.path), "w5", "--max-new-tokens", "2", "--dtype", "float32", "--num-blocks", "64"]
     assert main(["generate", *common]) == 2
     assert "chat_template" in capsys.readouterr().err  # transformers: no chat template set

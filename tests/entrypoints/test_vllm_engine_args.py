@@ -11,7 +11,7 @@ from conveyor.config import VLLM_ENGINE_ARGS, with_vllm_engine_args
 from conveyor.errors import ConfigError
 from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED
 
-from .conftest import TinyModel, random_prompts
+from tests.utils import TinyModel, random_prompts
 
 
 def tiny(model: TinyModel, **kwargs: object) -> LLM:

@@ -20,11 +20,8 @@ from conveyor.layers.attention import (
     make_attention_backend,
 )
 
-from .conftest import TinyModel, random_prompts
-
-# bf16 inputs: the kernels compute in fp32 from the same bf16 values, so they differ from an fp32
-# reference over those values by the final rounding to bf16 (2^-9 relative) and fp32 summation order.
-BF16_TOL = dict(atol=1e-2, rtol=1e-2)
+from tests.attention_utils import BF16_TOL, reference_decode, reference_prefill, run_prefill
+from tests.utils import TinyModel, random_prompts
 
 
 def random_decode_batch(page_size: int, heads: int, kv_heads: int, seed: int = 0, dim: int = 32,
@@ -40,23 +37,6 @@ def random_decode_batch(page_size: int, heads: int, kv_heads: int, seed: int = 0
     meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), page_size=page_size,
                              num_decodes=len(lens), decode_block_tables=tables, decode_context_lens=lens)
     return q, kv, meta
-
-
-def reference_decode(q, kv, meta, scale, softcap=None):
-    """Each request's context gathered contiguously, plain fp32 softmax attention (scores soft-capped if asked)."""
-    q, kv = q.float(), kv.float()
-    out = []
-    group = q.shape[1] // kv.shape[2]
-    for b, n in enumerate(meta.decode_context_lens.tolist()):
-        slots = cache_slots(meta.decode_block_tables[b], meta.page_size)[:n]
-        k = kv[0][slots].repeat_interleave(group, dim=1)  # [n, H, D]
-        v = kv[1][slots].repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,nhd->hn", q[b], k) * scale
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
-        weights = torch.softmax(scores, dim=-1)
-        out.append(torch.einsum("hn,nhd->hd", weights, v))
-    return torch.stack(out)
 
 
 def test_native_cpu_kernel_builds() -> None:
@@ -86,49 +66,6 @@ def test_decode_backends_match_reference(page_size: int, heads: int, kv_heads: i
         out = backend._decode(q, kv, meta, scale, softcap)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), expected, **tol)
-
-
-def reference_prefill(q, k, v, kv, spans, window, scale, softcap):
-    """Every chunk's keys gathered (context from the cache, its own from the batch), fp64 masked softmax."""
-    out = torch.zeros(q.shape, dtype=torch.float64)
-    group = q.shape[1] // kv.shape[2]
-    for start, n, slots in spans:
-        n_ctx = len(slots)
-        keys = torch.cat([kv[0][slots], k[start:start + n]]).double().repeat_interleave(group, 1)
-        values = torch.cat([kv[1][slots], v[start:start + n]]).double().repeat_interleave(group, 1)
-        scores = torch.einsum("ihd,jhd->hij", q[start:start + n].double(), keys) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        query = torch.arange(n)[:, None] + n_ctx
-        key = torch.arange(n_ctx + n)[None]
-        visible = (key <= query) & ((key > query - window) if window else True)
-        out[start:start + n] = torch.einsum("hij,jhd->ihd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
-                                            values)
-    return out
-
-
-def run_prefill(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]], window: int, softcap: float,
-                dtype: torch.dtype, contiguous_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The prefill kernel's output and the reference's. Queries, keys and values are views into one fused
-    projection (strided rows), as the layer passes them (keys contiguous after a q/k norm); each chunk's
-    context sits at random slots of a cache of at least 2048."""
-    g = torch.Generator().manual_seed(heads * dim + len(chunks))
-    total, slots = sum(n for n, _ in chunks), max([2048] + [n_ctx for _, n_ctx in chunks])
-    qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
-    q, k, v = (x.view(total, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
-    if contiguous_k:
-        k = k.contiguous()
-    kv = torch.randn(2, slots, kv_heads, dim, generator=g).to(dtype)
-    spans, rows, offset, start = [], [], 0, 0
-    for n, n_ctx in chunks:
-        spans.append((start, n, torch.randperm(slots, generator=g)[:n_ctx]))
-        rows.append([start, n, offset, n_ctx, n_ctx])
-        start, offset = start + n, offset + n_ctx
-    out = torch.full_like(q, float("nan"))
-    scale = dim ** -0.5
-    cpu_paged_attention().paged_prefill_attention(q, k, v, kv, torch.cat([s for *_, s in spans]), torch.tensor(rows),
-                                                  window, scale, softcap, out)
-    return out.double(), reference_prefill(q, k, v, kv, spans, window, scale, softcap)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "chunks", "window", "softcap", "dtype"), [

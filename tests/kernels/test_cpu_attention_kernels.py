@@ -17,7 +17,7 @@ import torch
 from conveyor.kernels import cpu_paged_attention
 from conveyor.layers.attention import AttentionMetadata, CpuPagedAttention
 
-from .test_attention import BF16_TOL, reference_decode, run_prefill
+from tests.attention_utils import BF16_TOL, reference_decode, run_prefill
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -11,7 +11,7 @@ from conveyor.kernels import cpu_fused_ops
 from conveyor.layers.rotary import RotaryEmbedding, rotate_half
 from conveyor.models.llama import RMSNorm
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
 
 @pytest.fixture(scope="module")

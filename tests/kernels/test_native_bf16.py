@@ -20,7 +20,7 @@ import torch
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.layers.attention import CpuPagedAttention, TorchPagedAttention
 
-from .conftest import TinyModel, agreement, random_prompts
+from tests.utils import TinyModel, agreement, random_prompts
 
 NEW_TOKENS = 24
 

@@ -10,7 +10,7 @@ import pytest
 
 from conveyor.kernels.openmp import run_on_fresh_thread
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
 # In a fresh process (the test runner's main thread has teams of its own by now): native threads that are
 # not Python threads, i.e. OpenMP workers, before and after building an LLM whose loader runs a parallel op,

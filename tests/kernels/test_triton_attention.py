@@ -19,50 +19,26 @@ from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
-from conveyor.cache.allocator import table_length
+from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.config import ConfigError
-from conveyor.engine.model_runner import ModelRunner
 from conveyor.kernels import triton_attention
 from conveyor.layers import attention
 from conveyor.layers.attention import (
-    AttentionMetadata,
     CpuPagedAttention,
     TorchPagedAttention,
     TritonPagedAttention,
     make_attention_backend,
 )
 
-from .conftest import TinyModel, assert_greedy_match, hf_greedy, random_prompts  # noqa: E402
+from tests.attention_utils import BF16_TOL, interpreter_only, ragged_metadata  # noqa: E402
+from tests.utils import TinyModel, all_free, assert_greedy_match, greedy_ids, hf_greedy, random_prompts  # noqa: E402
 
 INTERPRETED = triton_attention.INTERPRETED
-interpreter_only = pytest.mark.skipif(not INTERPRETED, reason="CUDA machine: the compiled kernel is tested instead")
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled Triton)")
-BF16_TOL = dict(atol=1e-2, rtol=1e-2)  # the final bf16 rounding (2^-9 relative) and summation order
 CPU = torch.device("cpu")
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def ragged_metadata(specs: list[tuple[int, int]], page_size: int, window: int | None, num_chunks: int,
-                    seed: int, device: torch.device) -> AttentionMetadata:
-    """The runner's metadata for a batch of `(q_len, pos)` sequences (q_len 1 = decode, listed first),
-    each over a random block table of the pool's `num_chunks` chunks (0 is reserved)."""
-    g = torch.Generator().manual_seed(seed)
-    sizes = [table_length(pos + n, page_size, window) for n, pos in specs]
-    ids = (torch.randperm(num_chunks - 1, generator=g)[:sum(sizes)] + 1).tolist()
-    tables = {}
-    for i, size in enumerate(sizes):
-        tables[i], ids = ids[:size], ids[size:]
-    allocator = SimpleNamespace(window=window, block_table=lambda rid, group: tables[rid])
-    chunks = [SimpleNamespace(num_tokens=n, request=SimpleNamespace(num_computed_tokens=pos, request_id=i))
-              for i, (n, pos) in enumerate(specs)]
-    decodes, prefills = [c for c in chunks if c.num_tokens == 1], [c for c in chunks if c.num_tokens > 1]
-    assert chunks == decodes + prefills, "decodes first, as the runner orders them"
-    runner = SimpleNamespace(page_size=page_size, device=device)
-    decode_pos = torch.tensor([c.request.num_computed_tokens for c in decodes], device=device)
-    return ModelRunner._group_metadata(runner, allocator, 0, decodes, prefills, decode_pos)
 
 
 def run_backends(specs: list[tuple[int, int]], page_size: int, heads: int, kv_heads: int, dim: int,
@@ -139,11 +115,11 @@ PROMPTS = random_prompts([3, 9, 20, 31], seed=5)  # the longest ~4 windows of 8
 MAX_NEW = 8
 
 
-def greedy_ids(llm: LLM, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
-    return [out.token_ids for out in outputs]
+def checked_greedy_ids(llm: LLM, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """Greedy ids; every block back after."""
+    ids = greedy_ids(llm, prompts, max_new)
+    assert all_free(llm)
+    return ids
 
 
 @interpreter_only
@@ -154,8 +130,8 @@ def test_greedy_matches_torch_backend_and_transformers(tiny_models: dict[str, Ti
     config = dict(max_batch_tokens=16, page_size=4)
     llm = model.llm(attention_backend="triton", **config)
     assert isinstance(llm.engine.runner.attention, TritonPagedAttention)
-    ours = greedy_ids(llm, PROMPTS, MAX_NEW)
-    assert ours == greedy_ids(model.llm(attention_backend="torch", **config), PROMPTS, MAX_NEW)
+    ours = checked_greedy_ids(llm, PROMPTS, MAX_NEW)
+    assert ours == checked_greedy_ids(model.llm(attention_backend="torch", **config), PROMPTS, MAX_NEW)
     for i, (prompt, ids) in enumerate(zip(PROMPTS, ours)):
         ref, logits = hf_greedy(model.reference, prompt, MAX_NEW)
         assert_greedy_match(ids, ref, logits, f"{kind} prompt {i}")
@@ -171,7 +147,7 @@ def test_builtin_model_greedy_matches_torch_backend() -> None:
         llm = LLM(dtype="float32", config=ContinuousBatchingConfig(attention_backend=backend, max_batch_tokens=24,
                                                                    num_blocks=64))
         rendered = [llm.render_chat([{"role": "user", "content": p}]) for p in prompts]
-        ids.append(greedy_ids(llm, rendered, 3))
+        ids.append(checked_greedy_ids(llm, rendered, 3))
     assert ids[0] == ids[1]
 
 
@@ -243,6 +219,6 @@ def test_cuda_greedy_matches_transformers(tiny_models: dict[str, TinyModel], kin
     llm = LLM(model.path, device="cuda", dtype="float32",
               config=ContinuousBatchingConfig(attention_backend="triton", max_batch_tokens=16, page_size=4,
                                               num_blocks=256))
-    for i, (prompt, ids) in enumerate(zip(PROMPTS, greedy_ids(llm, PROMPTS, MAX_NEW))):
+    for i, (prompt, ids) in enumerate(zip(PROMPTS, checked_greedy_ids(llm, PROMPTS, MAX_NEW))):
         ref, logits = hf_greedy(model.reference, prompt, MAX_NEW)
         assert_greedy_match(ids, ref, logits, f"{kind} prompt {i}")

@@ -9,15 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from conveyor import LLM, SamplingParams
+from conveyor import LLM
 from conveyor.layers.precision import resolve_precision
 from conveyor.layers.quantization import linear as quant_linear
 from conveyor.layers.quantization.linear import QuantEmbedding, QuantLinear
-from conveyor.layers.quantization.tensors import GGMLType, QuantizedTensor
+from conveyor.layers.quantization.tensors import QuantizedTensor
 from conveyor.models.loader import _undo_llama_rope_permute, load_checkpoint
 
-from .conftest import VOCAB, TinyModel, agreement, random_prompts, tiny_tokenizer
-from .gguf_writer import write_gguf
+from tests.gguf_writer import GGUF_TYPES, write_quantized_gguf
+from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, TinyModel, agreement, greedy_ids,
+                         next_token_logprobs, random_prompts)
 
 CPU = torch.device("cpu")
 
@@ -50,33 +51,6 @@ def test_bad_choices_name_what_would_work(dtype, quantization, device, path, mes
     assert "'none'" in str(info.value) or "one of" in str(info.value) or "'int8'" in str(info.value)
 
 
-def next_token_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
-    """`[prompts, vocab]` log-probabilities of each prompt's next token."""
-    outs = llm.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0, logprobs=VOCAB), use_tqdm=False)
-    table = torch.empty(len(prompts), VOCAB)
-    for i, out in enumerate(outs):
-        entry = out.logprobs[0]
-        table[i] = torch.tensor([entry[t] for t in range(VOCAB)])
-    return table
-
-
-def greedy(llm: LLM, prompts: list[list[int]], n: int = 12) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
-    return [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-# Measured on the tiny "llama_smooth" model (tied head; weights at a trained model's scale), with a
-# 2-4x margin: the largest next-token log-probability error allowed and the least greedy agreement
-# (fraction of generated tokens before each sequence's first difference). bf16 against fp32
-# (measured 0.011 and 1.0):
-BF16_TOLERANCE, BF16_AGREEMENT = 0.04, 0.8
-# Quantized modes (dtype "auto" resolved to fp32 as on a CPU without native bf16, and bf16), first
-# against the fp32 exact path run on the same quantized-then-dequantized weights (what the kernels and
-# the int8 activations add: measured 0.019/0.88 int8, 0.12/0.79 int4), then against the fp32 model
-# itself (the weights' quantization too: measured 0.025/0.92 int8, 0.31-0.40/0.59 int4).
-QUANT_MODES = {"int8": ((0.06, 0.7), (0.08, 0.7)), "int4": ((0.3, 0.6), (0.8, 0.4))}
-
-
 @pytest.fixture(scope="module")
 def smooth(tiny_models: dict[str, TinyModel]) -> TinyModel:
     return tiny_models["llama_smooth"]
@@ -93,7 +67,7 @@ def test_bf16_is_close_to_fp32(smooth: TinyModel, prompts: list[list[int]]) -> N
     assert bf16.engine.pool.kv[0].dtype == torch.bfloat16
     err = (next_token_logprobs(bf16, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
     assert err < BF16_TOLERANCE, f"bf16: log-prob error {err:.3f}"
-    rate = agreement(greedy(bf16, prompts), greedy(fp32, prompts))
+    rate = agreement(greedy_ids(bf16, prompts), greedy_ids(fp32, prompts))
     assert rate >= BF16_AGREEMENT, f"bf16: greedy agreement {rate:.2f}"
 
 
@@ -125,12 +99,12 @@ def test_quantized_mode_quality(smooth: TinyModel, prompts: list[list[int]], dty
     quantized = [m for m in llm.engine.model.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
     assert len(quantized) == 2 * 4 + 1  # qkv, o, gate_up, down per layer; the embedding (the head is tied to it)
     monkeypatch.undo()
-    ours_lp, ours_ids = next_token_logprobs(llm, prompts), greedy(llm, prompts)
+    ours_lp, ours_ids = next_token_logprobs(llm, prompts), greedy_ids(llm, prompts)
     fp32 = smooth.llm(dtype="float32")
-    fp32_lp, fp32_ids = next_token_logprobs(fp32, prompts), greedy(fp32, prompts)
+    fp32_lp, fp32_ids = next_token_logprobs(fp32, prompts), greedy_ids(fp32, prompts)
     same_weights = with_weights_of(fp32, llm)
     limits = zip(QUANT_MODES[quantization], ("its own weights", "fp32"))
-    refs = [(next_token_logprobs(same_weights, prompts), greedy(same_weights, prompts)), (fp32_lp, fp32_ids)]
+    refs = [(next_token_logprobs(same_weights, prompts), greedy_ids(same_weights, prompts)), (fp32_lp, fp32_ids)]
     for ((tolerance, least), against), (ref_lp, ref_ids) in zip(limits, refs):
         err = (ours_lp - ref_lp).abs().max().item()
         assert err < tolerance, f"{dtype}/{quantization} vs {against}: log-prob error {err:.3f}"
@@ -139,29 +113,11 @@ def test_quantized_mode_quality(smooth: TinyModel, prompts: list[list[int]], dty
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
-def write_quantized_gguf(path: Path, model: TinyModel, types: dict[str, GGMLType]) -> None:
-    """The tiny Llama as llama.cpp writes it: Q/K rows permuted to its RoPE layout, matrices quantized
-    with gguf's own quantizer (`types`: by GGUF tensor kind, the rest F32), the LM head its own tensor."""
-    write_gguf(path, model.reference, "llama", types, head=True)
-
-
-# attn_v in another type than q and k: a fused qkv of two segments, as K-quant files have.
-GGUF_TYPES = {"attn_q": GGMLType.Q4_1, "attn_k": GGMLType.Q4_1, "attn_v": GGMLType.Q8_0,
-              "attn_output": GGMLType.Q4_0, "ffn_gate": GGMLType.Q4_1, "ffn_up": GGMLType.Q4_1,
-              "ffn_down": GGMLType.Q8_0, "token_embd": GGMLType.Q8_0, "output": GGMLType.Q8_0}
-
-
 @pytest.fixture(scope="module")
 def quantized_gguf(tiny_llama: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gguf") / "tiny-q.gguf"
     write_quantized_gguf(path, tiny_llama, GGUF_TYPES)
     return path
-
-
-@pytest.fixture
-def gguf_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The word-level test tokenizer in place of converting the toy GGUF vocabulary."""
-    monkeypatch.setattr("conveyor.models.loader._gguf_tokenizer", lambda path: tiny_tokenizer())
 
 
 def test_gguf_tensors_kept_as_they_are(quantized_gguf: Path, gguf_tokenizer: None) -> None:
@@ -193,7 +149,7 @@ def test_gguf_mode_runs_the_files_weights(tiny_llama: TinyModel, quantized_gguf:
     assert isinstance(ours.engine.model.embed_tokens, QuantEmbedding)
     err = (next_token_logprobs(ours, prompts) - next_token_logprobs(exact, prompts)).abs().max().item()
     assert err < 0.3, f"gguf mode vs the file's dequantized weights: {err:.3f}"  # int8 activations, bf16 (0.12)
-    assert agreement(greedy(ours, prompts), greedy(exact, prompts)) >= 0.5
+    assert agreement(greedy_ids(ours, prompts), greedy_ids(exact, prompts)) >= 0.5
     bf32 = LLM(quantized_gguf, dtype="bfloat16", quantization="none")  # dense: bf16 tiles, nothing quantized
     linears = [m for m in bf32.engine.model.modules() if isinstance(m, QuantLinear)]
     assert linears and {s.type_name for m in linears for s in m.kernel.segments} == {"BF16"}
@@ -211,8 +167,8 @@ def test_without_native_kernels_the_quantized_path_still_works(tiny_llama: TinyM
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """No native build (no compiler): quantized layers dequantize and run PyTorch's matmul instead."""
     prompts = random_prompts([7, 15], seed=44)
-    native = greedy(tiny_llama.llm(dtype="bfloat16", quantization="int8"), prompts)
+    native = greedy_ids(tiny_llama.llm(dtype="bfloat16", quantization="int8"), prompts)
     monkeypatch.setattr(quant_linear, "matmul_ops", lambda: None)
     plain = tiny_llama.llm(dtype="bfloat16", quantization="int8")
     assert plain.engine.model.layers[0].qkv_proj.kernel.segments[0].layout == "rows"
-    assert agreement(greedy(plain, prompts), native) >= 0.5  # no activation quantization on this path
+    assert agreement(greedy_ids(plain, prompts), native) >= 0.5  # no activation quantization on this path

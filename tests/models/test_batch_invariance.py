@@ -11,7 +11,7 @@ from conveyor import ContinuousBatchingConfig, SamplingParams
 from conveyor.errors import ConfigError
 from conveyor.kernels import cpu_flags
 
-from .conftest import TinyModel, random_prompts
+from tests.utils import TinyModel, random_prompts
 
 PROMPT = random_prompts([150], seed=7)[0]  # several 64-position key blocks, pages of 16
 OTHERS = random_prompts([5 + (37 * i) % 200 for i in range(63)], seed=8)

@@ -11,7 +11,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.layers.quantization import linear as quant_linear
 from conveyor.models.decode_stack import MAX_ROWS, DecodeStack, ThreadChooser
 
-from .conftest import VOCAB, TinyModel, random_prompts
+from tests.utils import VOCAB, TinyModel, random_prompts
 
 
 def run(llm: LLM, prompts: list[list[int]], n: int = 10) -> tuple[list[list[int]], torch.Tensor]:

@@ -13,19 +13,19 @@ import pytest
 import torch
 import transformers
 
-from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
+from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.models.loader import load_checkpoint
 
-from .conftest import TINY_COMMON, TINY_CONFIGS, VOCAB, TinyModel, random_prompts, tiny_tokenizer
-from .gguf_writer import write_gguf
-from .test_precision import QUANT_MODES, next_token_logprobs
-from .test_rope_by_length import CONFIGS as ROPE_CONFIGS
+from tests.gguf_writer import write_gguf
+from tests.utils import (QUANT_MODES, ROPE_BY_LENGTH_CONFIGS, TINY_COMMON, TINY_CONFIGS, VOCAB, TinyModel, all_free,
+                         greedy_ids, next_token_logprobs, random_prompts, tiny_tokenizer)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# (model kind, GGUF architecture): the conftest and rope test configs, Qwen3 with YaRN, and Llama 3.1's RoPE
-# (whose converter reads the original length from the config's top level only: 8192 where it is not).
-CONFIGS = TINY_CONFIGS | ROPE_CONFIGS | {
+# (model kind, GGUF architecture): the tiny models and those whose RoPE depends on the length (tests/utils.py),
+# Qwen3 with YaRN, and Llama 3.1's RoPE (whose converter reads the original length from the config's top level
+# only: 8192 where it is not).
+CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
     "qwen3_yarn": lambda: transformers.Qwen3Config(**TINY_COMMON, head_dim=32, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128}),
     "llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
@@ -77,22 +77,15 @@ def llm(path: Path, dtype: str = "float32", quantization: str | None = None) -> 
                config=ContinuousBatchingConfig(num_blocks=128, max_batch_tokens=16, page_size=4))
 
 
-def greedy_ids(engine: LLM) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0, ignore_eos=True)
-    ids = [o.token_ids for o in engine.generate(PROMPTS, params, use_tqdm=False)]
-    allocator = engine.engine.allocator
-    assert allocator.num_free_blocks == allocator.num_total_blocks
+def checked_greedy_ids(engine: LLM) -> list[list[int]]:
+    """PROMPTS' greedy ids; every block back after."""
+    ids = greedy_ids(engine, PROMPTS, MAX_NEW)
+    assert all_free(engine)
     return ids
 
 
-@pytest.fixture
-def toy_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The toy vocabulary is no real tokenizer; conversion is tested below and on the built-in model."""
-    monkeypatch.setattr("conveyor.models.loader._gguf_tokenizer", lambda path: tiny_tokenizer())
-
-
 @pytest.mark.parametrize(("kind", "arch"), FAMILIES)
-def test_gguf_loads_like_the_directory(kind: str, arch: str, tmp_path: Path, toy_tokenizer: None,
+def test_gguf_loads_like_the_directory(kind: str, arch: str, tmp_path: Path, gguf_tokenizer: None,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     family = Family(kind, arch, tmp_path)
     checkpoint = load_checkpoint(family.f32, tokenizer=False)
@@ -105,7 +98,7 @@ def test_gguf_loads_like_the_directory(kind: str, arch: str, tmp_path: Path, toy
             ours, tensor = 1 + ours, 1 + tensor
         assert torch.equal(ours, tensor), name
     from_file, from_dir = llm(family.f32), llm(family.dir)
-    assert greedy_ids(from_file) == greedy_ids(from_dir), f"{kind}: F32 GGUF"
+    assert checked_greedy_ids(from_file) == checked_greedy_ids(from_dir), f"{kind}: F32 GGUF"
     # RoPE over the whole context (short prompts barely turn the slow frequencies Llama 3 and YaRN scale).
     # Llama 3's factors come from the file, divided in another order than transformers': not bit for bit.
     positions = torch.arange(from_dir.engine.max_model_len)
@@ -113,7 +106,7 @@ def test_gguf_loads_like_the_directory(kind: str, arch: str, tmp_path: Path, toy
     for ours, theirs in zip(*by_layer):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6 if kind == "llama3" else 0)
     exact = llm(family.q8_dir)
-    assert greedy_ids(llm(family.q8)) == greedy_ids(exact), f"{kind}: Q8_0 GGUF dequantized"
+    assert checked_greedy_ids(llm(family.q8)) == checked_greedy_ids(exact), f"{kind}: Q8_0 GGUF dequantized"
     # The file's Q8_0 blocks in the kernels, fp32 around them (as on a CPU without native bf16): the kernels'
     # error alone, which test_precision bounds for int8 (Gemma 3's six layers measured 0.046, the others <= 0.026).
     monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
@@ -163,7 +156,7 @@ def test_gguf_tokenizer_and_chat_template(kind: str, arch: str, ids: list[int], 
     ("gemma2", "gemma2", dict(drop=("blk.1.post_ffw_norm.weight",)), "layers.1.post_feedforward_layernorm.weight"),
 ])
 def test_broken_or_unsupported_gguf_is_named(kind: str, arch: str, broken: dict, message: str, tmp_path: Path,
-                                             toy_tokenizer: None) -> None:
+                                             gguf_tokenizer: None) -> None:
     model = TinyModel(kind, tmp_path / "hf", CONFIGS[kind]()).reference
     write_gguf(path := tmp_path / "bad.gguf", model, arch, gguf.GGMLQuantizationType.F32, **broken)
     with pytest.raises(ValueError, match=message) as info:

@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-import transformers
 
 from conveyor import LLM, SamplingParams
 from conveyor.config import ConfigError, ContinuousBatchingConfig
@@ -29,52 +28,17 @@ from conveyor.layers.quantization.tensors import bf16_rows, f32_rows, quantize_i
 from conveyor.models import GptOssForCausalLM
 from conveyor.models.sharding import plan_shards
 
-from .conftest import MOE_COMMON, WINDOW, TinyModel, assert_greedy_match, hf_greedy, random_prompts
-from .test_hf_equivalence import LENGTHS, MAX_NEW, run_and_compare
-from .test_moe import assert_grouped_equals_loop, assert_mode_within_tolerance
-from .test_precision import QUANT_MODES
-from .test_prefix_cache import PAGE, shared_prefix_scenario
-from .test_triton_attention import interpreter_only, ragged_metadata
+from tests.attention_utils import interpreter_only, ragged_metadata
+from tests.utils import (GPT_OSS_LIMIT, LENGTHS, MAX_NEW, PAGE, QUANT_MODES, WINDOW, TinyModel, all_free,
+                         assert_greedy_match, assert_grouped_equals_loop, assert_mode_within_tolerance, gpt_oss_config,
+                         hf_greedy, make_gpt_oss, make_smooth_gpt_oss, random_prompts, run_and_compare,
+                         shared_prefix_scenario)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LIMIT = 2.0  # the SwiGLU clamp (7.0 in the released models): low enough that the tiny model's gates reach it
-
-
-def gpt_oss_config(**overrides: object) -> transformers.GptOssConfig:
-    """4 layers, sliding and full alternating (transformers' default `layer_types`), YaRN (factor 4 over
-    128 original positions), 8 experts, top-2."""
-    return transformers.GptOssConfig(**(MOE_COMMON | {"num_hidden_layers": 4, "intermediate_size": 32} | overrides),
-                                     head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
-                                     swiglu_limit=LIMIT, rope_parameters={
-                                         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
-                                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
-
-
-def make_model(path: Path, embed_scale: float = 1.0, **overrides: object) -> TinyModel:
-    """The tiny model with sinks from -2 to 4 per layer (transformers initializes them near 0) and
-    non-zero expert biases (initialized to 0), its embeddings times `embed_scale`, saved again."""
-    model = TinyModel("gpt_oss", path, gpt_oss_config(**overrides))
-    g = torch.Generator().manual_seed(5)
-    scale = model.reference.config.initializer_range
-    with torch.no_grad():
-        model.reference.model.embed_tokens.weight.mul_(embed_scale)
-        for layer in model.reference.model.layers:
-            sinks = layer.self_attn.sinks
-            sinks.copy_(torch.linspace(-2.0, 4.0, sinks.numel())[torch.randperm(sinks.numel(), generator=g)])
-            for bias in (layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
-                bias.copy_(torch.randn(bias.shape, generator=g) * scale)
-    model.reference.save_pretrained(path)
-    return model
-
-
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return make_model(tmp_path_factory.mktemp("gpt_oss"))
-
-
-def all_free(llm: LLM) -> bool:
-    return llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+    return make_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
 
 
 def test_the_tiny_model_exercises_what_it_tests(gpt_oss: TinyModel) -> None:
@@ -87,8 +51,8 @@ def test_the_tiny_model_exercises_what_it_tests(gpt_oss: TinyModel) -> None:
     assert all(layer.sinks.abs().max() > 1 for layer in model.layers)
     x = torch.randn(64, config.hidden_size)
     gate_up = model.layers[0].mlp.experts[0].gate_up_proj(model.layers[0].post_attention_layernorm(x))
-    assert (gate_up[:, :config.intermediate_size] > LIMIT).any() and (gate_up[:, config.intermediate_size:].abs()
-                                                                       > LIMIT).any()
+    assert (gate_up[:, :config.intermediate_size] > GPT_OSS_LIMIT).any()
+    assert (gate_up[:, config.intermediate_size:].abs() > GPT_OSS_LIMIT).any()
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -115,15 +79,6 @@ def test_gpt_oss_prefix_caching_keeps_outputs(gpt_oss: TinyModel) -> None:
     assert all_free(llm)
 
 
-def smooth_model(path: Path) -> TinyModel:
-    """At a trained model's weight scale (as the precision tests' `llama_smooth`), the residual stream
-    large against one expert's output as in a trained model: top-2 routing softmaxed over the two
-    gives each expert half the block, so in a random model at this scale a near-tie that the rounding
-    flips (bf16, int8 activations) swaps half of a layer's MLP (transformers' own bf16 run parted from
-    its fp32 one by 0.58 in log-probability with the residual at the weights' scale)."""
-    return make_model(path, embed_scale=20.0, initializer_range=0.05)
-
-
 def test_gpt_oss_is_batch_invariant(gpt_oss: TinyModel) -> None:
     """bf16 with `batch_invariant=True`: sinks, sliding layers and the grouped experts give a request the
     same tokens and bitwise the same logprobs alone and batched with others in chunks of 32 tokens."""
@@ -139,7 +94,7 @@ def test_gpt_oss_is_batch_invariant(gpt_oss: TinyModel) -> None:
 
 @pytest.fixture(scope="module")
 def smooth_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    return smooth_model(tmp_path_factory.mktemp("gpt_oss_smooth"))
+    return make_smooth_gpt_oss(tmp_path_factory.mktemp("gpt_oss_smooth"))
 
 
 @pytest.mark.parametrize("quantization", ["none", *QUANT_MODES])
@@ -162,7 +117,7 @@ def test_sparse_block_is_transformers_gpt_oss_mlp() -> None:
     ref = GptOssMLP(config).eval()
     for p in ref.parameters():
         torch.nn.init.normal_(p, std=0.5)
-    block = SparseMoe(32, 16, 8, 2, renormalize=False, activation=ClampedSwiglu(config.swiglu_alpha, LIMIT))
+    block = SparseMoe(32, 16, 8, 2, renormalize=False, activation=ClampedSwiglu(config.swiglu_alpha, GPT_OSS_LIMIT))
     block.router.weight.copy_(ref.router.weight)
     block.router.bias.copy_(ref.router.bias)
     experts = ref.experts

@@ -20,9 +20,8 @@ from conveyor import LLM, SamplingParams
 from conveyor.layers.quantization.linear import QuantLinear
 from conveyor.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4, mxfp4_to_q8_0
 
-from .conftest import TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
-from .test_gpt_oss import smooth_model
-from .test_precision import QUANT_MODES, greedy, next_token_logprobs
+from tests.utils import (QUANT_MODES, TinyModel, agreement, assert_greedy_match, greedy_ids, hf_greedy,
+                         make_smooth_gpt_oss, next_token_logprobs, random_prompts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 EXPERT_TENSORS = ("gate_up_proj", "down_proj")
@@ -66,7 +65,7 @@ def write_mxfp4(model: TinyModel, path: Path) -> TinyModel:
 
 @pytest.fixture(scope="module")
 def mxfp4_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    base = smooth_model(tmp_path_factory.mktemp("gpt_oss_base"))
+    base = make_smooth_gpt_oss(tmp_path_factory.mktemp("gpt_oss_base"))
     return write_mxfp4(base, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "model")
 
 
@@ -123,7 +122,7 @@ def test_mxfp4_checkpoint_runs_as_q8_0_by_default(mxfp4_model: TinyModel) -> Non
     tolerance, least = QUANT_MODES["int8"][0]  # int8 activations against the same weights' fp32 run
     err = (next_token_logprobs(llm, prompts) - next_token_logprobs(exact, prompts)).abs().max().item()
     assert err < tolerance, f"mxfp4: log-prob error {err:.3f}"
-    assert agreement(greedy(llm, prompts), greedy(exact, prompts)) >= least
+    assert agreement(greedy_ids(llm, prompts), greedy_ids(exact, prompts)) >= least
 
 
 def test_mxfp4_blocks_out_of_fp16_range_load_dense(mxfp4_model: TinyModel, tmp_path: Path,

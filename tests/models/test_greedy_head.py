@@ -9,7 +9,7 @@ from conveyor import SamplingParams
 from conveyor.layers.quantization.linear import matmul_ops
 from conveyor.models.base import CausalLM
 
-from .conftest import TinyModel, random_prompts
+from tests.utils import TinyModel, random_prompts
 
 pytestmark = pytest.mark.skipif(matmul_ops() is None, reason="native kernels unavailable")
 

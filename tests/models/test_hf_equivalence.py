@@ -9,20 +9,8 @@ import transformers
 from conveyor import LLM, SamplingParams
 from conveyor.models.loader import load_checkpoint
 
-from .conftest import TINY_CONFIGS, TinyModel, assert_greedy_match, hf_greedy, random_prompts
-
-LENGTHS = [1, 5, 17, 33, 64, 100, 7, 250]
-MAX_NEW = [12, 3, 20, 9, 16, 1, 24, 10]
-
-
-def run_and_compare(model: TinyModel, llm: LLM, prompts: list[list[int]], max_new: list[int], label: str) -> None:
-    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for i, (prompt, n, out) in enumerate(zip(prompts, max_new, outputs)):
-        ref, logits = hf_greedy(model.reference, prompt, n)
-        assert out.finish_reason == "length"
-        assert out.prompt_token_ids == prompt
-        assert_greedy_match(out.token_ids, ref, logits, f"{label} prompt {i}")
+from tests.utils import (LENGTHS, MAX_NEW, TINY_CONFIGS, TinyModel, assert_greedy_match, hf_greedy, random_prompts,
+                         run_and_compare)
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))

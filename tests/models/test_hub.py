@@ -16,8 +16,8 @@ from conveyor.cli import main
 from conveyor.models.hub import HubError, resolve_model_path
 from conveyor.models.loader import load_checkpoint
 
-from .conftest import TinyModel
-from .test_loader import write_tiny_gguf
+from tests.gguf_writer import write_tiny_gguf
+from tests.utils import TinyModel
 
 COMMIT, OTHER = "a" * 40, "b" * 40
 

@@ -20,7 +20,7 @@ import pytest
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.models.hub import HubError, resolve_model_path
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
 COMMIT = "c" * 40
 

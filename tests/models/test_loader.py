@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from conveyor.models.loader import Checkpoint, ModelLoadError, default_model_path, load_checkpoint
+
+from tests.gguf_writer import tiny_head_dim, write_tiny_gguf
+from tests.utils import tiny_tokenizer
 
 CONFIG_FIELDS = [
     "model_type",
@@ -95,63 +95,6 @@ def test_builtin_gguf_matches_transformers(builtin: Checkpoint) -> None:
     assert_matches_reference(builtin, builtin.path)
 
 
-def tiny_head_dim(arch: str) -> int:
-    """Qwen3's head_dim is independent of hidden/heads; 16 here, so it must come from key_length."""
-    return 16 if arch == "qwen3" else 32 // 4
-
-
-def write_tiny_gguf(path: Path, arch: str) -> None:
-    """A small random-weight GGUF (float32, untied head) for architectures without a real fixture."""
-    rng = np.random.default_rng(0)
-    hidden, n_head, n_kv, ffn, vocab = 32, 4, 2, 48, 16
-    head_dim = tiny_head_dim(arch)
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(2)
-    writer.add_context_length(128)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    writer.add_rope_freq_base(1e6)
-    writer.add_layer_norm_rms_eps(1e-6)
-    if arch == "qwen3":
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(vocab)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-
-    def add(name: str, *shape: int) -> None:
-        writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32))
-
-    add("token_embd.weight", vocab, hidden)
-    add("output_norm.weight", hidden)
-    add("output.weight", vocab, hidden)
-    add("rope_freqs.weight", head_dim // 2)  # not a model parameter: must be ignored
-    for i in range(2):
-        add(f"blk.{i}.attn_norm.weight", hidden)
-        add(f"blk.{i}.attn_q.weight", n_head * head_dim, hidden)
-        add(f"blk.{i}.attn_k.weight", n_kv * head_dim, hidden)
-        add(f"blk.{i}.attn_v.weight", n_kv * head_dim, hidden)
-        add(f"blk.{i}.attn_output.weight", hidden, n_head * head_dim)
-        add(f"blk.{i}.ffn_norm.weight", hidden)
-        add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
-        add(f"blk.{i}.ffn_up.weight", ffn, hidden)
-        add(f"blk.{i}.ffn_down.weight", hidden, ffn)
-        if arch == "qwen2":
-            add(f"blk.{i}.attn_q.bias", n_head * head_dim)
-            add(f"blk.{i}.attn_k.bias", n_kv * head_dim)
-            add(f"blk.{i}.attn_v.bias", n_kv * head_dim)
-        if arch == "qwen3":
-            add(f"blk.{i}.attn_q_norm.weight", head_dim)
-            add(f"blk.{i}.attn_k_norm.weight", head_dim)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_matches_transformers(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / f"{arch}.gguf"
@@ -169,25 +112,13 @@ def test_tiny_gguf_matches_transformers(arch: str, tmp_path: Path, monkeypatch: 
         assert ckpt.config.attention_bias
 
 
-def tiny_tokenizer(vocab_size: int) -> transformers.PreTrainedTokenizerFast:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
-    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = Whitespace()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-    )
-
-
 @pytest.mark.parametrize(
     ("max_shard_size", "tied", "dtype"),
     [("50GB", False, torch.float32), ("40KB", True, torch.bfloat16)],
     ids=["single-file", "sharded-tied-bf16"],
 )
 def test_hf_directory(tmp_path: Path, max_shard_size: str, tied: bool, dtype: torch.dtype) -> None:
-    tokenizer = tiny_tokenizer(300)
+    tokenizer = tiny_tokenizer()
     config = transformers.LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,

@@ -19,20 +19,15 @@ from conveyor.bench.roofline_report import format_report, run_step
 from conveyor.config import ConfigError, ContinuousBatchingConfig
 from conveyor.engine.graph_runner import use_cuda_graphs
 from conveyor.layers.moe import Expert, SparseMoe, group_by_expert, route_softmax
-from conveyor.layers.quantization.linear import QuantLinear, matmul_ops
+from conveyor.layers.quantization.linear import matmul_ops
 from conveyor.layers.quantization.tensors import bf16_rows, f32_rows, quantize_int4, quantize_int8
 from conveyor.models.sharding import plan_shards
 
-from .conftest import MOE_CONFIGS, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
-from .test_hf_equivalence import LENGTHS, MAX_NEW, run_and_compare
-from .test_precision import BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, greedy, next_token_logprobs
-from .test_prefix_cache import PAGE, shared_prefix_scenario
+from tests.utils import (LENGTHS, MAX_NEW, MOE_CONFIGS, PAGE, QUANT_MODES, TinyModel, all_free,
+                         assert_greedy_match, assert_grouped_equals_loop, assert_mode_within_tolerance, hf_greedy,
+                         random_prompts, run_and_compare, shared_prefix_scenario)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # many small ops: a busy 2-core box fork/joins slowly
-
-
-def all_free(llm: LLM) -> bool:
-    return llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
 @pytest.mark.parametrize("kind", list(MOE_CONFIGS))
@@ -79,23 +74,6 @@ def test_moe_modes_within_precision_tolerance(smooth_moe: TinyModel, quantizatio
     assert block.router.weight.dtype == torch.bfloat16
 
 
-def assert_mode_within_tolerance(model: TinyModel, quantization: str) -> LLM:
-    """The model in bf16 with `quantization` against fp32 by the precision tests' limits; the bf16 LLM,
-    its experts checked to be in that format."""
-    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
-    fp32 = model.llm()
-    llm = model.llm(dtype="bfloat16", quantization=quantization)
-    block = next(layer.mlp for layer in llm.engine.model.layers if layer.mlp is not None)
-    assert quantization == "none" or isinstance(block.experts[0].gate_up_proj, QuantLinear)
-    tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization == "none" else QUANT_MODES[quantization][1]
-    err = (next_token_logprobs(llm, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
-    assert err < tolerance, f"bf16/{quantization}: log-prob error {err:.3f}"
-    rate = agreement(greedy(llm, prompts), greedy(fp32, prompts))
-    assert rate >= least, f"bf16/{quantization}: greedy agreement {rate:.2f}"
-    assert all_free(llm)
-    return llm
-
-
 def test_grouping_is_one_stable_sort() -> None:
     ids = torch.tensor([[2, 0], [1, 2], [2, 3], [0, 1]])
     groups = group_by_expert(ids, 5)
@@ -134,32 +112,6 @@ def test_grouped_native_experts_equal_the_loop(dtype: torch.dtype, weights) -> N
     torch.manual_seed(0)
     assert_grouped_equals_loop(SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=False,
                                          shared_intermediate_size=32), dtype, weights)
-
-
-def assert_grouped_equals_loop(block: SparseMoe, dtype: torch.dtype, weights, fp32_tol: float = 1e-6) -> None:
-    """`block` (hidden 64) with random weights moved into `weights`' tiles (biases kept): its one native
-    call against its loop over experts on 40 rows."""
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    for expert in [*block.experts, *([block.shared_expert] if block.shared_expert is not None else [])]:
-        for name in ("gate_up_proj", "down_proj"):
-            dense = getattr(expert, name)
-            tiled = QuantLinear([weights(dense.weight)], bias=dense.bias is not None, dtype=dtype)
-            if dense.bias is not None:
-                tiled.bias.data.copy_(dense.bias.data)
-            setattr(expert, name, tiled)
-    block = block.to(dtype)
-    assert block.group_experts()
-    x = torch.randn(40, 64).to(dtype)
-    grouped, loads = block(x), []
-    block.observer = loads.append
-    block.grouped = None
-    loop = block(x)
-    assert sum(1 for n in loads[0] if n) >= 5
-    if dtype == torch.float32:
-        torch.testing.assert_close(grouped, loop, rtol=fp32_tol, atol=fp32_tol)
-    else:
-        torch.testing.assert_close(grouped.float(), loop.float(), rtol=0.02, atol=0.02)
 
 
 def _copy(model: TinyModel, root: Path) -> Path:

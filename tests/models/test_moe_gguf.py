@@ -21,10 +21,9 @@ from conveyor.layers.quantization.tensors import GGMLType, QuantizedTensor
 from conveyor.models.loader import load_checkpoint
 from conveyor.models.moe import hf_expert_names
 
-from .conftest import (MOE_CONFIGS, VOCAB, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts,
-                       tiny_tokenizer)
-from .gguf_writer import gguf_header
-from .test_precision import greedy, next_token_logprobs
+from tests.gguf_writer import gguf_header
+from tests.utils import (MOE_CONFIGS, VOCAB, TinyModel, agreement, assert_greedy_match, greedy_ids, hf_greedy,
+                         next_token_logprobs, random_prompts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,16 +103,11 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
     writer.close()
 
 
-@pytest.fixture
-def gguf_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The word-level test tokenizer in place of converting the toy GGUF vocabulary."""
-    monkeypatch.setattr("conveyor.models.loader._gguf_tokenizer", lambda path: tiny_tokenizer())
-
-
 PROMPTS = random_prompts([1, 6, 19, 40, 90, 11], seed=7)
 
 
-def greedy_ids(path: Path, **kwargs: object) -> tuple[list[list[int]], LLM]:
+def load_and_generate(path: Path, **kwargs: object) -> tuple[list[list[int]], LLM]:
+    """The model at `path` loaded, and its greedy ids for PROMPTS (every block back after)."""
     llm = LLM(path, config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=48), **kwargs)
     outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True), use_tqdm=False)
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
@@ -134,8 +128,8 @@ def test_f32_gguf_equals_the_directory(moe_models: dict[str, TinyModel], kind: s
     assert ckpt.state_dict.keys() == directory.state_dict.keys()
     for name, tensor in directory.state_dict.items():
         assert torch.equal(ckpt.state_dict[name], tensor), name
-    ours, _ = greedy_ids(path, dtype="float32")
-    assert ours == greedy_ids(model.path, dtype="float32")[0]
+    ours, _ = load_and_generate(path, dtype="float32")
+    assert ours == load_and_generate(model.path, dtype="float32")[0]
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
@@ -157,11 +151,11 @@ def test_q8_gguf_experts_stay_quantized(kind: str, tmp_path: Path, gguf_tokenize
     safetensors.torch.save_file(dense.state_dict, reference_dir / "model.safetensors", metadata={"format": "pt"})
     reference = transformers.AutoModelForCausalLM.from_pretrained(reference_dir, attn_implementation="eager",
                                                                   experts_implementation="eager").eval()
-    exact, exact_llm = greedy_ids(path, dtype="float32")
+    exact, exact_llm = load_and_generate(path, dtype="float32")
     for i, (prompt, ids) in enumerate(zip(PROMPTS, exact)):
         ref, logits = hf_greedy(reference, prompt, len(ids))
         assert_greedy_match(ids, ref, logits, f"{kind} Q8_0 exact path, prompt {i}")
-    ours, llm = greedy_ids(path)
+    ours, llm = load_and_generate(path)
     assert llm.quantization == "gguf"
     moe = llm.engine.model.layers[0].mlp
     assert isinstance(moe.experts[0].gate_up_proj, QuantLinear)
@@ -169,4 +163,4 @@ def test_q8_gguf_experts_stay_quantized(kind: str, tmp_path: Path, gguf_tokenize
     assert not isinstance(moe.router, QuantLinear)
     err = (next_token_logprobs(llm, PROMPTS) - next_token_logprobs(exact_llm, PROMPTS)).abs().max().item()
     assert err < 0.1, f"Q8_0 kernels vs the file's dequantized weights: {err:.3f}"
-    assert agreement(greedy(llm, PROMPTS), greedy(exact_llm, PROMPTS)) >= 0.6
+    assert agreement(greedy_ids(llm, PROMPTS), greedy_ids(exact_llm, PROMPTS)) >= 0.6

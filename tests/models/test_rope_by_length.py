@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
@@ -19,51 +18,25 @@ from conveyor.errors import ConfigError
 from conveyor.layers.rotary import RotaryEmbedding, with_lengths
 from conveyor.models.sharding import plan_shards
 
-from .conftest import TINY_COMMON, TinyModel, agreement, assert_greedy_match, hf_greedy, random_prompts
-from .test_precision import BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, greedy, next_token_logprobs
+from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, ROPE_BY_LENGTH_CONFIGS, ROPE_SWITCH, TinyModel,
+                         agreement, assert_greedy_match, greedy_ids, hf_greedy, next_token_logprobs, random_prompts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # transformers' generate too: 40x faster on a busy 2-core box
 
-ORIGINAL = 32  # LongRoPE's original_max_position_embeddings, and the dynamic model's max_position_embeddings
-
-
-def longrope(rotary_dim: int) -> dict:
-    half = rotary_dim // 2
-    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.1 * i for i in range(half)],
-            "long_factor": [1.5 + 0.7 * i for i in range(half)]}
-
-
-PHI3 = TINY_COMMON | {"max_position_embeddings": 128}
-CONFIGS = {
-    # Phi-3-*-128k: full rotary, LongRoPE, untied head.
-    "phi3_longrope": lambda: transformers.Phi3Config(**PHI3, original_max_position_embeddings=ORIGINAL,
-                                                     rope_scaling=longrope(16)),
-    # Phi-4-mini: 3/4 of each head rotates, LongRoPE, tied embeddings.
-    "phi4_mini": lambda: transformers.Phi3Config(**PHI3, original_max_position_embeddings=ORIGINAL,
-                                                 partial_rotary_factor=0.75, rope_scaling=longrope(12),
-                                                 tie_word_embeddings=True),
-    # Phi-4 (14B): plain RoPE; Phi-3-mini-4k: a sliding window.
-    "phi4": lambda: transformers.Phi3Config(**PHI3),
-    "phi3_sliding": lambda: transformers.Phi3Config(**PHI3, sliding_window=8),
-    # Llama with dynamic NTK: its context is max_position_embeddings x factor.
-    "llama_dynamic": lambda: transformers.LlamaConfig(**(TINY_COMMON | {"max_position_embeddings": ORIGINAL}),
-                                                      rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
-                                                                       "factor": 2.0}),
-}
 # Prompts and generations below, at and past 32 tokens (the dynamic model's context is 64).
 LENGTHS = [5, 20, 31, 32, 33, 45]
 MAX_NEW = [40, 20, 6, 9, 12, 12]
 
 
 class Model(TinyModel):
-    """One of `CONFIGS` saved to `path`, with its transformers reference."""
+    """One of `ROPE_BY_LENGTH_CONFIGS` saved to `path`, with its transformers reference."""
 
     def __init__(self, kind: str, path: Path, initializer_range: float = 0.2) -> None:
-        config = CONFIGS[kind]()
+        config = ROPE_BY_LENGTH_CONFIGS[kind]()
         config.initializer_range = initializer_range
         super().__init__(kind, path, config)
 
-    def greedy(self, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    def reference_greedy(self, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
         """transformers' continuation of one prompt, alone (its dynamic RoPE keeps state between calls: fresh)."""
         inner = self.reference.model
         inner.rotary_emb = type(inner.rotary_emb)(self.reference.config)
@@ -72,19 +45,21 @@ class Model(TinyModel):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
-    return {kind: Model(kind, tmp_path_factory.mktemp(kind)) for kind in CONFIGS}
+    return {kind: Model(kind, tmp_path_factory.mktemp(kind)) for kind in ROPE_BY_LENGTH_CONFIGS}
 
 
 def run_and_compare(model: Model, llm: LLM, prompts: list[list[int]], max_new: list[int], label: str) -> None:
+    """Greedy outputs against the reference prompt by prompt, each reference run with a fresh RoPE (dynamic NTK
+    keeps state between calls); every block back after."""
     params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in max_new]
     for i, (prompt, n, out) in enumerate(zip(prompts, max_new, llm.generate(prompts, params, use_tqdm=False))):
-        ref, logits = model.greedy(prompt, n)
+        ref, logits = model.reference_greedy(prompt, n)
         assert_greedy_match(out.token_ids, ref, logits, f"{label} prompt {i} ({len(prompt)} tokens)")
     allocator = llm.engine.allocator
     assert allocator.num_free_blocks == allocator.num_total_blocks
 
 
-@pytest.mark.parametrize("kind", list(CONFIGS))
+@pytest.mark.parametrize("kind", list(ROPE_BY_LENGTH_CONFIGS))
 def test_matches_transformers(models: dict[str, Model], kind: str) -> None:
     """One mixed batch, prompts chunked in pieces of 16 tokens, pages of 4; then whole prompts."""
     model = models[kind]
@@ -98,7 +73,7 @@ def test_the_lengths_are_what_decides(models: dict[str, Model]) -> None:
     prompts past the threshold would be rotated with the wrong frequencies (the check can fail)."""
     model = models["llama_dynamic"]
     llm = model.llm()
-    assert llm.engine.max_model_len == 2 * ORIGINAL and llm.engine.model.rope_by_length
+    assert llm.engine.max_model_len == 2 * ROPE_SWITCH and llm.engine.model.rope_by_length
     prompt = random_prompts([45], seed=3)[0]
     plain = RotaryEmbedding(model.reference.config, 16)
     positions = torch.arange(45)
@@ -113,12 +88,12 @@ def test_rope_frequencies_are_transformers_own(models: dict[str, Model], kind: s
     """Per-token inverse frequencies, bit for bit those transformers computes for that sequence length."""
     config = models[kind].reference.config
     rotary = RotaryEmbedding(config, 16, partial_rotary=True)
-    lengths = torch.arange(1, 4 * ORIGINAL)
+    lengths = torch.arange(1, 4 * ROPE_SWITCH)
     ours = rotary.inv_freq_for(lengths)
     for i, length in enumerate(lengths.tolist()):
         if kind == "llama_dynamic":  # transformers passes the length as a tensor (max(position_ids) + 1)
             ref, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=torch.tensor(length))
-            ref = ref if length > ORIGINAL else ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu")[0]
+            ref = ref if length > ROPE_SWITCH else ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu")[0]
         else:
             ref, _ = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=length)
         assert torch.equal(ours[i], ref), f"{kind}: length {length}"
@@ -132,7 +107,7 @@ def test_longrope_switch_recomputes_like_transformers(models: dict[str, Model]) 
     for async_batching in (False, True):
         llm = model.llm(page_size=4, use_async_batching=async_batching)
         run_and_compare(model, llm, prompts, [30, 12, 5], f"switch async={async_batching}")
-    assert llm.engine.model.rope_switch == ORIGINAL
+    assert llm.engine.model.rope_switch == ROPE_SWITCH
 
 
 @pytest.mark.parametrize(("kind", "long_hits"), [("phi3_longrope", 24), ("llama_dynamic", 0)])
@@ -174,7 +149,7 @@ def test_precision_modes_stay_close(smooth: dict[str, Model], kind: str, dtype: 
     tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization is None else QUANT_MODES[quantization][1]
     err = (next_token_logprobs(other, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
     assert err < tolerance, f"{dtype}/{quantization}: log-prob error {err:.3f}"
-    rate = agreement(greedy(other, prompts), greedy(fp32, prompts))
+    rate = agreement(greedy_ids(other, prompts), greedy_ids(fp32, prompts))
     assert rate >= least, f"{dtype}/{quantization}: greedy agreement {rate:.2f}"
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import pytest
 from conveyor.scaleout.net import free_port, http_ok
 from conveyor.scaleout.routers import ROUTERS, RouterProcess
 
-from .serving_helpers import metric, save_long_tiny
+from tests.serving_helpers import metric, random_words, save_long_tiny
 
 pytestmark = [pytest.mark.skipif(ROUTERS["vllm-router"].executable() is None, reason="vllm-router not installed"),
               pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")]
@@ -64,10 +63,6 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
         proc.wait()
 
 
-def words(seed: int, n: int) -> str:
-    return " ".join(f"w{t}" for t in random.Random(seed).choices(range(3, 300), k=n))
-
-
 def sample(text: str, prefix: str) -> float:
     """The value of the first Prometheus line starting with `prefix` (0 when there is none)."""
     return next((float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix)), 0.0)
@@ -101,9 +96,9 @@ def hits(url: str) -> float:
 def send_pairs(url: str, seed: int, groups: int = 4) -> None:
     """`groups` pairs of prompts, one at a time; a pair shares a 64-word prefix (4 pages)."""
     for g in range(groups):
-        prefix = words(seed * 100 + g, 64)
+        prefix = random_words(seed * 100 + g, 64)
         for q in range(2):
-            body = {"prompt": f"{prefix} {words(seed * 1000 + g * 10 + q, 3)}", "max_tokens": 1}
+            body = {"prompt": f"{prefix} {random_words(seed * 1000 + g * 10 + q, 3)}", "max_tokens": 1}
             assert httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S,
                               trust_env=False).status_code == 200
 
@@ -126,7 +121,7 @@ def test_cache_aware_routing_beats_round_robin_on_prefix_hits(deployment: Deploy
 
 
 async def stream(client: httpx.AsyncClient, url: str, i: int, seen: asyncio.Event) -> dict[str, Any]:
-    body = {"prompt": words(50 + i, 8), "max_tokens": 300, "ignore_eos": True, "stream": True}
+    body = {"prompt": random_words(50 + i, 8), "max_tokens": 300, "ignore_eos": True, "stream": True}
     out: dict[str, Any] = {"status": None, "chunks": 0, "done": 0, "error": None}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
         out["status"] = reply.status_code

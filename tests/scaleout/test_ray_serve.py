@@ -5,7 +5,6 @@ to the same replica and hit its prefix cache."""
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 
 from conveyor.scaleout.net import free_port
 
-from .serving_helpers import save_long_tiny
+from tests.serving_helpers import random_words, save_long_tiny
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -46,18 +45,14 @@ def complete(url: str, prompt: str, **extra: Any) -> dict[str, Any]:
     return reply.json()
 
 
-def words(seed: int, n: int) -> str:
-    return " ".join(f"w{t}" for t in random.Random(seed).choices(range(3, 300), k=n))
-
-
 def test_replicas_behind_the_prefix_aware_router_share_prefixes(app_url: str):
     first = complete(app_url, "w5 w6 w7", max_tokens=3)
     assert first["usage"]["completion_tokens"] == 3 and first["choices"][0]["finish_reason"] == "length"
     same_replica, hits = 0, 0
     for g in range(4):
-        prefix = words(100 + g, 64)  # 4 pages of 16
-        a = complete(app_url, f"{prefix} {words(200 + g, 3)}")["conveyor"]
-        b = complete(app_url, f"{prefix} {words(300 + g, 3)}")["conveyor"]
+        prefix = random_words(100 + g, 64)  # 4 pages of 16
+        a = complete(app_url, f"{prefix} {random_words(200 + g, 3)}")["conveyor"]
+        b = complete(app_url, f"{prefix} {random_words(300 + g, 3)}")["conveyor"]
         if a["replica"] == b["replica"]:
             same_replica += 1
             hits += b["prefix_cache_hit_tokens"] - a["prefix_cache_hit_tokens"]

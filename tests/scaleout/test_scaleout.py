@@ -4,19 +4,18 @@ replica gets, the fleet's /metrics, the bench's per-replica prefix-cache table, 
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from conveyor.bench.serve_cache import parse_counters, run_delta
 from conveyor.bench.serve_load import prefix_repetition_workload
 from conveyor.cli import main
-from conveyor.cli_args import add_serve_args
-from conveyor.scaleout import add_data_parallel_args, routers
+from conveyor.scaleout import routers
 from conveyor.scaleout.fleet_metrics import merge, render
 from conveyor.scaleout.launch import forwarded_options
 from conveyor.scaleout.net import replica_url
 from conveyor.scaleout.placement import plan_placement
+
+from tests.serving_helpers import serve_parser
 
 
 def test_replicas_get_disjoint_cores_and_never_more_threads_than_cores():
@@ -82,13 +81,6 @@ def test_router_command_names_the_workers_policy_and_metrics_port(monkeypatch: p
     assert cmd[:2] == ["/bin/sglang-router", "launch"]
     assert cmd[cmd.index("--worker-urls") + 1:cmd.index("--worker-urls") + 3] == ["http://a:1", "http://b:2"]
     assert cmd[cmd.index("--policy") + 1] == "round_robin" and cmd[cmd.index("--prometheus-port") + 1] == "9"
-
-
-def serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser()
-    add_serve_args(parser)
-    add_data_parallel_args(parser)
-    return parser
 
 
 def test_replicas_get_the_engine_options_as_given_and_their_own_address():

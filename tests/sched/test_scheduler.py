@@ -24,7 +24,7 @@ from conveyor.sampling_params import SamplingParams
 from conveyor.sched.output import SchedulerOutput
 from conveyor.sched.scheduler import FIFOScheduler, PrefillFirstScheduler, Scheduler, make_scheduler
 
-from .test_cache import check_allocator_invariants
+from tests.utils import check_allocator_invariants
 
 FAKE_TOKEN = 7
 

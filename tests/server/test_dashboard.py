@@ -16,9 +16,9 @@ from conveyor.config import ConfigError
 from conveyor.engine.step_history import StepHistory
 from conveyor.server import BackgroundServer
 
-from .serving_helpers import long_tiny_llm, metric, save_long_tiny
+from tests.serving_helpers import long_tiny_llm, metric, save_long_tiny
 
-ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
 

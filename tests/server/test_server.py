@@ -18,13 +18,13 @@ import openai
 import pytest
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
+from conveyor.scaleout.net import free_port
 from conveyor.server import BackgroundServer, ServerSettings
 
-from .conftest import TinyModel, random_prompts
+from tests.serving_helpers import CHAT_TEMPLATE, metric, wait_healthy
+from tests.utils import TinyModel, greedy, random_prompts
 
 KEY = "sk-test"
-CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
-                 "{% if add_generation_prompt %}w5{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +35,6 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config_file = path / "tokenizer_config.json"
     config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"chat_template": CHAT_TEMPLATE}))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -83,36 +77,11 @@ def words(ids: list[int]) -> str:
     return " ".join(f"w{i}" for i in ids)
 
 
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_new_tokens=n, temperature=0)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("server did not become healthy")
-
-
 # -- 1. the official client -----------------------------------------------------------------------
 def test_openai_client_matches_llm_generate(url: str, tiny_llm: LLM) -> None:
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     prompts = [words(p) for p in random_prompts([5, 17], seed=1)]
-    expected = tiny_llm.generate(prompts, greedy(12), use_tqdm=False)
+    expected = tiny_llm.generate(prompts, greedy(12, ignore_eos=False), use_tqdm=False)
 
     batch = client.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0)
     assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == [e.text for e in expected]
@@ -128,7 +97,7 @@ def test_openai_client_matches_llm_generate(url: str, tiny_llm: LLM) -> None:
     assert chunks[-1].usage.completion_tokens == expected[1].num_output_tokens and not chunks[-1].choices
 
     conversation = [{"role": "system", "content": "w10 w11"}, {"role": "user", "content": "w12 w13 w14"}]
-    [reply] = tiny_llm.chat([conversation], greedy(9), use_tqdm=False)
+    [reply] = tiny_llm.chat([conversation], greedy(9, ignore_eos=False), use_tqdm=False)
     chat = client.chat.completions.create(model="tiny", messages=conversation, max_completion_tokens=9,
                                           temperature=0, logprobs=True, top_logprobs=3)
     assert chat.choices[0].message.content == reply.text and chat.choices[0].message.role == "assistant"
@@ -174,11 +143,11 @@ def test_builtin_model_with_openai_client() -> None:
         [model] = client.models.list().data
         assert model.id == llm.model_path.name
         prompt = "The capital of France is"
-        [ref] = llm.generate([prompt], greedy(8), use_tqdm=False)
+        [ref] = llm.generate([prompt], greedy(8, ignore_eos=False), use_tqdm=False)
         out = client.completions.create(model=model.id, prompt=prompt, max_tokens=8, temperature=0)
         assert out.choices[0].text == ref.text and out.usage.completion_tokens == ref.num_output_tokens
         messages = [{"role": "user", "content": "Write one sentence about the moon."}]
-        [reply] = llm.chat([messages], greedy(12), use_tqdm=False)
+        [reply] = llm.chat([messages], greedy(12, ignore_eos=False), use_tqdm=False)
         chat = client.chat.completions.create(model=model.id, messages=messages, max_tokens=12, temperature=0)
         assert chat.choices[0].message.content == reply.text
         assert chat.choices[0].finish_reason == reply.finish_reason

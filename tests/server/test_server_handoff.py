@@ -20,7 +20,7 @@ from conveyor.server.handoff import Handoff
 from conveyor.server.serving import Submission, coalesce
 from conveyor.server.streaming import ChunkTemplate, sse
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
 
 def output(request_id: str, ids: list[int], delta: int, finished: bool = False) -> RequestOutput:

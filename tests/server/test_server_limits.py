@@ -16,8 +16,8 @@ from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.server import BackgroundServer, ServerSettings
 from conveyor.server.limits import default_max_request_bytes, prompt_char_limit
 
-from .conftest import tiny_tokenizer
-from .serving_helpers import save_json_tiny
+from tests.serving_helpers import save_json_tiny
+from tests.utils import tiny_tokenizer
 
 BIG = 20 * 10**6
 

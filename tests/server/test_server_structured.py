@@ -14,7 +14,8 @@ import pytest
 from conveyor import LLM
 from conveyor.server import BackgroundServer, ServerSettings
 
-from .structured_check import check
+from tests.structured_check import check
+from tests.utils import idle
 
 SCHEMA = {
     "type": "object", "additionalProperties": False, "required": ["city", "days", "units", "hourly", "alerts", "where"],
@@ -48,11 +49,6 @@ def url(llm: LLM):
         yield url
 
 
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def chat(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str | None, list[dict], str]:
     """(content, tool calls as {name, arguments}, finish reason), streamed through the client's helper or not."""
     kwargs = {"model": "smol", "messages": ASK, "max_tokens": 96} | kwargs
@@ -64,11 +60,6 @@ def chat(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str | None, lis
     calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
              for c in choice.message.tool_calls or []]
     return choice.message.content, calls, choice.finish_reason
-
-
-def idle(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.free_blocks == stats.total_blocks and not llm.engine.requests
 
 
 def test_json_schema_and_json_object_replies_parse_and_validate(client: openai.OpenAI, llm: LLM) -> None:

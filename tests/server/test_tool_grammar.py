@@ -22,8 +22,9 @@ from conveyor.server.serving import drops_a_marker
 from conveyor.structured.strict import close_schema
 from conveyor.tool_parsers.json_formats import HermesParser, MistralParser
 
-from .serving_helpers import save_json_tiny
-from .structured_check import check
+from tests.serving_helpers import save_json_tiny
+from tests.structured_check import check
+from tests.utils import idle
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {  # the example, no
     "type": "object", "required": ["city", "unit", "where"],                     # additionalProperties anywhere
@@ -47,11 +48,6 @@ def url(llm: LLM):
         yield url
 
 
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def chat(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str | None, list[dict], str]:
     kwargs = {"model": "", "messages": ASK, "max_tokens": 120, "temperature": 0} | kwargs
     if stream:
@@ -61,11 +57,6 @@ def chat(client: openai.OpenAI, stream: bool, **kwargs) -> tuple[str | None, lis
         choice = client.chat.completions.create(**kwargs).choices[0]
     calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls or []]
     return choice.message.content or None, calls, choice.finish_reason  # a stream's role chunk carries ""
-
-
-def idle(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.free_blocks == stats.total_blocks and not llm.engine.requests
 
 
 def test_forced_and_required_calls_stop_with_valid_closed_arguments(client: openai.OpenAI, llm: LLM) -> None:

@@ -9,14 +9,7 @@ import transformers
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.engine.draft_runner import load_draft_model
 
-from .conftest import TINY_COMMON, TinyModel, random_prompts, tiny_tokenizer
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
-
-
-def copy_prompts() -> list[list[int]]:
-    """Prompts that repeat themselves (n-gram lookups hit), of lengths that need prefill chunks."""
-    return [p * 3 for p in random_prompts([5, 9, 14, 30, 4], seed=1)] + random_prompts([7, 40], seed=2)
+from tests.utils import NGRAM, TINY_COMMON, TinyModel, copy_prompts, tiny_tokenizer
 
 
 def mixed_params() -> list[SamplingParams]:

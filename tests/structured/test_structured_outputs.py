@@ -12,7 +12,8 @@ from conveyor.request import RequestState
 from conveyor.sampling_params import SamplingParamsError
 from conveyor.sampling_params import StructuredOutputsParams as SO
 
-from .structured_check import check
+from tests.structured_check import check
+from tests.utils import idle
 
 SCHEMA = {
     "type": "object", "additionalProperties": False,
@@ -38,11 +39,6 @@ def llm() -> LLM:
 
 def chat(llm: LLM, text: str) -> list[int]:
     return llm.render_chat([{"role": "user", "content": text}])
-
-
-def idle(llm: LLM) -> bool:
-    stats = llm.stats()
-    return stats.free_blocks == stats.total_blocks and not llm.engine.requests
 
 
 def test_json_schema_outputs_validate_greedy_and_sampled(llm: LLM) -> None:

@@ -1,4 +1,4 @@
-"""A stand-in for vLLM in `tests/test_bench_vllm.py`: the part of its offline API that
+"""A stand-in for vLLM in `tests/bench/test_vllm.py`: the part of its offline API that
 `conveyor/bench/vllm_runner.py` uses (`LLM(model, tokenizer, dtype, **kwargs)`, `SamplingParams`,
 `LLM.generate` over `{"prompt_token_ids": ...}` prompts, `llm.model_config`), decoding greedily with
 transformers' eager model so that its tokens are a known reference.
