@@ -1,5 +1,7 @@
 """The package's layout holds: no import circles, no import up the layers, the server only through the
-offline facade, and no module calling another module's private names (README, "Architecture").
+offline facade, and no module calling another module's private names (README, "Architecture"). The tests' layout
+holds too: test files in folders (one per layer of the package), and no test module importing another
+(shared code lives in helper modules such as tests/utils.py, fixtures in conftest.py).
 
 Imports are read from the source with `ast` (type-only imports under TYPE_CHECKING and imports inside
 functions count too), so a failure names the modules and lines.
@@ -10,7 +12,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "conveyor"
+TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+PACKAGE = REPO / "conveyor"
 
 # Bottom-up; a module imports from its own layer and the layers below it. A prefix names a module or a
 # folder of them; the package root (`conveyor`, the public API) is the "api" layer.
@@ -187,3 +191,56 @@ def test_private_uses_are_found():
 def test_no_module_uses_another_modules_private_names():
     found = private_uses({m: ast.parse(p.read_text()) for m, p in MODULES.items()})
     assert not found, "private names used across modules:\n" + "\n".join(found)
+
+
+# -- the tests ------------------------------------------------------------------------------------
+# Test files that stay at the top of tests/ until they move to tests/tools/ with the tools they test.
+AWAITING_TOOLS_MOVE = {"test_bench_roofline.py", "test_bench_simulate.py", "test_fuzz.py", "test_gpu_check.py",
+                       "test_peaks.py", "test_soak.py"}
+
+
+def dotted(path: Path) -> str:
+    """The module name of a file of the repository (tests/cache/test_cache.py: tests.cache.test_cache)."""
+    return ".".join(path.relative_to(REPO).with_suffix("").parts)
+
+
+def imports_of_test_modules(source: str, module: str) -> list[tuple[str, int]]:
+    """(test module or conftest, line) for every import of one in `source`, the code of `module` (dotted, from
+    the repository root): `from .test_x import f`, `from tests.cache import test_cache`, `import tests.conftest`."""
+    package = module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            source_module = ".".join(base + ([node.module] if node.module else []))
+            found += [(source_module, node.lineno)] + [(f"{source_module}.{a.name}", node.lineno) for a in node.names]
+    return [(name, line) for name, line in found if name.split(".")[0] == "tests"
+            and name.rpartition(".")[2].startswith(("test_", "conftest"))
+            and REPO.joinpath(*name.split(".")).with_suffix(".py").is_file()]
+
+
+def test_the_test_checks_see_what_they_police():
+    source = ("from .test_cache import check\nfrom ..sched import test_scheduler\nimport tests.conftest\n"
+              "from tests.utils import greedy\nfrom . import test_offload\n")
+    assert imports_of_test_modules(source, "tests.cache.test_prefix_cache") == [
+        ("tests.cache.test_cache", 1), ("tests.sched.test_scheduler", 2), ("tests.conftest", 3),
+        ("tests.cache.test_offload", 5)]
+
+
+def test_no_test_module_imports_another():
+    """Tests share code through helper modules and fixtures: a test module imported by another one runs its
+    module-level code twice under two names, and ties the two files' contents together."""
+    found = [f"{path.relative_to(REPO)} (line {line}) imports {name}" for path in sorted(TESTS.rglob("*.py"))
+             for name, line in imports_of_test_modules(path.read_text(), dotted(path))]
+    assert not found, "test modules imported (move what they share into a helper module):\n" + "\n".join(found)
+
+
+def test_test_files_live_in_folders():
+    """tests/<folder>/test_*.py, each folder a package (so that two folders may hold files of the same name)."""
+    top = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in AWAITING_TOOLS_MOVE)
+    assert not top, f"test files at the top of tests/ (put them in the folder of the layer they test): {top}"
+    missing = sorted({str(p.parent.relative_to(REPO)) for p in TESTS.rglob("test_*.py")
+                      if not (p.parent / "__init__.py").is_file()})
+    assert not missing, f"test folders without __init__.py: {missing}"
