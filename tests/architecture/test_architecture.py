@@ -1,5 +1,5 @@
-"""The package's layout holds: no import circles, no import up the layers, the server only through the
-offline facade, and no module calling another module's private names (README, "Architecture"). The tests' layout
+"""The package's layout holds: no import circles, no import up the layers (LAYERS, bottom-up), the server
+only through the offline facade, and no module calling another module's private names. The tests' layout
 holds too: test files in folders (one per layer of the package), and no test module importing another
 (shared code lives in helper modules such as tests/utils.py, fixtures in conftest.py).
 
@@ -89,7 +89,7 @@ def layer_of(module: str) -> int:
     for i, (_, prefixes) in enumerate(LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return i
-    raise AssertionError(f"{module} is in no layer of LAYERS: add it (and to the README's architecture section)")
+    raise AssertionError(f"{module} is in no layer of LAYERS: add it to one")
 
 
 def find_cycle(graph: dict[str, list[tuple[str, int]]]) -> list[str] | None:

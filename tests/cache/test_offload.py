@@ -1,4 +1,4 @@
-"""Offloading (SPEC section 7): the swap path (KV blocks to host memory and back) and the soft-reset
+"""Offloading under KV-pool pressure: the swap path (KV blocks to host memory and back) and the soft-reset
 path give the same outputs as an unconstrained run and as transformers; nothing leaks."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prefix caching (SPEC section 6) end to end: block digests, outputs with caching on and off, the
+"""Prefix caching end to end: block digests, outputs with caching on and off, the
 prefill it saves (through `llm.stats()`), free counts, and eviction of cached blocks under pressure."""
 
 from __future__ import annotations

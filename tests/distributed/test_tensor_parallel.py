@@ -1,4 +1,4 @@
-"""Tensor parallelism (README, "Tensor parallelism"): the split plan and its refusals, shards read from
+"""Tensor parallelism: the split plan and its refusals, shards read from
 the file as slices, TP=2 over gloo against transformers (fp32, the tie rule) and against TP=1 (a GGUF
 file's quantized blocks, int8, int4, bf16: the precision tests' tolerance), two torchrun "nodes" on
 loopback, and a rank that dies.

@@ -26,8 +26,8 @@ from tests.serving_helpers import save_json_tiny
 from tests.structured_check import check
 from tests.utils import idle
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {  # the example, no
-    "type": "object", "required": ["city", "unit", "where"],                     # additionalProperties anywhere
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {  # no additionalProperties
+    "type": "object", "required": ["city", "unit", "where"],                     # anywhere: read as closed
     "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]},
                    "where": {"type": "object", "required": ["lat"], "properties": {
                        "lat": {"type": "integer", "minimum": -90, "maximum": 90}}}}}}}
