@@ -119,7 +119,7 @@ USER_CHAT_TEMPLATE = ("{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor
 
 
 class TinyModel:
-    """A random HF model saved to `path` (from `TINY_CONFIGS[kind]`, or `make_config`); `reference` is the
+    """A random HF model saved to `path` (from `TINY_CONFIGS[kind]`, or `config`); `reference` is the
     same model in transformers (eager, fp32)."""
 
     def __init__(self, kind: str, path: Path, config: transformers.PretrainedConfig | None = None) -> None:
