@@ -20,6 +20,7 @@ from .chat_template import load_chat_template
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
 from .errors import ConfigError
 from .distributed.driver import ShardedModel, load_tensor_parallel
+from .distributed.launch import exit_if_spawned_rank
 from .engine.draft_runner import load_draft_model
 from .engine.engine import Engine
 from .engine.stats import EngineStats
@@ -104,6 +105,7 @@ class LLM:
                  override_generation_config: dict[str, Any] | None = None,
                  num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
                  batch_invariant: bool | None = None, **vllm_kwargs: Any) -> None:
+        exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
         for note in check_vllm_kwargs(vllm_kwargs):
             logger.info("%s", note)
         given_config = config
