@@ -11,8 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .cli_args import add_engine_args, add_serve_args, llm_kwargs_from_args, model_from_args
+from .errors import MissingDependencyError
 from .models.hub import HUB_ID
-from .scaleout import add_data_parallel_args, serve_data_parallel
+from .scaleout import add_data_parallel_args, launch_module, serve_data_parallel
 from .vllm_flags import ALREADY_SO, UNSUPPORTED, UnsupportedFlagError, check_vllm_flags
 
 logger = logging.getLogger("conveyor")
@@ -64,9 +65,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size != 1 or args.data_parallel_address:
         if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
             from .models.hub import resolve_model_path
-            from .scaleout.launch import plan
 
-            plan(args)  # the settings first, then one download (into the cache the replicas load from)
+            launch_module().plan(args)  # the settings first, then one download (the cache the replicas read)
             resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
                                gguf_file=args.gguf_file, token=args.hf_token)
         return serve_data_parallel(args)
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"serve": cmd_serve, "generate": cmd_generate, "build-kernels": cmd_build_kernels}
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, MissingDependencyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
