@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .cli_args import add_engine_args, add_serve_args, llm_kwargs_from_args, model_from_args
 from .errors import MissingDependencyError
-from .models.hub import HUB_ID
+from .models.hub import HUB_ID, resolve_model_path
 from .scaleout import add_data_parallel_args, launch_module, serve_data_parallel
 from .vllm_flags import ALREADY_SO, UNSUPPORTED, UnsupportedFlagError, check_vllm_flags
 
@@ -58,17 +58,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .manager import EngineDeadError
     from .scaleout.placement import plan_placement
-    from .server import ServerSettings, run_server
+    from .server import ServerSettings, check_address, run_server
 
     settings = ServerSettings.from_args(args)
     args.model = model_from_args(args)  # replicas get it as --model
-    if args.data_parallel_size != 1 or args.data_parallel_address:
-        if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
-            from .models.hub import resolve_model_path
-
-            launch_module().plan(args)  # the settings first, then one download (the cache the replicas read)
-            resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
-                               gguf_file=args.gguf_file, token=args.hf_token)
+    data_parallel = args.data_parallel_size != 1 or bool(args.data_parallel_address)
+    if data_parallel:
+        launch_module().plan(args)  # the settings first
+    if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
+        resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
+                           gguf_file=args.gguf_file, token=args.hf_token)  # one download, into the cache they read
+    check_address(args.host, args.port)  # in use? Said now, not after the model's load (the front's, with replicas)
+    if data_parallel:
         return serve_data_parallel(args)
     if args.threads is not None:
         plan_placement(1, args.threads)  # the same check as for replicas: no more threads than cores
