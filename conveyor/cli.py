@@ -10,8 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .cli_args import add_engine_args, add_serve_args, llm_kwargs_from_args, model_from_args
-from .models.hub import HUB_ID
-from .scaleout import add_data_parallel_args, serve_data_parallel
+from .errors import MissingDependencyError
+from .models.hub import HUB_ID, resolve_model_path
+from .scaleout import add_data_parallel_args, launch_module, serve_data_parallel
 from .vllm_flags import ALREADY_SO, UNSUPPORTED, UnsupportedFlagError, check_vllm_flags
 
 logger = logging.getLogger("conveyor")
@@ -56,18 +57,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .manager import EngineDeadError
     from .scaleout.placement import plan_placement
-    from .server import ServerSettings, run_server
+    from .server import ServerSettings, check_address, run_server
 
     settings = ServerSettings.from_args(args)
     args.model = model_from_args(args)  # replicas get it as --model
-    if args.data_parallel_size != 1 or args.data_parallel_address:
-        if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
-            from .models.hub import resolve_model_path
-            from .scaleout.launch import plan
-
-            plan(args)  # the settings first, then one download (into the cache the replicas load from)
-            resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
-                               gguf_file=args.gguf_file, token=args.hf_token)
+    data_parallel = args.data_parallel_size != 1 or bool(args.data_parallel_address)
+    if data_parallel:
+        launch_module().plan(args)  # the settings first
+    if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
+        resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
+                           gguf_file=args.gguf_file, token=args.hf_token)  # one download, into the cache they read
+    check_address(args.host, args.port)  # in use? Said now, not after the model's load (the front's, with replicas)
+    if data_parallel:
         return serve_data_parallel(args)
     if args.threads is not None:
         plan_placement(1, args.threads)  # the same check as for replicas: no more threads than cores
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"serve": cmd_serve, "generate": cmd_generate, "build-kernels": cmd_build_kernels}
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, MissingDependencyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -16,6 +16,16 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from ..errors import MissingDependencyError, require
+
+# The optional packages a benchmark needs, checked before it starts (a server launched, a model loaded), with
+# the extra of pyproject.toml that brings each: HTTP clients need httpx; schemathesis is only in `test`.
+REQUIRES: dict[str, tuple[tuple[str, str], ...]] = {
+    "serve": (("httpx", "bench"),),
+    "soak": (("httpx", "bench"),),
+    "fuzz": (("httpx", "bench"), ("schemathesis", "test")),
+}
+
 
 def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Conveyor benchmark suite")
@@ -103,4 +113,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m conveyor.benc
     args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        for module, extra in REQUIRES.get(args.command, ()):
+            require(module, extra, f"{prog} {args.command}")
+    except MissingDependencyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return args.func(args)

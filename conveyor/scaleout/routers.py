@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import install_command
 from .net import end_with_parent, free_port, http_ok
 
 logger = logging.getLogger("conveyor.scaleout")
@@ -36,12 +37,13 @@ STOP_GRACE_S = 10.0
 @dataclass(frozen=True)
 class RouterSpec:
     """How to start one router: its console script (and subcommand), the package that ships it, its
-    log-level spelling."""
+    log-level spelling, and the extra of pyproject.toml that installs it (None: none does)."""
 
     script: str
     subcommand: tuple[str, ...]
     package: str
     warning_level: str
+    extra: str | None
 
     def executable(self) -> str | None:
         """The console script next to this interpreter (an unactivated venv), else on PATH."""
@@ -51,8 +53,9 @@ class RouterSpec:
     def command(self, host: str, port: int, workers: Sequence[str], policy: str, metrics_port: int) -> list[str]:
         exe = self.executable()
         if exe is None:
-            raise ValueError(f"the router {self.script!r} is not installed: pip install \"conveyor[router]\" "
-                             f"(or pip install {self.package})")
+            fix = (install_command(self.extra) if self.extra is not None
+                   else f"pip install \"conveyor[router]\" (or pip install {self.package})")
+            raise ValueError(f"the router {self.script!r} is not installed: {fix}")
         return [exe, *self.subcommand, "--host", host, "--port", str(port), "--worker-urls", *workers,
                 "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
@@ -61,8 +64,8 @@ class RouterSpec:
 
 
 ROUTERS: dict[str, RouterSpec] = {
-    "vllm-router": RouterSpec("vllm-router", (), "vllm-router", "warning"),
-    "sglang-router": RouterSpec("sglang-router", ("launch",), "sglang-router", "warn"),
+    "vllm-router": RouterSpec("vllm-router", (), "vllm-router", "warning", "router"),
+    "sglang-router": RouterSpec("sglang-router", ("launch",), "sglang-router", "warn", None),
 }
 DEFAULT_ROUTER = "vllm-router"
 
