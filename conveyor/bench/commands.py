@@ -1,9 +1,8 @@
 """`python -m conveyor.bench SUBCOMMAND ...` (and, once mounted, `conveyor bench ...`).
 
 Subcommands: `throughput` (offline throughput, optionally against transformers), `simulate`
-(static versus continuous batching, step by step, also through Conveyor's scheduler), `roofline`
-(matmul rates and the dense-decode ceiling), `step` (Conveyor's decode step split, against that
-ceiling), `step-pair` (two models' decode steps interleaved), `serve` (online serving benchmark of any OpenAI-compatible server, over HTTP),
+(static versus continuous batching, step by step, also through Conveyor's scheduler), `serve` (online
+serving benchmark of any OpenAI-compatible server, over HTTP),
 `perplexity` (a model's perplexity on a text, in windows, through prompt logprobs), `fuzz`
 (schemathesis against a server's OpenAPI schema), `soak` (a long mixed load with disconnects). The
 project CLI can mount the suite with `add_subcommands(subparsers)` or simply call `main(argv)`.
@@ -26,7 +25,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import fuzz, gpu_check, perplexity, roofline_report, serve, simulate, soak, step_pair, throughput
+    from . import fuzz, gpu_check, perplexity, serve, simulate, soak, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -35,24 +34,6 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "after a small warm-up); --compare hf also runs transformers' generate_batch and static generate on the "
          "same weights and compares greedy outputs; --compare vllm runs vLLM's offline LLM in the interpreter "
          "--vllm-python names, on the same prompt ids and settings, and reports its tok/s and greedy agreement."),
-        ("roofline", roofline_report, {},
-         "matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
-         "Times the model's linear layers on each of its weight shapes at M = batch rows (GFLOP/s and the linear-only "
-         "tok/s ceiling), then one decode step of the same model over contiguous K/V (batch sequences of context "
-         "tokens, one SDPA per layer, no paging or scheduling): the dense ceiling."),
-        ("step", roofline_report, {"step": True},
-         "Conveyor's real decode step, split into forward / LM head + sampling / prepare / rest, against the "
-         "dense ceiling",
-         "Runs the roofline measurements, then prefills batch random prompts of context tokens in Conveyor's "
-         "engine and times Engine.step() split into model forward, LM head + sampling, input preparation and the "
-         "rest; prints the step's ratio to the dense ceiling of the same run, and its weight-streaming rate "
-         "(weight bytes per step over forward + LM head time) against the machine's measured read bandwidth."),
-        ("step-pair", step_pair, {},
-         "two models' decode steps interleaved step by step: each one's median and the ratio B / A",
-         "Loads both models, prefills batch random prompts of context tokens in each, then alternates their "
-         "engine steps (A, B, A, B, ...) so every pair sees the same machine; prints each model's median decode "
-         "step and the median of the per-pair ratios B / A (e.g. a mixture-of-experts model against a dense "
-         "model with the same active parameters)."),
         ("simulate", simulate, {},
          "static vs continuous batching, step by step (the seeds' simulation; no model)",
          "Simulate static and continuous batching of requests with given output lengths on a number of slots, "
