@@ -1,7 +1,6 @@
 """`python -m conveyor.bench SUBCOMMAND ...` (and, once mounted, `conveyor bench ...`).
 
-Subcommands: `throughput` (offline throughput, optionally against transformers), `simulate`
-(static versus continuous batching, step by step, also through Conveyor's scheduler), `serve` (online
+Subcommands: `throughput` (offline throughput, optionally against transformers), `serve` (online
 serving benchmark of any OpenAI-compatible server, over HTTP),
 `perplexity` (a model's perplexity on a text, in windows, through prompt logprobs), `fuzz`
 (schemathesis against a server's OpenAPI schema), `soak` (a long mixed load with disconnects). The
@@ -25,7 +24,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import fuzz, gpu_check, perplexity, serve, simulate, soak, throughput
+    from . import fuzz, gpu_check, perplexity, serve, soak, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -34,12 +33,6 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "after a small warm-up); --compare hf also runs transformers' generate_batch and static generate on the "
          "same weights and compares greedy outputs; --compare vllm runs vLLM's offline LLM in the interpreter "
          "--vllm-python names, on the same prompt ids and settings, and reports its tok/s and greedy agreement."),
-        ("simulate", simulate, {},
-         "static vs continuous batching, step by step (the seeds' simulation; no model)",
-         "Simulate static and continuous batching of requests with given output lengths on a number of slots, "
-         "and replay them through Conveyor's real scheduler and KV allocator (no model): steps until all finish "
-         "and the slots' busy fraction. Exit code 1 if Conveyor's scheduler needs a different number of steps "
-         "than ideal continuous batching."),
         ("serve", serve, {},
          "online serving benchmark of any OpenAI-compatible server over HTTP (like vllm bench serve)",
          "Streams a workload's requests to an OpenAI-compatible server (Conveyor's, vLLM, llama-server) with "
