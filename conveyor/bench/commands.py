@@ -2,8 +2,7 @@
 
 Subcommands: `throughput` (offline throughput, optionally against transformers), `serve` (online
 serving benchmark of any OpenAI-compatible server, over HTTP),
-`perplexity` (a model's perplexity on a text, in windows, through prompt logprobs), `fuzz`
-(schemathesis against a server's OpenAPI schema), `soak` (a long mixed load with disconnects). The
+`perplexity` (a model's perplexity on a text, in windows, through prompt logprobs). The
 project CLI can mount the suite with `add_subcommands(subparsers)` or simply call `main(argv)`.
 """
 
@@ -24,7 +23,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import fuzz, gpu_check, perplexity, serve, soak, throughput
+    from . import gpu_check, perplexity, serve, throughput
 
     commands = [
         ("throughput", throughput, {},
@@ -40,18 +39,6 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E latency in ms, as vllm bench "
          "serve does. --launch starts Conveyor's own server for the run, in the --dtype/--quantization asked "
          "for. Exit code 1 if any request failed."),
-        ("fuzz", fuzz, {},
-         "schemathesis against a server's OpenAPI schema, every operation: zero 5xx, the server healthy after",
-         "Generates --examples bodies per operation that fit the server's /openapi.json and as many that break "
-         "it (schemathesis), sends them, and checks every answer: no 5xx, status and content type documented, "
-         "schema-breaking bodies rejected; then GET /health. --launch starts Conveyor's server for the run. Exit "
-         "code 1 on any failure."),
-        ("soak", soak, {},
-         "a long mixed load on Conveyor's server with disconnects: every request ends, pool idle, RSS flat",
-         "For --minutes, --concurrency workers send plain and streamed (chat) completions, n > 1, stop strings, "
-         "prompts near and just past the context limit, and abandon some mid-stream or while waiting; /health is "
-         "polled and the server's RSS sampled. Exit code 1 unless every kept request got its whole answer, no 5xx, "
-         "/health always answered, the server idle after and RSS after warm-up grew < --max-rss-growth."),
         ("perplexity", perplexity, {},
          "perplexity of a model on a text file, scored in windows through prompt logprobs",
          "Tokenizes the text and scores it in windows of --window tokens (each one prompt with prompt_logprobs=0 "
