@@ -1,9 +1,10 @@
 """`python -m conveyor.bench SUBCOMMAND ...` (and, once mounted, `conveyor bench ...`).
 
-Subcommands: `throughput` (offline throughput, optionally against transformers), `serve` (online
-serving benchmark of any OpenAI-compatible server, over HTTP),
-`perplexity` (a model's perplexity on a text, in windows, through prompt logprobs). The
-project CLI can mount the suite with `add_subcommands(subparsers)` or simply call `main(argv)`.
+Subcommands: `throughput` (offline throughput, optionally against transformers or vLLM), `serve`
+(online serving benchmark of any OpenAI-compatible server, over HTTP), `perplexity` (a model's
+perplexity on a text, in windows, through prompt logprobs). The project CLI can mount the suite with
+`add_subcommands(subparsers)` or simply call `main(argv)`. The checkout's diagnostics, QA harnesses
+and simulations are in tools/ (not installed).
 """
 
 from __future__ import annotations
@@ -23,39 +24,32 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import gpu_check, perplexity, serve, throughput
+    from . import perplexity, serve, throughput
 
     commands = [
-        ("throughput", throughput, {},
+        ("throughput", throughput,
          "offline throughput of LLM.generate on a workload (optionally vs transformers or vLLM)",
          "Offline throughput: Conveyor's LLM.generate on all prompts at once (only the generate call is timed, "
          "after a small warm-up); --compare hf also runs transformers' generate_batch and static generate on the "
          "same weights and compares greedy outputs; --compare vllm runs vLLM's offline LLM in the interpreter "
          "--vllm-python names, on the same prompt ids and settings, and reports its tok/s and greedy agreement."),
-        ("serve", serve, {},
+        ("serve", serve,
          "online serving benchmark of any OpenAI-compatible server over HTTP (like vllm bench serve)",
          "Streams a workload's requests to an OpenAI-compatible server (Conveyor's, vLLM, llama-server) with "
          "Poisson arrivals at --request-rate (or all at once) and an optional concurrency cap; reports request "
          "and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E latency in ms, as vllm bench "
          "serve does. --launch starts Conveyor's own server for the run, in the --dtype/--quantization asked "
          "for. Exit code 1 if any request failed."),
-        ("perplexity", perplexity, {},
+        ("perplexity", perplexity,
          "perplexity of a model on a text file, scored in windows through prompt logprobs",
          "Tokenizes the text and scores it in windows of --window tokens (each one prompt with prompt_logprobs=0 "
          "and max_new_tokens=1, all in one LLM.generate call); with --stride below the window only tokens not "
          "scored before count (sliding-window perplexity). Reports perplexity, tokens scored, tokens/s and the "
          "model, dtype and quantization. Exit code 1 if any window failed."),
-        ("gpu-check", gpu_check, {},
-         "the device check's bench: one stream, chat64 and 512 x (512 -> 256) in eager / graphs / graphs + async, "
-         "next to transformers' generate_batch",
-         "Runs every workload in every mode (use_cuda_graph / use_async_batching passed through), then "
-         "transformers' generate_batch on the same device and weights; prints one table (with the CUDA tests' "
-         "JUnit summary when --tests-junit is given) and writes --out DIR/gpu_check.json. Driven by "
-         "scripts/gpu_check.sh; --device cpu with a tiny model and small sizes is a dry run."),
     ]
-    for name, module, extra, help_text, description in commands:
+    for name, module, help_text, description in commands:
         p = subparsers.add_parser(name, help=help_text, description=description)
-        module.add_arguments(p, **extra)
+        module.add_arguments(p)
         p.set_defaults(func=module.run_from_args)
 
 
