@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device check, on a fresh H200 machine (see DEVELOPERS.md, "Device check", for the `run` calls):
 # installs the carried wheels (scripts/gpu_wheels.sh made them) into /tmp/site, runs the CUDA tests
-# (`pytest -m cuda` over the test files that have any), then `python -m conveyor.bench.gpu_check`
+# (`pytest -m cuda` over the test files that have any), then `python -m tools.gpu_check`
 # (bf16: one stream, chat64, 512 x (512 -> 256); eager, graphs, graphs + async; transformers'
 # generate_batch), printing one table and writing it with the JSON report and the logs under $OUT.
 # Extra arguments go to the bench (e.g. --budget-s 200 --num-prompts 256).
@@ -36,7 +36,7 @@ tests_rc=${PIPESTATUS[0]}
 echo "gpu_check: tests exit $tests_rc after $(( $(date +%s) - started )) s"
 budget=$(( 330 - ($(date +%s) - started) ))
 [ "$budget" -lt 60 ] && budget=60
-"$PY" -m conveyor.bench.gpu_check --device cuda --dtype bfloat16 --tests-junit "$OUT/cuda-tests.xml" \
+"$PY" -m tools.gpu_check --device cuda --dtype bfloat16 --tests-junit "$OUT/cuda-tests.xml" \
     --fallback-config .gpu/base/smollm2-config --budget-s "$budget" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu_check: done in $(( $(date +%s) - started )) s (tests exit $tests_rc, bench exit $bench_rc)"

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.bench import gpu_check
-from conveyor.bench.gpu_check import (
+from conveyor.bench.workloads import load_workload
+from tools import gpu_check
+from tools.gpu_check import (
     CHAT64,
     HF,
     Row,
@@ -19,9 +20,8 @@ from conveyor.bench.gpu_check import (
     parse_modes,
     parse_workloads,
 )
-from conveyor.bench.workloads import load_workload
 
-from .conftest import TinyModel
+from ..conftest import TinyModel
 
 JUNIT = """<?xml version="1.0"?><testsuites><testsuite name="pytest" tests="4" failures="1" errors="0" skipped="1">
 <testcase classname="tests.test_cuda" name="test_a"/><testcase classname="tests.test_cuda" name="test_b">

@@ -1,5 +1,5 @@
-"""Tests for `conveyor bench roofline` / `step` (conveyor.bench.roofline, roofline_report, streaming) on tiny
-random Llamas.
+"""Tests for `python -m tools.roofline ceiling` / `step` / `pair` (tools/roofline: measure, step, report,
+bandwidth) on tiny random Llamas and mixture-of-experts models.
 
 The dense ceiling is only a fair floor if it is the same model: one decode step through
 `DenseDecodeAttention`, over K/V copied out of Conveyor's paged cache, must give the logits that
@@ -9,26 +9,29 @@ Conveyor's own paged step gives.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from conveyor import LLM, SamplingParams
-from conveyor.bench import main
-from conveyor.bench.bandwidth import (
+from conveyor.kernels import cpu_matmul_ops, vector_flags
+from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
+from conveyor.request import RequestState
+from tools.roofline.bandwidth import (
     format_streaming,
     last_level_cache_bytes,
     read_bandwidth,
     streaming_report,
     weight_bytes,
 )
-from conveyor.bench.roofline import DenseDecodeAttention, dense_decode_step, step_config
-from conveyor.bench.roofline_report import format_report, run_step
-from conveyor.kernels import cpu_matmul_ops, vector_flags
-from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
-from conveyor.request import RequestState
+from tools.roofline.cli import main
+from tools.roofline.expert_load import sparse_blocks
+from tools.roofline.measure import DenseDecodeAttention, dense_decode_step
+from tools.roofline.report import format_report, run_step
+from tools.roofline.step import step_config
 
-from .conftest import TinyModel, random_prompts
+from ..conftest import TinyModel, random_prompts
 
 BATCH, CONTEXT = 3, 15
 
@@ -147,7 +150,7 @@ def test_step_report_has_every_figure(tiny: TinyModel) -> None:
 
 def test_roofline_cli_writes_report(tiny: TinyModel, tmp_path, capsys) -> None:
     out = tmp_path / "roofline.json"
-    assert main(["roofline", "--model", str(tiny.path), "--batch", "4", "--context", "6", "--repeats", "2",
+    assert main(["ceiling", "--model", str(tiny.path), "--batch", "4", "--context", "6", "--repeats", "2",
                  "--warmup", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "Dense ceiling" in printed and "linear-only ceiling" in printed
@@ -167,10 +170,10 @@ def test_step_cli_prints_split_and_ratio(tiny: TinyModel, tmp_path, capsys) -> N
 
 def test_rejects_bad_arguments() -> None:
     with pytest.raises(SystemExit):
-        main(["roofline", "--batch", "0"])
+        main(["ceiling", "--batch", "0"])
 
 
-# -- weight streaming (conveyor.bench.bandwidth) -----------------------------------------------------
+# -- weight streaming (tools/roofline/bandwidth.py) ---------------------------------------------------
 # 2 layers x (qkv 128x64 + o 64x64 + gate_up 256x64 + down 64x128), and the 300 x 64 head
 LAYER_PARAMS = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
 HEAD_PARAMS = 300 * 64
@@ -256,7 +259,7 @@ def test_step_and_roofline_cli_take_dtype_and_quantization(tiny: TinyModel, tmp_
     assert "(bfloat16, weights int4; CPU flags" in printed and "over a 8 MiB fp32 buffer" in printed
     report = json.loads(out.read_text())
     assert report["environment"]["cpu_flags"] == vector_flags() and report["streaming"]["gb_per_s"] > 0
-    assert main(["roofline", "--model", str(tiny.path), "--batch", "2", "--context", "4", "--repeats", "2",
+    assert main(["ceiling", "--model", str(tiny.path), "--batch", "2", "--context", "4", "--repeats", "2",
                  "--warmup", "1", "--quantization", "int8"]) == 0
     assert "weights int8" in capsys.readouterr().out
 
@@ -275,3 +278,40 @@ def test_builtin_one_row_step_streams_the_files_own_weights(tmp_path) -> None:
     assert report["model"]["quantization"] == "gguf" and w["layer_formats"] == ["Q4_1"]
     assert 80 * 2**20 < w["total_bytes"] < default_model_path().stat().st_size
     assert report["streaming"]["gb_per_s"] > 0 and report["streaming"]["bandwidth"]["gb_per_s"] > 0
+
+
+# -- mixture-of-experts models -----------------------------------------------------------------------
+def test_step_bench_reports_the_expert_load(moe_models: dict[str, TinyModel]) -> None:
+    """`step` on an MoE model: the experts' shapes at their share of the rows, the active parameters,
+    the rows per expert, the sparse blocks' share of the step."""
+    llm = LLM(moe_models["qwen2_moe"].path, dtype="float32", config=step_config(8, 10, 2 + 1 + 4))
+    report = run_step(llm, batch=8, context=10, steps=2, warmup_steps=1, repeats=2, warmup=1)
+    mm, step = report["matmul"], report["step"]
+    shapes = {s["name"]: s for s in mm["shapes"]}
+    # layer 0 sparse (8 experts, top-3: 3 rows each at 8 rows, all busy), layer 1 dense
+    assert (shapes["experts.gate_up_proj (3 rows)"]["count"], shapes["experts.gate_up_proj (3 rows)"]["rows"]) == (8, 3)
+    assert shapes["gate_up_proj"]["count"] == 1 and shapes["shared_expert.down_proj"]["rows"] == 8
+    assert mm["flops_per_token"] == 2 * (2 * (128 * 64 + 64 * 64) + (256 * 64 + 64 * 128) + 3 * (64 * 64 + 64 * 32)
+                                         + (128 * 64 + 64 * 64) + 300 * 64)
+    load = step["expert_load"]
+    assert (load["layer_calls"], load["experts"], load["top_k"], load["routed_rows_per_call"]) == (2, 8, 3, 24)
+    assert load["rows_per_expert"]["min"] <= load["rows_per_expert"]["median"] <= load["rows_per_expert"]["max"] <= 8
+    assert 0 < step["moe_s"] < step["forward_s"] and 0 < step["moe_fraction"] < 1
+    text = format_report(report)
+    assert "of which mixture-of-experts blocks" in text and "24 routed rows per sparse layer (top-3 of 8" in text
+    assert all(block.observer is None for block in sparse_blocks(llm.engine.model))
+
+
+def test_step_pair_interleaves_two_models(moe_models: dict[str, TinyModel], tiny_llama: TinyModel, tmp_path: Path,
+                                          capsys) -> None:
+    """`pair`: both models' decode steps alternate; each one's median and the per-pair ratio."""
+    out = tmp_path / "pair.json"
+    assert main(["pair", str(tiny_llama.path), str(moe_models["mixtral"].path), "--batch", "4", "--context", "8",
+                 "--steps", "3", "--dtype", "float32", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    a, b = report["models"]
+    assert (a["path"], b["path"]) == (str(tiny_llama.path), str(moe_models["mixtral"].path))
+    assert len(a["step_samples_s"]) == len(b["step_samples_s"]) == 3 and a["step_s"] > 0 and b["step_s"] > 0
+    ratios = sorted(y / x for x, y in zip(a["step_samples_s"], b["step_samples_s"]))
+    assert report["b_over_a"] == pytest.approx(ratios[1])
+    assert "B / A:" in capsys.readouterr().out

@@ -1,5 +1,5 @@
 """The compute peak each linear is measured against: which instruction path a call takes, and that
-path's rate on this machine (`kernels/peak_cpu.cpp`, a loop of only its dot-product instruction on
+path's rate on this machine (conveyor/kernels/peak_cpu.cpp, a loop of only its dot-product instruction on
 as many threads as torch uses).
 
 Paths: the quantized kernels take `int8-vnni` where the build has VNNI (AVX512 or AVX-VNNI), else
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..kernels import cpu_flags, cpu_matmul_ops, cpu_peak_ops, native_kernels_enabled
-from ..layers.quantization.linear import QuantMatmul
-from ..layers.quantization.tensors import GGMLType
+from conveyor.kernels import cpu_flags, cpu_matmul_ops, cpu_peak_ops, native_kernels_enabled
+from conveyor.layers.quantization.linear import QuantMatmul
+from conveyor.layers.quantization.tensors import GGMLType
 
 FOUR_BIT_TILES = (GGMLType.Q4_0, GGMLType.Q4_1)
 

@@ -1,8 +1,8 @@
-"""`conveyor bench gpu-check`: the bench half of the device check (`scripts/gpu_check.sh` runs the
+"""`python -m tools.gpu_check`: the bench half of the device check (`scripts/gpu_check.sh` runs the
 CUDA tests first and hands their JUnit file over).
 
 Workloads: one stream (one synthetic request), chat64 (the file travels in the package,
-`bench/data/chat64.json`) and a synthetic 512 x (512 prompt -> 256 output) run, each in every
+conveyor/bench/data/chat64.json) and a synthetic 512 x (512 prompt -> 256 output) run, each in every
 mode (eager, CUDA graphs, graphs + async batching: `use_cuda_graph` / `use_async_batching` passed
 through `ContinuousBatchingConfig`), then transformers' `generate_batch` on the same GPU and
 weights. A run that raises is recorded as an error row and the check goes on; runs that would
@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .modes import add_mode_arguments, resolved_mode
-from .throughput_report import compare_outputs
-from .workloads import Workload, load_workload, render_prompts, synthetic_workload
+import conveyor.bench
+from conveyor.bench.modes import add_mode_arguments, resolved_mode
+from conveyor.bench.throughput_report import compare_outputs
+from conveyor.bench.workloads import Workload, load_workload, render_prompts, synthetic_workload
 
-CHAT64 = Path(__file__).parent / "data" / "chat64.json"
+CHAT64 = Path(conveyor.bench.__file__).parent / "data" / "chat64.json"
 MODES: dict[str, dict[str, bool]] = {
     "eager": {"use_cuda_graph": False, "use_async_batching": False},
     "graphs": {"use_cuda_graph": True, "use_async_batching": False},
@@ -71,7 +72,7 @@ def parse_workloads(text: str) -> list[str]:
 
 def mode_config(base: dict[str, Any], mode: str) -> Any:
     """The engine config of `mode`: the common settings plus its graph / async flags."""
-    from .. import ContinuousBatchingConfig
+    from conveyor import ContinuousBatchingConfig
 
     return ContinuousBatchingConfig(**base, **MODES[mode])
 
@@ -167,9 +168,9 @@ def _release(device: Any) -> None:
 
 def run_check(args: Any, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode on every workload, then transformers; the report as a JSON-able dict."""
-    from .. import LLM
-    from .hf_baselines import load_hf_model, run_generate_batch
-    from .throughput import environment, run_conveyor, warmup_prompt
+    from conveyor import LLM
+    from conveyor.bench.hf_baselines import load_hf_model, run_generate_batch
+    from conveyor.bench.throughput import environment, run_conveyor, warmup_prompt
 
     started = time.monotonic()
     over = lambda: time.monotonic() - started > args.budget_s  # noqa: E731
@@ -289,7 +290,7 @@ def random_model_from(config_dir: Path, out_dir: Path, seed: int = 0) -> Path:
 def resolve_model(args: Any) -> None:
     """Fill `args.model` and `args.weights_note`: the model asked for, else the built-in one, else a
     random-weight stand-in built from `--fallback-config`."""
-    from ..models.loader import default_model_path
+    from conveyor.models.loader import default_model_path
 
     if args.model is not None:
         args.weights_note = "as given"
@@ -354,12 +355,18 @@ def run_from_args(args: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m conveyor.bench.gpu_check ...`: the same as `conveyor bench gpu-check`, importing no other
-    benchmark (the device machine has no server packages)."""
+    """`python -m tools.gpu_check ...` (scripts/gpu_check.sh runs it); returns the exit code. It imports no
+    serving benchmark: the device machine has no server packages."""
     import argparse
     import logging
 
-    parser = argparse.ArgumentParser(prog="python -m conveyor.bench.gpu_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.gpu_check",
+        description="Runs every workload (one stream, chat64, 512 x (512 -> 256)) in every mode (use_cuda_graph / "
+                    "use_async_batching passed through), then transformers' generate_batch on the same device and "
+                    "weights; prints one table (with the CUDA tests' JUnit summary when --tests-junit is given) and "
+                    "writes --out DIR/gpu_check.json. Driven by scripts/gpu_check.sh; --device cpu with a tiny model "
+                    "and small sizes is a dry run.")
     add_arguments(parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run_from_args(parser.parse_args(argv))

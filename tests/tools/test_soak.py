@@ -1,6 +1,6 @@
 """The soak's short form: `conveyor serve` (a subprocess: its own RSS) under a mixed load with
-disconnects and cancels for about half a minute; `conveyor bench soak --minutes N` is the long run.
-The memory limit applies to the RSS outside the KV pool (see `bench/soak.py`)."""
+disconnects and cancels for about half a minute; `python -m tools.soak --minutes N` is the long run.
+The memory limit applies to the RSS outside the KV pool (see tools/soak.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from conveyor.bench.launch import launched_server
-from conveyor.bench.soak import Soak, print_report
+from tools.soak import Soak, print_report
 
-from .serving_helpers import save_long_tiny
+from ..serving_helpers import save_long_tiny
 
 
 @pytest.mark.slow
@@ -39,7 +39,7 @@ def test_soak_short(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # they are reported apart; they can never pass the pool's size.
     window = report.window()
     assert window is not None and 0 < window["pool"][0] <= window["pool"][1] <= report.pool_mib, d
-    # The soak's target: the RSS outside the KV pool grows < 5% after warm-up (`bench soak` exits 1 past
+    # The soak's target: the RSS outside the KV pool grows < 5% after warm-up (tools/soak.py exits 1 past
     # it); oneDNN's primitive cache, bounded to 64 shapes (conveyor/__init__.py), was most of the growth.
     assert report.rss_growth < 0.05, d
 
@@ -53,6 +53,6 @@ def test_launch_options_of_the_soak_and_fuzz_commands(module: str) -> None:
     from conveyor.bench.launch import launch_options
 
     parser = argparse.ArgumentParser()
-    importlib.import_module(f"conveyor.bench.{module}").add_arguments(parser)
+    importlib.import_module(f"tools.{module}").add_arguments(parser)
     options = launch_options(parser.parse_args(["--launch", "--dtype", "float32", "--launch-args", "--num-blocks 64"]))
     assert options is not None and options["dtype"] == "float32" and options["extra_args"] == ["--num-blocks", "64"]

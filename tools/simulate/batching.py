@@ -1,8 +1,5 @@
-"""Static versus continuous batching, step by step: the seeds' simulation (SPEC section 1).
-
-`python -m conveyor.bench simulate [--lengths 5,50,8,12,40,3,30,7] [--slots 4] [--out F.json] [--plot F.png]`
-`... simulate --replicas 1,2,4 --tensor-parallel-sizes 1,2,4 [--measure-allreduce]`: the same workload on N
-replicas of T ranks each, timed with the cost model of `scaling.py` (planning past one process).
+"""Static versus continuous batching, step by step, on a queue of requests with known output lengths,
+and the same queue replayed through Conveyor's real scheduler and KV allocator (no model).
 
 Model. Every request is queued at step 0 and generates `length` tokens, one per step; a slot
 holds one request; one step is one forward pass that gives every occupied slot one token. A
@@ -14,7 +11,7 @@ request finishes; the slots' busy fraction is `sum(lengths) / (steps * slots)`.
 - Static batching: requests are taken in order, in groups of `slots`; a group runs until its
   longest request finishes, then the next group starts. steps = sum of the group maxima.
 - Continuous (ideal): whenever a slot frees, the next waiting request takes it at the next step
-  (the seeds' heap of slot free times). steps = the makespan of greedy list scheduling.
+  (a heap of slot free times). steps = the makespan of greedy list scheduling.
 - Conveyor's scheduler: the same requests replayed through a real `FIFOScheduler` (or
   `PrefillFirstScheduler`) over a real `CachePool` / `FullAttentionCacheAllocator`, with no model.
   Each request has a 1-token prompt and `max_new_tokens = length`; the step that prefills the
@@ -22,19 +19,17 @@ request finishes; the slots' busy fraction is `sum(lengths) / (steps * slots)`.
   scheduled in exactly `length` steps. `max_requests_per_batch = slots` plays the slots; token
   budget and cache are large enough never to bind and `safety_margin = 0`.
 
-With the seeds' figures (lengths [5, 50, 8, 12, 40, 3, 30, 7], 4 slots) this gives static 90 steps
-(155/360 = 43% busy) and continuous 50 steps (155/200 = 78%), the documented numbers; the naive
-model above needs no adjustment. Percentages are printed like the seeds' script (`:.0%`).
+With the default figures (lengths [5, 50, 8, 12, 40, 3, 30, 7], 4 slots) this gives static 90 steps
+(155/360 = 43% busy) and continuous 50 steps (155/200 = 78%); percentages are printed to the whole
+percent (`:.0%`). The command line is in `cli.py`, the plan past one process in `scaling.py`.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_LENGTHS = (5, 50, 8, 12, 40, 3, 30, 7)
@@ -139,12 +134,12 @@ def replay_scheduler(lengths: Sequence[int], slots: int, *, scheduler_type: str 
     """
     import torch
 
-    from ..cache.allocator import FullAttentionCacheAllocator
-    from ..cache.pool import NUM_RESERVED_CHUNKS, CachePool
-    from ..config import ContinuousBatchingConfig
-    from ..request import Request, RequestState
-    from ..sampling_params import SamplingParams
-    from ..sched.scheduler import make_scheduler
+    from conveyor.cache.allocator import FullAttentionCacheAllocator
+    from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool
+    from conveyor.config import ContinuousBatchingConfig
+    from conveyor.request import Request, RequestState
+    from conveyor.sampling_params import SamplingParams
+    from conveyor.sched.scheduler import make_scheduler
 
     lengths = check_inputs(lengths, slots)
     # Enough blocks for every request at full length at once, so the cache never binds.
@@ -238,111 +233,3 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"NOTE: conveyor's scheduler took {conv['steps']} steps, the ideal continuous batching "
                      f"{ideal['steps']}")
     return "\n".join(lines)
-
-
-# -- command line ---------------------------------------------------------------------------------
-def _lengths(text: str) -> list[int]:
-    import argparse
-
-    try:
-        values = [int(v) for v in text.replace(" ", "").split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
-
-
-def add_arguments(parser: Any) -> None:
-    from ..sched.scheduler import SCHEDULERS
-
-    parser.add_argument("--lengths", type=_lengths, default=list(DEFAULT_LENGTHS),
-                        help="comma-separated output lengths of the queued requests "
-                             f"(default {','.join(map(str, DEFAULT_LENGTHS))})")
-    parser.add_argument("--slots", type=int, default=DEFAULT_SLOTS,
-                        help=f"sequences decoded together per step (default {DEFAULT_SLOTS})")
-    parser.add_argument("--scheduler", choices=list(SCHEDULERS), default="fifo",
-                        help="Conveyor scheduler to replay (default fifo)")
-    parser.add_argument("--no-scheduler", action="store_true",
-                        help="skip the replay through Conveyor's scheduler (no torch import)")
-    parser.add_argument("--out", default=None, help="write the report (with every request's slot and steps) as JSON")
-    parser.add_argument("--plot", default=None, metavar="PNG",
-                        help="draw the slot-occupancy timelines of static and continuous batching (needs matplotlib)")
-    add_plan_arguments(parser.add_argument_group(
-        "scaling plan (N replicas x T tensor-parallel ranks; cost model in conveyor/bench/scaling.py)"))
-
-
-def add_plan_arguments(group: Any) -> None:
-    from .scaling import DEFAULT_ROW_MS, DEFAULT_SHAPE, DEFAULT_STEP_MS
-
-    group.add_argument("--replicas", type=_lengths, default=None, help="replica counts to plan, e.g. 1,2,4")
-    group.add_argument("--tensor-parallel-sizes", type=_lengths, default=None, help="TP degrees to plan, e.g. 1,2,4")
-    group.add_argument("--step-ms", type=float, default=DEFAULT_STEP_MS,
-                       help=f"one process's decode step at one row, ms (default {DEFAULT_STEP_MS}: the built-in model)")
-    group.add_argument("--row-ms", type=float, default=DEFAULT_ROW_MS,
-                       help=f"what each more row adds to it, ms (default {DEFAULT_ROW_MS})")
-    group.add_argument("--model", default=None,
-                       help="take hidden size, layers and vocabulary from this model's config (default: the "
-                            "built-in model's; or give them below)")
-    for name, value in DEFAULT_SHAPE.items():
-        group.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}")
-    group.add_argument("--allreduce-latency-us", type=float, default=None,
-                       help="a two-rank all-reduce's fixed cost (default: measured on this machine, see DEVELOPERS.md)")
-    group.add_argument("--allreduce-gbps", type=float, default=None, help="its bandwidth, GB/s")
-    group.add_argument("--measure-allreduce", action="store_true",
-                       help="time gloo all-reduces between two local ranks at the model's hidden size first")
-
-
-def plan_from_args(args: Any, lengths: list[int]) -> dict[str, Any] | None:
-    """The scaling plan's report, or None when no --replicas / --tensor-parallel-sizes were given."""
-    if args.replicas is None and args.tensor_parallel_sizes is None:
-        return None
-    from .allreduce import measure
-    from .scaling import DEFAULT_ALLREDUCE, DEFAULT_SHAPE, CostModel, plan_report
-
-    shape = dict(DEFAULT_SHAPE)
-    if args.model is not None:
-        from ..models.loader import read_config
-
-        config = read_config(args.model)
-        shape |= {"hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
-                  "vocab_size": config.vocab_size}
-    shape |= {k: getattr(args, k) for k in DEFAULT_SHAPE if getattr(args, k) is not None}
-    dtype = "bfloat16" if shape["act_bytes"] == 2 else "float32"
-    fit = measure(shape["hidden_size"], dtype) if args.measure_allreduce else DEFAULT_ALLREDUCE
-    given = {k: v for k, v in (("latency_us", args.allreduce_latency_us), ("gbps", args.allreduce_gbps))
-             if v is not None}
-    if given:
-        fit = replace(fit, **given, source="given")
-    model = CostModel(**shape, step_ms=args.step_ms, row_ms=args.row_ms, allreduce=fit)
-    return plan_report(lengths, args.slots, args.replicas or [1], args.tensor_parallel_sizes or [1], model)
-
-
-def run_from_args(args: Any) -> int:
-    if args.slots < 1:
-        raise SystemExit(f"error: --slots must be >= 1, got {args.slots}")
-    if args.plot:
-        from .plot import PlotDependencyError, require_matplotlib
-
-        try:
-            require_matplotlib()
-        except PlotDependencyError as exc:
-            raise SystemExit(f"error: {exc}") from None
-    report = simulate(args.lengths, args.slots, scheduler=not args.no_scheduler, scheduler_type=args.scheduler)
-    print(format_report(report))
-    scaling = plan_from_args(args, args.lengths)
-    if scaling is not None:
-        from .scaling import format_plan
-
-        report["plan"] = scaling
-        print("\n" + format_plan(scaling, args.slots))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-        print(f"\nWrote {args.out}")
-    if args.plot:
-        from .plot import plot_timeline
-
-        plot_timeline([report["systems"][STATIC], report["systems"][CONTINUOUS]], args.plot)
-        print(f"Wrote {args.plot}")
-    conv = report["systems"].get(CONVEYOR)
-    return 1 if conv is not None and conv["steps"] != report["systems"][CONTINUOUS]["steps"] else 0

@@ -1,4 +1,4 @@
-"""Mixture-of-experts figures for `bench step`: how the batch's rows spread over the experts, and which
+"""Mixture-of-experts figures for the roofline's `step`: how the batch's rows spread over the experts, and which
 linear shapes the experts run at.
 
 A decode step of B rows routes B x k (row, expert) pairs in each sparse layer; each expert multiplies
@@ -6,7 +6,7 @@ only its own rows, so the expert matmuls run at about B x k / E rows each, not B
 every sparse block's per-expert row counts while attached (the blocks hand them over anyway: no extra
 host reads), and `summary` gives rows per expert per layer and step (min / median / max over every
 expert of every sparse layer of the timed steps) and how many experts had rows. The blocks' share of
-the step's time is timed by the step probe (`roofline.instrument`).
+the step's time is timed by the step probe (`step.instrument`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from ..layers.moe import SparseMoe
+from conveyor.layers.moe import SparseMoe
 
 
 def sparse_blocks(model: Any) -> list[SparseMoe]:

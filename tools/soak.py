@@ -1,4 +1,4 @@
-"""`conveyor bench soak --minutes N`: a long mixed load on Conveyor's server, with disconnects.
+"""`python -m tools.soak --minutes N`: a long mixed load on Conveyor's server, with disconnects.
 
 Workers send, until the time is up, a random mix of plain and streamed completions and chat
 completions, `n` > 1, stop strings, token-id prompts near (and a few just past) the context limit,
@@ -21,6 +21,7 @@ the prompts just past the limit always use the real context, which the server re
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -31,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from conveyor.bench.launch import add_launch_arguments, launch_options, launched_server
 
 WARMUP_FRACTION = 0.25  # RSS growth is measured from the first sample after this share of the run (default)
 RSS_EVERY_S = 1.0
@@ -294,8 +297,6 @@ def print_report(report: SoakReport, out: Any = sys.stdout) -> None:
 
 
 def add_arguments(parser: Any) -> None:
-    from .launch import add_launch_arguments
-
     parser.add_argument("--minutes", type=float, default=10.0, help="how long to run (default 10)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight at once (default 8)")
     parser.add_argument("--max-tokens", type=int, default=48, help="most tokens a request generates (default 48)")
@@ -315,8 +316,6 @@ def add_arguments(parser: Any) -> None:
 
 
 def run_from_args(args: Any) -> int:
-    from .launch import launch_options, launched_server
-
     if args.minutes <= 0 or args.concurrency < 1 or args.max_tokens < 1:
         raise SystemExit("error: --minutes, --concurrency and --max-tokens must be positive")
     if not 0 <= args.warmup_fraction < 1:
@@ -336,3 +335,20 @@ def run_from_args(args: Any) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report.as_dict(), indent=2))
     return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tools.soak`; returns the exit code (1 on any failure)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.soak",
+        description="For --minutes, --concurrency workers send plain and streamed (chat) completions, n > 1, stop "
+                    "strings, prompts near and just past the context limit, and abandon some mid-stream or while "
+                    "waiting; /health is polled and the server's RSS sampled. Exit code 1 unless every kept request "
+                    "got its whole answer, no 5xx, /health always answered, the server idle after and RSS after "
+                    "warm-up grew < --max-rss-growth.")
+    add_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
-"""The compute-peak loops (`kernels/peak_cpu.cpp`) and the path each linear is set against
-(`bench/peaks.py`): a path is measured only where this CPU has its instructions, and the rates are
+"""The compute-peak loops (conveyor/kernels/peak_cpu.cpp) and the path each linear is set against
+(tools/roofline/peaks.py): a path is measured only where this CPU has its instructions, and the rates are
 real (positive, and more threads do not give less than half the one-thread rate)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conveyor.bench.peaks import linear_path, measure_peaks
 from conveyor.kernels import cpu_flags, cpu_matmul_ops, cpu_peak_ops
 from conveyor.layers.quantization.linear import BF16_KERNEL_MAX_ROWS, QuantMatmul
 from conveyor.layers.quantization.tensors import bf16_rows, quantize_int4, quantize_int8
+from tools.roofline.peaks import linear_path, measure_peaks
 
 # The CPU flags each path's instructions need (all of them).
 NEEDS = {"fp32-fma": {"avx2", "fma"}, "int8-i16": {"avx2"}, "int8-i32": {"avx2"},

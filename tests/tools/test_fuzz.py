@@ -1,5 +1,5 @@
 """Schemathesis against the server's own OpenAPI schema, every operation, in bounded examples
-(`conveyor bench fuzz` is the longer run): no 5xx, every answer documented, schema-breaking bodies
+(`python -m tools.fuzz` is the longer run): no 5xx, every answer documented, schema-breaking bodies
 rejected, the server healthy and the pool idle after."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import pytest
 from conveyor import LLM
 from conveyor.server import BackgroundServer, ServerSettings
 
-from .serving_helpers import long_tiny_llm, save_long_tiny
+from ..serving_helpers import long_tiny_llm, save_long_tiny
 
 pytest.importorskip("schemathesis", reason="needs schemathesis (the test extra)")
 
-from conveyor.bench.fuzz import clamp, fuzz, print_report
+from tools.fuzz import clamp, fuzz, print_report
 
 KEY = "sk-fuzz"
 

@@ -1,5 +1,6 @@
-"""Tests of `conveyor bench simulate` (static vs continuous batching, and the replay through Conveyor's
-real scheduler) and of the PNG plots in conveyor.bench.plot (matplotlib is part of the test extra)."""
+"""Tests of `python -m tools.simulate` (static vs continuous batching, the replay through Conveyor's real
+scheduler, the plan over replicas and tensor parallelism) and of its timeline PNGs (matplotlib is part of
+the test extra)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.bench import main
-from conveyor.bench.commands import build_parser
-from conveyor.bench.plot import (
-    PlotDependencyError,
-    plot_latency_percentiles,
-    plot_rate_sweep,
-    plot_throughput,
-    plot_timeline,
-    require_matplotlib,
-    summarize,
-)
-from conveyor.bench.simulate import (
+from tools.simulate.batching import (
     DEFAULT_LENGTHS,
     DEFAULT_SLOTS,
     continuous_batching,
@@ -31,6 +21,8 @@ from conveyor.bench.simulate import (
     simulate,
     static_batching,
 )
+from tools.simulate.cli import main
+from tools.simulate.timeline_plot import plot_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -129,7 +121,7 @@ def test_bad_inputs_are_refused(lengths, slots):
 # -- command line ---------------------------------------------------------------------------------
 def test_cli_simulate_prints_and_writes_json_and_png(tmp_path, capsys):
     out, png = tmp_path / "sim.json", tmp_path / "plots" / "sim.png"
-    assert main(["simulate", "--out", str(out), "--plot", str(png)]) == 0
+    assert main(["--out", str(out), "--plot", str(png)]) == 0
     printed = capsys.readouterr().out
     assert "90" in printed and "43%" in printed and "50" in printed and "78%" in printed
     report = json.loads(out.read_text())
@@ -141,7 +133,7 @@ def test_cli_simulate_prints_and_writes_json_and_png(tmp_path, capsys):
 
 def test_cli_simulate_custom_lengths(tmp_path):
     out = tmp_path / "sim.json"
-    assert main(["simulate", "--lengths", "4,4,4", "--slots", "2", "--no-scheduler", "--out", str(out)]) == 0
+    assert main(["--lengths", "4,4,4", "--slots", "2", "--no-scheduler", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert list(report["systems"]) == ["static", "continuous"]
     assert report["systems"]["static"]["steps"] == report["systems"]["continuous"]["steps"] == 8
@@ -150,45 +142,19 @@ def test_cli_simulate_custom_lengths(tmp_path):
 @pytest.mark.parametrize("argv", [["--lengths", "5,x"], ["--lengths", "5,0"], ["--slots", "0"]])
 def test_cli_simulate_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit):
-        main(["simulate", *argv])
-
-
-def test_throughput_accepts_plot_option():
-    args = build_parser().parse_args(["throughput", "w.json", "--plot", "t.png"])
-    assert args.plot == "t.png"
+        main(argv)
 
 
 def test_missing_matplotlib_gives_an_install_hint(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
-    with pytest.raises(PlotDependencyError, match=r"pip install matplotlib.*conveyor\[bench\]"):
-        require_matplotlib()
     with pytest.raises(ImportError, match="pip install"):
         plot_timeline([static_batching([1], 1)], tmp_path / "x.png")
     with pytest.raises(SystemExit, match="pip install"):
-        main(["simulate", "--no-scheduler", "--plot", str(tmp_path / "x.png")])
+        main(["--no-scheduler", "--plot", str(tmp_path / "x.png")])
     assert not (tmp_path / "x.png").exists()
 
 
-# -- plots ----------------------------------------------------------------------------------------
-THROUGHPUT_REPORT = {
-    "benchmark": "throughput",
-    "workload": {"name": "chat-tiny"},
-    "model": {"path": "/models/SmolLM2-135M-Instruct.gguf", "device": "cpu"},
-    "systems": {"conveyor": {"output_tok_per_s": 412.5, "total_tok_per_s": 1630.2},
-                "hf_generate_batch": {"output_tok_per_s": 150.1, "total_tok_per_s": 590.4},
-                "hf_generate": {"output_tok_per_s": 98.0, "total_tok_per_s": 380.0}},
-    "ratios": {"hf_generate_batch": 412.5 / 150.1, "hf_generate": 412.5 / 98.0},
-}
-
-
-def test_plot_throughput(tmp_path):
-    assert_png(plot_throughput(THROUGHPUT_REPORT, tmp_path / "t.png"))
-    no_ratios = {"systems": {"conveyor": {"output_tok_per_s": 10.0, "total_tok_per_s": 20.0}}}
-    assert_png(plot_throughput(no_ratios, tmp_path / "t1.png"))
-    with pytest.raises(ValueError):
-        plot_throughput({"systems": {}}, tmp_path / "t2.png")
-
-
+# -- timeline plots -------------------------------------------------------------------------------
 def test_plot_timeline_from_objects_and_json(tmp_path):
     report = json.loads(json.dumps(simulate(scheduler=False)))
     assert_png(plot_timeline(list(report["systems"].values()), tmp_path / "a.png"))
@@ -196,26 +162,9 @@ def test_plot_timeline_from_objects_and_json(tmp_path):
     assert_png(plot_timeline(many, tmp_path / "b.png", title="24 requests"))
 
 
-def test_plot_latency_percentiles(tmp_path):
-    metrics = {"ttft_s": {"mean": 0.21, "median": 0.18, "p99": 0.92},
-               "tpot_s": {"mean": 0.031, "median": 0.029, "p99": 0.06},
-               "e2e_latency_s": [1.0, 2.0, 3.0, 10.0]}
-    assert_png(plot_latency_percentiles(metrics, tmp_path / "lat.png"))
-    assert summarize([1.0, 2.0, 3.0, 10.0]) == pytest.approx({"mean": 4.0, "median": 2.5, "p90": 7.9, "p99": 9.79})
-
-
-def test_plot_rate_sweep(tmp_path):
-    results = [{"system": s, "request_rate": r, "output_tok_per_s": tput * f, "ttft_p99_s": ttft / f}
-               for s, f in (("conveyor", 1.0), ("hf", 0.5))
-               for r, tput, ttft in ((1, 100.0, 0.1), (4, 350.0, 0.2), (16, 600.0, 1.5), (None, 650.0, 4.0))]
-    assert_png(plot_rate_sweep(results, tmp_path / "sweep.png"))
-    assert_png(plot_rate_sweep([{"request_rate": 2.0, "output_tok_per_s": 5.0, "ttft_p99_s": 0.5}],
-                               tmp_path / "one.png"))
-
-
 # -- the scaling plan (replicas x tensor parallelism) ------------------------------------------------
 def test_allreduce_fit_recovers_a_line():
-    from conveyor.bench.allreduce import fit
+    from tools.simulate.allreduce import fit
 
     points = [(b, 50e-6 + b / 4e9) for b in (1_000, 10_000, 100_000, 1_000_000)]
     line = fit(points, "synthetic")
@@ -224,7 +173,7 @@ def test_allreduce_fit_recovers_a_line():
 
 
 def test_allreduce_is_measured_between_two_ranks():
-    from conveyor.bench.allreduce import measure
+    from tools.simulate.allreduce import measure
 
     line = measure(64, "float32", repeats=3, rows=(1, 16))
     assert [b for b, _ in line.points] == [64 * 4, 16 * 64 * 4] and all(s > 0 for _, s in line.points)
@@ -232,8 +181,8 @@ def test_allreduce_is_measured_between_two_ranks():
 
 
 def test_cost_model_and_replica_steps():
-    from conveyor.bench.allreduce import AllReduceFit
-    from conveyor.bench.scaling import CostModel, plan, replica_rows
+    from tools.simulate.allreduce import AllReduceFit
+    from tools.simulate.scaling import CostModel, plan, replica_rows
 
     rows = replica_rows(DEFAULT_LENGTHS, DEFAULT_SLOTS)
     assert len(rows) == 50 and sum(rows) == sum(DEFAULT_LENGTHS) and max(rows) == 4  # continuous batching's figures
@@ -250,7 +199,7 @@ def test_cost_model_and_replica_steps():
 
 def test_cli_simulate_plans_replicas_and_tensor_parallelism(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    assert main(["simulate", "--no-scheduler", "--replicas", "1,2", "--tensor-parallel-sizes", "1,2",
+    assert main(["--no-scheduler", "--replicas", "1,2", "--tensor-parallel-sizes", "1,2",
                  "--allreduce-latency-us", "40", "--allreduce-gbps", "10", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "Scaling plan" in text and "40 us + bytes / 10.00 GB/s (given)" in text and "2 x 2" in text

@@ -1,7 +1,7 @@
-"""Planning past one process (`bench simulate --replicas ... --tensor-parallel ...`): the simulated
+"""Planning past one process (`python -m tools.simulate --replicas ... --tensor-parallel-sizes ...`): the simulated
 workload run by N replicas of a model split over T ranks each, with a stated cost model.
 
-Model. A replica decodes like the continuous-batching simulation (`simulate.py`: every request
+Model. A replica decodes like the continuous-batching simulation (`batching.py`: every request
 queued at step 0, one token per step, `slots` rows at most), and the requests are dealt to the
 replicas round-robin in queue order (what a router without prefix affinity does); replicas share
 nothing, so the run takes as long as the slowest replica. A replica's step with `B` rows takes
@@ -9,8 +9,8 @@ nothing, so the run takes as long as the slowest replica. A replica's step with 
     compute(B) / T + (2 * layers + 1) * allreduce(B * hidden * act_bytes, T) + gather(B, T)
 
 - `compute(B) = step_ms + (B - 1) * row_ms`: one rank's decode step (weight streaming plus a cost per
-  row), measured on one process (defaults: the built-in model's default mode on this 2-core machine,
-  README: 8.9 ms a step at one stream, ~2.2 ms more per row at chat64); it divides by T: each rank
+  row), measured on one process (defaults: the built-in model's default mode on a 2-core machine,
+  8.9 ms a step at one stream, ~2.2 ms more per row at chat64); it divides by T: each rank
   has its own device (a GPU, or a machine's cores), and the split is even (an uneven head split,
   `models.sharding`, makes the larger rank's attention the bound: not modelled);
 - two all-reduces per layer (after attention and after the MLP) and one for the embedding, each
@@ -19,7 +19,7 @@ nothing, so the run takes as long as the slowest replica. A replica's step with 
   for a network);
 - the logits gather to rank 0: `(T - 1)` shards of `B * vocab / T` fp32 logits over one link.
 
-Not modelled: prefill (every request has a one-token prompt, as in the seeds' simulation), the
+Not modelled: prefill (every request has a one-token prompt, as in the batching simulation), the
 command rank 0 sends each step, the router's own latency, the eager layer path TP runs on (the
 native decode stack is off with TP: give `--step-ms` of that path), and waiting: ranks that share
 busy cores arrive at a collective apart and wake late (on this 2-core machine an all-reduce inside
@@ -39,8 +39,8 @@ from .allreduce import AllReduceFit
 # The built-in SmolLM2-135M-Instruct: hidden size, layers, vocabulary; bf16 activations.
 DEFAULT_SHAPE = {"hidden_size": 576, "num_layers": 30, "vocab_size": 49152, "act_bytes": 2}
 DEFAULT_STEP_MS, DEFAULT_ROW_MS = 8.9, 2.2
-# A two-rank gloo all-reduce on this 2-core machine, bf16 [rows, 576], load ~5 (`bench simulate
-# --measure-allreduce`, DEVELOPERS.md "Tensor parallelism": inside a real step it took ~4x this).
+# A two-rank gloo all-reduce on a 2-core machine, bf16 [rows, 576], load ~5 (`python -m tools.simulate
+# --measure-allreduce`; inside a real tensor-parallel step it took ~4x this).
 DEFAULT_ALLREDUCE = AllReduceFit(346.0, 0.81, source="default: gloo between 2 local ranks on the 2-core Xeon, "
                                                      "measured 2026-12-02")
 
@@ -128,7 +128,7 @@ def plan_report(lengths: Sequence[int], slots: int, replicas: Sequence[int], tps
 
 def format_plan(report: dict[str, Any], slots: int) -> str:
     ar = report["allreduce"]
-    lines = [f"Scaling plan (cost model in conveyor/bench/scaling.py): all-reduce between 2 ranks = "
+    lines = [f"Scaling plan (cost model in tools/simulate/scaling.py): all-reduce between 2 ranks = "
              f"{ar['latency_us']:.0f} us + bytes / {ar['gbps']:.2f} GB/s ({ar['source']})", ""]
     header = ("replicas x TP", "ranks", "step@1 ms", f"step@{slots} ms", "comm share", "makespan s", "tok/s",
               "tok/s/rank")

@@ -1,4 +1,4 @@
-"""The all-reduce a tensor-parallel step makes, timed over gloo on this machine (`bench simulate
+"""The all-reduce a tensor-parallel step makes, timed over gloo on this machine (`python -m tools.simulate
 --measure-allreduce`): two ranks started as small torch-only processes (one thread each, a loopback
 TCPStore), all-reduces of `[rows, hidden]` tensors in the model's activation dtype for a range of
 row counts, medians; then a least-squares line `time = latency + bytes / bandwidth` through them.

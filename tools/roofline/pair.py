@@ -1,11 +1,11 @@
-"""`bench step-pair A B`: two models' decode steps, interleaved step by step in one process.
+"""`python -m tools.roofline pair A B`: two models' decode steps, interleaved step by step in one process.
 
-On a shared machine a step's time moves by tens of percent from minute to minute, so two `bench step`
+On a shared machine a step's time moves by tens of percent from minute to minute, so two `step`
 runs minutes apart compare the machine as much as the models. Here both models are loaded, both get
 `batch` random prompts of `context` tokens prefilled, and then their engine steps alternate (A, B, A,
 B, ...): each pair sees the same machine. The report gives each model's median step and the median
 of the per-pair ratios B / A, e.g. a mixture-of-experts model against a dense model with the same
-active parameters (the issue's target: within 1.5x at 64 decode rows).
+active parameters (whose steps should stay within 1.5x of the dense model's at 64 decode rows).
 """
 
 from __future__ import annotations
@@ -19,19 +19,16 @@ from typing import Any
 
 import torch
 
-from .modes import add_mode_arguments, resolved_mode
-from .roofline import random_prompts, step_config
+from conveyor import LLM, SamplingParams
+from conveyor.bench.modes import add_mode_arguments, resolved_mode
+from conveyor.bench.throughput import environment
 
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from .measure import sync
+from .step import random_prompts, step_config
 
 
 def prefilled(llm: Any, batch: int, context: int, new_tokens: int, seed: int) -> list[Any]:
     """`batch` requests of `context` random tokens, prefilled, each with its first token: decode-only next."""
-    from .. import SamplingParams
-
     engine = llm.engine
     special = list(getattr(llm.get_tokenizer(), "all_special_ids", []) or []) + list(engine.eos_token_ids)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -67,8 +64,6 @@ def run_pair(llm_a: Any, llm_b: Any, *, batch: int = 64, context: int = 150, ste
                 llm.engine.cancel_request(r.request_id)
     if [llm.engine.allocator.num_free_blocks for llm in (llm_a, llm_b)] != free:
         raise RuntimeError("the step-pair benchmark leaked KV blocks")
-    from .throughput import environment
-
     return {"benchmark": "step-pair", "batch": batch, "context": context, "steps": steps,
             "models": [{"path": str(llm.model_path), **resolved_mode(llm), "step_s": statistics.median(t),
                         "step_samples_s": t} for (llm, _), t in zip(runs, times)],
@@ -102,8 +97,6 @@ def add_arguments(parser: Any) -> None:
 
 
 def run_from_args(args: Any) -> int:
-    from .. import LLM
-
     for name in ("batch", "context", "steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
