@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check, on a fresh H200 machine (see DEVELOPERS.md, "Device check", for the `run` calls):
+# The device check, on a fresh H200 machine (see DEVELOPERS.md, "GPU device check", for the `run` calls):
 # installs the carried wheels (scripts/gpu_wheels.sh made them) into /tmp/site, runs the CUDA tests
 # (`pytest -m cuda` over the test files that have any), then `python -m tools.gpu_check`
 # (bf16: one stream, chat64, 512 x (512 -> 256); eager, graphs, graphs + async; transformers'

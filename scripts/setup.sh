@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment in .venv with Conveyor and the built-in model.
 #   scripts/setup.sh          runtime only
-#   scripts/setup.sh --test   plus the test dependencies
+#   scripts/setup.sh --test   plus the test dependencies and the docs site's (mkdocs)
 # On a machine without an NVIDIA GPU, torch==2.13.0 is installed first: it is the CPU wheel
 # (on this project's machines it lies on disk); GPU machines get the regular CUDA build.
 set -euo pipefail
@@ -22,7 +22,7 @@ if [ "${1:-}" = "--test" ]; then
         { "${SUDO[@]}" apt-get update -qq && "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
             chromium chromium-driver >/dev/null; } || echo "note: chromium not installed; the dashboard's browser test skips"
     fi
-    "${PIP[@]}" -e ".[test]"
+    "${PIP[@]}" -e ".[test,docs]"
 else
     "${PIP[@]}" -e .
 fi

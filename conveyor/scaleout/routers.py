@@ -4,9 +4,9 @@ Both are Rust binaries shipped in PyPI wheels, forks of one code base (SGLang's 
 cache-aware policy: a radix tree per replica of the request texts it was sent; a request goes to the
 replica whose tree matches most of its text when the match is over `cache_threshold`, else to the one
 with the smallest tree, unless the load is imbalanced (then to the least loaded). `vllm-router` is the
-default (`pip install "conveyor[router]"`): it was measured against `sglang-router` here (DEVELOPERS.md,
-"Replicas behind a router"), and it proxies `GET /v1/models` from a replica (sglang-router 0.3 answers
-it itself, with the model named "unknown"). Each is found as its console script next to this Python, or
+default (`pip install "conveyor[router]"`): it was measured against `sglang-router` here
+(docs/design/replicas.md, "Router choice"), and it proxies `GET /v1/models` from a replica
+(sglang-router 0.3 answers it itself, with the model named "unknown"). Each is found as its console script next to this Python, or
 on PATH. Both expose their own Prometheus metrics on a second port, which Conveyor's front appends to
 its `/metrics`.
 """
