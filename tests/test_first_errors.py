@@ -1,7 +1,7 @@
-"""Where a newcomer's first try fails, the first line they read says what happened and what fixes it
-(issue 31, item 7): a script without the `__main__` guard under tensor parallelism, a missing optional
-extra (httpx, the router, Ray, schemathesis, triton), an unknown or absent device, a port in use, a Hub id
-with no network. Command-line errors are one `error:` line and exit code 2, as argparse's."""
+"""Where a newcomer's first try fails, the first line they read says what happened and what fixes it: a
+script without the `__main__` guard under tensor parallelism, a missing optional extra (httpx, the
+router, Ray, schemathesis, triton), an unknown or absent device, a port in use, a Hub id with no network.
+Command-line errors are one `error:` line and exit code 2, as argparse's."""
 
 from __future__ import annotations
 
