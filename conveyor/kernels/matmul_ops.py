@@ -28,6 +28,7 @@ class MatmulOps(Native):
         self._row_bytes = bind(lib, "conveyor_row_bytes", I64, I64, I64)
         self._tile_bytes = bind(lib, "conveyor_tile_bytes", I64, I64, I64)
         self._isa = bind(lib, "conveyor_isa", ctypes.c_char_p)
+        self._tile_sizes: dict[tuple[int, int], int] = {}  # (type, K) -> tile bytes, asked once
 
     def DecodeStack(self, *args: float) -> DecodeStack:  # noqa: N802 (a constructor, as the class it returns)
         return DecodeStack(self.lib, *args)
@@ -50,7 +51,9 @@ class MatmulOps(Native):
 
     def _tiles(self, weight: torch.Tensor, qtype: int, k: int, n: int) -> int:
         """Checks that `weight` holds n rows of k elements of `qtype` as tiles; its number of tiles."""
-        tile = self._tile_bytes(qtype, k)
+        tile = self._tile_sizes.get((qtype, k))
+        if tile is None:
+            tile = self._tile_sizes[qtype, k] = self._tile_bytes(qtype, k)
         require(tile > 0, f"no kernel takes weight type {qtype}")
         tiles = -(-n // TILE_ROWS)
         require(weight.dtype == torch.uint8 and weight.is_contiguous() and weight.dim() == 2
