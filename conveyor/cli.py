@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from .cli_args import add_engine_args, add_serve_args, llm_kwargs_from_args, model_from_args
-from .models.hub import HUB_ID
-from .scaleout import add_data_parallel_args, serve_data_parallel
+from .errors import MissingDependencyError
+from .models.hub import HUB_ID, resolve_model_path
+from .scaleout import add_data_parallel_args, launch_module, serve_data_parallel
 from .vllm_flags import ALREADY_SO, UNSUPPORTED, UnsupportedFlagError, check_vllm_flags
 
 logger = logging.getLogger("conveyor")
@@ -57,18 +57,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .llm import LLM
     from .manager import EngineDeadError
     from .scaleout.placement import plan_placement
-    from .server import ServerSettings, run_server
+    from .server import ServerSettings, check_address, run_server
 
     settings = ServerSettings.from_args(args)
     args.model = model_from_args(args)  # replicas get it as --model
-    if args.data_parallel_size != 1 or args.data_parallel_address:
-        if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
-            from .models.hub import resolve_model_path
-            from .scaleout.launch import plan
-
-            plan(args)  # the settings first, then one download (into the cache the replicas load from)
-            resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
-                               gguf_file=args.gguf_file, token=args.hf_token)
+    data_parallel = args.data_parallel_size != 1 or bool(args.data_parallel_address)
+    if data_parallel:
+        launch_module().plan(args)  # the settings first
+    if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
+        resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
+                           gguf_file=args.gguf_file, token=args.hf_token)  # one download, into the cache they read
+    check_address(args.host, args.port)  # in use? Said now, not after the model's load (the front's, with replicas)
+    if data_parallel:
         return serve_data_parallel(args)
     if args.threads is not None:
         plan_placement(1, args.threads)  # the same check as for replicas: no more threads than cores
@@ -89,12 +89,11 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
     if not native_kernels_enabled():
         print("native kernels are off (CONVEYOR_NATIVE_KERNELS=0): nothing to build")
         return 0
-    started = time.monotonic()
-    results = build_all()
-    for name, ok in results.items():
-        print(f"{name}: {'ready' if ok else 'unavailable (the PyTorch code runs instead; see the warning above)'}")
-    print(f"native kernels checked in {time.monotonic() - started:.0f} s")
-    return 0 if all(results.values()) else 1
+    results = build_all(peaks=args.peaks)
+    for name, seconds in results.items():
+        print(f"{name}: " + (f"ready ({seconds:.0f} s)" if seconds is not None
+                             else "unavailable (the PyTorch code runs instead; see the warning above)"))
+    return 0 if all(s is not None for s in results.values()) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                            f"{', '.join(ALREADY_SO)}.")
     add_serve_args(serve)
     add_data_parallel_args(serve)
-    sub.add_parser("build-kernels", help="build the native CPU kernels now (once per environment; setup does it)")
+    build = sub.add_parser("build-kernels", help="build the native CPU kernels now (once per compiler and CPU; setup "
+                           "does it)")
+    build.add_argument("--peaks", action="store_true", help="also the compute-peak loops the roofline diagnostics use")
     sub.add_parser("bench", help="benchmarks (see `conveyor bench --help`)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands = {"serve": cmd_serve, "generate": cmd_generate, "build-kernels": cmd_build_kernels}
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, MissingDependencyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -67,7 +67,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model, `ContinuousBatchingConfig` and vLLM-named options, shared by every command that builds an engine."""
     add_model_args(parser)
-    group = parser.add_argument_group("engine and scheduling (ContinuousBatchingConfig; README, Configuration)")
+    group = parser.add_argument_group("engine and scheduling (ContinuousBatchingConfig; docs/configuration.md)")
     for f in fields(ContinuousBatchingConfig):
         flags = [f"--{f.name.replace('_', '-')}", *SHORT_FLAGS.get(f.name, [])]
         if f.name in MODEL_FIELDS:

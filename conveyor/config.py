@@ -1,4 +1,4 @@
-"""`ContinuousBatchingConfig`: every knob of the engine, validated once at start (SPEC section 10).
+"""`ContinuousBatchingConfig`: every knob of the engine, validated once at start (docs/configuration.md).
 
 It sits above the layers, the scheduler and speculative decoding, so that it validates against the
 tables those keep (`layers.attention.ATTENTION_BACKENDS`, `sched.scheduler.SCHEDULERS`, and through
@@ -23,7 +23,8 @@ class ContinuousBatchingConfig:
     """Engine configuration. Field names follow transformers' continuous batching.
 
     page_size: tokens of K/V per page (one layer); a block is one page per layer.
-    num_blocks: cache capacity in full-model blocks; None sizes the pool from free memory.
+    num_blocks: cache capacity in pool chunks (blocks, for a model with one attention type; see
+        docs/design/kv-cache.md); None sizes the pool from free memory.
     max_batch_tokens: token budget of one forward pass (query tokens of all requests).
     max_memory_percent: share of free memory the KV pool may take when `num_blocks` is None;
         None = 0.9 on CUDA, 0.5 on CPU (which shares its memory with everything else).

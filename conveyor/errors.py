@@ -1,9 +1,16 @@
 """The errors Conveyor raises to its callers. An invalid request carries a typed code and the parameter at
-fault, so the server maps it to an HTTP answer without reading the message."""
+fault, so the server maps it to an HTTP answer without reading the message. A missing optional package is
+one line naming it and the command that installs it (`require`)."""
 
 from __future__ import annotations
 
+import importlib
+import os
+import shlex
+import sys
 from enum import Enum
+from pathlib import Path
+from types import ModuleType
 
 
 class ConfigError(ValueError):
@@ -35,3 +42,44 @@ class InvalidRequestError(ValueError):
         super().__init__(message)
         self.code = code
         self.param = param
+
+
+class MissingDependencyError(ImportError):
+    """An optional package a feature needs is not installed (or does not import); the message is one line
+    that names it and the command that installs it."""
+
+
+def install_command(extra: str) -> str:
+    """The command that installs the optional extra `extra` (pyproject.toml) into this interpreter: from
+    the checkout Conveyor runs from when it runs from one (README's setup installs it editable), else
+    from the package index."""
+    python = shlex.quote(readable_path(sys.executable))
+    root = Path(__file__).resolve().parent.parent
+    if (root / "pyproject.toml").is_file():
+        return f"{python} -m pip install -e {shlex.quote(f'{readable_path(root)}[{extra}]')}"
+    return f"{python} -m pip install {shlex.quote(f'conveyor[{extra}]')}"
+
+
+def readable_path(path: str | os.PathLike[str]) -> str:
+    """`path` relative to the working directory when it lies inside it (`.venv/bin/python`, `.`), as a
+    user would type it; else as it is."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return str(path)
+    return str(path) if relative.startswith("..") else relative
+
+
+def require(module: str, extra: str, feature: str) -> ModuleType:
+    """`module`, imported; if its package is not installed, `MissingDependencyError`: "`feature` needs
+    PACKAGE, which is not installed: COMMAND". A package that is installed but misses one of its own
+    dependencies says so, with the same command."""
+    package = module.partition(".")[0]
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
+            raise MissingDependencyError(f"{feature} needs {package}, which is not installed: "
+                                         f"{install_command(extra)}", name=package) from None
+        raise MissingDependencyError(f"{feature} needs {package}, which does not import ({exc}): "
+                                     f"{install_command(extra)}", name=package) from exc

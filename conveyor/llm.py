@@ -20,6 +20,7 @@ from .chat_template import load_chat_template
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
 from .errors import ConfigError
 from .distributed.driver import ShardedModel, load_tensor_parallel
+from .distributed.launch import exit_if_spawned_rank
 from .engine.draft_runner import load_draft_model
 from .engine.engine import Engine
 from .engine.stats import EngineStats
@@ -41,13 +42,31 @@ from .vllm_flags import check_vllm_kwargs
 logger = logging.getLogger("conveyor")
 
 
+DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
+    """The device `device` names, or a `ConfigError` saying what runs here: Conveyor runs on CPUs and
+    CUDA GPUs only, and torch's own errors for the others come late (at the first tensor moved)."""
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
-    return device
+    try:
+        resolved = torch.device(device)
+    except RuntimeError:  # torch lists its own 20 device types
+        raise ConfigError(f"unknown device {str(device)!r}: give {DEVICES}") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {str(device)!r}: Conveyor runs on CPUs and CUDA GPUs only: give {DEVICES}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise ConfigError(f"device {str(device)!r} was asked for, but this PyTorch ({torch.__version__}) is "
+                              "built without CUDA: run on the CPU (device='cpu', --device cpu), or install "
+                              "PyTorch's CUDA build (pytorch.org/get-started)")
+        raise ConfigError(f"device {str(device)!r} was asked for, but PyTorch sees no CUDA GPU (none in "
+                          "nvidia-smi, or hidden by CUDA_VISIBLE_DEVICES): run on the CPU (device='cpu', --device cpu)")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} visible CUDA "
+                          f"GPU(s): give one of cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return resolved
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -80,7 +99,7 @@ class LLM:
         is chunked (`config.batch_invariant`; None: VLLM_BATCH_INVARIANT=1 turns it on, as in vLLM).
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
     seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split over that many ranks:
-    README, "Tensor parallelism"): vLLM's engine arguments, mapped onto `config`
+    docs/scale-out.md): vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
@@ -104,6 +123,7 @@ class LLM:
                  override_generation_config: dict[str, Any] | None = None,
                  num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
                  batch_invariant: bool | None = None, **vllm_kwargs: Any) -> None:
+        exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
         for note in check_vllm_kwargs(vllm_kwargs):
             logger.info("%s", note)
         given_config = config

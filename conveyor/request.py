@@ -1,4 +1,5 @@
-"""Request lifecycle: PENDING -> PREFILLING -> DECODING -> FINISHED (or FAILED / CANCELLED), SPEC section 2.
+"""Request lifecycle: PENDING -> PREFILLING -> DECODING -> FINISHED (or FAILED / CANCELLED):
+docs/design/request-lifecycle.md.
 An offloaded request goes back to PENDING (soft reset) or SWAPPED (its blocks in host memory), then on.
 
 A request's token sequence is `prompt + generated`; `num_computed_tokens` of it have K/V in the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The device check, on a fresh H200 machine (see DEVELOPERS.md, "Device check", for the `run` calls):
+# The device check, on a fresh H200 machine (DEVELOPERS.md, "GPU device check", says how to run it):
 # installs the carried wheels (scripts/gpu_wheels.sh made them) into /tmp/site, runs the CUDA tests
-# (`pytest -m cuda` over the test files that have any), then `python -m conveyor.bench.gpu_check`
+# (`pytest -m cuda` over the test files that have any), then `python -m tools.gpu_check`
 # (bf16: one stream, chat64, 512 x (512 -> 256); eager, graphs, graphs + async; transformers'
 # generate_batch), printing one table and writing it with the JSON report and the logs under $OUT.
 # Extra arguments go to the bench (e.g. --budget-s 200 --num-prompts 256).
@@ -28,7 +28,7 @@ fi
     "${wheels[@]}" || { echo "gpu_check: installing the carried wheels failed" >&2; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv | tee "$OUT/nvidia-smi.txt"
-files=$(grep -l "mark.cuda\|mark\.cuda" tests/test_*.py | tr '\n' ' ')
+files=$(grep -rl --include='test_*.py' "mark.cuda\|mark\.cuda" tests | tr '\n' ' ')
 echo "gpu_check: pytest -m cuda $files"
 timeout 170 "$PY" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$OUT/cuda-tests.xml" $files \
     2>&1 | tee "$OUT/cuda-tests.log"
@@ -36,7 +36,7 @@ tests_rc=${PIPESTATUS[0]}
 echo "gpu_check: tests exit $tests_rc after $(( $(date +%s) - started )) s"
 budget=$(( 330 - ($(date +%s) - started) ))
 [ "$budget" -lt 60 ] && budget=60
-"$PY" -m conveyor.bench.gpu_check --device cuda --dtype bfloat16 --tests-junit "$OUT/cuda-tests.xml" \
+"$PY" -m tools.gpu_check --device cuda --dtype bfloat16 --tests-junit "$OUT/cuda-tests.xml" \
     --fallback-config .gpu/base/smollm2-config --budget-s "$budget" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
 bench_rc=${PIPESTATUS[0]}
 echo "gpu_check: done in $(( $(date +%s) - started )) s (tests exit $tests_rc, bench exit $bench_rc)"

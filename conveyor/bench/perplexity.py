@@ -138,7 +138,7 @@ def add_arguments(parser: Any) -> None:
                         help="per-pass token budget (default: ContinuousBatchingConfig's)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
-                        help="split the model over N ranks (README, \"Tensor parallelism\")")
+                        help="split the model over N ranks (docs/scale-out.md)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
     add_progress_argument(parser)
 

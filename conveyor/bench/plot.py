@@ -14,11 +14,6 @@ writes one PNG there and returns the path.
   (reference output tok/s over that system's; computed from the systems when missing);
   optional `report["workload"]["name"]`, `report["model"]["path"]`, `report["model"]["device"]`
   for the title.
-- `plot_timeline(timelines, path)`: slot-occupancy timelines, one panel per timeline (e.g. the
-  `simulate` report's `systems["static"]` and `systems["continuous"]`). Keys of each timeline:
-  `slots` (int), `steps` (int), `segments` (list of `{"request": int, "slot": int, "start": int,
-  "length": int}`: request `request` held slot `slot` for steps `start .. start+length-1`);
-  optional `label` (str), `busy_fraction` (float, computed from the segments when missing).
 - `plot_latency_percentiles(metrics, path)`: one panel per metric, a bar per statistic. `metrics` maps a
   metric name (e.g. "ttft_s", "tpot_s", "e2e_latency_s") to either a dict of statistics
   (`{"mean": x, "median": y, "p99": z}`; other keys are ignored, missing ones are skipped) or a
@@ -57,14 +52,16 @@ def require_matplotlib() -> Any:
     return matplotlib
 
 
-def _figure(width: float, height: float) -> Any:
+def new_figure(width: float, height: float) -> Any:
+    """A pyplot-free figure in the plots' size and layout (tools/simulate draws its timelines on one too)."""
     require_matplotlib()
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), dpi=110, layout="constrained")
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
+def save_png(fig: Any, path: str | os.PathLike[str]) -> Path:
+    """Write `fig` as a PNG at `path`, creating its folder."""
     path = Path(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,7 +86,7 @@ def plot_throughput(report: Mapping[str, Any], path: str | os.PathLike[str], tit
     total = [float(systems[n]["total_tok_per_s"]) for n in names]
     ratios = dict(report.get("ratios") or {})
 
-    fig = _figure(max(6.0, 1.9 * len(names) + 2.5), 4.6)
+    fig = new_figure(max(6.0, 1.9 * len(names) + 2.5), 4.6)
     ax = fig.subplots()
     width = 0.38
     xs = range(len(names))
@@ -123,53 +120,7 @@ def plot_throughput(report: Mapping[str, Any], path: str | os.PathLike[str], tit
                  model.get("device")]
         title = "Offline throughput" + ("\n" + ", ".join(p for p in parts if p) if any(parts) else "")
     ax.set_title(title, fontsize=10)
-    return _save(fig, path)
-
-
-# -- slot timeline --------------------------------------------------------------------------------
-def plot_timeline(timelines: Sequence[Mapping[str, Any]], path: str | os.PathLike[str],
-                  title: str | None = None) -> Path:
-    """One Gantt-like panel per timeline: a row per slot, a bar per request, coloured by request."""
-    if not timelines:
-        raise ValueError("no timelines to plot")
-    timelines = [t.to_dict() if hasattr(t, "to_dict") else t for t in timelines]
-    require_matplotlib()
-    from matplotlib import colormaps
-
-    requests = sorted({seg["request"] for t in timelines for seg in t["segments"]})
-    cmap = colormaps["tab10" if len(requests) <= 10 else "tab20"]
-    color = {r: cmap(i % cmap.N) for i, r in enumerate(requests)}
-    max_steps = max(int(t["steps"]) for t in timelines) or 1
-    heights = [max(1.0, 0.45 * int(t["slots"]) + 0.7) for t in timelines]
-    fig = _figure(10, sum(heights) + 0.8)
-    axes = fig.subplots(len(timelines), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
-    for ax, t in zip(axes, timelines):
-        slots, steps = int(t["slots"]), int(t["steps"])
-        busy = t.get("busy_fraction")
-        if busy is None:
-            busy = sum(s["length"] for s in t["segments"]) / (steps * slots) if steps else 0.0
-        for seg in t["segments"]:
-            y = slots - 1 - int(seg["slot"])  # slot 0 on top
-            ax.broken_barh([(seg["start"], seg["length"])], (y - 0.4, 0.8), facecolors=color[seg["request"]],
-                           edgecolors="white", linewidth=0.8)
-            if seg["length"] >= max_steps / 40:  # label bars wide enough to hold it
-                ax.text(seg["start"] + seg["length"] / 2, y, f"r{seg['request']}", ha="center", va="center",
-                        fontsize=7, color="white", fontweight="bold")
-        if steps:
-            ax.axvline(steps, color="black", linewidth=1, linestyle="--")
-        ax.set_yticks(range(slots), [f"slot {slots - 1 - y}" for y in range(slots)], fontsize=8)
-        ax.set_ylim(-0.6, slots - 0.4)
-        ax.set_xlim(0, max_steps * 1.02)
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-        label = t.get("label") or t.get("name") or ""
-        ax.set_title(f"{label}: {steps} steps, slots busy {busy:.0%}", fontsize=10, loc="left")
-    axes[-1].set_xlabel("step")
-    if title is None:
-        lengths = [seg["length"] for seg in sorted(timelines[0]["segments"], key=lambda s: s["request"])]
-        title = f"Slot occupancy: {len(lengths)} requests, output lengths {lengths}"
-    fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 # -- latency percentiles --------------------------------------------------------------------------
@@ -199,7 +150,7 @@ def plot_latency_percentiles(metrics: Mapping[str, Mapping[str, float] | Sequenc
     from matplotlib import colormaps
 
     colors = colormaps["tab10"]
-    fig = _figure(max(4.0, 2.6 * len(table) + 0.8), 3.8)
+    fig = new_figure(max(4.0, 2.6 * len(table) + 0.8), 3.8)
     axes = fig.subplots(1, len(table), squeeze=False)[0]
     for ax, (name, values) in zip(axes, table.items()):
         shown = [(k, stat, float(values[stat])) for k, stat in enumerate(stats) if stat in values]
@@ -212,7 +163,7 @@ def plot_latency_percentiles(metrics: Mapping[str, Mapping[str, float] | Sequenc
         ax.set_axisbelow(True)
     axes[0].set_ylabel(unit)
     fig.suptitle(title or "Latency: " + ", ".join(stats), fontsize=10)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 # -- throughput and TTFT against request rate -----------------------------------------------------
@@ -231,7 +182,7 @@ def plot_rate_sweep(results: Sequence[Mapping[str, Any]], path: str | os.PathLik
     log = len(finite) > 1 and min(finite) > 0 and max(finite) / min(finite) >= 8
     inf_x = ((max(finite) * (2 if log else 1.25) if finite else 1.0)
              if any(not math.isfinite(rate(r)) for r in results) else None)
-    fig = _figure(7.5, 4.4)
+    fig = new_figure(7.5, 4.4)
     ax = fig.subplots()
     ax2 = ax.twinx()
     from matplotlib import colormaps
@@ -267,4 +218,4 @@ def plot_rate_sweep(results: Sequence[Mapping[str, Any]], path: str | os.PathLik
     handles2 = ax2.get_legend_handles_labels()
     ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="upper left")
     ax.set_title(title or "Throughput and p99 TTFT vs request rate", fontsize=10)
-    return _save(fig, path)
+    return save_png(fig, path)

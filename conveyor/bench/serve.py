@@ -298,10 +298,6 @@ def run_from_args(args: Any) -> int:
             api_urls(args.base_url, args.endpoint)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
-    try:
-        import httpx  # noqa: F401
-    except ImportError:
-        raise SystemExit("error: the serve benchmark needs httpx: pip install httpx") from None
     if args.plot:  # fail before the run, not after it
         from .plot import PlotDependencyError, require_matplotlib
 

@@ -267,7 +267,7 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--max-requests-per-batch", type=int, default=None)
     eng.add_argument("--num-blocks", type=int, default=None, help="Conveyor's KV pool size in blocks")
     eng.add_argument("--tensor-parallel-size", type=int, default=None,
-                     help="split Conveyor's model over N ranks (README, \"Tensor parallelism\"); threads are per "
+                     help="split Conveyor's model over N ranks (docs/scale-out.md); threads are per "
                           "rank (cores / N unless OMP_NUM_THREADS is set), --threads applies to N = 1")
     eng.add_argument("--page-size", type=int, default=None)
     eng.add_argument("--scheduler-type", choices=list(SCHEDULERS), default=None)

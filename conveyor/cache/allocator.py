@@ -1,6 +1,6 @@
 """Cache allocators: cut the pool's chunks into blocks and keep each request's block tables.
 
-One allocator per attention type of the model (SPEC section 5), all drawing chunks from the one
+One allocator per attention type of the model (docs/design/kv-cache.md), all drawing chunks from the one
 `CachePool`. A model's layers are split into groups of equal size (`cache_pool.layer_groups`), a
 chunk being one page in each layer of a group; an allocator serves the `num_groups` groups of its
 attention type, so one of its blocks (a page in every layer of that type) is `num_groups` chunks,
@@ -15,7 +15,7 @@ exactly one chunk.
   as a ring: position `p` lives at ring index `p % window`, so the last `window` tokens are always
   there and the request's blocks never grow with its length.
 
-Allocation is all or nothing. With block sharing on (prefix caching, SPEC section 6; see
+Allocation is all or nothing. With block sharing on (prefix caching, docs/design/prefix-caching.md; see
 `prefix_cache.py`, full attention with one group only), completed blocks are hashed as they
 complete (`register_full_blocks`, which the engine calls after every step) and a new request
 starts its table with the blocks that already hold its longest cached prefix (`match_prefix`,

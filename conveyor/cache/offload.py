@@ -1,4 +1,4 @@
-"""Offloading (SPEC section 7): which active requests give up their cache when others stall, and
+"""Offloading (docs/design/offloading.md): which active requests give up their cache when others stall, and
 the host swap pool that keeps the KV blocks of those that fit.
 
 Demand-driven: the scheduler reports stalled requests and the blocks each asked for; we pick the

@@ -1,4 +1,4 @@
-"""`CachePool`: the fixed pool of KV memory chunks that every allocator draws from (SPEC section 5).
+"""`CachePool`: the fixed pool of KV memory chunks that every allocator draws from (docs/design/kv-cache.md).
 
 The model's layers are split into groups of equal size, each group of one attention type
 (`layer_groups`), and a chunk is `page_size` token slots in every layer of a group: K/V live in

@@ -1,4 +1,4 @@
-"""Prefix caching (SPEC section 6): content hashes of completed blocks, and the blocks kept for reuse.
+"""Prefix caching (docs/design/prefix-caching.md): content hashes of completed blocks, and the blocks kept for reuse.
 
 A block is *completed* when all `page_size` of its tokens have K/V in the cache. Its digest is
 `sha256(parent digest + its token ids as little-endian int64)`, chained from the sequence's first
@@ -18,7 +18,7 @@ exactly one of three states:
   digest, and then it can be matched;
 - cached: held by nobody, digest kept; it can be matched (and becomes held again), or evicted.
 
-Eviction, as SPEC section 6 words it: when the uninitialized pool runs out, the *most recently
+Eviction (docs/design/prefix-caching.md#eviction): when the uninitialized pool runs out, the *most recently
 initialized* block, that is the one that most recently entered the cached state, goes back to
 uninitialized and loses its digest (LIFO over the cached blocks). A request's blocks enter the
 cached state in table order when it is freed, so the deepest block of a prefix goes first and the

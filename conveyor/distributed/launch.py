@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing
 import os
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -29,13 +31,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import ConfigError, DistributedError
+from ..errors import ConfigError, DistributedError, readable_path
 from .group import LOAD_TIMEOUT_S, RankGroup, describe_exit
 from .worker import Stop, run_spawned_rank
 
 logger = logging.getLogger("conveyor")
 
 SPAWN_TIMEOUT_S = 600.0  # for a spawned rank to import and reach the group
+RANK_PROCESS_NAME = "conveyor-tp-rank"  # + the rank: the name of each process `spawn` starts
+REIMPORTED_EXIT_CODE = 78  # a spawned rank left at once: the user's script, re-run in it, built an LLM
 
 
 class Launched:
@@ -49,6 +53,27 @@ class Launched:
 
 
 _CURRENT: Launched | None = None
+
+
+def exit_if_spawned_rank() -> None:
+    """Called as an `LLM` is built: in a rank `spawn` started, only the user's script can build one, re-run
+    by multiprocessing's spawn start method (as `__mp_main__`, before the rank's own code) because its
+    top level is not under `if __name__ == "__main__":`. The rank exits at once, quietly, with
+    `REIMPORTED_EXIT_CODE`, and rank 0 raises the one error that says so (`wait_until_spawned`), instead
+    of a second model load here and multiprocessing's traceback when this copy spawned ranks in turn."""
+    if multiprocessing.current_process().name.startswith(RANK_PROCESS_NAME):  # named before the script runs
+        os._exit(REIMPORTED_EXIT_CODE)
+
+
+def reimport_message(rank: int) -> str:
+    """What rank 0 says when a rank exited with `REIMPORTED_EXIT_CODE`: the cause and the fix, one line."""
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    script = f"module {spec.name}" if spec is not None and spec.name else \
+        f"script {readable_path(getattr(main, '__file__', '?'))}"
+    return (f"tensor-parallel rank {rank} re-ran the top level of your {script}, which builds an LLM: put that "
+            "code under `if __name__ == \"__main__\":` (each rank starts as a new Python process that first "
+            "imports the main script, as multiprocessing's spawn start method does)")
 
 
 def launched_by_torchrun() -> bool:
@@ -108,7 +133,7 @@ def spawn(world_size: int, device: torch.device) -> Launched:
     processes = {}
     for rank in range(1, world_size):
         processes[rank] = context.Process(
-            target=run_spawned_rank, name=f"conveyor-tp-rank{rank}", daemon=True,
+            target=run_spawned_rank, name=f"{RANK_PROCESS_NAME}{rank}", daemon=True,
             args=(rank, world_size, store.port, str(rank_device(device, rank)), threads, os.getpid()))
         processes[rank].start()
     try:
@@ -132,6 +157,8 @@ def wait_until_spawned(store: dist.TCPStore, processes: dict[int, Any]) -> None:
     while True:
         for rank, process in processes.items():
             if not process.is_alive():
+                if process.exitcode == REIMPORTED_EXIT_CODE:
+                    raise DistributedError(reimport_message(rank))
                 raise DistributedError(describe_exit(rank, process.pid, process.exitcode) + " while starting")
         if store.check(list(keys.values())):
             return

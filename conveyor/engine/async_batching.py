@@ -1,4 +1,4 @@
-"""Async batching (SPEC section 9): the host schedules and prepares step N+1 while step N runs.
+"""Async batching (docs/design/async-batching.md): the host schedules and prepares step N+1 while step N runs.
 
 Steps run one after another on a forward worker (a thread: on CPU it computes, on CUDA it launches
 and replays, so the device queue never waits for the host). The engine's thread, meanwhile,

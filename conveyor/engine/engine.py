@@ -110,7 +110,7 @@ class Engine:
                                                 self.finish_request, history, self.speculator, self.draft)
         self.pipeline = (AsyncPipeline(self.runner, self.output_processor, self.allocator, self.schedule,
                                        self.fail_unschedulable) if use_async else None)
-        # Host swap pool for offloaded requests' blocks (SPEC section 7); None = soft resets only.
+        # Host swap pool for offloaded requests' blocks (docs/design/offloading.md); None = soft resets only.
         swap_slots = SwapPool.num_slots_for(config.cpu_offload_space, bytes_per_chunk)
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out

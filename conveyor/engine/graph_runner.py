@@ -1,4 +1,4 @@
-"""CUDA graphs of padded decode steps (SPEC section 8), in a bounded cache keyed by the padded shape.
+"""CUDA graphs of padded decode steps (docs/design/cuda-graphs.md), in a bounded cache keyed by the padded shape.
 
 A decode step of a small model is hundreds of kernel launches whose weights stream in tens of
 microseconds: launch and host overhead set the speed. A padded decode-only step (`step_buffers`)

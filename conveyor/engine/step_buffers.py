@@ -1,4 +1,4 @@
-"""Static step buffers and shape padding (SPEC section 8): what lets a step replay a CUDA graph.
+"""Static step buffers and shape padding (docs/design/cuda-graphs.md): what lets a step replay a CUDA graph.
 
 A graph replays fixed kernels on fixed addresses, so a padded step writes its inputs (ids,
 positions, per layer group the slot mapping, decode block tables and context lengths, and the rows

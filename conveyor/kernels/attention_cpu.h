@@ -81,8 +81,9 @@ inline void value_vectors(const T* row, int64_t D, vecw* v) {
 // One block for a query head: its scores s (NV vectors; lanes [lo, hi) hold keys, the rest none)
 // folded into the running max m and sum l, the output o (J vectors) rescaled if m moved; p gets the
 // probabilities (exactly 0 where no key). The order of every operation is attention_blocks.h's.
-template <int NV, int J>
-inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, float& l, float* o, float* p) {
+// J is a loop bound, not a template argument: the scores need not be compiled once per head dim.
+template <int NV>
+inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, float& l, float* o, int64_t J, float* p) {
     ivecw lane;
     for (int i = 0; i < W; ++i) lane[i] = i;
     vecw mx = splat(kMasked);
@@ -107,7 +108,7 @@ inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, 
         const float alpha = vexp(splat(m - m1))[0];
         l = fmadd(l, alpha, sum);
         m = m1;
-        for (int j = 0; j < J; ++j) storew(o + j * W, loadw(o + j * W) * alpha);
+        for (int64_t j = 0; j < J; ++j) storew(o + j * W, loadw(o + j * W) * alpha);
     } else {
         l = l + sum;
     }
@@ -135,13 +136,41 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
         for (int j = 0; j < J; ++j) storew(o + (c * J + j) * W, a[c][j]);
 }
 
+constexpr int GK = W == 16 ? 8 : 4;  // query heads per pass over K rows
+
+// One block's scores for `count` (<= GK) query heads of one kv head (queries q, Dp apart; K rows
+// krows[i] + offset), W keys turned by head-dim entry at a time straight into the chains, then each
+// head's `block_softmax` (its running max m, sum l, output o of J vectors, Dp apart, probabilities p,
+// kKeyBlock apart). Not inlined and not per head dim: compiled once per cache dtype.
+template <typename T>
+__attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset, int64_t D, const float* q, int64_t Dp,
+                                           int64_t count, int64_t nv, int64_t lo, int64_t hi, float cap, float* m,
+                                           float* l, float* o, int64_t J, float* p) {
+    with_count<kBlockVectors>(nv, [&](auto nvc) {
+        constexpr int NV = decltype(nvc)::value;
+        with_count<GK>(count, [&](auto cc) {
+            constexpr int C = decltype(cc)::value;
+            vecw s[C][NV];
+            for (int v = 0; v < NV; ++v) {
+                vecw acc[C] = {};
+                key_columns(krows + v * W, offset, D, [&](int64_t d, vecw k) {
+#pragma GCC unroll 8
+                    for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(q[c * Dp + d]), k, acc[c]);
+                });
+                for (int c = 0; c < C; ++c) s[c][v] = acc[c];
+            }
+            for (int c = 0; c < C; ++c)
+                block_softmax<NV>(s[c], lo, hi, cap, m[c], l[c], o + c * Dp, J, p + c * kKeyBlock);
+        });
+    });
+}
+
 template <typename T, int J>
 void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int64_t len, int64_t first, int64_t ring,
             int64_t page, int64_t Hkv, int64_t D, int64_t G, int64_t h0, int64_t h1, float scale, float cap,
             const float* sinks, DecodeScratch& sc, float* out) {
     constexpr int64_t Dp = J * W;
     constexpr int GV = std::max(1, std::min(8, (kRegisters - J) / J));  // query heads per pass over V rows
-    constexpr int GK = W == 16 ? 8 : 4;                                  // query heads per pass over K rows
     const int64_t nh = h1 - h0, heads = nh * G;
     const bool pairs = kPairs<T> && D == Dp && J % 2 == 0;
     sc.slot.resize(len);
@@ -177,7 +206,6 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
         asm volatile("" : : "r"(x));
     };
     const T *krows[kKeyBlock], *vrows[kKeyBlock];
-    vecw s[GK][kBlockVectors];
     int64_t next_touch = 0;
     for (int64_t t0 = 0; t0 < len;) {
         // A block: positions [p0, p0 + kKeyBlock); its lanes [lo, hi) hold positions first + t0, ...
@@ -192,40 +220,24 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
             krows[n] = key ? kc + sc.slot[t0 + n - lo] : zero;
             vrows[n] = key ? vc + sc.slot[t0 + n - lo] : zero;
         }
-        with_count<kBlockVectors>((hi + W - 1) / W, [&](auto nv) {
-            constexpr int NV = decltype(nv)::value;
-            for (int64_t h = 0; h < nh; ++h) {
-                // Scores: W keys turned by head-dim entry at a time, straight into the chains.
-                for (int64_t g0 = 0; g0 < G; g0 += GK)
-                    with_count<GK>(std::min<int64_t>(GK, G - g0), [&](auto count) {
-                        constexpr int C = decltype(count)::value;
-                        const float* qh = sc.q.data() + (h * G + g0) * Dp;
-                        for (int v = 0; v < NV; ++v) {
-                            vecw acc[C] = {};
-                            key_columns(krows + v * W, h * D, D, [&](int64_t d, vecw k) {
-#pragma GCC unroll 8
-                                for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(qh[c * Dp + d]), k, acc[c]);
-                            });
-                            for (int c = 0; c < C; ++c) s[c][v] = acc[c];
-                        }
-                        for (int c = 0; c < C; ++c) {
-                            const int64_t r = h * G + g0 + c;
-                            block_softmax<NV, J>(s[c], lo, hi, cap, sc.m[r], sc.l[r], sc.o.data() + r * Dp,
-                                                 sc.p.data() + r * kKeyBlock);
-                        }
-                    });
-                for (int64_t g0 = 0; g0 < G; g0 += GV)
-                    with_count<GV>(std::min<int64_t>(GV, G - g0), [&](auto count) {
-                        constexpr int C = decltype(count)::value;
-                        const int64_t r0 = h * G + g0;
-                        const float* pr = sc.p.data() + r0 * kKeyBlock;
-                        float* orow = sc.o.data() + r0 * Dp;
-                        if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
-                        else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
-                        else block_values<false, false, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
-                    });
+        const int64_t nv = (hi + W - 1) / W;
+        for (int64_t h = 0; h < nh; ++h) {
+            for (int64_t g0 = 0; g0 < G; g0 += GK) {
+                const int64_t r = h * G + g0;
+                score_heads(krows, h * D, D, sc.q.data() + r * Dp, Dp, std::min<int64_t>(GK, G - g0), nv, lo, hi, cap,
+                            sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock);
             }
-        });
+            for (int64_t g0 = 0; g0 < G; g0 += GV)
+                with_count<GV>(std::min<int64_t>(GV, G - g0), [&](auto count) {
+                    constexpr int C = decltype(count)::value;
+                    const int64_t r0 = h * G + g0;
+                    const float* pr = sc.p.data() + r0 * kKeyBlock;
+                    float* orow = sc.o.data() + r0 * Dp;
+                    if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
+                    else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
+                    else block_values<false, false, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
+                });
+        }
         t0 = t1;
     }
     for (int64_t r = 0; r < heads; ++r) {
@@ -269,5 +281,16 @@ void attend_request(const float* q, const T* kc, const T* vc, const int64_t* tab
     else if (vectors <= 24) run(std::integral_constant<int, 24>{});
     else run(std::integral_constant<int, 32>{});
 }
+
+// Compiled once per cache dtype, in decode_attention_f32.cpp and decode_attention_bf16.cpp (the paged
+// decode kernel and the decode stack call the same code; each instantiation takes seconds to compile).
+extern template void attend_request<float>(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t len,
+                                   int64_t first, int64_t ring, int64_t page, int64_t Hkv, int64_t D, int64_t G,
+                                   int64_t h0, int64_t h1, float scale, float cap, const float* sinks,
+                                   DecodeScratch& sc, float* out);
+extern template void attend_request<bf16>(const float* q, const bf16* kc, const bf16* vc, const int64_t* table, int64_t len,
+                                   int64_t first, int64_t ring, int64_t page, int64_t Hkv, int64_t D, int64_t G,
+                                   int64_t h0, int64_t h1, float scale, float cap, const float* sinks,
+                                   DecodeScratch& sc, float* out);
 
 }  // namespace conveyor

@@ -34,7 +34,7 @@ using conveyor::Segment;
 using conveyor::silu_mul;
 
 struct Layer {
-    torch::Tensor input_norm, post_norm;  // fp32
+    std::vector<float> input_norm, post_norm;
     Linear qkv, o, gate_up, down;
     int64_t group = 0;  // which layer group's attention metadata this layer reads
 };
@@ -73,8 +73,10 @@ class DecodeStack {
                 double scale, int64_t max_rows)
         : hidden_(hidden), inter_(intermediate), H_(heads), Hkv_(kv_heads), D_(head_dim), eps_(eps), scale_(scale),
           max_rows_(max_rows) {
-        TORCH_CHECK(head_dim <= conveyor::kMaxDecodeHeadDim, "head dim ", head_dim, " is above the CPU kernel's limit of ",
-                    conveyor::kMaxDecodeHeadDim);
+        CONVEYOR_CHECK(head_dim <= conveyor::kMaxDecodeHeadDim, "head dim ", head_dim, " is above the CPU kernel's limit of ",
+                       conveyor::kMaxDecodeHeadDim);
+        CONVEYOR_CHECK(kv_heads > 0 && heads % kv_heads == 0, "query heads ", heads, " are not a multiple of kv heads ",
+                       kv_heads);
         const int64_t qkv = (H_ + 2 * Hkv_) * D_;
         xn_.resize(max_rows * std::max(hidden, H_ * D_));
         qkv_.resize(max_rows * qkv);
@@ -84,63 +86,45 @@ class DecodeStack {
         out_.resize(max_rows * hidden);
     }
 
-    // Segments: (data, type, row scales (empty if none), rows) in output order: uint8 tiles of a
-    // quantized type or BF16.
-    void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, std::vector<std::vector<py::tuple>> linears,
-                   std::vector<c10::optional<torch::Tensor>> biases, int64_t group) {
-        TORCH_CHECK(linears.size() == 4 && biases.size() == 4, "qkv, o, gate_up and down expected");
+    // The next layer: its norms' weights (fp32, copied), per linear (qkv, o, gate_up, down) its row
+    // segments (tiles of a quantized type or BF16, in output order) and bias (fp32 [N], copied, or
+    // nullptr), and which layer group's attention metadata it reads.
+    void add_layer(const float* input_norm, const float* post_norm, const conveyor::SegmentSpec* const* segments,
+                   const int64_t* counts, const float* const* biases, int64_t group) {
         Layer layer;
-        layer.input_norm = input_norm.to(torch::kFloat32).contiguous();
-        layer.post_norm = post_norm.to(torch::kFloat32).contiguous();
+        layer.input_norm.assign(input_norm, input_norm + hidden_);
+        layer.post_norm.assign(post_norm, post_norm + hidden_);
         layer.group = group;
         const int64_t K[4] = {hidden_, H_ * D_, hidden_, inter_};
         const int64_t N[4] = {(H_ + 2 * Hkv_) * D_, hidden_, 2 * inter_, hidden_};
         Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
         for (int i = 0; i < 4; ++i) {
             Linear& lin = *dst[i];
-            lin.N = N[i], lin.K = K[i];
-            int64_t n0 = 0;
-            for (const py::tuple& t : linears[i]) {
-                Segment s{t[0].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[1].cast<int64_t>(),
-                          t[3].cast<int64_t>(), n0};
-                n0 += s.rows;
-                (conveyor::is_dense(s.type) ? lin.floats : lin.quantized) = true;
-                lin.segments.push_back(s);
-            }
-            TORCH_CHECK(n0 == N[i], "linear ", i, " has ", n0, " output rows, expected ", N[i]);
-            if (biases[i].has_value() && biases[i]->defined()) lin.bias = biases[i]->to(torch::kFloat32).contiguous();
+            lin.K = K[i];
+            lin.add_segments(segments[i], counts[i]);
+            CONVEYOR_CHECK(lin.N == N[i], "linear ", i, " has ", lin.N, " output rows, expected ", N[i]);
+            lin.set_bias(biases[i]);
         }
         layers_.push_back(std::move(layer));
     }
 
-    // x [B, hidden] fp32 (updated in place and returned); cos/sin [B, D] fp32; per layer its KV cache
-    // [2, slots, Hkv, D]; per layer group its decode block tables [B, width], context lengths [B], the
-    // slots [B] the new K/V go to and its sliding window (0: none; its tables are then rings of that
-    // many slots); the rows' positions [B]; `threads` <= 0: torch's intra-op thread count.
-    // `shared_rows`: some request has several rows (speculative proposals): every row's K/V is stored
-    // before any row attends.
-    torch::Tensor forward(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> kv,
-                          std::vector<torch::Tensor> tables, std::vector<torch::Tensor> lens,
-                          std::vector<torch::Tensor> slots, std::vector<int64_t> windows, torch::Tensor positions,
-                          int64_t page_size, int64_t threads, bool shared_rows) {
-        const int64_t B = x.size(0);
-        TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) == hidden_, "x must be fp32 [B, hidden]");
-        TORCH_CHECK(B >= 1 && B <= max_rows_, "the stack takes 1 to ", max_rows_, " rows, got ", B);
-        TORCH_CHECK(kv.size() == layers_.size(), "one KV cache per layer expected");
-        TORCH_CHECK(windows.size() == tables.size() && positions.is_contiguous() &&
-                    positions.scalar_type() == torch::kInt64 && positions.numel() == B,
-                    "one window per layer group and int64 positions [B] expected");
-        TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32, "fp32 cos/sin");
-        const auto dtype = kv[0].scalar_type();
-        TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kBFloat16, "the KV cache must be fp32 or bf16");
-        for (auto& t : kv) TORCH_CHECK(t.is_contiguous() && t.scalar_type() == dtype, "contiguous KV caches of one dtype");
-        const int nt = static_cast<int>(threads > 0 ? threads : at::get_num_threads());
-        if (dtype == torch::kFloat32) run<float>(x, cos, sin, kv, tables, lens, slots, windows, positions, page_size, nt, shared_rows);
-        else run<at::BFloat16>(x, cos, sin, kv, tables, lens, slots, windows, positions, page_size, nt, shared_rows);
-        return x;
+    // x [B, hidden] fp32, updated in place; cos/sin [B, D] fp32; per layer its KV cache [2, slots, Hkv,
+    // D] (fp32 or bf16 by `dtype`) and its slot count; per layer group its decode block tables [B,
+    // width], context lengths [B], the slots [B] the new K/V go to and its sliding window (0: none; its
+    // tables are then rings of that many slots); the rows' positions [B]. `shared_rows`: some request
+    // has several rows (speculative proposals): every row's K/V is stored before any row attends.
+    void forward(float* x, int64_t B, const float* cos, const float* sin, int dtype, void* const* kv,
+                 const int64_t* kv_slots, int64_t num_kv, const int64_t* const* tables, const int64_t* widths,
+                 const int64_t* const* lens, const int64_t* const* slots, const int64_t* windows, int64_t groups,
+                 const int64_t* positions, int64_t page_size, int threads, bool shared_rows) {
+        CONVEYOR_CHECK(B >= 1 && B <= max_rows_, "the stack takes 1 to ", max_rows_, " rows, got ", B);
+        CONVEYOR_CHECK(num_kv == static_cast<int64_t>(layers_.size()), "one KV cache per layer expected");
+        for (const Layer& L : layers_)
+            CONVEYOR_CHECK(L.group >= 0 && L.group < groups, "layer group ", L.group, " has no attention metadata");
+        const Step step{x, cos, sin, kv, kv_slots, tables, widths, lens, slots, windows, positions, page_size};
+        if (dtype == conveyor::kF32) run<float>(step, B, threads, shared_rows);
+        else run<conveyor::bf16>(step, B, threads, shared_rows);
     }
-
-    int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   private:
     // Rows [r0, r1) of this thread's elementwise work: norms, RoPE, K/V writes, SiLU, residual adds
@@ -148,15 +132,27 @@ class DecodeStack {
     // With at least one row per thread, each thread also runs its rows' attention right after
     // writing their K/V (after all rows' K/V when rows share a request); with fewer rows (one
     // stream), attention splits the (row, kv head) pairs.
+    // One call's inputs (`forward`).
+    struct Step {
+        float* x;
+        const float *cos, *sin;
+        void* const* kv;
+        const int64_t* kv_slots;
+        const int64_t* const* tables;
+        const int64_t* widths;
+        const int64_t* const* lens;
+        const int64_t* const* slots;
+        const int64_t* windows;
+        const int64_t* positions;
+        int64_t page;
+    };
+
     template <typename T>
-    void run(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<torch::Tensor>& kv,
-             const std::vector<torch::Tensor>& tables, const std::vector<torch::Tensor>& lens,
-             const std::vector<torch::Tensor>& slots, const std::vector<int64_t>& windows,
-             const torch::Tensor& positions, int64_t page, int threads, bool shared_rows) {
-        const int64_t B = x.size(0), qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_;
-        float* xp = x.data_ptr<float>();
-        const float* cp = cos.data_ptr<float>();
-        const float* sp = sin.data_ptr<float>();
+    void run(const Step& in, int64_t B, int threads, bool shared_rows) {
+        const int64_t qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_, page = in.page;
+        float* xp = in.x;
+        const float* cp = in.cos;
+        const float* sp = in.sin;
         const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
         for (auto [act, K] : {std::pair{&act_hidden_, hidden_}, {&act_attn_, qd}, {&act_inter_, inter_}})
             act->shape(B, K), act->shape_floats(B, K);
@@ -175,19 +171,19 @@ class DecodeStack {
                 lin.run(act, out, ld, tid, nt);
             };
             for (int64_t b = r0; b < r1; ++b)
-                conveyor::rms_norm_row<T>(xp + b * hidden_, layers_[0].input_norm.data_ptr<float>(), hidden_, eps,
+                conveyor::rms_norm_row<T>(xp + b * hidden_, layers_[0].input_norm.data(), hidden_, eps,
                                           xn_.data() + b * hidden_);
             prepare(layers_[0].qkv, xn_.data(), hidden_, act_hidden_);
             for (size_t l = 0; l < layers_.size(); ++l) {
                 const Layer& L = layers_[l];
-                T* kc = kv[l].template data_ptr<T>();
-                T* vc = kc + kv[l].size(1) * kvd;
-                const int64_t* slot = slots[L.group].data_ptr<int64_t>();
-                const int64_t* bt = tables[L.group].data_ptr<int64_t>();
-                const int64_t width = tables[L.group].size(1);
-                const int64_t* len = lens[L.group].data_ptr<int64_t>();
-                const int64_t window = windows[L.group];
-                const int64_t* pos = positions.data_ptr<int64_t>();
+                T* kc = static_cast<T*>(in.kv[l]);
+                T* vc = kc + in.kv_slots[l] * kvd;
+                const int64_t* slot = in.slots[L.group];
+                const int64_t* bt = in.tables[L.group];
+                const int64_t width = in.widths[L.group];
+                const int64_t* len = in.lens[L.group];
+                const int64_t window = in.windows[L.group];
+                const int64_t* pos = in.positions;
                 const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
                     const int64_t first = window > 0 ? pos[b] - len[b] + 1 : 0;  // a ring holds the window's positions
                     conveyor::attend_request<T>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
@@ -236,7 +232,7 @@ class DecodeStack {
                     L.o.add_bias_row(out_.data() + b * hidden_);
                     round_row<T>(out_.data() + b * hidden_, hidden_);
                     add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
-                    conveyor::rms_norm_row<T>(xp + b * hidden_, L.post_norm.data_ptr<float>(), hidden_, eps,
+                    conveyor::rms_norm_row<T>(xp + b * hidden_, L.post_norm.data(), hidden_, eps,
                                               xn_.data() + b * hidden_);
                 }
                 prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
@@ -259,7 +255,7 @@ class DecodeStack {
                     round_row<T>(out_.data() + b * hidden_, hidden_);
                     add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
                     if (next)
-                        conveyor::rms_norm_row<T>(xp + b * hidden_, next->input_norm.data_ptr<float>(), hidden_, eps,
+                        conveyor::rms_norm_row<T>(xp + b * hidden_, next->input_norm.data(), hidden_, eps,
                                                   xn_.data() + b * hidden_);
                 }
                 if (next) prepare(next->qkv, xn_.data(), hidden_, act_hidden_);
@@ -275,10 +271,33 @@ class DecodeStack {
     Activations act_hidden_, act_attn_, act_inter_;
 };
 
-void register_decode_stack(py::module_& m) {
-    py::class_<DecodeStack>(m, "DecodeStack")
-        .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, int64_t>())
-        .def("add_layer", &DecodeStack::add_layer)
-        .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>())
-        .def_property_readonly("num_layers", &DecodeStack::num_layers);
+// The C entry points (kernels/matmul_ops.py's `DecodeStack`): a stack is built once per model and
+// freed with it; errors come back as -1 (nullptr from `new`) with `conveyor_last_error`.
+CONVEYOR_API void* conveyor_decode_stack_new(int64_t hidden, int64_t intermediate, int64_t heads, int64_t kv_heads,
+                                             int64_t head_dim, double eps, double scale, int64_t max_rows) {
+    DecodeStack* stack = nullptr;
+    conveyor::guarded(1, [&] { stack = new DecodeStack(hidden, intermediate, heads, kv_heads, head_dim, eps, scale, max_rows); });
+    return stack;
+}
+
+CONVEYOR_API void conveyor_decode_stack_free(void* stack) { delete static_cast<DecodeStack*>(stack); }
+
+CONVEYOR_API int conveyor_decode_stack_add_layer(void* stack, const float* input_norm, const float* post_norm,
+                                                 const conveyor::SegmentSpec* const* segments, const int64_t* counts,
+                                                 const float* const* biases, int64_t group) {
+    return conveyor::guarded(1, [&] {
+        static_cast<DecodeStack*>(stack)->add_layer(input_norm, post_norm, segments, counts, biases, group);
+    });
+}
+
+CONVEYOR_API int conveyor_decode_stack_forward(void* stack, float* x, int64_t B, const float* cos, const float* sin,
+                                               int dtype, void* const* kv, const int64_t* kv_slots, int64_t num_kv,
+                                               const int64_t* const* tables, const int64_t* widths,
+                                               const int64_t* const* lens, const int64_t* const* slots,
+                                               const int64_t* windows, int64_t groups, const int64_t* positions,
+                                               int64_t page_size, int threads, int shared_rows) {
+    return conveyor::guarded(threads, [&] {
+        static_cast<DecodeStack*>(stack)->forward(x, B, cos, sin, dtype, kv, kv_slots, num_kv, tables, widths, lens, slots,
+                                                  windows, groups, positions, page_size, threads, shared_rows != 0);
+    });
 }

@@ -9,107 +9,77 @@
 // instead of libm's): a 512-token prefill chunk spent ~9% of its time in scalar expf calls. The
 // per-row arithmetic is row_ops.h's, which the native decode stack runs too: a row gets the same bits
 // on either path.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "row_ops.h"
 
 #include <type_traits>
 
-#include "row_ops.h"
+using namespace conveyor;
 
-using bf16 = at::BFloat16;
+namespace {
 
 // Rows are processed on one thread up to this many (decode batches), split across threads above.
 constexpr int64_t kRowGrain = 64;
 
-static void check_float(const torch::Tensor& t, const char* name) {
-    TORCH_CHECK((t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16) && t.device().is_cpu(),
-                name, " must be an fp32 or bf16 CPU tensor");
-}
-
-static void check_same(const torch::Tensor& a, const torch::Tensor& b, const char* name) {
-    TORCH_CHECK(a.scalar_type() == b.scalar_type(), name, " must have the input's dtype");
-}
-
-// Calls f with a null pointer of the tensor's element type (float or bf16).
+// Calls f with a null pointer of the element type `dtype` names (float or bf16).
 template <typename F>
-static void dispatch(const torch::Tensor& t, F&& f) {
-    if (t.scalar_type() == torch::kFloat32) f(static_cast<float*>(nullptr));
+void dispatch(int dtype, F&& f) {
+    if (dtype == kF32) f(static_cast<float*>(nullptr));
     else f(static_cast<bf16*>(nullptr));
 }
 
-// weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, as transformers' LlamaRMSNorm: the
-// statistics in fp32, the normalized x rounded to x's dtype before the product with the weight.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
-    check_float(x, "x");
-    check_float(weight, "weight");
-    check_same(x, weight, "weight");
-    x = x.contiguous();
-    const int64_t n = x.size(-1), rows = x.numel() / n;
-    TORCH_CHECK(weight.numel() == n && weight.is_contiguous(), "weight must be contiguous with ", n, " elements");
-    auto out = torch::empty_like(x);
-    const float feps = static_cast<float>(eps);
-    dispatch(x, [&](auto* tag) {
-        using T = std::remove_pointer_t<decltype(tag)>;
-        const T* xp = x.data_ptr<T>();
-        const T* w = weight.data_ptr<T>();
-        T* op = out.data_ptr<T>();
-        at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-            for (int64_t r = begin; r < end; ++r) conveyor::rms_norm_row<T>(xp + r * n, w, n, feps, op + r * n);
-        });
-    });
-    return out;
-}
+}  // namespace
 
-// x * cos + rotate_half(x) * sin, in place: x is [tokens, heads, dim] with contiguous heads (a view
-// into the fused qkv output is fine), cos and sin [tokens, dim] of x's dtype. In bf16 each product
-// and the sum round to bf16, as the PyTorch expression does.
-void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-    check_float(x, "x");
-    check_same(x, cos, "cos");
-    check_same(x, sin, "sin");
-    TORCH_CHECK(cos.device().is_cpu() && sin.device().is_cpu(), "cos and sin must be CPU tensors");
-    TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2), "x must be [tokens, heads, dim] "
-                "with contiguous heads");
-    cos = cos.contiguous();
-    sin = sin.contiguous();
-    const int64_t tokens = x.size(0), H = x.size(1), D = x.size(2), row = x.stride(0);
-    TORCH_CHECK(cos.numel() == tokens * D && sin.numel() == tokens * D, "cos and sin must be [tokens, dim]");
-    dispatch(x, [&](auto* tag) {
-        using T = std::remove_pointer_t<decltype(tag)>;
-        T* xp = x.data_ptr<T>();
-        const T* cp = cos.data_ptr<T>();
-        const T* sp = sin.data_ptr<T>();
-        at::parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
-            for (int64_t t = begin; t < end; ++t)
-                for (int64_t h = 0; h < H; ++h) conveyor::rope_head<T>(xp + t * row + h * D, cp + t * D, sp + t * D, D);
+// out = weight * (x * rsqrt(mean(x^2) + eps)) for `rows` contiguous rows of n (x, weight and out of
+// one dtype), as transformers' LlamaRMSNorm: the statistics in fp32, the normalized x rounded to x's
+// dtype before the product with the weight.
+CONVEYOR_API int conveyor_rms_norm(int dtype, const void* x, const void* weight, int64_t rows, int64_t n, float eps,
+                                   void* out, int threads) {
+    return guarded(threads, [&] {
+        dispatch(dtype, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            const T* xp = static_cast<const T*>(x);
+            const T* w = static_cast<const T*>(weight);
+            T* op = static_cast<T*>(out);
+            parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) rms_norm_row<T>(xp + r * n, w, n, eps, op + r * n);
+            });
         });
     });
 }
 
-// silu(gate) * up for gate_up = [gate | up] along the last dimension (bf16: in fp32, rounded once).
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-    check_float(gate_up, "gate_up");
-    gate_up = gate_up.contiguous();
-    const int64_t width = gate_up.size(-1), n = width / 2, rows = gate_up.numel() / width;
-    auto sizes = gate_up.sizes().vec();
-    sizes.back() = n;
-    auto out = torch::empty(sizes, gate_up.options());
-    dispatch(gate_up, [&](auto* tag) {
-        using T = std::remove_pointer_t<decltype(tag)>;
-        const T* gp = gate_up.data_ptr<T>();
-        T* op = out.data_ptr<T>();
-        at::parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-            for (int64_t r = begin; r < end; ++r) {
-                const T* g = gp + r * width;
-                conveyor::silu_mul_row<T>(g, g + n, n, op + r * n);
-            }
+// x * cos + rotate_half(x) * sin, in place: x is [tokens, heads, dim] with contiguous heads, token rows
+// `row` elements apart (a view into the fused qkv output is fine), cos and sin contiguous [tokens,
+// dim] of x's dtype. In bf16 each product and the sum round to bf16, as the PyTorch expression does.
+CONVEYOR_API int conveyor_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t dim, int64_t row,
+                               const void* cos, const void* sin, int threads) {
+    return guarded(threads, [&] {
+        dispatch(dtype, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            T* xp = static_cast<T*>(x);
+            const T* cp = static_cast<const T*>(cos);
+            const T* sp = static_cast<const T*>(sin);
+            parallel_for(0, tokens, kRowGrain, [&](int64_t begin, int64_t end) {
+                for (int64_t t = begin; t < end; ++t)
+                    for (int64_t h = 0; h < heads; ++h) rope_head<T>(xp + t * row + h * dim, cp + t * dim, sp + t * dim, dim);
+            });
         });
     });
-    return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension (fp32 or bf16, CPU)");
-    m.def("rope_", &rope_, "rotary embedding in place (fp32 or bf16, CPU)");
-    m.def("silu_mul", &silu_mul, "silu(gate) * up (fp32 or bf16, CPU)");
+// out [rows, n] = silu(gate) * up for contiguous rows gate_up = [gate | up] of 2n (bf16: in fp32,
+// rounded once).
+CONVEYOR_API int conveyor_silu_mul(int dtype, const void* gate_up, int64_t rows, int64_t n, void* out, int threads) {
+    return guarded(threads, [&] {
+        dispatch(dtype, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            const T* gp = static_cast<const T*>(gate_up);
+            T* op = static_cast<T*>(out);
+            parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) {
+                    const T* g = gp + r * 2 * n;
+                    silu_mul_row<T>(g, g + n, n, op + r * n);
+                }
+            });
+        });
+    });
 }

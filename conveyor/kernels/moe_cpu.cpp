@@ -17,11 +17,9 @@
 #include "quant.h"
 #include "tiled_linear.h"
 
-#include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <utility>
-
 #include <vector>
 
 namespace {
@@ -30,7 +28,7 @@ using conveyor::Activations;
 using conveyor::Linear;
 
 struct Expert {
-    Linear gate_up, down;  // their `bias`: fp32 or undefined
+    Linear gate_up, down;  // their `bias`: fp32 or empty
 };
 
 struct WorkItem {
@@ -43,54 +41,40 @@ class GroupedExperts {
     GroupedExperts(int64_t hidden, int64_t intermediate, double alpha, double limit)
         : hidden_(hidden), inter_(intermediate), alpha_(static_cast<float>(alpha)), limit_(static_cast<float>(limit)) {}
 
-    // One expert's gate/up (gate rows first) and down, as (data, type, row scales, rows) segments, and
-    // their biases (fp32, or None).
-    void add_expert(std::vector<py::tuple> gate_up, std::vector<py::tuple> down, c10::optional<torch::Tensor> gate_up_bias,
-                    c10::optional<torch::Tensor> down_bias) {
+    // One expert's gate/up (gate rows first) and down, as row segments, and their biases (fp32, copied,
+    // or nullptr).
+    void add_expert(const conveyor::SegmentSpec* gate_up, int64_t n_gate_up, const conveyor::SegmentSpec* down,
+                    int64_t n_down, const float* gate_up_bias, const float* down_bias) {
         Expert e;
         e.gate_up.K = hidden_, e.down.K = inter_;
-        e.gate_up.add_segments(gate_up);
-        e.down.add_segments(down);
-        TORCH_CHECK(e.gate_up.N == 2 * inter_ && e.down.N == hidden_, "expert ", experts_.size(), ": gate/up has ",
-                    e.gate_up.N, " rows (expected ", 2 * inter_, "), down ", e.down.N, " (expected ", hidden_, ")");
-        for (auto [bias, linear] : {std::pair{&gate_up_bias, &e.gate_up}, std::pair{&down_bias, &e.down}}) {
-            if (!bias->has_value()) continue;
-            TORCH_CHECK((*bias)->scalar_type() == torch::kFloat32 && (*bias)->is_contiguous() &&
-                        (*bias)->numel() == linear->N, "expert ", experts_.size(), ": a bias must be contiguous fp32 [",
-                        linear->N, "]");
-            linear->bias = **bias;
-        }
+        e.gate_up.add_segments(gate_up, n_gate_up);
+        e.down.add_segments(down, n_down);
+        CONVEYOR_CHECK(e.gate_up.N == 2 * inter_ && e.down.N == hidden_, "expert ", experts_.size(), ": gate/up has ",
+                       e.gate_up.N, " rows (expected ", 2 * inter_, "), down ", e.down.N, " (expected ", hidden_, ")");
+        e.gate_up.set_bias(gate_up_bias);
+        e.down.set_bias(down_bias);
         experts_.push_back(std::move(e));
         in_.emplace_back();
         mid_act_.emplace_back();
     }
 
-    // out [T, hidden] fp32 += for each sorted row r (token tokens[r], `counts[e]` rows per expert in
-    // expert order): weights[r] * down_e(silu(gate_e(x)) * up_e(x)) with x = x[tokens[r]] (fp32 or bf16).
-    void forward(torch::Tensor x, std::vector<int64_t> counts, torch::Tensor weights, torch::Tensor tokens,
-                 torch::Tensor out, int64_t threads) {
+    // out [T, hidden] fp32 += for each sorted row r of R (token tokens[r], `counts[e]` rows per expert in
+    // expert order, E counts): weights[r] * down_e(silu(gate_e(x)) * up_e(x)) with x = x[tokens[r]] (x
+    // [T, hidden], fp32 or bf16 by `dtype`; all contiguous).
+    void forward(int dtype, const void* x, int64_t T, const int64_t* counts, int64_t num_counts, const float* weights,
+                 const int64_t* tok, int64_t R, float* op, int threads) {
         const int64_t E = static_cast<int64_t>(experts_.size()), H = hidden_, I = inter_;
-        TORCH_CHECK(static_cast<int64_t>(counts.size()) == E, "one count per expert expected");
-        TORCH_CHECK(x.dim() == 2 && x.size(1) == H && x.is_contiguous() &&
-                    (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
-                    "x must be contiguous fp32 or bf16 [tokens, hidden]");
-        TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.size(0) == x.size(0) &&
-                    out.size(1) == H, "out must be contiguous fp32 [tokens, hidden]");
-        const int64_t R = tokens.numel();
-        TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous() && weights.numel() == R &&
-                    weights.scalar_type() == torch::kFloat32 && weights.is_contiguous(),
-                    "tokens (int64) and weights (fp32) must be contiguous, one per row");
+        CONVEYOR_CHECK(num_counts == E, "one count per expert expected");
         std::vector<int64_t> start(E + 1, 0), row_expert(R);
         for (int64_t e = 0; e < E; ++e) {
-            TORCH_CHECK(counts[e] >= 0, "negative count");
+            CONVEYOR_CHECK(counts[e] >= 0, "negative count");
             start[e + 1] = start[e] + counts[e];
             for (int64_t r = start[e]; r < start[e + 1] && r < R; ++r) row_expert[r] = e;
         }
-        TORCH_CHECK(start[E] == R, "the counts add up to ", start[E], " rows, tokens has ", R);
-        const int64_t* tok = tokens.data_ptr<int64_t>();
-        for (int64_t r = 0; r < R; ++r) TORCH_CHECK(tok[r] >= 0 && tok[r] < x.size(0), "token ", tok[r], " out of range");
+        CONVEYOR_CHECK(start[E] == R, "the counts add up to ", start[E], " rows, tokens has ", R);
+        for (int64_t r = 0; r < R; ++r) CONVEYOR_CHECK(tok[r] >= 0 && tok[r] < T, "token ", tok[r], " out of range");
         // Work items: each busy expert's tiles in chunks, about four per thread over all experts.
-        const int nt = static_cast<int>(std::max<int64_t>(1, threads > 0 ? threads : at::get_num_threads()));
+        const int nt = std::max(1, threads);
         const auto items = [&](bool down) {
             int64_t total = 0;
             for (int64_t e = 0; e < E; ++e)
@@ -113,10 +97,9 @@ class GroupedExperts {
         mid_.resize(R * 2 * I);
         act_.resize(R * I);
         y_.resize(R * H);
-        const bool bf16 = x.scalar_type() == torch::kBFloat16;
-        const void* xp = x.data_ptr();
-        const float* wp = weights.data_ptr<float>();
-        float* op = out.data_ptr<float>();
+        const bool bf16 = dtype == conveyor::kBF16;
+        const void* xp = x;
+        const float* wp = weights;
 #pragma omp parallel num_threads(nt)
         {
             std::vector<float> row(bf16 ? H : 0);
@@ -125,7 +108,7 @@ class GroupedExperts {
                 const int64_t e = row_expert[r];
                 const float* src;
                 if (bf16) {
-                    const c10::BFloat16* b = static_cast<const c10::BFloat16*>(xp) + tok[r] * H;
+                    const conveyor::bf16* b = static_cast<const conveyor::bf16*>(xp) + tok[r] * H;
                     for (int64_t k = 0; k < H; ++k) row[k] = static_cast<float>(b[k]);
                     src = row.data();
                 } else {
@@ -159,9 +142,9 @@ class GroupedExperts {
                 float* dst = op + tok[r] * H;
                 const float* src = y_.data() + r * H;
                 const float w = wp[r];
-                const torch::Tensor& bias = experts_[row_expert[r]].down.bias;
-                if (bias.defined()) {
-                    const float* b = bias.data_ptr<float>();
+                const std::vector<float>& bias = experts_[row_expert[r]].down.bias;
+                if (!bias.empty()) {
+                    const float* b = bias.data();
                     for (int64_t c = c0; c < c1; ++c) dst[c] += (src[c] + b[c]) * w;
                 } else {
                     for (int64_t c = c0; c < c1; ++c) dst[c] += src[c] * w;
@@ -169,8 +152,6 @@ class GroupedExperts {
             }
         }
     }
-
-    int64_t num_experts() const { return static_cast<int64_t>(experts_.size()); }
 
   private:
     int64_t hidden_, inter_;
@@ -182,12 +163,25 @@ class GroupedExperts {
 
 }  // namespace
 
-void register_grouped_experts(py::module_& m) {
-    py::class_<GroupedExperts>(m, "GroupedExperts")
-        .def(py::init<int64_t, int64_t, double, double>(), py::arg("hidden"), py::arg("intermediate"),
-             py::arg("alpha") = 1.0, py::arg("limit") = 0.0)
-        .def("add_expert", &GroupedExperts::add_expert, py::arg("gate_up"), py::arg("down"),
-             py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none())
-        .def("forward", &GroupedExperts::forward, py::call_guard<py::gil_scoped_release>())
-        .def_property_readonly("num_experts", &GroupedExperts::num_experts);
+// The C entry points (kernels/matmul_ops.py's `GroupedExperts`): built once per layer, freed with it.
+CONVEYOR_API void* conveyor_grouped_experts_new(int64_t hidden, int64_t intermediate, double alpha, double limit) {
+    return new GroupedExperts(hidden, intermediate, alpha, limit);
+}
+
+CONVEYOR_API void conveyor_grouped_experts_free(void* experts) { delete static_cast<GroupedExperts*>(experts); }
+
+CONVEYOR_API int conveyor_grouped_experts_add_expert(void* experts, const conveyor::SegmentSpec* gate_up,
+                                                     int64_t n_gate_up, const conveyor::SegmentSpec* down, int64_t n_down,
+                                                     const float* gate_up_bias, const float* down_bias) {
+    return conveyor::guarded(1, [&] {
+        static_cast<GroupedExperts*>(experts)->add_expert(gate_up, n_gate_up, down, n_down, gate_up_bias, down_bias);
+    });
+}
+
+CONVEYOR_API int conveyor_grouped_experts_forward(void* experts, int dtype, const void* x, int64_t T,
+                                                  const int64_t* counts, int64_t num_counts, const float* weights,
+                                                  const int64_t* tokens, int64_t R, float* out, int threads) {
+    return conveyor::guarded(threads, [&] {
+        static_cast<GroupedExperts*>(experts)->forward(dtype, x, T, counts, num_counts, weights, tokens, R, out, threads);
+    });
 }

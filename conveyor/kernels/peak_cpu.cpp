@@ -1,7 +1,8 @@
 // The machine's compute peak per instruction path: each loop issues only the dot-product instruction
 // (and the adds that keep its results) a kernel path is built on, on independent registers, on `threads`
-// OpenMP threads at once; `bench roofline`/`step` set each linear's GFLOP/s against the peak of the
-// path it took. Only the paths this build's target has are compiled (`peak_kinds()` lists them):
+// OpenMP threads at once; the roofline diagnostics (tools/) set each linear's GFLOP/s against the peak
+// of the path it took. Only the paths this build's target has are compiled (`conveyor_peak_kinds()`
+// lists them). A library of its own, built at its first use: nothing the engine runs needs it.
 //   fp32-fma        vfmadd231ps (8 or 16 lanes): the fp32 dense path (oneDNN/MKL sgemm)
 //   int8-i16        vpmaddubsw + vpaddw: AVX2 4-bit weights, whose block sums fit int16
 //   int8-i32        vpmaddubsw + vpmaddwd + vpaddd: AVX2 8-bit weights (widened every product)
@@ -9,7 +10,7 @@
 //   bf16-avx512     vdpbf16ps: AVX512-BF16
 //   amx-bf16, amx-int8  tdpbf16ps / tdpbssd on four accumulator tiles
 // Rates are in GOP/s (a multiply-add counts 2), the unit of the kernels' GFLOP/s.
-#include <torch/extension.h>
+#include "runtime.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -230,7 +231,7 @@ double amx_loop(int64_t iters) {
 }  // namespace
 
 // The paths this build can measure, in the order `peak_gops` knows them.
-std::vector<std::string> peak_kinds() {
+static std::vector<std::string> peak_kinds() {
     std::vector<std::string> kinds;
 #if defined(__AVX2__) && defined(__FMA__)
     kinds.insert(kinds.end(), {"fp32-fma", "int8-i16", "int8-i32"});
@@ -248,8 +249,8 @@ std::vector<std::string> peak_kinds() {
 }
 
 // GOP/s of path `kind` on `threads` threads (about 0.1-0.3 s of work on this CPU).
-double peak_gops(const std::string& kind, int64_t threads) {
-    TORCH_CHECK(threads >= 1, "threads must be >= 1");
+static double peak_gops(const std::string& kind, int64_t threads) {
+    CONVEYOR_CHECK(threads >= 1, "threads must be >= 1");
     const int t = static_cast<int>(threads);
 #if defined(__AVX2__) && defined(__FMA__)
     if (kind == "fp32-fma") return rate(t, 16 * kFmaLanes * 2, 4000000, fma_loop);
@@ -266,10 +267,22 @@ double peak_gops(const std::string& kind, int64_t threads) {
     if (kind == "amx-bf16" && request_amx()) return rate(t, 4 * 16 * 16 * 32 * 2, 2000000, amx_loop<false>);
     if (kind == "amx-int8" && request_amx()) return rate(t, 4 * 16 * 16 * 64 * 2, 2000000, amx_loop<true>);
 #endif
-    TORCH_CHECK(false, "no peak loop for path '", kind, "' in this build (it has: ", c10::Join(", ", peak_kinds()), ")");
+    std::string have;
+    for (const std::string& k : peak_kinds()) have += (have.empty() ? "" : ", ") + k;
+    conveyor::fail("no peak loop for path '", kind, "' in this build (it has: ", have, ")");
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("peak_kinds", &peak_kinds, "the instruction paths this build measures");
-    m.def("peak_gops", &peak_gops, "GOP/s of one instruction path on n threads");
+// The instruction paths this build measures, comma-separated.
+CONVEYOR_API const char* conveyor_peak_kinds() {
+    static const std::string kinds = [] {
+        std::string joined;
+        for (const std::string& k : peak_kinds()) joined += (joined.empty() ? "" : ",") + k;
+        return joined;
+    }();
+    return kinds.c_str();
+}
+
+// GOP/s of one instruction path on `threads` threads, into *gops.
+CONVEYOR_API int conveyor_peak_gops(const char* kind, int64_t threads, double* gops) {
+    return conveyor::guarded(1, [&] { *gops = peak_gops(kind, threads); });
 }

@@ -21,7 +21,6 @@
 #include "attention_blocks.h"
 #include "prefill_attention_cpu.h"
 
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <atomic>
@@ -200,7 +199,7 @@ void prefill(const PrefillArgs<T>& a) {
     BlockBuffers& buffers = caller_buffers;  // the workers below use this thread's
     buffers.kt.resize(num_blocks * D * NB);
     if (!fp32) buffers.v.resize(num_blocks * NB * D);
-    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
         std::vector<const T*> krow(NB);
         std::vector<const float*> vf(NB);
         for (int64_t i = begin; i < end; ++i) {
@@ -224,7 +223,7 @@ void prefill(const PrefillArgs<T>& a) {
         return (x.q1 - x.q0) * (x.k1 - x.k0) > (y.q1 - y.q0) * (y.k1 - y.k0);
     });
     std::atomic<size_t> next{0};
-    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    parallel_for(0, call_threads(), 1, [&](int64_t, int64_t) {
         std::vector<float> qt(D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);

@@ -2,9 +2,7 @@
 // int8 activation blocks every quantized product takes.
 #pragma once
 
-#include <torch/extension.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include "runtime.h"
 
 #include <immintrin.h>
 
@@ -37,10 +35,20 @@ static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml K-quan
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
-#else
-    c10::Half v;
-    v.x = h;
-    return static_cast<float>(v);
+#else  // IEEE half: sign, 5-bit exponent (bias 15), 10-bit mantissa; subnormals scaled by 2^-24
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+        f = std::ldexp(static_cast<float>(mant), -24);
+        uint32_t u;
+        std::memcpy(&u, &f, sizeof u);
+        u |= sign;
+        std::memcpy(&f, &u, sizeof f);
+    } else {
+        const uint32_t u = sign | (exp == 0x1F ? 0x7F800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+        std::memcpy(&f, &u, sizeof f);
+    }
+    return f;
 #endif
 }
 
@@ -128,8 +136,9 @@ struct Activations {
         for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, v + 4 * j, 4);
     }
 };
-// x [M, K] as the kernels of weight type `type` take it: int8 blocks, or packed fp32 for BF16 and F32.
-void prepare_activations(const torch::Tensor& x, int64_t type, Activations& a);
+// x [M, K] (fp32 or bf16 by `dtype`, rows ldx apart) as the kernels of weight type `type` take it:
+// int8 blocks, or packed fp32 for BF16 and F32.
+void prepare_activations(const void* x, int dtype, int64_t M, int64_t K, int64_t ldx, int64_t type, Activations& a);
 // Rows [m0, m1) of x (fp32, ldx apart) into `a`, already shaped for them (`shape`, or `shape_floats`
 // for dense weights); serial (threads may prepare disjoint row ranges of one `a` at once).
 void quantize_rows(const float* x, int64_t ldx, int64_t m0, int64_t m1, Activations& a);
@@ -152,7 +161,7 @@ struct TileOut {
     }
     void store(int64_t m, int64_t n, float v) const {
         if (bias) v += bias[n];
-        if (bf16) static_cast<c10::BFloat16*>(data)[at(m, n)] = c10::BFloat16(v);
+        if (bf16) static_cast<conveyor::bf16*>(data)[at(m, n)] = conveyor::bf16(v);
         else static_cast<float*>(data)[at(m, n)] = v;
     }
 };
@@ -165,9 +174,9 @@ void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const
 // Row `row` of a tiled matrix as fp32.
 void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t K, int64_t row,
                           float* y);
-// Tiles [t0, t1) of a tiled N x K matrix into out [N, K], fp32 or (bf16 = true) bf16.
+// Tiles [t0, t1) of a tiled N x K matrix into out [N, K], fp32 or (to_bf16) bf16.
 void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t N, int64_t K, int64_t t0,
-                      int64_t t1, void* out, bool bf16);
+                      int64_t t1, void* out, bool to_bf16);
 // GGUF rows [N, row_bytes] -> tiles [ceil(N/16), tile_bytes] (rows past N are zero).
 void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_t* dst);
 

@@ -22,7 +22,6 @@
 #include "quant_layout.h"
 #include "vec_math.h"
 
-#include <ATen/Parallel.h>
 
 #include <array>
 #include <type_traits>
@@ -187,7 +186,7 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
     if (!out.stream && n0 + kTileRows < N)
         for (int i = 0; i < MR; ++i) _mm_prefetch(out.address(m0 + i, n0 + kTileRows), _MM_HINT_T0);
     __m512 res[MR];
-    if constexpr (T == BF16) dense_pass<c10::BFloat16, MR>(tile, a, m0, m0 == 0, res);
+    if constexpr (T == BF16) dense_pass<bf16, MR>(tile, a, m0, m0 == 0, res);
     else if constexpr (T == F32) dense_pass<float, MR>(tile, a, m0, m0 == 0, res);
     else tile_pass<T, MR>(tile, a, m0, m0 == 0, res);
     const int64_t valid = std::min<int64_t>(kTileRows, N - n0);
@@ -198,7 +197,7 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
         const __m512 v = _mm512_fmadd_ps(res[i], sv, bv);
         const int64_t at = out.at(m0 + i, n0);
         if (out.stream && valid == kTileRows) _mm512_stream_ps(static_cast<float*>(out.data) + at, v);
-        else if (out.bf16) store16(static_cast<c10::BFloat16*>(out.data) + at, v, mask);
+        else if (out.bf16) store16(static_cast<bf16*>(out.data) + at, v, mask);
         else store16(static_cast<float*>(out.data) + at, v, mask);
     }
 }
@@ -354,7 +353,7 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
         for (int i = 0; i < MR; ++i) _mm_prefetch(out.address(m0 + i, n0 + kTileRows), _MM_HINT_T0);
     for (int half = 0; half < 2; ++half) {
         __m256 res[MR];
-        if constexpr (T == BF16) dense_half_pass<c10::BFloat16, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
+        if constexpr (T == BF16) dense_half_pass<bf16, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
         else if constexpr (T == F32) dense_half_pass<float, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
         else half_pass<T, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
         const int64_t base = n0 + 8 * half, valid = std::min<int64_t>(8, N - base);
@@ -379,7 +378,7 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
         for (int r = 0; r < valid; ++r) {
             float acc = 0.f;
             if constexpr (T == BF16 || T == F32) {
-                using W = std::conditional_t<T == F32, float, c10::BFloat16>;
+                using W = std::conditional_t<T == F32, float, bf16>;
                 const W* w = reinterpret_cast<const W*>(tile) + r;
                 const int64_t g0 = Activations::group_start(m), rows = a.group_rows(g0);
                 for (int64_t k = 0; k < a.K; ++k) acc += static_cast<float>(w[k * kTileRows]) * a.f[g0 * a.K + k * rows + m - g0];
@@ -456,7 +455,7 @@ void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const
         case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out);
         case BF16: return typed_tiles_matmul<BF16>(w, row_scales, a, t0, t1, N, out);
         case F32: return typed_tiles_matmul<F32>(w, row_scales, a, t0, t1, N, out);
-        default: TORCH_CHECK(false, "type ", type, " has no tiled layout");
+        default: fail("type ", type, " has no tiled layout");
     }
 }
 

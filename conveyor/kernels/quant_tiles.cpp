@@ -3,7 +3,6 @@
 // path), to ggml's values bit for bit.
 #include "quant_layout.h"
 
-#include <ATen/Parallel.h>
 
 #include <cstring>
 
@@ -95,7 +94,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
         case BF16: return 2 * K;
         case F32: return 4 * K;
     }
-    TORCH_CHECK(false, "unsupported weight type ", type);
+    fail("unsupported weight type ", type);
 }
 
 int64_t tile_bytes(int64_t type, int64_t K) {
@@ -107,7 +106,7 @@ void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_
     std::memset(dst, 0, tiles * tb);
     if (is_dense(type)) {  // value k of row r at (k * 16 + r) * e of its tile, e bytes a value
         const int64_t e = dense_bytes(type);
-        at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+        parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
             for (int64_t t = begin; t < end; ++t)
                 for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r)
                     for (int64_t k = 0; k < K; ++k)
@@ -115,7 +114,7 @@ void repack_tiles(int64_t type, const uint8_t* src, int64_t N, int64_t K, uint8_
         });
         return;
     }
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
             uint8_t* tile = dst + t * tb;
             for (int64_t b = 0; b < nb; ++b) {
@@ -132,7 +131,7 @@ void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_s
                           float* y) {
     const uint8_t* tile = tiles + (row / kTileRows) * tile_bytes(type, K);
     if (type == BF16) {
-        const c10::BFloat16* v = reinterpret_cast<const c10::BFloat16*>(tile) + row % kTileRows;
+        const bf16* v = reinterpret_cast<const bf16*>(tile) + row % kTileRows;
         for (int64_t k = 0; k < K; ++k) y[k] = static_cast<float>(v[k * kTileRows]);
         return;
     }
@@ -146,11 +145,11 @@ void dequantize_tiled_row(int64_t type, const uint8_t* tiles, const float* row_s
         dequantize_block_row(type, tile, b, static_cast<int>(row % kTileRows), scale, y);
 }
 
-// Rows [16 t0, 16 t1) of a tiled matrix into out [N, K] (fp32, or bf16 when `bf16`): the whole weight
+// Rows [16 t0, 16 t1) of a tiled matrix into out [N, K] (fp32, or bf16 when `to_bf16`): the whole weight
 // at once for the prefill path (dequantize + the BLAS/AMX matmul). A row's quant bytes of a block
 // are its 4-byte words of each chunk, so each row unpacks like a GGUF row.
 void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scales, int64_t N, int64_t K, int64_t t0,
-                      int64_t t1, void* out, bool bf16) {
+                      int64_t t1, void* out, bool to_bf16) {
     const int64_t nb = K / QK, tb = tile_bytes(type, K);
     if (is_dense(type)) {  // the tile transposed back
         for (int64_t t = t0; t < t1; ++t)
@@ -158,8 +157,8 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
                 const int64_t off = (t * kTileRows + r) * K;
                 for (int64_t k = 0; k < K; ++k) {
                     const float v = type == F32 ? reinterpret_cast<const float*>(tiles + t * tb)[r + k * kTileRows]
-                                                : static_cast<float>(reinterpret_cast<const c10::BFloat16*>(tiles + t * tb)[r + k * kTileRows]);
-                    if (bf16) static_cast<c10::BFloat16*>(out)[off + k] = c10::BFloat16(v);
+                                                : static_cast<float>(reinterpret_cast<const bf16*>(tiles + t * tb)[r + k * kTileRows]);
+                    if (to_bf16) static_cast<bf16*>(out)[off + k] = bf16(v);
                     else static_cast<float*>(out)[off + k] = v;
                 }
             }
@@ -213,13 +212,13 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
 #endif
                 }
                 const int64_t len = count * QK, off = n * K + b0 * QK;
-                if (bf16) {
-                    c10::BFloat16* o = static_cast<c10::BFloat16*>(out) + off;
+                if (to_bf16) {
+                    bf16* o = static_cast<bf16*>(out) + off;
 #if defined(__AVX512BF16__)
                     for (int64_t k = 0; k < len; k += 16)
                         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
 #else
-                    for (int64_t k = 0; k < len; ++k) o[k] = static_cast<c10::BFloat16>(row[k]);
+                    for (int64_t k = 0; k < len; ++k) o[k] = static_cast<bf16>(row[k]);
 #endif
                 } else {
                     std::memcpy(static_cast<float*>(out) + off, row, len * sizeof(float));

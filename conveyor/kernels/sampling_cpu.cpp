@@ -15,9 +15,6 @@
 // z >= the k-th largest; softmax; top-p drops a token when the probability of the more likely ones
 // (in sorted order) already exceeds top_p; min-p drops p < max(p) * min_p; the token is the first
 // (in vocabulary order) where the running sum of the kept probabilities exceeds u times their total.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -201,35 +198,18 @@ int64_t sample_row(const float* logits, int64_t V, float temperature, int64_t to
 
 }  // namespace
 
-// tokens [R] for logits [R, V] (fp32, contiguous rows) with per-row parameters [R, 4] (fp64: temperature
+// tokens out [R] for logits [R, V] (fp32, rows ld apart) with per-row parameters [R, 4] (temperature
 // (0 = greedy), top_k (0 = off), top_p (1 = off), min_p (0 = off)) and a uniform u [R] in [0, 1).
-torch::Tensor sample_rows(torch::Tensor logits, torch::Tensor params, torch::Tensor u) {
-    TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32 && logits.stride(1) == 1,
-                "logits must be fp32 [rows, vocab] with contiguous rows");
-    const int64_t R = logits.size(0), V = logits.size(1);
-    const auto pp = params.to(torch::kFloat64).contiguous();
-    const auto uu = u.to(torch::kFloat64).contiguous();
-    TORCH_CHECK(pp.dim() == 2 && pp.size(0) == R && pp.size(1) == 4 && uu.numel() == R,
-                "params [rows, 4] and u [rows] expected");
-    auto out = torch::empty({R}, torch::kInt64);
-    const float* lp = logits.data_ptr<float>();
-    const double* prm = pp.data_ptr<double>();
-    const double* up = uu.data_ptr<double>();
-    int64_t* op = out.data_ptr<int64_t>();
-    const int64_t ld = logits.stride(0);
-    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-        thread_local Scratch s;
-        for (int64_t r = r0; r < r1; ++r) {
-            const double* q = prm + 4 * r;
-            op[r] = sample_row(lp + r * ld, V, static_cast<float>(q[0]), static_cast<int64_t>(q[1]),
-                               static_cast<float>(q[2]), static_cast<float>(q[3]), up[r], s);
-        }
+CONVEYOR_API int conveyor_sample_rows(const float* logits, int64_t R, int64_t V, int64_t ld, const double* params,
+                                      const double* u, int64_t* out, int threads) {
+    return conveyor::guarded(threads, [&] {
+        conveyor::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+            thread_local Scratch s;
+            for (int64_t r = r0; r < r1; ++r) {
+                const double* q = params + 4 * r;
+                out[r] = sample_row(logits + r * ld, V, static_cast<float>(q[0]), static_cast<int64_t>(q[1]),
+                                    static_cast<float>(q[2]), static_cast<float>(q[3]), u[r], s);
+            }
+        });
     });
-    return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.def("sample_rows", &sample_rows,
-          "one token per row: greedy, or temperature, top-k, top-p, min-p and inverse CDF (CPU)",
-          py::call_guard<py::gil_scoped_release>());
 }

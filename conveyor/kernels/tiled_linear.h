@@ -11,29 +11,42 @@
 
 namespace conveyor {
 
+// One row segment of a weight as the caller passes it (kernels/matmul_ops.py, which keeps the tensors
+// alive): tiles of a quantized type or dense, their row scales (I8; nullptr if none), its rows.
+struct SegmentSpec {
+    const uint8_t* data;
+    const float* scales;
+    int64_t type, rows;
+};
+
 // One row segment of a linear: rows [n0, n0 + rows) of the output, in the kernels' tiles (a quantized
 // type or BF16).
 struct Segment {
-    torch::Tensor data, scales;
+    const uint8_t* data;
+    const float* scales;
     int64_t type, rows, n0;
     int64_t tiles() const { return (rows + kTileRows - 1) / kTileRows; }
 };
 
 struct Linear {
     std::vector<Segment> segments;
-    torch::Tensor bias;  // fp32 [N] or undefined
+    std::vector<float> bias;  // fp32 [N] or empty
     int64_t N = 0, K = 0;
     bool quantized = false, floats = false;  // what its input must be prepared as: int8 blocks, packed fp32
 
-    // Segments from Python tuples (data, type, row scales (empty if none), rows), in output order.
-    void add_segments(const std::vector<py::tuple>& parts) {
-        for (const py::tuple& t : parts) {
-            Segment s{t[0].cast<torch::Tensor>(), t[2].cast<torch::Tensor>(), t[1].cast<int64_t>(),
-                      t[3].cast<int64_t>(), N};
-            N += s.rows;
-            (is_dense(s.type) ? floats : quantized) = true;
-            segments.push_back(s);
+    // Segments in output order.
+    void add_segments(const SegmentSpec* parts, int64_t count) {
+        for (int64_t i = 0; i < count; ++i) {
+            const SegmentSpec& t = parts[i];
+            CONVEYOR_CHECK(is_kernel_type(t.type), "no kernel takes weight type ", t.type);
+            segments.push_back(Segment{t.data, t.scales, t.type, t.rows, N});
+            N += t.rows;
+            (is_dense(t.type) ? floats : quantized) = true;
         }
+    }
+    // An fp32 bias [N] (nullptr: none), copied.
+    void set_bias(const float* b) {
+        if (b) bias.assign(b, b + N);
     }
     int64_t tiles() const {
         int64_t n = 0;
@@ -55,8 +68,7 @@ struct Linear {
         for (const Segment& s : segments) {
             const int64_t lo = std::max(u0 - first, int64_t{0}), hi = std::min(u1 - first, s.tiles());
             if (lo < hi)
-                tiles_matmul(s.type, s.data.data_ptr<uint8_t>(), s.scales.numel() ? s.scales.data_ptr<float>() : nullptr,
-                             a, lo, hi, s.rows, TileOut{out + s.n0, ldo});
+                tiles_matmul(s.type, s.data, s.scales, a, lo, hi, s.rows, TileOut{out + s.n0, ldo});
             first += s.tiles();
         }
     }
@@ -65,14 +77,11 @@ struct Linear {
         for (const Segment& s : segments) {
             const int64_t u = s.tiles(), u0 = u * thread / threads, u1 = u * (thread + 1) / threads;
             if (u0 == u1) continue;
-            tiles_matmul(s.type, s.data.data_ptr<uint8_t>(), s.scales.numel() ? s.scales.data_ptr<float>() : nullptr,
-                         a, u0, u1, s.rows, TileOut{out + s.n0, ldo});
+            tiles_matmul(s.type, s.data, s.scales, a, u0, u1, s.rows, TileOut{out + s.n0, ldo});
         }
     }
     void add_bias_row(float* row) const {
-        if (!bias.defined()) return;
-        const float* b = bias.data_ptr<float>();
-        for (int64_t n = 0; n < N; ++n) row[n] += b[n];
+        for (size_t n = 0; n < bias.size(); ++n) row[n] += bias[n];
     }
 };
 

@@ -6,7 +6,7 @@
 // forms underneath where the target has them (the reductions' shuffles are picked by the compiler).
 #pragma once
 
-#include <c10/util/BFloat16.h>
+#include "runtime.h"
 
 #include <immintrin.h>
 
@@ -18,8 +18,6 @@
 
 namespace conveyor {
 
-using bf16 = c10::BFloat16;
-
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {  // bf16 -> fp32 is a 16-bit shift, exact
@@ -30,7 +28,7 @@ inline __m512 load16(const bf16* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
 
-// fp32 -> bf16, rounded to nearest even as c10::BFloat16 rounds (NaN stays NaN).
+// fp32 -> bf16, rounded to nearest even as `bf16` rounds (NaN stays NaN).
 inline __m256i to_bf16(__m512 v) {
 #if defined(__AVX512BF16__)
     return (__m256i)_mm512_cvtneps_pbh(v);

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
+from ..errors import ConfigError, install_command
 from ..kernels import cpu_paged_attention, native_kernels_enabled
 
 
@@ -285,8 +285,8 @@ def triton_available() -> bool:
 
 def _triton_backend(device: torch.device, dtype: torch.dtype) -> TritonPagedAttention:
     if not triton_available():
-        raise ConfigError("attention_backend='triton' needs the triton package: pip install triton (or "
-                          "conveyor[gpu])")
+        raise ConfigError(f"attention_backend='triton' needs triton, which is not installed: "
+                          f"{install_command('gpu')}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ConfigError(f"attention_backend='triton' takes float32, bfloat16 or float16, got {dtype}")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

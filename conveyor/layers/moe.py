@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.fused_ops import FusedOps
 from .quantization.linear import QuantLinear, bf16_kernel_max_rows, matmul_ops
 from .quantization.tensors import f32_rows
 
@@ -108,7 +108,7 @@ class Expert(nn.Module):
         self.gate_up_proj = nn.utils.skip_init(nn.Linear, hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.utils.skip_init(nn.Linear, intermediate_size, hidden_size, bias=bias)
         self.activation = activation
-        self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32/bf16 on CPU
+        self.fused: FusedOps | None = None  # native ops (kernels.cpu_fused_ops), set for fp32/bf16 on CPU
         self.prepack = False  # fp32: plain F.linear, not oneDNN-packed copies (see `linear.prepack_linears`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,20 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..cache.transfer import HostCopy, to_device
 from ..kernels import cpu_sampling_ops, native_kernels_enabled
+from ..kernels.sampling_ops import SamplingOps
 from ..request import Request
 
 if TYPE_CHECKING:
     from ..structured.masks import GrammarMasks
 
 
-def native_sampling(device: torch.device) -> ModuleType | None:
+def native_sampling(device: torch.device) -> SamplingOps | None:
     """The native sampling kernel where it runs (CPU, kernels on and built), else None."""
     return cpu_sampling_ops() if device.type == "cpu" and native_kernels_enabled() else None
 
@@ -192,7 +192,7 @@ class Sampler:
         return Sampler.native_rows(ops, logits, requests, u)
 
     @staticmethod
-    def native_rows(ops: ModuleType, logits: torch.Tensor, requests: list[Request], u: torch.Tensor) -> torch.Tensor:
+    def native_rows(ops: SamplingOps, logits: torch.Tensor, requests: list[Request], u: torch.Tensor) -> torch.Tensor:
         """Every row's token in one native call (`kernels/sampling_cpu.cpp`): a greedy row's first largest
         logit, a sampled row's draw. Its parameters travel as one fp64 tensor (temperature 0 = greedy)."""
         params = [(0.0 if p.greedy else p.temperature, p.top_k, p.top_p, p.min_p) for p in (r.params for r in requests)]

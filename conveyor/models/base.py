@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -17,6 +16,7 @@ from transformers import PretrainedConfig
 from transformers.initialization import no_init_weights
 
 from ..kernels import cpu_fused_ops, native_kernels_enabled
+from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import packed_lm_head, prepack_linears
 from ..layers.quantization.linear import (
@@ -188,7 +188,7 @@ class CausalLM(nn.Module):
             return QuantMatmul(head.kernel.segments, out_dtype=torch.float32)
         return self.lm_head if self.lm_head is not None else packed_lm_head(self.embed_tokens.weight)
 
-    def use_fused_ops(self, ops: ModuleType | None) -> None:
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run norms, RoPE and activations through native fused ops where the family has them (None: PyTorch)."""
 
     def build_decode_stack(self) -> DecodeStack | None:

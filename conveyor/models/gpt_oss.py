@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 import math
-from types import ModuleType
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..kernels.fused_ops import FusedOps
 from ..layers.moe import ClampedSwiglu, SparseMoe
 from ..layers.quantization.linear import Weight
 from ..layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_to_q8_0
@@ -83,7 +83,7 @@ class GptOssForCausalLM(CausalLM):
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "GptOssForCausalLM":
         return cls(config)
 
-    def use_fused_ops(self, ops: ModuleType | None) -> None:
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Norms and RoPE through the native fused ops (None: PyTorch); the experts grouped in one
         native call per layer where their weights are tiled (`SparseMoe.group_experts`)."""
         for module in self.modules():

@@ -157,8 +157,12 @@ class HubRepo:
                 raise HubError(f"{where} is not in the Hugging Face cache {self.cache_dir} and HF_HUB_OFFLINE=1 "
                                "forbids downloading it: unset HF_HUB_OFFLINE to download it, or point "
                                "--download-dir (HF_HUB_CACHE) at a cache that has it") from exc
-            raise HubError(f"cannot download {where} from the Hugging Face Hub and it is not in the cache "
-                           f"{self.cache_dir}: {exc}") from exc
+            cause = exc.__cause__ or exc  # huggingface_hub's message is three lines around the connection error
+            raise HubError(f"cannot download {where}: the Hugging Face Hub did not answer ({type(cause).__name__}: "
+                           f"{str(cause).splitlines()[0] if str(cause) else 'no detail'}) and it is not in the cache "
+                           f"{self.cache_dir}: check the network (behind a proxy: HTTPS_PROXY), or download it "
+                           f"where the Hub answers (hf download {self.repo_id}) and point --download-dir "
+                           "(HF_HUB_CACHE) at that cache, or give a local model directory or .gguf file") from exc
 
 
 def choose_gguf(repo_id: str, ggufs: list[str], quant: str) -> str:

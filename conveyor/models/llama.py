@@ -10,13 +10,13 @@ cos/sin from fp32 positions) so greedy outputs match it token for token.
 
 from __future__ import annotations
 
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .base import CausalLM
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
+        self.fused: FusedOps | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None:
@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
         self.scale = head_dim ** -0.5
         self.softcap: float | None = None
         self.sinks: nn.Parameter | None = None  # gpt-oss's attention sinks, one logit per query head
-        self.fused: ModuleType | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
+        self.fused: FusedOps | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                   meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
@@ -106,7 +106,7 @@ class LlamaForCausalLM(CausalLM):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.head_dim, partial_rotary=self.partial_rotary)
 
-    def use_fused_ops(self, ops: ModuleType | None) -> None:
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run the Llama layers' norms, RoPE and SiLU * up through native fused ops (None: PyTorch)."""
         for module in self.modules():
             if type(module) in (RMSNorm, DecoderLayer):  # not Gemma's subclasses

@@ -12,12 +12,12 @@ Hub's files have them (the GGUF loader splits llama.cpp's stacked `ffn_*_exps` i
 
 from __future__ import annotations
 
-from types import ModuleType
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.moe import Expert, SparseMoe
 from ..layers.quantization.linear import Weight, fuse_rows
@@ -140,7 +140,7 @@ class MoeForCausalLM(CausalLM):
         return cls(config, qkv_bias=f"{p}self_attn.q_proj.bias" in state_dict,
                    o_bias=f"{p}self_attn.o_proj.bias" in state_dict, qk_norm=config.model_type == "qwen3_moe")
 
-    def use_fused_ops(self, ops: ModuleType | None) -> None:
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Norms, RoPE and SiLU * up through the native fused ops (None: PyTorch); experts with tiled
         weights (quantized, bf16) grouped in one native call per layer (`SparseMoe.group_experts`)."""
         for module in self.modules():

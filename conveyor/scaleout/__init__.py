@@ -25,10 +25,12 @@ router takes it back at its first healthy check.
 from __future__ import annotations
 
 import argparse
+from types import ModuleType
 
+from ..errors import require
 from .routers import DEFAULT_ROUTER, POLICIES, ROUTERS
 
-__all__ = ["add_data_parallel_args"]
+__all__ = ["add_data_parallel_args", "launch_module", "serve_data_parallel"]
 
 
 def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -52,8 +54,15 @@ def add_data_parallel_args(parser: argparse.ArgumentParser) -> None:
                        help="seconds every replica gets to answer /health at start")
 
 
-def serve_data_parallel(args: argparse.Namespace) -> int:
-    """Run `conveyor serve --data-parallel-size N` (imported here: the router side needs httpx)."""
-    from .launch import serve_data_parallel as run
+def launch_module() -> ModuleType:
+    """`scaleout.launch`, imported here once httpx is known to be installed (the front and the health
+    checks need it; the `router` extra brings it): without it, one line saying how to install it."""
+    require("httpx", "router", "conveyor serve --data-parallel-size")
+    from . import launch
 
-    return run(args)
+    return launch
+
+
+def serve_data_parallel(args: argparse.Namespace) -> int:
+    """Run `conveyor serve --data-parallel-size N`."""
+    return launch_module().serve_data_parallel(args)

@@ -3,7 +3,7 @@
 On CPU every replica gets `threads` cores of its own out of the cores this process may use
 (`os.sched_getaffinity`): replica i is pinned to the i-th run of `threads` of them and its torch runs
 `threads` intra-op threads (`OMP_NUM_THREADS`). Two replicas that share a core slow each other down
-about tenfold at their barriers (DEVELOPERS.md, "Timing on a shared machine"), so asking for more
+about tenfold at their barriers (docs/design/cpu-kernels.md, "Shared machines"), so asking for more
 threads than there are cores is an error before anything starts, not a warning. On CUDA replica i sees
 only GPU i (`CUDA_VISIBLE_DEVICES`).
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ContinuousBatchingConfig
+from ..errors import require
 from ..llm import LLM
 from ..request import RequestOutput
 from ..sampling_params import SamplingParams
@@ -104,8 +105,8 @@ def conveyor_app(model: str | None = None, *, num_replicas: int = 2, threads: in
     """The Ray Serve application: `num_replicas` engines behind an OpenAI-style ingress, routed by
     prefix (or by Ray's default power-of-two choices with `prefix_aware=False`)."""
     from fastapi import FastAPI
-    from ray import serve
 
+    serve = require("ray.serve", "ray", "conveyor_app (Conveyor on Ray Serve)")
     api = FastAPI(title="Conveyor on Ray Serve")
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})  # it only forwards: the CPUs are the engines'

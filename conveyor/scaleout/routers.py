@@ -4,9 +4,9 @@ Both are Rust binaries shipped in PyPI wheels, forks of one code base (SGLang's 
 cache-aware policy: a radix tree per replica of the request texts it was sent; a request goes to the
 replica whose tree matches most of its text when the match is over `cache_threshold`, else to the one
 with the smallest tree, unless the load is imbalanced (then to the least loaded). `vllm-router` is the
-default (`pip install "conveyor[router]"`): it was measured against `sglang-router` here (DEVELOPERS.md,
-"Replicas behind a router"), and it proxies `GET /v1/models` from a replica (sglang-router 0.3 answers
-it itself, with the model named "unknown"). Each is found as its console script next to this Python, or
+default (`pip install "conveyor[router]"`): it was measured against `sglang-router` here
+(docs/design/replicas.md, "Router choice"), and it proxies `GET /v1/models` from a replica
+(sglang-router 0.3 answers it itself, with the model named "unknown"). Each is found as its console script next to this Python, or
 on PATH. Both expose their own Prometheus metrics on a second port, which Conveyor's front appends to
 its `/metrics`.
 """
@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import install_command
 from .net import end_with_parent, free_port, http_ok
 
 logger = logging.getLogger("conveyor.scaleout")
@@ -36,12 +37,13 @@ STOP_GRACE_S = 10.0
 @dataclass(frozen=True)
 class RouterSpec:
     """How to start one router: its console script (and subcommand), the package that ships it, its
-    log-level spelling."""
+    log-level spelling, and the extra of pyproject.toml that installs it (None: none does)."""
 
     script: str
     subcommand: tuple[str, ...]
     package: str
     warning_level: str
+    extra: str | None
 
     def executable(self) -> str | None:
         """The console script next to this interpreter (an unactivated venv), else on PATH."""
@@ -51,8 +53,9 @@ class RouterSpec:
     def command(self, host: str, port: int, workers: Sequence[str], policy: str, metrics_port: int) -> list[str]:
         exe = self.executable()
         if exe is None:
-            raise ValueError(f"the router {self.script!r} is not installed: pip install \"conveyor[router]\" "
-                             f"(or pip install {self.package})")
+            fix = (install_command(self.extra) if self.extra is not None
+                   else f"pip install \"conveyor[router]\" (or pip install {self.package})")
+            raise ValueError(f"the router {self.script!r} is not installed: {fix}")
         return [exe, *self.subcommand, "--host", host, "--port", str(port), "--worker-urls", *workers,
                 "--policy", policy, "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
@@ -61,8 +64,8 @@ class RouterSpec:
 
 
 ROUTERS: dict[str, RouterSpec] = {
-    "vllm-router": RouterSpec("vllm-router", (), "vllm-router", "warning"),
-    "sglang-router": RouterSpec("sglang-router", ("launch",), "sglang-router", "warn"),
+    "vllm-router": RouterSpec("vllm-router", (), "vllm-router", "warning", "router"),
+    "sglang-router": RouterSpec("sglang-router", ("launch",), "sglang-router", "warn", None),
 }
 DEFAULT_ROUTER = "vllm-router"
 

@@ -1,4 +1,5 @@
-"""Schedulers: which requests, and how many of their tokens, go into the next forward pass (SPEC 3-4).
+"""Schedulers: which requests, and how many of their tokens, go into the next forward pass
+(docs/design/scheduler.md: chunked prefill and the scheduler).
 
 Every step fills one pass under three limits: the token budget (`max_batch_tokens` query tokens),
 the cache budget (`max_batch_pages` KV pages read) and `max_requests_per_batch`. Active requests

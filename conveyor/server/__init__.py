@@ -68,6 +68,7 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
 from __future__ import annotations
 
 import contextlib
+import errno
 import signal
 import socket
 import threading
@@ -82,7 +83,32 @@ from ..manager import EngineDeadError, death_message
 from .app import build_app
 from .serving import ServerSettings
 
-__all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer", "GracefulServer"]
+__all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer", "GracefulServer", "check_address"]
+
+
+def check_address(host: str, port: int) -> None:
+    """ValueError, one line, when uvicorn could not listen on `host`:`port`; checked before the model
+    loads, so that a port already in use fails in a second, not after the load (uvicorn's own error
+    stays for a port taken in between). Bound as uvicorn binds: SO_REUSEADDR, IPv6 for a host with ':'."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except socket.gaierror as exc:
+            raise ValueError(f"--host {host} is not an address ({exc.strerror}): give an IP address of this "
+                             "machine, e.g. --host 127.0.0.1 or --host 0.0.0.0 (every interface)") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is already in use (an earlier `conveyor serve` still "
+                                 f"running?): stop that process, or pass a free port, e.g. --port {port + 1}") from None
+            if exc.errno == errno.EADDRNOTAVAIL:
+                raise ValueError(f"--host {host} is not an address of this machine: give one of its own, e.g. "
+                                 "--host 127.0.0.1 or --host 0.0.0.0 (every interface)") from None
+            if exc.errno == errno.EACCES:
+                raise ValueError(f"port {port} needs privileges to listen on (ports below 1024 do): pass a port "
+                                 "from 1024 up, e.g. --port 8000") from None
+            raise
 
 
 class GracefulServer(uvicorn.Server):

@@ -6,7 +6,7 @@
 - the bounds only the running server knows, marked in `protocol` (`x-conveyor-bound`): the served
   model names, token ids below the vocabulary size, max_tokens below the context length.
 
-Schemathesis fuzzes against it (`conveyor bench fuzz`, tests/test_fuzz.py).
+Schemathesis fuzzes against it (a checkout's `python -m tools.fuzz`, tests/tools/test_fuzz.py).
 """
 
 from __future__ import annotations

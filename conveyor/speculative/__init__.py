@@ -1,4 +1,4 @@
-"""Speculative decoding inside continuous batching (SPEC section 11): a request's proposed tokens
+"""Speculative decoding inside continuous batching (docs/design/speculative-decoding.md): a request's proposed tokens
 become extra query tokens of its row, one pass verifies them.
 
 `config` validates vLLM's `speculative_config`; `speculator` decides who speculates with how many

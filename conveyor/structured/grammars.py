@@ -2,7 +2,7 @@
 
 llguidance was chosen over xgrammar by measurement (64 JSON-schema requests, built-in tokenizer,
 busy 2-core machine, per step): mask fill 14.7 ms against 47.4 ms, first compile 180 ms against
-913 ms (DEVELOPERS.md). It compiles lazily, so a grammar costs little until its matchers run; what
+913 ms (docs/design/structured-outputs.md). It compiles lazily, so a grammar costs little until its matchers run; what
 is cached per distinct constraint is the grammar text, its validation and a pristine matcher that
 each request's matcher is copied from.
 """

@@ -1,7 +1,8 @@
 """The package's layout holds: no import circles, no import up the layers (LAYERS, bottom-up), the server
-only through the offline facade, and no module calling another module's private names. The tests' layout
-holds too: test files in folders (one per layer of the package), and no test module importing another
-(shared code lives in helper modules such as tests/utils.py, fixtures in conftest.py).
+only through the offline facade, no module calling another module's private names, and nothing in the
+package importing the checkout's `tools/` (they are not installed). The tests' layout holds too: test
+files in folders (one per layer of the package), and no test module importing another (shared code lives
+in helper modules such as tests/utils.py, fixtures in conftest.py).
 
 Imports are read from the source with `ast` (type-only imports under TYPE_CHECKING and imports inside
 functions count too), so a failure names the modules and lines.
@@ -15,6 +16,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 PACKAGE = REPO / "conveyor"
+TOOLS = REPO / "tools"
 
 # Bottom-up; a module imports from its own layer and the layers below it. A prefix names a module or a
 # folder of them; the package root (`conveyor`, the public API) is the "api" layer.
@@ -182,6 +184,26 @@ def private_uses(trees: dict[str, ast.AST]) -> list[str]:
     return found
 
 
+def tools_imports(tree: ast.AST) -> list[int]:
+    """Lines that import the top-level `tools` folder (`import tools...`, `from tools... import ...`)."""
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tools" for a in node.names)
+            or isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tools"]
+
+
+def test_tools_imports_are_found():
+    tree = ast.parse("import tools.roofline\nfrom tools import fuzz\nfrom .tools import x\nimport toolset\n"
+                     "def f():\n    from tools.simulate.cli import main\n")
+    assert tools_imports(tree) == [1, 2, 6]
+
+
+def test_the_package_never_imports_the_tools():
+    """Tools import the package, never the reverse: an installed `conveyor` has no `tools` to import."""
+    found = [f"{m} (line {line}) imports tools" for m, p in MODULES.items()
+             for line in tools_imports(ast.parse(p.read_text()))]
+    assert not found, "the package imports the checkout's tools/:\n" + "\n".join(found)
+
+
 def test_private_uses_are_found():
     trees = {"a": ast.parse("class E:\n    def _finish(self): self._n = 1\n"),
              "b": ast.parse("def f(engine):\n    engine._finish()\n    return engine._n, engine.config._other\n")}
@@ -189,7 +211,9 @@ def test_private_uses_are_found():
 
 
 def test_no_module_uses_another_modules_private_names():
-    found = private_uses({m: ast.parse(p.read_text()) for m, p in MODULES.items()})
+    """The package's modules and the tools' (which use the package from outside)."""
+    tools = {".".join(p.relative_to(TOOLS.parent).with_suffix("").parts): p for p in sorted(TOOLS.rglob("*.py"))}
+    found = private_uses({m: ast.parse(p.read_text()) for m, p in (MODULES | tools).items()})
     assert not found, "private names used across modules:\n" + "\n".join(found)
 
 

@@ -13,9 +13,6 @@ import safetensors.torch
 import torch
 
 from conveyor import LLM
-from conveyor.bench.expert_load import sparse_blocks
-from conveyor.bench.roofline import step_config
-from conveyor.bench.roofline_report import format_report, run_step
 from conveyor.config import ConfigError, ContinuousBatchingConfig
 from conveyor.engine.graph_runner import use_cuda_graphs
 from conveyor.layers.moe import Expert, SparseMoe, group_by_expert, route_softmax
@@ -151,41 +148,3 @@ def test_no_cuda_graphs_for_moe() -> None:
     assert use_cuda_graphs(ContinuousBatchingConfig(), gpu, capturable=False) is False
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         use_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=True), gpu, capturable=False)
-
-
-def test_step_bench_reports_the_expert_load(moe_models: dict[str, TinyModel]) -> None:
-    """`bench step` on an MoE model: the experts' shapes at their share of the rows, the active parameters,
-    the rows per expert, the sparse blocks' share of the step."""
-    llm = LLM(moe_models["qwen2_moe"].path, dtype="float32", config=step_config(8, 10, 2 + 1 + 4))
-    report = run_step(llm, batch=8, context=10, steps=2, warmup_steps=1, repeats=2, warmup=1)
-    mm, step = report["matmul"], report["step"]
-    shapes = {s["name"]: s for s in mm["shapes"]}
-    # layer 0 sparse (8 experts, top-3: 3 rows each at 8 rows, all busy), layer 1 dense
-    assert (shapes["experts.gate_up_proj (3 rows)"]["count"], shapes["experts.gate_up_proj (3 rows)"]["rows"]) == (8, 3)
-    assert shapes["gate_up_proj"]["count"] == 1 and shapes["shared_expert.down_proj"]["rows"] == 8
-    assert mm["flops_per_token"] == 2 * (2 * (128 * 64 + 64 * 64) + (256 * 64 + 64 * 128) + 3 * (64 * 64 + 64 * 32)
-                                         + (128 * 64 + 64 * 64) + 300 * 64)
-    load = step["expert_load"]
-    assert (load["layer_calls"], load["experts"], load["top_k"], load["routed_rows_per_call"]) == (2, 8, 3, 24)
-    assert load["rows_per_expert"]["min"] <= load["rows_per_expert"]["median"] <= load["rows_per_expert"]["max"] <= 8
-    assert 0 < step["moe_s"] < step["forward_s"] and 0 < step["moe_fraction"] < 1
-    text = format_report(report)
-    assert "of which mixture-of-experts blocks" in text and "24 routed rows per sparse layer (top-3 of 8" in text
-    assert all(block.observer is None for block in sparse_blocks(llm.engine.model))
-
-
-def test_step_pair_interleaves_two_models(moe_models: dict[str, TinyModel], tiny_llama: TinyModel, tmp_path: Path,
-                                          capsys) -> None:
-    """`bench step-pair`: both models' decode steps alternate; each one's median and the per-pair ratio."""
-    from conveyor.bench.commands import main
-
-    out = tmp_path / "pair.json"
-    assert main(["step-pair", str(tiny_llama.path), str(moe_models["mixtral"].path), "--batch", "4", "--context", "8",
-                 "--steps", "3", "--dtype", "float32", "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    a, b = report["models"]
-    assert (a["path"], b["path"]) == (str(tiny_llama.path), str(moe_models["mixtral"].path))
-    assert len(a["step_samples_s"]) == len(b["step_samples_s"]) == 3 and a["step_s"] > 0 and b["step_s"] > 0
-    ratios = sorted(y / x for x, y in zip(a["step_samples_s"], b["step_samples_s"]))
-    assert report["b_over_a"] == pytest.approx(ratios[1])
-    assert "B / A:" in capsys.readouterr().out

@@ -84,7 +84,7 @@ class QuantizedTensor:
         return QuantizedTensor(self.data[index], self.qtype, (len(index), self.shape[1]), scales)
 
     def tiled(self, ops: object) -> QuantizedTensor:
-        """The 16-row tiled form the kernels (`ops`, the native extension) take."""
+        """The 16-row tiled form the kernels (`ops`: kernels.cpu_matmul_ops()) take."""
         if self.layout == "tiles":
             return self
         scales = None

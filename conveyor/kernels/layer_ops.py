@@ -1,0 +1,167 @@
+"""Whole layers in one native call: the decode stack of a Llama-family model's decoder layers
+(decode_stack_cpu.cpp) and a mixture-of-experts layer's experts (moe_cpu.cpp). Each is built once
+per model (or layer) from its weights' tiles; the native object points into those tensors, so the
+wrapper keeps them alive, and frees the native object with itself."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from .native import DTYPES, F64, I32, I64, P, Native, bind, dtype_code, int64_vector, require
+
+# A weight's row segment as the caller gives it: (tiles, weight type, row scales (empty: none), rows).
+SegmentTuple = tuple[torch.Tensor, int, torch.Tensor, int]
+
+
+class SegmentSpec(ctypes.Structure):
+    """tiled_linear.h's SegmentSpec."""
+
+    _fields_ = [("data", P), ("scales", P), ("type", I64), ("rows", I64)]
+
+
+def _segments(parts: Sequence[SegmentTuple], keep: list[torch.Tensor]) -> ctypes.Array:
+    """The segments as a C array; their tensors go to `keep` (the native side holds their addresses)."""
+    specs = (SegmentSpec * len(parts))()
+    for spec, (data, qtype, scales, rows) in zip(specs, parts):
+        require(data.dtype == torch.uint8 and data.is_contiguous(), "segment tiles must be contiguous uint8")
+        require(scales.numel() == 0 or (scales.dtype == torch.float32 and scales.is_contiguous()),
+                "segment row scales must be contiguous fp32")
+        keep += [data, scales]
+        spec.data, spec.scales = data.data_ptr(), scales.data_ptr() if scales.numel() else None
+        spec.type, spec.rows = int(qtype), int(rows)
+    return specs
+
+
+def _fp32(t: torch.Tensor | None, n: int, name: str) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.detach().float().contiguous()
+    require(t.numel() == n, f"{name} must have {n} values, got {t.numel()}")
+    return t
+
+
+def _pointers(tensors: Sequence[torch.Tensor], name: str) -> ctypes.Array:
+    return (P * len(tensors))(*[int64_vector(t, name) for t in tensors])
+
+
+class DecodeStack(Native):
+    """A decode batch (1 to `max_rows` rows) through every decoder layer in one call and one OpenMP
+    region, computing bit for bit what the eager layers compute."""
+
+    def __init__(self, lib: ctypes.CDLL, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                 eps: float, scale: float, max_rows: int) -> None:
+        super().__init__(lib)
+        new = bind(lib, "conveyor_decode_stack_new", P, I64, I64, I64, I64, I64, F64, F64, I64)
+        self._free = bind(lib, "conveyor_decode_stack_free", None, P)
+        self._add = bind(lib, "conveyor_decode_stack_add_layer", I32, P, P, P, P, P, P, I64)
+        self._forward = bind(lib, "conveyor_decode_stack_forward", I32, P, P, I64, P, P, I32, P, P, I64, P, P, P, P,
+                             P, I64, P, I64, I32, I32)
+        self.hidden = hidden
+        self.num_layers = 0
+        self._keep: list[torch.Tensor] = []
+        self._kv: tuple[tuple[int, ...], ctypes.Array, ctypes.Array] | None = None
+        self._handle = new(hidden, intermediate, heads, kv_heads, head_dim, eps, scale, max_rows)
+        if not self._handle:
+            self.check(-1)
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None):
+            self._free(self._handle)
+            self._handle = None
+
+    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, linears: Sequence[Sequence[SegmentTuple]],
+                  biases: Sequence[torch.Tensor | None], group: int) -> None:
+        """The next layer: its two norms' weights, the row segments of qkv, o, gate_up and down (in that
+        order) and their biases (None: none), and the layer group whose attention metadata it reads."""
+        require(len(linears) == 4 and len(biases) == 4, "qkv, o, gate_up and down expected")
+        norms = [_fp32(w, self.hidden, "a norm's weight") for w in (input_norm, post_norm)]
+        arrays = [_segments(parts, self._keep) for parts in linears]
+        rows = [sum(int(part[3]) for part in parts) for parts in linears]
+        fp32_biases = [_fp32(b, n, "a bias") for b, n in zip(biases, rows)]
+        self.check(self._add(self._handle, norms[0].data_ptr(), norms[1].data_ptr(),
+                             (P * 4)(*[ctypes.addressof(a) for a in arrays]), (I64 * 4)(*[len(a) for a in arrays]),
+                             (P * 4)(*[None if b is None else b.data_ptr() for b in fp32_biases]), group))
+        self.num_layers += 1
+
+    def _kv_arrays(self, kv: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
+        """Each layer's cache address and slot count as C arrays, rebuilt only when the caches change."""
+        key = tuple(t.data_ptr() for t in kv)
+        if self._kv is None or self._kv[0] != key:
+            self._kv = key, (P * len(kv))(*key), (I64 * len(kv))(*[t.shape[1] for t in kv])
+        return self._kv[1], self._kv[2]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor],
+                tables: Sequence[torch.Tensor], lens: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
+                windows: Sequence[int], positions: torch.Tensor, page_size: int, threads: int,
+                shared_rows: bool) -> torch.Tensor:
+        """x [B, hidden] fp32, updated in place and returned; cos/sin [B, D] fp32; per layer its KV cache
+        [2, slots, Hkv, D]; per layer group its decode block tables [B, width], context lengths [B], the
+        slots [B] the new K/V go to and its sliding window (0: none); the rows' positions [B]. `shared_rows`:
+        some request has several rows (speculative proposals)."""
+        require(x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.hidden,
+                "x must be fp32 [B, hidden]")
+        require(len(windows) == len(tables) == len(lens) == len(slots) and positions.numel() == x.shape[0],
+                "one window per layer group and int64 positions [B] expected")
+        require(cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32,
+                "fp32 cos/sin")
+        dtype = kv[0].dtype
+        require(dtype in DTYPES and all(t.is_contiguous() and t.dtype == dtype for t in kv),
+                "contiguous KV caches of one dtype, fp32 or bf16")
+        kv_ptrs, kv_slots = self._kv_arrays(kv)
+        groups = len(tables)
+        self.check(self._forward(
+            self._handle, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), DTYPES[dtype], kv_ptrs, kv_slots,
+            len(kv), _pointers(tables, "block tables"), (I64 * groups)(*[t.shape[1] for t in tables]),
+            _pointers(lens, "context lengths"), _pointers(slots, "slots"), (I64 * groups)(*windows), groups,
+            int64_vector(positions, "positions"), page_size, threads, shared_rows))
+        return x
+
+
+class GroupedExperts(Native):
+    """A mixture-of-experts layer's experts, all of them in one call: rows grouped by expert."""
+
+    def __init__(self, lib: ctypes.CDLL, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
+        super().__init__(lib)
+        new = bind(lib, "conveyor_grouped_experts_new", P, I64, I64, F64, F64)
+        self._free = bind(lib, "conveyor_grouped_experts_free", None, P)
+        self._add = bind(lib, "conveyor_grouped_experts_add_expert", I32, P, P, I64, P, I64, P, P)
+        self._forward = bind(lib, "conveyor_grouped_experts_forward", I32, P, I32, P, I64, P, I64, P, P, I64, P, I32)
+        self.hidden, self.intermediate = hidden, intermediate
+        self.num_experts = 0
+        self._keep: list[torch.Tensor] = []
+        self._handle = new(hidden, intermediate, alpha, limit)
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None):
+            self._free(self._handle)
+            self._handle = None
+
+    def add_expert(self, gate_up: Sequence[SegmentTuple], down: Sequence[SegmentTuple],
+                   gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
+        """One expert's gate/up (gate rows first) and down row segments, and their fp32 biases (None: none)."""
+        biases = []
+        for bias, n in ((gate_up_bias, 2 * self.intermediate), (down_bias, self.hidden)):
+            require(bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.numel() == n),
+                    f"expert {self.num_experts}: a bias must be contiguous fp32 [{n}]")
+            biases.append(None if bias is None else bias.data_ptr())
+        up, dn = _segments(gate_up, self._keep), _segments(down, self._keep)
+        self.check(self._add(self._handle, up, len(up), dn, len(dn), *biases))
+        self.num_experts += 1
+
+    def forward(self, x: torch.Tensor, counts: Sequence[int], weights: torch.Tensor, tokens: torch.Tensor,
+                out: torch.Tensor, threads: int) -> None:
+        """out [T, hidden] fp32 += for each sorted row r (token tokens[r], `counts[e]` rows per expert in
+        expert order): weights[r] * down_e(silu(gate_e(x)) * up_e(x)) with x = x[tokens[r]] (fp32 or bf16)."""
+        require(x.dim() == 2 and x.shape[1] == self.hidden and x.is_contiguous(),
+                "x must be contiguous fp32 or bf16 [tokens, hidden]")
+        code = dtype_code(x, "x")
+        require(out.dtype == torch.float32 and out.is_contiguous() and tuple(out.shape) == tuple(x.shape),
+                "out must be contiguous fp32 [tokens, hidden]")
+        require(weights.dtype == torch.float32 and weights.is_contiguous() and weights.numel() == tokens.numel(),
+                "tokens (int64) and weights (fp32) must be contiguous, one per row")
+        self.check(self._forward(self._handle, code, x.data_ptr(), x.shape[0], (I64 * len(counts))(*counts),
+                                 len(counts), weights.data_ptr(), int64_vector(tokens, "tokens"), tokens.numel(),
+                                 out.data_ptr(), threads))

@@ -1,0 +1,7 @@
+"""`python -m tools.roofline ...`; see tools/roofline/cli.py."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
