@@ -407,3 +407,10 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 def copy_prompts() -> list[list[int]]:
     """Prompts that repeat themselves (n-gram lookups hit), of lengths that need prefill chunks."""
     return [p * 3 for p in random_prompts([5, 9, 14, 30, 4], seed=1)] + random_prompts([7, 40], seed=2)
+
+
+# -- plots ----------------------------------------------------------------------------------------------
+def assert_png(path: Path) -> None:
+    """`path` is a PNG file with a real plot in it (more than an empty canvas's bytes)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

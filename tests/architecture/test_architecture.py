@@ -218,11 +218,6 @@ def test_no_module_uses_another_modules_private_names():
 
 
 # -- the tests ------------------------------------------------------------------------------------
-# Test files that stay at the top of tests/ until they move to tests/tools/ with the tools they test.
-AWAITING_TOOLS_MOVE = {"test_bench_roofline.py", "test_bench_simulate.py", "test_fuzz.py", "test_gpu_check.py",
-                       "test_peaks.py", "test_soak.py"}
-
-
 def dotted(path: Path) -> str:
     """The module name of a file of the repository (tests/cache/test_cache.py: tests.cache.test_cache)."""
     return ".".join(path.relative_to(REPO).with_suffix("").parts)
@@ -263,7 +258,7 @@ def test_no_test_module_imports_another():
 
 def test_test_files_live_in_folders():
     """tests/<folder>/test_*.py, each folder a package (so that two folders may hold files of the same name)."""
-    top = sorted(p.name for p in TESTS.glob("test_*.py") if p.name not in AWAITING_TOOLS_MOVE)
+    top = sorted(p.name for p in TESTS.glob("test_*.py"))
     assert not top, f"test files at the top of tests/ (put them in the folder of the layer they test): {top}"
     missing = sorted({str(p.parent.relative_to(REPO)) for p in TESTS.rglob("test_*.py")
                       if not (p.parent / "__init__.py").is_file()})

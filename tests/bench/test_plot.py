@@ -18,12 +18,7 @@ from conveyor.bench.plot import (
     summarize,
 )
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def assert_png(path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 5000
+from tests.utils import assert_png
 
 
 def test_throughput_accepts_plot_option():

@@ -23,9 +23,9 @@ from conveyor.errors import MissingDependencyError, install_command
 from conveyor.layers.attention import make_attention_backend
 from conveyor.scaleout import routers
 
-from .conftest import TinyModel
+from tests.utils import TinyModel
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PYTHON = Path(sys.executable)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from tools.peer_speed import decode_speed, prompt_speed
 
-from ..conftest import TinyModel
+from tests.utils import TinyModel
 
 
 def test_prompt_runs_are_timed_without_prefix_hits(tiny_llama: TinyModel) -> None:

@@ -24,12 +24,7 @@ from tools.simulate.batching import (
 from tools.simulate.cli import main
 from tools.simulate.timeline_plot import plot_timeline
 
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def assert_png(path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == PNG_MAGIC and len(data) > 5000
+from tests.utils import assert_png
 
 
 # -- the documented figures -----------------------------------------------------------------------
