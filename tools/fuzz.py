@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.bench.launch import add_launch_arguments, launch_options, launched_server
+from tools import has_requirements
 
 LIMITS = {"max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 4, "n": 3}  # clamped down to these
 MAX_ITEMS = 3  # prompts in a batch, chat messages
@@ -235,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
                     "documented, schema-breaking bodies rejected; then GET /health. --launch starts Conveyor's server "
                     "for the run. Exit code 1 on any failure.")
     add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if not has_requirements(parser.prog, (("httpx", "bench"), ("schemathesis", "test"))):
+        return 2
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from conveyor.bench.launch import add_launch_arguments, launch_options, launched_server
+from tools import has_requirements
 
 WARMUP_FRACTION = 0.25  # RSS growth is measured from the first sample after this share of the run (default)
 RSS_EVERY_S = 1.0
@@ -347,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
                     "got its whole answer, no 5xx, /health always answered, the server idle after and RSS after "
                     "warm-up grew < --max-rss-growth.")
     add_arguments(parser)
-    return run_from_args(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    if not has_requirements(parser.prog, (("httpx", "bench"),)):
+        return 2
+    return run_from_args(args)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,8 @@ from collections.abc import Sequence
 from ..errors import MissingDependencyError, require
 
 # The optional packages a benchmark needs, checked before it starts (a server launched, a model loaded), with
-# the extra of pyproject.toml that brings each: HTTP clients need httpx; schemathesis is only in `test`.
-REQUIRES: dict[str, tuple[tuple[str, str], ...]] = {
-    "serve": (("httpx", "bench"),),
-    "soak": (("httpx", "bench"),),
-    "fuzz": (("httpx", "bench"), ("schemathesis", "test")),
-}
+# the extra of pyproject.toml that brings each: HTTP clients need httpx.
+REQUIRES: dict[str, tuple[tuple[str, str], ...]] = {"serve": (("httpx", "bench"),)}
 
 
 def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentParser:

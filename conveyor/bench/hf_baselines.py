@@ -61,7 +61,7 @@ def load_hf_model(model: str | Path | None, dtype: torch.dtype, device: torch.de
     Returns (model, how it was loaded). GGUF files go through
     `AutoModelForCausalLM.from_pretrained(dir, gguf_file=name)`; transformers refuses that without
     `accelerate`, in which case the model is built with `from_config` and filled with the tensors of
-    Conveyor's loader (whose parity with transformers' GGUF reader is tested in tests/test_loader.py).
+    Conveyor's loader (whose parity with transformers' GGUF reader is tested in tests/models/test_loader.py).
     """
     import transformers
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import huggingface_hub
 import pytest
@@ -24,6 +25,7 @@ from conveyor.layers.attention import make_attention_backend
 from conveyor.scaleout import routers
 
 from tests.utils import TinyModel
+from tools import fuzz, soak
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = Path(sys.executable)
@@ -90,17 +92,21 @@ def test_data_parallel_without_the_router_names_the_router_extra(monkeypatch: py
     assert first_error(capsys) == f"error: the router 'vllm-router' is not installed: {install_command('router')}"
 
 
-@pytest.mark.parametrize("command, module, extra", [
-    (["serve", "--base-url", "http://127.0.0.1:1"], "httpx", "bench"),
-    (["soak", "--base-url", "http://127.0.0.1:1"], "httpx", "bench"),
-    (["fuzz", "--base-url", "http://127.0.0.1:1"], "schemathesis", "test"),
-])
-def test_a_benchmark_without_its_client_names_the_extra(command: list[str], module: str, extra: str,
-                                                        monkeypatch: pytest.MonkeyPatch,
+def test_a_benchmark_without_its_client_names_the_extra(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "httpx", None)
+    assert bench_main(["serve", "--base-url", "http://127.0.0.1:1"], prog="conveyor bench") == 2
+    assert first_error(capsys) == ("error: conveyor bench serve needs httpx, which is not installed: "
+                                   f"{install_command('bench')}")
+
+
+@pytest.mark.parametrize("tool, module, extra", [(soak, "httpx", "bench"), (fuzz, "schemathesis", "test")])
+def test_a_qa_tool_without_its_client_names_the_extra(tool: ModuleType, module: str, extra: str,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, module, None)
-    assert bench_main(command, prog="conveyor bench") == 2
-    assert first_error(capsys) == (f"error: conveyor bench {command[0]} needs {module}, which is not installed: "
+    assert tool.main(["--base-url", "http://127.0.0.1:1"]) == 2
+    assert first_error(capsys) == (f"error: python -m {tool.__name__} needs {module}, which is not installed: "
                                    f"{install_command(extra)}")
 
 
