@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("sched", ("conveyor.sched",)),
     ("structured", ("conveyor.structured",)),
     ("tool_parsers", ("conveyor.tool_parsers",)),
+    ("reasoning", ("conveyor.reasoning",)),
     ("layers", ("conveyor.layers",)),
     ("models", ("conveyor.models",)),
     ("speculative", ("conveyor.speculative",)),
@@ -42,7 +43,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # What the server may import of the package: the facade and the types requests are made of.
 SERVER_ALLOWED = ("conveyor", "conveyor.llm", "conveyor.manager", "conveyor.errors", "conveyor.request",
-                  "conveyor.sampling_params", "conveyor.structured", "conveyor.tool_parsers", "conveyor.server")
+                  "conveyor.sampling_params", "conveyor.structured", "conveyor.tool_parsers", "conveyor.reasoning",
+                  "conveyor.server")
 
 
 def module_name(path: Path) -> str:
