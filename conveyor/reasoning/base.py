@@ -5,8 +5,9 @@ generation prompt inside the think block, or close it to turn thinking off) and 
 thinking switch; `feed(text, finished)` takes the whole text so far and returns what is new of the
 reasoning and of the answer. A tail that may be the beginning of a marker is held back until the
 next feed decides it, so feeding the whole reply at once gives exactly the concatenation of the
-deltas of any split. Reasoning and answer are each stripped of surrounding whitespace (the newlines
-models write around their markers), across pieces.
+deltas of any split. The reasoning is stripped of surrounding whitespace (the newlines models write
+around their markers), and so is the start of an answer that follows it; an answer alone is the
+reply as written.
 
 `BlockParser` reads the formats that write the reasoning as one block between markers (`<think>`
 ... `</think>`, Mistral's `[THINK]`, Granite's sentences); `harmony` reads gpt-oss's channels.
@@ -20,11 +21,12 @@ START, OPEN, ANSWER = "start", "open", "answer"  # BlockParser's modes: before t
 
 
 class Stripped:
-    """Text sent piece by piece with `strip()` semantics across the pieces: leading whitespace dropped,
-    trailing whitespace held back until more text follows it (never sent if none does)."""
+    """Text sent piece by piece with `strip()` semantics across the pieces: leading whitespace dropped
+    (until `started`), trailing whitespace held back until more text follows it (never sent if none
+    does; `trail=False` sends it as it comes)."""
 
-    def __init__(self) -> None:
-        self.started = False
+    def __init__(self, started: bool = False, trail: bool = True) -> None:
+        self.started, self.trail = started, trail
         self.spaces = ""
 
     def add(self, piece: str) -> str:
@@ -33,6 +35,8 @@ class Stripped:
             if not piece:
                 return ""
             self.started = True
+        if not self.trail:
+            return piece
         body = piece.rstrip()
         if not body:
             self.spaces += piece
@@ -97,7 +101,7 @@ class ReasoningParser:
         """prompt: the text the reply continues (the rendered chat), which says whether the reply begins
         inside the reasoning; thinking: the request's switch (`thinking_switch`), None when unset."""
         self.thoughts = Stripped()
-        self.answer = Stripped()
+        self.answer = Stripped(started=True, trail=False)  # as written, unless a block ends before it
         self.pos = 0  # characters of the text consumed
 
     def feed(self, text: str, finished: bool) -> tuple[str, str]:
@@ -160,5 +164,7 @@ class BlockParser(ReasoningParser):
             if at < 0:
                 self.pos = max(stop, self.pos)
                 break
+            if self.mode == OPEN:
+                self.answer.started = False  # the whitespace after the end marker separates: dropped
             self.pos, self.mode = at + len(marker), ANSWER
         return "".join(thoughts), "".join(answer)

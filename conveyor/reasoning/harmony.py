@@ -18,6 +18,7 @@ from .base import ReasoningParser, find_first, held
 
 BEGIN, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
+BOUNDS = (*ENDS, BEGIN, CHANNEL)  # where a body ends: its end marker, or a new header without one
 HEADS = ("<|", "to=")  # what the reply's part of a header begins with (a recipient may follow the role)
 HEADER, BODY, RAW = "header", "body", "raw"  # the parser's modes
 CHANNEL_NAME = re.compile(r"<\|channel\|>\s*(\w+)")
@@ -71,7 +72,7 @@ class GptOssParser(ReasoningParser):
                 self.header, self.pos = "", at + len(MESSAGE)
                 continue
             # A body ends at its end marker, or where a new header starts without one.
-            at, marker = find_first(text, self.pos, (*ENDS, BEGIN, CHANNEL))
+            at, marker = find_first(text, self.pos, BOUNDS)
             if self.recipient is not None:  # a tool call: whole, markup included, once it ends
                 if at < 0 and not finished:
                     break
@@ -81,7 +82,7 @@ class GptOssParser(ReasoningParser):
                 if at < 0:
                     break
                 continue
-            stop = at if at >= 0 else len(text) if finished else len(text) - held(text, self.pos, (*ENDS, BEGIN, CHANNEL))
+            stop = at if at >= 0 else len(text) if finished else len(text) - held(text, self.pos, BOUNDS)
             out, parts = (self.thoughts, thoughts) if self.channel == "analysis" else (self.answer, answer)
             parts.append(out.add(text[self.pos:max(stop, self.pos)]))
             if at < 0:

@@ -48,13 +48,13 @@ class MistralParser(BlockParser):
 
 
 class HunyuanA13BParser(BlockParser):
-    """The answer comes in `<answer>` tags, dropped."""
+    """The answer comes in `<answer>` tags, dropped with the newlines inside them."""
 
     name = "hunyuan_a13b"
     families = "Hunyuan-A13B"
     example = "<think>\nreasoning\n</think>\n<answer>\nanswer\n</answer>"
-    starts, ends, markup = THINK, UNTHINK, ("<answer>", "</answer>")
-    special = THINK + UNTHINK + markup
+    starts, ends, markup = THINK, UNTHINK, ("<answer>\n", "\n</answer>", "<answer>", "</answer>")
+    special = THINK + UNTHINK + ("<answer>", "</answer>")
 
 
 class GraniteParser(BlockParser):

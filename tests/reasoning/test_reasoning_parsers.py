@@ -52,6 +52,8 @@ RECORDED = [
     ("qwen3", QWEN, None, "<think>This is a reasoning section", "This is a reasoning section", None),
     ("qwen3", QWEN, None, "<think>reasoning</think>", "reasoning", None),
     ("qwen3", QWEN, None, "This is the rest", None, "This is the rest"),
+    ("qwen3", QWEN, None, " Paris.\n", None, " Paris.\n"),  # an answer alone is as written
+    ("qwen3", QWEN_OPEN, None, "Hmm.\n</think>\n\n Paris.\n", "Hmm.", "Paris.\n"),  # after a block: no separator
     ("qwen3", QWEN, None, "Use <think> tags.", None, "Use <think> tags."),  # not where the reply begins: text
     ("qwen3", QWEN_ASKS, None, "It opens a block.", None, "It opens a block."),
     ("qwen3", QWEN_OFF, False, "Some output without think tokens", None, "Some output without think tokens"),
