@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import inspect
 import logging
 import os
 import sys
@@ -18,7 +19,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .chat_template import load_chat_template
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
-from .errors import ConfigError
+from .errors import ConfigError, InvalidRequestError
 from .distributed.driver import ShardedModel, load_tensor_parallel
 from .distributed.launch import exit_if_spawned_rank
 from .engine.draft_runner import load_draft_model
@@ -310,28 +311,57 @@ class LLM:
                 bar.update(1)
         return [results[i] for i in ids]
 
-    def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | os.PathLike | None = None) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template: str | os.PathLike | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """Generate replies to conversations rendered with the chat template: the model's (or `LLM`'s
-        `chat_template`), or this call's `chat_template` (a file or the template text, as vLLM's)."""
+        `chat_template`), or this call's `chat_template` (a file or the template text, as vLLM's).
+        chat_template_kwargs: variables for the template (`{"enable_thinking": False}`);
+        continue_final_message: the reply continues the last message (with add_generation_prompt=False);
+        tools: OpenAI tool definitions, for templates that render them. The text is the model's whole
+        reply, reasoning included (`conveyor.reasoning` splits it)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         template = load_chat_template(chat_template) if chat_template is not None else None
-        prompts = [self.render_chat(c, chat_template=template) for c in conversations]  # type: ignore[arg-type]
+        prompts = [self.render_chat(c, tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
+                                    continue_final_message=continue_final_message,
+                                    chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    chat_template: str | None = None) -> list[int]:
+                    chat_template: str | None = None, **options: Any) -> list[int]:
         """Token ids of the conversation through the chat template (with `tools`, as transformers'), or
-        through `chat_template` (the template text)."""
-        return self.tokenizer.encode(self.render_chat_text(conversation, tools, chat_template), add_special_tokens=False)
+        through `chat_template` (the template text); `options` as `render_chat_text`'s."""
+        text = self.render_chat_text(conversation, tools, chat_template, **options)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                         chat_template: str | None = None) -> str:
+                         chat_template: str | None = None, add_generation_prompt: bool = True,
+                         continue_final_message: bool = False,
+                         chat_template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation through the chat template, as the text `render_chat` tokenizes (a server
-        checks its length before it spends time tokenizing it)."""
+        checks its length before it spends time tokenizing it). `InvalidRequestError` naming the
+        parameter for options that cannot go together or a template variable the renderer owns."""
         if not conversation:
             raise ValueError("conversation is empty: it needs at least one message")
-        return self.tokenizer.apply_chat_template(conversation, tools=tools, add_generation_prompt=True, tokenize=False,
-                                                  chat_template=chat_template)
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequestError("continue_final_message continues the last message, add_generation_prompt starts "
+                                      "a new one: set add_generation_prompt to false", param="continue_final_message")
+        kwargs = dict(chat_template_kwargs or {})
+        owned = sorted(set(kwargs) & renderer_parameters(self.tokenizer))
+        if owned:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(owned)}: the renderer's own "
+                                      "parameters are set by the request's fields", param="chat_template_kwargs")
+        return self.tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
+                                                  tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, **kwargs)
+
+
+def renderer_parameters(tokenizer: PreTrainedTokenizerBase) -> set[str]:
+    """The named parameters of the tokenizer's `apply_chat_template` (not template variables)."""
+    signature = inspect.signature(tokenizer.apply_chat_template)
+    return {name for name, p in signature.parameters.items()
+            if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}

@@ -1,7 +1,7 @@
 """The model's generation config as vLLM applies it (`auto`: the defaults of what a request leaves unset,
 offline and on the server; `vllm`: ignored; a directory: that file), a chat template given as a file or
-inline (`LLM(chat_template=)`, `llm.chat(chat_template=)`, the server), and `--max-model-len` on the
-server: over it, a 400 naming it."""
+inline (`LLM(chat_template=)`, `llm.chat(chat_template=)`, the server) and its options offline, and
+`--max-model-len` on the server: over it, a 400 naming it."""
 
 from __future__ import annotations
 
@@ -90,6 +90,23 @@ def test_chat_template_from_a_file_inline_or_per_call(tiny_llama: TinyModel, tmp
     with pytest.raises(ValueError, match="cannot render a user message"):
         llm(tiny_llama.path, chat_template="{{ messages[0]['nope'] + 1 }}")
 
+
+
+def test_chat_template_kwargs_and_a_continued_message_offline(tiny_llama: TinyModel) -> None:
+    switch = ("{% for m in messages %}w7 {{ m['content'] }}{% endfor %}{% if add_generation_prompt %} w8{% endif %}"
+              "{% if flag is defined and flag %} w9{% endif %}")
+    model = llm(tiny_llama.path, chat_template=switch)
+    hello = [{"role": "user", "content": "w5"}]
+    one = SamplingParams(max_new_tokens=1)
+    assert model.render_chat(hello) == [7, 5, 8]
+    [out] = model.chat(hello, one, use_tqdm=False, chat_template_kwargs={"flag": True})
+    assert out.prompt_token_ids == [7, 5, 8, 9]
+    [out] = model.chat(hello, one, use_tqdm=False, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt_token_ids == [7, 5]
+    with pytest.raises(ValueError, match="set add_generation_prompt to false"):
+        model.chat(hello, one, continue_final_message=True)
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
+        model.chat(hello, one, chat_template_kwargs={"tokenize": True})
 
 def test_the_server_fills_unset_fields_and_caps_the_context(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "t.jinja").write_text(USER_CHAT_TEMPLATE)
