@@ -4,7 +4,8 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true
 events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
 object), `serving` (admission, the engine bridge, rendering), `limits` (the body and prompt-length
-limits), `tools` and `response_format` (what a request constrains), `metrics` (Prometheus),
+limits), `tools` and `response_format` (what a request constrains), `request_fields` (llama.cpp's
+fields, unknown ones), `metrics` (Prometheus),
 `streaming` (server-sent events, collected results), `errors` (the error handlers), `routes` (a module
 per route family), `app` (puts them together). `run_server` serves in the foreground with graceful
 SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks). uvicorn runs on
@@ -28,7 +29,8 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
 - Chat roles: system, user, assistant ("developer" is read as system); text content parts are
   joined with newlines. The chat template always gets add_generation_prompt=True.
 - Not supported, answered 400 rather than ignored: echo, suffix, best_of != n, top_logprobs
-  without logprobs, prompt_logprobs with stream. At most 20 logprobs (and prompt_logprobs).
+  without logprobs, prompt_logprobs with stream, llama.cpp's samplers set on (`request_fields`). At
+  most 20 logprobs (and prompt_logprobs).
 - Tools (`tools`): "none", "required" (a list of calls, constrained; `parallel_tool_calls: false`
   makes it one), a named function (its arguments, constrained), "auto" (the model's own format,
   read by the tool parser: `--tool-call-parser`, by default read off the chat template; refused with
@@ -41,7 +43,8 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   small thread pool, never on the event loop.
 - prompt_logprobs (completions, vLLM's extra field): each choice gets `prompt_logprobs`, vLLM's
   list of None (first token) or {token id: {logprob, rank, decoded_token}}; null when not asked.
-  Unknown fields are ignored (as vLLM).
+  llama.cpp's `n_predict`, `grammar`, `json_schema` and `cache_prompt` are mapped. Other unknown
+  fields are ignored (as vLLM), with a warning the first time each name is seen.
 - Errors are `{"error": {"message", "type", "param", "code"}}`: 400 invalid_request_error
   (validation errors, FastAPI's 422 included), 401 invalid_api_key (only /v1/*, /tokenize and
   /detokenize need the key; /health and /metrics stay open), 404 model_not_found, 500

@@ -1,11 +1,11 @@
 """Request bodies of the OpenAI-compatible API (the fields Conveyor honours) and the error object.
 
-Unknown fields are ignored, as vLLM does; fields that would change the result and that Conveyor
-cannot honour are rejected with a 400 rather than silently dropped: by the models themselves where
-a constraint says it (`echo`, `suffix`), else by the handlers (`best_of` != n; malformed
-`response_format`, `structured_outputs`, `tools`, `tool_choice`, `logit_bias`). The models carry the
-constraints the server enforces (ranges, roles, non-empty prompts), so that the OpenAPI schema
-documents what is accepted.
+Unknown fields are ignored, as vLLM does, and logged once per name (`request_fields`); fields that
+would change the result and that Conveyor cannot honour are rejected with a 400 rather than silently
+dropped: by the models themselves where a constraint says it (`echo` on completions, `suffix`), else
+by the handlers (`best_of` != n; malformed `response_format`, `structured_outputs`, `tools`,
+`tool_choice`, `logit_bias`; llama.cpp's samplers). The models carry the constraints the server
+enforces (ranges, roles, non-empty prompts), so that the OpenAPI schema documents what is accepted.
 """
 
 from __future__ import annotations
@@ -69,7 +69,10 @@ class StreamOptions(_Body):
 
 
 class SamplingFields(_Body):
-    """Fields shared by completions and chat completions."""
+    """Fields shared by completions and chat completions; the others a client sends are kept in
+    `model_extra` (refused or logged by `request_fields`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = Field(None, json_schema_extra=SERVED_NAME)  # null or "" = the served model
     temperature: float | None = Field(None, ge=0)  # None: OpenAI's default, 1.0
@@ -92,6 +95,11 @@ class SamplingFields(_Body):
     response_format: dict[str, Any] | None = None  # OpenAI's {"type": "text" | "json_object" | "json_schema"}
     structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
     skip_special_tokens: bool = True  # vLLM's extra field
+    # llama.cpp's server fields (request_fields): max_tokens, a GBNF grammar, a JSON schema; prompt caching
+    n_predict: int | None = Field(None, ge=-1)  # -1: the rest of the context
+    grammar: Text | None = None
+    json_schema: dict[str, Any] | None = None
+    cache_prompt: bool | None = None  # prefix caching is always on
 
 
 class CompletionRequest(SamplingFields):

@@ -1,10 +1,11 @@
 """The output constraint and logit bias a request body asks for, checked into engine parameters.
 
-OpenAI's `response_format` (`json_object`, `json_schema`) and vLLM's extra body field
-`structured_outputs` (json, regex, choice, grammar, json_object) both become a
-`StructuredOutputsParams`; a `json_schema` with `strict: true` is closed first (no properties or
-items beyond those it lists, `structured.strict`), as OpenAI reads it. `logit_bias` arrives with
-string keys (JSON objects have no others).
+OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's extra body field
+`structured_outputs` (json, regex, choice, grammar, json_object) and llama.cpp's `grammar` (GBNF),
+`json_schema` and `json_object` with a `schema` all become a `StructuredOutputsParams`; a
+`json_schema` with `strict: true` is closed first (no properties or items beyond those it lists,
+`structured.strict`), as OpenAI reads it. `logit_bias` arrives with string keys (JSON objects have
+no others).
 Malformed fields are 400s naming the field; a constraint that does not compile is refused by the
 engine's `make_request`, also before anything is queued.
 """
@@ -23,8 +24,15 @@ FORMATS = ("text", "json_object", "json_schema")
 def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the constraint, the field it came from) or (None, None)."""
     fmt, extra = body.response_format, body.structured_outputs
-    if fmt is not None and fmt.get("type", "text") != "text" and extra:
-        raise APIError(400, "give either response_format or structured_outputs, not both", param="structured_outputs")
+    given = [name for name, on in (("response_format", fmt is not None and fmt.get("type", "text") != "text"),
+                                   ("structured_outputs", bool(extra)), ("grammar", body.grammar is not None),
+                                   ("json_schema", body.json_schema is not None)) if on]
+    if len(given) > 1:
+        raise APIError(400, f"give one constraint, not {' and '.join(given)}", param=given[-1])
+    if body.grammar is not None:
+        return StructuredOutputsParams(grammar=body.grammar), "grammar"
+    if body.json_schema is not None:
+        return StructuredOutputsParams(json=body.json_schema), "json_schema"
     if extra:
         try:
             return StructuredOutputsParams(**extra), "structured_outputs"
@@ -38,8 +46,12 @@ def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | Non
                        param="response_format")
     if kind == "text":
         return None, None
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True), "response_format"
+    if kind == "json_object":  # llama.cpp takes a schema there too
+        schema = fmt.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise APIError(400, "response_format.schema must be a JSON schema object", param="response_format")
+        return StructuredOutputsParams(json=schema) if schema else StructuredOutputsParams(json_object=True), \
+            "response_format"
     spec: Any = fmt.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):

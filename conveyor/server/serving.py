@@ -165,6 +165,7 @@ class Serving:
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
         self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(template))
         self.keep_special = drops_a_marker(self.tokenizer, self.tool_parser)
+        self.ignored_fields: set[str] = set()  # request fields logged as ignored (once per name)
         self.max_model_len = llm.max_model_len
         self.logprobs = LogprobRenderer(self.tokenizer)
         self.max_request_bytes = settings.max_request_bytes or default_max_request_bytes(self.max_model_len)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
+from ..request_fields import check_fields, token_limit
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
 from ..tools import plan_tools
@@ -27,6 +28,7 @@ router = APIRouter()
              responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
+    check_fields(body, "/v1/chat/completions", serving.ignored_fields)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -34,8 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
                       body.parallel_tool_calls)
     prompt = await serving.prepare(serving.render_chat, body.messages, plan)
     rid, created = new_id("chatcmpl"), int(time.time())
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    requests = await serving.prepare(serving.build_requests, rid, [prompt], body, max_tokens, n_lp, "messages",
+    requests = await serving.prepare(serving.build_requests, rid, [prompt], body, token_limit(body), n_lp, "messages",
                                      constraint=(plan.constraint, "tools"),
                                      keep_special=plan.mode == "auto" and serving.keep_special)
     sub = serving.submit(requests)

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, CompletionRequest
+from ..request_fields import check_fields, token_limit
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
 from .deps import AUTH, ServingDep
@@ -22,6 +23,7 @@ router = APIRouter()
              responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
 async def completions(body: CompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
+    check_fields(body, "/v1/completions", serving.ignored_fields)
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of is not supported (other than = n)", param="best_of")
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
@@ -29,7 +31,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     texts = serving.completion_prompts(body)  # a prompt too long to fit is refused here, untokenized
     prompts = await serving.prepare(serving.tokenize, texts)
     rid, created = new_id("cmpl"), int(time.time())
-    requests = await serving.prepare(serving.build_requests, rid, prompts, body, body.max_tokens, body.logprobs,
+    requests = await serving.prepare(serving.build_requests, rid, prompts, body, token_limit(body), body.logprobs,
                                      "prompt", prompt_logprobs=body.prompt_logprobs)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "text_completion", "created": created, "model": serving.model_name}

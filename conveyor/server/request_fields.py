@@ -1,0 +1,71 @@
+"""Request fields beyond OpenAI's and vLLM's: llama.cpp's server fields, and the ones nobody here reads.
+
+llama.cpp's `n_predict` is `max_tokens` (-1: the rest of the context), `grammar` (GBNF) and
+`json_schema` are constraints (`response_format.body_constraint`), and `cache_prompt` is accepted:
+prefix caching is always on. Its samplers that Conveyor does not have are refused with a 400 naming
+the field and what to use, unless they carry their off value (clients send llama.cpp's defaults);
+the fields that only matter with one of those on (`mirostat_tau`, `dry_base`, ...) or that change
+nothing here (`id_slot`, `n_keep`) are accepted. Any other unknown field is ignored, as vLLM does,
+with a warning the first time the server sees its name.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .protocol import APIError, SamplingFields
+
+logger = logging.getLogger("conveyor.server")
+
+SAMPLERS = "use temperature, top_p, top_k or min_p"
+PENALTIES = "use repetition_penalty, presence_penalty or frequency_penalty"
+# llama.cpp field -> (its values that mean "off", what to use instead)
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "mirostat": ((0,), SAMPLERS),
+    "typical_p": ((1.0,), SAMPLERS),
+    "tfs_z": ((1.0,), SAMPLERS),
+    "top_n_sigma": ((-1.0, 0.0), SAMPLERS),
+    "xtc_probability": ((0.0,), SAMPLERS),
+    "dynatemp_range": ((0.0,), "use temperature"),
+    "dry_multiplier": ((0.0,), PENALTIES),
+    "repeat_penalty": ((1.0,), "use repetition_penalty (over the whole prompt and output, not the last "
+                               "repeat_last_n tokens)"),
+    "penalize_nl": ((False,), PENALTIES),
+    "n_probs": ((0,), "use logprobs (and top_logprobs in chat completions)"),
+    "post_sampling_probs": ((False,), "logprobs are the model's, before sampling"),
+    "t_max_predict_ms": ((0,), "there is no time limit: use max_tokens"),
+    "lora": (([],), "merge the adapter into the weights and serve that"),
+}
+INERT = {"mirostat_tau", "mirostat_eta", "dynatemp_exponent", "xtc_threshold", "dry_base", "dry_allowed_length",
+         "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "samplers", "min_keep", "n_keep", "id_slot"}
+
+
+def check_fields(body: SamplingFields, endpoint: str, logged: set[str]) -> None:
+    """A 400 for a llama.cpp sampler set on; a warning, once per name in `logged`, for a field ignored."""
+    for name, value in (body.model_extra or {}).items():
+        if name in REFUSED:
+            off, instead = REFUSED[name]
+            if value not in off:
+                raise APIError(400, f"llama.cpp's {name} is not supported (got {value!r}): {instead}", param=name)
+        elif name not in INERT and name not in logged:
+            logged.add(name)
+            logger.warning("%s: request field %r is not supported and is ignored (logged once per field name)",
+                           endpoint, name)
+
+
+def token_limit(body: SamplingFields) -> int | None:
+    """The generation limit asked for: `max_completion_tokens` over `max_tokens`, else llama.cpp's
+    `n_predict`; None: the rest of the context. Two of them that disagree are a 400."""
+    given = {name: getattr(body, name) for name in ("max_completion_tokens", "max_tokens")
+             if name in body.model_fields_set and getattr(body, name) is not None}
+    limit = next(iter(given.values()), None) if given else getattr(body, "max_tokens", None)
+    if body.n_predict is None:
+        return limit
+    if body.n_predict == 0:
+        raise APIError(400, "n_predict must be at least 1, or -1 for the rest of the context", param="n_predict")
+    wanted = None if body.n_predict == -1 else body.n_predict
+    if given and next(iter(given.values())) != wanted:
+        raise APIError(400, f"n_predict ({body.n_predict}) and {next(iter(given))} disagree: give one",
+                       param="n_predict")
+    return wanted
