@@ -16,6 +16,7 @@ from typing import Any
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
 from .layers.attention import ATTENTION_BACKENDS
 from .layers.quantization.registry import QUANTIZATIONS
+from .reasoning import REASONING_PARSERS
 from .sched.scheduler import SCHEDULERS
 from .tool_parsers import TOOL_PARSERS
 
@@ -163,14 +164,20 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's tool-calling flags, and the request body limit."""
-    group = parser.add_argument_group("tool calling and request limits")
+    """vLLM's tool-calling, reasoning and chat template flags, and the request body limit."""
+    group = parser.add_argument_group("tool calling, reasoning and request limits")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='accept tool_choice "auto" (also the default when a request gives tools), the model '
                        "writing its own calls; without it such requests get a 400, as in vLLM")
     group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS), metavar="NAME",
                        help="the format of the model's own tool calls: " + ", ".join(TOOL_PARSERS) +
                        " (default: read off the chat template; hermes when it says nothing)")
+    group.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS), metavar="NAME",
+                       help="split the model's reasoning from its answer (message.reasoning_content): " +
+                       ", ".join(REASONING_PARSERS) + " (default: not split)")
+    group.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                       help="chat template variables every chat request gets under its own chat_template_kwargs, "
+                       "e.g. '{\"enable_thinking\": false}'")
     group.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                        help="largest request body, answered 413 past it before it is parsed (default: "
                        "256 bytes per token of the context, at least 16 MiB)")

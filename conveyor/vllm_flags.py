@@ -34,7 +34,6 @@ UNSUPPORTED: dict[str, str] = {
                                    "to prefill longer prompts in one step",
     "--scheduling-policy": "requests are admitted first come, first served; --scheduler-type fifo|prefill_first "
                            "orders decodes and prefills within a step",
-    "--reasoning-parser": "reasoning is not split out of the reply: it stays in the message content",
     "--guided-decoding-backend": "structured outputs always run on llguidance: drop the flag",
     "--structured-outputs-config": "structured outputs always run on llguidance: drop the flag",
     "--limit-mm-per-prompt": "Conveyor serves text-only models; multimodal inputs are not supported",

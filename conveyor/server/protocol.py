@@ -143,6 +143,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # OpenAI's default: true
+    # vLLM's chat fields: the template's variables and ends, the last message echoed, the reasoning sent
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the reply continues the last message (add_generation_prompt false)
+    echo: bool = False  # the last message's content before the reply's, when the roles match
+    include_reasoning: bool = True
+    # llama.cpp's: "none" leaves the reasoning in the content
+    reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 import time
 import uuid
@@ -39,6 +40,7 @@ from .logprobs import LogprobRenderer
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
+from ..reasoning import ReasoningParser, get_reasoning_parser
 from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
 
@@ -50,6 +52,14 @@ T = TypeVar("T")
 
 
 @dataclass
+class ChatPrompt:
+    """A rendered conversation: its text (whose end a reasoning parser reads) and its token ids."""
+
+    text: str
+    ids: list[int]
+
+
+@dataclass
 class ServerSettings:
     """served_model_names: names accepted in `model` (the first is reported); None = the model's
     file or directory name. api_key: required as `Authorization: Bearer KEY` on /v1/*, /tokenize
@@ -58,7 +68,9 @@ class ServerSettings:
     enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
     tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
     read off the chat template. max_request_bytes: the largest request body (413 past it); None =
-    derived from the context length (`limits.default_max_request_bytes`)."""
+    derived from the context length (`limits.default_max_request_bytes`). reasoning_parser: the format
+    of the model's reasoning (`reasoning.REASONING_PARSERS`), split from the answer; None = not split.
+    default_chat_template_kwargs: template variables every chat request gets under its own."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -69,6 +81,8 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     max_request_bytes: int | None = None
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -79,9 +93,18 @@ class ServerSettings:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.max_request_bytes is not None and args.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+        kwargs = args.default_chat_template_kwargs
+        try:
+            kwargs = None if kwargs is None else json.loads(kwargs)
+        except ValueError as exc:
+            raise ValueError(f"--default-chat-template-kwargs is not valid JSON: {exc}") from exc
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}'")
         return cls(served_model_names=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                    shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes)
+                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes,
+                   reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=kwargs)
 
 
 class Submission:
@@ -165,6 +188,10 @@ class Serving:
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
         self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(template))
         self.keep_special = drops_a_marker(self.tokenizer, self.tool_parser)
+        name = settings.reasoning_parser
+        self.reasoning_parser = get_reasoning_parser(name) if name else None
+        self.keep_reasoning_special = self.reasoning_parser is not None and drops_a_marker(self.tokenizer,
+                                                                                           self.reasoning_parser)
         self.ignored_fields: set[str] = set()  # request fields logged as ignored (once per name)
         self.max_model_len = llm.max_model_len
         self.logprobs = LogprobRenderer(self.tokenizer)
@@ -197,6 +224,8 @@ class Serving:
         logger.info("tool calls: %s parser (%s), tool_choice \"auto\" %s", self.tool_parser.name,
                     "--tool-call-parser" if self.settings.tool_call_parser else "read off the chat template",
                     "on" if self.settings.enable_auto_tool_choice else "off (--enable-auto-tool-choice)")
+        logger.info("reasoning: %s", f"split from the answer by the {self.reasoning_parser.name} parser"
+                    if self.reasoning_parser else "not split from the answer (--reasoning-parser)")
 
     def request_shutdown(self, then: Callable[[], None]) -> bool:
         """From a signal handler: drain on the event loop, then call `then` (there). False if not started."""
@@ -322,14 +351,22 @@ class Serving:
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
         """The conversation's token ids (call it off the event loop: `prepare`)."""
+        return self.render_chat_prompt(messages, tools).ids
+
+    def render_chat_prompt(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
+                           **options: Any) -> ChatPrompt:
+        """The conversation rendered, `options` as `LLM.render_chat_text`'s (`replies.template_options`);
+        call it off the event loop (`prepare`)."""
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
         turns, template_tools = conversation(messages, tools or ToolPlan(), template, CHAT_ROLES)
         try:
-            text = self.llm.render_chat_text(turns, tools=template_tools)
+            text = self.llm.render_chat_text(turns, tools=template_tools, **options)
+        except InvalidRequestError as exc:  # options that do not go together
+            raise APIError(400, str(exc), param=exc.param) from exc
         except Exception as exc:  # no chat template, or the template rejected the conversation
             raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
         self.check_length(text, "messages")
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return ChatPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
                        logprobs: int | None, param: str, prompt_logprobs: int | None = None,
@@ -378,9 +415,10 @@ class Serving:
         return requests
 
 
-def drops_a_marker(tokenizer: Any, parser: type[ToolParser]) -> bool:
+def drops_a_marker(tokenizer: Any, parser: type[ToolParser] | type[ReasoningParser]) -> bool:
     """Whether the tokenizer holds one of the parser's markers as a special token that decoding with
-    skip_special_tokens would drop (Mistral's `[TOOL_CALLS]`): then replies under tools keep them."""
+    skip_special_tokens would drop (Mistral's `[TOOL_CALLS]`, gpt-oss's channels): then the replies the
+    parser reads keep them."""
     for marker in parser.special:
         ids = tokenizer.encode(marker, add_special_tokens=False)
         if len(ids) == 1 and not tokenizer.decode(ids, skip_special_tokens=True):

@@ -1,6 +1,7 @@
-"""The one table of quantization formats and the one of scheduler types are what every reader reads (the
-CLI, precision resolution, weight planning, `SpeculativeConfig`, `ContinuousBatchingConfig`); engine
-errors carry a code and the parameter at fault."""
+"""The one table of quantization formats, the one of scheduler types and the one of reasoning parsers are
+what every reader reads (the CLI, precision resolution, weight planning, `SpeculativeConfig`,
+`ContinuousBatchingConfig`, the server's parser lookup); engine errors carry a code and the parameter
+at fault."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import pytest
 import torch
 
 from conveyor import ContinuousBatchingConfig, SamplingParams
-from conveyor.cli_args import add_engine_args
+from conveyor.cli_args import add_engine_args, add_serve_args
 from conveyor.errors import ConfigError, InvalidRequestError, RequestErrorCode
 from conveyor.layers.precision import resolve_precision
 from conveyor.layers.quantization.linear import plan_weights
 from conveyor.layers.quantization.registry import QUANTIZATION_METHODS, QUANTIZATIONS, QuantizationMethod
 from conveyor.layers.quantization.tensors import type_name
 from conveyor.sampling_params import StructuredOutputsParams
+from conveyor.reasoning import REASONING_PARSERS, get_reasoning_parser
+from conveyor.reasoning.think_tags import Qwen3Parser
 from conveyor.sched.scheduler import SCHEDULERS, FIFOScheduler, Scheduler
 from conveyor.speculative import SpeculativeConfig
 
@@ -97,3 +100,15 @@ def test_invalid_requests_carry_a_code_and_the_parameter(tiny_llama: TinyModel) 
     assert info.value.code is RequestErrorCode.DUPLICATE_REQUEST_ID
     llm.engine.cancel_request("dup")
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+
+
+def test_a_reasoning_parser_row_reaches_the_cli_and_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Bracketed(Qwen3Parser):
+        name = "bracketed"
+        starts, ends = ("[[",), ("]]",)
+
+    monkeypatch.setitem(REASONING_PARSERS, "bracketed", Bracketed)
+    parser = argparse.ArgumentParser()
+    add_serve_args(parser)
+    assert "bracketed" in choices(parser, "reasoning_parser")
+    assert get_reasoning_parser("bracketed")().parse("[[why]] so") == ("why", "so")

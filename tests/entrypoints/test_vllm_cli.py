@@ -16,7 +16,7 @@ from conveyor.cli import main
 from conveyor.cli_args import add_engine_args, config_from_args, llm_kwargs_from_args, model_from_args
 from conveyor.errors import ConfigError
 from conveyor.scaleout.launch import forwarded_options
-from conveyor.server import BackgroundServer
+from conveyor.server import BackgroundServer, ServerSettings
 from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED, check_vllm_flags
 
 from tests.serving_helpers import serve_parser
@@ -147,10 +147,27 @@ def test_serve_help_is_grouped(capsys: pytest.CaptureFixture[str]) -> None:
 def test_replicas_get_the_new_options_as_given() -> None:
     argv = ["org/m", "--max-model-len", "128", "--no-enable-prefix-caching", "--seed", "3", "--revision", "v1",
             "--override-generation-config", json.dumps({"temperature": 0.5}), "--chat-template", "t.jinja",
-            "--generation-config", "vllm", "--max-num-seqs", "4", "--data-parallel-size", "2"]
+            "--generation-config", "vllm", "--max-num-seqs", "4", "--data-parallel-size", "2",
+            "--reasoning-parser", "qwen3", "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})]
     args = serve_parser().parse_args(argv)
     args.model = model_from_args(args)  # as cmd_serve does before it starts replicas
     again = serve_parser().parse_args(forwarded_options(args))
     for name in ("model", "max_model_len", "enable_prefix_caching", "seed", "revision", "override_generation_config",
-                 "chat_template", "generation_config", "max_num_seqs"):
+                 "chat_template", "generation_config", "max_num_seqs", "reasoning_parser",
+                 "default_chat_template_kwargs"):
         assert getattr(again, name) == getattr(args, name), name
+
+
+def test_reasoning_parser_and_default_template_kwargs_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = serve_parser().parse_args(["--reasoning-parser", "deepseek_r1", "--default-chat-template-kwargs",
+                                      '{"enable_thinking": false}'])
+    settings = ServerSettings.from_args(args)
+    assert (settings.reasoning_parser, settings.default_chat_template_kwargs) == ("deepseek_r1",
+                                                                                  {"enable_thinking": False})
+    assert check_vllm_flags(["m", "--reasoning-parser", "qwen3"]) == (["m", "--reasoning-parser", "qwen3"], [])
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["--reasoning-parser", "o1"])
+    assert "invalid choice: 'o1' (choose from 'deepseek_r1', 'qwen3'," in capsys.readouterr().err
+    for bad, message in (("{", "--default-chat-template-kwargs is not valid JSON"), ("[1]", "must be a JSON object")):
+        with pytest.raises(ValueError, match=message):
+            ServerSettings.from_args(serve_parser().parse_args(["--default-chat-template-kwargs", bad]))

@@ -326,3 +326,4 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(cli_server) -> None:
     assert proc.wait(timeout=15) == 0
     text = log.read_text()
     assert "KV cache capacity 4096 tokens" in text and "shutting down" in text
+    assert "reasoning: not split from the answer (--reasoning-parser)" in text

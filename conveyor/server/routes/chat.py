@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, streamed or whole.
 
-With `tools`, the reply goes through a `ToolReply` per choice (tools.py): tool calls come back as
-`tool_calls` (streamed as OpenAI's deltas) and `finish_reason: "tool_calls"`.
+Each choice's reply goes through a `ChatReply` (replies.py): the reasoning split off by the server's
+reasoning parser (`reasoning_content`), then, with `tools`, tool calls read from the answer as
+OpenAI's `tool_calls` (streamed as OpenAI's deltas) and `finish_reason: "tool_calls"`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
+from ..replies import ChatReply, plan_reasoning, role_and_echo, template_options
 from ..request_fields import check_fields, token_limit
+from ..response_format import body_constraint
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
 from ..tools import plan_tools
@@ -34,44 +37,41 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     plan = plan_tools(body.tools, body.tool_choice, serving.tool_parser, serving.settings.enable_auto_tool_choice,
                       body.parallel_tool_calls)
-    prompt = await serving.prepare(serving.render_chat, body.messages, plan)
+    options = template_options(body, serving.settings.default_chat_template_kwargs)
+    prompt = await serving.prepare(serving.render_chat_prompt, body.messages, plan, **options)
+    constraint = plan.constraint
+    constrained = constraint is not None or body_constraint(body)[0] is not None
+    reasoning = plan_reasoning(None if body.reasoning_format == "none" else serving.reasoning_parser, prompt.text,
+                               options["chat_template_kwargs"], constrained, body.include_reasoning)
     rid, created = new_id("chatcmpl"), int(time.time())
-    requests = await serving.prepare(serving.build_requests, rid, [prompt], body, token_limit(body), n_lp, "messages",
-                                     constraint=(plan.constraint, "tools"),
-                                     keep_special=plan.mode == "auto" and serving.keep_special)
+    requests = await serving.prepare(serving.build_requests, rid, [prompt.ids], body, token_limit(body), n_lp,
+                                     "messages", constraint=(constraint, "tools"),
+                                     keep_special=(plan.mode == "auto" and serving.keep_special)
+                                     or (reasoning.parser is not None and serving.keep_reasoning_special))
     sub = serving.submit(requests)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name}
+    replies = [ChatReply(reasoning, plan, *role_and_echo(body)) for _ in requests]
 
     if body.stream:
-        replies = [plan.reply() for _ in requests] if plan.active else None
-
         def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
             lp = None
             if n_lp is not None:
                 lp = {"content": serving.logprobs.chat(out.token_ids[start:], out.logprobs[start:], n_lp)}
-            reason = out.finish_reason if out.finished else None
-            if replies is None:
-                delta = {"content": out.delta_text} if out.delta_text or not out.finished else {}
-            else:
-                delta = replies[i].feed(out.text, out.finished)
-                reason = replies[i].finish_reason(reason)
-                if not delta and not out.finished and lp is None:
-                    return None
-            return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            delta = replies[i].feed(out.text, out.finished)
+            if not delta and not out.finished and lp is None:
+                return None
+            return {"index": i, "delta": delta, "logprobs": lp,
+                    "finish_reason": replies[i].finish_reason(out.finish_reason if out.finished else None)}
 
-        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                  "finish_reason": None} for i in range(len(requests))]
-        return stream_response(sub, head | {"object": "chat.completion.chunk"}, [prompt], body, n_lp,
-                               chat_choice, first_choices=roles)
+        openings = [{"index": i, "delta": reply.opening(), "logprobs": None, "finish_reason": None}
+                    for i, reply in enumerate(replies)]
+        return stream_response(sub, head | {"object": "chat.completion.chunk"}, [prompt.ids], body, n_lp,
+                               chat_choice, first_choices=openings)
 
     finals = await collect(sub, raw)
     choices = []
-    for i, out in enumerate(finals):
+    for i, (out, reply) in enumerate(zip(finals, replies)):
         lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp)}
-        message, reason = {"role": "assistant", "content": out.text}, out.finish_reason
-        if plan.active:
-            reply = plan.reply()
-            message = reply.message(out.text)
-            reason = reply.finish_reason(reason)
-        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
-    return JSONResponse(head | {"choices": choices, "usage": usage([prompt], finals)})
+        choices.append({"index": i, "message": reply.message(out.text), "logprobs": lp,
+                        "finish_reason": reply.finish_reason(out.finish_reason)})
+    return JSONResponse(head | {"choices": choices, "usage": usage([prompt.ids], finals)})

@@ -1,0 +1,122 @@
+"""How a chat request's template options are read, and how one reply's text becomes the API's message:
+the reasoning split off first (the server's `--reasoning-parser`), tool calls read from the answer
+only (`tools.ToolReply`).
+
+Every route that renders a chat uses the same steps: `template_options(...)` for the renderer
+(`Serving.render_chat_prompt`), then `plan_reasoning(...)` with the rendered prompt's text, then one
+`ReasoningPlan.reply()` per choice, fed the growing text (`ReasoningParser.feed`: reasoning and
+answer deltas). `ChatReply` is chat completions' use of them: OpenAI's deltas
+(`reasoning_content`, and `reasoning` as vLLM also sends it) and the whole message.
+
+A constrained reply (`response_format`, a grammar, a forced tool call) is read from its first
+token, which the constraint writes: its reasoning is split only where the constraint itself opens
+the block, never because the prompt left it open (vLLM starts the constraint after the reasoning;
+here it starts at once).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..reasoning import ReasoningParser, thinking_switch
+from .protocol import ChatCompletionRequest
+from .tools import ToolPlan, ToolReply
+
+
+def template_options(body: ChatCompletionRequest, defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """The renderer's options (`LLM.render_chat_text`): the generation prompt or the last message
+    continued, and the template's variables (the server's defaults under the request's)."""
+    return {"add_generation_prompt": body.add_generation_prompt, "continue_final_message": body.continue_final_message,
+            "chat_template_kwargs": (defaults or {}) | (body.chat_template_kwargs or {})}
+
+
+def role_and_echo(body: ChatCompletionRequest) -> tuple[str, str]:
+    """The reply's role (vLLM's: the last message's, continued, when no generation prompt is added) and
+    the text `echo` puts before its content (the last message's, when it has the reply's role)."""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    if not body.echo or last.role != role:
+        return role, ""
+    content = last.content
+    return role, content if isinstance(content, str) else "\n".join(p.text or "" for p in content or [])
+
+
+@dataclass
+class ReasoningPlan:
+    """How one request's replies are split: the parser (None: not split), the prompt they continue and
+    the thinking switch; `include`: the reasoning is sent (vLLM's `include_reasoning`)."""
+
+    parser: type[ReasoningParser] | None = None
+    prompt: str = ""
+    thinking: bool | None = None
+    include: bool = True
+
+    def reply(self) -> ReasoningParser | None:
+        """A parser for one reply (None when the replies are not split)."""
+        return None if self.parser is None else self.parser(self.prompt, self.thinking)
+
+
+def plan_reasoning(parser: type[ReasoningParser] | None, prompt: str, chat_template_kwargs: dict[str, Any] | None,
+                   constrained: bool, include: bool = True) -> ReasoningPlan:
+    """The plan for a request rendered to `prompt`, with its template kwargs; `constrained`: its output
+    is constrained from the first token (a reply that begins outside any block)."""
+    if parser is None:
+        return ReasoningPlan()
+    if constrained:
+        return ReasoningPlan(parser, "", False, include)
+    return ReasoningPlan(parser, prompt, thinking_switch(chat_template_kwargs), include)
+
+
+class ChatReply:
+    """One choice of a chat completion, fed its growing text: OpenAI's deltas, then the whole message.
+    `echo`: text the content begins with (the last message, vLLM's `echo`); `role`: the reply's."""
+
+    def __init__(self, reasoning: ReasoningPlan, tools: ToolPlan, role: str = "assistant", echo: str = "") -> None:
+        self.split = reasoning.reply()
+        self.include = reasoning.include
+        self.tools: ToolReply | None = tools.reply() if tools.active else None
+        self.role, self.echo = role, echo
+        self.thoughts = ""
+        self.answer = ""  # the answer's text so far, what the tool parser reads
+        self.sent = 0  # without tools: characters of the answer sent
+
+    def opening(self) -> dict[str, Any]:
+        """The first delta of a stream: the role, and the echoed text."""
+        return {"role": self.role, "content": self.echo}
+
+    def feed(self, text: str, finished: bool) -> dict[str, Any]:
+        """The delta since the last feed of this growing text."""
+        delta: dict[str, Any] = {}
+        if self.split is None:
+            self.answer = text
+        else:
+            reasoning, answer = self.split.feed(text, finished)
+            self.thoughts += reasoning
+            self.answer += answer
+            if reasoning and self.include:
+                delta = {"reasoning_content": reasoning, "reasoning": reasoning}
+        if self.tools is not None:
+            return delta | self.tools.feed(self.answer, finished)
+        if len(self.answer) > self.sent:
+            delta["content"], self.sent = self.answer[self.sent:], len(self.answer)
+        return delta
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The whole reply as a chat message (after no feed)."""
+        if self.split is None:
+            self.answer = text
+        else:
+            self.thoughts, self.answer = self.split.feed(text, True)
+        message = self.tools.message(self.answer) if self.tools is not None else {"content": self.answer}
+        content = message.get("content")
+        if self.split is not None:
+            content = content or None
+            thoughts = (self.thoughts or None) if self.include else None
+            message |= {"reasoning_content": thoughts, "reasoning": thoughts}
+        if self.echo:
+            content = self.echo + (content or "")
+        return {"role": self.role} | message | {"content": content}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return reason if self.tools is None else self.tools.finish_reason(reason)
