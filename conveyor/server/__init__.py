@@ -4,10 +4,10 @@ Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true
 events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
 object), `serving` (admission, the engine bridge, rendering), `limits` (the body and prompt-length
-limits), `tools` and `response_format` (what a request constrains), `replies` (chat template options,
-reasoning split from the answer), `request_fields` (llama.cpp's fields, unknown ones), `metrics` (Prometheus),
-`streaming` (server-sent events, collected results), `errors` (the error handlers), `routes` (a module
-per route family), `app` (puts them together). `run_server` serves in the foreground with graceful
+limits), `tools` and `response_format` (what a request constrains), `replies` (chat template
+options, reasoning split from the answer), `request_fields` (llama.cpp's fields, unknown ones),
+`metrics` (Prometheus), `streaming` (server-sent events, collected results), `errors` (the error
+handlers), `routes` (a module per route family), `app` (puts them together). `run_server` serves in the foreground with graceful
 SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks). uvicorn runs on
 uvloop and httptools (dependencies, as vLLM's server): each streamed token wakes the event loop and
 writes a chunk, and on 2 cores that work takes its time from the decode threads (one stream on the
@@ -27,10 +27,11 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
 - Prompts: a string, a list of strings, a list of token ids or a list of lists; choices are
   numbered prompt-major (prompt p, choice j -> index p * n + j); usage counts each prompt once.
 - Chat roles: system, user, assistant ("developer" is read as system); text content parts are
-  joined with newlines. vLLM's chat fields: `chat_template_kwargs` (over `--default-chat-template-kwargs`),
-  `add_generation_prompt` (default true), `continue_final_message` (not with add_generation_prompt:
-  a 400), `echo` (the last message's content before the reply's when the roles match; without a
-  generation prompt the reply's role is the last message's).
+  joined with newlines. vLLM's chat fields: `chat_template_kwargs` (over
+  `--default-chat-template-kwargs`), `add_generation_prompt` (default true),
+  `continue_final_message` (not with add_generation_prompt: a 400), `echo` (the last message's
+  content before the reply's when the roles match; without a generation prompt the reply's role is
+  the last message's).
 - Reasoning (`--reasoning-parser`): the reasoning goes to `reasoning_content` (and vLLM's
   `reasoning`), the answer to `content`, tool calls are read from the answer only (`replies`);
   `include_reasoning: false` leaves it out. A constrained reply is read from its first token.
