@@ -8,10 +8,7 @@ import ctypes
 
 import torch
 
-from .native import F32, I32, I64, P, Native, bind, dtype_code, int64_vector, require, threads
-
-
-I8 = 2  # runtime.h's kI8: int8 rows with their scales
+from .native import F32, I32, I64, INT8_ROWS, P, Native, bind, dtype_code, int64_vector, require, threads
 
 
 def _kv_code(kv: torch.Tensor, q: torch.Tensor, head_dim: int, name: str) -> int:
@@ -19,7 +16,7 @@ def _kv_code(kv: torch.Tensor, q: torch.Tensor, head_dim: int, name: str) -> int
     if kv.dtype == torch.uint8:
         require(kv.shape[-1] == head_dim + 4, f"{name}: int8 rows of {head_dim} values and a 4-byte scale expected, "
                 f"got rows of {kv.shape[-1]} bytes")
-        return I8
+        return INT8_ROWS
     require(kv.dtype == q.dtype and kv.dtype in (torch.float32, torch.bfloat16),
             f"{name} must be fp32 or bf16 of the queries' dtype, or int8 rows (uint8)")
     return dtype_code(kv, name)

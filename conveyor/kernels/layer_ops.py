@@ -10,9 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .native import DTYPES, F64, I32, I64, P, Native, bind, dtype_code, int64_vector, require
+from .native import DTYPES, F64, I32, I64, INT8_ROWS, P, Native, bind, dtype_code, int64_vector, require
 
-INT8_ROWS = 2  # runtime.h's kI8: an int8 KV cache (cache/kv_format.py)
 # A weight's row segment as the caller gives it: (tiles, weight type, row scales (empty: none), rows).
 SegmentTuple = tuple[torch.Tensor, int, torch.Tensor, int]
 

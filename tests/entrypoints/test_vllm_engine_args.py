@@ -9,7 +9,7 @@ import torch
 from conveyor import LLM, CachePool, ContinuousBatchingConfig, InvalidRequestError, SamplingParams
 from conveyor.config import VLLM_ENGINE_ARGS, with_vllm_engine_args
 from conveyor.errors import ConfigError
-from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED
+from conveyor.vllm_flags import ALREADY_SO
 
 from tests.utils import TinyModel, random_prompts
 
