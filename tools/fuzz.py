@@ -32,6 +32,7 @@ from tools import has_requirements
 
 LIMITS = {"max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 4, "n": 3}  # clamped down to these
 MAX_ITEMS = 3  # prompts in a batch, chat messages
+MAX_TOKENS_REQUIRED = ("/v1/messages",)  # Anthropic's: without max_tokens a body breaks the schema
 CHECK_NAMES = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
                "negative_data_rejection", "positive_data_acceptance")
 REPORTED_ONLY = "RejectedPositiveData"  # a documented 4xx for a body that fits the schema
@@ -79,8 +80,9 @@ class FuzzReport:
                 "seconds": round(self.seconds, 1)}
 
 
-def clamp(body: Any) -> Any:
-    """Shorten what would only make generation long, keeping each value valid if it was."""
+def clamp(body: Any, fill_max_tokens: bool = True) -> Any:
+    """Shorten what would only make generation long, keeping each value valid if it was. fill_max_tokens:
+    an absent max_tokens means the rest of the context (not where it is required: Anthropic's)."""
     if not isinstance(body, dict):
         return body
     for name, limit in LIMITS.items():
@@ -92,7 +94,7 @@ def clamp(body: Any) -> Any:
         value = body.get(name)
         if isinstance(value, list) and len(value) > MAX_ITEMS and not all(isinstance(v, int) for v in value):
             body[name] = value[:MAX_ITEMS]
-    if ("prompt" in body or "messages" in body) and body.get("max_tokens") is None \
+    if fill_max_tokens and ("prompt" in body or "messages" in body) and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_tokens"] = LIMITS["max_tokens"]  # absent or null = the rest of the context: minutes on a CPU
     return body
@@ -126,7 +128,7 @@ def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int 
         counts[key] += 1
 
     def send(case: Any, op_label: str, mode_name: str) -> None:
-        case.body = clamp(case.body)
+        case.body = clamp(case.body, fill_max_tokens=case.operation.path not in MAX_TOKENS_REQUIRED)
         try:
             response = case.call(base_url=base_url, headers=headers, timeout=timeout_s)
         except requests.RequestException as exc:  # no answer (a timeout, a dropped connection): a failure

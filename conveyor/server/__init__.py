@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (`conveyor serve`): FastAPI + uvicorn over one shared engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
+events ending in `data: [DONE]`), POST /v1/messages and /v1/messages/count_tokens (Anthropic's
+Messages API, its own shapes and errors: `routes/messages.py`), GET /v1/models, GET /health, GET /metrics (Prometheus),
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
 object), `serving` (admission, the engine bridge, rendering), `limits` (the body and prompt-length
 limits), `tools` and `response_format` (what a request constrains), `metrics` (Prometheus),
