@@ -1,15 +1,15 @@
 """The server's routes, one module per family: `admin` (/health, /metrics, /v1/models), `tokens`
-(/tokenize, /detokenize), `completions` (/v1/completions), `chat` (/v1/chat/completions) and
-`dashboard` (/dashboard, /dashboard/data).
+(/tokenize, /detokenize), `completions` (/v1/completions), `chat` (/v1/chat/completions),
+`responses` (/v1/responses, /v1/responses/{id}) and `dashboard` (/dashboard, /dashboard/data).
 Each handler reaches the shared `Serving` through `deps.get_serving`."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from . import admin, chat, completions, dashboard, tokens
+from . import admin, chat, completions, dashboard, responses, tokens
 
 
 def include_routes(app: FastAPI) -> None:
-    for module in (admin, tokens, completions, chat, dashboard):
+    for module in (admin, tokens, completions, chat, responses, dashboard):
         app.include_router(module.router)
