@@ -51,6 +51,8 @@ def test_clamp_keeps_values_valid_and_short() -> None:
     assert clamp({"messages": [{"role": "tool"}]})["max_tokens"] == 8  # absent: not the whole context
     assert clamp({"prompt": [1], "max_tokens": None})["max_tokens"] == 8  # null means absent
     assert "max_tokens" not in clamp({"messages": [], "max_completion_tokens": 3})
+    assert clamp({"input": "hi"}) == {"input": "hi", "max_output_tokens": 8}  # the Responses API
+    assert clamp({"input": [{}] * 5, "max_output_tokens": 99}) == {"input": [{}] * 3, "max_output_tokens": 8}
 
 
 def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,7 +66,8 @@ def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> N
     assert report.server_errors == 0 and not report.failures, report.examples
     assert report.healthy_after
     statuses = report.as_dict()["per_operation"]
-    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"):
+    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+               "POST /detokenize"):
         assert sum(statuses[op]["negative"].values()) == statuses[op]["negative"].get(400, 0) > 0, op
         assert statuses[op]["positive"].get(200, 0) >= 6, (op, statuses[op])  # most fitting bodies are served
     s = llm.stats()
