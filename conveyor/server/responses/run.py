@@ -33,6 +33,7 @@ from .store import StoredResponse
 logger = logging.getLogger("conveyor.server")
 
 STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled", "error": "failed"}
+RUNNING: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: these are held until they end
 END_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
 
 
@@ -80,12 +81,13 @@ class ResponseRun:
         self.sequence = 0
         self.cancelled = False  # by POST .../cancel or DELETE
         self.failure: APIError | None = None
-        self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.emit({"type": "response.created", "response": self.response})
         self.emit({"type": "response.in_progress", "response": self.response})
-        self.task = asyncio.get_running_loop().create_task(self.drive())
+        task = asyncio.get_running_loop().create_task(self.drive())
+        RUNNING.add(task)
+        task.add_done_callback(RUNNING.discard)
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -115,9 +117,16 @@ class ResponseRun:
             final = None
         finally:
             self.sub.cancel()
-            self.finish(final)
+            try:
+                self.finish(final)
+            finally:  # whatever happened, whoever waits is answered
+                self.record.cancel = None
+                self.record.done.set()
+                if self.queue is not None:
+                    self.queue.put_nowait(None)
 
     def finish(self, out: RequestOutput | None) -> None:
+        """The response as it ended, its last events, and the turns a next response continues from."""
         status = STATUS[out.finish_reason or "error"] if out is not None else "failed"
         item_status = "completed" if status == "completed" else "incomplete"
         if self.builder is not None:
@@ -142,7 +151,3 @@ class ResponseRun:
                              else ("request_aborted", self.failure.message))
             self.emit({"type": "error", "code": code, "message": message, "param": None})
         self.record.history = self.conversation + output_turns(self.response["output"])
-        self.record.cancel = None
-        self.record.done.set()
-        if self.queue is not None:
-            self.queue.put_nowait(None)

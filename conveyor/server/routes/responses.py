@@ -1,10 +1,10 @@
 """OpenAI's Responses API: POST /v1/responses (whole, streamed or in the background), GET and DELETE
 /v1/responses/{id}, POST /v1/responses/{id}/cancel.
 
-A request is a chat completion underneath: its input items become chat turns after the previous
-response's conversation (`previous_response_id`) and before nothing else, with `instructions` as a
-system turn first; tools, tool_choice and text.format go through the chat route's plan and
-constraints (`responses.items`). The response runs on its own task (`responses.run`) and, unless
+A request is a chat completion underneath: its input items become chat turns, after the previous
+response's conversation (`previous_response_id`) if any, with `instructions` as a system turn first;
+tools, tool_choice and text.format go through the chat route's plan and constraints
+(`responses.items`). The response runs on its own task (`responses.run`) and, unless
 `store: false`, stays in the server's memory (`responses.store`) for GET, cancel and the next turn.
 Cancelling or deleting a response in progress, or a client leaving, cancels its engine request, so
 its KV blocks return to the pool within a step.
@@ -63,6 +63,8 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
         raise APIError(400, "tool_choice constrains the output; it cannot be combined with text.format",
                        param="tool_choice")
     conversation = history + input_turns(body)
+    if not conversation:
+        raise APIError(400, "input is empty: no message to answer", param="input")
     instructions = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     prompt = await serving.prepare(render, serving, instructions + conversation, plan)
     response_id = f"resp_{uuid.uuid4().hex}"
