@@ -140,7 +140,8 @@ def test_store_false_and_deleted_responses_are_not_found(client: openai.OpenAI, 
     assert reply.status_code == 404 and reply.json() == {"error": {
         "message": f"Previous response with id '{unstored.id}' not found.", "type": "invalid_request_error",
         "param": "previous_response_id", "code": "previous_response_not_found"}}
-    stored = client.responses.create(model="smol", input="Hi", max_output_tokens=2)
+    stored = client.responses.create(model="smol", input="Hi", max_output_tokens=2, reasoning={"effort": "low"})
+    assert stored.reasoning.effort == "low"  # accepted and echoed; nothing reads it yet
     client.responses.delete(stored.id)
     for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
         with pytest.raises(openai.NotFoundError):
