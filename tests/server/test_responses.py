@@ -15,6 +15,7 @@ import pytest
 from conveyor import LLM
 from conveyor.server import BackgroundServer, ServerSettings
 
+from tests.serving_helpers import long_tiny_llm, save_long_tiny
 from tests.structured_check import check
 from tests.utils import idle
 
@@ -146,6 +147,19 @@ def test_store_false_and_deleted_responses_are_not_found(client: openai.OpenAI, 
     for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
         with pytest.raises(openai.NotFoundError):
             call(stored.id)
+
+
+def test_a_server_that_stores_nothing_answers_but_keeps_nothing(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tiny = long_tiny_llm(save_long_tiny(tmp_path_factory.mktemp("no_store"), context=256), num_blocks=64)
+    with BackgroundServer(tiny, ServerSettings(max_stored_responses=0)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        reply = client.responses.create(model="", input="w5 w6", max_output_tokens=3)
+        assert reply.usage.output_tokens <= 3 and reply.store
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(reply.id)
+        with pytest.raises(openai.BadRequestError, match="--max-stored-responses"):
+            client.responses.create(model="", input="w5 w6", max_output_tokens=3, background=True)
+    assert idle(tiny)
 
 
 def test_text_format_json_schema_and_json_object_parse(client: openai.OpenAI, llm: LLM) -> None:

@@ -44,9 +44,10 @@ StoreDep = Annotated[ResponseStore, Depends(get_store)]
              responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
 async def create_response(body: ResponsesRequest, raw: Request, serving: ServingDep, store: StoreDep) -> Response:
     serving.check_model(body.model)
-    if body.background and (body.stream or not body.store):
-        raise APIError(400, "background responses need store: true and are not streamed (poll GET "
-                       "/v1/responses/{id} instead)", param="background")
+    if body.background and (body.stream or not body.store or not store.capacity):
+        raise APIError(400, "background responses need store: true on a server that stores responses "
+                       "(--max-stored-responses above 0), and are not streamed (poll GET /v1/responses/{id})",
+                       param="background")
     history: list[ChatMessage] = []
     if body.previous_response_id is not None:
         previous = store.get(body.previous_response_id)
