@@ -178,3 +178,6 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                        help="largest request body, answered 413 past it before it is parsed (default: "
                        "256 bytes per token of the context, at least 16 MiB)")
+    group.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
+                       help="most Responses API responses kept in memory for GET and previous_response_id, the "
+                       "least recently used going first (default 1024; 0: none)")

@@ -64,6 +64,9 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   `conveyor serve` exits 1 for a supervisor to restart it. A `BackgroundServer` keeps answering 503.
 - Metrics: vLLM's names under `conveyor:` with a `model_name` label; request_success_total is
   labelled finish_reason = stop | length | abort | error; kv_cache_usage_perc is a fraction (0-1).
+- OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}, POST
+  /v1/responses/{id}/cancel): what it honours, stores and streams is in `routes/responses.py` and
+  the `responses` package.
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from .logprobs import LogprobRenderer
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
+from .responses.store import DEFAULT_CAPACITY
 from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
 
@@ -58,7 +59,8 @@ class ServerSettings:
     enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
     tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
     read off the chat template. max_request_bytes: the largest request body (413 past it); None =
-    derived from the context length (`limits.default_max_request_bytes`)."""
+    derived from the context length (`limits.default_max_request_bytes`). max_stored_responses: most
+    Responses API responses kept for GET and previous_response_id (`responses.store`)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -69,6 +71,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     max_request_bytes: int | None = None
+    max_stored_responses: int = DEFAULT_CAPACITY
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -79,9 +82,12 @@ class ServerSettings:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.max_request_bytes is not None and args.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+        if args.max_stored_responses < 0:
+            raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
         return cls(served_model_names=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                    shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes)
+                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes,
+                   max_stored_responses=args.max_stored_responses)
 
 
 class Submission:
