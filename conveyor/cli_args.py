@@ -13,6 +13,7 @@ import re
 from dataclasses import fields
 from typing import Any
 
+from .cache.kv_format import KV_CACHE_DTYPES
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
 from .layers.attention import ATTENTION_BACKENDS
 from .layers.quantization.registry import QUANTIZATIONS
@@ -82,6 +83,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--scheduler-type", choices=list(SCHEDULERS), default=None)
     group.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
                        help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
+    group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
+                       help="auto (default: the model's dtype) or int8 (CPU: about twice the tokens in the same "
+                       "memory)")
     group.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding, vLLM's JSON, e.g. "
@@ -181,3 +185,6 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                        help="largest request body, answered 413 past it before it is parsed (default: "
                        "256 bytes per token of the context, at least 16 MiB)")
+    group.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
+                       help="most Responses API responses kept in memory for GET and previous_response_id, the "
+                       "least recently used going first (default 1024; 0: none)")

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from .cache.kv_format import KV_CACHE_DTYPES
 from .errors import ConfigError
 from .layers.attention import ATTENTION_BACKENDS
 from .sched.scheduler import SCHEDULERS
@@ -41,6 +42,8 @@ class ContinuousBatchingConfig:
         pads without capturing (for tests: padded steps must give the unpadded outputs).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
+    kv_cache_dtype: how K/V rows are stored (vLLM's name): "auto" (the model's dtype) or "int8" (CPU: a
+        scale per token and KV head; the same memory holds about twice the tokens). `cache/kv_format.py`.
     speculative_config: vLLM's speculative decoding options (a dict or `SpeculativeConfig`), None = off.
     step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
         0 = off (the server turns it on).
@@ -75,6 +78,7 @@ class ContinuousBatchingConfig:
     use_async_batching: bool | None = None
     pad_steps: bool | None = None
     attention_backend: str = "auto"
+    kv_cache_dtype: str = "auto"
     speculative_config: Any = None
     step_history: int = 0
     max_model_len: int | None = None
@@ -108,6 +112,8 @@ class ContinuousBatchingConfig:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.step_history, int) or self.step_history < 0:
             raise ConfigError(f"step_history must be an integer >= 0 (0 = off), got {self.step_history!r}")
         if self.cpu_offload_space < 0:
@@ -168,6 +174,7 @@ VLLM_ENGINE_ARGS: dict[str, str] = {
     "num_gpu_blocks_override": "num_blocks",
     "enforce_eager": "use_cuda_graph",
     "tensor_parallel_size": "tensor_parallel_size",
+    "kv_cache_dtype": "kv_cache_dtype",
 }
 
 

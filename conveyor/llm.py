@@ -99,8 +99,9 @@ class LLM:
     batch_invariant: guarantee that a request's output does not depend on its batch or on how its prompt
         is chunked (`config.batch_invariant`; None: VLLM_BATCH_INVARIANT=1 turns it on, as in vLLM).
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
-    seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split over that many ranks:
-    docs/scale-out.md): vLLM's engine arguments, mapped onto `config`
+    seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split
+    over that many ranks: docs/scale-out.md), kv_cache_dtype ("auto" or "int8": docs/configuration.md):
+    vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
@@ -123,7 +124,8 @@ class LLM:
                  chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
                  override_generation_config: dict[str, Any] | None = None,
                  num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
-                 batch_invariant: bool | None = None, **vllm_kwargs: Any) -> None:
+                 batch_invariant: bool | None = None, kv_cache_dtype: str | None = None,
+                 **vllm_kwargs: Any) -> None:
         exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
         for note in check_vllm_kwargs(vllm_kwargs):
             logger.info("%s", note)
@@ -132,7 +134,8 @@ class LLM:
             config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
-            num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size)
+            num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size,
+            kv_cache_dtype=kv_cache_dtype)
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
         if batch_invariant is not None and batch_invariant != config.batch_invariant:

@@ -68,6 +68,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -81,6 +82,8 @@ class RequestOutput:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    # vLLM's: the stop string or stop token id (not an EOS) that finished it, else None
+    stop_reason: str | int | None = None
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
@@ -99,7 +102,7 @@ class RequestOutput:
     @property
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape of the same result, so `out.outputs[0].text` works as it does there."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason)]
+        return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)]
 
 
 class Request:
@@ -118,6 +121,7 @@ class Request:
         # NTK: `layers.rotary`): the prompt's; the whole sequence's once a LongRoPE switch recomputed it.
         self.rope_length = len(self.prompt_token_ids)
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that finished it
         self.error: str | None = None
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
         # Filled as prefill chunks pass: entry i scores prompt token i (the first has nothing before it).
@@ -175,7 +179,7 @@ class Request:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             text=visible, token_ids=list(self.output_token_ids), finished=self.is_finished,
-            finish_reason=self.finish_reason, delta_text=delta_text, delta_token_ids=list(delta_ids),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason, delta_text=delta_text, delta_token_ids=list(delta_ids),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs), error=self.error,
             metrics=self.metrics)

@@ -79,7 +79,9 @@ class SamplingParams:
     structured_outputs: a constraint (JSON schema, regex, choice, grammar) the output must match, as
     vLLM's. logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI's rule).
     skip_special_tokens: special tokens are left out of the text (vLLM's default); a tool-call format
-    whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept.
+    whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept. truncate_prompt_tokens
+    (vLLM's): keep only the prompt's last N tokens; -1 keeps the most that fit in the context beside
+    `max_new_tokens`; None: a prompt over the context is an error.
 
     `max_tokens` is vLLM's name for `max_new_tokens`: `SamplingParams(max_tokens=32)` and `params.max_tokens`
     work as in vLLM (the default stays 64, not vLLM's 16).
@@ -103,6 +105,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +141,11 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams, got "
                                       f"{type(self.structured_outputs).__name__}")
+        if self.truncate_prompt_tokens is not None and (
+                not isinstance(self.truncate_prompt_tokens, int) or isinstance(self.truncate_prompt_tokens, bool)
+                or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
+            raise SamplingParamsError("truncate_prompt_tokens must be -1 (the most that fit) or an integer >= 1, got "
+                                      f"{self.truncate_prompt_tokens!r}")
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:

@@ -21,7 +21,6 @@ UNSUPPORTED: dict[str, str] = {
     "--tokenizer": TOKENIZER,
     "--tokenizer-mode": TOKENIZER,
     "--tokenizer-revision": "--revision applies to the model and its tokenizer together",
-    "--kv-cache-dtype": "the KV cache is kept in the compute dtype: choose it with --dtype",
     "--load-format": "the format follows the files: a directory of *.safetensors, or a .gguf file "
                      "(--gguf-file NAME or org/name:QUANT for a Hub repo)",
     "--enable-lora": LORA,

@@ -6,12 +6,13 @@ goes through schemathesis' checks: no 5xx, the status code and content type docu
 bodies rejected; the figures are requests by operation and status, and failures by check. Positive
 bodies the server still rejects (as a documented 4xx: constraints across fields that a JSON schema
 cannot state, such as best_of = n or prompt + max_tokens within the context) are counted by the
-parameter the error names, not failed. Generated values that only make generation long are clamped inside their
-valid range (`max_tokens`, `n`, the number of prompts or messages), so a run's length follows the
-number of examples, not a generated `max_tokens: 10**6`. A request that gets no answer within
-`--timeout` (or whose connection drops) is a failure named by the exception, with status 0 in the
-counts, and the run goes on. After the run `/health` must answer 200. Exit code 1 on any 5xx, any
-failed check or unanswered request, or an unhealthy server.
+parameter the error names, not failed. In positive bodies, values that only make generation long are
+clamped inside their valid range (`max_tokens`, `max_output_tokens`, `n`, the number of prompts,
+messages or input items), so a run's length follows the number of examples, not a generated
+`max_tokens: 10**6`; negative bodies go as generated (cut short, one could fit the schema). A request
+that gets no answer within `--timeout` (or whose connection drops) is a failure named by the
+exception, with status 0 in the counts, and the run goes on. After the run `/health` must answer
+200. Exit code 1 on any 5xx, any failed check or unanswered request, or an unhealthy server.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Any
 from conveyor.bench.launch import add_launch_arguments, launch_options, launched_server
 from tools import has_requirements
 
-LIMITS = {"max_tokens": 8, "max_completion_tokens": 8, "min_tokens": 4, "n": 3}  # clamped down to these
-MAX_ITEMS = 3  # prompts in a batch, chat messages
+LIMITS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "min_tokens": 4, "n": 3}  # at most
+MAX_ITEMS = 3  # prompts in a batch, chat messages, input items
+MAX_TOKENS_REQUIRED = ("/v1/messages",)  # Anthropic's: without max_tokens a body breaks the schema
 CHECK_NAMES = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
                "negative_data_rejection", "positive_data_acceptance")
 REPORTED_ONLY = "RejectedPositiveData"  # a documented 4xx for a body that fits the schema
@@ -79,8 +81,9 @@ class FuzzReport:
                 "seconds": round(self.seconds, 1)}
 
 
-def clamp(body: Any) -> Any:
-    """Shorten what would only make generation long, keeping each value valid if it was."""
+def clamp(body: Any, fill_max_tokens: bool = True) -> Any:
+    """Shorten what would only make generation long, keeping each value valid if it was. fill_max_tokens:
+    an absent max_tokens means the rest of the context (not where it is required: Anthropic's)."""
     if not isinstance(body, dict):
         return body
     for name, limit in LIMITS.items():
@@ -88,13 +91,15 @@ def clamp(body: Any) -> Any:
         integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
         if integral and not isinstance(value, bool) and value > limit:
             body[name] = limit
-    for name in ("prompt", "messages"):
+    for name in ("prompt", "messages", "input"):
         value = body.get(name)
         if isinstance(value, list) and len(value) > MAX_ITEMS and not all(isinstance(v, int) for v in value):
             body[name] = value[:MAX_ITEMS]
-    if ("prompt" in body or "messages" in body) and body.get("max_tokens") is None \
+    if fill_max_tokens and ("prompt" in body or "messages" in body) and body.get("max_tokens") is None \
             and body.get("max_completion_tokens") is None:
         body["max_tokens"] = LIMITS["max_tokens"]  # absent or null = the rest of the context: minutes on a CPU
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = LIMITS["max_output_tokens"]  # the Responses API's name for it
     return body
 
 
@@ -126,7 +131,8 @@ def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int 
         counts[key] += 1
 
     def send(case: Any, op_label: str, mode_name: str) -> None:
-        case.body = clamp(case.body)
+        if mode_name == "positive":  # a negative body is refused before it generates; cut short it could fit
+            case.body = clamp(case.body, fill_max_tokens=case.operation.path not in MAX_TOKENS_REQUIRED)
         try:
             response = case.call(base_url=base_url, headers=headers, timeout=timeout_s)
         except requests.RequestException as exc:  # no answer (a timeout, a dropped connection): a failure

@@ -266,6 +266,7 @@ def add_arguments(parser: Any) -> None:
                      help="Conveyor's per-pass token budget (default: ContinuousBatchingConfig's)")
     eng.add_argument("--max-requests-per-batch", type=int, default=None)
     eng.add_argument("--num-blocks", type=int, default=None, help="Conveyor's KV pool size in blocks")
+    eng.add_argument("--kv-cache-dtype", default=None, help="auto (default) or int8: how Conveyor's KV cache is stored")
     eng.add_argument("--tensor-parallel-size", type=int, default=None,
                      help="split Conveyor's model over N ranks (docs/scale-out.md); threads are per "
                           "rank (cores / N unless OMP_NUM_THREADS is set), --threads applies to N = 1")
@@ -367,7 +368,8 @@ def run_from_args(args: Any) -> int:
                                    ("cpu_offload_space", args.cpu_offload_space),
                                    ("speculative_config", args.speculative_config),
                                    ("tensor_parallel_size", args.tensor_parallel_size),
-                                   ("batch_invariant", args.batch_invariant)) if v is not None}
+                                   ("batch_invariant", args.batch_invariant),
+                                   ("kv_cache_dtype", args.kv_cache_dtype)) if v is not None}
     if args.no_block_sharing:
         overrides["allow_block_sharing"] = False
     started = time.perf_counter()

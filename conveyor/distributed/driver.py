@@ -40,7 +40,7 @@ def pool_shape(kv_caches: Sequence[torch.Tensor], page_size: int) -> PoolShape:
     for t in kv_caches:
         distinct.setdefault(id(t), len(distinct))
     return PoolShape(kv_caches[0].data_ptr(), kv_caches[0].shape[1] // page_size, page_size,
-                     [distinct[id(t)] for t in kv_caches])
+                     [distinct[id(t)] for t in kv_caches], kv_caches[0].shape[-1], kv_caches[0].dtype)
 
 
 class RankDriver:

@@ -50,12 +50,15 @@ class Load:
 @dataclass
 class PoolShape:
     """Rank 0's KV pool as a step uses it: `key` tells pools apart (a new key, a new pool here),
-    `layer_tensor[i]` is which of the pool's tensors layer `i` uses."""
+    `layer_tensor[i]` is which of the pool's tensors layer `i` uses; `row` and `dtype`: its rows' width
+    and storage (kv_cache_dtype's, `cache/kv_format.py`)."""
 
     key: int
     num_chunks: int
     page_size: int
     layer_tensor: list[int]
+    row: int
+    dtype: torch.dtype
 
 
 @dataclass
@@ -163,7 +166,7 @@ class RankWorker:
         if held is None or held[0] != shape.key:
             self.pools.pop(model_id, None)  # the old pool's memory first
             pool = CachePool(shape.num_chunks, shape.page_size, max(shape.layer_tensor) + 1, net.num_kv_heads,
-                             net.head_dim, net.dtype, self.device)
+                             shape.row, shape.dtype, self.device)
             held = self.pools[model_id] = (shape.key, pool.kv)
         return held[1]
 

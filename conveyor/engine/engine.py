@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..cache.allocator import build_allocators, table_length
+from ..cache.kv_format import kv_format
 from ..cache.offload import SwapPool, choose_victims
 from ..cache.pool import CachePool, layer_groups, plan_num_chunks
 from ..config import ContinuousBatchingConfig
@@ -57,8 +58,9 @@ class Engine:
         # The cache layout follows the model's attention types: layer groups of equal size (a chunk is
         # a page in each layer of a group) and one allocator per type, all over one pool.
         groups = layer_groups(model.layer_types)
+        self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, device, model.head_dim)
         shape = dict(page_size=config.page_size, num_layers=len(groups[0][1]),
-                     num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+                     num_kv_heads=model.num_kv_heads, head_dim=self.kv_format.row)
         page, window = config.page_size, model.sliding_window
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
@@ -66,13 +68,13 @@ class Engine:
         working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
         if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
             working += graph_memory_bytes(model, config, self.dtype)
-        bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.dtype, **shape)
+        bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.kv_format.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
             bytes_per_chunk=bytes_per_chunk + (draft_bytes_per_chunk(draft_model, page) if draft_model else 0),
             activation_bytes=working,
             max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)
-        self.pool = CachePool(num_chunks, dtype=self.dtype, device=device, **shape)
+        self.pool = CachePool(num_chunks, dtype=self.kv_format.dtype, device=device, **shape)
         # Prefix caching needs every allocator to share blocks: full-attention-only models.
         self.block_sharing = config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
         self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing,
@@ -93,7 +95,8 @@ class Engine:
         self.scheduler = make_scheduler(config, self.allocator, proposer=self.speculator)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
         self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
-                                  attention=make_attention_backend(device, self.dtype, config.attention_backend))
+                                  attention=make_attention_backend(device, self.dtype, config.attention_backend,
+                                                                   config.kv_cache_dtype))
         if config.batch_invariant:
             make_batch_invariant(model, self.runner.attention, device, self.dtype)
         # Async batching (on by default where graphs are) alternates two sets of static buffers.
@@ -117,9 +120,10 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._constrained = 0  # requests in `requests` with a grammar (they turn async batching off)
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
-        logger.info("KV cache: %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
-                    "memory; prefix caching %s; swap pool %d chunks", self.pool.num_usable, page, shape["num_layers"],
-                    kinds, self.capacity_tokens, working / 2**20, "on" if self.block_sharing else "off", swap_slots)
+        logger.info("KV cache (%s): %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
+                    "memory; prefix caching %s; swap pool %d chunks", config.kv_cache_dtype, self.pool.num_usable, page,
+                    shape["num_layers"], kinds, self.capacity_tokens, working / 2**20,
+                    "on" if self.block_sharing else "off", swap_slots)
 
     def _eos_token_ids(self) -> tuple[int, ...]:
         ids = set()

@@ -41,6 +41,7 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Tokenize and validate; raises InvalidRequestError naming the limit."""
         token_ids, text = self.prompt_ids(prompt)
+        token_ids = self.truncated(token_ids, params)
         total = len(token_ids) + params.max_new_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -73,6 +74,21 @@ class InputProcessor:
         if not params.greedy and (params.seed is not None or self.seed is not None):
             request.generator = torch.Generator(device=self.device).manual_seed(self.request_seed(params))
         return request
+
+    def truncated(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: the most that leave room for
+        `max_new_tokens` in the context), or the whole prompt."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len - params.max_new_tokens
+            if keep < 1:
+                raise InvalidRequestError(f"truncate_prompt_tokens=-1 leaves no room for the prompt: max_new_tokens "
+                                          f"({params.max_new_tokens}) fills the context length of "
+                                          f"{self.max_model_len} tokens", RequestErrorCode.CONTEXT_LENGTH_EXCEEDED,
+                                          param="max_new_tokens")
+        return token_ids[-keep:]
 
     def request_seed(self, params: SamplingParams) -> int:
         """The request's own seed, else one drawn from the engine's seed and the request's arrival number:

@@ -110,6 +110,7 @@ class OutputProcessor:
             request.logprobs.append(logprob or {})
         may_stop = len(request.output_token_ids) > request.params.min_tokens
         if token in request.stop_token_ids and may_stop:
+            request.stop_reason = token if token in request.params.stop_token_ids else None
             self.finish(request, RequestState.FINISHED, "stop", None)
             return
         delta = self.detokenize(request, token)
@@ -176,11 +177,13 @@ class OutputProcessor:
 
 
 def truncate_at_stop(request: Request, delta_len: int) -> bool:
-    """Cut the text before the earliest stop string that the new text completes, even across tokens."""
+    """Cut the text before the earliest stop string that the new text completes, even across tokens; the
+    string becomes the request's `stop_reason`."""
     longest = max(len(s) for s in request.params.stop)
     start = max(len(request.text) - delta_len - longest + 1, 0)
-    hits = [i for i in (request.text.find(s, start) for s in request.params.stop) if i >= 0]
+    hits = [(at, s) for s in request.params.stop if (at := request.text.find(s, start)) >= 0]
     if not hits:
         return False
-    request.text = request.text[:min(hits)]
+    at, request.stop_reason = min(hits, key=lambda hit: hit[0])  # the earliest; on a tie, the first listed
+    request.text = request.text[:at]
     return True

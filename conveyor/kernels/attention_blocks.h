@@ -17,6 +17,11 @@
 //     0 (`start_row`). One place, before any block, so prefill and decode fold it identically; a model
 //     without sinks starts as before and pays nothing.
 //
+//   - int8 K/V rows (kv_cache_dtype "int8", cache/kv_format.py) hold a head's D integer values and
+//     then its fp32 scale: a score is the chain above over the integer values, times the key's scale
+//     (s = chain * s_k); a value row enters as o = fmadd(p * s_v, v_int, o). The scales stay out of
+//     the inner loops, and l sums the unscaled p.
+//
 // Every operation is lane-wise, so it does not matter which lane a row or a key lands in: prefill
 // vectorizes along query rows, decode along keys. `fmadd` (vec_math.h) makes the fusing explicit; the
 // kernels are built without the compiler's contraction.
@@ -25,6 +30,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -42,6 +48,40 @@ constexpr float kMasked = -1e30f;
 inline void start_row(const float* sink, float& m, float& l) {
     m = sink ? *sink : kMasked;
     l = sink ? 1.f : 0.f;
+}
+
+// Whether a cache row type carries a scale (int8), a head row's length in T, and its scale (1 if none).
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t>;
+template <typename T>
+constexpr int64_t head_row(int64_t D) {
+    return kScaled<T> ? D + static_cast<int64_t>(sizeof(float)) : D;
+}
+template <typename T>
+inline float row_scale(const T* row, int64_t D) {
+    if constexpr (kScaled<T>) {
+        float s;
+        std::memcpy(&s, row + D, sizeof s);
+        return s;
+    } else {
+        return 1.f;
+    }
+}
+
+// x[0:D] (fp32) as an int8 head row, bit for bit as cache/kv_format.py's `quantize_kv`: s = max|x| /
+// 127, values nearbyint(x * (1 / s)) (0 where s is 0), then s's four bytes.
+inline void quantize_head_row(const float* x, int64_t D, int8_t* dst) {
+    vecw m = splat(0.f);
+    int64_t d = 0;
+    for (; d + W <= D; d += W) {
+        const vecw v = loadw(x + d);
+        m = vmax(m, select(v < 0.f, -v, v));
+    }
+    float amax = lane_max(m);
+    for (; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
+    for (d = 0; d < D; ++d) dst[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] * inv), -127.f, 127.f));
+    std::memcpy(dst + D, &s, sizeof s);
 }
 
 // First position of the block holding position `pos` (>= 0).

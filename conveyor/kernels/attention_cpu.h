@@ -115,7 +115,8 @@ inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, 
 }
 
 // o[c] = fmadd(p[c][i], v_i, o[c]) for key lanes i in [lo, hi) in order, C query heads at once (o: [C][J * W],
-// as `value_vectors` lays a row out; p: [C][kKeyBlock]); v_i is rows[i] + offset (D values, widened).
+// as `value_vectors` lays a row out; p: [C][kKeyBlock]); v_i is rows[i] + offset (D values, widened;
+// int8 rows: p[c][i] times the row's scale, attention_blocks.h).
 template <bool Pairs, bool Full, typename T, int C, int J>
 inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64_t hi, int64_t D, const float* p,
                          float* o) {
@@ -125,9 +126,10 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
     for (int64_t i = lo; i < hi; ++i) {
         vecw v[J];
         value_vectors<Pairs, Full, T, J>(rows[i] + offset, D, v);
+        const float scale = row_scale(rows[i] + offset, D);  // int8 rows: p * s_v (attention_blocks.h)
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
-            const vecw x = splat(p[c * kKeyBlock + i]);
+            const vecw x = splat(kScaled<T> ? p[c * kKeyBlock + i] * scale : p[c * kKeyBlock + i]);
 #pragma GCC unroll 32
             for (int j = 0; j < J; ++j) a[c][j] = fmadd(x, v[j], a[c][j]);
         }
@@ -139,7 +141,7 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
 constexpr int GK = W == 16 ? 8 : 4;  // query heads per pass over K rows
 
 // One block's scores for `count` (<= GK) query heads of one kv head (queries q, Dp apart; K rows
-// krows[i] + offset), W keys turned by head-dim entry at a time straight into the chains, then each
+// krows[i] + offset, int8 ones times their scales), W keys turned by head-dim entry at a time into the chains, then each
 // head's `block_softmax` (its running max m, sum l, output o of J vectors, Dp apart, probabilities p,
 // kKeyBlock apart). Not inlined and not per head dim: compiled once per cache dtype.
 template <typename T>
@@ -157,6 +159,11 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
 #pragma GCC unroll 8
                     for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(q[c * Dp + d]), k, acc[c]);
                 });
+                if constexpr (kScaled<T>) {  // int8 keys: each lane's chain times its key's scale
+                    float scales[W];
+                    for (int i = 0; i < W; ++i) scales[i] = row_scale(krows[v * W + i] + offset, D);
+                    for (int c = 0; c < C; ++c) acc[c] = acc[c] * loadw(scales);
+                }
                 for (int c = 0; c < C; ++c) s[c][v] = acc[c];
             }
             for (int c = 0; c < C; ++c)
@@ -173,10 +180,11 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     constexpr int GV = std::max(1, std::min(8, (kRegisters - J) / J));  // query heads per pass over V rows
     const int64_t nh = h1 - h0, heads = nh * G;
     const bool pairs = kPairs<T> && D == Dp && J % 2 == 0;
+    const int64_t Dr = head_row<T>(D);  // a head's row in the cache (int8: its scale after the values)
     sc.slot.resize(len);
     int64_t i = ring > 0 ? first % ring : first, b = i / page, o = i % page;  // slot index of position first + t
     for (int64_t t = 0; t < len; ++t) {
-        sc.slot[t] = (table[b] * page + o) * Hkv * D + h0 * D;
+        sc.slot[t] = (table[b] * page + o) * Hkv * Dr + h0 * Dr;
         if (++i == ring) i = b = o = 0;  // the ring wraps around
         else if (++o == page) o = 0, ++b;
     }
@@ -188,13 +196,13 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     sc.l.resize(heads);
     for (int64_t r = 0; r < heads; ++r) start_row(sinks ? sinks + h0 * G + r : nullptr, sc.m[r], sc.l[r]);
     sc.p.resize(heads * kKeyBlock);
-    sc.zero.assign(nh * Dp * sizeof(T), 0);
+    sc.zero.assign((nh * Dr + Dp) * sizeof(T), 0);  // zero values (and scales) for every head's read
     const T* zero = reinterpret_cast<const T*>(sc.zero.data());
 
     // Rows are pulled in a chunk at a time by a loop of plain loads, one a line and nothing between
     // them, then used from L2: measured here (one thread, K/V from DRAM), the memory streams such a
     // loop 2-3x faster than the same lines read among the arithmetic, with software prefetches or not.
-    const int64_t row_bytes = nh * D * static_cast<int64_t>(sizeof(T));
+    const int64_t row_bytes = nh * Dr * static_cast<int64_t>(sizeof(T));
     const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (2 * row_bytes) / kKeyBlock) * kKeyBlock;  // positions
     const auto touch = [&](int64_t t0, int64_t t1) {
         uint32_t x = 0;
@@ -224,7 +232,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
         for (int64_t h = 0; h < nh; ++h) {
             for (int64_t g0 = 0; g0 < G; g0 += GK) {
                 const int64_t r = h * G + g0;
-                score_heads(krows, h * D, D, sc.q.data() + r * Dp, Dp, std::min<int64_t>(GK, G - g0), nv, lo, hi, cap,
+                score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, std::min<int64_t>(GK, G - g0), nv, lo, hi, cap,
                             sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock);
             }
             for (int64_t g0 = 0; g0 < G; g0 += GV)
@@ -233,9 +241,9 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                     const int64_t r0 = h * G + g0;
                     const float* pr = sc.p.data() + r0 * kKeyBlock;
                     float* orow = sc.o.data() + r0 * Dp;
-                    if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
-                    else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
-                    else block_values<false, false, T, C, J>(vrows, h * D, lo, hi, D, pr, orow);
+                    if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow);
+                    else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow);
+                    else block_values<false, false, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow);
                 });
         }
         t0 = t1;
@@ -257,7 +265,8 @@ constexpr int64_t kMaxDecodeHeadDim = 32 * W;
 // Attention of one request's kv heads [h0, h1), each with its G query heads (q and out: fp32
 // [(h1 - h0) * G, D], contiguous), over `len` cached positions first, first + 1, ...: position p at
 // slot index p (or p % ring for a sliding window's ring of `ring` slots; ring 0: no ring) of the
-// pages of `page` slots listed in `table`, rows of Hkv * D values (K at kc, V at vc). `cap` > 0
+// pages of `page` slots listed in `table`, rows of Hkv head rows (K at kc, V at vc; a head row is D
+// values, int8 ones followed by their scale: attention_blocks.h). `cap` > 0
 // soft-caps the scores as Gemma 2 does (tanh(s / cap) * cap). `sinks` (nullptr: none): one attention
 // sink logit per query head of the model (all H of them, not just [h0 * G, h1 * G)), attention_blocks.h.
 // D <= kMaxDecodeHeadDim.
@@ -282,13 +291,17 @@ void attend_request(const float* q, const T* kc, const T* vc, const int64_t* tab
     else run(std::integral_constant<int, 32>{});
 }
 
-// Compiled once per cache dtype, in decode_attention_f32.cpp and decode_attention_bf16.cpp (the paged
+// Compiled once per cache dtype, in decode_attention_{f32,bf16,i8}.cpp (the paged
 // decode kernel and the decode stack call the same code; each instantiation takes seconds to compile).
 extern template void attend_request<float>(const float* q, const float* kc, const float* vc, const int64_t* table, int64_t len,
                                    int64_t first, int64_t ring, int64_t page, int64_t Hkv, int64_t D, int64_t G,
                                    int64_t h0, int64_t h1, float scale, float cap, const float* sinks,
                                    DecodeScratch& sc, float* out);
 extern template void attend_request<bf16>(const float* q, const bf16* kc, const bf16* vc, const int64_t* table, int64_t len,
+                                   int64_t first, int64_t ring, int64_t page, int64_t Hkv, int64_t D, int64_t G,
+                                   int64_t h0, int64_t h1, float scale, float cap, const float* sinks,
+                                   DecodeScratch& sc, float* out);
+extern template void attend_request<int8_t>(const float* q, const int8_t* kc, const int8_t* vc, const int64_t* table, int64_t len,
                                    int64_t first, int64_t ring, int64_t page, int64_t Hkv, int64_t D, int64_t G,
                                    int64_t h0, int64_t h1, float scale, float cap, const float* sinks,
                                    DecodeScratch& sc, float* out);

@@ -47,6 +47,7 @@ class Library:
 KERNELS = Library("conveyor_kernels", (
     ("decode_attention_bf16.cpp", ("-ffp-contract=off",)),
     ("decode_attention_f32.cpp", ("-ffp-contract=off",)),
+    ("decode_attention_i8.cpp", ("-ffp-contract=off",)),
     ("prefill_attention_cpu.cpp", ("-ffp-contract=off",)),
     ("quant_gemm.cpp", ("-ffp-contract=fast",)),
     ("decode_stack_cpu.cpp", ("-ffp-contract=fast",)),

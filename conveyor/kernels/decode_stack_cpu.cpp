@@ -65,6 +65,16 @@ void store_row(T* dst, const float* src, int64_t n) {
     for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
 }
 
+// A slot's new K (or V) heads, kv_heads x D fp32 values (bf16-exact in a bf16 model), into the cache:
+// as they are, or quantized to int8 head rows.
+template <typename C>
+void store_kv_heads(C* dst, const float* src, int64_t kv_heads, int64_t D) {
+    if constexpr (conveyor::kScaled<C>)
+        for (int64_t h = 0; h < kv_heads; ++h) conveyor::quantize_head_row(src + h * D, D, dst + h * conveyor::head_row<C>(D));
+    else
+        store_row(dst, src, kv_heads * D);
+}
+
 }  // namespace
 
 class DecodeStack {
@@ -109,11 +119,11 @@ class DecodeStack {
     }
 
     // x [B, hidden] fp32, updated in place; cos/sin [B, D] fp32; per layer its KV cache [2, slots, Hkv,
-    // D] (fp32 or bf16 by `dtype`) and its slot count; per layer group its decode block tables [B,
+    // D] (the model's dtype `dtype`, or int8 rows with their scales: `kv_dtype` kI8) and its slot count; per layer group its decode block tables [B,
     // width], context lengths [B], the slots [B] the new K/V go to and its sliding window (0: none; its
     // tables are then rings of that many slots); the rows' positions [B]. `shared_rows`: some request
     // has several rows (speculative proposals): every row's K/V is stored before any row attends.
-    void forward(float* x, int64_t B, const float* cos, const float* sin, int dtype, void* const* kv,
+    void forward(float* x, int64_t B, const float* cos, const float* sin, int dtype, int kv_dtype, void* const* kv,
                  const int64_t* kv_slots, int64_t num_kv, const int64_t* const* tables, const int64_t* widths,
                  const int64_t* const* lens, const int64_t* const* slots, const int64_t* windows, int64_t groups,
                  const int64_t* positions, int64_t page_size, int threads, bool shared_rows) {
@@ -122,8 +132,15 @@ class DecodeStack {
         for (const Layer& L : layers_)
             CONVEYOR_CHECK(L.group >= 0 && L.group < groups, "layer group ", L.group, " has no attention metadata");
         const Step step{x, cos, sin, kv, kv_slots, tables, widths, lens, slots, windows, positions, page_size};
-        if (dtype == conveyor::kF32) run<float>(step, B, threads, shared_rows);
-        else run<conveyor::bf16>(step, B, threads, shared_rows);
+        using conveyor::bf16;
+        if (kv_dtype == conveyor::kI8) {
+            if (dtype == conveyor::kF32) run<float, int8_t>(step, B, threads, shared_rows);
+            else run<bf16, int8_t>(step, B, threads, shared_rows);
+        } else {
+            CONVEYOR_CHECK(kv_dtype == dtype, "the KV cache must be int8 or of the model's dtype");
+            if (dtype == conveyor::kF32) run<float, float>(step, B, threads, shared_rows);
+            else run<bf16, bf16>(step, B, threads, shared_rows);
+        }
     }
 
   private:
@@ -147,9 +164,11 @@ class DecodeStack {
         int64_t page;
     };
 
-    template <typename T>
+    // T: the model's dtype; C: the cache's rows (T, or int8).
+    template <typename T, typename C>
     void run(const Step& in, int64_t B, int threads, bool shared_rows) {
         const int64_t qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_, page = in.page;
+        const int64_t kv_row = Hkv_ * conveyor::head_row<C>(D_);  // a slot's K (or V) row in the cache
         float* xp = in.x;
         const float* cp = in.cos;
         const float* sp = in.sin;
@@ -176,8 +195,8 @@ class DecodeStack {
             prepare(layers_[0].qkv, xn_.data(), hidden_, act_hidden_);
             for (size_t l = 0; l < layers_.size(); ++l) {
                 const Layer& L = layers_[l];
-                T* kc = static_cast<T*>(in.kv[l]);
-                T* vc = kc + in.kv_slots[l] * kvd;
+                C* kc = static_cast<C*>(in.kv[l]);
+                C* vc = kc + in.kv_slots[l] * kv_row;
                 const int64_t* slot = in.slots[L.group];
                 const int64_t* bt = in.tables[L.group];
                 const int64_t width = in.widths[L.group];
@@ -186,7 +205,7 @@ class DecodeStack {
                 const int64_t* pos = in.positions;
                 const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
                     const int64_t first = window > 0 ? pos[b] - len[b] + 1 : 0;  // a ring holds the window's positions
-                    conveyor::attend_request<T>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
+                    conveyor::attend_request<C>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
                                                 first, window, page, Hkv_, D_, G, g0, g1, scale, 0.f, nullptr, scratch,
                                                 attn_.data() + b * qd + g0 * G * D_);
                     round_row<T>(attn_.data() + b * qd + g0 * G * D_, (g1 - g0) * G * D_);
@@ -197,8 +216,8 @@ class DecodeStack {
                     round_row<T>(row, qkv_n);
                     for (int64_t h = 0; h < H_ + Hkv_; ++h)  // q heads, then k heads
                         conveyor::rope_head<T>(row + h * D_, cp + b * D_, sp + b * D_, D_);
-                    store_row(kc + slot[b] * kvd, row + qd, kvd);
-                    store_row(vc + slot[b] * kvd, row + qd + kvd, kvd);
+                    store_kv_heads(kc + slot[b] * kv_row, row + qd, Hkv_, D_);
+                    store_kv_heads(vc + slot[b] * kv_row, row + qd + kvd, Hkv_, D_);
                 };
 #pragma omp barrier
                 matmul(L.qkv, act_hidden_, qkv_.data(), qkv_n);
@@ -291,13 +310,14 @@ CONVEYOR_API int conveyor_decode_stack_add_layer(void* stack, const float* input
 }
 
 CONVEYOR_API int conveyor_decode_stack_forward(void* stack, float* x, int64_t B, const float* cos, const float* sin,
-                                               int dtype, void* const* kv, const int64_t* kv_slots, int64_t num_kv,
+                                               int dtype, int kv_dtype, void* const* kv, const int64_t* kv_slots,
+                                               int64_t num_kv,
                                                const int64_t* const* tables, const int64_t* widths,
                                                const int64_t* const* lens, const int64_t* const* slots,
                                                const int64_t* windows, int64_t groups, const int64_t* positions,
                                                int64_t page_size, int threads, int shared_rows) {
     return conveyor::guarded(threads, [&] {
-        static_cast<DecodeStack*>(stack)->forward(x, B, cos, sin, dtype, kv, kv_slots, num_kv, tables, widths, lens, slots,
-                                                  windows, groups, positions, page_size, threads, shared_rows != 0);
+        static_cast<DecodeStack*>(stack)->forward(x, B, cos, sin, dtype, kv_dtype, kv, kv_slots, num_kv, tables, widths, lens,
+                                                  slots, windows, groups, positions, page_size, threads, shared_rows != 0);
     });
 }

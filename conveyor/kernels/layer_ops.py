@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .native import DTYPES, F64, I32, I64, P, Native, bind, dtype_code, int64_vector, require
+from .native import DTYPES, F64, I32, I64, INT8_ROWS, P, Native, bind, dtype_code, int64_vector, require
 
 # A weight's row segment as the caller gives it: (tiles, weight type, row scales (empty: none), rows).
 SegmentTuple = tuple[torch.Tensor, int, torch.Tensor, int]
@@ -57,8 +57,8 @@ class DecodeStack(Native):
         new = bind(lib, "conveyor_decode_stack_new", P, I64, I64, I64, I64, I64, F64, F64, I64)
         self._free = bind(lib, "conveyor_decode_stack_free", None, P)
         self._add = bind(lib, "conveyor_decode_stack_add_layer", I32, P, P, P, P, P, P, I64)
-        self._forward = bind(lib, "conveyor_decode_stack_forward", I32, P, P, I64, P, P, I32, P, P, I64, P, P, P, P,
-                             P, I64, P, I64, I32, I32)
+        self._forward = bind(lib, "conveyor_decode_stack_forward", I32, P, P, I64, P, P, I32, I32, P, P, I64, P, P, P,
+                             P, P, I64, P, I64, I32, I32)
         self.hidden = hidden
         self.num_layers = 0
         self._keep: list[torch.Tensor] = []
@@ -96,11 +96,12 @@ class DecodeStack(Native):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor],
                 tables: Sequence[torch.Tensor], lens: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
                 windows: Sequence[int], positions: torch.Tensor, page_size: int, threads: int,
-                shared_rows: bool) -> torch.Tensor:
+                shared_rows: bool, model_dtype: torch.dtype) -> torch.Tensor:
         """x [B, hidden] fp32, updated in place and returned; cos/sin [B, D] fp32; per layer its KV cache
-        [2, slots, Hkv, D]; per layer group its decode block tables [B, width], context lengths [B], the
-        slots [B] the new K/V go to and its sliding window (0: none); the rows' positions [B]. `shared_rows`:
-        some request has several rows (speculative proposals)."""
+        [2, slots, Hkv, D] (`model_dtype`, whose roundings the stack keeps, or int8 rows); per layer group
+        its decode block tables [B, width], context lengths [B], the slots [B] the new K/V go to and its
+        sliding window (0: none); the rows' positions [B]. `shared_rows`: some request has several rows
+        (speculative proposals)."""
         require(x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.hidden,
                 "x must be fp32 [B, hidden]")
         require(len(windows) == len(tables) == len(lens) == len(slots) and positions.numel() == x.shape[0],
@@ -108,12 +109,15 @@ class DecodeStack(Native):
         require(cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32,
                 "fp32 cos/sin")
         dtype = kv[0].dtype
-        require(dtype in DTYPES and all(t.is_contiguous() and t.dtype == dtype for t in kv),
-                "contiguous KV caches of one dtype, fp32 or bf16")
+        require(model_dtype in DTYPES, "the model's dtype must be fp32 or bf16")
+        require(dtype in (model_dtype, torch.uint8) and all(t.is_contiguous() and t.dtype == dtype for t in kv),
+                "contiguous KV caches of one dtype: the model's, or int8 rows (uint8)")
+        kv_code = INT8_ROWS if dtype == torch.uint8 else DTYPES[dtype]
         kv_ptrs, kv_slots = self._kv_arrays(kv)
         groups = len(tables)
         self.check(self._forward(
-            self._handle, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), DTYPES[dtype], kv_ptrs, kv_slots,
+            self._handle, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), DTYPES[model_dtype], kv_code,
+            kv_ptrs, kv_slots,
             len(kv), _pointers(tables, "block tables"), (I64 * groups)(*[t.shape[1] for t in tables]),
             _pointers(lens, "context lengths"), _pointers(slots, "slots"), (I64 * groups)(*windows), groups,
             int64_vector(positions, "positions"), page_size, threads, shared_rows))

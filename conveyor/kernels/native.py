@@ -22,6 +22,7 @@ logger = logging.getLogger("conveyor")
 
 P, I32, I64, F32, F64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float, ctypes.c_double
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # runtime.h's DType
+INT8_ROWS = 2  # runtime.h's kI8: an int8 KV cache's rows with their scales (cache/kv_format.py)
 
 
 def native_kernels_enabled() -> bool:

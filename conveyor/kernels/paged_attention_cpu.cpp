@@ -18,11 +18,26 @@ using namespace conveyor;
 
 namespace {
 
-template <typename T>
-void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, const int64_t* positions,
-            int64_t window, T* op, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size,
+// f(Q*, T*) with null pointers of the query type `dtype` names and the cache's row type: Q's own, or
+// int8 (`kv_dtype` kI8).
+template <typename F>
+void with_dtypes(int dtype, int kv_dtype, F&& f) {
+    if (kv_dtype == kI8) {
+        if (dtype == kF32) f(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+        else f(static_cast<bf16*>(nullptr), static_cast<int8_t*>(nullptr));
+    } else {
+        CONVEYOR_CHECK(kv_dtype == dtype, "the KV cache must be int8 or of the queries' dtype");
+        if (dtype == kF32) f(static_cast<float*>(nullptr), static_cast<float*>(nullptr));
+        else f(static_cast<bf16*>(nullptr), static_cast<bf16*>(nullptr));
+    }
+}
+
+// Queries and outputs of type Q (fp32 or bf16) over a cache of rows of type T (Q's, or int8).
+template <typename Q, typename T>
+void decode(const Q* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, const int64_t* positions,
+            int64_t window, Q* op, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size,
             float scale, float cap, const float* sinks) {
-    constexpr bool fp32 = std::is_same_v<T, float>;
+    constexpr bool fp32 = std::is_same_v<Q, float>;
     parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
         DecodeScratch scratch;
         std::vector<float> qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D);
@@ -49,10 +64,11 @@ void decode(const T* qp, const T* kp, const T* vp, const int64_t* bt, const int6
 
 }  // namespace
 
-// out [B, H, D] = each row's query q [B, H, D] attending over its cached positions: the KV cache
-// [2, slots, Hkv, D], per row its block table (max_blocks wide), context length and (for a sliding
-// window: the tables are rings of `window` slots) its position; all contiguous, of one dtype.
-CONVEYOR_API int conveyor_paged_decode_attention(int dtype, const void* q, const void* kv, int64_t slots,
+// out [B, H, D] = each row's query q [B, H, D] (fp32 or bf16: `dtype`) attending over its cached
+// positions: the KV cache [2, slots, Hkv, D] (of `kv_dtype`: q's, or int8 rows [.., D + 4] with their
+// scales), per row its block table (max_blocks wide), context length and (for a sliding window: the
+// tables are rings of `window` slots) its position; all contiguous.
+CONVEYOR_API int conveyor_paged_decode_attention(int dtype, int kv_dtype, const void* q, const void* kv, int64_t slots,
                                                  const int64_t* tables, int64_t max_blocks, const int64_t* lens,
                                                  const int64_t* positions, int64_t B, int64_t H, int64_t Hkv, int64_t D,
                                                  int64_t window, int64_t page_size, float scale, float softcap,
@@ -61,23 +77,25 @@ CONVEYOR_API int conveyor_paged_decode_attention(int dtype, const void* q, const
         CONVEYOR_CHECK(D <= kMaxDecodeHeadDim, "head dim ", D, " is above the CPU kernel's limit of ", kMaxDecodeHeadDim);
         CONVEYOR_CHECK(Hkv > 0 && H % Hkv == 0, "query heads ", H, " are not a multiple of kv heads ", Hkv);
         CONVEYOR_CHECK(window <= 0 || positions, "a sliding window needs every row's position (int64 [B])");
-        const auto run = [&](auto* tag) {
-            using T = std::remove_pointer_t<decltype(tag)>;
+        const auto run = [&](auto* q_tag, auto* kv_tag) {
+            using Q = std::remove_pointer_t<decltype(q_tag)>;
+            using T = std::remove_pointer_t<decltype(kv_tag)>;
             const T* kp = static_cast<const T*>(kv);
-            decode(static_cast<const T*>(q), kp, kp + slots * Hkv * D, tables, lens, positions, std::max<int64_t>(window, 0),
-                   static_cast<T*>(out), B, H, Hkv, D, max_blocks, page_size, scale, softcap, sinks);
+            decode(static_cast<const Q*>(q), kp, kp + slots * Hkv * head_row<T>(D), tables, lens, positions,
+                   std::max<int64_t>(window, 0), static_cast<Q*>(out), B, H, Hkv, D, max_blocks, page_size, scale, softcap,
+                   sinks);
         };
-        if (dtype == kF32) run(static_cast<float*>(nullptr));
-        else run(static_cast<bf16*>(nullptr));
+        with_dtypes(dtype, kv_dtype, run);
     });
 }
 
 // Writes the attention output of every prefill chunk's rows into out [T, H, D] (contiguous): queries
-// q [T, H, D] and the batch's new keys and values k, v [T, Hkv, D] (token rows *_stride apart, heads
-// contiguous), the cache [2, slots, Hkv, D], each chunk's context slots (all chunks' concatenated)
-// and per chunk {q_start, q_len, offset into ctx_slots, n_ctx, start}. Call it before the pass writes
-// the new K/V into the cache.
-CONVEYOR_API int conveyor_paged_prefill_attention(int dtype, const void* q, const void* k, const void* v,
+// q [T, H, D] (`dtype`) and the batch's new keys and values k, v [T, Hkv, D] (token rows *_stride
+// apart, heads contiguous), the cache [2, slots, Hkv, D], each chunk's context slots (all chunks'
+// concatenated) and per chunk {q_start, q_len, offset into ctx_slots, n_ctx, start}. K, V and the cache
+// are of `kv_dtype`: q's, or int8 rows with their scales (the new K/V quantized as the cache will hold
+// them). Call it before the pass writes the new K/V into the cache.
+CONVEYOR_API int conveyor_paged_prefill_attention(int dtype, int kv_dtype, const void* q, const void* k, const void* v,
                                                   int64_t q_stride, int64_t k_stride, int64_t v_stride, const void* kv,
                                                   int64_t slots, const int64_t* ctx_slots, const int64_t* chunks,
                                                   int64_t num_chunks, int64_t H, int64_t Hkv, int64_t D, int64_t window,
@@ -88,15 +106,35 @@ CONVEYOR_API int conveyor_paged_prefill_attention(int dtype, const void* q, cons
         for (int64_t i = 0; i < num_chunks; ++i)
             CONVEYOR_CHECK(chunks[i * 5 + 4] >= chunks[i * 5 + 3], "chunk ", i, " starts at position ", chunks[i * 5 + 4],
                            " after ", chunks[i * 5 + 3], " context positions: its context is the positions before it");
-        const auto run = [&](auto* tag) {
-            using T = std::remove_pointer_t<decltype(tag)>;
+        const auto run = [&](auto* q_tag, auto* kv_tag) {
+            using Q = std::remove_pointer_t<decltype(q_tag)>;
+            using T = std::remove_pointer_t<decltype(kv_tag)>;
             const T* cp = static_cast<const T*>(kv);
-            prefill_attention<T>({static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cp,
-                                  cp + slots * Hkv * D, q_stride, k_stride, v_stride, ctx_slots, chunks, num_chunks, H,
-                                  Hkv, D, window, scale, softcap, sinks, static_cast<T*>(out)});
+            prefill_attention<Q, T>({static_cast<const Q*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cp,
+                                     cp + slots * Hkv * head_row<T>(D), q_stride, k_stride, v_stride, ctx_slots, chunks,
+                                     num_chunks, H, Hkv, D, window, scale, softcap, sinks, static_cast<Q*>(out)});
         };
-        if (dtype == kF32) run(static_cast<float*>(nullptr));
-        else run(static_cast<bf16*>(nullptr));
+        with_dtypes(dtype, kv_dtype, run);
+    });
+}
+
+// out [rows, D + 4] = x [rows, D] (fp32 or bf16, contiguous) as int8 head rows with their scales: what an
+// int8 KV cache holds (cache/kv_format.py's `quantize_kv`, bit for bit).
+CONVEYOR_API int conveyor_quantize_kv(int dtype, const void* x, int64_t rows, int64_t D, void* out, int threads) {
+    return guarded(threads, [&] {
+        parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+            std::vector<float> row(D);
+            for (int64_t r = r0; r < r1; ++r) {
+                const float* src = row.data();
+                if (dtype == kF32) {
+                    src = static_cast<const float*>(x) + r * D;
+                } else {
+                    const bf16* b = static_cast<const bf16*>(x) + r * D;
+                    for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(b[d]);
+                }
+                quantize_head_row(src, D, static_cast<int8_t*>(out) + r * head_row<int8_t>(D));
+            }
+        });
     });
 }
 

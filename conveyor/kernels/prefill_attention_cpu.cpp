@@ -1,5 +1,6 @@
-// Prefill attention straight from the paged KV cache on CPU, fp32 or bf16 (bf16 widened to fp32 on
-// load; scores, softmax and sums in fp32; bf16 output rounded once). A chunk's queries attend to its
+// Prefill attention straight from the paged KV cache on CPU, fp32 or bf16, over fp32, bf16 or int8 K/V
+// rows (bf16 and int8 widened to fp32 on load, int8 scales applied per key: attention_blocks.h; scores,
+// softmax and sums in fp32; bf16 output rounded once). A chunk's queries attend to its
 // earlier context (cache slots, read in place) and to its own new K/V (taken from the batch, so the
 // kernel runs before the pass writes the cache: a sliding ring may reuse the context's slots for the
 // chunk's own tokens), causally, within an optional sliding window; flash-style (online softmax over
@@ -48,9 +49,10 @@ constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head
 static_assert(NB % KB == 0 && NB % W == 0 && (W == KB || W == 2 * KB), "a block pads its keys to a multiple of KB, within NB");
 
 // st[i][rows] = the scores of KB keys i (key i's d-th entry: K(i, d)) with C row vectors of qt
-// ([D][Rp]), st [NB][Rp]; mx[c] = max(mx[c], the row vector's scores).
-template <int C, typename Keys>
-inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, float* st, vecw* mx) {
+// ([D][Rp]), st [NB][Rp], each times its key's scale ks[i] when Scaled (int8 keys); mx[c] = max(mx[c],
+// the row vector's scores).
+template <int C, bool Scaled, typename Keys>
+inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, const float* ks, float* st, vecw* mx) {
     vecw acc[KB][C] = {};
     for (int64_t d = 0; d < D; ++d) {
         vecw q[C];
@@ -63,6 +65,9 @@ inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, float* st, v
             for (int c = 0; c < C; ++c) acc[i][c] = fmadd(x, q[c], acc[i][c]);
         }
     }
+    if constexpr (Scaled)
+        for (int i = 0; i < KB; ++i)
+            for (int c = 0; c < C; ++c) acc[i][c] = acc[i][c] * splat(ks[i]);
     for (int c = 0; c < C; ++c) {
         vecw m = mx[c];
         for (int i = 0; i < KB; ++i) {
@@ -74,17 +79,18 @@ inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, float* st, v
 }
 
 // ot[d][rows] = ot[d][rows] * alpha[rows], then fmadd(pt[n][rows], v[n][d], ot[d][rows]) for n =
-// 0..len-1 in order, R head-dim entries d and C row vectors: pt is [NB][Rp], ot [D][Rp].
-template <int R, int C>
+// 0..len-1 in order, R head-dim entries d and C row vectors: pt is [NB][Rp], ot [D][Rp]; Scaled (int8
+// values): pt[n] times the row's scale vs[n] first.
+template <int R, int C, bool Scaled>
 inline void pv_tile(const float* const* v, int64_t d, const float* pt, int64_t len, int64_t Rp, const vecw* alpha,
-                    float* ot) {
+                    const float* vs, float* ot) {
     vecw acc[R][C];
     for (int i = 0; i < R; ++i)
         for (int c = 0; c < C; ++c) acc[i][c] = loadw(ot + (d + i) * Rp + c * W) * alpha[c];
     for (int64_t n = 0; n < len; ++n) {
         vecw p[C];
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) p[c] = loadw(pt + n * Rp + c * W);
+        for (int c = 0; c < C; ++c) p[c] = Scaled ? loadw(pt + n * Rp + c * W) * splat(vs[n]) : loadw(pt + n * Rp + c * W);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
             const vecw x = splat(v[n][d + i]);
@@ -107,8 +113,9 @@ inline void row_groups(int64_t c0, int64_t nv, F&& f) {
     }
 }
 
-// dst[0:D] = src[0:D] widened, W values at a time.
-inline void widen(const bf16* src, int64_t D, float* dst) {
+// dst[0:D] = src[0:D] widened, W values at a time (bf16, or int8 values).
+template <typename T>
+inline void widen(const T* src, int64_t D, float* dst) {
     int64_t d = 0;
     for (; d + W <= D; d += W) storew(dst + d, loadw(src + d));
     for (; d < D; ++d) dst[d] = static_cast<float>(src[d]);
@@ -129,17 +136,20 @@ struct ChunkBlocks {
 // The shared buffers, the calling thread's (reused across calls: fresh large allocations fault their
 // pages in every time).
 struct BlockBuffers {
-    std::vector<float> kt, v;  // per block: K laid out [D][NB]; bf16 V rows widened, [NB][D]
+    std::vector<float> kt, v;  // per block: K laid out [D][NB]; bf16 and int8 V rows widened, [NB][D]
+    std::vector<float> ks, vs;  // per block: int8 K and V rows' scales, [NB]
 };
 thread_local BlockBuffers caller_buffers;
 
 // A chunk's key sequence is its n_ctx context slots, then its q_len own tokens: key j sits at position
 // j + start - n_ctx, query i at start + i, and it sees keys at positions <= its own (and > its own -
 // window).
-template <typename T>
-void prefill(const PrefillArgs<T>& a) {
-    constexpr bool fp32 = std::is_same_v<T, float>;
-    const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, row = Hkv * D;
+template <typename Q, typename T>
+void prefill(const PrefillArgs<Q, T>& a) {
+    constexpr bool fp32 = std::is_same_v<T, float>;  // K/V rows usable as they are
+    constexpr bool scaled = kScaled<T>;
+    const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, Dr = head_row<T>(D);
+    const int64_t row = Hkv * Dr;
     const int64_t window = a.window;
     const float cap = a.softcap;
     const int64_t tq = std::max<int64_t>(1, kTileRows / G), Rp = (tq * G + W - 1) / W * W, nv = Rp / W;
@@ -163,15 +173,15 @@ void prefill(const PrefillArgs<T>& a) {
     // Key j's K (or V) row: from the cache for the context, from the batch for the chunk's own.
     const auto key = [&](const int64_t* chunk, int64_t h, int64_t j, const T* cache, const T* batch, int64_t stride) {
         const int64_t n_ctx = chunk[3];
-        return j < n_ctx ? cache + a.ctx_slots[chunk[2] + j] * row + h * D : batch + (chunk[0] + j - n_ctx) * stride + h * D;
+        return j < n_ctx ? cache + a.ctx_slots[chunk[2] + j] * row + h * Dr : batch + (chunk[0] + j - n_ctx) * stride + h * Dr;
     };
-    const std::vector<T> zero_t(D, T(0.f));  // the K row of a block's missing keys
+    const std::vector<T> zero_t(Dr);  // the K row of a block's missing keys (zero values and scale)
     const std::vector<float> zero(D, 0.f);   // and its V row
     // Chunk c's block at position p0 of kv head h: its K and V rows (lane n: position p0 + n; the zero
-    // rows where the chunk has no such key: before its first, past its last), bf16 ones widened into
-    // kb and vb ([NB][D]).
+    // rows where the chunk has no such key: before its first, past its last), bf16 and int8 ones widened
+    // into kb and vb ([NB][D]), int8 ones' scales into ks and vs ([NB]: 0 past the block's last key).
     const auto block_rows = [&](int64_t c, int64_t h, int64_t p0, const T** krow, const float** kf, const float** vf,
-                                float* kb, float* vb) {
+                                float* kb, float* vb, float* ks, float* vs) {
         const int64_t* chunk = a.chunks + c * 5;
         const int64_t off = chunk[4] - chunk[3], n1 = std::min(NB, chunk[3] + chunk[1] + off - p0);
         for (int64_t n = 0; n < n1; ++n) {
@@ -180,6 +190,7 @@ void prefill(const PrefillArgs<T>& a) {
             const T* k = present ? key(chunk, h, j, a.cache_k, a.k, a.k_stride) : zero_t.data();
             const T* v = present ? key(chunk, h, j, a.cache_v, a.v, a.v_stride) : zero_t.data();
             if (krow) krow[n] = k;
+            if constexpr (scaled) ks[n] = row_scale(k, D), vs[n] = row_scale(v, D);
             if constexpr (fp32) {
                 if (kf) kf[n] = k;
                 vf[n] = v;
@@ -192,6 +203,8 @@ void prefill(const PrefillArgs<T>& a) {
                 vf[n] = vb + n * D;
             }
         }
+        if constexpr (scaled)
+            for (int64_t n = n1; n < NB; ++n) ks[n] = vs[n] = 0.f;
         return n1;
     };
     // The blocks of chunks with several tiles, laid out once for all of them (per tile, the layout took
@@ -199,6 +212,7 @@ void prefill(const PrefillArgs<T>& a) {
     BlockBuffers& buffers = caller_buffers;  // the workers below use this thread's
     buffers.kt.resize(num_blocks * D * NB);
     if (!fp32) buffers.v.resize(num_blocks * NB * D);
+    if (scaled) buffers.ks.resize(num_blocks * NB), buffers.vs.resize(num_blocks * NB);
     parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
         std::vector<const T*> krow(NB);
         std::vector<const float*> vf(NB);
@@ -208,7 +222,9 @@ void prefill(const PrefillArgs<T>& a) {
             const ChunkBlocks& cb = blocks[c];
             const int64_t h = (i - cb.base) / cb.count, p0 = (cb.first + (i - cb.base) % cb.count) * NB;
             const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(), nullptr,
-                                          fp32 ? nullptr : buffers.v.data() + i * NB * D);
+                                          fp32 ? nullptr : buffers.v.data() + i * NB * D,
+                                          scaled ? buffers.ks.data() + i * NB : nullptr,
+                                          scaled ? buffers.vs.data() + i * NB : nullptr);
             float* kt = buffers.kt.data() + i * D * NB;
             for (int64_t n = n1; n < round_up(n1, W); ++n) krow[n] = zero_t.data();
             for (int64_t n0 = 0; n0 < n1; n0 += W)
@@ -228,6 +244,7 @@ void prefill(const PrefillArgs<T>& a) {
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
         std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block of a chunk with one tile
+        std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
         std::vector<vecw> bmax(nv), alpha(nv);
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
             const Task& t = tasks[ti];
@@ -241,7 +258,7 @@ void prefill(const PrefillArgs<T>& a) {
                 hi[r] = static_cast<int32_t>(r < R ? pos : -1);  // padding rows see nothing
                 lo[r] = static_cast<int32_t>(window > 0 ? pos - window : -1);
                 if (r >= R) continue;
-                const T* src = a.q + (q_start + t.q0 + r / G) * a.q_stride + (t.kv_head * G + r % G) * D;
+                const Q* src = a.q + (q_start + t.q0 + r / G) * a.q_stride + (t.kv_head * G + r % G) * D;
                 for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
             }
             std::fill(ot.begin(), ot.end(), 0.f);
@@ -255,6 +272,8 @@ void prefill(const PrefillArgs<T>& a) {
                 const int64_t nb = std::min(NB, t.k1 + off - p0), nbp = (nb + KB - 1) / KB * KB;
                 const int64_t i = cb.base + t.kv_head * cb.count + p0 / NB - cb.first;
                 const float* kt = buffers.kt.data() + i * D * NB;
+                const float* ks = scaled ? (cb.shared ? buffers.ks.data() + i * NB : kscale.data()) : nullptr;
+                const float* vs = scaled ? (cb.shared ? buffers.vs.data() + i * NB : vscale.data()) : nullptr;
                 if (cb.shared) {
                     for (int64_t n = 0; n < nb; ++n) {
                         const int64_t j = p0 + n - off;
@@ -263,7 +282,8 @@ void prefill(const PrefillArgs<T>& a) {
                         else vrow[n] = buffers.v.data() + (i * NB + n) * D;
                     }
                 } else {
-                    block_rows(t.chunk, t.kv_head, p0, nullptr, krow.data(), vrow.data(), kb.data(), vb.data());
+                    block_rows(t.chunk, t.kv_head, p0, nullptr, krow.data(), vrow.data(), kb.data(), vb.data(),
+                               kscale.data(), vscale.data());
                 }
                 for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data();
                 std::fill(bmax.begin(), bmax.end(), splat(kMasked));  // each row vector's max of raw scores
@@ -272,11 +292,11 @@ void prefill(const PrefillArgs<T>& a) {
                         constexpr int C = decltype(count)::value;
                         float* s = st.data() + n * Rp + c * W;
                         if (cb.shared)
-                            qk_tile<C>([&](int i, int64_t d) { return kt[d * NB + n + i]; }, qt.data() + c * W, D, Rp, s,
-                                       bmax.data() + c);
+                            qk_tile<C, scaled>([&](int i, int64_t d) { return kt[d * NB + n + i]; }, qt.data() + c * W, D,
+                                               Rp, scaled ? ks + n : nullptr, s, bmax.data() + c);
                         else
-                            qk_tile<C>([&](int i, int64_t d) { return krow[n + i][d]; }, qt.data() + c * W, D, Rp, s,
-                                       bmax.data() + c);
+                            qk_tile<C, scaled>([&](int i, int64_t d) { return krow[n + i][d]; }, qt.data() + c * W, D,
+                                               Rp, scaled ? ks + n : nullptr, s, bmax.data() + c);
                     });
                 // Online softmax, a row vector at a time: cap and mask the block's scores (masks only in
                 // blocks on the diagonal, at the window's edge, or with lanes past the tile's keys or
@@ -333,17 +353,17 @@ void prefill(const PrefillArgs<T>& a) {
                 int64_t d = 0;
                 for (; d + KB <= D; d += KB)
                     row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<KB, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, alpha.data() + c,
-                                                         ot.data() + c * W);
+                        pv_tile<KB, decltype(cb)::value, scaled>(vrow.data(), d, st.data() + c * W, nbp, Rp,
+                                                                 alpha.data() + c, vs, ot.data() + c * W);
                     });
                 for (; d < D; ++d)
                     row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<1, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp, alpha.data() + c,
-                                                        ot.data() + c * W);
+                        pv_tile<1, decltype(cb)::value, scaled>(vrow.data(), d, st.data() + c * W, nbp, Rp,
+                                                                alpha.data() + c, vs, ot.data() + c * W);
                     });
             }
             for (int64_t r = 0; r < R; ++r) {
-                T* dst = a.out + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D;
+                Q* dst = a.out + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D;
                 const float inv = 1.f / l[r];
                 for (int64_t d = 0; d < D; ++d) store(dst + d, ot[d * Rp + r] * inv);
             }
@@ -353,12 +373,14 @@ void prefill(const PrefillArgs<T>& a) {
 
 }  // namespace
 
-template <typename T>
-void prefill_attention(const PrefillArgs<T>& args) {
+template <typename Q, typename T>
+void prefill_attention(const PrefillArgs<Q, T>& args) {
     prefill(args);
 }
-template void prefill_attention<float>(const PrefillArgs<float>&);
-template void prefill_attention<bf16>(const PrefillArgs<bf16>&);
+template void prefill_attention<float, float>(const PrefillArgs<float, float>&);
+template void prefill_attention<bf16, bf16>(const PrefillArgs<bf16, bf16>&);
+template void prefill_attention<float, int8_t>(const PrefillArgs<float, int8_t>&);
+template void prefill_attention<bf16, int8_t>(const PrefillArgs<bf16, int8_t>&);
 
 int64_t prefill_vector_width() { return W; }
 

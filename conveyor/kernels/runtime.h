@@ -40,8 +40,9 @@ struct bf16 {
 };
 static_assert(sizeof(bf16) == 2, "bf16 is two bytes");
 
-// The dtype codes the C entry points take (kernels/native.py passes them).
-enum DType : int { kF32 = 0, kBF16 = 1 };
+// The dtype codes the C entry points take (kernels/native.py passes them); kI8: int8 KV rows with
+// their scales (cache/kv_format.py).
+enum DType : int { kF32 = 0, kBF16 = 1, kI8 = 2 };
 
 // The thread count of the current call: the caller's torch.get_num_threads(), passed into every entry
 // point (OpenMP's own setting is per thread, and the engine runs on a thread of its own).

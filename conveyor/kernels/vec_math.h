@@ -94,9 +94,11 @@ typedef float vecw __attribute__((vector_size(W * 4)));
 typedef int32_t ivecw __attribute__((vector_size(W * 4)));
 typedef uint32_t uvecw __attribute__((vector_size(W * 4)));
 typedef uint16_t hvecw __attribute__((vector_size(W * 2)));
+typedef int8_t bvecw __attribute__((vector_size(W)));
 
 inline float to_float(float x) { return x; }
 inline float to_float(bf16 x) { return static_cast<float>(x); }  // a 16-bit shift
+inline float to_float(int8_t x) { return static_cast<float>(x); }  // an int8 KV value (exact)
 
 constexpr int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -115,6 +117,17 @@ inline vecw loadw(const bf16* p) {  // W bf16 widened: zero-extend to 32 bits, s
     vecw v;
     std::memcpy(&v, &w, sizeof v);
     return v;
+#endif
+}
+inline vecw loadw(const int8_t* p) {  // W int8 values as floats (exact): sign-extend, convert
+#if defined(__AVX512F__)
+    return vecw(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(__AVX2__)
+    return vecw(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+    bvecw b;
+    std::memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, ivecw), vecw);
 #endif
 }
 inline void storew(float* p, vecw v) { std::memcpy(p, &v, sizeof v); }

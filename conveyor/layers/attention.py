@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..cache.kv_format import dequantize_kv, write_kv
 from ..errors import ConfigError, install_command
 from ..kernels import cpu_paged_attention, native_kernels_enabled
 
@@ -95,6 +96,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v.dtype) @ v
 
 
+def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The K (or V) rows `[n, Hkv, D]` of `slots` from one half of the cache, int8 rows dequantized to `dtype`."""
+    rows = cache.index_select(0, slots)
+    return dequantize_kv(rows, dtype) if cache.dtype == torch.uint8 else rows
+
+
 class AttentionBackend:
     """Writes the new K/V into the cache and attends each query to its request's context."""
 
@@ -126,8 +133,12 @@ class TorchPagedAttention(AttentionBackend):
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None
 
-    def _gather(self, kv_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given cache slots, `[n, Hkv, D]` each, in the workspace."""
+    def _gather(self, kv_cache: torch.Tensor, slots: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given cache slots, `[n, Hkv, D]` each, in the workspace (int8 rows dequantized to
+        `dtype`)."""
+        if kv_cache.dtype == torch.uint8:
+            return read_kv(kv_cache[0], slots, dtype), read_kv(kv_cache[1], slots, dtype)
         n = slots.numel()
         ws = self._workspace
         if ws is None or ws.shape[1] < n or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
@@ -150,10 +161,8 @@ class TorchPagedAttention(AttentionBackend):
                 meta: AttentionMetadata, scale: float, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
-        contexts = [(kv_cache[0].index_select(0, span.ctx_slots), kv_cache[1].index_select(0, span.ctx_slots))
-                    for span in meta.prefills]
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        contexts = [tuple(read_kv(kv_cache[i], span.ctx_slots, q.dtype) for i in (0, 1)) for span in meta.prefills]
+        k, v = write_kv(kv_cache, meta.slot_mapping, k, v)  # a chunk sees its own K/V as the cache holds them
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap, sinks)
@@ -169,13 +178,14 @@ class TorchPagedAttention(AttentionBackend):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                 softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         nd, slots = q.shape[0], meta.decode_kv_slots
-        keys, values = (x.view(nd, slots.shape[1], *kv_cache.shape[2:]).transpose(1, 2)  # [B, Hkv, L, D]
-                        for x in self._gather(kv_cache, slots.flatten()))
+        keys, values = (x.view(nd, slots.shape[1], *x.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+                        for x in self._gather(kv_cache, slots.flatten(), q.dtype))
         return attend(q.unsqueeze(2), keys, values, meta.decode_mask, False, scale, softcap, sinks).squeeze(2)
 
 
 class CpuPagedAttention(AttentionBackend):
-    """Native kernels on CPU (fp32 and bf16) that read K/V from the pages in place: decode rows after
+    """Native kernels on CPU (fp32 and bf16, over caches of that dtype or of int8 rows) that read K/V
+    from the pages in place: decode rows after
     the new K/V is written, prefill chunks before (their context from the cache, a sliding ring's
     included, their own K/V from the batch), so neither gathers, concatenates nor builds masks.
 
@@ -206,6 +216,8 @@ class CpuPagedAttention(AttentionBackend):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
         out = torch.empty(q.shape, dtype=q.dtype)
+        if kv_cache.dtype == torch.uint8:  # int8 rows, quantized once: the chunks attend to them as stored
+            k, v = self.kernel.quantize_kv(k), self.kernel.quantize_kv(v)
         if meta.prefills:
             self.kernel.paged_prefill_attention(q, k, v, kv_cache, meta.prefill_ctx_slots, meta.prefill_chunks,
                                                 meta.window or 0, scale, softcap or 0.0, out, sinks)
@@ -254,7 +266,8 @@ class TritonPagedAttention(AttentionBackend):
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
-def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto") -> AttentionBackend:
+def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: str = "auto",
+                           kv_cache_dtype: str = "auto") -> AttentionBackend:
     """The backend `ContinuousBatchingConfig.attention_backend` names. "auto": Triton on CUDA (when
     it imports), the native CPU kernels for fp32 and bf16 on CPU when they build (unless
     `CONVEYOR_NATIVE_KERNELS=0`), else pure PyTorch (see `CpuPagedAttention` for why bf16 prefill
@@ -263,6 +276,9 @@ def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: st
         raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return TorchPagedAttention()
+    if kv_cache_dtype != "auto" and backend == "triton":
+        raise ConfigError(f"attention_backend='triton' does not read a kv_cache_dtype={kv_cache_dtype!r} cache; use "
+                          "'auto', 'cpu' or 'torch'")
     if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
         return _triton_backend(device, dtype)
     native = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled()

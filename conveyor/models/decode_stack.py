@@ -138,6 +138,7 @@ class DecodeStack:
         threads = self.threads.choose()
         started = time.perf_counter()
         self.native.forward(h, cos.float().contiguous(), sin.float().contiguous(), list(kv_caches), tables, lens,
-                            slots, windows, metas[0].decode_positions, page_size, threads, metas[0].decode_shared_rows)
+                            slots, windows, metas[0].decode_positions, page_size, threads, metas[0].decode_shared_rows,
+                            x.dtype)
         self.threads.record(time.perf_counter() - started)
         return h.to(x.dtype)

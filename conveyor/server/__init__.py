@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server (`conveyor serve`): FastAPI + uvicorn over one shared engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus),
+events ending in `data: [DONE]`), POST /v1/messages and /v1/messages/count_tokens (Anthropic's
+Messages API, its own shapes and errors: `routes/messages.py`), GET /v1/models, GET /health, GET /metrics (Prometheus),
 POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
 object), `serving` (admission, the engine bridge, rendering), `limits` (the body and prompt-length
 limits), `tools` and `response_format` (what a request constrains), `replies` (chat template
@@ -73,6 +74,9 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   `conveyor serve` exits 1 for a supervisor to restart it. A `BackgroundServer` keeps answering 503.
 - Metrics: vLLM's names under `conveyor:` with a `model_name` label; request_success_total is
   labelled finish_reason = stop | length | abort | error; kv_cache_usage_perc is a fraction (0-1).
+- OpenAI's Responses API (POST /v1/responses, GET and DELETE /v1/responses/{id}, POST
+  /v1/responses/{id}/cancel): what it honours, stores and streams is in `routes/responses.py` and
+  the `responses` package.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from ..llm import LLM
 from .errors import add_error_handlers
 from .limits import BodyLimit
 from .openapi import instance_schema
+from .responses.store import ResponseStore
 from .routes import include_routes
 from .serving import ServerSettings, Serving
 
@@ -30,6 +31,7 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
     app = FastAPI(title="Conveyor", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=serving.max_request_bytes)
     app.state.serving = serving
+    app.state.responses = ResponseStore(serving.settings.max_stored_responses)
     add_error_handlers(app)
     include_routes(app)
     app.openapi = lambda: instance_schema(app, serving.names, llm.vocab_size,  # type: ignore[method-assign]

@@ -20,6 +20,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .anthropic_protocol import anthropic_error, anthropic_path
+
 MIN_BODY_BYTES = 16 * 2**20
 BODY_BYTES_PER_TOKEN = 256  # a full-context prompt as JSON: the longest tokens, escaped (\uXXXX), with room
 UNICODE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}
@@ -83,8 +85,9 @@ def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` is answered 413 (OpenAI's error object) before the
-    app reads it: by its Content-Length, or, for a chunked body, as soon as the bytes received pass it."""
+    """ASGI middleware: a request body over `max_bytes` is answered 413 (OpenAI's error object; Anthropic's on
+    the Messages routes) before the app reads it: by its Content-Length, or, for a chunked body, as soon as
+    the bytes received pass it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -98,7 +101,7 @@ class BodyLimit:
         length = headers.get(b"content-length")
         if length is not None:
             if length.isdigit() and int(length) > self.max_bytes:
-                await self.refuse(send, int(length))
+                await self.refuse(scope, send, int(length))
                 return
             await self.app(scope, receive, send)
             return
@@ -113,17 +116,19 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await self.refuse(send, size, "at least ")
+                await self.refuse(scope, send, size, "at least ")
                 return
             if not message.get("more_body", False):
                 break
         await self.app(scope, replay(b"".join(chunks), receive), send)
 
-    async def refuse(self, send: Send, size: int, qualifier: str = "") -> None:
-        body = json.dumps({"error": {
-            "message": f"the request body ({qualifier}{size} bytes) is over the server's limit of {self.max_bytes} "
-                       "bytes (--max-request-bytes)", "type": "invalid_request_error", "param": None,
-            "code": "request_too_large"}}).encode()
+    async def refuse(self, scope: Scope, send: Send, size: int, qualifier: str = "") -> None:
+        message = (f"the request body ({qualifier}{size} bytes) is over the server's limit of {self.max_bytes} bytes "
+                   "(--max-request-bytes)")
+        error = (anthropic_error(413, message)[1] if anthropic_path(scope["path"]) else
+                 {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                            "code": "request_too_large"}})
+        body = json.dumps(error).encode()
         await send({"type": "http.response.start", "status": 413, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"connection", b"close")]})

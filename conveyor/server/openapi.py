@@ -1,7 +1,8 @@
 """The server's OpenAPI schema (`/openapi.json`) as this server answers: FastAPI's, with
 
-- the error answers each route gives (400, 401, 404, 413, 500, 503 as OpenAI's error object) in place of
-  FastAPI's 422, which the server never sends (validation errors are 400s);
+- the error answers each route gives (400, 401, 404, 413, 500, 503 as OpenAI's error object; Anthropic's,
+  with 529 for 503, on the Messages routes) in place of FastAPI's 422, which the server never sends
+  (validation errors are 400s);
 - `text/event-stream` beside JSON for the routes that stream;
 - the bounds only the running server knows, marked in `protocol` (`x-conveyor-bound`): the served
   model names, token ids below the vocabulary size, max_tokens below the context length.

@@ -41,6 +41,7 @@ from .metrics import ServerMetrics
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
 from ..reasoning import ReasoningParser, get_reasoning_parser
+from .responses.store import DEFAULT_CAPACITY
 from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
 
@@ -68,9 +69,11 @@ class ServerSettings:
     enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
     tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
     read off the chat template. max_request_bytes: the largest request body (413 past it); None =
-    derived from the context length (`limits.default_max_request_bytes`). reasoning_parser: the format
-    of the model's reasoning (`reasoning.REASONING_PARSERS`), split from the answer; None = not split.
-    default_chat_template_kwargs: template variables every chat request gets under its own."""
+    derived from the context length (`limits.default_max_request_bytes`). max_stored_responses: most
+    Responses API responses kept for GET and previous_response_id (`responses.store`).
+    reasoning_parser: the format of the model's reasoning (`reasoning.REASONING_PARSERS`), split from
+    the answer; None = not split. default_chat_template_kwargs: template variables every chat request
+    gets under its own."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -81,6 +84,7 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     max_request_bytes: int | None = None
+    max_stored_responses: int = DEFAULT_CAPACITY
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict[str, Any] | None = None
 
@@ -93,6 +97,8 @@ class ServerSettings:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if args.max_request_bytes is not None and args.max_request_bytes < 1:
             raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+        if args.max_stored_responses < 0:
+            raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
         kwargs = args.default_chat_template_kwargs
         try:
             kwargs = None if kwargs is None else json.loads(kwargs)
@@ -104,7 +110,8 @@ class ServerSettings:
         return cls(served_model_names=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
                    shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
                    tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes,
-                   reasoning_parser=args.reasoning_parser, default_chat_template_kwargs=kwargs)
+                   max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
+                   default_chat_template_kwargs=kwargs)
 
 
 class Submission:

@@ -77,26 +77,32 @@ class ToolParser:
 
     def feed(self, text: str, finished: bool) -> tuple[str, list[ToolCall]]:
         """The content delta and the calls completed since the last feed of this (growing) text."""
-        content, calls = [], []
+        pieces = self.pieces(text, finished)
+        return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCall)]
+
+    def pieces(self, text: str, finished: bool) -> list[str | ToolCall]:
+        """`feed`'s content and calls in the order the reply has them (for APIs whose content blocks keep
+        that order: Anthropic's)."""
+        pieces: list[str | ToolCall] = []
         while True:
             at, marker = self.find_start(text, self.pos)
             if at < 0:
                 stop = max(len(text) if finished else len(text) - self.held(text), self.pos)
-                content.append(self._content(text[self.pos:stop]))
+                pieces.append(self._content(text[self.pos:stop]))
                 self.pos = stop
                 break
-            content.append(self._content(text[self.pos:at]))
+            pieces.append(self._content(text[self.pos:at]))
             region = self.region(text, at, marker, finished)
             if region is None:
                 self.pos = at
                 break
             if region.calls is None:
-                content.append(self._content(text[at:region.end]))
+                pieces.append(self._content(text[at:region.end]))
             else:
-                calls += [ToolCall(name, arguments, self.new_id()) for name, arguments in region.calls]
+                pieces += [ToolCall(name, arguments, self.new_id()) for name, arguments in region.calls]
             assert region.end > at, f"{self.name}: a region must consume its marker"
             self.pos = region.end
-        return "".join(content), calls
+        return [p for p in pieces if p != ""]
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """A whole reply: (content or None, calls)."""

@@ -272,3 +272,16 @@ def test_a_dead_rank_ends_the_group_with_a_clear_error(tiny_llama: TinyModel) ->
     assert launch._CURRENT.processes[1].pid != worker.pid
     out = again.generate([PROMPTS[0]], SamplingParams(max_new_tokens=4, temperature=0), use_tqdm=False)[0]
     assert out.finish_reason in ("length", "stop") and out.error is None
+
+
+def test_tp2_int8_kv_cache_equals_tp1(tiny_llama: TinyModel) -> None:
+    """kv_cache_dtype="int8" split over two ranks: each rank's pool mirrors rank 0's int8 rows (their width
+    and storage travel with the pool's shape), the greedy tokens equal one process's."""
+    config = ContinuousBatchingConfig(num_blocks=128, kv_cache_dtype="int8")
+    one = LLM(tiny_llama.path, dtype="float32", config=config)
+    two = tp_llm(tiny_llama.path, kv_cache_dtype="int8")
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in one.generate(PROMPTS, params, use_tqdm=False)] == \
+        [o.token_ids for o in two.generate(PROMPTS, params, use_tqdm=False)]
+    assert all_free(two)
+    two.shutdown()

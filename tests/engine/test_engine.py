@@ -219,11 +219,13 @@ def test_stop_token_ids_and_eos(llm: LLM) -> None:
     stop_at = next(i for i, t in enumerate(free_run) if i >= 2 and t not in free_run[:i])
     out = llm.generate([prompt], greedy(20, stop_token_ids=[free_run[stop_at]]), use_tqdm=False)[0]
     assert out.token_ids == free_run[:stop_at + 1] and out.finish_reason == "stop"
+    assert out.stop_reason == free_run[stop_at] == out.outputs[0].stop_reason  # vLLM's: the stop token id
     eos = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=[]),
                        use_tqdm=False)[0]
     assert eos.finish_reason in ("stop", "length")
     if eos.finish_reason == "stop":
         assert eos.token_ids[-1] == 2
+    assert eos.stop_reason is None  # an EOS is no stop token of the request
 
 
 def test_stop_string_across_a_token_boundary(llm: LLM) -> None:
@@ -232,8 +234,8 @@ def test_stop_string_across_a_token_boundary(llm: LLM) -> None:
     words = free.text.split()  # one word per token with this tokenizer
     stop = words[3][-1] + " " + words[4][:2]  # spans the boundary between tokens 4 and 5
     cut = free.text.index(stop)
-    out = llm.generate([prompt], greedy(12, stop=[stop]), use_tqdm=False)[0]
-    assert out.finish_reason == "stop"
+    out = llm.generate([prompt], greedy(12, stop=["never there", stop, stop[1:]]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop  # the earliest match in the text
     assert out.text == free.text[:cut]
     assert out.token_ids == free.token_ids[:5]
 

@@ -9,7 +9,7 @@ import torch
 from conveyor import LLM, CachePool, ContinuousBatchingConfig, InvalidRequestError, SamplingParams
 from conveyor.config import VLLM_ENGINE_ARGS, with_vllm_engine_args
 from conveyor.errors import ConfigError
-from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED
+from conveyor.vllm_flags import ALREADY_SO
 
 from tests.utils import TinyModel, random_prompts
 
@@ -26,12 +26,13 @@ def test_each_vllm_name_sets_its_field_and_a_disagreement_is_an_error() -> None:
     given = {"max_model_len": 100, "seed": 3, "max_num_seqs": 5, "max_num_batched_tokens": 48,
              "gpu_memory_utilization": 0.25, "enable_prefix_caching": False, "block_size": 8, "swap_space": 1.5,
              "enforce_eager": True, "num_gpu_blocks_override": 40}
-    assert set(given) | {"tensor_parallel_size"} == set(VLLM_ENGINE_ARGS)
+    assert set(given) | {"tensor_parallel_size", "kv_cache_dtype"} == set(VLLM_ENGINE_ARGS)
     config = with_vllm_engine_args(None, **given)
     assert (config.max_model_len, config.seed, config.max_requests_per_batch, config.max_batch_tokens,
             config.max_memory_percent, config.allow_block_sharing, config.page_size, config.cpu_offload_space,
             config.use_cuda_graph, config.num_blocks) == (100, 3, 5, 48, 0.25, False, 8, 1.5, False, 40)
     assert with_vllm_engine_args(None, tensor_parallel_size=2).tensor_parallel_size == 2
+    assert with_vllm_engine_args(None, kv_cache_dtype="int8").kv_cache_dtype == "int8"
     assert with_vllm_engine_args(None, enforce_eager=False).use_cuda_graph is None  # vLLM's default: automatic
     same = ContinuousBatchingConfig(max_requests_per_batch=5)
     assert with_vllm_engine_args(same, max_num_seqs=5).max_requests_per_batch == 5  # agreeing twice is fine
@@ -115,15 +116,16 @@ def test_gpu_memory_utilization_is_the_pools_share_of_free_memory(tiny_llama: Ti
 
 def test_vllm_arguments_we_do_not_take_say_what_to_use(tiny_llama: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
     """As on the command line: vLLM's `LLM(trust_remote_code=True)` is taken (a log line says why it has no
-    effect); `kv_cache_dtype`, `enable_chunked_prefill=False` are refused with what to use; a name vLLM
-    does not have either is Python's TypeError."""
+    effect); `enable_chunked_prefill=False` is refused with what to use, a `kv_cache_dtype` we do not run
+    names the ones we do; a name vLLM does not have either is Python's TypeError."""
     with caplog.at_level("INFO", logger="conveyor"):
         llm = tiny(tiny_llama, trust_remote_code=True, disable_log_stats=True)
     assert f"trust_remote_code=True: no effect, {ALREADY_SO['--trust-remote-code']}" in caplog.text
     assert llm.generate([[5, 6]], sampled(2), use_tqdm=False)[0].num_output_tokens == 2
-    with pytest.raises(ValueError, match=f"kv_cache_dtype='fp8' \\(vLLM's\\) is not supported: "
-                                         f"{UNSUPPORTED['--kv-cache-dtype']}"):
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8': an fp8 KV cache is not implemented yet; use 'int8' "
+                                          r"\(CPU\) or 'auto'"):
         tiny(tiny_llama, kv_cache_dtype="fp8")
+    assert tiny(tiny_llama, kv_cache_dtype="int8").engine.pool.kv[0].dtype == torch.uint8
     with pytest.raises(ValueError, match="enable_chunked_prefill=False .* prefill is always chunked"):
         tiny(tiny_llama, enable_chunked_prefill=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_sequences'"):

@@ -154,14 +154,15 @@ def test_pure_pytorch_backend_end_to_end(tiny_llama: TinyModel, monkeypatch: pyt
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 code paths")
 def test_avx2_path() -> None:
     """The kernels built for an AVX2-only CPU (`CONVEYOR_MARCH=haswell`: 8-wide vectors, 16 registers) pass the
-    kernel tests above, test_cpu_attention_kernels.py's and test_sampler.py's. (The plain C++ build,
+    kernel tests above, test_cpu_attention_kernels.py's, test_int8_kv.py's and test_sampler.py's. (The plain C++ build,
     `CONVEYOR_MARCH=x86-64`, passes them too; not run here, to keep the suite's build time down.)"""
     env = dict(os.environ, CONVEYOR_MARCH="haswell")
     probe = subprocess.run([sys.executable, "-c", "from conveyor.kernels import cpu_paged_attention as k; "
                             "print(k().prefill_vector_width())"], env=env, capture_output=True, text=True, timeout=900)
     assert probe.stdout.split()[-1] == "8", probe.stderr[-3000:]
     here = os.path.dirname(__file__)
-    kernel_tests = [os.path.join(here, name) for name in ("test_cpu_attention_kernels.py", "test_sampler.py")]
+    kernel_tests = [os.path.join(here, name) for name in ("test_cpu_attention_kernels.py", "test_int8_kv.py",
+                                                          "test_sampler.py")]
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-k", "not end_to_end", __file__,
                              *kernel_tests],
                             env=env, capture_output=True, text=True, timeout=900)

@@ -17,7 +17,8 @@ import torch
 from conveyor.kernels import cpu_paged_attention
 from conveyor.layers.attention import AttentionMetadata, CpuPagedAttention
 
-from tests.attention_utils import BF16_TOL, reference_decode, run_prefill
+from tests.attention_utils import (BF16_TOL, decode_every_position, prefill_in_chunks, reference_decode, run_prefill,
+                                   run_reference, sequence_case)
 
 FP32_TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -79,70 +80,6 @@ def test_prefill_kernel_matches_reference_on_long_contexts(heads: int, kv_heads:
     torch.testing.assert_close(out, expected, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
-def sequence_case(length: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype, page: int, seed: int):
-    """One sequence's queries, keys and values [length, heads, dim], and a cache holding its K/V at random pages
-    (slot of position p: `slots[p]`)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(length, heads, dim, generator=g).to(dtype)
-    k, v = (torch.randn(length, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
-    pages = math.ceil(length / page) + 3
-    table = torch.randperm(pages, generator=g)[:math.ceil(length / page)]
-    slots = (table[:, None] * page + torch.arange(page)).flatten()[:length]
-    kv = torch.randn(2, pages * page, kv_heads, dim, generator=g).to(dtype)
-    kv[0, slots], kv[1, slots] = k, v
-    return q, k, v, kv, table, slots
-
-
-def decode_every_position(q, k, v, table, page: int, window: int, scale: float, softcap: float,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Each position's attention as a decode row (all rows in one call), over the cache as the engine keeps it: the
-    whole sequence's pages, or for a sliding window a ring of `window` slots per row holding its last positions."""
-    n, kv_heads, dim = k.shape
-    positions = torch.arange(n)
-    if not window:
-        kv = torch.zeros(2, (int(table.max()) + 1) * page, kv_heads, dim, dtype=k.dtype)
-        slots = (table[:, None] * page + torch.arange(page)).flatten()[:n]
-        kv[0, slots], kv[1, slots] = k, v
-        return cpu_paged_attention().paged_decode_attention(q, kv, table.expand(n, -1).contiguous(), positions + 1,
-                                                            positions, 0, page, scale, softcap, sinks)
-    ring_pages = math.ceil(window / page)
-    kv = torch.zeros(2, n * ring_pages * page, kv_heads, dim, dtype=k.dtype)
-    tables = torch.arange(n * ring_pages).view(n, ring_pages)
-    for pos in range(n):
-        for p in range(max(0, pos - window + 1), pos + 1):
-            ring = p % window
-            slot = int(tables[pos, ring // page]) * page + ring % page
-            kv[0, slot], kv[1, slot] = k[p], v[p]
-    return cpu_paged_attention().paged_decode_attention(q, kv, tables, (positions + 1).clamp(max=window), positions,
-                                                        window, page, scale, softcap, sinks)
-
-
-def prefill_in_chunks(q, k, v, kv, slots, chunk_lens: list[int], window: int, scale: float, softcap: float,
-                      together: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The sequence prefilled in chunks of `chunk_lens`, each over the positions before it (its window's, with a
-    window) read from the cache; `together`: every chunk in one kernel call, as chunks of different requests."""
-    kernel = cpu_paged_attention()
-    out = torch.full_like(q, float("nan"))
-    calls, start = [], 0
-    for n in chunk_lens:
-        lo = max(0, start - window + 1) if window else 0
-        calls.append((start, n, slots[lo:start]))
-        start += n
-    assert start == q.shape[0]
-    groups = [calls] if together else [[c] for c in calls]
-    for group in groups:
-        rows = torch.cat([torch.arange(s, s + n) for s, n, _ in group])
-        chunks, offset, q_start = [], 0, 0
-        for s, n, ctx in group:
-            chunks.append([q_start, n, offset, len(ctx), s])
-            offset, q_start = offset + len(ctx), q_start + n
-        o = torch.empty_like(q[rows])
-        kernel.paged_prefill_attention(q[rows], k[rows], v[rows], kv, torch.cat([c for *_, c in group]).long(),
-                                       torch.tensor(chunks), window, scale, softcap, o, sinks)
-        out[rows] = o
-    return out
-
-
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "window", "softcap", "dtype", "page"), [
     (9, 3, 64, 0, 0.0, torch.bfloat16, 16),    # the built-in model's heads
     (9, 3, 64, 0, 0.0, torch.float32, 16),
@@ -167,26 +104,6 @@ def test_a_query_gets_the_same_bits_in_any_chunk_and_in_decode(heads: int, kv_he
     assert torch.equal(decoded, whole)
     for chunk_lens, together in (([64] * 4 + [44], False), ([7, 100, 1, 128, 64], True), ([1] * 5 + [295], False)):
         assert torch.equal(prefill_in_chunks(q, k, v, kv, slots, chunk_lens, window, scale, softcap, together), whole)
-
-
-def run_reference(q, k, v, window: int, scale: float, softcap: float,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """fp64 attention of one sequence over itself, causal (within the window); `sinks`: one more logit per
-    head in each softmax's denominator, with no value (gpt-oss)."""
-    group = q.shape[1] // k.shape[1]
-    keys, values = (x.double().repeat_interleave(group, 1) for x in (k, v))
-    scores = torch.einsum("ihd,jhd->hij", q.double(), keys) * scale
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    i, j = torch.arange(q.shape[0])[:, None], torch.arange(q.shape[0])[None]
-    visible = (j <= i) & ((j > i - window) if window else True)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
-        probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
-    else:
-        probs = scores.softmax(-1)
-    return torch.einsum("hij,jhd->ihd", probs, values)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "window", "dtype", "page"), [

@@ -152,6 +152,15 @@ def test_a_partial_marker_is_held_back_and_content_streams_before_the_call() -> 
     assert all(c.id.startswith("call_") for c in calls)
 
 
+def test_pieces_keep_the_replys_order_of_content_and_calls() -> None:
+    reply = 'Checking. <tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> Done. <tool_call>\n{"name": "g", ' \
+            '"arguments": {"x": 1}}\n</tool_call>'
+    pieces = HermesParser().pieces(reply, finished=True)
+    assert [p if isinstance(p, str) else (p.name, p.arguments) for p in pieces] == [
+        "Checking.", ("f", "{}"), "  Done.", ("g", '{"x": 1}')]
+    assert HermesParser().feed(reply, finished=True)[0] == "Checking.  Done."  # feed: the same, content joined
+
+
 def test_qwen3_xml_values_take_the_type_of_their_schema() -> None:
     text = ("<tool_call>\n<function=test_types>\n<parameter=int_param>\n42\n</parameter>\n<parameter=float_param>\n"
             "3.14\n</parameter>\n<parameter=bool_param>\ntrue\n</parameter>\n<parameter=str_param>\nhello world\n"

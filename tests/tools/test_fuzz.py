@@ -51,6 +51,9 @@ def test_clamp_keeps_values_valid_and_short() -> None:
     assert clamp({"messages": [{"role": "tool"}]})["max_tokens"] == 8  # absent: not the whole context
     assert clamp({"prompt": [1], "max_tokens": None})["max_tokens"] == 8  # null means absent
     assert "max_tokens" not in clamp({"messages": [], "max_completion_tokens": 3})
+    assert clamp({"messages": []}, fill_max_tokens=False) == {"messages": []}  # required (Anthropic's): stays absent
+    assert clamp({"input": "hi"}) == {"input": "hi", "max_output_tokens": 8}  # the Responses API
+    assert clamp({"input": [{}] * 5, "max_output_tokens": 99}) == {"input": [{}] * 3, "max_output_tokens": 8}
 
 
 def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
@@ -60,13 +63,16 @@ def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> N
     print_report(report)
     print(capsys.readouterr().out)  # shown with -s
     assert sorted(report.operations) == sorted(f"{m.upper()} {p}" for p, ops in paths.items() for m in ops)
-    assert len(report.operations) >= 9
+    assert len(report.operations) >= 11
     assert report.server_errors == 0 and not report.failures, report.examples
     assert report.healthy_after
     statuses = report.as_dict()["per_operation"]
-    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize"):
+    for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+               "POST /detokenize"):
         assert sum(statuses[op]["negative"].values()) == statuses[op]["negative"].get(400, 0) > 0, op
         assert statuses[op]["positive"].get(200, 0) >= 6, (op, statuses[op])  # most fitting bodies are served
+    for op in ("POST /v1/messages", "POST /v1/messages/count_tokens"):  # Anthropic's: some fitting bodies served
+        assert statuses[op]["positive"].get(200, 0) > 0, (op, statuses[op])
     s = llm.stats()
     assert s.running_requests == s.waiting_requests == 0 and s.free_blocks == s.total_blocks
 

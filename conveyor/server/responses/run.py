@@ -1,0 +1,153 @@
+"""One response being generated, on a task of its own: it reads the engine's outputs to the end
+whoever waits for it (a client, a stream, nobody for `background`), so that a response always ends
+with a status and its stored entry, and a cancel always has a run to stop.
+
+Statuses: "completed" (the model stopped), "incomplete" with `incomplete_details.reason =
+"max_output_tokens"` (cut at the limit, or at the end of the context), "cancelled" (`POST
+.../cancel`, `DELETE`, the client gone, or the server shutting down), "failed" (the engine failed
+the request). A stream sends OpenAI's events, numbered from 0: `response.created`,
+`response.in_progress`, the items' events (`items.OutputBuilder`), then `response.completed`,
+`response.incomplete` or `response.failed`; a cancelled stream ends its open items and then sends
+an `error` event (code `response_cancelled`, or `request_aborted` when the server shuts down),
+as the SDK knows no event for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ...request import RequestOutput
+from ...sampling_params import SamplingParams
+from ..protocol import APIError, ChatMessage
+from ..serving import Submission, failure
+from ..streaming import dumps
+from ..tools import ToolPlan
+from .items import OutputBuilder, output_turns, reply_items
+from .protocol import NamedFunction, ResponsesRequest
+from .store import StoredResponse
+
+logger = logging.getLogger("conveyor.server")
+
+STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled", "error": "failed"}
+RUNNING: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: these are held until they end
+END_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
+
+
+def response_object(response_id: str, body: ResponsesRequest, model: str, params: SamplingParams) -> dict[str, Any]:
+    """The response object before any output: the request's settings as they apply (the sampling
+    defaults filled in), status "in_progress"."""
+    fmt = body.text.format if body.text is not None else None
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    return {
+        "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+        "background": body.background, "error": None, "incomplete_details": None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": model,
+        "output": [], "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning.model_dump() if body.reasoning is not None else None,
+        "store": body.store, "temperature": params.temperature, "top_p": params.top_p,
+        "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+        "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice,
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {},
+    }
+
+
+def usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object; no tokens are counted as cached or reasoning yet."""
+    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt_tokens + output_tokens}
+
+
+class ResponseRun:
+    """The generation of one response: `record` is what the store keeps; with `stream`, `events()`
+    gives the server-sent events. `failure`: after the end, the error a waiting client answers with
+    (the engine failed, or the server aborted it), None otherwise."""
+
+    def __init__(self, response: dict[str, Any], plan: ToolPlan, sub: Submission, prompt_tokens: int,
+                 conversation: list[ChatMessage], stream: bool) -> None:
+        self.plan, self.sub, self.prompt_tokens, self.conversation = plan, sub, prompt_tokens, conversation
+        self.record = StoredResponse(response, cancel=self.cancel)
+        self.response = response
+        self.queue: asyncio.Queue[str | None] | None = asyncio.Queue() if stream else None
+        self.builder = OutputBuilder(plan, self.emit) if stream else None
+        if self.builder is not None:
+            response["output"] = self.builder.items  # GET shows a stream's output so far
+        self.sequence = 0
+        self.cancelled = False  # by POST .../cancel or DELETE
+        self.failure: APIError | None = None
+
+    def start(self) -> None:
+        self.emit({"type": "response.created", "response": self.response})
+        self.emit({"type": "response.in_progress", "response": self.response})
+        task = asyncio.get_running_loop().create_task(self.drive())
+        RUNNING.add(task)
+        task.add_done_callback(RUNNING.discard)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.sub.cancel()
+
+    def emit(self, event: dict[str, Any]) -> None:
+        """One stream event, numbered and serialized at once (it holds live items)."""
+        if self.queue is None:
+            return
+        self.queue.put_nowait(f"event: {event['type']}\ndata: {dumps(event | {'sequence_number': self.sequence})}\n\n")
+        self.sequence += 1
+
+    async def events(self) -> AsyncIterator[str]:
+        assert self.queue is not None, "not a streamed response"
+        while (event := await self.queue.get()) is not None:
+            yield event
+
+    async def drive(self) -> None:
+        final: RequestOutput | None = None
+        try:
+            async for _, out in self.sub.outputs():
+                if self.builder is not None and (out.delta_text or out.finished):
+                    self.builder.feed(out.text, out.delta_text, out.finished)
+                final = out
+        except Exception:  # a bug: the response fails, the server goes on
+            logger.exception("response %s failed", self.response["id"])
+            final = None
+        finally:
+            self.sub.cancel()
+            try:
+                self.finish(final)
+            finally:  # whatever happened, whoever waits is answered
+                self.record.cancel = None
+                self.record.done.set()
+                if self.queue is not None:
+                    self.queue.put_nowait(None)
+
+    def finish(self, out: RequestOutput | None) -> None:
+        """The response as it ended, its last events, and the turns a next response continues from."""
+        status = STATUS[out.finish_reason or "error"] if out is not None else "failed"
+        item_status = "completed" if status == "completed" else "incomplete"
+        if self.builder is not None:
+            self.builder.close(item_status)
+        elif out is not None:
+            self.response["output"] = reply_items(out.text, self.plan, item_status)
+        self.response.update(status=status, usage=usage(self.prompt_tokens, out.num_output_tokens if out else 0))
+        if status == "completed":
+            self.response["completed_at"] = int(time.time())
+        elif status == "incomplete":
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+        elif status == "failed":
+            self.failure = (failure(out) if out is not None else None) or APIError(
+                500, "the response failed in the server", type="server_error")
+            self.response["error"] = {"code": "server_error", "message": self.failure.message}
+        elif not self.cancelled and out is not None:  # aborted by the server (shutting down), not asked for
+            self.failure = failure(out)
+        if status in END_EVENT:
+            self.emit({"type": END_EVENT[status], "response": self.response})
+        else:
+            code, message = (("response_cancelled", "the response was cancelled") if self.failure is None
+                             else ("request_aborted", self.failure.message))
+            self.emit({"type": "error", "code": code, "message": message, "param": None})
+        self.record.history = self.conversation + output_turns(self.response["output"])

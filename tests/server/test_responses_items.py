@@ -1,0 +1,120 @@
+"""The Responses API's pieces without a server: input items as chat turns, the output items and stream
+events a reply builds (fed whole or a few characters at a time), and the store's bound (and its flag)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conveyor.server import ServerSettings
+from conveyor.server.protocol import APIError
+from conveyor.server.responses.items import OutputBuilder, item_turns, output_turns, reply_items
+from conveyor.server.responses.protocol import ResponsesRequest
+from conveyor.server.responses.store import ResponseStore, StoredResponse
+from conveyor.server.tools import plan_tools
+
+from tests.serving_helpers import serve_parser
+
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in ("a", "b")]
+
+
+def items(*raw: dict) -> list:
+    return ResponsesRequest(input=list(raw)).input  # type: ignore[return-value]
+
+
+def test_items_become_chat_turns_with_calls_joining_the_assistant_turn() -> None:
+    turns = item_turns(items(
+        {"role": "developer", "content": "Be brief."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"},
+                                                          {"type": "input_text", "text": "In Lima."}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "a", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "b", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "function_call", "call_id": "c3", "name": "a", "arguments": "{}"}))
+    assert [(t.role, t.content) for t in turns] == [("developer", "Be brief."), ("user", "Weather?\nIn Lima."),
+                                                     ("assistant", "Checking."), ("tool", "sunny"), ("assistant", None)]
+    assert [c["id"] for c in turns[2].tool_calls] == ["c1", "c2"] and turns[3].tool_call_id == "c1"
+    assert turns[2].tool_calls[1]["function"] == {"name": "b", "arguments": "{\"x\": 1}"}
+    assert [c["id"] for c in turns[4].tool_calls] == ["c3"]
+    with pytest.raises(APIError, match=r"input\[0\]\.content\[1\] is input_image") as refused:
+        item_turns(items({"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                                      {"type": "input_image", "image_url": "data:..."}]}))
+    assert refused.value.status == 400 and refused.value.param == "input"
+
+
+def events_of(plan_args: tuple, text: str, step: int) -> tuple[list[dict], list[dict]]:
+    """(events, items) of `text` fed `step` characters at a time (each event serialized as it comes)."""
+    events: list[dict] = []
+    builder = OutputBuilder(plan_tools(*plan_args), lambda e: events.append(json.loads(json.dumps(e))))
+    for end in range(step, len(text) + step, step):
+        builder.feed(text[:end], text[end - step:end], end >= len(text))
+    builder.close("completed")
+    return events, builder.items
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000])
+def test_a_required_reply_streams_one_item_per_call(step: int) -> None:
+    plan_args = (TOOLS, "required")
+    text = '[{"name": "a", "arguments": {"x": [1, 2]}}, {"name": "b", "arguments": {}}]'
+    events, built = events_of(plan_args, text, step)
+    whole = reply_items(text, plan_tools(*plan_args))
+    assert [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in built] == [
+        {k: v for k, v in i.items() if k not in ("id", "call_id")} for i in whole] == [
+        {"type": "function_call", "status": "completed", "name": "a", "arguments": '{"x": [1, 2]}'},
+        {"type": "function_call", "status": "completed", "name": "b", "arguments": "{}"}]
+    kinds = [e["type"] for e in events]
+    first_done = kinds.index("response.output_item.done")
+    assert kinds[0] == "response.output_item.added" and kinds[first_done + 1] == "response.output_item.added"
+    assert kinds[first_done - 1] == "response.function_call_arguments.done" and kinds[-1] == "response.output_item.done"
+    for index, item in enumerate(built):
+        mine = [e for e in events if e.get("output_index") == index]
+        assert {e["item_id"] for e in mine if "item_id" in e} == {item["id"]}
+        assert mine[0]["item"]["arguments"] == "" and mine[0]["item"]["status"] == "in_progress"
+        assert "".join(e["delta"] for e in mine if e["type"].endswith("arguments.delta")) == item["arguments"]
+
+
+def test_auto_reply_content_then_a_call_and_plain_text() -> None:
+    text = 'Checking. <tool_call>\n{"name": "b", "arguments": {"zone": "CET"}}\n</tool_call>'
+    events, built = events_of((TOOLS, "auto"), text, 3)
+    assert [i["type"] for i in built] == ["message", "function_call"]
+    assert built[0]["content"] == [{"type": "output_text", "text": "Checking.", "annotations": []}]
+    assert json.loads(built[1]["arguments"]) == {"zone": "CET"}
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.output_item.added", 1)  # one at a time
+    events, built = events_of(([], None), "Hello there", 2)
+    assert built == [{"id": built[0]["id"], "type": "message", "role": "assistant", "status": "completed",
+                      "content": [{"type": "output_text", "text": "Hello there", "annotations": []}]}]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello there"
+    assert [e["type"] for e in events][-3:] == ["response.output_text.done", "response.content_part.done",
+                                                "response.output_item.done"]
+    [turn] = output_turns(built)
+    assert (turn.role, turn.content) == ("assistant", "Hello there")
+
+
+def test_the_store_drops_the_least_recently_used_finished_response() -> None:
+    store = ResponseStore(capacity=2)
+    entries = {k: StoredResponse({"id": k}) for k in "abcd"}
+    for k in "abd":
+        entries[k].done.set()
+    store.put("a", entries["a"])
+    store.put("b", entries["b"])
+    assert store.get("a") is entries["a"]  # a is now the most recent
+    store.put("c", entries["c"])  # running: never dropped
+    assert store.get("b") is None and len(store) == 2
+    store.put("d", entries["d"])
+    assert store.get("a") is None and store.get("c") is entries["c"] and store.get("d") is entries["d"]
+    assert store.pop("c") is entries["c"] and store.pop("c") is None
+    none = ResponseStore(capacity=0)
+    none.put("a", entries["a"])
+    assert none.get("a") is None
+
+
+def test_the_stores_bound_is_a_server_flag() -> None:
+    assert ServerSettings.from_args(serve_parser().parse_args([])).max_stored_responses == 1024
+    none = ServerSettings.from_args(serve_parser().parse_args(["--max-stored-responses", "0"]))
+    assert none.max_stored_responses == 0
+    with pytest.raises(ValueError, match="--max-stored-responses must be >= 0"):
+        ServerSettings.from_args(serve_parser().parse_args(["--max-stored-responses", "-1"]))
