@@ -2,11 +2,15 @@
 the reasoning split off first (the server's `--reasoning-parser`), tool calls read from the answer
 only (`tools.ToolReply`).
 
-Every route that renders a chat uses the same steps: `template_options(...)` for the renderer
-(`Serving.render_chat_prompt`), then `plan_reasoning(...)` with the rendered prompt's text, then one
-`ReasoningPlan.reply()` per choice, fed the growing text (`ReasoningParser.feed`: reasoning and
-answer deltas). `ChatReply` is chat completions' use of them: OpenAI's deltas
-(`reasoning_content`, and `reasoning` as vLLM also sends it) and the whole message.
+Every route that renders a chat takes the same steps (chat completions' `ChatReply` below is one
+use of them; the Responses and Messages routes can make reasoning items and thinking blocks so):
+
+    options = template_options(kwargs, serving.settings.default_chat_template_kwargs)
+    prompt = await serving.prepare(serving.render_chat_prompt, messages, tool_plan, **options)
+    reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
+                               constrained)  # build_requests(keep_special=... or serving.keep_reasoning_special)
+    split = reasoning.reply()  # per choice; None when the server splits nothing
+    thought, answer = split.feed(out.text, out.finished)  # deltas; the answer so far goes to ToolReply.feed
 
 A constrained reply (`response_format`, a grammar, a forced tool call) is read from its first
 token, which the constraint writes: its reasoning is split only where the constraint itself opens
@@ -24,11 +28,12 @@ from .protocol import ChatCompletionRequest
 from .tools import ToolPlan, ToolReply
 
 
-def template_options(body: ChatCompletionRequest, defaults: dict[str, Any] | None) -> dict[str, Any]:
-    """The renderer's options (`LLM.render_chat_text`): the generation prompt or the last message
-    continued, and the template's variables (the server's defaults under the request's)."""
-    return {"add_generation_prompt": body.add_generation_prompt, "continue_final_message": body.continue_final_message,
-            "chat_template_kwargs": (defaults or {}) | (body.chat_template_kwargs or {})}
+def template_options(chat_template_kwargs: dict[str, Any] | None, defaults: dict[str, Any] | None,
+                     add_generation_prompt: bool = True, continue_final_message: bool = False) -> dict[str, Any]:
+    """The renderer's options (`LLM.render_chat_text`): the template's variables (the server's
+    defaults under the request's), and the generation prompt or the last message continued."""
+    return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
+            "chat_template_kwargs": (defaults or {}) | (chat_template_kwargs or {})}
 
 
 def role_and_echo(body: ChatCompletionRequest) -> tuple[str, str]:

@@ -74,9 +74,7 @@ def test_role_and_echo_follow_vllm(body: dict, role: str, echo: str) -> None:
 
 
 def test_template_options_and_the_plan() -> None:
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
-                                 chat_template_kwargs={"enable_thinking": False})
-    options = template_options(body, {"enable_thinking": True, "note": "n"})
+    options = template_options({"enable_thinking": False}, {"enable_thinking": True, "note": "n"})
     assert options == {"add_generation_prompt": True, "continue_final_message": False,
                        "chat_template_kwargs": {"enable_thinking": False, "note": "n"}}
     qwen3 = get_reasoning_parser("qwen3")

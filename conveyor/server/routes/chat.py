@@ -37,7 +37,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     plan = plan_tools(body.tools, body.tool_choice, serving.tool_parser, serving.settings.enable_auto_tool_choice,
                       body.parallel_tool_calls)
-    options = template_options(body, serving.settings.default_chat_template_kwargs)
+    options = template_options(body.chat_template_kwargs, serving.settings.default_chat_template_kwargs,
+                               body.add_generation_prompt, body.continue_final_message)
     prompt = await serving.prepare(serving.render_chat_prompt, body.messages, plan, **options)
     constraint = plan.constraint
     constrained = constraint is not None or body_constraint(body)[0] is not None
