@@ -95,6 +95,8 @@ class SamplingFields(_Body):
     response_format: dict[str, Any] | None = None  # OpenAI's {"type": "text" | "json_object" | "json_schema"}
     structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
     skip_special_tokens: bool = True  # vLLM's extra field
+    # vLLM's: keep the prompt's last N tokens (-1: what fits beside max_tokens); null: all (too long: 400)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # llama.cpp's server fields (request_fields): max_tokens, a GBNF grammar, a JSON schema; prompt caching
     n_predict: int | None = Field(None, ge=-1)  # -1: the rest of the context
     grammar: Text | None = None

@@ -1,4 +1,5 @@
-"""Request fields beyond OpenAI's and vLLM's: llama.cpp's server fields, and the ones nobody here reads.
+"""Request fields beyond OpenAI's: vLLM's `truncate_prompt_tokens`, llama.cpp's server fields, and the ones
+nobody here reads.
 
 llama.cpp's `n_predict` is `max_tokens` (-1: the rest of the context), `grammar` (GBNF) and
 `json_schema` are constraints (`response_format.body_constraint`), and `cache_prompt` is accepted:
@@ -69,3 +70,24 @@ def token_limit(body: SamplingFields) -> int | None:
         raise APIError(400, f"n_predict ({body.n_predict}) and {next(iter(given))} disagree: give one",
                        param="n_predict")
     return wanted
+
+
+def truncated(body: SamplingFields, prompts: list[list[int]], limit: int | None, max_model_len: int,
+              param: str) -> list[list[int]]:
+    """The prompts as `truncate_prompt_tokens` (vLLM's) keeps them: the last N tokens of each; -1, the most
+    that fit beside `limit` (max_tokens) in the context; None, all (an over-long prompt is then a 400)."""
+    keep = body.truncate_prompt_tokens
+    if keep is None:
+        return prompts
+    if keep == 0:
+        raise APIError(400, "truncate_prompt_tokens must be -1 (what fits beside max_tokens) or at least 1, got 0",
+                       param="truncate_prompt_tokens")
+    if keep == -1:
+        if limit is None:
+            raise APIError(400, "truncate_prompt_tokens=-1 keeps what fits beside max_tokens: give max_tokens",
+                           param="truncate_prompt_tokens")
+        keep = max_model_len - limit
+        if keep < 1:
+            raise APIError(400, f"max_tokens ({limit}) fills the context length of {max_model_len} tokens: no room "
+                           "for the prompt", param=param, code="context_length_exceeded")
+    return [ids[-keep:] for ids in prompts]

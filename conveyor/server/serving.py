@@ -349,7 +349,8 @@ class Serving:
             if isinstance(p, str):
                 if not p:
                     raise APIError(400, "prompt is empty", param="prompt")
-                self.check_length(p, "prompt")
+                if body.truncate_prompt_tokens is None:  # else its tail is kept, however long
+                    self.check_length(p, "prompt")
         return prompts
 
     def tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
@@ -360,10 +361,11 @@ class Serving:
         """The conversation's token ids (call it off the event loop: `prepare`)."""
         return self.render_chat_prompt(messages, tools).ids
 
-    def render_chat_prompt(self, messages: list[ChatMessage], tools: ToolPlan | None = None,
-                           **options: Any) -> ChatPrompt:
+    def render_chat_prompt(self, messages: list[ChatMessage], tools: ToolPlan | None = None, *,
+                           truncating: bool = False, **options: Any) -> ChatPrompt:
         """The conversation rendered, `options` as `LLM.render_chat_text`'s (`replies.template_options`);
-        call it off the event loop (`prepare`)."""
+        `truncating`: its tail will be kept (`truncate_prompt_tokens`), however long. Call it off the event
+        loop (`prepare`)."""
         template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
         turns, template_tools = conversation(messages, tools or ToolPlan(), template, CHAT_ROLES)
         try:
@@ -372,7 +374,8 @@ class Serving:
             raise APIError(400, str(exc), param=exc.param) from exc
         except Exception as exc:  # no chat template, or the template rejected the conversation
             raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
-        self.check_length(text, "messages")
+        if not truncating:
+            self.check_length(text, "messages")
         return ChatPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,

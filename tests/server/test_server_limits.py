@@ -121,3 +121,35 @@ def test_a_chunked_body_over_the_limit_is_refused_as_it_arrives(llm: LLM) -> Non
 def test_limits_follow_the_context_and_the_tokenizer() -> None:
     assert default_max_request_bytes(2048) == 16 * 2**20 and default_max_request_bytes(2**17) == 256 * 2**17
     assert prompt_char_limit(tiny_tokenizer(), 512) is None  # word-level, whitespace dropped: no bound
+
+
+def test_truncate_prompt_tokens_keeps_the_tail(llm: LLM) -> None:
+    """vLLM's `truncate_prompt_tokens` on both endpoints: an over-long prompt keeps its last N tokens (chat:
+    of the rendered conversation) instead of a 400, -1 keeps what fits beside max_tokens, even a text over
+    the character bound is taken (its tail is what counts); without it the prompt is still refused."""
+    tokenizer = llm.get_tokenizer()
+    text = " ".join(["the weather in Lima"] * (llm.max_model_len // 2))
+    tail = tokenizer.encode(text)[-20:]
+    for url in served(llm):
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 4}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+        kept = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 4, "temperature": 0,
+                                                          "truncate_prompt_tokens": 20}, timeout=60).json()
+        plain = httpx.post(f"{url}/v1/completions", json={"prompt": tail, "max_tokens": 4, "temperature": 0},
+                           timeout=60).json()
+        assert kept["usage"]["prompt_tokens"] == 20 and kept["choices"][0]["text"] == plain["choices"][0]["text"]
+        fit = httpx.post(f"{url}/v1/completions", json={"prompt": text, "max_tokens": 4, "truncate_prompt_tokens": -1},
+                         timeout=60).json()
+        assert fit["usage"]["prompt_tokens"] == llm.max_model_len - 4
+        huge = httpx.post(f"{url}/v1/completions", json={"prompt": "a" * (prompt_char_limit(
+            tokenizer, llm.max_model_len) + 1), "max_tokens": 2, "truncate_prompt_tokens": 8}, timeout=60)
+        assert huge.status_code == 200 and huge.json()["usage"]["prompt_tokens"] == 8
+        chat = httpx.post(f"{url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": text}], "max_tokens": 4, "truncate_prompt_tokens": -1}, timeout=60)
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == llm.max_model_len - 4
+        no_room = httpx.post(f"{url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": text}], "truncate_prompt_tokens": -1}, timeout=60)
+        assert no_room.status_code == 400 and "give max_tokens" in no_room.json()["error"]["message"]
+        for bad in (-2, 0):
+            answer = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "truncate_prompt_tokens": bad}, timeout=60)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "truncate_prompt_tokens", answer.text

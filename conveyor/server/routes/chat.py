@@ -17,7 +17,7 @@ from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
 from ..replies import ChatReply, plan_reasoning, role_and_echo, template_options
-from ..request_fields import check_fields, token_limit
+from ..request_fields import check_fields, token_limit, truncated
 from ..response_format import body_constraint
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
@@ -39,13 +39,16 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
                       body.parallel_tool_calls)
     options = template_options(body.chat_template_kwargs, serving.settings.default_chat_template_kwargs,
                                body.add_generation_prompt, body.continue_final_message)
-    prompt = await serving.prepare(serving.render_chat_prompt, body.messages, plan, **options)
+    prompt = await serving.prepare(serving.render_chat_prompt, body.messages, plan,
+                                   truncating=body.truncate_prompt_tokens is not None, **options)
+    limit = token_limit(body)
+    ids = truncated(body, [prompt.ids], limit, serving.max_model_len, "messages")[0]  # the template applied first
     constraint = plan.constraint
     constrained = constraint is not None or body_constraint(body)[0] is not None
     reasoning = plan_reasoning(None if body.reasoning_format == "none" else serving.reasoning_parser, prompt.text,
                                options["chat_template_kwargs"], constrained, body.include_reasoning)
     rid, created = new_id("chatcmpl"), int(time.time())
-    requests = await serving.prepare(serving.build_requests, rid, [prompt.ids], body, token_limit(body), n_lp,
+    requests = await serving.prepare(serving.build_requests, rid, [ids], body, limit, n_lp,
                                      "messages", constraint=(constraint, "tools"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)
                                      or (reasoning.parser is not None and serving.keep_reasoning_special))
@@ -66,7 +69,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
 
         openings = [{"index": i, "delta": reply.opening(), "logprobs": None, "finish_reason": None}
                     for i, reply in enumerate(replies)]
-        return stream_response(sub, head | {"object": "chat.completion.chunk"}, [prompt.ids], body, n_lp,
+        return stream_response(sub, head | {"object": "chat.completion.chunk"}, [ids], body, n_lp,
                                chat_choice, first_choices=openings)
 
     finals = await collect(sub, raw)
@@ -75,4 +78,4 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp)}
         choices.append({"index": i, "message": reply.message(out.text), "logprobs": lp,
                         "finish_reason": reply.finish_reason(out.finish_reason)})
-    return JSONResponse(head | {"choices": choices, "usage": usage([prompt.ids], finals)})
+    return JSONResponse(head | {"choices": choices, "usage": usage([ids], finals)})

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, CompletionRequest
-from ..request_fields import check_fields, token_limit
+from ..request_fields import check_fields, token_limit, truncated
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
 from .deps import AUTH, ServingDep
@@ -29,9 +29,10 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     texts = serving.completion_prompts(body)  # a prompt too long to fit is refused here, untokenized
-    prompts = await serving.prepare(serving.tokenize, texts)
+    limit = token_limit(body)
+    prompts = truncated(body, await serving.prepare(serving.tokenize, texts), limit, serving.max_model_len, "prompt")
     rid, created = new_id("cmpl"), int(time.time())
-    requests = await serving.prepare(serving.build_requests, rid, prompts, body, token_limit(body), body.logprobs,
+    requests = await serving.prepare(serving.build_requests, rid, prompts, body, limit, body.logprobs,
                                      "prompt", prompt_logprobs=body.prompt_logprobs)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "text_completion", "created": created, "model": serving.model_name}
