@@ -58,10 +58,14 @@ def header(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(shape.vocab)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(shape.vocab)])
+    # Placeholder tokens, and one merge (llama.cpp loads no BPE vocabulary without merges; transformers takes
+    # only merges of tokens in the vocabulary): "a" + "b" -> "ab".
+    tokens = [f"t{i}" for i in range(shape.vocab)]
+    tokens[3:6] = ["a", "b", "ab"]
+    writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * shape.vocab)
     writer.add_token_types([gguf.TokenType.NORMAL] * shape.vocab)
-    writer.add_token_merges([])
+    writer.add_token_merges(["a b"])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
