@@ -1,6 +1,7 @@
 """Helpers of the server tests: a tiny Llama with a long context (requests that run for a while), one
 over a byte-level BPE tokenizer that can spell JSON, prompts of its words, `conveyor serve`'s parser,
-waiting for a server subprocess, and a reader of Prometheus lines."""
+waiting for a server subprocess, a reader of Prometheus lines, and a reasoning server's chat template
+and settings (with waiting for its pool to come back)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -19,8 +21,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.cli_args import add_serve_args
 from conveyor.scaleout import add_data_parallel_args
+from conveyor.server import ServerSettings
 
-from tests.utils import TINY_COMMON, VOCAB, tiny_tokenizer
+from tests.utils import TINY_COMMON, VOCAB, idle, tiny_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
                  "{% if add_generation_prompt %}w5{% endif %}")
@@ -101,3 +104,33 @@ def metric(text: str, name: str, **labels: str) -> float:
             if all(f'{k}="{v}"' in line for k, v in labels.items()):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+# Qwen3's way on the built-in model: the generation prompt opens a think block unless `enable_thinking` is
+# false (then it closes an empty one), an assistant's earlier `reasoning_content` is rendered in its block,
+# and a `system_note` variable (the reasoning server's default template kwargs) adds a system turn.
+THINK_TEMPLATE = (
+    "{% if system_note is defined %}<|im_start|>system\n{{ system_note }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+THINK_NOTE = "Answer in one word."
+
+
+def think_settings(**settings: Any) -> ServerSettings:
+    """A server on THINK_TEMPLATE: the qwen3 reasoning parser, tool_choice "auto", served as "smol", the
+    system note as its default template kwargs."""
+    return ServerSettings(**({"served_model_names": ["smol"], "enable_auto_tool_choice": True,
+                              "reasoning_parser": "qwen3", "default_chat_template_kwargs": {"system_note": THINK_NOTE}}
+                             | settings))
+
+
+def settles(llm: LLM) -> None:
+    """Until every block is back (a stream's last requests end within a step of its last event)."""
+    deadline = time.monotonic() + 10
+    while not idle(llm):
+        assert time.monotonic() < deadline, llm.stats()
+        time.sleep(0.05)

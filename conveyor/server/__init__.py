@@ -35,7 +35,9 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   the last message's).
 - Reasoning (`--reasoning-parser`): the reasoning goes to `reasoning_content` (and vLLM's
   `reasoning`), the answer to `content`, tool calls are read from the answer only (`replies`);
-  `include_reasoning: false` leaves it out. A constrained reply is read from its first token.
+  `include_reasoning: false` leaves it out. A constrained reply is read from its first token. The
+  Responses API makes it a `reasoning` item, the Messages API a `thinking` block. An assistant
+  message's `reasoning_content` reaches a template that renders it.
 - Not supported, answered 400 rather than ignored: echo on completions, suffix, best_of != n,
   top_logprobs without logprobs, prompt_logprobs with stream, llama.cpp's samplers set on
   (`request_fields`). At most 20 logprobs (and prompt_logprobs).

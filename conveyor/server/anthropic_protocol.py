@@ -5,8 +5,8 @@ As on the OpenAI routes, unknown fields are ignored and the models carry what th
 (ranges, roles and the blocks each role may hold), so that the OpenAPI schema documents what is
 accepted. Image and
 document blocks are in the schema so that the handler can refuse them with a 400 that says why (the
-served models read text only); thinking blocks of earlier turns are accepted and left out of the
-prompt, as Anthropic's API leaves them out. Errors on these routes are Anthropic's
+served models read text only); thinking blocks of earlier turns are the reasoning of their turn, for
+a chat template that renders it. Errors on these routes are Anthropic's
 `{"type": "error", "error": {"type", "message"}}` with Anthropic's status codes (`anthropic_error`).
 """
 
@@ -70,9 +70,10 @@ class MediaBlock(AnthropicBody):
 
 
 class ThinkingBlock(AnthropicBody):
-    """An earlier turn's thinking: not part of the prompt (Anthropic's API drops it too)."""
+    """An earlier turn's thinking (its signature is not checked; a redacted one has no text)."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: str = ""
 
 
 class ToolUseBlock(AnthropicBody):
@@ -142,10 +143,14 @@ ToolChoice = Annotated[ToolChoiceTool | ToolChoiceMode, Field(discriminator="typ
 
 
 class Thinking(AnthropicBody):
-    """Accepted; thinking blocks come with a reasoning parser (the reply is all text until then)."""
+    """`enabled` / `disabled` set the chat template's thinking switch, `adaptive` leaves the template's
+    default (`anthropic_messages.thinking_kwargs`); `budget_tokens` is accepted and not enforced (the
+    reasoning ends where the model ends it, within `max_tokens`); `display: "omitted"` sends thinking
+    blocks without their text."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1024)
+    display: Literal["summarized", "omitted"] | None = None
 
     @field_validator("budget_tokens", mode="before")
     @classmethod

@@ -134,6 +134,7 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # role "tool": the call this message answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning, for templates that render it
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -3,7 +3,8 @@ the reasoning split off first (the server's `--reasoning-parser`), tool calls re
 only (`tools.ToolReply`).
 
 Every route that renders a chat takes the same steps (chat completions' `ChatReply` below is one
-use of them; the Responses and Messages routes can make reasoning items and thinking blocks so):
+use of them; the Responses API's `responses.items.OutputBuilder` and the Messages API's
+`anthropic_messages.MessageReply` are the others):
 
     options = template_options(kwargs, serving.settings.default_chat_template_kwargs)
     prompt = await serving.prepare(serving.render_chat_prompt, messages, tool_plan, **options)
@@ -11,6 +12,10 @@ use of them; the Responses and Messages routes can make reasoning items and thin
                                constrained)  # build_requests(keep_special=... or serving.keep_reasoning_special)
     split = reasoning.reply()  # per choice; None when the server splits nothing
     thought, answer = split.feed(out.text, out.finished)  # deltas; the answer so far goes to ToolReply.feed
+
+The APIs without `chat_template_kwargs` turn thinking on or off with their own fields (the Responses
+API's `reasoning.effort`, the Messages API's `thinking`): `switch_kwargs` sets the switches the
+template reads, and none where it reads none, so that the template's default stands.
 
 A constrained reply (`response_format`, a grammar, a forced tool call) is read from its first
 token, which the constraint writes: its reasoning is split only where the constraint itself opens
@@ -20,10 +25,15 @@ here it starts at once).
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..reasoning import ReasoningParser, thinking_switch
+import jinja2
+from jinja2 import meta
+
+from ..reasoning import SWITCHES, ReasoningParser, thinking_switch
 from .protocol import ChatCompletionRequest
 from .tools import ToolPlan, ToolReply
 
@@ -34,6 +44,25 @@ def template_options(chat_template_kwargs: dict[str, Any] | None, defaults: dict
     defaults under the request's), and the generation prompt or the last message continued."""
     return {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message,
             "chat_template_kwargs": (defaults or {}) | (chat_template_kwargs or {})}
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables a chat template reads (jinja2's own analysis), so that only the switches it takes
+    are set; every word of it where jinja2 alone cannot parse it (a tag of transformers' own)."""
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError:
+        return frozenset(re.findall(r"\w+", template))
+    return frozenset(meta.find_undeclared_variables(parsed))
+
+
+def switch_kwargs(template: str, thinking: bool | None) -> dict[str, Any]:
+    """Thinking on or off as the template variables of the switches the template reads (`enable_thinking`,
+    `thinking`): none when `thinking` is None or the template reads no switch."""
+    if thinking is None:
+        return {}
+    return {key: thinking for key in SWITCHES if key in template_variables(template)}
 
 
 def role_and_echo(body: ChatCompletionRequest) -> tuple[str, str]:

@@ -192,8 +192,8 @@ class Serving:
         self.names = list(settings.served_model_names or [llm.model_name])
         self.model_name = self.names[0]
         self.tokenizer = llm.get_tokenizer()
-        template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
-        self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(template))
+        self.chat_template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
+        self.tool_parser = get_parser(settings.tool_call_parser or detect_parser(self.chat_template))
         self.keep_special = drops_a_marker(self.tokenizer, self.tool_parser)
         name = settings.reasoning_parser
         self.reasoning_parser = get_reasoning_parser(name) if name else None
@@ -366,8 +366,7 @@ class Serving:
         """The conversation rendered, `options` as `LLM.render_chat_text`'s (`replies.template_options`);
         `truncating`: its tail will be kept (`truncate_prompt_tokens`), however long. Call it off the event
         loop (`prepare`)."""
-        template = self.tokenizer.chat_template if isinstance(self.tokenizer.chat_template, str) else ""
-        turns, template_tools = conversation(messages, tools or ToolPlan(), template, CHAT_ROLES)
+        turns, template_tools = conversation(messages, tools or ToolPlan(), self.chat_template, CHAT_ROLES)
         try:
             text = self.llm.render_chat_text(turns, tools=template_tools, **options)
         except InvalidRequestError as exc:  # options that do not go together

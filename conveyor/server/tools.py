@@ -31,6 +31,8 @@ PREAMBLE = ("# Tools\n\nYou may call one or more functions to assist with the us
             "<tool_call>\n{{\"name\": <function-name>, \"arguments\": <args-json-object>}}\n</tool_call>")
 # One element of the "required" list, in the compact layout grammars write.
 REQUIRED_HEAD = re.compile(r'\s*,?\s*\{"name": "((?:[^"\\]|\\.)*)", "arguments": ')
+# The fields an assistant message's reasoning reaches a template under (Qwen3's reads `reasoning_content`).
+REASONING_FIELDS = ("reasoning_content", "reasoning")
 AUTO_NEEDS_FLAG = ('"auto" tool choice requires the server to be started with --enable-auto-tool-choice (its parser: '
                    '--tool-call-parser, by default read off the chat template)')
 
@@ -204,8 +206,10 @@ def _arguments(call: dict[str, Any]) -> Any:
 def conversation(messages: list[ChatMessage], plan: ToolPlan, template: str, roles: dict[str, str],
                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages for the template, tools for it or None). Tool calls and results go through the template
-    when it knows tools; otherwise they are written into the messages as Qwen's template would."""
+    when it knows tools; otherwise they are written into the messages as Qwen's template would. An
+    assistant's reasoning goes to a template that reads it (as a message field), and nowhere else."""
     native = "tools" in template or "tool_calls" in template
+    thought_fields = [f for f in REASONING_FIELDS if re.search(rf"[.'\"]{f}\b", template)]
     out: list[dict[str, Any]] = []
     for m in messages:
         role = "tool" if m.role == "tool" else roles.get(m.role)
@@ -218,6 +222,8 @@ def conversation(messages: list[ChatMessage], plan: ToolPlan, template: str, rol
                 raise APIError(400, "only text content parts are supported", param="messages")
             content = "\n".join(p.text or "" for p in content)
         entry: dict[str, Any] = {"role": role, "content": content or ""}
+        if role == "assistant" and m.reasoning_content:
+            entry |= dict.fromkeys(thought_fields, m.reasoning_content)
         calls = m.tool_calls or []
         if native:
             if calls:

@@ -16,8 +16,10 @@ import pytest
 
 from conveyor import LLM
 from conveyor.server import BackgroundServer, ServerSettings
-from conveyor.server.anthropic_messages import MessageReply, chat_messages
+from conveyor.reasoning import get_reasoning_parser
+from conveyor.server.anthropic_messages import MessageReply, chat_messages, thinking_kwargs
 from conveyor.server.anthropic_protocol import CountTokensRequest, anthropic_error
+from conveyor.server.replies import ReasoningPlan
 from conveyor.server.tools import plan_tools
 
 from tests.serving_helpers import metric
@@ -110,7 +112,7 @@ def test_text_reply_is_the_chat_reply_and_streams_to_the_same_message(sdk: anthr
     streamed = create(sdk, True, system=[{"type": "text", "text": SYSTEM}])  # one system block = the string
     assert without_ids(streamed) == without_ids(whole)
     thinking = create(sdk, False, system=SYSTEM, thinking={"type": "enabled", "budget_tokens": 1024})
-    assert without_ids(thinking) == without_ids(whole)  # accepted; thinking blocks come with a reasoning parser
+    assert without_ids(thinking) == without_ids(whole)  # no --reasoning-parser, no switch in the template: text
 
     raw = http.post("/v1/messages", json={"model": "smol", "max_tokens": 16, "system": SYSTEM, "messages": MOON,
                                           "temperature": 0}, headers={"anthropic-version": "2023-06-01"}).json()
@@ -318,8 +320,11 @@ def accumulate(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if e["type"] == "content_block_start":
             assert e["index"] == len(blocks)
             blocks.append(dict(e["content_block"]))
-        elif e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta":
-            blocks[e["index"]]["text"] += e["delta"]["text"]
+        elif e["type"] == "content_block_delta" and e["delta"]["type"] in ("text_delta", "thinking_delta"):
+            kind = e["delta"]["type"].removesuffix("_delta")
+            blocks[e["index"]][kind] += e["delta"][kind]
+        elif e["type"] == "content_block_delta" and e["delta"]["type"] == "signature_delta":
+            blocks[e["index"]]["signature"] = e["delta"]["signature"]
         elif e["type"] == "content_block_delta":
             arguments[e["index"]] = arguments.get(e["index"], "") + e["delta"]["partial_json"]
         elif e["index"] in arguments:  # content_block_stop
@@ -348,3 +353,53 @@ def test_a_reply_streamed_in_pieces_adds_up_to_the_whole(choice: Any, text: str,
     assert [{k: v for k, v in b.items() if k != "id"} for b in accumulate(events)] == [
         {k: v for k, v in b.items() if k != "id"} for b in content]
     assert [e["type"] for e in events].count("content_block_stop") == len(content)
+
+
+OPEN = "<|im_start|>assistant\n<think>\n"  # a prompt that opens the think block
+FUNCTIONS = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}} for t in TOOLS]
+
+
+def test_thinking_comes_first_and_calls_from_the_answer_only() -> None:
+    def call(name: str, arguments: dict) -> str:
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+    thought = f"Maybe {call('get_weather', {})} fits."
+    text = f"{thought}\n</think>\n\nChecking. {call('get_time', {'zone': 'CET'})}"
+    plan, reasoning = plan_tools(FUNCTIONS, "auto"), ReasoningPlan(get_reasoning_parser("qwen3"), OPEN)
+    whole = MessageReply(plan, reasoning)
+    whole.feed(text, True)
+    content = [{k: v for k, v in b.items() if k != "id"} for b in whole.content()]
+    assert content == [{"type": "thinking", "thinking": thought, "signature": ""},
+                       {"type": "text", "text": "Checking."},
+                       {"type": "tool_use", "name": "get_time", "input": {"zone": "CET"}}]
+    for cut in range(len(text) + 1):
+        pieces = MessageReply(plan, reasoning)
+        events = pieces.feed(text[:cut], False) + pieces.feed(text, True)
+        assert [{k: v for k, v in b.items() if k != "id"} for b in accumulate(events)] == content, cut
+        deltas = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
+        stop = events.index({"type": "content_block_stop", "index": 0})
+        assert deltas.count("signature_delta") == 1 and events[stop - 1]["delta"]["type"] == "signature_delta"
+    forced = MessageReply(plan_tools(FUNCTIONS, {"type": "function", "function": {"name": "get_time"}}),
+                          ReasoningPlan(get_reasoning_parser("qwen3"), "", False))  # constrained: from its start
+    forced.feed('{"zone": "UTC"}', True)
+    assert [(b["type"], b["input"]) for b in forced.content()] == [("tool_use", {"zone": "UTC"})]
+    hidden = MessageReply(plan_tools(None, None), ReasoningPlan(get_reasoning_parser("qwen3"), OPEN, include=False))
+    hidden.feed("hmm</think>there", True)  # display: "omitted"
+    assert hidden.content() == [{"type": "thinking", "thinking": "", "signature": ""},
+                                {"type": "text", "text": "there"}]
+
+
+def test_thinking_sets_the_templates_switch_and_earlier_thinking_is_the_turns_reasoning() -> None:
+    def kwargs(template: str, thinking: dict | None) -> dict:
+        return thinking_kwargs(CountTokensRequest(model="", messages=MOON, thinking=thinking), template)
+
+    qwen = "{% if enable_thinking is false %}<think></think>{% endif %}"
+    assert kwargs(qwen, {"type": "enabled", "budget_tokens": 2048}) == {"enable_thinking": True}
+    assert kwargs(qwen, {"type": "disabled"}) == {"enable_thinking": False}
+    assert kwargs(qwen, {"type": "adaptive"}) == kwargs(qwen, None) == {}  # the template's default
+    assert kwargs("{{ messages }}", {"type": "disabled"}) == {}  # no switch to set
+    body = CountTokensRequest.model_validate({"model": "", "messages": ASK + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": ""},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]})
+    assert chat_messages(body)[0][1].reasoning_content == "Look it up."

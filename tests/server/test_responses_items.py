@@ -1,5 +1,6 @@
-"""The Responses API's pieces without a server: input items as chat turns, the output items and stream
-events a reply builds (fed whole or a few characters at a time), and the store's bound (and its flag)."""
+"""The Responses API's pieces without a server: input items as chat turns (earlier reasoning included),
+`reasoning.effort` as template variables, the output items and stream events a reply builds (fed whole
+or a few characters at a time; reasoning split off first), and the store's bound (and its flag)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 
 import pytest
 
+from conveyor.reasoning import get_reasoning_parser
 from conveyor.server import ServerSettings
 from conveyor.server.protocol import APIError
-from conveyor.server.responses.items import OutputBuilder, item_turns, output_turns, reply_items
+from conveyor.server.replies import ReasoningPlan
+from conveyor.server.responses.items import OutputBuilder, effort_kwargs, item_turns, output_turns, reasoning_text
 from conveyor.server.responses.protocol import ResponsesRequest
 from conveyor.server.responses.store import ResponseStore, StoredResponse
 from conveyor.server.tools import plan_tools
@@ -45,12 +48,13 @@ def test_items_become_chat_turns_with_calls_joining_the_assistant_turn() -> None
     assert refused.value.status == 400 and refused.value.param == "input"
 
 
-def events_of(plan_args: tuple, text: str, step: int) -> tuple[list[dict], list[dict]]:
+def events_of(plan_args: tuple, text: str, step: int,
+              reasoning: ReasoningPlan | None = None) -> tuple[list[dict], list[dict]]:
     """(events, items) of `text` fed `step` characters at a time (each event serialized as it comes)."""
     events: list[dict] = []
-    builder = OutputBuilder(plan_tools(*plan_args), lambda e: events.append(json.loads(json.dumps(e))))
+    builder = OutputBuilder(plan_tools(*plan_args), reasoning, lambda e: events.append(json.loads(json.dumps(e))))
     for end in range(step, len(text) + step, step):
-        builder.feed(text[:end], text[end - step:end], end >= len(text))
+        builder.feed(text[:end], end >= len(text))
     builder.close("completed")
     return events, builder.items
 
@@ -60,7 +64,7 @@ def test_a_required_reply_streams_one_item_per_call(step: int) -> None:
     plan_args = (TOOLS, "required")
     text = '[{"name": "a", "arguments": {"x": [1, 2]}}, {"name": "b", "arguments": {}}]'
     events, built = events_of(plan_args, text, step)
-    whole = reply_items(text, plan_tools(*plan_args))
+    _, whole = events_of(plan_args, text, len(text))
     assert [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in built] == [
         {k: v for k, v in i.items() if k not in ("id", "call_id")} for i in whole] == [
         {"type": "function_call", "status": "completed", "name": "a", "arguments": '{"x": [1, 2]}'},
@@ -92,6 +96,61 @@ def test_auto_reply_content_then_a_call_and_plain_text() -> None:
                                                 "response.output_item.done"]
     [turn] = output_turns(built)
     assert (turn.role, turn.content) == ("assistant", "Hello there")
+
+
+THOUGHT = 'Maybe <tool_call>\n{"name": "a", "arguments": {}}\n</tool_call> fits.'
+ANSWER = 'Sure. <tool_call>\n{"name": "b", "arguments": {"zone": "CET"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_reasoning_is_an_item_first_and_calls_come_from_the_answer_only(step: int) -> None:
+    reasoning = ReasoningPlan(get_reasoning_parser("qwen3"), "<|im_start|>assistant\n<think>\n")
+    events, built = events_of((TOOLS, "auto"), f"{THOUGHT}\n</think>\n\n{ANSWER}", step, reasoning)
+    assert [i["type"] for i in built] == ["reasoning", "message", "function_call"]
+    thought, message, call = built
+    assert thought == {"id": thought["id"], "type": "reasoning", "status": "completed", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": THOUGHT}]} and thought["id"].startswith("rs_")
+    assert reasoning_text(built) == THOUGHT
+    assert message["content"][0]["text"] == "Sure." and (call["name"], call["arguments"]) == ("b", '{"zone": "CET"}')
+    mine = [e for e in events if e.get("output_index") == 0]
+    assert [e["type"] for e in mine][:2] == ["response.output_item.added", "response.content_part.added"]
+    assert [e["type"] for e in mine][-3:] == ["response.reasoning_text.done", "response.content_part.done",
+                                              "response.output_item.done"]
+    assert mine[0]["item"]["content"] == [] and mine[1]["part"] == {"type": "reasoning_text", "text": ""}
+    assert "".join(e["delta"] for e in mine if e["type"] == "response.reasoning_text.delta") == THOUGHT
+    assert mine[-3]["text"] == THOUGHT and all(e["item_id"] == thought["id"] for e in mine if "item_id" in e)
+    _, cut = events_of(([], None), "still thinking", step, reasoning)  # the block open at the end
+    assert [(i["type"], i["content"][0]["text"]) for i in cut] == [("reasoning", "still thinking")]
+
+
+def test_reasoning_items_are_the_next_assistant_turns_reasoning() -> None:
+    turns = item_turns(items(
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "Look."}]},
+        {"role": "assistant", "content": "Checking."},
+        {"type": "function_call", "call_id": "c1", "name": "a", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "ignored"}], "encrypted_content": "x",
+         "content": [{"type": "reasoning_text", "text": "Sunny."}]},
+        {"type": "function_call", "call_id": "c2", "name": "b", "arguments": "{}"},
+        {"type": "reasoning", "summary": []},  # nothing follows it: dropped
+        {"role": "user", "content": "Thanks."}))
+    assert [(t.role, t.content, t.reasoning_content) for t in turns] == [
+        ("user", "Weather?", None), ("assistant", "Checking.", "Look."), ("tool", "sunny", None),
+        ("assistant", None, "Sunny."), ("user", "Thanks.", None)]
+    assert [c["id"] for c in turns[1].tool_calls] == ["c1"] and [c["id"] for c in turns[3].tool_calls] == ["c2"]
+
+
+@pytest.mark.parametrize("template, effort, kwargs", [
+    ("{% if enable_thinking is false %}off{% endif %}", "none", {"enable_thinking": False}),
+    ("{% if enable_thinking is false %}off{% endif %}", "low", {"enable_thinking": True}),
+    ("{% if enable_thinking is false %}off{% endif %}", None, {}),  # the template's default
+    ("{% if thinking %}on{% endif %}", "high", {"thinking": True}),  # DeepSeek V3.1's and Granite's switch
+    ("Reasoning: {{ reasoning_effort }}", "high", {"reasoning_effort": "high"}),  # gpt-oss's
+    ("{{ messages }}", "high", {}),  # no switch: nothing set
+])
+def test_effort_sets_the_switch_the_template_reads(template: str, effort: str | None, kwargs: dict) -> None:
+    assert effort_kwargs(template, effort) == kwargs
 
 
 def test_the_store_drops_the_least_recently_used_finished_response() -> None:

@@ -1,13 +1,12 @@
 """Reasoning over the API (`--reasoning-parser qwen3`) on the built-in model, with a chat template whose
 generation prompt opens a think block unless `enable_thinking` is false; and the chat template options
 (`chat_template_kwargs`, the server's defaults, `add_generation_prompt`, `continue_final_message`,
-`echo`)."""
+`echo`, an assistant's earlier `reasoning_content`)."""
 
 from __future__ import annotations
 
 import json
 import re
-import time
 
 import httpx
 import openai
@@ -18,17 +17,11 @@ from conveyor.reasoning import REASONING_PARSERS
 from conveyor.reasoning.think_tags import Qwen3Parser
 from conveyor.server import BackgroundServer, ServerSettings
 
+from tests.serving_helpers import THINK_NOTE, THINK_TEMPLATE, settles, think_settings
 from tests.structured_check import check
-from tests.utils import greedy, idle
+from tests.utils import greedy
 
-THINK_TEMPLATE = (
-    "{% if system_note is defined %}<|im_start|>system\n{{ system_note }}<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}")
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
-NOTE = "Answer in one word."
 TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object", "properties": {
     k: {"type": "string"}}}}} for n, k in (("get_weather", "city"), ("get_time", "zone"))]
 
@@ -40,9 +33,7 @@ def llm() -> LLM:
 
 @pytest.fixture(scope="module")
 def url(llm: LLM):
-    settings = ServerSettings(served_model_names=["smol"], enable_auto_tool_choice=True, reasoning_parser="qwen3",
-                              default_chat_template_kwargs={"system_note": NOTE})
-    with BackgroundServer(llm, settings) as url:
+    with BackgroundServer(llm, think_settings()) as url:
         yield url
 
 
@@ -50,14 +41,6 @@ def url(llm: LLM):
 def http(url: str):
     with httpx.Client(base_url=url, timeout=120) as client:
         yield client
-
-
-def settles(llm: LLM) -> None:
-    """Every block comes back (a stream's last requests end within a step of its last event)."""
-    deadline = time.monotonic() + 10
-    while not idle(llm):
-        assert time.monotonic() < deadline, llm.stats()
-        time.sleep(0.05)
 
 
 def chat(http: httpx.Client, stream: bool, **body) -> dict:
@@ -92,7 +75,7 @@ def chat(http: httpx.Client, stream: bool, **body) -> dict:
 
 
 def test_an_open_think_block_is_reasoning_and_thinking_off_is_content(http: httpx.Client, llm: LLM) -> None:
-    note = {"system_note": NOTE}  # the server's default template kwargs
+    note = {"system_note": THINK_NOTE}  # the server's default template kwargs
     [thought] = llm.chat([ASK], greedy(16, ignore_eos=False), use_tqdm=False, chat_template_kwargs=note)
     assert "</think>" not in thought.text and thought.text.strip()  # the block is still open at the end
     for stream in (False, True):
@@ -174,8 +157,8 @@ def test_a_reasoning_stream_cancelled_midway_gives_back_its_blocks(url: str, llm
 def test_template_options_continue_echo_and_kwargs(http: httpx.Client, llm: LLM) -> None:
     opened = ASK + [{"role": "assistant", "content": "The capital of France is"}]
     options = {"add_generation_prompt": False, "continue_final_message": True}
-    [ref] = llm.chat([opened], greedy(6, ignore_eos=False), use_tqdm=False, chat_template_kwargs={"system_note": NOTE},
-                     **options)
+    [ref] = llm.chat([opened], greedy(6, ignore_eos=False), use_tqdm=False,
+                     chat_template_kwargs={"system_note": THINK_NOTE}, **options)
     for stream in (False, True):
         reply = chat(http, stream, messages=opened, max_tokens=6, echo=True, **options)
         assert (reply["role"], reply["content"], reply["reasoning"]) == ("assistant", opened[-1]["content"] + ref.text,
@@ -187,7 +170,12 @@ def test_template_options_continue_echo_and_kwargs(http: httpx.Client, llm: LLM)
         return http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1} | body).json()["usage"][
             "prompt_tokens"]
 
-    assert prompt_tokens() == len(llm.render_chat(ASK, chat_template_kwargs={"system_note": NOTE}))
+    assert prompt_tokens() == len(llm.render_chat(ASK, chat_template_kwargs={"system_note": THINK_NOTE}))
+    answered = [ASK[0], {"role": "assistant", "content": "Paris.", "reasoning_content": "Easy."}, ASK[0]]
+    rendered = len(llm.render_chat(answered, chat_template_kwargs={"system_note": THINK_NOTE}))
+    assert prompt_tokens(messages=answered) == rendered  # an earlier reasoning goes to a template that renders it
+    unthought = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in answered]
+    assert prompt_tokens(messages=unthought) < rendered
     other = {"system_note": "Be brief."}  # the request's kwargs go over the server's defaults
     assert prompt_tokens(chat_template_kwargs=other) == len(llm.render_chat(ASK, chat_template_kwargs=other))
     for body, param in (({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),

@@ -1,13 +1,14 @@
 """Between the Responses API and the chat machinery: input items become chat turns (rendered by the
 model's chat template as chat completions are), `tools` / `tool_choice` / `text.format` become the
-chat route's tool plan and output constraint, and a reply becomes output items, whole or as the
-stream events that build them.
+chat route's tool plan and output constraint, `reasoning.effort` the template's thinking switch, and
+a reply becomes output items, whole or as the stream events that build them.
 
-A reply's content goes into a `message` item (one `output_text` part, no annotations), each tool
-call into a `function_call` item, in the order the reply makes them: the tool plan's `ToolReply`
-(`server/tools.py`) reads calls out of the text as chat completions do. A model's reasoning is not
-split off yet: once a reasoning parser reads it, it becomes a `reasoning` item ahead of the message
-(`reply_items`, `OutputBuilder.feed`).
+A reply is read as chat completions read it (`replies.ChatReply`): the reasoning the server's
+reasoning parser splits off becomes a `reasoning` item (one `reasoning_text` part, an empty
+`summary`) ahead of the answer; the answer's content goes into a `message` item (one `output_text`
+part, no annotations), each tool call read from the answer into a `function_call` item, in the order
+the reply makes them. A reasoning item sent back as input is the reasoning of the assistant turn
+that follows it, which the template renders if it reads an assistant's reasoning.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from pydantic import TypeAdapter
 from ...sampling_params import StructuredOutputsParams
 from ...tool_parsers import ToolParser
 from ..protocol import APIError, ChatMessage, SamplingFields
+from ..replies import ChatReply, ReasoningPlan, switch_kwargs, template_variables
 from ..response_format import body_constraint
 from ..tools import ToolPlan, plan_tools
 from .protocol import (ContentPart, FunctionCallItem, FunctionCallOutputItem, InputItem, JSONObjectFormat,
-                       JSONSchemaFormat, MessageItem, NamedFunction, ResponsesRequest)
+                       JSONSchemaFormat, MessageItem, NamedFunction, ReasoningItem, ResponsesRequest)
 
 TEXT_PARTS = ("input_text", "output_text")
+# The items whose text comes in one content part: (the part's type, the id's prefix, the part's fields)
+TEXT_ITEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "message": ("output_text", "msg", {"annotations": []}), "reasoning": ("reasoning_text", "rs", {})}
 ITEMS = TypeAdapter(list[InputItem])
 Event = dict[str, Any]
 
@@ -41,19 +46,26 @@ def input_turns(body: ResponsesRequest) -> list[ChatMessage]:
 
 def item_turns(items: Sequence[InputItem]) -> list[ChatMessage]:
     """Chat turns of input items (or of earlier output items): function calls join the assistant turn
-    just before them, as one chat message carries a reply's text and its calls; reasoning items are
-    left out (the model's reasoning is not rendered back)."""
+    just before them, as one chat message carries a reply's text and its calls; a reasoning item's text
+    is the reasoning of the assistant turn that follows it (dropped when no assistant turn does)."""
     turns: list[ChatMessage] = []
+    thoughts: list[str] = []  # reasoning items' text, for the next assistant turn
     for i, item in enumerate(items):
+        if isinstance(item, ReasoningItem):
+            thoughts += [part.text for part in item.content or []]
+            continue
+        thought = "\n".join(thoughts) or None
+        thoughts = []
         if isinstance(item, MessageItem):
-            turns.append(ChatMessage(role=item.role, content=text_of(item.content, f"input[{i}].content")))
+            turns.append(ChatMessage(role=item.role, content=text_of(item.content, f"input[{i}].content"),
+                                     reasoning_content=thought if item.role == "assistant" else None))
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function",
                     "function": {"name": item.name, "arguments": item.arguments}}
-            if turns and turns[-1].role == "assistant":
+            if turns and turns[-1].role == "assistant" and thought is None:
                 turns[-1] = turns[-1].model_copy(update={"tool_calls": [*(turns[-1].tool_calls or []), call]})
             else:
-                turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call]))
+                turns.append(ChatMessage(role="assistant", content=None, tool_calls=[call], reasoning_content=thought))
         elif isinstance(item, FunctionCallOutputItem):
             turns.append(ChatMessage(role="tool", tool_call_id=item.call_id,
                                      content=text_of(item.output, f"input[{i}].output")))
@@ -87,6 +99,16 @@ def tool_plan(body: ResponsesRequest, parser: type[ToolParser], auto_enabled: bo
     return plan_tools(tools, choice, parser, auto_enabled, body.parallel_tool_calls)
 
 
+def effort_kwargs(template: str, effort: str | None) -> dict[str, Any]:
+    """`reasoning.effort` as template variables, as vLLM reads it: "none" turns the template's thinking
+    switch off, any other effort on (`replies.switch_kwargs`: none set where the template reads none);
+    a template that reads `reasoning_effort` (gpt-oss's) gets the effort itself."""
+    kwargs = switch_kwargs(template, None if effort is None else effort != "none")
+    if effort is not None and "reasoning_effort" in template_variables(template):
+        kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
 def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
     """`text.format`'s constraint, built as chat's `response_format` (a strict schema closed first)."""
     fmt = body.text.format if body.text is not None else None
@@ -100,33 +122,30 @@ def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
 
 
 # -- the reply, as output items -------------------------------------------------------------------
-def reply_items(text: str, plan: ToolPlan, status: str = "completed") -> list[dict[str, Any]]:
-    """The output items of a finished reply (`status`: "completed", or "incomplete" when it was cut
-    short). Once a reasoning parser splits a reply, its reasoning becomes a `reasoning` item first."""
-    builder = OutputBuilder(plan)
-    builder.feed(text, text, True)
-    builder.close(status)
-    return builder.items
+def reasoning_text(items: list[dict[str, Any]]) -> str:
+    """The text of the reasoning items among output items (what `reasoning_tokens` counts)."""
+    return "".join(part["text"] for item in items if item["type"] == "reasoning" for part in item["content"])
 
 
 class OutputBuilder:
     """The output items of one reply, built as its text grows, each change announced to `emit` as a
     stream event. The events hold the live items: `emit` serializes each one before returning."""
 
-    def __init__(self, plan: ToolPlan, emit: Callable[[Event], None] = lambda event: None) -> None:
-        self.reply = plan.reply() if plan.active else None
+    def __init__(self, plan: ToolPlan, reasoning: ReasoningPlan | None = None,
+                 emit: Callable[[Event], None] = lambda event: None) -> None:
+        self.reply = ChatReply(reasoning or ReasoningPlan(), plan)
         self.emit = emit
         self.items: list[dict[str, Any]] = []
         self.calls: dict[int, dict[str, Any]] = {}  # the reply's call index -> its item
         self.open: dict[str, Any] | None = None  # the item the next change extends (the last one)
 
-    def feed(self, text: str, delta: str, finished: bool) -> None:
-        """The reply so far (`text`; `delta`: what is new since the last feed). The reasoning parser,
-        when there is one, will split its reasoning off here: `response.reasoning_text.delta` events
-        into a `reasoning` item, before the content."""
-        change: dict[str, Any] = {"content": delta} if self.reply is None else self.reply.feed(text, finished)
+    def feed(self, text: str, finished: bool) -> None:
+        """The reply so far: its reasoning, content and calls since the last feed, as chat's deltas."""
+        change = self.reply.feed(text, finished)
+        if change.get("reasoning_content"):
+            self.add_text("reasoning", change["reasoning_content"])
         if change.get("content"):
-            self.add_text(change["content"])
+            self.add_text("message", change["content"])
         for piece in change.get("tool_calls", []):
             self.add_call(piece)
 
@@ -138,26 +157,29 @@ class OutputBuilder:
         self.open = None
         item["status"] = status
         where = self.where(item)
-        if item["type"] == "message":
+        if item["type"] in TEXT_ITEMS:
             part = item["content"][0]
-            self.emit({"type": "response.output_text.done", **where, "content_index": 0, "text": part["text"],
-                       "logprobs": []})
+            logprobs = {"logprobs": []} if item["type"] == "message" else {}
+            self.emit({"type": f"response.{part['type']}.done", **where, "content_index": 0, "text": part["text"]}
+                      | logprobs)
             self.emit({"type": "response.content_part.done", **where, "content_index": 0, "part": part})
         else:
             self.emit({"type": "response.function_call_arguments.done", **where, "arguments": item["arguments"]})
         self.emit({"type": "response.output_item.done", "output_index": where["output_index"], "item": item})
 
-    def add_text(self, delta: str) -> None:
+    def add_text(self, kind: str, delta: str) -> None:
+        """Text for a `message` or a `reasoning` item: the open one if it is of that kind, else a new one."""
+        part_type, prefix, fields = TEXT_ITEMS[kind]
         item = self.open
-        if item is None or item["type"] != "message":
-            item = self.start({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant",
-                               "status": "in_progress", "content": []})
-            part = {"type": "output_text", "text": "", "annotations": []}
+        if item is None or item["type"] != kind:
+            item = self.start({"id": f"{prefix}_{uuid.uuid4().hex}", "type": kind, "status": "in_progress"}
+                              | ({"role": "assistant"} if kind == "message" else {"summary": []}) | {"content": []})
+            part = {"type": part_type, "text": ""} | fields
             item["content"].append(part)
             self.emit({"type": "response.content_part.added", **self.where(item), "content_index": 0, "part": part})
         item["content"][0]["text"] += delta
-        self.emit({"type": "response.output_text.delta", **self.where(item), "content_index": 0, "delta": delta,
-                   "logprobs": []})
+        self.emit({"type": f"response.{part_type}.delta", **self.where(item), "content_index": 0, "delta": delta}
+                  | ({"logprobs": []} if kind == "message" else {}))
 
     def add_call(self, piece: dict[str, Any]) -> None:
         """One call's change, as `ToolReply.feed` gives it: a new call carries its id and name."""

@@ -5,8 +5,9 @@ ignored, fields that would change the result and cannot be honoured refused (`co
 templates); the models carry the limits the server enforces, so that the OpenAPI schema documents
 them. Input items are the text kinds a chat template can render: messages (`input_text` /
 `output_text` parts; images, files and audio are named here so that the handler can refuse them with
-a clear 400), `function_call` and `function_call_output` items, and `reasoning` items (accepted, as a
-client may send back a whole earlier output, and not rendered).
+a clear 400), `function_call` and `function_call_output` items, and `reasoning` items (a client sends
+back a whole earlier output: their `reasoning_text` goes to a template that renders an assistant's
+reasoning, `responses.items.item_turns`).
 """
 
 from __future__ import annotations
@@ -63,8 +64,16 @@ class FunctionCallOutputItem(Strict):
     output: str | list[ContentPart]
 
 
+class ReasoningText(Strict):
+    type: Literal["reasoning_text"]
+    text: str
+
+
 class ReasoningItem(Strict):
+    """An earlier reasoning item; its summary and encrypted content are ignored (this server writes neither)."""
+
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
 
 
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
@@ -104,7 +113,8 @@ class TextConfig(Strict):
 
 
 class Reasoning(Strict):
-    """Accepted and echoed; it changes nothing until the server reads a model's reasoning."""
+    """As vLLM reads it: "none" turns the chat template's thinking switch off, any other effort on
+    (`items.effort_kwargs`); echoed in the response."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 

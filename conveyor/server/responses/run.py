@@ -23,10 +23,11 @@ from typing import Any
 from ...request import RequestOutput
 from ...sampling_params import SamplingParams
 from ..protocol import APIError, ChatMessage
+from ..replies import ReasoningPlan
 from ..serving import Submission, failure
 from ..streaming import dumps
 from ..tools import ToolPlan
-from .items import OutputBuilder, output_turns, reply_items
+from .items import OutputBuilder, output_turns, reasoning_text
 from .protocol import NamedFunction, ResponsesRequest
 from .store import StoredResponse
 
@@ -57,11 +58,16 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, params
     }
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
-    """OpenAI's usage object; no tokens are counted as cached or reasoning yet."""
+def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; no tokens are counted as cached. `reasoning_tokens`: the reasoning items'
+    text encoded again (the markers and the whitespace around them are not counted)."""
     return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
+
+
+def token_count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 class ResponseRun:
@@ -69,15 +75,15 @@ class ResponseRun:
     gives the server-sent events. `failure`: after the end, the error a waiting client answers with
     (the engine failed, or the server aborted it), None otherwise."""
 
-    def __init__(self, response: dict[str, Any], plan: ToolPlan, sub: Submission, prompt_tokens: int,
-                 conversation: list[ChatMessage], stream: bool) -> None:
-        self.plan, self.sub, self.prompt_tokens, self.conversation = plan, sub, prompt_tokens, conversation
+    def __init__(self, response: dict[str, Any], plan: ToolPlan, reasoning: ReasoningPlan, sub: Submission,
+                 prompt_tokens: int, conversation: list[ChatMessage], stream: bool) -> None:
+        self.sub, self.prompt_tokens, self.conversation = sub, prompt_tokens, conversation
         self.record = StoredResponse(response, cancel=self.cancel)
         self.response = response
         self.queue: asyncio.Queue[str | None] | None = asyncio.Queue() if stream else None
-        self.builder = OutputBuilder(plan, self.emit) if stream else None
-        if self.builder is not None:
-            response["output"] = self.builder.items  # GET shows a stream's output so far
+        self.builder = OutputBuilder(plan, reasoning, self.emit)  # fed as tokens come when streamed, else once
+        response["output"] = self.builder.items  # GET shows a stream's output so far
+        self.reasoning_tokens = 0
         self.sequence = 0
         self.cancelled = False  # by POST .../cancel or DELETE
         self.failure: APIError | None = None
@@ -109,9 +115,11 @@ class ResponseRun:
         final: RequestOutput | None = None
         try:
             async for _, out in self.sub.outputs():
-                if self.builder is not None and (out.delta_text or out.finished):
-                    self.builder.feed(out.text, out.delta_text, out.finished)
+                if out.finished or (self.queue is not None and out.delta_text):
+                    self.builder.feed(out.text, out.finished)
                 final = out
+            if thought := reasoning_text(self.builder.items):
+                self.reasoning_tokens = await self.count(thought)
         except Exception:  # a bug: the response fails, the server goes on
             logger.exception("response %s failed", self.response["id"])
             final = None
@@ -125,15 +133,21 @@ class ResponseRun:
                 if self.queue is not None:
                     self.queue.put_nowait(None)
 
+    async def count(self, text: str) -> int:
+        """The tokens of `text`, counted off the event loop (0 once the server has stopped its threads)."""
+        serving = self.sub.serving
+        try:
+            return await serving.prepare(token_count, serving.tokenizer, text)
+        except RuntimeError:  # the preparing threads are shut down
+            return 0
+
     def finish(self, out: RequestOutput | None) -> None:
         """The response as it ended, its last events, and the turns a next response continues from."""
         status = STATUS[out.finish_reason or "error"] if out is not None else "failed"
         item_status = "completed" if status == "completed" else "incomplete"
-        if self.builder is not None:
-            self.builder.close(item_status)
-        elif out is not None:
-            self.response["output"] = reply_items(out.text, self.plan, item_status)
-        self.response.update(status=status, usage=usage(self.prompt_tokens, out.num_output_tokens if out else 0))
+        self.builder.close(item_status)
+        self.response.update(status=status, usage=usage(self.prompt_tokens, out.num_output_tokens if out else 0,
+                                                        self.reasoning_tokens))
         if status == "completed":
             self.response["completed_at"] = int(time.time())
         elif status == "incomplete":

@@ -1,9 +1,10 @@
 """POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API (the `anthropic` SDK,
 Claude Code) over the chat machinery (`anthropic_messages`), whole or as Anthropic's server-sent
 events: `message_start`, then per content block `content_block_start`, `content_block_delta`
-(`text_delta`, `input_json_delta`) and `content_block_stop`, then `message_delta` (stop reason,
-output tokens) and `message_stop`; a request that fails midway ends with an `error` event. Errors are
-Anthropic's error objects (`errors.answer`); the key may come as `x-api-key`.
+(`thinking_delta` then one `signature_delta`, `text_delta`, `input_json_delta`) and
+`content_block_stop`, then `message_delta` (stop reason, output tokens) and `message_stop`; a request
+that fails midway ends with an `error` event. Errors are Anthropic's error objects (`errors.answer`);
+the key may come as `x-api-key`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from ..anthropic_messages import MessageReply, chat_messages, new_id, sampling_fields, tool_plan, usage
+from ..anthropic_messages import (MessageReply, chat_messages, new_id, sampling_fields, thinking_kwargs, tool_plan,
+                                  usage)
 from ..anthropic_protocol import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, anthropic_error
-from ..serving import Serving, Submission, failure
+from ..replies import plan_reasoning, template_options
+from ..serving import ChatPrompt, Serving, Submission, failure
 from ..streaming import SSEResponse, collect, dumps
 from ..tools import ToolPlan
 from .deps import ANTHROPIC_AUTH, ServingDep
@@ -37,15 +40,19 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": AnthropicErrorResponse, "description": ERRORS[code]} for code in codes}
 
 
-def render(serving: Serving, body: CountTokensRequest, plan: ToolPlan) -> list[int]:
-    """The prompt's token ids: the conversation through the chat template, then the prefill (call it off
-    the event loop: `prepare`)."""
+def render(serving: Serving, body: CountTokensRequest, plan: ToolPlan) -> tuple[ChatPrompt, dict[str, Any]]:
+    """The prompt: the conversation through the chat template (`thinking` as its switch, over the server's
+    default template kwargs), then the prefill; and the template options it was rendered with (call it
+    off the event loop: `prepare`)."""
     messages, prefill = chat_messages(body)
-    ids = serving.render_chat(messages, plan)
+    options = template_options(thinking_kwargs(body, serving.chat_template),
+                               serving.settings.default_chat_template_kwargs)
+    prompt = serving.render_chat_prompt(messages, plan, **options)
     if not prefill:
-        return ids
+        return prompt, options
     serving.check_length(prefill, "messages")
-    return ids + serving.tokenizer.encode(prefill, add_special_tokens=False)
+    return ChatPrompt(prompt.text + prefill,
+                      prompt.ids + serving.tokenizer.encode(prefill, add_special_tokens=False)), options
 
 
 @router.post("/v1/messages", dependencies=ANTHROPIC_AUTH,
@@ -53,21 +60,25 @@ def render(serving: Serving, body: CountTokensRequest, plan: ToolPlan) -> list[i
 async def messages(body: MessagesRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
     plan = tool_plan(body, serving.tool_parser, serving.settings.enable_auto_tool_choice)
-    prompt = await serving.prepare(render, serving, body, plan)
+    prompt, options = await serving.prepare(render, serving, body, plan)
+    shown = body.thinking is None or body.thinking.display != "omitted"
+    reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
+                               plan.mode in ("named", "required"), include=shown)
     message_id = new_id("msg")
-    requests = await serving.prepare(serving.build_requests, message_id, [prompt], sampling_fields(body),
+    requests = await serving.prepare(serving.build_requests, message_id, [prompt.ids], sampling_fields(body),
                                      body.max_tokens, None, "messages", constraint=(plan.constraint, "tools"),
-                                     keep_special=plan.mode == "auto" and serving.keep_special)
+                                     keep_special=(plan.mode == "auto" and serving.keep_special)
+                                     or (reasoning.parser is not None and serving.keep_reasoning_special))
     sub = serving.submit(requests)
     head = {"id": message_id, "type": "message", "role": "assistant", "model": serving.model_name}
+    reply = MessageReply(plan, reasoning)
     if body.stream:
-        return SSEResponse(events(sub, head, len(prompt), MessageReply(plan)), sub)
+        return SSEResponse(events(sub, head, len(prompt.ids), reply), sub)
     [out] = await collect(sub, raw)
-    reply = MessageReply(plan)
     reply.feed(out.text, True)
     reason, sequence = reply.stop_reason(out)
     return JSONResponse(head | {"content": reply.content(), "stop_reason": reason, "stop_sequence": sequence,
-                                "usage": usage(len(prompt), out.num_output_tokens)})
+                                "usage": usage(len(prompt.ids), out.num_output_tokens)})
 
 
 def event(data: dict[str, Any]) -> str:
@@ -97,4 +108,5 @@ async def count_tokens(body: CountTokensRequest, serving: ServingDep) -> dict[st
     server takes `tool_choice` "auto")."""
     serving.check_model(body.model)
     plan = tool_plan(body, serving.tool_parser, auto_enabled=True)
-    return {"input_tokens": len(await serving.prepare(render, serving, body, plan))}
+    prompt, _ = await serving.prepare(render, serving, body, plan)
+    return {"input_tokens": len(prompt.ids)}

@@ -3,8 +3,10 @@
 
 A request is a chat completion underneath: its input items become chat turns, after the previous
 response's conversation (`previous_response_id`) if any, with `instructions` as a system turn first;
-tools, tool_choice and text.format go through the chat route's plan and constraints
-(`responses.items`). The response runs on its own task (`responses.run`) and, unless
+tools, tool_choice and text.format go through the chat route's plan and constraints, and the reply is
+read as chat's is: reasoning (with `--reasoning-parser`), then the answer's message and calls
+(`responses.items`); `reasoning.effort` sets the template's thinking switch, over the server's
+`--default-chat-template-kwargs`. The response runs on its own task (`responses.run`) and, unless
 `store: false`, stays in the server's memory (`responses.store`) for GET, cancel and the next turn.
 Cancelling or deleting a response in progress, or a client leaving, cancels its engine request, so
 its KV blocks return to the pool within a step.
@@ -20,11 +22,12 @@ from fastapi.responses import JSONResponse, Response
 
 from ..openapi import STREAMED, ErrorResponse, error_responses
 from ..protocol import APIError, ChatMessage, SamplingFields
-from ..responses.items import input_turns, text_constraint, tool_plan
+from ..replies import plan_reasoning, template_options
+from ..responses.items import effort_kwargs, input_turns, text_constraint, tool_plan
 from ..responses.protocol import ResponsesRequest
 from ..responses.run import ResponseRun, response_object
 from ..responses.store import ResponseStore, StoredResponse
-from ..serving import Serving
+from ..serving import ChatPrompt, Serving
 from ..streaming import SSEResponse, unless_disconnected
 from ..tools import ToolPlan
 from .deps import AUTH, ServingDep
@@ -67,15 +70,22 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
     if not conversation:
         raise APIError(400, "input is empty: no message to answer", param="input")
     instructions = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
-    prompt = await serving.prepare(render, serving, instructions + conversation, plan)
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    options = template_options(effort_kwargs(serving.chat_template, effort),
+                               serving.settings.default_chat_template_kwargs)
+    prompt = await serving.prepare(render, serving, instructions + conversation, plan, options)
+    reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
+                               forced is not None or text is not None)
     response_id = f"resp_{uuid.uuid4().hex}"
     sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p)
-    requests = await serving.prepare(serving.build_requests, response_id, [prompt], sampling, body.max_output_tokens,
-                                     None, "input", constraint=(forced, "tools") if forced else (text, "text"),
-                                     keep_special=plan.mode == "auto" and serving.keep_special)
+    requests = await serving.prepare(serving.build_requests, response_id, [prompt.ids], sampling,
+                                     body.max_output_tokens, None, "input",
+                                     constraint=(forced, "tools") if forced else (text, "text"),
+                                     keep_special=(plan.mode == "auto" and serving.keep_special)
+                                     or (reasoning.parser is not None and serving.keep_reasoning_special))
     sub = serving.submit(requests)
-    run = ResponseRun(response_object(response_id, body, serving.model_name, requests[0].params), plan, sub,
-                      len(prompt), conversation, body.stream)
+    run = ResponseRun(response_object(response_id, body, serving.model_name, requests[0].params), plan, reasoning,
+                      sub, len(prompt.ids), conversation, body.stream)
     if body.store:
         store.put(response_id, run.record)
     run.start()
@@ -92,10 +102,10 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
     return JSONResponse(run.response)
 
 
-def render(serving: Serving, messages: list[ChatMessage], plan: ToolPlan) -> list[int]:
-    """The conversation's token ids, its errors naming `input` (call it off the event loop)."""
+def render(serving: Serving, messages: list[ChatMessage], plan: ToolPlan, options: dict[str, Any]) -> ChatPrompt:
+    """The conversation rendered, its errors naming `input` (call it off the event loop)."""
     try:
-        return serving.render_chat(messages, plan)
+        return serving.render_chat_prompt(messages, plan, **options)
     except APIError as exc:
         exc.param = "input"
         raise

@@ -1,0 +1,190 @@
+"""Reasoning through the Responses and Messages APIs (`--reasoning-parser qwen3`), with the official openai and
+anthropic clients against a server on the built-in model whose chat template opens a think block unless
+`enable_thinking` is false: a `reasoning` item or a `thinking` block first, then the answer; streamed as the
+APIs' reasoning deltas, adding up to the whole reply; the APIs' thinking switches (`reasoning.effort`,
+`thinking`) set the template's; earlier reasoning goes back to a template that renders it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from conveyor import LLM
+from conveyor.reasoning.think_tags import Qwen3Parser
+from conveyor.server import BackgroundServer
+
+from tests.serving_helpers import THINK_NOTE, THINK_TEMPLATE, settles, think_settings
+from tests.utils import greedy
+
+# The built-in model echoes this (greedy), closing the block the template opened: reasoning, then an answer.
+ECHO = "Echo: The user greets me.</think>Hello!"
+NOTE = {"system_note": THINK_NOTE}  # the server's default template kwargs
+OFF = NOTE | {"enable_thinking": False}
+WEATHER = {"type": "object", "required": ["city"], "additionalProperties": False,
+           "properties": {"city": {"type": "string", "maxLength": 12}}}
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", chat_template=THINK_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def url(llm: LLM):
+    with BackgroundServer(llm, think_settings()) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sdk(url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=120)
+
+
+def reference(llm: LLM, conversation: list[dict[str, Any]], kwargs: dict[str, Any], tokens: int = 40) -> tuple:
+    """(reasoning, answer, output) of the greedy reply offline, split as the server splits it."""
+    [out] = llm.chat([conversation], greedy(tokens, ignore_eos=False), use_tqdm=False, chat_template_kwargs=kwargs)
+    reasoning, answer = Qwen3Parser(llm.render_chat_text(conversation, chat_template_kwargs=kwargs)).parse(out.text)
+    return reasoning, answer, out
+
+
+def without_ids(value: Any) -> Any:
+    """A response or message as plain data, its ids and times left out (they differ between two calls), and
+    the stream helper's `parsed` text."""
+    if isinstance(value, list):
+        return [without_ids(v) for v in value]
+    if isinstance(value, dict):
+        return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created_at", "completed_at", "parsed")}
+    return without_ids(value.model_dump()) if hasattr(value, "model_dump") else value
+
+
+# -- the Responses API ----------------------------------------------------------------------------
+def test_a_response_is_its_reasoning_item_then_the_message(client: openai.OpenAI, llm: LLM) -> None:
+    thought, answer, ref = reference(llm, [{"role": "user", "content": ECHO}], NOTE)
+    assert thought and answer and ref.finish_reason == "stop"
+    kwargs = {"model": "smol", "input": ECHO, "max_output_tokens": 40, "temperature": 0}
+    reply = client.responses.create(**kwargs, reasoning={"effort": "medium"})
+    assert reply.status == "completed" and [i.type for i in reply.output] == ["reasoning", "message"]
+    item, message = reply.output
+    assert item.id.startswith("rs_") and item.summary == [] and item.status == "completed"
+    assert [(c.type, c.text) for c in item.content] == [("reasoning_text", thought)]
+    assert reply.output_text == message.content[0].text == answer and reply.reasoning.effort == "medium"
+    usage = reply.usage
+    assert (usage.input_tokens, usage.output_tokens) == (ref.num_prompt_tokens, ref.num_output_tokens)
+    assert usage.output_tokens_details.reasoning_tokens == len(llm.tokenizer.encode(thought, add_special_tokens=False))
+    assert without_ids(client.responses.retrieve(reply.id).output) == without_ids(reply.output)  # stored whole
+
+    with client.responses.stream(**kwargs, reasoning={"effort": "medium"}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert without_ids(final) == without_ids(reply)  # greedy: the streamed response is the same
+    kinds = [e.type for e in events if getattr(e, "output_index", None) == 0]
+    assert kinds[:2] == ["response.output_item.added", "response.content_part.added"]
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    settles(llm)
+
+
+def test_effort_none_turns_thinking_off(client: openai.OpenAI, llm: LLM) -> None:
+    _, answer, ref = reference(llm, [{"role": "user", "content": "What is the capital of France?"}], OFF, 16)
+    for stream in (False, True):
+        kwargs = {"model": "smol", "input": "What is the capital of France?", "max_output_tokens": 16,
+                  "temperature": 0, "reasoning": {"effort": "none"}}
+        if stream:
+            with client.responses.stream(**kwargs) as events:
+                reply = events.get_final_response()
+        else:
+            reply = client.responses.create(**kwargs)
+        assert [i.type for i in reply.output] == ["message"] and reply.output_text == answer
+        usage = reply.usage
+        assert usage.input_tokens == ref.num_prompt_tokens and usage.output_tokens_details.reasoning_tokens == 0
+    settles(llm)
+
+
+def test_earlier_reasoning_goes_back_to_the_template(client: openai.OpenAI, llm: LLM) -> None:
+    first = client.responses.create(model="smol", input=ECHO, max_output_tokens=40, temperature=0)
+    item, message = first.output
+    answered = {"role": "assistant", "content": message.content[0].text, "reasoning_content": item.content[0].text}
+    conversation = [{"role": "user", "content": ECHO}, answered, {"role": "user", "content": "Thanks."}]
+    expected = len(llm.render_chat(conversation, chat_template_kwargs=NOTE))
+    follow = client.responses.create(model="smol", previous_response_id=first.id, input="Thanks.", max_output_tokens=1)
+    assert follow.usage.input_tokens == expected
+    items = [{"role": "user", "content": ECHO}, *[o.model_dump(exclude_none=True) for o in first.output],
+             {"role": "user", "content": "Thanks."}]
+    sent = client.responses.create(model="smol", input=items, max_output_tokens=1, store=False)
+    assert sent.usage.input_tokens == expected
+    settles(llm)
+
+
+def test_a_forced_call_is_read_from_its_first_token(client: openai.OpenAI, llm: LLM) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
+    reply = client.responses.create(model="smol", input="Weather in Paris?", max_output_tokens=40, temperature=0,
+                                    tools=[tool], tool_choice={"type": "function", "name": "get_weather"})
+    [call] = reply.output  # the constraint writes the reply: no reasoning in it
+    assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    settles(llm)
+
+
+# -- the Messages API -----------------------------------------------------------------------------
+def create(sdk: anthropic.Anthropic, stream: bool, **kwargs: Any) -> tuple[anthropic.types.Message, list]:
+    """A greedy message, whole or as the SDK's stream helper accumulates it, and the stream's events."""
+    kwargs = {"model": "smol", "max_tokens": 40, "messages": [{"role": "user", "content": ECHO}],
+              "extra_body": {"temperature": 0}} | kwargs
+    if not stream:
+        return sdk.messages.create(**kwargs), []
+    with sdk.messages.stream(**kwargs) as events:
+        seen = list(events)
+        return events.get_final_message(), seen
+
+
+def test_a_message_is_its_thinking_block_then_the_text(sdk: anthropic.Anthropic, llm: LLM) -> None:
+    thought, answer, ref = reference(llm, [{"role": "user", "content": ECHO}], NOTE)
+    enabled = {"type": "enabled", "budget_tokens": 1024}
+    whole, _ = create(sdk, False, thinking=enabled)
+    assert [b.type for b in whole.content] == ["thinking", "text"] and whole.stop_reason == "end_turn"
+    assert (whole.content[0].thinking, whole.content[0].signature, whole.content[1].text) == (thought, "", answer)
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (ref.num_prompt_tokens, ref.num_output_tokens)
+    streamed, events = create(sdk, True, thinking=enabled)
+    assert without_ids(streamed) == without_ids(whole)
+    assert "".join(e.thinking for e in events if e.type == "thinking") == thought
+    assert [e.signature for e in events if e.type == "signature"] == [""]
+    assert without_ids(create(sdk, False)[0]) == without_ids(whole)  # no `thinking`: the template's default, on
+    settles(llm)
+
+
+def test_thinking_disabled_is_text_only(sdk: anthropic.Anthropic, llm: LLM) -> None:
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    _, answer, ref = reference(llm, ask, OFF, 16)
+    for stream in (False, True):
+        message, _ = create(sdk, stream, messages=ask, max_tokens=16, thinking={"type": "disabled"})
+        assert [(b.type, b.text) for b in message.content] == [("text", answer)]
+        assert message.usage.input_tokens == ref.num_prompt_tokens
+    counted = sdk.messages.count_tokens(model="smol", messages=ask, thinking={"type": "disabled"})
+    assert counted.input_tokens == ref.num_prompt_tokens
+    settles(llm)
+
+
+def test_a_forced_tool_use_and_earlier_thinking(sdk: anthropic.Anthropic, llm: LLM) -> None:
+    tool = {"name": "get_weather", "input_schema": WEATHER}
+    message, _ = create(sdk, False, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
+                        tool_choice={"type": "tool", "name": "get_weather"})
+    [use] = message.content  # the constraint writes the reply: no thinking in it
+    assert use.type == "tool_use" and set(use.input) == {"city"} and message.stop_reason == "tool_use"
+    turns = [{"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": ""},
+                                               use.model_dump(exclude_none=True)]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+    counted = sdk.messages.count_tokens(model="smol", messages=turns, tools=[tool])
+    unthought = sdk.messages.count_tokens(model="smol", messages=turns[:1] + [
+        {"role": "assistant", "content": [use.model_dump(exclude_none=True)]}] + turns[2:], tools=[tool])
+    assert counted.input_tokens > unthought.input_tokens  # the template renders the turn's reasoning
+    settles(llm)
