@@ -1,8 +1,9 @@
 """`python -m conveyor.bench SUBCOMMAND ...` (and, once mounted, `conveyor bench ...`).
 
-Subcommands: `throughput` (offline throughput, optionally against transformers or vLLM), `serve`
-(online serving benchmark of any OpenAI-compatible server, over HTTP), `perplexity` (a model's
-perplexity on a text, in windows, through prompt logprobs). The project CLI can mount the suite with
+Subcommands: `throughput` (offline throughput, optionally against transformers or vLLM), `decode`
+(decode at depth against the machine's read bandwidth), `serve` (online serving benchmark of any
+OpenAI-compatible server, over HTTP), `perplexity` (a model's perplexity on a text, in windows,
+through prompt logprobs). The project CLI can mount the suite with
 `add_subcommands(subparsers)` or simply call `main(argv)`. The checkout's diagnostics, QA harnesses
 and simulations are in tools/ (not installed).
 """
@@ -30,7 +31,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import perplexity, serve, throughput
+    from . import decode, perplexity, serve, throughput
 
     commands = [
         ("throughput", throughput,
@@ -52,6 +53,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "and max_new_tokens=1, all in one LLM.generate call); with --stride below the window only tokens not "
          "scored before count (sliding-window perplexity). Reports perplexity, tokens scored, tokens/s and the "
          "model, dtype and quantization. Exit code 1 if any window failed."),
+        ("decode", decode,
+         "decode tok/s at depth (long prompts, each KV cache dtype) and the bytes a step reads vs bandwidth",
+         "Streams of --context random prompt tokens decode --tokens tokens together; the KV cache dtypes asked "
+         "for run interleaved repeat by repeat (and llama.cpp's llama-bench -d at the same depth with "
+         "--llama-bench). Reports decode tok/s (median and spread), the bytes a step reads (weights + KV) and "
+         "their rate against the machine's measured read bandwidth."),
     ]
     for name, module, help_text, description in commands:
         p = subparsers.add_parser(name, help=help_text, description=description)

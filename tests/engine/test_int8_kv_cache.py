@@ -1,7 +1,8 @@
 """kv_cache_dtype="int8" through the engine: the choices and their errors, a pool of smaller pages (more
 tokens in the same memory), outputs that do not depend on how the batch was built (decode stack or eager
-layers, chunk sizes, offloading), the PyTorch backend's int8 path agreeing with the native one, and the
-error int8 adds to the model's log-probabilities."""
+layers, chunk sizes, offloading), the PyTorch backend's int8 path agreeing with the native one (sliding
+windows too), prefix hits, speculation and the pool's figures over int8 pages, and the error int8 adds to the
+model's log-probabilities."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.cache.kv_format import kv_format
 from conveyor.errors import ConfigError
 
-from tests.utils import (VOCAB, TinyModel, agreement, all_free, greedy, greedy_ids, next_token_logprobs,
-                         random_prompts)
+from tests.utils import (NGRAM, VOCAB, TinyModel, agreement, all_free, copy_prompts, greedy, greedy_ids,
+                         next_token_logprobs, random_prompts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -124,3 +125,53 @@ def test_the_built_in_model_in_int8() -> None:
     error = scored["int8"] - scored["auto"]
     assert error.abs().mean() < 0.06 and error.abs().max() < 1.0, (error.abs().mean(), error.abs().max())
     assert abs(error.mean()) < 0.02, error.mean()
+
+
+def test_prefix_hits_read_the_int8_pages_their_owner_wrote(tiny_models: dict[str, TinyModel]) -> None:
+    """Requests sharing a long prefix: with block sharing on they skip its prefill and read the int8 pages
+    (and scales) the first one wrote; the same tokens as with sharing off, every block back."""
+    model = tiny_models["llama_smooth"]
+    shared = random_prompts([33], seed=8)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 6, 9, 4], seed=9)]
+    params = greedy(12)
+    outs = {}
+    for sharing in (False, True):
+        llm = model.llm(kv_cache_dtype="int8", page_size=4, allow_block_sharing=sharing)
+        llm.generate(prompts[:1], params, use_tqdm=False)  # the prefix is cached before the rest arrive
+        outs[sharing] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert (llm.stats().prefix_cache_hit_tokens >= 4 * 32) == sharing and all_free(llm)
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("kind", ["mistral_sliding", "gemma2"])
+def test_sliding_windows_read_int8_as_the_pytorch_backend(tiny_models: dict[str, TinyModel], kind: str) -> None:
+    """Windowed layers (alone, or beside full ones in their own pool group) in int8: the native kernels and
+    the PyTorch backend agree past the window."""
+    model = tiny_models[kind]
+    prompts = random_prompts([5, 19, 30, 12], seed=43)
+    native = model.llm(kv_cache_dtype="int8", page_size=4)
+    torch_backend = model.llm(kv_cache_dtype="int8", page_size=4, attention_backend="torch")
+    err = (next_token_logprobs(native, prompts) - next_token_logprobs(torch_backend, prompts)).abs().max().item()
+    assert err < 1e-4, err
+    assert greedy_ids(native, prompts, 16) == greedy_ids(torch_backend, prompts, 16)
+    assert all_free(native) and all_free(torch_backend)
+
+
+def test_speculation_over_int8_pages_equals_speculation_off(tiny_models: dict[str, TinyModel]) -> None:
+    """n-gram speculation verifies drafts against int8 pages and rolls rejected rows back: the tokens of
+    plain int8 decoding, every block back."""
+    model = tiny_models["llama_smooth"]
+    prompts = copy_prompts()
+    params = [greedy(n) for n in (30, 17, 25, 9, 40, 22, 20)]
+    plain = model.llm(kv_cache_dtype="int8", max_batch_tokens=32)
+    spec = model.llm(kv_cache_dtype="int8", max_batch_tokens=32, speculative_config=NGRAM)
+    assert ([o.token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+            == [o.token_ids for o in plain.generate(prompts, params, use_tqdm=False)])
+    assert spec.engine.speculator.stats()["num_accepted_tokens"] > 0 and all_free(spec)
+
+
+def test_the_pool_figures_count_int8_bytes(tiny_models: dict[str, TinyModel]) -> None:
+    """cache_usage (the dashboard's and /metrics' source) reports the int8 pool's own bytes."""
+    llm = tiny_models["llama"].llm(kv_cache_dtype="int8", num_blocks=40)
+    usage = llm.cache_usage()
+    assert usage["bytes"] == llm.engine.pool.nbytes == sum(layer.numel() for layer in llm.engine.pool.kv)

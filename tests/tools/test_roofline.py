@@ -18,7 +18,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.kernels import cpu_matmul_ops, vector_flags
 from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
 from conveyor.request import RequestState
-from tools.roofline.bandwidth import (
+from conveyor.bench.bandwidth import (
     format_streaming,
     last_level_cache_bytes,
     read_bandwidth,
@@ -173,7 +173,7 @@ def test_rejects_bad_arguments() -> None:
         main(["ceiling", "--batch", "0"])
 
 
-# -- weight streaming (tools/roofline/bandwidth.py) ---------------------------------------------------
+# -- weight streaming (conveyor/bench/bandwidth.py) ---------------------------------------------------
 # 2 layers x (qkv 128x64 + o 64x64 + gate_up 256x64 + down 64x128), and the 300 x 64 head
 LAYER_PARAMS = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128)
 HEAD_PARAMS = 300 * 64

@@ -22,7 +22,7 @@ Four measurements, all on the same model object (a `CausalLM`, as `LLM` builds i
    prompts are prefilled, then `Engine.step()` is timed and split into model forward, LM head +
    sampling, input preparation (`ModelRunner.prepare`) and the rest (scheduling, token append,
    detokenization), by wrapping those methods on the instances for the duration of the timing.
-4. Weight streaming (`bandwidth.py`, `step` only): the weight bytes a step reads over its model
+4. Weight streaming (`conveyor.bench.bandwidth`, `step` only): the weight bytes a step reads over its model
    forward + LM head time, against the machine's read bandwidth probed right after.
 
 `ceiling` reports 1 and 2; `step` reports all four and the ratio of Conveyor's step to the dense

@@ -17,7 +17,7 @@ from conveyor.engine.step_buffers import LogitsBuffer
 from conveyor.layers.attention import AttentionBackend, attend
 from conveyor.layers.quantization.linear import QuantMatmul
 
-from .bandwidth import head_bytes, linear_bytes
+from conveyor.bench.bandwidth import head_bytes, linear_bytes
 from .expert_load import expert_shapes
 from .peaks import linear_path, measure_peaks
 

@@ -14,7 +14,7 @@ from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.bench.modes import add_mode_arguments, describe_mode, resolved_mode
 from conveyor.bench.throughput import environment
 
-from .bandwidth import MIN_PROBE_BYTES, format_streaming, read_bandwidth, streaming_report, weight_bytes
+from conveyor.bench.bandwidth import MIN_PROBE_BYTES, format_streaming, read_bandwidth, streaming_report, weight_bytes
 from .measure import DenseBench, measure_dense, measure_matmuls, median, model_device
 from .step import measure_step, step_config
 
