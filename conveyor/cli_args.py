@@ -84,8 +84,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default=None,
                        help="auto (default: Triton on CUDA, native kernels on CPU), torch, cpu or triton")
     group.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=None,
-                       help="auto (default: the model's dtype) or int8 (CPU: about twice the tokens in the same "
-                       "memory)")
+                       help="auto (default: the model's dtype), int8 (CPU: about twice the tokens in the same "
+                       "memory) or fp8 / fp8_e4m3 / fp8_e5m2 (CUDA, or CPU with --attention-backend torch)")
     group.add_argument("--no-block-sharing", action="store_true", help="turn prefix caching off")
     group.add_argument("--speculative-config", default=None, metavar="JSON",
                        help="speculative decoding, vLLM's JSON, e.g. "

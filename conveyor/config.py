@@ -42,8 +42,9 @@ class ContinuousBatchingConfig:
         pads without capturing (for tests: padded steps must give the unpadded outputs).
     attention_backend: "auto" (Triton on CUDA, the native kernels on CPU for fp32/bf16, else PyTorch),
         "torch", "cpu" (native) or "triton" (CUDA; on CPU only with TRITON_INTERPRET=1, for tests).
-    kv_cache_dtype: how K/V rows are stored (vLLM's name): "auto" (the model's dtype) or "int8" (CPU: a
-        scale per token and KV head; the same memory holds about twice the tokens). `cache/kv_format.py`.
+    kv_cache_dtype: how K/V rows are stored (vLLM's name): "auto" (the model's dtype), "int8" (CPU: a
+        scale per token and KV head; the same memory holds about twice the tokens), "fp8" (= "fp8_e4m3")
+        or "fp8_e5m2" (CUDA's Triton kernel, or the PyTorch backend). `cache/kv_format.py`.
     speculative_config: vLLM's speculative decoding options (a dict or `SpeculativeConfig`), None = off.
     step_history: keep the last N steps' records (batch composition, duration) for the dashboard;
         0 = off (the server turns it on).

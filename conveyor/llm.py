@@ -100,7 +100,7 @@ class LLM:
         is chunked (`config.batch_invariant`; None: VLLM_BATCH_INVARIANT=1 turns it on, as in vLLM).
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
     seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split
-    over that many ranks: docs/scale-out.md), kv_cache_dtype ("auto" or "int8": docs/configuration.md):
+    over that many ranks: docs/scale-out.md), kv_cache_dtype ("auto", "int8", "fp8": docs/configuration.md):
     vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).

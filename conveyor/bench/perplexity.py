@@ -137,7 +137,10 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=None,
                         help="per-pass token budget (default: ContinuousBatchingConfig's)")
     parser.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks")
-    parser.add_argument("--kv-cache-dtype", default=None, help="auto (default) or int8: how the KV cache is stored")
+    parser.add_argument("--kv-cache-dtype", default=None,
+                        help="auto (default), int8, fp8, fp8_e5m2: how the KV cache is stored")
+    parser.add_argument("--attention-backend", default=None,
+                        help="as ContinuousBatchingConfig's (fp8 on CPU needs torch)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None,
                         help="split the model over N ranks (docs/scale-out.md)")
     parser.add_argument("--out", default=None, help="write the report as JSON here")
@@ -162,7 +165,8 @@ def run_from_args(args: Any) -> int:
 
     overrides = {k: v for k, v in (("max_batch_tokens", args.max_batch_tokens), ("num_blocks", args.num_blocks),
                                    ("tensor_parallel_size", args.tensor_parallel_size),
-                                   ("kv_cache_dtype", args.kv_cache_dtype)) if v is not None}
+                                   ("kv_cache_dtype", args.kv_cache_dtype),
+                                   ("attention_backend", args.attention_backend)) if v is not None}
     started = time.perf_counter()
     try:
         llm = load_llm(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,

@@ -29,6 +29,7 @@ import torch
 
 from ..request import Request
 from .allocator import CacheAllocator
+from .kv_format import as_bytes
 from .pool import CachePool
 from .transfer import to_device
 
@@ -77,8 +78,8 @@ class SwapPool:
         first = pool.kv[0]
         self.device = first.device
         pin = first.device.type == "cuda"
-        self.kv = [torch.empty(2, num_slots, pool.page_size, *layer.shape[2:], dtype=layer.dtype,
-                               device="cpu", pin_memory=pin) for layer in pool.kv]
+        self.kv = [torch.empty(2, num_slots, pool.page_size, *layer.shape[2:], dtype=as_bytes(layer).dtype,
+                               device="cpu", pin_memory=pin) for layer in pool.kv]  # fp8 pages as their bytes
         self._free: deque[int] = deque(range(num_slots))
         self.slots: dict[str, list[int]] = {}  # swapped request -> its slots, in `chunks_holding` order
         self._pending: deque[_PendingCopy] = deque()  # swap-outs not yet scattered into their slots
@@ -99,7 +100,7 @@ class SwapPool:
         return request_id in self.slots
 
     def _device_view(self, layer: int) -> torch.Tensor:
-        kv = self.pool.kv[layer]
+        kv = as_bytes(self.pool.kv[layer])
         return kv.view(2, self.pool.num_chunks, self.pool.page_size, *kv.shape[2:])
 
     def swap_out(self, entries: list[tuple[str, list[int]]]) -> None:

@@ -78,7 +78,7 @@ def ragged_batch(decode_positions: torch.Tensor | None, decode_block_tables: tor
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: RaggedBatch,
                     scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (any row and head strides); kv_cache: [2, slots, Hkv, D] with
-    unit last stride; `sinks`: gpt-oss's attention-sink logits, fp32 [H] (None: none). Reads the cache,
+    unit last stride, of k's dtype or fp8 (widened as loaded); `sinks`: gpt-oss's attention-sink logits, fp32 [H] (None: none). Reads the cache,
     does not write it. Returns [T, H, D]."""
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -156,9 +156,10 @@ def _paged_attention_kernel(q_ptr, k_ptr, v_ptr, cache_ptr, out_ptr, sinks_ptr, 
         row = (q_start + key_pos - pos).to(tl.int64)[:, None]
         from_cache = cached[:, None] & d_ok[None, :]
         from_batch = new[:, None] & d_ok[None, :]
-        k_blk = tl.where(from_cache, tl.load(k_cache + slot, mask=from_cache, other=0.0),
+        # an fp8 cache's rows are widened to the batch's dtype as they load (a no-op for a cache of that dtype)
+        k_blk = tl.where(from_cache, tl.load(k_cache + slot, mask=from_cache, other=0.0).to(k_ptr.dtype.element_ty),
                          tl.load(k_ptr + row * stride_kt + kvh * stride_kh + d[None, :], mask=from_batch, other=0.0))
-        v_blk = tl.where(from_cache, tl.load(v_cache + slot, mask=from_cache, other=0.0),
+        v_blk = tl.where(from_cache, tl.load(v_cache + slot, mask=from_cache, other=0.0).to(v_ptr.dtype.element_ty),
                          tl.load(v_ptr + row * stride_vt + kvh * stride_vh + d[None, :], mask=from_batch, other=0.0))
         if DOT_FP32:
             k_blk = k_blk.to(tl.float32)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..cache.kv_format import dequantize_kv, write_kv
+from ..cache.kv_format import as_bytes, decode_kv, encode_kv, is_encoded, write_kv
 from ..errors import ConfigError, install_command
 from ..kernels import cpu_paged_attention, native_kernels_enabled
 
@@ -97,9 +97,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def read_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The K (or V) rows `[n, Hkv, D]` of `slots` from one half of the cache, int8 rows dequantized to `dtype`."""
-    rows = cache.index_select(0, slots)
-    return dequantize_kv(rows, dtype) if cache.dtype == torch.uint8 else rows
+    """The K (or V) rows `[n, Hkv, D]` of `slots` from one half of the cache, int8 or fp8 rows decoded to
+    `dtype`."""
+    return decode_kv(as_bytes(cache).index_select(0, slots).view(cache.dtype), dtype)
 
 
 class AttentionBackend:
@@ -135,9 +135,9 @@ class TorchPagedAttention(AttentionBackend):
 
     def _gather(self, kv_cache: torch.Tensor, slots: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given cache slots, `[n, Hkv, D]` each, in the workspace (int8 rows dequantized to
-        `dtype`)."""
-        if kv_cache.dtype == torch.uint8:
+        """K and V of the given cache slots, `[n, Hkv, D]` each, in the workspace (int8 or fp8 rows decoded
+        to `dtype`)."""
+        if is_encoded(kv_cache.dtype):
             return read_kv(kv_cache[0], slots, dtype), read_kv(kv_cache[1], slots, dtype)
         n = slots.numel()
         ws = self._workspace
@@ -255,10 +255,13 @@ class TritonPagedAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
-        out = self.kernel.paged_attention(q, k, v, kv_cache, meta.ragged, scale, softcap, sinks)
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]. An fp8 cache's
+        rows are widened as the kernel loads them; the pass attends to its own K/V as the cache holds them."""
+        stored_k, stored_v = encode_kv(kv_cache.dtype, k), encode_kv(kv_cache.dtype, v)
+        out = self.kernel.paged_attention(q, decode_kv(stored_k, k.dtype), decode_kv(stored_v, v.dtype), kv_cache,
+                                          meta.ragged, scale, softcap, sinks)
+        as_bytes(kv_cache[0]).index_copy_(0, meta.slot_mapping, as_bytes(stored_k))
+        as_bytes(kv_cache[1]).index_copy_(0, meta.slot_mapping, as_bytes(stored_v))
         return out
 
 
@@ -276,9 +279,13 @@ def make_attention_backend(device: torch.device, dtype: torch.dtype, backend: st
         raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return TorchPagedAttention()
-    if kv_cache_dtype != "auto" and backend == "triton":
-        raise ConfigError(f"attention_backend='triton' does not read a kv_cache_dtype={kv_cache_dtype!r} cache; use "
-                          "'auto', 'cpu' or 'torch'")
+    if kv_cache_dtype == "int8" and backend == "triton":
+        raise ConfigError("attention_backend='triton' does not read a kv_cache_dtype='int8' cache (CPU's); use "
+                          "'auto', 'cpu' or 'torch', or kv_cache_dtype='fp8'")
+    if kv_cache_dtype.startswith("fp8") and device.type == "cpu" and backend in ("auto", "cpu"):
+        raise ConfigError(f"kv_cache_dtype={kv_cache_dtype!r}: the native CPU kernels read 'int8', the CPU's "
+                          "quantized cache (the same bytes a token); fp8 is read by the Triton kernel on CUDA, and "
+                          "on CPU only by attention_backend='torch' (slower)")
     if backend == "triton" or (backend == "auto" and device.type == "cuda" and triton_available()):
         return _triton_backend(device, dtype)
     native = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled()

@@ -232,7 +232,7 @@ class CausalLM(nn.Module):
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                    metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
-        if self.decode_stack is not None and self.decode_stack.takes(x, metas):
+        if self.decode_stack is not None and self.decode_stack.takes(x, kv_caches, metas):
             cos, sin = self.rotary(positions, x.dtype)  # as the eager layers take them (bf16: rounded)
             return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size))
         for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),

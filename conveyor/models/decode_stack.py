@@ -120,12 +120,12 @@ class DecodeStack:
         return cls(native, len(layers))
 
     @staticmethod
-    def takes(x: torch.Tensor, metas: Sequence[AttentionMetadata]) -> bool:
+    def takes(x: torch.Tensor, kv_caches: Sequence[torch.Tensor], metas: Sequence[AttentionMetadata]) -> bool:
         """A decode-only batch of at most MAX_ROWS rows over the paged cache (not, say, the roofline
-        bench's contiguous K/V)."""
+        bench's contiguous K/V) in the model's dtype or int8 rows (fp8 pages are the PyTorch backend's)."""
         rows, meta = x.shape[0], metas[0]
         return (0 < rows <= MAX_ROWS and isinstance(meta, AttentionMetadata) and meta.num_decodes == rows
-                and not meta.prefills)
+                and not meta.prefills and kv_caches[0].dtype in (x.dtype, torch.uint8))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                  metas: Sequence[AttentionMetadata], page_size: int) -> torch.Tensor:

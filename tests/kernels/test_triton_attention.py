@@ -20,6 +20,7 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 
 from conveyor import LLM, ContinuousBatchingConfig
+from conveyor.cache.kv_format import as_bytes, to_fp8
 from conveyor.config import ConfigError
 from conveyor.kernels import triton_attention
 from conveyor.layers import attention
@@ -31,7 +32,8 @@ from conveyor.layers.attention import (
 )
 
 from tests.attention_utils import BF16_TOL, interpreter_only, ragged_metadata  # noqa: E402
-from tests.utils import TinyModel, all_free, assert_greedy_match, greedy_ids, hf_greedy, random_prompts  # noqa: E402
+from tests.utils import (TinyModel, all_free, assert_greedy_match, greedy_ids, hf_greedy,  # noqa: E402
+                         next_token_logprobs, random_prompts)
 
 INTERPRETED = triton_attention.INTERPRETED
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled Triton)")
@@ -43,14 +45,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def run_backends(specs: list[tuple[int, int]], page_size: int, heads: int, kv_heads: int, dim: int,
                  window: int | None, softcap: float | None, dtype: torch.dtype, device: torch.device = CPU,
-                 seed: int = 0) -> None:
-    """Triton and PyTorch on one random batch: same outputs, same cache afterwards."""
+                 seed: int = 0, cache_dtype: torch.dtype | None = None) -> None:
+    """Triton and PyTorch on one random batch: same outputs, same cache afterwards. `cache_dtype`: an fp8
+    cache (its pages and the batch's new K/V as it stores them, widened by both)."""
     num_chunks = 96
     g = torch.Generator().manual_seed(seed)
     total = sum(n for n, _ in specs)
     qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).to(dtype).to(device)
     q, k, v = (x.view(total, -1, dim) for x in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
     cache = torch.randn(2, num_chunks * page_size, kv_heads, dim, generator=g).to(dtype).to(device)
+    if cache_dtype is not None:
+        cache = to_fp8(cache, cache_dtype)
     outputs, caches = [], []
     for backend in (TorchPagedAttention(), TritonPagedAttention()):
         meta = ragged_metadata(specs, page_size, window, num_chunks, seed, device)
@@ -62,7 +67,7 @@ def run_backends(specs: list[tuple[int, int]], page_size: int, heads: int, kv_he
     assert out.dtype == dtype and out.shape == q.shape
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(as_bytes(caches[0]), as_bytes(caches[1]))
 
 
 # (q_len, pos) per sequence, decodes first: page boundaries, contexts past one key block (64), chunks
@@ -94,6 +99,19 @@ def test_kernel_fp16_and_small_key_blocks(monkeypatch: pytest.MonkeyPatch) -> No
     run_backends(specs, page, heads, kv_heads, dim, window, softcap, torch.float16)
     run_backends(*CASES["full"], dtype=torch.float32)
     run_backends(*CASES["mha-prefills"], dtype=torch.bfloat16)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@interpreter_only
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", ["full", "window-not-page-multiple-softcap-gqa3"])
+def test_kernel_reads_fp8_pages(case: str, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """kv_cache_dtype fp8: the kernel widens the pages as it loads them and writes the batch's K/V as fp8,
+    as the PyTorch backend does."""
+    run_backends(*CASES[case], dtype=dtype, cache_dtype=cache_dtype)
 
 
 def test_ragged_batch_tiles() -> None:
@@ -135,6 +153,20 @@ def test_greedy_matches_torch_backend_and_transformers(tiny_models: dict[str, Ti
     for i, (prompt, ids) in enumerate(zip(PROMPTS, ours)):
         ref, logits = hf_greedy(model.reference, prompt, MAX_NEW)
         assert_greedy_match(ids, ref, logits, f"{kind} prompt {i}")
+
+
+@interpreter_only
+def test_fp8_cache_greedy_matches_torch_backend(tiny_models: dict[str, TinyModel]) -> None:
+    """A model over fp8 pages: the Triton kernel's tokens and log-probabilities are the PyTorch backend's
+    (both widen the same bytes), at half the bytes of a bf16 cache; every block back."""
+    model = tiny_models["llama_smooth"]
+    config = dict(max_batch_tokens=16, page_size=4, kv_cache_dtype="fp8")
+    llm = model.llm(attention_backend="triton", **config)
+    assert llm.engine.pool.kv[0].dtype == torch.float8_e4m3fn
+    reference = model.llm(attention_backend="torch", **config)
+    assert checked_greedy_ids(llm, PROMPTS, MAX_NEW) == checked_greedy_ids(reference, PROMPTS, MAX_NEW)
+    err = (next_token_logprobs(llm, PROMPTS) - next_token_logprobs(reference, PROMPTS)).abs().max().item()
+    assert err < 1e-4, err
 
 
 @interpreter_only
@@ -188,6 +220,11 @@ def test_backend_choice_on_cpu(tiny_llama: TinyModel, monkeypatch: pytest.Monkey
         monkeypatch.setattr(triton_attention, "INTERPRETED", False)
         with pytest.raises(ConfigError, match="was not set when the kernel was first imported"):
             make_attention_backend(CPU, torch.float32, "triton")
+    with pytest.raises(ConfigError, match="the native CPU kernels read 'int8'"):
+        make_attention_backend(CPU, torch.bfloat16, "auto", kv_cache_dtype="fp8")
+    assert type(make_attention_backend(CPU, torch.bfloat16, "torch", kv_cache_dtype="fp8_e5m2")) is TorchPagedAttention
+    with pytest.raises(ConfigError, match="does not read a kv_cache_dtype='int8' cache"):
+        make_attention_backend(CPU, torch.bfloat16, "triton", kv_cache_dtype="int8")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ConfigError, match="set TRITON_INTERPRET=1 in the environment"):
         make_attention_backend(CPU, torch.float32, "triton")
@@ -203,6 +240,14 @@ def test_backend_choice_on_cpu(tiny_llama: TinyModel, monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("case", list(CASES))
 def test_cuda_kernel_matches_torch_backend(case: str, dtype: torch.dtype) -> None:
     run_backends(*CASES[case], dtype=dtype, device=torch.device("cuda"))
+
+
+@pytest.mark.cuda
+@cuda_only
+@pytest.mark.parametrize("cache_dtype", FP8, ids=["e4m3", "e5m2"])
+def test_cuda_kernel_reads_fp8_pages(cache_dtype: torch.dtype) -> None:
+    run_backends(*CASES["window-not-page-multiple-softcap-gqa3"], dtype=torch.bfloat16,
+                 device=torch.device("cuda"), cache_dtype=cache_dtype)
 
 
 @pytest.mark.cuda
