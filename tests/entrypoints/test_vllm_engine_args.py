@@ -116,14 +116,13 @@ def test_gpu_memory_utilization_is_the_pools_share_of_free_memory(tiny_llama: Ti
 
 def test_vllm_arguments_we_do_not_take_say_what_to_use(tiny_llama: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
     """As on the command line: vLLM's `LLM(trust_remote_code=True)` is taken (a log line says why it has no
-    effect); `enable_chunked_prefill=False` is refused with what to use, a `kv_cache_dtype` we do not run
-    names the ones we do; a name vLLM does not have either is Python's TypeError."""
+    effect); `enable_chunked_prefill=False` is refused with what to use, a `kv_cache_dtype` the CPU's kernels do
+    not read names the one they do; a name vLLM does not have either is Python's TypeError."""
     with caplog.at_level("INFO", logger="conveyor"):
         llm = tiny(tiny_llama, trust_remote_code=True, disable_log_stats=True)
     assert f"trust_remote_code=True: no effect, {ALREADY_SO['--trust-remote-code']}" in caplog.text
     assert llm.generate([[5, 6]], sampled(2), use_tqdm=False)[0].num_output_tokens == 2
-    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8': an fp8 KV cache is not implemented yet; use 'int8' "
-                                          r"\(CPU\) or 'auto'"):
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8': the native CPU kernels read 'int8'"):
         tiny(tiny_llama, kv_cache_dtype="fp8")
     assert tiny(tiny_llama, kv_cache_dtype="int8").engine.pool.kv[0].dtype == torch.uint8
     with pytest.raises(ValueError, match="enable_chunked_prefill=False .* prefill is always chunked"):
