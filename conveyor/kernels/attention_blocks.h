@@ -112,12 +112,27 @@ inline vecw fold_chains(vecw* c) {
 
 // Calls f(d, column) for d = 0, 1, ..., D - 1 in order, column holding element d of W key rows
 // (rows[i] + offset for lane i, widened): a block of keys turned by head-dim entry, so a score is a
-// chain of multiply-adds down a column. bf16 rows are turned as 32-bit pairs and split after (half
-// the shuffles of widening first); a tail of fewer than W entries is gathered.
+// chain of multiply-adds down a column. bf16 rows are turned as 32-bit pairs and int8 rows as 32-bit
+// quads, split after (a half and a quarter of the shuffles of widening first: the turn is what costs
+// at depth); a tail of fewer than W entries is gathered.
 template <typename T, typename F>
 inline void key_columns(const T* const* rows, int64_t offset, int64_t D, F&& f) {
     int64_t d0 = 0;
     vecw r[W];
+    if constexpr (std::is_same_v<T, int8_t>) {
+        for (; d0 + 4 * W <= D; d0 += 4 * W) {
+            for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + d0, sizeof(vecw));
+            transpose(r);
+            for (int j = 0; j < W; ++j) {
+                ivecw x;
+                std::memcpy(&x, &r[j], sizeof x);
+                for (int b = 0; b < 4; ++b) {  // byte b of each lane, sign-extended by the arithmetic shift
+                    const ivecw e = (x << (24 - 8 * b)) >> 24;
+                    f(d0 + 4 * j + b, __builtin_convertvector(e, vecw));
+                }
+            }
+        }
+    }
     if constexpr (std::is_same_v<T, bf16>) {
         for (; d0 + 2 * W <= D; d0 += 2 * W) {
             for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + d0, sizeof(vecw));
