@@ -165,6 +165,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="critical, error, warning, info (default) or debug")
     add_tool_and_body_args(parser)
+    add_operations_args(parser)
 
 
 def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
@@ -188,3 +189,17 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
                        help="most Responses API responses kept in memory for GET and previous_response_id, the "
                        "least recently used going first (default 1024; 0: none)")
+
+
+def add_operations_args(parser: argparse.ArgumentParser) -> None:
+    """What an operator sets in production (vLLM's names): CORS (docs/operating.md)."""
+    group = parser.add_argument_group("operations: CORS")
+    group.add_argument("--allowed-origins", default=None, metavar="JSON",
+                       help='origins a browser may call from, a JSON list, e.g. \'["http://localhost:3000"]\' '
+                       '(\'["*"]\': any); CORS is off without it')
+    group.add_argument("--allowed-methods", default=None, metavar="JSON",
+                       help='HTTP methods allowed cross-origin (default \'["*"]\')')
+    group.add_argument("--allowed-headers", default=None, metavar="JSON",
+                       help='request headers allowed cross-origin (default \'["*"]\')')
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="let browsers send cookies and Authorization headers cross-origin")

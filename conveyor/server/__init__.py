@@ -8,7 +8,8 @@ object), `serving` (admission, the engine bridge, rendering), `limits` (the body
 limits), `tools` and `response_format` (what a request constrains), `replies` (chat template
 options, reasoning split from the answer), `request_fields` (llama.cpp's fields, unknown ones),
 `metrics` (Prometheus), `streaming` (server-sent events, collected results), `errors` (the error
-handlers), `routes` (a module per route family), `app` (puts them together). `run_server` serves in the foreground with graceful
+handlers), `routes` (a module per route family), `settings` (`ServerSettings`), `cors` (cross-origin
+requests), `app` (puts them together). `run_server` serves in the foreground with graceful
 SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks). uvicorn runs on
 uvloop and httptools (dependencies, as vLLM's server): each streamed token wakes the event loop and
 writes a chunk, and on 2 cores that work takes its time from the decode threads (one stream on the
@@ -97,7 +98,7 @@ import uvicorn
 from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from .app import build_app
-from .serving import ServerSettings
+from .settings import ServerSettings
 
 __all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer", "GracefulServer", "check_address"]
 

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from ..llm import LLM
+from .cors import add_cors
 from .errors import add_error_handlers
 from .limits import BodyLimit
 from .openapi import instance_schema
 from .responses.store import ResponseStore
 from .routes import include_routes
-from .serving import ServerSettings, Serving
+from .serving import Serving
+from .settings import ServerSettings
 
 
 def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
@@ -30,6 +32,7 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=serving.max_request_bytes)
+    add_cors(app, serving.settings.cors)  # outermost: preflights answered first, errors get its headers
     app.state.serving = serving
     app.state.responses = ResponseStore(serving.settings.max_stored_responses)
     add_error_handlers(app)
