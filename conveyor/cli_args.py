@@ -192,8 +192,9 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_operations_args(parser: argparse.ArgumentParser) -> None:
-    """What an operator sets in production (vLLM's names): CORS (docs/operating.md)."""
-    group = parser.add_argument_group("operations: CORS")
+    """What an operator sets in production (vLLM's names where vLLM has them): CORS and logs
+    (docs/operating.md)."""
+    group = parser.add_argument_group("operations: CORS, logs")
     group.add_argument("--allowed-origins", default=None, metavar="JSON",
                        help='origins a browser may call from, a JSON list, e.g. \'["http://localhost:3000"]\' '
                        '(\'["*"]\': any); CORS is off without it')
@@ -203,3 +204,12 @@ def add_operations_args(parser: argparse.ArgumentParser) -> None:
                        help='request headers allowed cross-origin (default \'["*"]\')')
     group.add_argument("--allow-credentials", action="store_true",
                        help="let browsers send cookies and Authorization headers cross-origin")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log one line per request when it ends: id, prompt length, parameters, outcome, timings")
+    group.add_argument("--log-prompts", action="store_true", help="the request log includes each prompt")
+    group.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                       help="most prompt characters (or token ids) the request log shows (default: all)")
+    group.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="text (default) or json: one JSON object per line, for log shippers")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no access log line per HTTP request")

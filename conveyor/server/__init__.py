@@ -9,7 +9,8 @@ limits), `tools` and `response_format` (what a request constrains), `replies` (c
 options, reasoning split from the answer), `request_fields` (llama.cpp's fields, unknown ones),
 `metrics` (Prometheus), `streaming` (server-sent events, collected results), `errors` (the error
 handlers), `routes` (a module per route family), `settings` (`ServerSettings`), `cors` (cross-origin
-requests), `app` (puts them together). `run_server` serves in the foreground with graceful
+requests), `observers` (what watches requests end: `request_log`), `log_format` (text or JSON lines),
+`app` (puts them together). `run_server` serves in the foreground with graceful
 SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks). uvicorn runs on
 uvloop and httptools (dependencies, as vLLM's server): each streamed token wakes the event loop and
 writes a chunk, and on 2 cores that work takes its time from the decode threads (one stream on the
@@ -98,6 +99,7 @@ import uvicorn
 from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from .app import build_app
+from .log_format import uvicorn_logging
 from .settings import ServerSettings
 
 __all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer", "GracefulServer", "check_address"]
@@ -170,7 +172,8 @@ def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port
     settings.url = settings.url or f"http://{host}:{port}"
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5)  # after the app's own drain
+                            timeout_graceful_shutdown=5,  # after the app's own drain
+                            **uvicorn_logging(settings.log_format, not settings.disable_uvicorn_access_log))
     serving = app.state.serving
     server = GracefulServer(config, serving.request_shutdown)
     serving.on_engine_death = server.drained

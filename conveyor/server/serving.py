@@ -37,6 +37,7 @@ from .handoff import Handoff
 from .limits import default_max_request_bytes, prompt_char_limit
 from .logprobs import LogprobRenderer
 from .metrics import ServerMetrics
+from .observers import RequestObservers
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
 from .settings import ServerSettings
@@ -84,6 +85,7 @@ class Submission:
 
         serving.in_flight += len(self.requests)
         serving.active.add(self)
+        serving.observers.submitted(self.requests)
         for k, request in enumerate(self.requests):
             try:
                 serving.llm.manager.submit(request, on_output=deliver)
@@ -99,9 +101,10 @@ class Submission:
             self.serving.active.discard(self)
 
     def _arrive(self, out: RequestOutput) -> None:
+        i = self.index[out.request_id]
         if out.finished and out.request_id in self.unfinished:
             self._finished(out.request_id)
-        i = self.index[out.request_id]
+            self.serving.observers.finished(self.requests[i], out)
         earlier = self.ready.get(i)
         self.ready[i] = out if earlier is None else coalesce(earlier, out)
         self.arrived.set()
@@ -153,6 +156,7 @@ class Serving:
         # never wait for a long prompt (the tokenizer releases the GIL while it encodes).
         self.workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="conveyor-prepare")
         self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
+        self.observers = RequestObservers.from_settings(settings, self.tokenizer)  # request log, traces
         llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handoff: Handoff | None = None  # engine outputs to the loop (started with the loop)

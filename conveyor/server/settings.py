@@ -24,7 +24,9 @@ class ServerSettings:
     Responses API responses kept for GET and previous_response_id (`responses.store`).
     reasoning_parser: the format of the model's reasoning (`reasoning.REASONING_PARSERS`), split from
     the answer; None = not split. default_chat_template_kwargs: template variables every chat request
-    gets under its own. cors: cross-origin requests (`cors`); None = off."""
+    gets under its own. cors: cross-origin requests (`cors`); None = off. enable_log_requests,
+    log_prompts, max_log_len: the request log (`request_log`); log_format: "text" or "json"
+    (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -39,6 +41,11 @@ class ServerSettings:
     reasoning_parser: str | None = None
     default_chat_template_kwargs: dict[str, Any] | None = None
     cors: CORSSettings | None = None
+    enable_log_requests: bool = False
+    log_prompts: bool = False
+    max_log_len: int | None = None
+    log_format: str = "text"
+    disable_uvicorn_access_log: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -51,6 +58,10 @@ class ServerSettings:
             raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
         if args.max_stored_responses < 0:
             raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+        if args.log_prompts and not args.enable_log_requests:
+            raise ValueError("--log-prompts takes effect only with --enable-log-requests (the request log)")
+        if args.max_log_len is not None and args.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
         kwargs = args.default_chat_template_kwargs
         try:
             kwargs = None if kwargs is None else json.loads(kwargs)
@@ -63,4 +74,7 @@ class ServerSettings:
                    shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
                    tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes,
                    max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
-                   default_chat_template_kwargs=kwargs, cors=CORSSettings.from_args(args))
+                   default_chat_template_kwargs=kwargs, cors=CORSSettings.from_args(args),
+                   enable_log_requests=args.enable_log_requests, log_prompts=args.log_prompts,
+                   max_log_len=args.max_log_len, log_format=args.log_format,
+                   disable_uvicorn_access_log=args.disable_uvicorn_access_log)
