@@ -192,9 +192,9 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_operations_args(parser: argparse.ArgumentParser) -> None:
-    """What an operator sets in production (vLLM's names where vLLM has them): CORS and logs
+    """What an operator sets in production (vLLM's names where vLLM has them): CORS, logs, deadlines
     (docs/operating.md)."""
-    group = parser.add_argument_group("operations: CORS, logs")
+    group = parser.add_argument_group("operations: CORS, logs, deadlines")
     group.add_argument("--allowed-origins", default=None, metavar="JSON",
                        help='origins a browser may call from, a JSON list, e.g. \'["http://localhost:3000"]\' '
                        '(\'["*"]\': any); CORS is off without it')
@@ -213,3 +213,6 @@ def add_operations_args(parser: argparse.ArgumentParser) -> None:
                        help="text (default) or json: one JSON object per line, for log shippers")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no access log line per HTTP request")
+    group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a request still waiting or running this long after it arrived ends with a 504 and "
+                       "finish reason timeout (a request's own request_timeout field wins; default: none)")

@@ -31,6 +31,7 @@ from ..sched.output import SchedulerOutput
 from ..sched.scheduler import make_scheduler
 from ..speculative import Speculator
 from .async_batching import AsyncPipeline
+from .deadlines import Deadlines, timeout_message
 from .draft_runner import DraftProposer, draft_bytes_per_chunk
 from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
 from .input_processor import InputProcessor
@@ -118,6 +119,7 @@ class Engine:
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
+        self.deadlines = Deadlines()  # requests with a request_timeout
         self._constrained = 0  # requests in `requests` with a grammar (they turn async batching off)
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache (%s): %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
@@ -148,6 +150,7 @@ class Engine:
         self._constrained += request.grammar is not None
         self.scheduler.add_request(request)
         self.counters.prompt_tokens += len(request.prompt_token_ids)
+        self.deadlines.add(request)
 
     def cancel_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -189,7 +192,21 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one forward pass; return the requests that produced a token or ended (with async
-        batching: submit one pass and read back the previous one)."""
+        batching: submit one pass and read back the previous one), those past their deadline first."""
+        overdue = self.expire_overdue()
+        if not overdue:
+            return self._step()
+        return overdue + self._step() if self.has_unfinished_requests() else overdue
+
+    def expire_overdue(self) -> list[Request]:
+        """End the requests past their deadline (`deadlines`): finish reason "timeout", blocks back."""
+        now = time.monotonic()
+        overdue = self.deadlines.expired(now, self.requests)
+        for request in overdue:
+            self.finish_request(request, RequestState.FAILED, "timeout", timeout_message(request, now))
+        return overdue
+
+    def _step(self) -> list[Request]:
         if self.pipeline is not None:
             if not self._constrained:
                 return self.pipeline.step()

@@ -61,7 +61,8 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   (validation errors, FastAPI's 422 included), 401 invalid_api_key (only /v1/*, /tokenize and
   /detokenize need the key; /health and /metrics stay open), 404 model_not_found, 500
   server_error (the request failed inside the engine; in a stream: an error event, then [DONE]),
-  503 service_unavailable_error with Retry-After (queue full, or shutting down).
+  503 service_unavailable_error with Retry-After (queue full, or shutting down), 504 request_timeout (past
+  the request's `request_timeout` or the server's `--request-timeout`, waiting or running: `outcomes`).
 - Streaming: the status line and headers go out with the first output (a token, the end, or an
   error), so a request still queued when the server dies has received nothing and a router in front
   (`conveyor serve --data-parallel-size`) retries it on another replica.

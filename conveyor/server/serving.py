@@ -364,7 +364,8 @@ class Serving:
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
-                        skip_special_tokens=body.skip_special_tokens and not keep_special)
+                        skip_special_tokens=body.skip_special_tokens and not keep_special,
+                        request_timeout=body.request_timeout or self.settings.request_timeout)
                     requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
@@ -408,14 +409,3 @@ def request_error(exc: InvalidRequestError, prompt_param: str, structured_param:
 
 # `SamplingParams` fields an engine error may name -> the request body's field (others: the prompt's).
 BODY_FIELDS = {"logit_bias": "logit_bias"}
-
-
-def failure(out: RequestOutput) -> APIError | None:
-    """The error a request that ended badly answers with (None for "stop"/"length")."""
-    if out.finish_reason == "error":
-        return APIError(500, f"the request failed in the engine: {out.error}", type="server_error",
-                        code="engine_error")
-    if out.finish_reason == "abort":
-        return APIError(503, "the request was aborted (server shutting down)", type="service_unavailable_error",
-                        code="request_aborted")
-    return None

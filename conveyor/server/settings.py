@@ -26,7 +26,8 @@ class ServerSettings:
     the answer; None = not split. default_chat_template_kwargs: template variables every chat request
     gets under its own. cors: cross-origin requests (`cors`); None = off. enable_log_requests,
     log_prompts, max_log_len: the request log (`request_log`); log_format: "text" or "json"
-    (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn."""
+    (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn. request_timeout:
+    the deadline of requests that set none (`SamplingParams.request_timeout`); None = none."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -46,6 +47,7 @@ class ServerSettings:
     max_log_len: int | None = None
     log_format: str = "text"
     disable_uvicorn_access_log: bool = False
+    request_timeout: float | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -62,6 +64,8 @@ class ServerSettings:
             raise ValueError("--log-prompts takes effect only with --enable-log-requests (the request log)")
         if args.max_log_len is not None and args.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+        if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+            raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
         kwargs = args.default_chat_template_kwargs
         try:
             kwargs = None if kwargs is None else json.loads(kwargs)
@@ -77,4 +81,4 @@ class ServerSettings:
                    default_chat_template_kwargs=kwargs, cors=CORSSettings.from_args(args),
                    enable_log_requests=args.enable_log_requests, log_prompts=args.log_prompts,
                    max_log_len=args.max_log_len, log_format=args.log_format,
-                   disable_uvicorn_access_log=args.disable_uvicorn_access_log)
+                   disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout)

@@ -38,7 +38,7 @@ def test_schema_carries_the_servers_bounds(llm: LLM) -> None:
     chat = schema["components"]["schemas"]["ChatMessage"]["properties"]["role"]
     assert chat["enum"] == ["system", "developer", "user", "assistant", "tool"]
     responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+    assert set(responses) == {"200", "400", "401", "404", "413", "500", "503", "504"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
 
 
