@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import Any
 
 from .cache.kv_format import KV_CACHE_DTYPES
-from .config import ContinuousBatchingConfig, with_vllm_engine_args
+from .config import SCHEDULING_POLICIES, ContinuousBatchingConfig, with_vllm_engine_args
 from .layers.attention import ATTENTION_BACKENDS
 from .layers.quantization.registry import QUANTIZATIONS
 from .reasoning import REASONING_PARSERS
@@ -103,6 +103,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--swap-space", type=float, default=None, metavar="GIB", help="--cpu-offload-space")
     vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: --no-use-cuda-graph")
     vllm.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N", help="--num-blocks")
+    vllm.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=None,
+                      help="fcfs (first come, first served: --scheduler-type fifo or prefill_first) or priority "
+                      "(--scheduler-type priority: each request's priority field, lower first, preempting)")
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
@@ -117,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                                  swap_space=args.swap_space, enforce_eager=args.enforce_eager,
-                                 num_gpu_blocks_override=args.num_gpu_blocks_override)
+                                 num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                 scheduling_policy=args.scheduling_policy)
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:

@@ -31,8 +31,6 @@ UNSUPPORTED: dict[str, str] = {
                         "requests' KV blocks in host memory",
     "--no-enable-chunked-prefill": "prefill is always chunked, --max-num-batched-tokens tokens a step: raise that "
                                    "to prefill longer prompts in one step",
-    "--scheduling-policy": "requests are admitted first come, first served; --scheduler-type fifo|prefill_first "
-                           "orders decodes and prefills within a step",
     "--guided-decoding-backend": "structured outputs always run on llguidance: drop the flag",
     "--structured-outputs-config": "structured outputs always run on llguidance: drop the flag",
     "--limit-mm-per-prompt": "Conveyor serves text-only models; multimodal inputs are not supported",

@@ -84,7 +84,8 @@ class Engine:
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               self.capacity_tokens, self.allocator.blocks_for_tokens,
-                                              config.max_batch_pages, device, seed=config.seed)
+                                              config.max_batch_pages, device, seed=config.seed,
+                                              priority_scheduling=config.scheduler_type == "priority")
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
@@ -238,16 +239,20 @@ class Engine:
         return updated
 
     def schedule(self) -> SchedulerOutput:
-        """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""
+        """Schedule; offload the requests the scheduler preempts (a waiting request outranks them: priority
+        scheduling) and stalled requests' competitors, retrying at once if nothing could run."""
         if self.model.rope_switch is not None:
             self._switch_rope(self.model.rope_switch)
         out = self._schedule_once()
-        while out.stalled:
-            scheduled = {c.request.request_id for c in out.chunks}
-            victims = choose_victims(self.scheduler.active, scheduled, out.stalled, self.allocator)
-            self._offload(victims)
-            if out.chunks or not victims:
-                break
+        while out.preempted or out.stalled:
+            if out.preempted:  # nothing was scheduled: schedule again once they made room
+                self._offload(out.preempted)
+            else:
+                scheduled = {c.request.request_id for c in out.chunks}
+                victims = choose_victims(self.scheduler.active, scheduled, out.stalled, self.allocator)
+                self._offload(victims)
+                if out.chunks or not victims:
+                    break
             out = self._schedule_once()
         return out
 

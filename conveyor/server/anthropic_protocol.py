@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .protocol import MAX_NEW, SERVED_NAME, RequestTimeout
+from .protocol import MAX_NEW, SERVED_NAME, Priority, RequestTimeout
 
 MESSAGES_PATH = "/v1/messages"
 # The server's status -> Anthropic's (status, error type); other 4xx are invalid_request_error, 5xx api_error.
@@ -182,6 +182,7 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0)  # 0: off
     metadata: dict[str, Any] | None = None  # {"user_id": ...}: accepted, not used
     request_timeout: RequestTimeout = None  # Conveyor's (`protocol.RequestTimeout`)
+    priority: Priority = 0  # vLLM's, as on the OpenAI routes
 
     @field_validator("max_tokens", "top_k", mode="before")
     @classmethod

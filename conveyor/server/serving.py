@@ -365,7 +365,7 @@ class Serving:
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
                         skip_special_tokens=body.skip_special_tokens and not keep_special,
-                        request_timeout=body.request_timeout or self.settings.request_timeout)
+                        request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
                     requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
@@ -408,4 +408,4 @@ def request_error(exc: InvalidRequestError, prompt_param: str, structured_param:
 
 
 # `SamplingParams` fields an engine error may name -> the request body's field (others: the prompt's).
-BODY_FIELDS = {"logit_bias": "logit_bias"}
+BODY_FIELDS = {"logit_bias": "logit_bias", "priority": "priority"}
