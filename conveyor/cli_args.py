@@ -196,9 +196,9 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_operations_args(parser: argparse.ArgumentParser) -> None:
-    """What an operator sets in production (vLLM's names where vLLM has them): CORS, logs, deadlines
-    (docs/operating.md)."""
-    group = parser.add_argument_group("operations: CORS, logs, deadlines")
+    """What an operator sets in production (vLLM's names where vLLM has them): CORS, logs, deadlines,
+    traces (docs/operating.md)."""
+    group = parser.add_argument_group("operations: CORS, logs, deadlines, traces")
     group.add_argument("--allowed-origins", default=None, metavar="JSON",
                        help='origins a browser may call from, a JSON list, e.g. \'["http://localhost:3000"]\' '
                        '(\'["*"]\': any); CORS is off without it')
@@ -220,3 +220,9 @@ def add_operations_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="a request still waiting or running this long after it arrived ends with a 504 and "
                        "finish reason timeout (a request's own request_timeout field wins; default: none)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send a span per request over OTLP to this collector (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: "
+                       "grpc, the default, or http/protobuf); needs the otel extra")
+    group.add_argument("--collect-detailed-traces", default=None, metavar="MODULES",
+                       help="model, worker or all (vLLM's values; any adds the request's milestones as span events "
+                       "and its inter-token latencies)")

@@ -16,6 +16,7 @@ from .responses.store import ResponseStore
 from .routes import include_routes
 from .serving import Serving
 from .settings import ServerSettings
+from .tracing import add_trace_headers
 
 
 def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
@@ -32,6 +33,7 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=serving.max_request_bytes)
+    add_trace_headers(app, serving.settings.tracing)
     add_cors(app, serving.settings.cors)  # outermost: preflights answered first, errors get its headers
     app.state.serving = serving
     app.state.responses = ResponseStore(serving.settings.max_stored_responses)

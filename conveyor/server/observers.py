@@ -1,5 +1,5 @@
-"""What watches the server's requests: the request log (`request_log`), and whatever else an operator turns
-on. Each is told when an HTTP request's engine requests are submitted (in the route handler, so in that
+"""What watches the server's requests: the request log (`request_log`) and the traces (`tracing`), when an
+operator turns them on. Each is told when an HTTP request's engine requests are submitted (in the route handler, so in that
 HTTP request's context) and, on the event loop, when each of them ends, with its final output. With
 none on, this costs an empty loop per submission and per finished request."""
 
@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from ..request import Request, RequestOutput
 from .request_log import RequestLog
 from .settings import ServerSettings
+from .tracing import RequestTracer
 
 
 class RequestObserver(Protocol):
@@ -21,17 +22,23 @@ class RequestObserver(Protocol):
         """`request` ended with `out`, its final output."""
         ...
 
+    def close(self) -> None:
+        """The server stops: write out what is pending."""
+        ...
+
 
 class RequestObservers:
     def __init__(self, observers: list[RequestObserver]) -> None:
         self.observers = observers
 
     @classmethod
-    def from_settings(cls, settings: ServerSettings, tokenizer: Any) -> RequestObservers:
+    def from_settings(cls, settings: ServerSettings, tokenizer: Any, model_name: str) -> RequestObservers:
         observers: list[RequestObserver] = []
         if settings.enable_log_requests:
             observers.append(RequestLog(settings.log_prompts, settings.max_log_len,
                                         lambda ids: tokenizer.decode(ids)))
+        if settings.tracing is not None:
+            observers.append(RequestTracer(settings.tracing, model_name))
         return cls(observers)
 
     def submitted(self, requests: list[Request]) -> None:
@@ -41,3 +48,7 @@ class RequestObservers:
     def finished(self, request: Request, out: RequestOutput) -> None:
         for observer in self.observers:
             observer.finished(request, out)
+
+    def close(self) -> None:
+        for observer in self.observers:
+            observer.close()

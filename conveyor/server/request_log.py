@@ -70,6 +70,9 @@ class RequestLog:
     def submitted(self, requests: list[Request]) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def finished(self, request: Request, out: RequestOutput) -> None:
         values = self.fields(request, out)
         text = (f"request {values['request_id']} ended: {values['finish_reason']}, {values['output_tokens']} tokens "

@@ -156,7 +156,7 @@ class Serving:
         # never wait for a long prompt (the tokenizer releases the GIL while it encodes).
         self.workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="conveyor-prepare")
         self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
-        self.observers = RequestObservers.from_settings(settings, self.tokenizer)  # request log, traces
+        self.observers = RequestObservers.from_settings(settings, self.tokenizer, self.model_name)  # logs, traces
         llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handoff: Handoff | None = None  # engine outputs to the loop (started with the loop)
@@ -228,6 +228,7 @@ class Serving:
         if self._drain_task is not None:
             await self._drain_task
         await asyncio.to_thread(self.llm.manager.stop, 10.0)
+        self.observers.close()  # after the last requests' ends
         self.workers.shutdown(wait=False, cancel_futures=True)
         if self.handoff is not None:
             self.handoff.run()  # the aborts' outputs the stop published, if any

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cors import CORSSettings
+from .tracing import TracingSettings
 from .responses.store import DEFAULT_CAPACITY
 
 
@@ -27,7 +28,8 @@ class ServerSettings:
     gets under its own. cors: cross-origin requests (`cors`); None = off. enable_log_requests,
     log_prompts, max_log_len: the request log (`request_log`); log_format: "text" or "json"
     (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn. request_timeout:
-    the deadline of requests that set none (`SamplingParams.request_timeout`); None = none."""
+    the deadline of requests that set none (`SamplingParams.request_timeout`); None = none. tracing:
+    OpenTelemetry spans (`tracing`); None = off."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -48,6 +50,7 @@ class ServerSettings:
     log_format: str = "text"
     disable_uvicorn_access_log: bool = False
     request_timeout: float | None = None
+    tracing: TracingSettings | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -81,4 +84,5 @@ class ServerSettings:
                    default_chat_template_kwargs=kwargs, cors=CORSSettings.from_args(args),
                    enable_log_requests=args.enable_log_requests, log_prompts=args.log_prompts,
                    max_log_len=args.max_log_len, log_format=args.log_format,
-                   disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout)
+                   disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
+                   tracing=TracingSettings.from_args(args))
