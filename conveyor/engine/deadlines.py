@@ -13,7 +13,7 @@ import heapq
 import itertools
 from collections.abc import Mapping
 
-from ..request import Request
+from ..request import Request, RequestState
 
 
 class Deadlines:
@@ -43,7 +43,11 @@ class Deadlines:
 
 def timeout_message(request: Request, now: float) -> str:
     """The error a request past its deadline ends with: its timeout, and where it was when it passed."""
-    m = request.metrics
-    where = (f"waiting in the queue for {now - m.arrival_time:.2f} s" if m.first_scheduled_time is None else
-             f"running, {len(request.output_token_ids)} tokens generated (queued {m.queue_time:.2f} s)")
+    m, generated = request.metrics, len(request.output_token_ids)
+    if m.first_scheduled_time is None:
+        where = f"waiting in the queue for {now - m.arrival_time:.2f} s"
+    elif request.state in (RequestState.PENDING, RequestState.SWAPPED):
+        where = f"preempted and waiting again, {generated} tokens generated"
+    else:
+        where = f"running, {generated} tokens generated (queued {m.queue_time:.2f} s)"
     return f"the request did not finish within its request_timeout of {request.params.request_timeout:g} s ({where})"
