@@ -237,6 +237,11 @@ class LLM:
         return self.engine.eos_token_ids
 
     @property
+    def priority_scheduling(self) -> bool:
+        """Whether requests' `priority` counts (`scheduling_policy="priority"`); else only 0 is taken."""
+        return self.engine.config.scheduler_type == "priority"
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """The longest sequence the whole KV pool holds."""
         return self.engine.capacity_tokens

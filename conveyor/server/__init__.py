@@ -9,8 +9,9 @@ limits), `tools` and `response_format` (what a request constrains), `replies` (c
 options, reasoning split from the answer), `request_fields` (llama.cpp's fields, unknown ones),
 `metrics` (Prometheus), `streaming` (server-sent events, collected results), `errors` (the error
 handlers), `routes` (a module per route family), `settings` (`ServerSettings`), `cors` (cross-origin
-requests), `observers` (what watches requests end: `request_log`, `tracing`), `log_format` (text or JSON lines),
-`app` (puts them together). `run_server` serves in the foreground with graceful
+requests), `observers` (what watches requests end: `request_log`, `tracing`), `log_format` (text or
+JSON lines), `outcomes` (how a request that ended badly is answered), `app` (puts them together).
+`run_server` serves in the foreground with graceful
 SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks). uvicorn runs on
 uvloop and httptools (dependencies, as vLLM's server): each streamed token wakes the event loop and
 writes a chunk, and on 2 cores that work takes its time from the decode threads (one stream on the

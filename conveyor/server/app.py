@@ -40,5 +40,5 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
     add_error_handlers(app)
     include_routes(app)
     app.openapi = lambda: instance_schema(app, serving.names, llm.vocab_size,  # type: ignore[method-assign]
-                                          serving.max_model_len)
+                                          serving.max_model_len, llm.priority_scheduling)
     return app

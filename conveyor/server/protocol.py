@@ -35,7 +35,7 @@ def _integral(value: Any) -> Any:
 # ends with a 504 (null: the server's --request-timeout, if any); and its priority (vLLM's: lower runs first,
 # with --scheduling-policy priority; anything but 0 is a 400 without it).
 RequestTimeout = Annotated[float | None, Field(gt=0, allow_inf_nan=False)]
-Priority = Annotated[int, Field(ge=-2**63, lt=2**63)]
+Priority = Annotated[int, Field(ge=-2**63, lt=2**63, json_schema_extra={"x-conveyor-bound": "priority"})]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra=TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]

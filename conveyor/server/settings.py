@@ -1,5 +1,6 @@
 """`ServerSettings`: what `conveyor serve`'s server options set (the engine's are `ContinuousBatchingConfig`),
-checked once at start. Each operational concern keeps its own settings in its module (`cors`)."""
+checked once at start. An operational concern with several settings keeps them in its own module (`cors`,
+`tracing`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cors import CORSSettings
-from .tracing import TracingSettings
 from .responses.store import DEFAULT_CAPACITY
+from .tracing import TracingSettings
 
 
 @dataclass

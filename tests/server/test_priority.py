@@ -56,6 +56,8 @@ def test_the_urgent_request_is_answered_first(llm: LLM) -> None:
 
     with BackgroundServer(llm) as url:
         assert asyncio.run(scenario(url)) == ["urgent", "running", "waiting"]
+        schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
+    assert "maximum" not in schema["CompletionRequest"]["properties"]["priority"]  # any priority (below 2**63)
     settles(llm)
 
 
@@ -64,6 +66,10 @@ def test_priority_needs_priority_scheduling(tmp_path_factory: pytest.TempPathFac
     with BackgroundServer(llm) as url:
         refused = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 2, "priority": 3})
         zero = httpx.post(f"{url}/v1/completions", json={"prompt": "w5", "max_tokens": 2, "priority": 0})
+        schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
+    for body in ("CompletionRequest", "ChatCompletionRequest", "ResponsesRequest", "MessagesRequest"):
+        assert (schema[body]["properties"]["priority"]["minimum"], schema[body]["properties"]["priority"]["maximum"]) \
+            == (0, 0), body  # the schema says what this server takes
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority"
     assert "needs priority scheduling" in refused.json()["error"]["message"] and zero.status_code == 200
     assert all_free(llm)
