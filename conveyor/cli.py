@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if getattr(args, "log_format", "text") == "json":
+        from .server.log_format import use_json_logs
+        use_json_logs()
     for note in notes:
         logger.info("%s", note)
     try:

@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import Any
 
 from .cache.kv_format import KV_CACHE_DTYPES
-from .config import ContinuousBatchingConfig, with_vllm_engine_args
+from .config import SCHEDULING_POLICIES, ContinuousBatchingConfig, with_vllm_engine_args
 from .layers.attention import ATTENTION_BACKENDS
 from .layers.quantization.registry import QUANTIZATIONS
 from .reasoning import REASONING_PARSERS
@@ -103,6 +103,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--swap-space", type=float, default=None, metavar="GIB", help="--cpu-offload-space")
     vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: --no-use-cuda-graph")
     vllm.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N", help="--num-blocks")
+    vllm.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=None,
+                      help="fcfs (first come, first served: --scheduler-type fifo or prefill_first) or priority "
+                      "(--scheduler-type priority: each request's priority field, lower first, preempting)")
 
 
 def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
@@ -117,7 +120,8 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
                                  gpu_memory_utilization=args.gpu_memory_utilization,
                                  enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                                  swap_space=args.swap_space, enforce_eager=args.enforce_eager,
-                                 num_gpu_blocks_override=args.num_gpu_blocks_override)
+                                 num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                 scheduling_policy=args.scheduling_policy)
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -165,6 +169,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="critical, error, warning, info (default) or debug")
     add_tool_and_body_args(parser)
+    add_operations_args(parser)
 
 
 def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
@@ -188,3 +193,36 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-stored-responses", type=int, default=1024, metavar="N",
                        help="most Responses API responses kept in memory for GET and previous_response_id, the "
                        "least recently used going first (default 1024; 0: none)")
+
+
+def add_operations_args(parser: argparse.ArgumentParser) -> None:
+    """What an operator sets in production (vLLM's names where vLLM has them): CORS, logs, deadlines,
+    traces (docs/operating.md)."""
+    group = parser.add_argument_group("operations: CORS, logs, deadlines, traces")
+    group.add_argument("--allowed-origins", default=None, metavar="JSON",
+                       help='origins a browser may call from, a JSON list, e.g. \'["http://localhost:3000"]\' '
+                       '(\'["*"]\': any); CORS is off without it')
+    group.add_argument("--allowed-methods", default=None, metavar="JSON",
+                       help='HTTP methods allowed cross-origin (default \'["*"]\')')
+    group.add_argument("--allowed-headers", default=None, metavar="JSON",
+                       help='request headers allowed cross-origin (default \'["*"]\')')
+    group.add_argument("--allow-credentials", action="store_true",
+                       help="let browsers send cookies and Authorization headers cross-origin")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log one line per request when it ends: id, prompt length, parameters, outcome, timings")
+    group.add_argument("--log-prompts", action="store_true", help="the request log includes each prompt")
+    group.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                       help="most prompt characters (or token ids) the request log shows (default: all)")
+    group.add_argument("--log-format", choices=["text", "json"], default="text",
+                       help="text (default) or json: one JSON object per line, for log shippers")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="no access log line per HTTP request")
+    group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a request still waiting or running this long after it arrived ends with a 504 and "
+                       "finish reason timeout (a request's own request_timeout field wins; default: none)")
+    group.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                       help="send a span per request over OTLP to this collector (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: "
+                       "grpc, the default, or http/protobuf); needs the otel extra")
+    group.add_argument("--collect-detailed-traces", default=None, metavar="MODULES",
+                       help="model, worker or all (vLLM's values; any adds the request's milestones as span events "
+                       "and its inter-token latencies)")

@@ -31,8 +31,13 @@ class ContinuousBatchingConfig:
         None = 0.9 on CUDA, 0.5 on CPU (which shares its memory with everything else).
     max_requests_per_batch: most requests in one forward pass (bounds the logits tensor).
     max_batch_pages: cache budget, the most KV pages read in one pass; None = the pool's size.
-    scheduler_type: "fifo" (decodes first) or "prefill_first".
+    scheduler_type: "fifo" (decodes first), "prefill_first", or "priority" (each request's
+        `SamplingParams.priority`, lower first, preempting lower-ranked running requests: vLLM's
+        `scheduling_policy="priority"`, which sets it).
     safety_margin: below this free-cache fraction, new prefills wait; None = scheduler default.
+    priority_aging: with "priority", the seconds of waiting that count as one priority level, so that
+        a waiting request is overtaken only by those that arrive within (difference in priority) x this
+        many seconds after it (starvation's bound); None = strict priority, no bound.
     allow_block_sharing: prefix caching across requests (full-attention models only).
     cpu_offload_space: GiB of host memory for swapping out KV blocks of preempted requests.
     q_padding_interval_size / kv_padding_interval_size: shape padding for CUDA graphs.
@@ -71,6 +76,7 @@ class ContinuousBatchingConfig:
     max_batch_pages: int | None = None
     scheduler_type: str = "fifo"
     safety_margin: float | None = None
+    priority_aging: float | None = 60.0
     allow_block_sharing: bool = True
     cpu_offload_space: float = 0.0
     q_padding_interval_size: int = 16
@@ -111,6 +117,9 @@ class ContinuousBatchingConfig:
             self.safety_margin = SCHEDULERS[self.scheduler_type].default_safety_margin
         if not 0.0 <= self.safety_margin < 1.0:
             raise ConfigError(f"safety_margin must be in [0, 1), got {self.safety_margin}")
+        if self.priority_aging is not None and not 0 < self.priority_aging < float("inf"):
+            raise ConfigError(f"priority_aging must be a number of seconds > 0 (None: strict priority), got "
+                              f"{self.priority_aging!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -176,7 +185,9 @@ VLLM_ENGINE_ARGS: dict[str, str] = {
     "enforce_eager": "use_cuda_graph",
     "tensor_parallel_size": "tensor_parallel_size",
     "kv_cache_dtype": "kv_cache_dtype",
+    "scheduling_policy": "scheduler_type",
 }
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's: fcfs is fifo or prefill_first, priority is "priority"
 
 
 def with_vllm_engine_args(config: ContinuousBatchingConfig | None, **given: Any) -> ContinuousBatchingConfig:
@@ -193,6 +204,11 @@ def with_vllm_engine_args(config: ContinuousBatchingConfig | None, **given: Any)
     for name, value in given.items():
         if name == "enforce_eager":
             value = False if value else None  # use_cuda_graph's value
+        if name == "scheduling_policy" and value is not None:
+            if value not in SCHEDULING_POLICIES:
+                raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {value!r}")
+            # fcfs leaves a first-come scheduler type as it is, and disagrees only with "priority"
+            value = "priority" if value == "priority" else ("fifo" if config.scheduler_type == "priority" else None)
         if value is None:
             continue
         field_name = VLLM_ENGINE_ARGS[name]

@@ -100,7 +100,8 @@ class LLM:
         is chunked (`config.batch_invariant`; None: VLLM_BATCH_INVARIANT=1 turns it on, as in vLLM).
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
     seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split
-    over that many ranks: docs/scale-out.md), kv_cache_dtype ("auto", "int8", "fp8": docs/configuration.md):
+    over that many ranks: docs/scale-out.md), kv_cache_dtype ("auto", "int8", "fp8": docs/configuration.md),
+    scheduling_policy ("fcfs" or "priority": `generate(priority=...)`, docs/configuration.md):
     vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
@@ -125,7 +126,7 @@ class LLM:
                  override_generation_config: dict[str, Any] | None = None,
                  num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
                  batch_invariant: bool | None = None, kv_cache_dtype: str | None = None,
-                 **vllm_kwargs: Any) -> None:
+                 scheduling_policy: str | None = None, **vllm_kwargs: Any) -> None:
         exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
         for note in check_vllm_kwargs(vllm_kwargs):
             logger.info("%s", note)
@@ -135,7 +136,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
             num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size,
-            kv_cache_dtype=kv_cache_dtype)
+            kv_cache_dtype=kv_cache_dtype, scheduling_policy=scheduling_policy)
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
         if batch_invariant is not None and batch_invariant != config.batch_invariant:
@@ -236,6 +237,11 @@ class LLM:
         return self.engine.eos_token_ids
 
     @property
+    def priority_scheduling(self) -> bool:
+        """Whether requests' `priority` counts (`scheduling_policy="priority"`); else only 0 is taken."""
+        return self.engine.config.scheduler_type == "priority"
+
+    @property
     def kv_capacity_tokens(self) -> int:
         """The longest sequence the whole KV pool holds."""
         return self.engine.capacity_tokens
@@ -268,9 +274,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": ...}`);
-        outputs in input order.
+        outputs in input order. priority (vLLM's): one for all prompts or one each, over the sampling
+        params' (lower runs first; needs `scheduling_policy="priority"`).
 
         All prompts are validated before any is queued, so one bad prompt raises and runs nothing.
         """
@@ -283,6 +290,11 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+        if priority is not None:
+            priorities = [priority] * len(prompts) if isinstance(priority, int) else list(priority)
+            if len(priorities) != len(prompts):
+                raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+            params = [replace(p, priority=q) for p, q in zip(params, priorities)]
         requests = [self.make_request(self.manager.new_request_id(), prompt, p)
                     for prompt, p in zip(prompts, params)]
         started_here = not self.manager.is_running()

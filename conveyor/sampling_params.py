@@ -81,7 +81,10 @@ class SamplingParams:
     skip_special_tokens: special tokens are left out of the text (vLLM's default); a tool-call format
     whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept. truncate_prompt_tokens
     (vLLM's): keep only the prompt's last N tokens; -1 keeps the most that fit in the context beside
-    `max_new_tokens`; None: a prompt over the context is an error.
+    `max_new_tokens`; None: a prompt over the context is an error. request_timeout: seconds from arrival
+    after which a request still waiting or running ends with finish reason "timeout" and its blocks go
+    back (the server's `--request-timeout` default); None: no deadline. priority (vLLM's): with priority
+    scheduling, lower runs first, ties by arrival (any value but 0 needs it).
 
     `max_tokens` is vLLM's name for `max_new_tokens`: `SamplingParams(max_tokens=32)` and `params.max_tokens`
     work as in vLLM (the default stays 64, not vLLM's 16).
@@ -106,6 +109,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
+    request_timeout: float | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -146,6 +151,12 @@ class SamplingParams:
                 or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
             raise SamplingParamsError("truncate_prompt_tokens must be -1 (the most that fit) or an integer >= 1, got "
                                       f"{self.truncate_prompt_tokens!r}")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise SamplingParamsError(f"priority must be an integer (lower runs first), got {self.priority!r}")
+        timeout = self.request_timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise SamplingParamsError(f"request_timeout must be a number of seconds > 0, got {timeout!r}")
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:

@@ -31,8 +31,6 @@ UNSUPPORTED: dict[str, str] = {
                         "requests' KV blocks in host memory",
     "--no-enable-chunked-prefill": "prefill is always chunked, --max-num-batched-tokens tokens a step: raise that "
                                    "to prefill longer prompts in one step",
-    "--scheduling-policy": "requests are admitted first come, first served; --scheduler-type fifo|prefill_first "
-                           "orders decodes and prefills within a step",
     "--guided-decoding-backend": "structured outputs always run on llguidance: drop the flag",
     "--structured-outputs-config": "structured outputs always run on llguidance: drop the flag",
     "--limit-mm-per-prompt": "Conveyor serves text-only models; multimodal inputs are not supported",
@@ -47,13 +45,12 @@ UNSUPPORTED: dict[str, str] = {
     "--enable-sleep-mode": "sleep mode is not supported: stop the server and start it again",
     "--enable-expert-parallel": "experts are not split over ranks: a mixture-of-experts model runs whole on one "
                                 "rank (--tensor-parallel-size 1); --data-parallel-size N runs N replicas",
-    "--enable-log-requests": "requests are not logged; GET /metrics has their counts and latencies",
 }
 # vLLM flags whose effect is what Conveyor always does: taken, with a log line saying so.
 ALREADY_SO: dict[str, str] = {
     "--trust-remote-code": "Conveyor runs its own implementation of each supported architecture, never a repo's code",
     "--enable-chunked-prefill": "prefill is always chunked",
-    "--disable-log-requests": "requests are never logged",
+    "--disable-log-requests": "requests are logged only with --enable-log-requests",
     "--disable-log-stats": "no periodic stats are logged (GET /metrics has them)",
     "--disable-custom-all-reduce": "tensor parallelism all-reduces through torch.distributed, never a custom kernel",
     "--disable-frontend-multiprocessing": "the HTTP front end runs in the engine's process",

@@ -9,7 +9,8 @@ cannot state, such as best_of = n or prompt + max_tokens within the context) are
 parameter the error names, not failed. In positive bodies, values that only make generation long are
 clamped inside their valid range (`max_tokens`, `max_output_tokens`, `n`, the number of prompts,
 messages or input items), so a run's length follows the number of examples, not a generated
-`max_tokens: 10**6`; negative bodies go as generated (cut short, one could fit the schema). A request
+`max_tokens: 10**6`, and `request_timeout` is dropped (a generated 1e-35 s asks for the 504 it
+gets); negative bodies go as generated (cut short, one could fit the schema). A request
 that gets no answer within `--timeout` (or whose connection drops) is a failure named by the
 exception, with status 0 in the counts, and the run goes on. After the run `/health` must answer
 200. Exit code 1 on any 5xx, any failed check or unanswered request, or an unhealthy server.
@@ -34,6 +35,7 @@ from tools import has_requirements
 LIMITS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "min_tokens": 4, "n": 3}  # at most
 MAX_ITEMS = 3  # prompts in a batch, chat messages, input items
 MAX_TOKENS_REQUIRED = ("/v1/messages",)  # Anthropic's: without max_tokens a body breaks the schema
+DROPPED = ("request_timeout",)  # a deadline answers 504 by design when it passes: not what a fuzz run looks for
 CHECK_NAMES = ("not_a_server_error", "status_code_conformance", "content_type_conformance",
                "negative_data_rejection", "positive_data_acceptance")
 REPORTED_ONLY = "RejectedPositiveData"  # a documented 4xx for a body that fits the schema
@@ -82,10 +84,13 @@ class FuzzReport:
 
 
 def clamp(body: Any, fill_max_tokens: bool = True) -> Any:
-    """Shorten what would only make generation long, keeping each value valid if it was. fill_max_tokens:
-    an absent max_tokens means the rest of the context (not where it is required: Anthropic's)."""
+    """Shorten what would only make generation long, keeping each value valid if it was, and drop a
+    deadline (`DROPPED`). fill_max_tokens: an absent max_tokens means the rest of the context (not where it
+    is required: Anthropic's)."""
     if not isinstance(body, dict):
         return body
+    for name in DROPPED:
+        body.pop(name, None)
     for name, limit in LIMITS.items():
         value = body.get(name)
         integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())

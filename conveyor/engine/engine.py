@@ -31,6 +31,7 @@ from ..sched.output import SchedulerOutput
 from ..sched.scheduler import make_scheduler
 from ..speculative import Speculator
 from .async_batching import AsyncPipeline
+from .deadlines import Deadlines, timeout_message
 from .draft_runner import DraftProposer, draft_bytes_per_chunk
 from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
 from .input_processor import InputProcessor
@@ -83,7 +84,8 @@ class Engine:
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               self.capacity_tokens, self.allocator.blocks_for_tokens,
-                                              config.max_batch_pages, device, seed=config.seed)
+                                              config.max_batch_pages, device, seed=config.seed,
+                                              priority_scheduling=config.scheduler_type == "priority")
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
@@ -118,6 +120,7 @@ class Engine:
         self.swap = SwapPool(swap_slots, self.pool) if swap_slots > 0 else None
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
+        self.deadlines = Deadlines()  # requests with a request_timeout
         self._constrained = 0  # requests in `requests` with a grammar (they turn async batching off)
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache (%s): %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
@@ -148,6 +151,7 @@ class Engine:
         self._constrained += request.grammar is not None
         self.scheduler.add_request(request)
         self.counters.prompt_tokens += len(request.prompt_token_ids)
+        self.deadlines.add(request)
 
     def cancel_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -189,7 +193,21 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Run one forward pass; return the requests that produced a token or ended (with async
-        batching: submit one pass and read back the previous one)."""
+        batching: submit one pass and read back the previous one), those past their deadline first."""
+        overdue = self.expire_overdue()
+        if not overdue:
+            return self._step()
+        return overdue + self._step() if self.has_unfinished_requests() else overdue
+
+    def expire_overdue(self) -> list[Request]:
+        """End the requests past their deadline (`deadlines`): finish reason "timeout", blocks back."""
+        now = time.monotonic()
+        overdue = self.deadlines.expired(now, self.requests)
+        for request in overdue:
+            self.finish_request(request, RequestState.FAILED, "timeout", timeout_message(request, now))
+        return overdue
+
+    def _step(self) -> list[Request]:
         if self.pipeline is not None:
             if not self._constrained:
                 return self.pipeline.step()
@@ -221,16 +239,20 @@ class Engine:
         return updated
 
     def schedule(self) -> SchedulerOutput:
-        """Schedule; offload stalled requests' competitors, retrying at once if nothing could run."""
+        """Schedule; offload the requests the scheduler preempts (a waiting request outranks them: priority
+        scheduling) and stalled requests' competitors, retrying at once if nothing could run."""
         if self.model.rope_switch is not None:
             self._switch_rope(self.model.rope_switch)
         out = self._schedule_once()
-        while out.stalled:
-            scheduled = {c.request.request_id for c in out.chunks}
-            victims = choose_victims(self.scheduler.active, scheduled, out.stalled, self.allocator)
-            self._offload(victims)
-            if out.chunks or not victims:
-                break
+        while out.preempted or out.stalled:
+            if out.preempted:  # nothing was scheduled: schedule again once they made room
+                self._offload(out.preempted)
+            else:
+                scheduled = {c.request.request_id for c in out.chunks}
+                victims = choose_victims(self.scheduler.active, scheduled, out.stalled, self.allocator)
+                self._offload(victims)
+                if out.chunks or not victims:
+                    break
             out = self._schedule_once()
         return out
 

@@ -23,9 +23,11 @@ from ..structured.constraints import Constraints
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], capacity_tokens: int, blocks_for_tokens: Callable[[int], int],
-                 max_batch_pages: int | None, device: torch.device, seed: int | None = None) -> None:
+                 max_batch_pages: int | None, device: torch.device, seed: int | None = None,
+                 priority_scheduling: bool = False) -> None:
         """`capacity_tokens`: the longest sequence the KV pool holds; `blocks_for_tokens`: the pages a
-        sequence of that many tokens reads (the allocator's); `seed`: the engine's seed (config.seed)."""
+        sequence of that many tokens reads (the allocator's); `seed`: the engine's seed (config.seed);
+        `priority_scheduling`: whether requests' priorities count (else only 0 is taken, as vLLM)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -36,6 +38,7 @@ class InputProcessor:
         self.device = device
         self.constraints = Constraints(tokenizer, vocab_size, eos_token_ids)  # structured outputs
         self.seed = seed
+        self.priority_scheduling = priority_scheduling
         self.unseeded = itertools.count()  # arrival numbers of sampled requests without a seed (atomic next)
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
@@ -51,6 +54,9 @@ class InputProcessor:
         if len(token_ids) > self.capacity_tokens:
             raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
                                       f"{self.capacity_tokens} tokens", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
+        if params.priority != 0 and not self.priority_scheduling:
+            raise InvalidRequestError(f"priority {params.priority} needs priority scheduling: start the engine with "
+                                      "scheduling_policy='priority' (--scheduling-policy priority)", param="priority")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise InvalidRequestError(f"{name} must be at most the vocabulary size {self.vocab_size}, "

@@ -23,6 +23,8 @@ safety margin from it, and the CLI offers its names.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
 from collections import deque
 from typing import Protocol
@@ -40,6 +42,7 @@ class SchedulingLimits(Protocol):
     max_requests_per_batch: int
     max_batch_pages: int | None
     safety_margin: float | None
+    priority_aging: float | None
 
 
 class Proposer(Protocol):
@@ -120,8 +123,12 @@ class Scheduler:
             while self.waiting and not budget.exhausted():
                 if not self._admit(self.waiting[0], budget, out):
                     break
-                self.active.append(self.waiting.popleft())
+                self._activate(self.waiting.popleft())
         return out
+
+    def _activate(self, request: Request) -> None:
+        """A request just admitted joins the active ones (their order is the preemption order, reversed)."""
+        self.active.append(request)
 
     def _hold_back_new(self) -> bool:
         free = self.allocator.num_free_blocks / self.allocator.num_total_blocks
@@ -211,7 +218,87 @@ class PrefillFirstScheduler(Scheduler):
         return prefilling + decoding
 
 
-SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler}
+class PriorityScheduler(Scheduler):
+    """vLLM's priority policy: the request with the lowest `priority` runs first, ties by arrival; active
+    decodes, then active prefills, each in that order, then waiting requests in that order. A waiting
+    request that cannot be admitted (`max_requests_per_batch` reached, or too few free blocks for its
+    first chunk) while running requests rank below it has them preempted, lowest first, through the
+    engine's offloading (swap or soft reset), as many as it needs and only if that lets it in; stalled
+    requests' victims go lowest first too. Starvation is bounded by aging: a request's rank is its
+    priority minus the seconds it has waited divided by `priority_aging`, which comes down to the fixed
+    key `priority + arrival / priority_aging`, so nothing that arrives more than (p - q) x
+    `priority_aging` seconds after a request of priority p overtakes it with priority q
+    (docs/design/scheduler.md)."""
+
+    default_safety_margin = 0.15  # as FIFO: decodes first, new prefills wait below 15% free cache
+
+    def __init__(self, config: SchedulingLimits, allocator: CacheAllocator, proposer: Proposer | None = None) -> None:
+        super().__init__(config, allocator, proposer)
+        self.keys: dict[str, tuple[float, int]] = {}  # request id -> its rank (lower runs first), fixed at arrival
+        self.arrivals = itertools.count()
+        self.epoch = time.monotonic()  # arrival times relative to it: small numbers beside priorities
+
+    def rank(self, request: Request) -> tuple[float, int]:
+        return self.keys[request.request_id]
+
+    def add_request(self, request: Request) -> None:
+        aging = self.config.priority_aging
+        priority = request.params.priority
+        key = priority + (request.metrics.arrival_time - self.epoch) / aging if aging else priority
+        self.keys[request.request_id] = (key, next(self.arrivals))
+        bisect.insort(self.waiting, request, key=self.rank)
+
+    def requeue_front(self, request: Request) -> None:
+        """An offloaded request waits again in its rank's place (ahead of later arrivals of its priority)."""
+        self.active.remove(request)
+        bisect.insort(self.waiting, request, key=self.rank)
+
+    def remove(self, request: Request, free: bool = True) -> int:
+        freed = super().remove(request, free)
+        self.keys.pop(request.request_id, None)
+        return freed
+
+    def _activate(self, request: Request) -> None:
+        bisect.insort(self.active, request, key=self.rank)
+
+    def active_order(self) -> list[Request]:
+        decoding = [r for r in self.active if r.state is RequestState.DECODING]
+        prefilling = [r for r in self.active if r.state is RequestState.PREFILLING]
+        return decoding + prefilling
+
+    def schedule(self) -> SchedulerOutput:
+        victims = self._preemptions()
+        if victims:  # nothing runs until the engine has offloaded them (it schedules again at once)
+            return SchedulerOutput(preempted=victims)
+        return super().schedule()
+
+    def _preemptions(self) -> list[Request]:
+        """The running requests, lowest first, whose slots and blocks the best waiting request needs to be
+        admitted and which rank below it; none unless taking them lets it in."""
+        if not self.waiting or not self.active:
+            return []
+        head = self.waiting[0]
+        need = self.allocator.blocks_for_tokens(min(head.num_tokens,
+                                                    head.num_computed_tokens + self.config.max_batch_tokens))
+        margin = (self.config.safety_margin or 0.0) * self.allocator.num_total_blocks
+        slots = self.config.max_requests_per_batch - len(self.active)
+        free, remaining = self.allocator.num_free_blocks, len(self.active)
+
+        def fits() -> bool:
+            return slots > 0 and free >= need and (free >= margin or remaining == 0)
+
+        victims: list[Request] = []
+        for request in reversed(self.active):
+            if fits() or self.rank(request) <= self.rank(head):
+                break
+            victims.append(request)
+            slots, remaining = slots + 1, remaining - 1
+            free += self.allocator.exclusive_blocks(request.request_id)
+        return victims if victims and fits() else []
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"fifo": FIFOScheduler, "prefill_first": PrefillFirstScheduler,
+                                          "priority": PriorityScheduler}
 
 
 def make_scheduler(config: SchedulingLimits, allocator: CacheAllocator, proposer: Proposer | None = None) -> Scheduler:

@@ -8,7 +8,10 @@ object), `serving` (admission, the engine bridge, rendering), `limits` (the body
 limits), `tools` and `response_format` (what a request constrains), `replies` (chat template
 options, reasoning split from the answer), `request_fields` (llama.cpp's fields, unknown ones),
 `metrics` (Prometheus), `streaming` (server-sent events, collected results), `errors` (the error
-handlers), `routes` (a module per route family), `app` (puts them together). `run_server` serves in the foreground with graceful
+handlers), `routes` (a module per route family), `settings` (`ServerSettings`), `cors` (cross-origin
+requests), `observers` (what watches requests end: `request_log`, `tracing`), `log_format` (text or
+JSON lines), `outcomes` (how a request that ended badly is answered), `app` (puts them together).
+`run_server` serves in the foreground with graceful
 SIGINT/SIGTERM handling; `BackgroundServer` serves on a thread (tests, notebooks). uvicorn runs on
 uvloop and httptools (dependencies, as vLLM's server): each streamed token wakes the event loop and
 writes a chunk, and on 2 cores that work takes its time from the decode threads (one stream on the
@@ -59,7 +62,8 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   (validation errors, FastAPI's 422 included), 401 invalid_api_key (only /v1/*, /tokenize and
   /detokenize need the key; /health and /metrics stay open), 404 model_not_found, 500
   server_error (the request failed inside the engine; in a stream: an error event, then [DONE]),
-  503 service_unavailable_error with Retry-After (queue full, or shutting down).
+  503 service_unavailable_error with Retry-After (queue full, or shutting down), 504 request_timeout (past
+  the request's `request_timeout` or the server's `--request-timeout`, waiting or running: `outcomes`).
 - Streaming: the status line and headers go out with the first output (a token, the end, or an
   error), so a request still queued when the server dies has received nothing and a router in front
   (`conveyor serve --data-parallel-size`) retries it on another replica.
@@ -97,7 +101,8 @@ import uvicorn
 from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from .app import build_app
-from .serving import ServerSettings
+from .log_format import uvicorn_logging
+from .settings import ServerSettings
 
 __all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer", "GracefulServer", "check_address"]
 
@@ -169,7 +174,8 @@ def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port
     settings.url = settings.url or f"http://{host}:{port}"
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=5)  # after the app's own drain
+                            timeout_graceful_shutdown=5,  # after the app's own drain
+                            **uvicorn_logging(settings.log_format, not settings.disable_uvicorn_access_log))
     serving = app.state.serving
     server = GracefulServer(config, serving.request_shutdown)
     serving.on_engine_death = server.drained

@@ -117,7 +117,8 @@ def tool_plan(body: CountTokensRequest, parser: type[ToolParser], auto_enabled: 
 def sampling_fields(body: MessagesRequest) -> SamplingFields:
     """The body's sampling options as the fields chat completions build requests from."""
     return SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                          stop=body.stop_sequences or None)
+                          stop=body.stop_sequences or None, request_timeout=body.request_timeout,
+                          priority=body.priority)
 
 
 def usage(prompt_tokens: int, output_tokens: int) -> dict[str, int]:

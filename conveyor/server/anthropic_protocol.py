@@ -16,13 +16,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .protocol import MAX_NEW, SERVED_NAME
+from .protocol import MAX_NEW, SERVED_NAME, Priority, RequestTimeout
 
 MESSAGES_PATH = "/v1/messages"
 # The server's status -> Anthropic's (status, error type); other 4xx are invalid_request_error, 5xx api_error.
 ERROR_TYPES = {400: (400, "invalid_request_error"), 401: (401, "authentication_error"),
                404: (404, "not_found_error"), 413: (413, "request_too_large"), 500: (500, "api_error"),
-               503: (529, "overloaded_error")}  # queue full, shutting down, engine dead: retry later
+               503: (529, "overloaded_error"),  # queue full, shutting down, engine dead: retry later
+               504: (504, "timeout_error")}  # past its request_timeout
 
 
 def anthropic_path(path: str) -> bool:
@@ -180,6 +181,8 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)  # 0: off
     metadata: dict[str, Any] | None = None  # {"user_id": ...}: accepted, not used
+    request_timeout: RequestTimeout = None  # Conveyor's (`protocol.RequestTimeout`)
+    priority: Priority = 0  # vLLM's, as on the OpenAI routes
 
     @field_validator("max_tokens", "top_k", mode="before")
     @classmethod

@@ -8,12 +8,15 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from ..llm import LLM
+from .cors import add_cors
 from .errors import add_error_handlers
 from .limits import BodyLimit
 from .openapi import instance_schema
 from .responses.store import ResponseStore
 from .routes import include_routes
-from .serving import ServerSettings, Serving
+from .serving import Serving
+from .settings import ServerSettings
+from .tracing import add_trace_headers
 
 
 def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
@@ -30,10 +33,12 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="Conveyor", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=serving.max_request_bytes)
+    add_trace_headers(app, serving.settings.tracing)
+    add_cors(app, serving.settings.cors)  # outermost: preflights answered first, errors get its headers
     app.state.serving = serving
     app.state.responses = ResponseStore(serving.settings.max_stored_responses)
     add_error_handlers(app)
     include_routes(app)
     app.openapi = lambda: instance_schema(app, serving.names, llm.vocab_size,  # type: ignore[method-assign]
-                                          serving.max_model_len)
+                                          serving.max_model_len, llm.priority_scheduling)
     return app

@@ -96,7 +96,7 @@ class ServerMetrics:
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                REQUEST_BUCKETS).labels(model_name)
         self.success = Counter("conveyor:request_success", "Finished requests by finish_reason "
-                               "(stop, length, abort, error).", ["model_name", "finish_reason"],
+                               "(stop, length, abort, error, timeout).", ["model_name", "finish_reason"],
                                registry=self.registry)
         self.rejected = Counter("conveyor:request_rejected", "Requests answered 503 (queue full or shutting down).",
                                 labels, registry=self.registry).labels(model_name)

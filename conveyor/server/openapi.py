@@ -21,7 +21,8 @@ from pydantic import BaseModel
 ERRORS = {400: "invalid request (validation, context length, unsupported field)",
           401: "missing or wrong API key (when the server has one)", 404: "model not served",
           413: "request body over the server's --max-request-bytes",
-          500: "the request failed inside the engine", 503: "queue full, shutting down, or the engine is dead"}
+          500: "the request failed inside the engine", 503: "queue full, shutting down, or the engine is dead",
+          504: "the request was still waiting or running at its request_timeout (or the server's --request-timeout)"}
 
 
 class ErrorDetail(BaseModel):
@@ -44,8 +45,10 @@ STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}
                   "description": "the answer; with `stream: true`, server-sent events ending in `data: [DONE]`"}}
 
 
-def instance_schema(app: FastAPI, names: list[str], vocab_size: int, max_model_len: int) -> dict[str, Any]:
-    """The schema with this server's bounds filled in (built once, then cached on the app)."""
+def instance_schema(app: FastAPI, names: list[str], vocab_size: int, max_model_len: int,
+                    priority_scheduling: bool) -> dict[str, Any]:
+    """The schema with this server's bounds filled in (built once, then cached on the app): without priority
+    scheduling, `priority` is 0 only."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path in schema.get("paths", {}).values():
@@ -54,7 +57,8 @@ def instance_schema(app: FastAPI, names: list[str], vocab_size: int, max_model_l
         for unused in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(unused, None)
         bounds = {"served_name": {"enum": [*names, ""]}, "token_id": {"maximum": vocab_size - 1},
-                  "max_new_tokens": {"maximum": max_model_len - 1}}
+                  "max_new_tokens": {"maximum": max_model_len - 1},
+                  "priority": {} if priority_scheduling else {"minimum": 0, "maximum": 0}}
         _fill(schema, bounds)
         app.openapi_schema = schema
     return app.openapi_schema

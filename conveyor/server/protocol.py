@@ -31,6 +31,11 @@ def _integral(value: Any) -> Any:
     return [_integral(v) for v in value] if isinstance(value, list) else value
 
 
+# Every generating endpoint's deadline: seconds from arrival after which the request, still waiting or running,
+# ends with a 504 (null: the server's --request-timeout, if any); and its priority (vLLM's: lower runs first,
+# with --scheduling-policy priority; anything but 0 is a 400 without it).
+RequestTimeout = Annotated[float | None, Field(gt=0, allow_inf_nan=False)]
+Priority = Annotated[int, Field(ge=-2**63, lt=2**63, json_schema_extra={"x-conveyor-bound": "priority"})]
 TokenId = Annotated[int, Field(ge=0, json_schema_extra=TOKEN_ID)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Text = Annotated[str, Field(min_length=1)]
@@ -97,6 +102,8 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True  # vLLM's extra field
     # vLLM's: keep the prompt's last N tokens (-1: what fits beside max_tokens); null: all (too long: 400)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    request_timeout: RequestTimeout = None
+    priority: Priority = 0
     # llama.cpp's server fields (request_fields): max_tokens, a GBNF grammar, a JSON schema; prompt caching
     n_predict: int | None = Field(None, ge=-1)  # -1: the rest of the context
     grammar: Text | None = None

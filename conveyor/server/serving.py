@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import logging
 import time
 import uuid
@@ -38,10 +37,11 @@ from .handoff import Handoff
 from .limits import default_max_request_bytes, prompt_char_limit
 from .logprobs import LogprobRenderer
 from .metrics import ServerMetrics
+from .observers import RequestObservers
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
+from .settings import ServerSettings
 from ..reasoning import ReasoningParser, get_reasoning_parser
-from .responses.store import DEFAULT_CAPACITY
 from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
 
@@ -58,60 +58,6 @@ class ChatPrompt:
 
     text: str
     ids: list[int]
-
-
-@dataclass
-class ServerSettings:
-    """served_model_names: names accepted in `model` (the first is reported); None = the model's
-    file or directory name. api_key: required as `Authorization: Bearer KEY` on /v1/*, /tokenize
-    and /detokenize. max_queue: most engine requests (prompts x n) accepted and not yet finished.
-    shutdown_timeout: seconds in-flight requests get to finish after SIGINT/SIGTERM.
-    enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
-    tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
-    read off the chat template. max_request_bytes: the largest request body (413 past it); None =
-    derived from the context length (`limits.default_max_request_bytes`). max_stored_responses: most
-    Responses API responses kept for GET and previous_response_id (`responses.store`).
-    reasoning_parser: the format of the model's reasoning (`reasoning.REASONING_PARSERS`), split from
-    the answer; None = not split. default_chat_template_kwargs: template variables every chat request
-    gets under its own."""
-
-    served_model_names: list[str] | None = None
-    api_key: str | None = None
-    max_queue: int = 512
-    shutdown_timeout: float = 10.0
-    retry_after_s: int = 1
-    url: str | None = None  # for the start-up log line
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    max_request_bytes: int | None = None
-    max_stored_responses: int = DEFAULT_CAPACITY
-    reasoning_parser: str | None = None
-    default_chat_template_kwargs: dict[str, Any] | None = None
-
-    @classmethod
-    def from_args(cls, args: Any) -> ServerSettings:
-        """The settings of `conveyor serve`'s parsed options (`cli_args.add_serve_args`), checked."""
-        if args.max_queue < 1:
-            raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-        if args.shutdown_timeout < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-        if args.max_request_bytes is not None and args.max_request_bytes < 1:
-            raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
-        if args.max_stored_responses < 0:
-            raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
-        kwargs = args.default_chat_template_kwargs
-        try:
-            kwargs = None if kwargs is None else json.loads(kwargs)
-        except ValueError as exc:
-            raise ValueError(f"--default-chat-template-kwargs is not valid JSON: {exc}") from exc
-        if kwargs is not None and not isinstance(kwargs, dict):
-            raise ValueError("--default-chat-template-kwargs must be a JSON object, e.g. "
-                             "'{\"enable_thinking\": false}'")
-        return cls(served_model_names=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
-                   shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes,
-                   max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
-                   default_chat_template_kwargs=kwargs)
 
 
 class Submission:
@@ -139,6 +85,7 @@ class Submission:
 
         serving.in_flight += len(self.requests)
         serving.active.add(self)
+        serving.observers.submitted(self.requests)
         for k, request in enumerate(self.requests):
             try:
                 serving.llm.manager.submit(request, on_output=deliver)
@@ -154,9 +101,10 @@ class Submission:
             self.serving.active.discard(self)
 
     def _arrive(self, out: RequestOutput) -> None:
+        i = self.index[out.request_id]
         if out.finished and out.request_id in self.unfinished:
             self._finished(out.request_id)
-        i = self.index[out.request_id]
+            self.serving.observers.finished(self.requests[i], out)
         earlier = self.ready.get(i)
         self.ready[i] = out if earlier is None else coalesce(earlier, out)
         self.arrived.set()
@@ -208,6 +156,7 @@ class Serving:
         # never wait for a long prompt (the tokenizer releases the GIL while it encodes).
         self.workers = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="conveyor-prepare")
         self.metrics = ServerMetrics(llm.stats, self.model_name, llm.kv_cache_resident_bytes)
+        self.observers = RequestObservers.from_settings(settings, self.tokenizer, self.model_name)  # logs, traces
         llm.enable_step_history(STEP_HISTORY)  # the dashboard's strip chart
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handoff: Handoff | None = None  # engine outputs to the loop (started with the loop)
@@ -279,6 +228,7 @@ class Serving:
         if self._drain_task is not None:
             await self._drain_task
         await asyncio.to_thread(self.llm.manager.stop, 10.0)
+        self.observers.close()  # after the last requests' ends
         self.workers.shutdown(wait=False, cancel_futures=True)
         if self.handoff is not None:
             self.handoff.run()  # the aborts' outputs the stop published, if any
@@ -415,7 +365,8 @@ class Serving:
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
-                        skip_special_tokens=body.skip_special_tokens and not keep_special)
+                        skip_special_tokens=body.skip_special_tokens and not keep_special,
+                        request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
                     requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
@@ -458,15 +409,4 @@ def request_error(exc: InvalidRequestError, prompt_param: str, structured_param:
 
 
 # `SamplingParams` fields an engine error may name -> the request body's field (others: the prompt's).
-BODY_FIELDS = {"logit_bias": "logit_bias"}
-
-
-def failure(out: RequestOutput) -> APIError | None:
-    """The error a request that ended badly answers with (None for "stop"/"length")."""
-    if out.finish_reason == "error":
-        return APIError(500, f"the request failed in the engine: {out.error}", type="server_error",
-                        code="engine_error")
-    if out.finish_reason == "abort":
-        return APIError(503, "the request was aborted (server shutting down)", type="service_unavailable_error",
-                        code="request_aborted")
-    return None
+BODY_FIELDS = {"logit_bias": "logit_bias", "priority": "priority"}

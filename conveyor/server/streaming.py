@@ -17,7 +17,8 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from ..request import RequestOutput
-from .serving import Submission, failure, usage
+from .outcomes import failure
+from .serving import Submission, usage
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"

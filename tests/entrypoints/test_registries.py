@@ -34,7 +34,7 @@ def test_the_cli_offers_the_tables() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert list(choices(parser, "quantization")) == list(QUANTIZATIONS) == ["none", "int8", "int4", "gguf", "mxfp4"]
-    assert list(choices(parser, "scheduler_type")) == list(SCHEDULERS) == ["fifo", "prefill_first"]
+    assert list(choices(parser, "scheduler_type")) == list(SCHEDULERS) == ["fifo", "prefill_first", "priority"]
 
 
 def test_each_format_quantizes_into_its_weight_types() -> None:

@@ -92,6 +92,9 @@ def test_vllm_names_on_the_command_line() -> None:
     assert (config.max_model_len, config.seed, config.max_requests_per_batch, config.max_batch_tokens,
             config.max_memory_percent, config.allow_block_sharing, config.page_size, config.cpu_offload_space,
             config.use_cuda_graph, config.num_blocks) == (128, 4, 2, 64, 0.3, False, 8, 1.0, False, 40)
+    assert config_from_args(parser.parse_args(["--scheduling-policy", "priority"])).scheduler_type == "priority"
+    assert config_from_args(parser.parse_args(["--scheduling-policy", "fcfs", "--scheduler-type",
+                                               "prefill_first"])).scheduler_type == "prefill_first"
     with pytest.raises(ConfigError, match="max_num_seqs .*=2 disagrees with max_requests_per_batch=8"):
         config_from_args(parser.parse_args(["--max-num-seqs", "2", "--max-requests-per-batch", "8"]))
     with pytest.raises(ConfigError, match="enable_prefix_caching.*disagrees with allow_block_sharing=False"):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conveyor.cache.allocator import FullAttentionCacheAllocator
 from conveyor.cache.offload import choose_victims
 from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool
-from conveyor.config import ConfigError, ContinuousBatchingConfig
+from conveyor.config import ConfigError, ContinuousBatchingConfig, with_vllm_engine_args
 from conveyor.request import Request, RequestState
 from conveyor.sampling_params import SamplingParams
 from conveyor.sched.output import SchedulerOutput
@@ -726,3 +726,117 @@ def test_cached_blocks_count_as_free_for_the_safety_margin():
     assert chunk_sizes(sched.schedule()) == [("big", 1), ("small", 2)]
     assert alloc.num_cached_blocks == 6  # the 2 new blocks came from the cached ones, newest first
     check_allocator_invariants(alloc)
+
+
+# -- priority scheduling -----------------------------------------------------------------------
+
+def prioritized(rid: str, prompt_len: int, priority: int, max_new_tokens: int = 8, ago: float = 0.0) -> Request:
+    """A request of that priority whose arrival was `ago` seconds back."""
+    request = Request(rid, list(range(1, prompt_len + 1)),
+                      SamplingParams(max_new_tokens=max_new_tokens, temperature=0, priority=priority))
+    request.metrics.arrival_time -= ago
+    return request
+
+
+def test_priority_admits_lowest_first_ties_by_arrival():
+    sched = make_scheduler_for(64, scheduler_type="priority", max_requests_per_batch=1)
+    for rid, priority in (("a", 5), ("b", 1), ("c", 5), ("d", 1), ("e", -3)):
+        sched.add_request(prioritized(rid, 3, priority, max_new_tokens=1))
+    order = []
+    while sched.has_work():
+        out = sched.schedule()
+        order += [c.request.request_id for c in out.chunks if c.request.request_id not in order]
+        apply_step(sched, out)
+    assert order == ["e", "b", "d", "a", "c"]
+    assert sched.allocator.num_free_blocks == sched.allocator.num_total_blocks and not sched.keys
+
+
+def test_priority_preempts_the_lowest_running_request_when_the_slots_are_full():
+    sched = make_scheduler_for(64, scheduler_type="priority", max_requests_per_batch=2)
+    first, second, third = (prioritized(f"r{i}", 4, 10, max_new_tokens=50) for i in range(3))
+    for r in (first, second, third):
+        sched.add_request(r)
+    for _ in range(3):
+        apply_step(sched, sched.schedule())
+    assert sched.active == [first, second] and second.state is RequestState.DECODING
+    urgent = prioritized("urgent", 4, 0, max_new_tokens=2)
+    sched.add_request(urgent)
+    out = sched.schedule()
+    assert out.preempted == [second] and not out.chunks  # the later of the two lowest goes
+    soft_reset(sched, second)
+    assert [r.request_id for r in sched.waiting] == ["urgent", "r1", "r2"]  # back in its place, ahead of r2
+    out = sched.schedule()
+    assert not out.preempted and ("urgent", 4) in chunk_sizes(out)
+    equal = prioritized("equal", 4, 0)
+    sched.add_request(equal)  # ranks below urgent (a tie, later), above r0: r0 makes room
+    assert sched.schedule().preempted == [first]
+
+
+def test_priority_does_not_preempt_for_equal_or_lower_ranks_or_when_it_fits():
+    sched = make_scheduler_for(64, scheduler_type="priority", max_requests_per_batch=2)
+    for r in (prioritized("a", 4, 3), prioritized("b", 4, 3)):
+        sched.add_request(r)
+    apply_step(sched, sched.schedule())
+    sched.add_request(prioritized("same", 4, 3))
+    sched.add_request(prioritized("lower", 4, 7))
+    assert not sched.schedule().preempted
+    roomy = make_scheduler_for(64, scheduler_type="priority", max_requests_per_batch=3)
+    for r in (prioritized("a", 4, 3), prioritized("b", 4, 0)):
+        roomy.add_request(r)
+    apply_step(roomy, roomy.schedule())
+    roomy.add_request(prioritized("c", 4, 0))  # a slot and blocks are free: admitted, nobody preempted
+    out = roomy.schedule()
+    assert not out.preempted and ("c", 4) in chunk_sizes(out)
+
+
+def test_priority_preempts_for_blocks_only_if_that_lets_the_request_in():
+    sched = make_scheduler_for(10, page_size=4, scheduler_type="priority", safety_margin=0.0)
+    low, mid = prioritized("low", 16, 9), prioritized("mid", 16, 5)  # 4 blocks each
+    for r in (low, mid):
+        sched.add_request(r)
+    apply_step(sched, sched.schedule())
+    assert sched.allocator.num_free_blocks == 2
+    sched.add_request(prioritized("big", 28, 7))  # 7 blocks: low's 4 and the 2 free are not enough, mid outranks it
+    assert not sched.schedule().preempted
+    sched2 = make_scheduler_for(10, page_size=4, scheduler_type="priority", safety_margin=0.0)
+    for r in (prioritized("low", 16, 9), prioritized("mid", 16, 5)):
+        sched2.add_request(r)
+    apply_step(sched2, sched2.schedule())
+    sched2.add_request(prioritized("urgent", 20, 0))
+    assert [r.request_id for r in sched2.schedule().preempted] == ["low"]  # 2 + 4 free >= 5: mid stays
+
+
+def test_priority_aging_bounds_how_long_a_request_is_overtaken():
+    for aging, first in ((1.0, "old"), (None, "new")):
+        sched = make_scheduler_for(64, scheduler_type="priority", priority_aging=aging, max_requests_per_batch=1)
+        sched.add_request(prioritized("old", 3, 5, ago=10.0))  # 10 s of waiting: worth 10 levels at 1 s a level
+        sched.add_request(prioritized("new", 3, 0))
+        assert sched.waiting[0].request_id == first, aging
+
+
+def test_priority_victims_of_a_stall_go_lowest_first():
+    sched = make_scheduler_for(64, page_size=1, scheduler_type="priority", safety_margin=0.0)
+    for rid, priority in (("p1", 1), ("p9", 9), ("p5", 5)):
+        sched.add_request(prioritized(rid, 2, priority))
+    apply_step(sched, sched.schedule())
+    assert [r.request_id for r in sched.active] == ["p1", "p5", "p9"]
+    stalled = [(sched.active[0], 2)]
+    assert _ids(choose_victims(sched.active, set(), stalled, sched.allocator)) == ["p9"]
+
+
+def test_scheduling_policy_is_vllms_name_for_the_scheduler_type():
+    assert with_vllm_engine_args(None, scheduling_policy="priority").scheduler_type == "priority"
+    assert with_vllm_engine_args(None, scheduling_policy="fcfs").scheduler_type == "fifo"
+    first_come = ContinuousBatchingConfig(scheduler_type="prefill_first")
+    assert with_vllm_engine_args(first_come, scheduling_policy="fcfs").scheduler_type == "prefill_first"
+    with pytest.raises(ConfigError, match=r"scheduling_policy \(vLLM's name for scheduler_type\)='priority' disagrees with scheduler_type='prefill_f"):
+        with_vllm_engine_args(first_come, scheduling_policy="priority")
+    with pytest.raises(ConfigError, match=r"scheduling_policy .*='fcfs' disagrees with scheduler_type='priority'"):
+        with_vllm_engine_args(ContinuousBatchingConfig(scheduler_type="priority"), scheduling_policy="fcfs")
+    with pytest.raises(ConfigError, match=r"scheduling_policy must be one of \('fcfs', 'priority'\)"):
+        with_vllm_engine_args(None, scheduling_policy="lifo")
+    for bad in (0, -1.0, float("inf")):
+        with pytest.raises(ConfigError, match="priority_aging must be a number of seconds > 0"):
+            ContinuousBatchingConfig(priority_aging=bad)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        SamplingParams(priority=1.5)

@@ -285,7 +285,7 @@ def test_dropped_clients_are_cancelled_and_free_their_blocks(url: str, http: htt
 def test_the_routes_are_in_the_openapi_schema(http: httpx.Client) -> None:
     schema = http.get("/openapi.json").json()
     responses = schema["paths"]["/v1/messages"]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "500", "529"}
+    assert set(responses) == {"200", "400", "401", "404", "413", "500", "504", "529"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
     assert "AnthropicErrorResponse" in str(responses["400"])
     assert "/v1/messages/count_tokens" in schema["paths"]

@@ -17,6 +17,7 @@ from conveyor import SamplingParams
 from conveyor.request import RequestOutput
 from conveyor.server import BackgroundServer, ServerSettings
 from conveyor.server.handoff import Handoff
+from conveyor.server.observers import RequestObservers
 from conveyor.server.serving import Submission, coalesce
 from conveyor.server.streaming import ChunkTemplate, sse
 
@@ -125,7 +126,7 @@ def test_a_put_after_the_loop_closed_is_dropped_quietly() -> None:
 
 def submission(n: int) -> Submission:
     """A submission of `n` requests over a stand-in for the server's bookkeeping (no engine)."""
-    serving = SimpleNamespace(in_flight=n, active=set())
+    serving = SimpleNamespace(in_flight=n, active=set(), observers=RequestObservers([]))
     sub = Submission(serving, [SimpleNamespace(request_id=f"r{i}") for i in range(n)])  # type: ignore[arg-type]
     serving.active.add(sub)
     return sub

@@ -38,7 +38,7 @@ def test_schema_carries_the_servers_bounds(llm: LLM) -> None:
     chat = schema["components"]["schemas"]["ChatMessage"]["properties"]["role"]
     assert chat["enum"] == ["system", "developer", "user", "assistant", "tool"]
     responses = schema["paths"]["/v1/chat/completions"]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "500", "503"}
+    assert set(responses) == {"200", "400", "401", "404", "413", "500", "503", "504"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
 
 
@@ -53,6 +53,7 @@ def test_clamp_keeps_values_valid_and_short() -> None:
     assert "max_tokens" not in clamp({"messages": [], "max_completion_tokens": 3})
     assert clamp({"messages": []}, fill_max_tokens=False) == {"messages": []}  # required (Anthropic's): stays absent
     assert clamp({"input": "hi"}) == {"input": "hi", "max_output_tokens": 8}  # the Responses API
+    assert clamp({"input": "hi", "request_timeout": 1e-35}) == {"input": "hi", "max_output_tokens": 8}  # no 504
     assert clamp({"input": [{}] * 5, "max_output_tokens": 99}) == {"input": [{}] * 3, "max_output_tokens": 8}
 
 

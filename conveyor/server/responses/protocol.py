@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..protocol import MAX_NEW, SERVED_NAME
+from ..protocol import MAX_NEW, SERVED_NAME, Priority, RequestTimeout
 
 def _integral(value: Any) -> Any:
     """Integral floats (5.0, which JSON Schema counts as an integer) as ints, also inside lists."""
@@ -141,5 +141,7 @@ class ResponsesRequest(Strict):
     stream: bool = False
     background: bool = False  # needs store; not with stream
     user: str | None = None
+    request_timeout: RequestTimeout = None
+    priority: Priority = 0  # vLLM's
     conversation: None = None  # OpenAI's conversations: not supported
     prompt: None = None  # OpenAI's stored prompt templates: not supported

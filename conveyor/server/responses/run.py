@@ -22,9 +22,10 @@ from typing import Any
 
 from ...request import RequestOutput
 from ...sampling_params import SamplingParams
+from ..outcomes import failure
 from ..protocol import APIError, ChatMessage
 from ..replies import ReasoningPlan
-from ..serving import Submission, failure
+from ..serving import Submission
 from ..streaming import dumps
 from ..tools import ToolPlan
 from .items import OutputBuilder, output_turns, reasoning_text
@@ -33,7 +34,7 @@ from .store import StoredResponse
 
 logger = logging.getLogger("conveyor.server")
 
-STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled", "error": "failed"}
+STATUS = {"stop": "completed", "length": "incomplete", "abort": "cancelled", "error": "failed", "timeout": "failed"}
 RUNNING: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: these are held until they end
 END_EVENT = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
 

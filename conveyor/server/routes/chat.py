@@ -28,7 +28,7 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", dependencies=AUTH,
-             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
+             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503, 504))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
     check_fields(body, "/v1/chat/completions", serving.ignored_fields)

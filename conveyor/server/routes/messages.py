@@ -18,8 +18,9 @@ from fastapi.responses import JSONResponse, Response
 from ..anthropic_messages import (MessageReply, chat_messages, new_id, sampling_fields, thinking_kwargs, tool_plan,
                                   usage)
 from ..anthropic_protocol import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, anthropic_error
+from ..outcomes import failure
 from ..replies import plan_reasoning, template_options
-from ..serving import ChatPrompt, Serving, Submission, failure
+from ..serving import ChatPrompt, Serving, Submission
 from ..streaming import SSEResponse, collect, dumps
 from ..tools import ToolPlan
 from .deps import ANTHROPIC_AUTH, ServingDep
@@ -30,6 +31,7 @@ ERRORS = {400: "invalid_request_error: validation, context length, unsupported f
           401: "authentication_error: missing or wrong API key (when the server has one)",
           404: "not_found_error: model not served", 413: "request_too_large: body over --max-request-bytes",
           500: "api_error: the request failed inside the engine",
+          504: "timeout_error: the request was still waiting or running at its request_timeout",
           529: "overloaded_error: queue full, shutting down, or the engine is dead"}
 STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}}},
                   "description": "the message; with `stream: true`, Anthropic's server-sent events"}}
@@ -56,7 +58,7 @@ def render(serving: Serving, body: CountTokensRequest, plan: ToolPlan) -> tuple[
 
 
 @router.post("/v1/messages", dependencies=ANTHROPIC_AUTH,
-             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 529))
+             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 504, 529))
 async def messages(body: MessagesRequest, raw: Request, serving: ServingDep) -> Response:
     serving.check_model(body.model)
     plan = tool_plan(body, serving.tool_parser, serving.settings.enable_auto_tool_choice)

@@ -44,7 +44,7 @@ StoreDep = Annotated[ResponseStore, Depends(get_store)]
 
 
 @router.post("/v1/responses", dependencies=AUTH,
-             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503))
+             responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503, 504))
 async def create_response(body: ResponsesRequest, raw: Request, serving: ServingDep, store: StoreDep) -> Response:
     serving.check_model(body.model)
     if body.background and (body.stream or not body.store or not store.capacity):
@@ -77,7 +77,8 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
     reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
                                forced is not None or text is not None)
     response_id = f"resp_{uuid.uuid4().hex}"
-    sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p)
+    sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p, request_timeout=body.request_timeout,
+                              priority=body.priority)
     requests = await serving.prepare(serving.build_requests, response_id, [prompt.ids], sampling,
                                      body.max_output_tokens, None, "input",
                                      constraint=(forced, "tools") if forced else (text, "text"),

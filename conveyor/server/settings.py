@@ -1,0 +1,89 @@
+"""`ServerSettings`: what `conveyor serve`'s server options set (the engine's are `ContinuousBatchingConfig`),
+checked once at start. An operational concern with several settings keeps them in its own module (`cors`,
+`tracing`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from .cors import CORSSettings
+from .responses.store import DEFAULT_CAPACITY
+from .tracing import TracingSettings
+
+
+@dataclass
+class ServerSettings:
+    """served_model_names: names accepted in `model` (the first is reported); None = the model's
+    file or directory name. api_key: required as `Authorization: Bearer KEY` on /v1/*, /tokenize
+    and /detokenize. max_queue: most engine requests (prompts x n) accepted and not yet finished.
+    shutdown_timeout: seconds in-flight requests get to finish after SIGINT/SIGTERM.
+    enable_auto_tool_choice: accept `tool_choice: "auto"` (vLLM's flag; without it "auto" is a 400).
+    tool_call_parser: the format of the model's own tool calls (`tool_parsers.TOOL_PARSERS`); None =
+    read off the chat template. max_request_bytes: the largest request body (413 past it); None =
+    derived from the context length (`limits.default_max_request_bytes`). max_stored_responses: most
+    Responses API responses kept for GET and previous_response_id (`responses.store`).
+    reasoning_parser: the format of the model's reasoning (`reasoning.REASONING_PARSERS`), split from
+    the answer; None = not split. default_chat_template_kwargs: template variables every chat request
+    gets under its own. cors: cross-origin requests (`cors`); None = off. enable_log_requests,
+    log_prompts, max_log_len: the request log (`request_log`); log_format: "text" or "json"
+    (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn. request_timeout:
+    the deadline of requests that set none (`SamplingParams.request_timeout`); None = none. tracing:
+    OpenTelemetry spans (`tracing`); None = off."""
+
+    served_model_names: list[str] | None = None
+    api_key: str | None = None
+    max_queue: int = 512
+    shutdown_timeout: float = 10.0
+    retry_after_s: int = 1
+    url: str | None = None  # for the start-up log line
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    max_request_bytes: int | None = None
+    max_stored_responses: int = DEFAULT_CAPACITY
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    cors: CORSSettings | None = None
+    enable_log_requests: bool = False
+    log_prompts: bool = False
+    max_log_len: int | None = None
+    log_format: str = "text"
+    disable_uvicorn_access_log: bool = False
+    request_timeout: float | None = None
+    tracing: TracingSettings | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServerSettings:
+        """The settings of `conveyor serve`'s parsed options (`cli_args.add_serve_args`), checked."""
+        if args.max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+        if args.max_request_bytes is not None and args.max_request_bytes < 1:
+            raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+        if args.max_stored_responses < 0:
+            raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
+        if args.log_prompts and not args.enable_log_requests:
+            raise ValueError("--log-prompts takes effect only with --enable-log-requests (the request log)")
+        if args.max_log_len is not None and args.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+        if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
+            raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
+        kwargs = args.default_chat_template_kwargs
+        try:
+            kwargs = None if kwargs is None else json.loads(kwargs)
+        except ValueError as exc:
+            raise ValueError(f"--default-chat-template-kwargs is not valid JSON: {exc}") from exc
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise ValueError("--default-chat-template-kwargs must be a JSON object, e.g. "
+                             "'{\"enable_thinking\": false}'")
+        return cls(served_model_names=args.served_model_name, api_key=args.api_key, max_queue=args.max_queue,
+                   shutdown_timeout=args.shutdown_timeout, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                   tool_call_parser=args.tool_call_parser, max_request_bytes=args.max_request_bytes,
+                   max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
+                   default_chat_template_kwargs=kwargs, cors=CORSSettings.from_args(args),
+                   enable_log_requests=args.enable_log_requests, log_prompts=args.log_prompts,
+                   max_log_len=args.max_log_len, log_format=args.log_format,
+                   disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
+                   tracing=TracingSettings.from_args(args))
