@@ -70,7 +70,10 @@ def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> N
     statuses = report.as_dict()["per_operation"]
     for op in ("POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
                "POST /detokenize"):
-        assert sum(statuses[op]["negative"].values()) == statuses[op]["negative"].get(400, 0) > 0, op
+        # a body outside the schema is a 400, or a 404 where it also names a model not served (checked first,
+        # before the bounds the schema carries from this server's limits, as vLLM does)
+        negative = statuses[op]["negative"]
+        assert set(negative) <= {400, 404} and negative.get(400, 0) > 0, (op, negative)
         assert statuses[op]["positive"].get(200, 0) >= 6, (op, statuses[op])  # most fitting bodies are served
     for op in ("POST /v1/messages", "POST /v1/messages/count_tokens"):  # Anthropic's: some fitting bodies served
         assert statuses[op]["positive"].get(200, 0) > 0, (op, statuses[op])
