@@ -140,4 +140,6 @@ def test_generating_and_pooling_models_refuse_each_others_calls(tiny_models: dic
         pooling.classify("w5 w6", use_tqdm=False)
     with pytest.raises(ConfigError, match="runs prefills only: speculative_config"):
         pooling_llm(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="run on one rank: tensor_parallel_size must be 1"):
+        pooling_llm(model, tensor_parallel_size=2)
     assert all_free(pooling) and all_free(generating)
