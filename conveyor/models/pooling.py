@@ -104,7 +104,8 @@ def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weig
     resolved = pooler_config.over(files if task == "embed" else PoolerConfig(files.pooling_type))
     resolved = resolved.over(PoolerConfig("LAST", True))
     classifier = classifier_head(config, state_dict, tokenizer, device) if task == "classify" else None
-    state_dict.pop("lm_head.weight", None)
+    for unused in ("lm_head.weight", "score.weight", "score.bias"):  # (a classifier converted to embed: its head)
+        state_dict.pop(unused, None)
     return Pooler(task, resolved.pooling_type or "LAST", bool(resolved.normalize), classifier)
 
 

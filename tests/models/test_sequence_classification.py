@@ -78,7 +78,8 @@ def test_score_takes_text_pairs(tmp_path: Path, one_thread: None) -> None:
 
 
 def test_a_classifier_with_several_labels(tmp_path: Path, one_thread: None) -> None:
-    """`classify`: the softmax over the labels; `score` needs one label and says so."""
+    """`classify`: the softmax over the labels; `score` needs one label and says so; `convert="embed"` embeds
+    with the classifier's decoder."""
     reference = save_classifier(tmp_path, "qwen3", num_labels=3)
     llm = LLM(tmp_path, dtype="float32", config=CONFIG)
     prompts = [tiny_tokenizer().encode(t) for t in DOCS]
@@ -89,6 +90,12 @@ def test_a_classifier_with_several_labels(tmp_path: Path, one_thread: None) -> N
     with pytest.raises(ValueError, match="scoring needs a classifier with one label .* this one has 3"):
         llm.score(QUERY, DOCS, use_tqdm=False)
     assert all_free(llm)
+    embedder = LLM(tmp_path, dtype="float32", config=CONFIG, convert="embed")  # the decoder without its head
+    with torch.inference_mode():
+        hidden = reference.model(torch.tensor([prompts[1]])).last_hidden_state[0, -1]
+    torch.testing.assert_close(torch.tensor(embedder.embed(prompts[1], use_tqdm=False)[0].outputs.embedding),
+                               torch.nn.functional.normalize(hidden, dim=0), atol=1e-5, rtol=0)
+    assert all_free(embedder)
 
 
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w20", "w21"]}
