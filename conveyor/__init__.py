@@ -21,10 +21,20 @@ from .engine.stats import EngineStats
 from .errors import InvalidRequestError
 from .llm import LLM
 from .manager import ContinuousBatchingManager
-from .request import CompletionOutput, RequestOutput, RequestState
+from .pooling_params import PoolerConfig, PoolingParams
+from .request import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    RequestState,
+    ScoringRequestOutput,
+)
 from .sampling_params import SamplingParams
 from .sched.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatchingManager", "Engine", "EngineStats",
            "InvalidRequestError", "CompletionOutput", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
-           "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator"]
+           "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator",
+           "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "ClassificationRequestOutput",
+           "ScoringRequestOutput"]

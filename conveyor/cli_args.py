@@ -17,6 +17,7 @@ from .cache.kv_format import KV_CACHE_DTYPES
 from .config import SCHEDULING_POLICIES, ContinuousBatchingConfig, with_vllm_engine_args
 from .layers.attention import ATTENTION_BACKENDS
 from .layers.quantization.registry import QUANTIZATIONS
+from .models.pooling import CONVERTS, RUNNERS, TASKS
 from .reasoning import REASONING_PARSERS
 from .sched.scheduler import SCHEDULERS
 from .tool_parsers import TOOL_PARSERS
@@ -64,6 +65,23 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                        "what a request leaves unset; vllm: ignore it; DIR: that directory's file")
     group.add_argument("--override-generation-config", default=None, metavar="JSON",
                        help='sampling defaults over the generation config, e.g. \'{"temperature": 0.5}\'')
+    group.add_argument("--hf-overrides", default=None, metavar="JSON",
+                       help="model config fields set over the checkpoint's (vLLM's), e.g. "
+                       '\'{"is_matryoshka": true}\'')
+    pooling = parser.add_argument_group("pooling models (embeddings, scoring)")
+    pooling.add_argument("--runner", default="auto", choices=RUNNERS,
+                         help="pooling: embed or score prompts (/v1/embeddings, /v1/score, /v1/rerank) instead of "
+                         "generating; auto (default): pooling for *ForSequenceClassification and bare *Model "
+                         "architectures, else generate")
+    pooling.add_argument("--convert", default="auto", choices=CONVERTS,
+                         help="the pooling task: embed, or classify (scores: a classifier head, or "
+                         "--hf-overrides' classifier_from_token); auto: from the architecture")
+    pooling.add_argument("--task", default=None, choices=list(TASKS),
+                         help="vLLM's older form: embed = --runner pooling --convert embed; classify, score = "
+                         "--convert classify; generate")
+    pooling.add_argument("--pooler-config", "--override-pooler-config", default=None, metavar="JSON",
+                         help='how to pool: \'{"pooling_type": "MEAN", "normalize": false}\' (LAST, MEAN or CLS; '
+                         "default: the checkpoint's sentence-transformers files, else LAST, normalized)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -132,20 +150,29 @@ def model_from_args(args: argparse.Namespace) -> str | None:
     return tag or args.model
 
 
+def json_object(text: str | None, flag: str, example: str) -> dict[str, Any] | None:
+    """A flag's JSON object (None when not given); ValueError naming the flag otherwise."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{flag} is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{example}'")
+    return value
+
+
 def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(**kwargs)` for these options."""
-    overrides = None
-    if args.override_generation_config is not None:
-        try:
-            overrides = json.loads(args.override_generation_config)
-        except ValueError as exc:
-            raise ValueError(f"--override-generation-config is not valid JSON: {exc}") from exc
-        if not isinstance(overrides, dict):
-            raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.5}'")
+    overrides = json_object(args.override_generation_config, "--override-generation-config", '{"temperature": 0.5}')
+    hf_overrides = json_object(args.hf_overrides, "--hf-overrides", '{"is_matryoshka": true}')
     return dict(model=model_from_args(args), dtype=args.dtype, quantization=args.quantization, device=args.device,
                 config=config_from_args(args), revision=args.revision, download_dir=args.download_dir,
                 gguf_file=args.gguf_file, hf_token=args.hf_token, chat_template=args.chat_template,
-                generation_config=args.generation_config, override_generation_config=overrides)
+                generation_config=args.generation_config, override_generation_config=overrides,
+                runner=args.runner, convert=args.convert, task=args.task, pooler_config=args.pooler_config,
+                hf_overrides=hf_overrides)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -35,6 +35,9 @@ from .manager import ContinuousBatchingManager
 from .models import build_model
 from .models.hub import resolve_model_path
 from .models.loader import load_checkpoint
+from .models.pooling import apply_hf_overrides, build_pooler, matryoshka_dimensions, pooling_task
+from .pooling_llm import PoolingMethods
+from .pooling_params import PoolerConfig
 from .request import Prompt, Request, RequestOutput
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
@@ -87,7 +90,7 @@ def release_freed_memory() -> None:
             pass
 
 
-class LLM:
+class LLM(PoolingMethods):
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
 
     model: a Hugging Face model directory, a .gguf file, or a Hub id (`org/name`, `org/name:QUANT` for a
@@ -105,6 +108,9 @@ class LLM:
     vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
+    runner, convert, task, pooler_config: vLLM's pooling model options (docs/python-api.md): `runner="pooling"`
+        embeds (`embed`) or classifies and scores (`classify`, `score`) instead of generating; "auto" reads
+        the config's architectures. hf_overrides: vLLM's dict of config fields set over the checkpoint's.
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
         leaves unset), "vllm" (ignore it) or a directory; `override_generation_config` goes over it.
     vllm_kwargs: vLLM's other engine arguments: those that ask for what Conveyor always does
@@ -126,7 +132,9 @@ class LLM:
                  override_generation_config: dict[str, Any] | None = None,
                  num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
                  batch_invariant: bool | None = None, kv_cache_dtype: str | None = None,
-                 scheduling_policy: str | None = None, **vllm_kwargs: Any) -> None:
+                 scheduling_policy: str | None = None, runner: str = "auto", convert: str = "auto",
+                 task: str | None = None, pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
+                 hf_overrides: dict[str, Any] | None = None, **vllm_kwargs: Any) -> None:
         exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
         for note in check_vllm_kwargs(vllm_kwargs):
             logger.info("%s", note)
@@ -145,6 +153,9 @@ class LLM:
                                   f"batch_invariant={config.batch_invariant!r}: give one of them")
             config = replace(config, batch_invariant=batch_invariant)
         template = load_chat_template(chat_template) if chat_template is not None else None
+        pooler_settings = PoolerConfig.parse(pooler_config)
+        if config.tensor_parallel_size > 1 and (hf_overrides or runner == "pooling" or task or convert != "auto"):
+            raise ConfigError("pooling models and hf_overrides run on one rank: tensor_parallel_size must be 1")
         self.device = resolve_device(device)
         location = resolve_model_path(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file,
                                       token=hf_token)
@@ -155,8 +166,8 @@ class LLM:
         started = time.monotonic()
         self.sharded: ShardedModel | None = None  # rank 0's side of a tensor-parallel model
         def load() -> torch.nn.Module:
-            """The model, its tokenizer, the draft model, the engine and its manager."""
-            engine_config = config
+            """The model, its tokenizer, the draft model (or the pooler), the engine and its manager."""
+            engine_config, pooler = config, None
             if config.tensor_parallel_size > 1:
                 self.sharded = load_tensor_parallel(location.path, precision, self.device,
                                                     config.tensor_parallel_size, config.attention_backend)
@@ -167,7 +178,13 @@ class LLM:
                 checkpoint = load_checkpoint(location.path, dtype=self.dtype,
                                              keep_quantized=keeps_stored(precision.quantization, self.device))
                 self.quantization = resolve_quantization(precision, checkpoint.stored_format)
-                net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization)
+                apply_hf_overrides(checkpoint.config, hf_overrides)
+                task_name = pooling_task(checkpoint.config, runner, convert, task)
+                if task_name is not None:
+                    pooler = build_pooler(task_name, checkpoint.config, checkpoint.state_dict, checkpoint.tokenizer,
+                                          pooler_settings, checkpoint.pooler_config, self.device)
+                net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization,
+                                  lm_head=task_name is None)
             self.model_path = checkpoint.path
             self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
             self.tokenizer = checkpoint.tokenizer
@@ -183,7 +200,8 @@ class LLM:
             spec = engine_config.speculative_config
             draft = (load_draft_model(spec, self.model_path, net, self.device)
                      if spec is not None and spec.method == "draft_model" else None)
-            self.engine = Engine(net, self.tokenizer, engine_config, self.device, draft_model=draft)
+            self.engine = Engine(net, self.tokenizer, engine_config, self.device, draft_model=draft, pooler=pooler,
+                                 matryoshka=matryoshka_dimensions(net.config))
             self.manager = ContinuousBatchingManager(self.engine)
             return net
 
@@ -196,6 +214,11 @@ class LLM:
         logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
                     self.device, self.dtype, time.monotonic() - started, self.max_model_len,
                     self.generation_defaults.describe())
+        if self.engine.pooler is not None:
+            pooler = self.engine.pooler
+            logger.info("pooling model (runner 'pooling'): task %s, %s-token pooling, %s", pooler.task,
+                        pooler.pooling_type, ("normalized" if pooler.normalize else "not normalized")
+                        if pooler.task == "embed" else f"{pooler.num_labels} label(s)")
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -297,32 +320,23 @@ class LLM:
             params = [replace(p, priority=q) for p, q in zip(params, priorities)]
         requests = [self.make_request(self.manager.new_request_id(), prompt, p)
                     for prompt, p in zip(prompts, params)]
-        started_here = not self.manager.is_running()
-        self.manager.start()
-        try:
-            for request in requests:
-                self.manager.submit(request)
-            return self._collect([r.request_id for r in requests], use_tqdm)
-        except BaseException:
-            for request in requests:
-                self.manager.cancel_request(request.request_id)
-            raise
-        finally:
-            if started_here:
-                self.manager.stop()
+        return self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
 
-    def _collect(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _collect(self, ids: list[str], use_tqdm: bool, pooling: bool = False) -> list[RequestOutput]:
+        """The final outputs of `ids`, in order, with a progress bar of output tokens (pooling: prompt tokens)/s."""
         pending = set(ids)
         results: dict[str, RequestOutput] = {}
         started = time.monotonic()
-        generated = 0
-        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+        tokens = 0
+        with tqdm(total=len(ids), desc="Pooling" if pooling else "Generating", unit="req",
+                  disable=not use_tqdm) as bar:
             while pending:
                 output = self.manager.wait_any(pending)
                 pending.discard(output.request_id)
                 results[output.request_id] = output
-                generated += output.num_output_tokens
-                bar.set_postfix_str(f"{generated / max(time.monotonic() - started, 1e-9):.1f} output tok/s")
+                tokens += output.num_prompt_tokens if pooling else output.num_output_tokens
+                bar.set_postfix_str(f"{tokens / max(time.monotonic() - started, 1e-9):.1f} "
+                                    f"{'input' if pooling else 'output'} tok/s")
                 bar.update(1)
         return [results[i] for i in ids]
 

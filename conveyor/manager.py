@@ -19,6 +19,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from .engine.engine import Engine
 from .engine.stats import EngineStats
@@ -26,6 +27,7 @@ from .request import Prompt, Request, RequestOutput, RequestState
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("conveyor")
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -113,6 +115,23 @@ class ContinuousBatchingManager:
         request = self.engine.make_request(request_id, prompt, sampling_params or SamplingParams())
         self.submit(request, streaming)
         return request_id
+
+    def run_batch(self, requests: list[Request], collect: Callable[[list[str]], T]) -> T:
+        """Submit validated requests and return `collect(their ids)` (which waits for them); the loop is started
+        for the call when it was not running, and the requests are cancelled if anything fails."""
+        started_here = not self.is_running()
+        self.start()
+        try:
+            for request in requests:
+                self.submit(request)
+            return collect([r.request_id for r in requests])
+        except BaseException:
+            for request in requests:
+                self.cancel_request(request.request_id)
+            raise
+        finally:
+            if started_here:
+                self.stop()
 
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
 # Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
@@ -90,6 +91,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # [None, {id: logprob}, ...], one per prompt token
     error: str | None = None
     metrics: RequestMetrics | None = None
+    pooled: list[float] | None = None  # a pooling request's result: the embedding, or the classifier's scores
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,11 +107,67 @@ class RequestOutput:
         return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)]
 
 
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """vLLM's `outputs` of an embedding request."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(frozen=True)
+class ClassificationOutput:
+    """vLLM's `outputs` of a classification request: one score per class (after the activation, if on)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(frozen=True)
+class ScoringOutput:
+    """vLLM's `outputs` of a scoring request: the pair's relevance (classifier) or cosine similarity (embeddings)."""
+
+    score: float
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's result of a pooling request (`LLM.embed`, `classify`, `score`); `outputs` is the task's."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    outputs: EmbeddingOutput
+
+
+@dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    outputs: ClassificationOutput
+
+
+@dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    outputs: ScoringOutput
+
+
 class Request:
-    """Engine-side state of one generation request; touched only by the engine loop's thread."""
+    """Engine-side state of one request (generation, or pooling with `pooling` set); touched only by the engine
+    loop's thread."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, eos_token_ids: tuple[int, ...] = ()) -> None:
+                 prompt: str | None = None, eos_token_ids: tuple[int, ...] = (),
+                 pooling: PoolingParams | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -142,6 +200,12 @@ class Request:
         self.detok_ids: list[int] = self.prompt_token_ids[-5:]
         self.detok_prefix_offset = 0
         self.detok_read_offset = len(self.detok_ids)
+        # A pooling request: prefill only, its hidden states pooled (`engine/pooling.py`). What its earlier
+        # chunks pooled (the mean's running sum, the first token's row), then its result.
+        self.pooling = pooling
+        self.pools_every_row = False  # its pooling reads rows before the last (MEAN, CLS): no prefix reuse
+        self.pooling_state: torch.Tensor | None = None
+        self.pooled: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -165,6 +229,12 @@ class Request:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
+    def reuses_prefix(self) -> bool:
+        """Whether cached blocks may stand in for its prompt's first tokens (prefix caching): not when every
+        prompt position's output is needed (prompt logprobs; pooling over more than the last token)."""
+        return not self.needs_prompt_logprobs and not self.pools_every_row
+
+    @property
     def is_finished(self) -> bool:
         return self.state in FINAL_STATES
 
@@ -182,7 +252,7 @@ class Request:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, delta_text=delta_text, delta_token_ids=list(delta_ids),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs), error=self.error,
-            metrics=self.metrics)
+            metrics=self.metrics, pooled=self.pooled)
 
     def _sendable_text_len(self) -> int:
         hold = max((len(s) for s in self.params.stop), default=1) - 1

@@ -23,8 +23,10 @@ from ..cache.pool import CachePool, layer_groups, plan_num_chunks
 from ..config import ContinuousBatchingConfig
 from ..errors import DistributedError, InvalidRequestError, RequestErrorCode
 from ..layers.attention import make_attention_backend
+from ..layers.pooler import Pooler
 from ..models.base import CausalLM
 from ..models.batch_invariance import make_batch_invariant
+from ..pooling_params import PoolingParams
 from ..request import Prompt, Request, RequestState
 from ..sampling_params import SamplingParams
 from ..sched.output import SchedulerOutput
@@ -38,6 +40,7 @@ from .input_processor import InputProcessor
 from .memory_profile import working_memory
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
+from .pooling import PoolingModelRunner, check_pooling_config
 from .stats import EngineStats, snapshot
 from .step_history import StepHistory, composition
 
@@ -46,8 +49,14 @@ logger = logging.getLogger("conveyor")
 
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: PreTrainedTokenizerBase,
-                 config: ContinuousBatchingConfig, device: torch.device, draft_model: CausalLM | None = None) -> None:
-        """`draft_model`: the draft of a "draft_model" `config.speculative_config` (`draft_runner`)."""
+                 config: ContinuousBatchingConfig, device: torch.device, draft_model: CausalLM | None = None,
+                 pooler: Pooler | None = None, matryoshka: list[int] | None = None) -> None:
+        """`draft_model`: the draft of a "draft_model" `config.speculative_config` (`draft_runner`). `pooler`: a
+        pooling model's (`engine.pooling`): its requests are prefills pooled, never sampled; `matryoshka`: the
+        dimensions its embeddings may be cut to ([]: any, None: not a Matryoshka model)."""
+        if pooler is not None:
+            check_pooling_config(config)
+        self.pooler = pooler
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -65,7 +74,7 @@ class Engine:
         page, window = config.page_size, model.sliding_window
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
-        use_graphs = use_cuda_graphs(config, device, model.cuda_graphs)
+        use_graphs = pooler is None and use_cuda_graphs(config, device, model.cuda_graphs)
         working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
         if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
             working += graph_memory_bytes(model, config, self.dtype)
@@ -85,7 +94,8 @@ class Engine:
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                               self.capacity_tokens, self.allocator.blocks_for_tokens,
                                               config.max_batch_pages, device, seed=config.seed,
-                                              priority_scheduling=config.scheduler_type == "priority")
+                                              priority_scheduling=config.scheduler_type == "priority",
+                                              pooler=pooler, matryoshka=matryoshka)
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
@@ -96,15 +106,16 @@ class Engine:
                                    config.attention_backend) if draft_model is not None else None
         self.scheduler = make_scheduler(config, self.allocator, proposer=self.speculator)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
-        self.runner = ModelRunner(model, self.pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
-                                  attention=make_attention_backend(device, self.dtype, config.attention_backend,
-                                                                   config.kv_cache_dtype))
+        attention = make_attention_backend(device, self.dtype, config.attention_backend, config.kv_cache_dtype)
+        self.runner = (ModelRunner(model, self.pool, runner_groups, device, attention, config.max_requests_per_batch)
+                       if pooler is None else PoolingModelRunner(model, self.pool, runner_groups, device, attention,
+                                                                 pooler=pooler))
         if config.batch_invariant:
             make_batch_invariant(model, self.runner.attention, device, self.dtype)
         # Async batching (on by default where graphs are) alternates two sets of static buffers.
         use_async = config.use_async_batching
         if use_async is None:  # speculation needs each step's tokens before the next is scheduled
-            use_async = use_graphs and config.speculative_config is None
+            use_async = use_graphs and config.speculative_config is None and pooler is None
         if config.pad_steps or (config.pad_steps is None and use_graphs):
             self.runner.enable_padding(config, buffer_sets=2 if use_async else 1)
         if use_graphs:
@@ -142,6 +153,10 @@ class Engine:
         """Tokenize and validate (`InputProcessor`); raises InvalidRequestError naming the limit. Safe from any
         thread."""
         return self.input_processor.make_request(request_id, prompt, params)
+
+    def make_pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams) -> Request:
+        """A pooling engine's request (`InputProcessor.make_pooling_request`); safe from any thread."""
+        return self.input_processor.make_pooling_request(request_id, prompt, params)
 
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -233,6 +248,7 @@ class Engine:
         output.advance(out.chunks)
         generated = self.counters.generation_tokens
         updated = output.append_tokens(result.requests, result.token_ids, result.logprobs, time.monotonic())
+        updated += output.add_pooled(result.pooled)
         if result.verified:
             updated = updated + output.verify(result.verified, result.verify_logits)
         output.record_step(started, counts, self.counters.generation_tokens - generated, result.padding_tokens)

@@ -15,19 +15,27 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import InvalidRequestError, RequestErrorCode
+from ..layers.pooler import Pooler
+from ..pooling_params import PoolingParams
 from ..request import Prompt, Request
 from ..sampling_params import SamplingParams
 from ..structured.constraints import Constraints
+
+
+# What a pooling request carries as sampling parameters: it never samples (its result is its pooled prompt).
+POOLING_SAMPLING = SamplingParams(max_new_tokens=1, temperature=0.0)
 
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], capacity_tokens: int, blocks_for_tokens: Callable[[int], int],
                  max_batch_pages: int | None, device: torch.device, seed: int | None = None,
-                 priority_scheduling: bool = False) -> None:
+                 priority_scheduling: bool = False, pooler: Pooler | None = None,
+                 matryoshka: list[int] | None = None) -> None:
         """`capacity_tokens`: the longest sequence the KV pool holds; `blocks_for_tokens`: the pages a
         sequence of that many tokens reads (the allocator's); `seed`: the engine's seed (config.seed);
-        `priority_scheduling`: whether requests' priorities count (else only 0 is taken, as vLLM)."""
+        `priority_scheduling`: whether requests' priorities count (else only 0 is taken, as vLLM);
+        `pooler` and `matryoshka`: a pooling engine's (`Engine`)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -39,21 +47,18 @@ class InputProcessor:
         self.constraints = Constraints(tokenizer, vocab_size, eos_token_ids)  # structured outputs
         self.seed = seed
         self.priority_scheduling = priority_scheduling
+        self.pooler = pooler
+        self.matryoshka = matryoshka
         self.unseeded = itertools.count()  # arrival numbers of sampled requests without a seed (atomic next)
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Tokenize and validate; raises InvalidRequestError naming the limit."""
+        if self.pooler is not None:
+            raise InvalidRequestError("this is a pooling model (runner 'pooling'): it embeds or scores prompts "
+                                      "(LLM.embed, LLM.score), it does not generate")
         token_ids, text = self.prompt_ids(prompt)
-        token_ids = self.truncated(token_ids, params)
-        total = len(token_ids) + params.max_new_tokens
-        if total > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt ({len(token_ids)} tokens) + max_new_tokens ({params.max_new_tokens}) = {total} exceeds the "
-                f"context length of {self.max_model_len} tokens (max_model_len)",
-                RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
-        if len(token_ids) > self.capacity_tokens:
-            raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
-                                      f"{self.capacity_tokens} tokens", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
+        token_ids = self.truncated(token_ids, params.truncate_prompt_tokens, params.max_new_tokens)
+        self.check_fits(token_ids, params.max_new_tokens)
         if params.priority != 0 and not self.priority_scheduling:
             raise InvalidRequestError(f"priority {params.priority} needs priority scheduling: start the engine with "
                                       "scheduling_policy='priority' (--scheduling-policy priority)", param="priority")
@@ -61,10 +66,6 @@ class InputProcessor:
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise InvalidRequestError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
                                           f"got {getattr(params, name)}", param=name)
-        pages = self.blocks_for_tokens(total)
-        if self.max_batch_pages is not None and pages > self.max_batch_pages:
-            raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
-                                      f"{self.max_batch_pages}", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
         for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
@@ -81,17 +82,60 @@ class InputProcessor:
             request.generator = torch.Generator(device=self.device).manual_seed(self.request_seed(params))
         return request
 
-    def truncated(self, token_ids: list[int], params: SamplingParams) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: the most that leave room for
+    def make_pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams) -> Request:
+        """A pooling engine's request (prefill only: the prompt may fill the whole context); raises
+        InvalidRequestError naming the limit."""
+        if self.pooler is None:
+            raise InvalidRequestError("this model generates: embedding and scoring need a pooling model (LLM(..., "
+                                      "runner='pooling'), conveyor serve --runner pooling)")
+        if params.dimensions is not None:
+            self.check_dimensions(params.dimensions)
+        token_ids, text = self.prompt_ids(prompt)
+        token_ids = self.truncated(token_ids, params.truncate_prompt_tokens, 0)
+        self.check_fits(token_ids, 0)
+        request = Request(request_id, token_ids, POOLING_SAMPLING, prompt=text, pooling=params)
+        request.pools_every_row = self.pooler.reads_every_row
+        return request
+
+    def check_dimensions(self, dimensions: int) -> None:
+        """Matryoshka dimensions the model takes (vLLM's rule and message)."""
+        if self.pooler is not None and self.pooler.task != "embed":
+            raise InvalidRequestError("dimensions applies to embeddings; this model classifies", param="dimensions")
+        if self.matryoshka is None:
+            raise InvalidRequestError("the model does not support matryoshka representation, changing output "
+                                      "dimensions will lead to poor results (a model trained for it says so in its "
+                                      "config: is_matryoshka or matryoshka_dimensions; hf_overrides sets them)",
+                                      param="dimensions")
+        if self.matryoshka and dimensions not in self.matryoshka:
+            raise InvalidRequestError(f"dimensions {dimensions} is not one the model was trained for: "
+                                      f"{self.matryoshka}", param="dimensions")
+
+    def check_fits(self, token_ids: list[int], max_new_tokens: int) -> None:
+        """The prompt and what it may generate within the context, the KV pool and max_batch_pages."""
+        total = len(token_ids) + max_new_tokens
+        if total > self.max_model_len:
+            what = f"prompt ({len(token_ids)} tokens)" + (f" + max_new_tokens ({max_new_tokens}) = {total}"
+                                                           if max_new_tokens else "")
+            raise InvalidRequestError(f"{what} exceeds the context length of {self.max_model_len} tokens "
+                                      "(max_model_len)", RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
+        if len(token_ids) > self.capacity_tokens:
+            raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the KV cache capacity of "
+                                      f"{self.capacity_tokens} tokens", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
+        pages = self.blocks_for_tokens(total)
+        if self.max_batch_pages is not None and pages > self.max_batch_pages:
+            raise InvalidRequestError(f"request may need {pages} KV pages, over max_batch_pages="
+                                      f"{self.max_batch_pages}", RequestErrorCode.CACHE_CAPACITY_EXCEEDED)
+
+    def truncated(self, token_ids: list[int], keep: int | None, max_new_tokens: int) -> list[int]:
+        """The prompt's last `keep` tokens (`truncate_prompt_tokens`; -1: the most that leave room for
         `max_new_tokens` in the context), or the whole prompt."""
-        keep = params.truncate_prompt_tokens
         if keep is None:
             return token_ids
         if keep == -1:
-            keep = self.max_model_len - params.max_new_tokens
+            keep = self.max_model_len - max_new_tokens
             if keep < 1:
                 raise InvalidRequestError(f"truncate_prompt_tokens=-1 leaves no room for the prompt: max_new_tokens "
-                                          f"({params.max_new_tokens}) fills the context length of "
+                                          f"({max_new_tokens}) fills the context length of "
                                           f"{self.max_model_len} tokens", RequestErrorCode.CONTEXT_LENGTH_EXCEEDED,
                                           param="max_new_tokens")
         return token_ids[-keep:]

@@ -33,9 +33,19 @@ PromptLogprobs = tuple[Request, int, list[dict[int, float]]]
 
 
 @dataclass
+class PooledStep:
+    """A pooling pass's results (`engine.pooling`): the prompts it completed with their outputs, and the state
+    the others carry on with."""
+
+    results: list[tuple[Request, list[float]]] = field(default_factory=list)
+    states: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
+
+
+@dataclass
 class StepResult:
     """The requests that sampled this step, with their new tokens (and logprobs when asked), and the
-    prompt logprobs this pass computed, per request in prompt order (to append to what it has)."""
+    prompt logprobs this pass computed, per request in prompt order (to append to what it has); a pooling
+    pass's results instead of samples."""
 
     requests: list[Request]
     token_ids: list[int]
@@ -44,6 +54,7 @@ class StepResult:
     padding_tokens: int = 0  # rows a padded shape added to the pass
     verified: list[ScheduledChunk] = field(default_factory=list)  # speculating chunks, in row order
     verify_logits: torch.Tensor | None = None  # fp32 [sum of their num_tokens, vocab]
+    pooled: PooledStep | None = None
 
 
 def chunk_token_ids(chunk: ScheduledChunk) -> list[int]:

@@ -1,7 +1,7 @@
 """A step's results turned into request state, in one place for the synchronous step, the async pipeline
 and speculative verification: computed tokens and completed blocks, prompt logprobs, sampled tokens
-appended (incremental detokenization, stop tokens and strings, grammars, length), failures, the
-engine's token counters and the dashboard's step record.
+appended (incremental detokenization, stop tokens and strings, grammars, length), a pooling pass's
+results, failures, the engine's token counters and the dashboard's step record.
 
 Finishing a request also touches the scheduler, the pool and the pipeline, so the engine hands its
 `finish_request` in; everything else a step changes in a request happens here.
@@ -23,6 +23,7 @@ from ..speculative import Speculator
 from ..speculative.verification import verify_chunks
 from ..structured.constraints import grammar_complete
 from .draft_runner import DraftProposer
+from .model_runner import PooledStep
 from .stats import EngineStats
 from .step_history import StepHistory
 
@@ -74,6 +75,22 @@ class OutputProcessor:
             if not request.is_finished:
                 known = request.prompt_logprobs  # set: it asked for them
                 known.extend(values[max(0, len(known) - first):])  # type: ignore[union-attr]
+
+    def add_pooled(self, pooled: PooledStep | None) -> list[Request]:
+        """A pooling pass's results: the state of prompts still prefilling, the outputs of those it completed
+        (which finish now, their blocks back to the pool). The requests that finished."""
+        if pooled is None:
+            return []
+        for request, state in pooled.states:
+            request.pooling_state = state
+        finished = []
+        for request, values in pooled.results:
+            if request.is_finished:  # cancelled while its pass ran
+                continue
+            request.pooled, request.pooling_state = values, None
+            self.finish(request, RequestState.FINISHED, "stop", None)
+            finished.append(request)
+        return finished
 
     # -- sampled tokens -------------------------------------------------------------------
     def append_tokens(self, requests: Sequence[Request], tokens: Sequence[int],

@@ -19,10 +19,11 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM,
 
 
 def build_model(config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
-                device: torch.device, quantization: str = "none") -> CausalLM:
-    """The engine's model for a checkpoint, by its `model_type`; `quantization` as `LLM` resolved it."""
+                device: torch.device, quantization: str = "none", lm_head: bool = True) -> CausalLM:
+    """The engine's model for a checkpoint, by its `model_type`; `quantization` as `LLM` resolved it;
+    `lm_head=False` for a pooling model."""
     cls = MODEL_CLASSES.get(config.model_type)
     if cls is None:
         raise ValueError(f"model type {config.model_type!r} is not supported "
                          f"(supported: {', '.join(sorted(MODEL_CLASSES))})")
-    return cls.from_state_dict(config, state_dict, dtype, device, quantization)
+    return cls.from_state_dict(config, state_dict, dtype, device, quantization, lm_head)

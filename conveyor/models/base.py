@@ -116,9 +116,10 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
-                        device: torch.device, quantization: str = "none") -> "CausalLM":
+                        device: torch.device, quantization: str = "none", lm_head: bool = True) -> "CausalLM":
         """Build the model and load Hugging Face-named weights, fusing q/k/v and gate/up; linear and
-        embedding weights quantized or kept quantized as `quantization` says (`quant_linear.plan_weights`)."""
+        embedding weights quantized or kept quantized as `quantization` says (`quant_linear.plan_weights`).
+        `lm_head=False`: a pooling model, which never computes logits: no head is prepared."""
         if config.model_type not in cls.model_types:
             raise ValueError(f"model type {config.model_type!r} is not supported by {cls.__name__} "
                              f"(supported: {', '.join(cls.model_types)})")
@@ -161,7 +162,7 @@ class CausalLM(nn.Module):
         tile_bf16_modules(model)  # bf16 on CPU: the native GEMM's tiles (see quantization/linear.py)
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
             model.use_fused_ops(cpu_fused_ops())
-        model.lm_head_fn = model.head_fn()
+        model.lm_head_fn = model.head_fn() if lm_head else None
         model.decode_stack = model.build_decode_stack() if device.type == "cpu" else None
         return model
 

@@ -30,8 +30,10 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..layers.quantization.mxfp4 import is_mxfp4
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
+from ..pooling_params import PoolerConfig
 from . import gguf_experts, gguf_families
 from .gguf_file import GGUFFile
+from .pooling import checkpoint_pooler_config
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class Checkpoint:
     state_dict: dict[str, torch.Tensor | QuantizedTensor]
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None when not asked for
     path: Path
+    pooler_config: PoolerConfig = PoolerConfig()  # how its files say to pool (`models.pooling`), if they do
 
     @property
     def quantized(self) -> bool:
@@ -186,7 +189,16 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = N
                     dim, start, stop = selection
                     t = part[start:stop] if dim == 0 else part[:, start:stop]
                 state_dict[name] = t.to(dtype) if t.is_floating_point() else t
-    return Checkpoint(config, state_dict, _load_tokenizer(path, path) if tokenizer else None, path)
+    return Checkpoint(config, with_model_prefix(state_dict), _load_tokenizer(path, path) if tokenizer else None,
+                      path, checkpoint_pooler_config(path))
+
+
+def with_model_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors by the names of a `*ForCausalLM`: a checkpoint saved from the bare decoder (`Qwen3Model`, as
+    embedding models such as Qwen3-Embedding are) names them without the `model.` prefix."""
+    if "model.embed_tokens.weight" in state_dict or "embed_tokens.weight" not in state_dict:
+        return state_dict
+    return {name if name.startswith(("lm_head.", "score.")) else f"model.{name}": t for name, t in state_dict.items()}
 
 
 def _safetensors_files(path: Path) -> list[Path]:
@@ -282,7 +294,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
     if widened:
         logger.info("%s: no kernel takes %s tensors: dequantized to %s", path.name, ", ".join(sorted(widened)),
                     str(dtype).removeprefix("torch."))
-    return Checkpoint(config, state_dict, _gguf_tokenizer(path) if tokenizer else None, path)
+    pooling = checkpoint_pooler_config(path, reader.metadata.get(f"{arch}.pooling_type", 0))
+    return Checkpoint(config, state_dict, _gguf_tokenizer(path) if tokenizer else None, path, pooling)
 
 
 def _gguf_expert_tensor(tensor: Any, config: transformers.PretrainedConfig, dtype: torch.dtype, keep_quantized: bool,

@@ -10,7 +10,8 @@ next step. Admission is all or nothing: a waiting request gets blocks for its wh
 nothing. With prefix caching, a waiting request first looks up the completed blocks that already
 hold the longest prefix of its sequence: it starts with them, their prefill skipped, and its chunk
 begins after them (the cache budget still counts them: shared pages are read too); a request that
-asks for prompt logprobs skips the lookup, since it needs every prompt position's logits. An active
+asks for prompt logprobs skips the lookup, since it needs every prompt position's logits (so does a
+pooling request that pools more than its last token's hidden state). An active
 request that cannot get the blocks it needs is reported as stalled, with the number of blocks it
 asked for, so the engine can offload others to make room.
 
@@ -175,9 +176,8 @@ class Scheduler:
         return True
 
     def _admit(self, request: Request, budget: _Budget, out: SchedulerOutput) -> bool:
-        # Not a swapped request, nor one whose prompt logprobs need every prompt position computed.
-        looked_up = (self.allocator.block_sharing and request.num_computed_tokens == 0
-                     and not request.needs_prompt_logprobs)
+        # Not a swapped request, nor one that needs every prompt position computed (prompt logprobs, pooling).
+        looked_up = self.allocator.block_sharing and request.num_computed_tokens == 0 and request.reuses_prefix
         cached = self.allocator.match_prefix(request) if looked_up else []
         hit = len(cached) * self.allocator.page_size
         start = request.num_computed_tokens + hit

@@ -3,7 +3,9 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
 events ending in `data: [DONE]`), POST /v1/messages and /v1/messages/count_tokens (Anthropic's
 Messages API, its own shapes and errors: `routes/messages.py`), GET /v1/models, GET /health, GET /metrics (Prometheus),
-POST /tokenize, POST /detokenize (vLLM's shapes). Modules: `protocol` (request bodies, error
+POST /tokenize, POST /detokenize (vLLM's shapes); a pooling model's server (`--runner pooling`) answers POST
+/v1/embeddings, /v1/score and /v1/rerank instead of the generation routes (`pooling`, `pooling_protocol`,
+`routes/embeddings.py`, `routes/score.py`: docs/design/pooling.md). Modules: `protocol` (request bodies, error
 object), `serving` (admission, the engine bridge, rendering), `limits` (the body and prompt-length
 limits), `tools` and `response_format` (what a request constrains), `replies` (chat template
 options, reasoning split from the answer), `request_fields` (llama.cpp's fields, unknown ones),

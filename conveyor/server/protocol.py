@@ -58,7 +58,7 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     """Strict: no `"5"` or `true` for an integer, as the schema says (JSON integers are accepted for floats)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -69,11 +69,11 @@ class _Body(BaseModel):
         return _integral(value)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions; the others a client sends are kept in
     `model_extra` (refused or logged by `request_fields`)."""
 
@@ -130,12 +130,12 @@ class CompletionRequest(SamplingFields):
         return echo
 
 
-class TextPart(_Body):
+class TextPart(RequestBody):
     type: Literal["text"]
     text: str | None = None
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer = system
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -163,7 +163,7 @@ class ChatCompletionRequest(SamplingFields):
     reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = None
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """Exactly one of `prompt` and `messages` (the other absent or null)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"oneOf": [
@@ -182,6 +182,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = Field(None, json_schema_extra=SERVED_NAME)
     tokens: list[TokenId]

@@ -409,4 +409,4 @@ def request_error(exc: InvalidRequestError, prompt_param: str, structured_param:
 
 
 # `SamplingParams` fields an engine error may name -> the request body's field (others: the prompt's).
-BODY_FIELDS = {"logit_bias": "logit_bias", "priority": "priority"}
+BODY_FIELDS = {"logit_bias": "logit_bias", "priority": "priority", "dimensions": "dimensions"}

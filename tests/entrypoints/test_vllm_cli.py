@@ -173,3 +173,23 @@ def test_reasoning_parser_and_default_template_kwargs_flags(capsys: pytest.Captu
     for bad, message in (("{", "--default-chat-template-kwargs is not valid JSON"), ("[1]", "must be a JSON object")):
         with pytest.raises(ValueError, match=message):
             ServerSettings.from_args(serve_parser().parse_args(["--default-chat-template-kwargs", bad]))
+
+
+def test_pooling_flags_reach_the_llm(tiny_llama: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --runner, --convert, --task, --pooler-config and --hf-overrides, taken now (no longer refused)."""
+    parser = serve_parser()
+    args = parser.parse_args([str(tiny_llama.path), "--task", "embed", "--pooler-config", '{"pooling_type": "MEAN"}',
+                              "--hf-overrides", '{"is_matryoshka": true}', "--dtype", "float32", "--num-blocks", "64"])
+    kwargs = llm_kwargs_from_args(args)
+    assert (kwargs["runner"], kwargs["convert"], kwargs["task"]) == ("auto", "auto", "embed")
+    assert kwargs["hf_overrides"] == {"is_matryoshka": True}
+    llm = LLM(**kwargs)
+    assert (llm.pooling_task, llm.engine.pooler.pooling_type, llm.engine.input_processor.matryoshka) == ("embed",
+                                                                                                        "MEAN", [])
+    for flag in ("--task", "--runner", "--hf-overrides"):
+        assert flag not in UNSUPPORTED
+    with pytest.raises(ValueError, match="--hf-overrides is not valid JSON"):
+        llm_kwargs_from_args(parser.parse_args(["--hf-overrides", "{"]))
+    assert main(["generate", str(tiny_llama.path), "w5", "--raw", "--runner", "pooling", "--dtype", "float32",
+                 "--num-blocks", "64"]) == 2
+    assert "this is a pooling model" in capsys.readouterr().err

@@ -1,0 +1,91 @@
+"""The pooling step's arithmetic (docs/design/pooling.md): a prompt's hidden states reduced to one vector,
+chunk by chunk, and the task's head over it.
+
+A prompt may be prefilled in several chunks, so the reduction works on chunks: each pass reduces every
+pooling chunk's rows at once (`chunk_parts`: the last row, the first row, or the rows' sum, in fp32),
+`merge` folds a chunk's part into what the prompt's earlier chunks left, and `finish` turns the
+prompts that completed into their outputs in a few batched operations. The head runs in fp32, as
+vLLM's: an embedding is the pooled vector (its first `dimensions` for a Matryoshka model), then
+L2-normalized; a classifier's scores are its linear head over it, then a sigmoid (one label) or a
+softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# One request's options in `finish`: (Matryoshka dimensions or None, normalize / activation on)
+HeadOptions = tuple[int | None, bool]
+
+
+class Pooler(nn.Module):
+    """`task` "embed" or "classify"; `pooling_type` "LAST", "MEAN" or "CLS"; `classifier` the classify head
+    (`[num_labels, hidden]`, fp32)."""
+
+    def __init__(self, task: str, pooling_type: str, normalize: bool, classifier: nn.Linear | None = None) -> None:
+        super().__init__()
+        if (task == "classify") != (classifier is not None):
+            raise ValueError("a classify pooler needs its classifier head, an embed pooler none")
+        self.task = task
+        self.pooling_type = pooling_type
+        self.normalize = normalize  # the default of requests that do not say (`PoolingParams.activation`)
+        self.classifier = classifier
+
+    @property
+    def reads_every_row(self) -> bool:
+        """Whether rows before a prompt's last take part (then the whole prompt is computed: no prefix reuse)."""
+        return self.pooling_type != "LAST"
+
+    @property
+    def num_labels(self) -> int | None:
+        return None if self.classifier is None else self.classifier.out_features
+
+    def chunk_parts(self, hidden: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`[chunks, hidden]` fp32: each chunk's part of its prompt's pooling, the chunk being `counts[i]` rows
+        of `hidden` from row `starts[i]` (long tensors on its device)."""
+        if self.pooling_type == "LAST":
+            return hidden.index_select(0, starts + counts - 1).float()
+        if self.pooling_type == "CLS":
+            return hidden.index_select(0, starts).float()
+        segment = torch.repeat_interleave(torch.arange(len(counts), device=hidden.device), counts)
+        offsets = torch.arange(len(segment), device=hidden.device) - torch.repeat_interleave(counts.cumsum(0) - counts,
+                                                                                              counts)
+        rows = hidden.index_select(0, starts[segment] + offsets).float()
+        return torch.zeros(len(counts), hidden.shape[1], device=hidden.device).index_add_(0, segment, rows)
+
+    def merge(self, state: torch.Tensor | None, part: torch.Tensor, first: bool) -> torch.Tensor:
+        """What a prompt has pooled after one more chunk: `state` from its earlier chunks, `part` this one's,
+        `first` whether this chunk starts at its first token (a recomputed prompt starts over)."""
+        if first or state is None or self.pooling_type == "LAST":
+            return part
+        return state if self.pooling_type == "CLS" else state + part
+
+    def finish(self, pooled: torch.Tensor, lengths: Sequence[int], options: Sequence[HeadOptions]) -> list[list[float]]:
+        """The outputs of completed prompts: `pooled` `[n, hidden]` fp32 as `merge` left it, their lengths
+        (the mean's divisor) and each one's head options; one host copy per group of equal options."""
+        if self.pooling_type == "MEAN":
+            pooled = pooled / torch.tensor(lengths, dtype=pooled.dtype, device=pooled.device).unsqueeze(1)
+        results: list[list[float]] = [[] for _ in options]
+        groups: dict[HeadOptions, list[int]] = {}
+        for i, key in enumerate(options):
+            groups.setdefault(key, []).append(i)
+        for (dimensions, activation), rows in groups.items():
+            part = pooled if len(rows) == len(options) else pooled[torch.tensor(rows, device=pooled.device)]
+            for i, values in zip(rows, self.head(part, dimensions, activation).tolist()):
+                results[i] = values
+        return results
+
+    def head(self, pooled: torch.Tensor, dimensions: int | None, activation: bool) -> torch.Tensor:
+        """The task's head over pooled vectors (fp32)."""
+        if self.classifier is not None:
+            scores = self.classifier(pooled)
+            if not activation:
+                return scores
+            return scores.sigmoid() if scores.shape[1] == 1 else scores.softmax(dim=-1)
+        if dimensions is not None:
+            pooled = pooled[:, :dimensions]
+        return F.normalize(pooled, p=2, dim=-1) if activation else pooled
