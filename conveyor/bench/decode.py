@@ -39,9 +39,11 @@ def decode_once(llm: Any, context: int, streams: int, tokens: int, seed: int) ->
 
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-    manager = llm.manager.start()
+    manager = llm.manager
+    manager.stop()  # queued together, so that the first steps see every stream
     rids = [manager.add_request([rng.randrange(8, llm.vocab_size) for _ in range(context)], params, streaming=True)
             for _ in range(streams)]
+    manager.start()
     events: dict[str, list[tuple[float, int]]] = {rid: [] for rid in rids}
 
     def follow(rid: str) -> None:
@@ -55,10 +57,10 @@ def decode_once(llm: Any, context: int, streams: int, tokens: int, seed: int) ->
         t.join()
     start = max(ev[0][0] for ev in events.values())
     end = min(ev[-1][0] for ev in events.values())
+    if end <= start:  # a stream ended before the last one had its first token
+        raise RuntimeError("no window where every stream decodes: raise --tokens")
     decoded = sum(max(n for when, n in ev if when <= end) - max(n for when, n in ev if when <= start)
                   for ev in events.values())
-    if end <= start or decoded <= 0:
-        raise RuntimeError("no decode window: raise --tokens")
     return decoded / (end - start)
 
 
@@ -77,7 +79,7 @@ def run_decode(model: str | None, kv_dtypes: list[str], *, context: int, streams
     """Every KV dtype's decode tok/s per repeat (interleaved), its bytes per step, and the machine's bandwidth."""
     import torch
 
-    from .. import ContinuousBatchingConfig
+    from .. import ContinuousBatchingConfig, SamplingParams
     from .perplexity import load_llm
     from .throughput import environment
 
@@ -87,8 +89,9 @@ def run_decode(model: str | None, kv_dtypes: list[str], *, context: int, streams
     config = dict(max_batch_tokens=512, allow_block_sharing=False, num_blocks=pages * streams + 64)
     llms = {kv: load_llm(model, dtype=dtype, quantization=quantization,
                          config=ContinuousBatchingConfig(kv_cache_dtype=kv, **config)) for kv in kv_dtypes}
-    for llm in llms.values():  # warm-up: kernels and buffers at this depth
-        decode_once(llm, min(context, 256), streams, 4, seed=1)
+    warmup = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for llm in llms.values():  # warm-up: kernels and buffers
+        llm.generate([[8 + i] * min(context, 256) for i in range(streams)], warmup, use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in [*kv_dtypes, *(f"llama.cpp {LLAMA_KV[kv]}"
                                                                         for kv in kv_dtypes if llama_bench)]}
     for r in range(repeats):

@@ -49,3 +49,9 @@ def test_command_line(tiny_llama: TinyModel, tmp_path: Path, capsys: pytest.Capt
         main(["decode", "--tokens", "1"])
     with pytest.raises(SystemExit, match="one stream"):
         main(["decode", "--model", str(tiny_llama.path), "--streams", "2", "--llama-bench", "llama-bench"])
+
+
+def test_a_window_where_every_stream_decodes(tiny_llama: TinyModel) -> None:
+    """Streams whose prompts prefill in turns: with too few tokens one ends before the last starts."""
+    with pytest.raises(RuntimeError, match="no window where every stream decodes"):
+        run_decode(str(tiny_llama.path), ["auto"], context=300, streams=4, tokens=2, repeats=1, dtype="float32")
