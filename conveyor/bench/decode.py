@@ -29,7 +29,7 @@ LLAMA_KV = {"auto": "f16", "int8": "q8_0"}  # llama.cpp's KV type beside each of
 
 def kv_bytes_per_token(llm: Any) -> int:
     """Bytes one token's keys and values take over all layers, as the pool stores them (int8 rows with their
-    scales, or the model dtype)."""
+    scales, fp8, or the model dtype)."""
     return sum(layer.nbytes // layer.shape[1] for layer in llm.engine.pool.kv)
 
 
@@ -85,7 +85,8 @@ def run_decode(model: str | None, kv_dtypes: list[str], *, context: int, streams
 
     if llama_bench and (streams != 1 or not str(model or "").endswith(".gguf")):
         raise ValueError("--llama-bench compares one stream (--streams 1) on a .gguf --model")
-    pages = (context + tokens + 64) // 16 + 1
+    page = ContinuousBatchingConfig().page_size
+    pages = (context + tokens + 64) // page + 1
     config = dict(max_batch_tokens=512, allow_block_sharing=False, num_blocks=pages * streams + 64)
     llms = {kv: load_llm(model, dtype=dtype, quantization=quantization,
                          config=ContinuousBatchingConfig(kv_cache_dtype=kv, **config)) for kv in kv_dtypes}
