@@ -1,14 +1,18 @@
 """`python -m tools.random_gguf --shape llama-3.2-1b --type q4_0 --out FILE`: a GGUF file of a real model's
 shape with random weights, for speed measurements at the sizes people run (speed needs no trained
-weights). Matrices in Q4_0, Q8_0 or F16 (gguf's own quantizer; K-quants come from llama.cpp's
-`llama-quantize` over an F16 file), the token embedding in Q8_0 (F16 with --type f16), norms in F32;
-a tokenizer of placeholder tokens of the model's vocabulary size. llama.cpp and Conveyor both load it.
+weights). Matrices in Q4_0, Q8_0 or F16 (gguf's own quantizer), the token embedding in Q8_0 (F16 with
+--type f16), norms in F32; a tokenizer of placeholder tokens of the model's vocabulary size. The
+K-quant and IQ4 mixes people download (q4_k_m, q5_k_m, q6_k, iq4_xs, ...) come from llama.cpp's
+`llama-quantize` (--llama-quantize PATH) over a Q8_0 file written first. Tensors are written one at a
+time, so an 8B shape needs no more memory than its largest matrix. llama.cpp and Conveyor both load it.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +22,9 @@ import numpy as np
 
 QType = gguf.GGMLQuantizationType
 TYPES = {"q4_0": QType.Q4_0, "q8_0": QType.Q8_0, "f16": QType.F16}
+# llama-quantize's names of the mixes it makes (`llama-quantize --help`), by our lower-case name.
+LLAMA_QUANTIZE_TYPES = {name.lower(): name for name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
+                                                        "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_XS", "IQ4_NL")}
 
 
 @dataclass(frozen=True)
@@ -89,34 +96,59 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
 
 
 def write(path: Path, shape: Shape, qtype: QType, seed: int = 0) -> int:
-    """The file; returns its size in bytes. Weights ~ N(0, 0.02) (an embedding's 0.02 too), norms 1."""
+    """The file; returns its size in bytes. Weights ~ N(0, 0.02) (an embedding's 0.02 too), norms 1.
+    Streamed: the tensor infos first, then each tensor made, written and dropped in turn."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, shape.arch)
     header(writer, shape)
-    for name, dims, matrix in tensors(shape):
-        if not matrix:
-            writer.add_tensor(name, np.ones(dims, dtype=np.float32))
-            continue
-        values = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float32)
-        kind = QType.Q8_0 if name == "token_embd.weight" and qtype != QType.F16 else qtype
-        data = gguf.quants.quantize(values, kind)
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+    plan = [(name, dims, QType.F32 if not matrix else
+             QType.Q8_0 if name == "token_embd.weight" and qtype != QType.F16 else qtype)
+            for name, dims, matrix in tensors(shape)]
+    for name, dims, kind in plan:
+        block, size = gguf.GGML_QUANT_SIZES[kind]  # elements and bytes of a block
+        raw = (*dims[:-1], dims[-1] // block * size)  # the data's shape in bytes
+        writer.add_tensor_info(name, raw, np.dtype(np.uint8), int(np.prod(raw)), raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for name, dims, kind in plan:
+        if kind == QType.F32:
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        values = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float32)
+        writer.write_tensor_data(gguf.quants.quantize(values, kind))
     writer.close()
+    return path.stat().st_size
+
+
+def quantize_with_llama(path: Path, shape: Shape, mix: str, llama_quantize: str, seed: int = 0) -> int:
+    """A Q8_0 file (a temporary one beside `path`) re-quantized by llama.cpp's llama-quantize to `mix`."""
+    with tempfile.NamedTemporaryFile(suffix=".gguf", dir=path.parent) as tmp:
+        write(Path(tmp.name), shape, QType.Q8_0, seed)
+        done = subprocess.run([llama_quantize, "--allow-requantize", tmp.name, str(path),
+                               LLAMA_QUANTIZE_TYPES[mix]], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {llama_quantize} failed ({done.returncode}): {done.stderr[-2000:]}")
     return path.stat().st_size
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.random_gguf", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--type", choices=sorted(TYPES), default="q4_0", help="the matrices' type")
+    parser.add_argument("--type", choices=sorted(TYPES) + sorted(LLAMA_QUANTIZE_TYPES), default="q4_0",
+                        help="the matrices' type (K-quant and IQ4 mixes need --llama-quantize)")
+    parser.add_argument("--llama-quantize", metavar="PATH",
+                        help="llama.cpp's llama-quantize binary, for the K-quant and IQ4 mixes")
     parser.add_argument("--out", required=True, help="the .gguf file to write")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.monotonic()
-    size = write(Path(args.out), SHAPES[args.shape], TYPES[args.type], args.seed)
+    if args.type in LLAMA_QUANTIZE_TYPES:
+        if not args.llama_quantize:
+            parser.error(f"--type {args.type} is made by llama.cpp's llama-quantize: pass --llama-quantize PATH")
+        size = quantize_with_llama(Path(args.out), SHAPES[args.shape], args.type, args.llama_quantize, args.seed)
+    else:
+        size = write(Path(args.out), SHAPES[args.shape], TYPES[args.type], args.seed)
     print(f"wrote {args.out}: {args.shape} in {args.type}, {size / 2**30:.2f} GiB in {time.monotonic() - started:.0f} s",
           file=sys.stderr)
     return 0

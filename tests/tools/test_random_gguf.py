@@ -32,3 +32,25 @@ def test_the_file_loads_and_runs(tmp_path: Path, kind: str) -> None:
     assert llm.vocab_size == random_gguf.SHAPES["tiny"].vocab
     out = llm.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_k_quant_mixes_need_llama_quantize(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        random_gguf.main(["--shape", "tiny", "--type", "q4_k_m", "--out", str(tmp_path / "x.gguf")])
+    assert "--llama-quantize" in capsys.readouterr().err
+
+
+def test_k_quant_mixes_are_made_from_a_q8_0_file(tmp_path: Path) -> None:
+    """llama-quantize (here a stand-in that logs its arguments and copies its input) gets
+    --allow-requantize, a Q8_0 file and llama.cpp's name of the mix."""
+    log = tmp_path / "args"
+    fake = tmp_path / "llama-quantize"
+    fake.write_text(f'#!/bin/sh\necho "$@" > {log}\ncp "$2" "$3"\n')
+    fake.chmod(0o755)
+    out = tmp_path / "tiny-q5km.gguf"
+    random_gguf.main(["--shape", "tiny", "--type", "q5_k_m", "--llama-quantize", str(fake), "--out", str(out)])
+    args = log.read_text().split()
+    assert args[0] == "--allow-requantize" and args[2] == str(out) and args[3] == "Q5_K_M"
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(out).tensors}
+    assert types["blk.0.ffn_up.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert not Path(args[1]).exists()  # the temporary Q8_0 file is gone
