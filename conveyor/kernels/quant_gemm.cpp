@@ -10,6 +10,8 @@
 // the weights unsigned for vpdpbusd (Q4_0's -8, the +128 of signed bytes) are taken back in the
 // integer domain: the accumulators start at -8 or -128 times the activation block's integer sum (a
 // broadcast load, no arithmetic). Q6_K's two scales per block take two integer sums, one per half.
+// Q5_K's fifth bits are added to its nibbles from their masks, and the IQ4 types' nibbles become
+// their values plus 128 by a byte shuffle (the +128 taken back as for signed bytes).
 // Everything the loops branch on is a template parameter, so they unroll fully.
 //
 // Measured (AVX512-VNNI Xeon, 1 thread, Q4_1, 3072 x 576): ~400 GFLOP/s from 16 rows on, 85% of
@@ -36,6 +38,15 @@ inline int32_t word(const int8_t* p) {
     return w;
 }
 
+// kIQ4Values plus 128: the IQ4 values as unsigned bytes for vpdpbusd.
+struct IQ4Unsigned {
+    uint8_t v[16];
+    constexpr IQ4Unsigned() : v{} {
+        for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIQ4Values[i] + 128);
+    }
+};
+alignas(16) constexpr IQ4Unsigned kIQ4Unsigned{};
+
 #if defined(__AVX2__)
 // How far ahead of the block being read the weight stream is prefetched.
 constexpr int64_t kPrefetchBytes = 2048;
@@ -47,7 +58,8 @@ inline void prefetch_group(int64_t T, const uint8_t* blk) {
 #endif
 
 // Where each row's integer accumulator starts: the activation block's -8 x sum (Q4_0) or -128 x sum
-// (signed 8-bit weights made unsigned), per half block for Q6_K; Q4_1 and Q4_K start at 0.
+// (signed 8-bit weights and the IQ4 values made unsigned), per half block for Q6_K; Q4_1, Q4_K and
+// Q5_K start at 0.
 template <int64_t T>
 const int32_t* start_values(const Activations& a) {
     if constexpr (T == Q4_0) return a.neg8.data();
@@ -61,6 +73,11 @@ constexpr int kPassRows = kPackRows;  // MR: 12 integer + 12 fp32 accumulators +
 inline __m512 cvt_u8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 inline __m512 cvt_i8(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
 inline __m512 cvt_f16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __mmask64 mask64(const uint8_t* p) {
+    uint64_t m;
+    std::memcpy(&m, p, 8);
+    return _cvtu64_mask64(m);
+}
 
 // dot[i] += the products of chunks [j0, j1) of an 8-bit block (signed, made unsigned) with row i.
 template <int MR>
@@ -115,34 +132,46 @@ void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefe
     for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xstart += MR * (T == Q6_K ? 2 : 1)) {
         const uint8_t* blk = tile_block(T, tile, b);
         if (prefetch) prefetch_group(T, blk);  // the first pass over a tile streams it from memory
-        if constexpr (is_kquant(T)) {
+        if constexpr (has_superblocks(T)) {
             if (b % group_blocks(T) == 0) {
                 const uint8_t* head = tile_header(T, tile, b);
                 hd = cvt_f16(head);
-                if constexpr (T == Q4_K) hm = cvt_f16(head + 32);
+                if constexpr (T == Q4_K || T == Q5_K) hm = cvt_f16(head + 32);
             }
         }
         __m512i dot[MR];
         if constexpr (is4bit(T)) {
 #pragma GCC unroll 16
-            for (int i = 0; i < MR; ++i) dot[i] = T == Q4_0 ? _mm512_set1_epi32(xstart[i]) : _mm512_setzero_si512();
+            for (int i = 0; i < MR; ++i)
+                dot[i] = T == Q4_0 || is_iq4(T) ? _mm512_set1_epi32(xstart[i]) : _mm512_setzero_si512();
             const __m512i low4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 4
             for (int j = 0; j < 4; ++j) {
                 const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
-                const __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                if constexpr (T == Q5_K) {  // the fifth bits: 16 added where a chunk byte's mask bit is set
+                    const __m512i sixteen = _mm512_set1_epi8(16);
+                    lo = _mm512_mask_add_epi8(lo, mask64(blk + 256 + 8 * j), lo, sixteen);
+                    hi = _mm512_mask_add_epi8(hi, mask64(blk + 256 + 32 + 8 * j), hi, sixteen);
+                }
+                if constexpr (is_iq4(T)) {
+                    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Unsigned.v)));
+                    lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
+                }
 #pragma GCC unroll 16
                 for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], lo, _mm512_set1_epi32(word(x + (j * MR + i) * 4)));
 #pragma GCC unroll 16
                 for (int i = 0; i < MR; ++i)
                     dot[i] = _mm512_dpbusd_epi32(dot[i], hi, _mm512_set1_epi32(word(x + ((j + 4) * MR + i) * 4)));
             }
-            const uint8_t* sc = blk + 256;
-            if constexpr (T == Q4_K) {  // w = (d sc) q - (dmin m)
+            const uint8_t* sc = blk + quant_bytes(T);
+            if constexpr (T == Q4_K || T == Q5_K) {  // w = (d sc) q - (dmin m)
                 scale_into<MR>(dot, _mm512_mul_ps(hd, cvt_u8(sc)), xd, acc);
                 const __m512 wm = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(hm, cvt_u8(sc + 16)));
 #pragma GCC unroll 16
                 for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xs[i]), acc[i]);
+            } else if constexpr (T == IQ4_XS) {  // w = (d sc) kvalues[q]
+                scale_into<MR>(dot, _mm512_mul_ps(hd, cvt_i8(sc)), xd, acc);
             } else {
                 scale_into<MR>(dot, cvt_f16(sc), xd, acc);
                 if constexpr (T == Q4_1) {
@@ -216,6 +245,31 @@ inline __m128i load16b(const uint8_t* p) { return _mm_loadu_si128(reinterpret_ca
 inline __m256 cvt_u8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 inline __m256 cvt_i8x8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
 inline __m256 cvt_f16x8(const uint8_t* p) { return _mm256_cvtph_ps(load16b(p)); }
+// 32 of Q5_K's mask bits as 32 bytes of 16 (bit set) or 0: byte i takes mask byte i / 8, tests bit i % 8.
+inline __m256i high_bytes(const uint8_t* p) {
+    uint32_t bits;
+    std::memcpy(&bits, p, 4);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3,
+                                            3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull));
+    const __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread), bit);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(16));
+}
+// A chunk half's nibbles as the weights the dot product takes: Q5_K's fifth bits added, the IQ4 values
+// looked up (plus 128 for vpdpbusd, or signed for the vpmaddubsw path).
+template <int64_t T>
+inline void expand_nibbles(const uint8_t* blk, int j, int half, __m256i& lo, __m256i& hi, bool unsigned_iq4) {
+    if constexpr (T == Q5_K) {
+        lo = _mm256_or_si256(lo, high_bytes(blk + 256 + 8 * j + 4 * half));
+        hi = _mm256_or_si256(hi, high_bytes(blk + 256 + 32 + 8 * j + 4 * half));
+    }
+    if constexpr (is_iq4(T)) {
+        const __m128i t = unsigned_iq4 ? _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Unsigned.v))
+                                       : _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+        const __m256i table = _mm256_broadcastsi128_si256(t);
+        lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
+    }
+}
 
 // dot[i] (+)= the products of chunks [j0, j1) of an 8-bit block's half `half` with row i.
 template <int MR>
@@ -280,45 +334,67 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
     for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xstart += MR * (T == Q6_K ? 2 : 1)) {
         const uint8_t* blk = tile_block(T, tile, b);
         if (prefetch) prefetch_group(T, blk);  // the second half reads the tile again, from cache by then
-        if constexpr (is_kquant(T)) {
+        if constexpr (has_superblocks(T)) {
             if (b % group_blocks(T) == 0) {
                 const uint8_t* head = tile_header(T, tile, b);
                 hd = cvt_f16x8(head + 16 * half);
-                if constexpr (T == Q4_K) hm = cvt_f16x8(head + 32 + 16 * half);
+                if constexpr (T == Q4_K || T == Q5_K) hm = cvt_f16x8(head + 32 + 16 * half);
             }
         }
         __m256i dot[MR];
         if constexpr (is4bit(T)) {
             const __m256i low4 = _mm256_set1_epi8(0x0F);
 #if defined(__AVXVNNI__)
-            for (int i = 0; i < MR; ++i) dot[i] = T == Q4_0 ? _mm256_set1_epi32(xstart[i]) : _mm256_setzero_si256();
+            for (int i = 0; i < MR; ++i) dot[i] = T == Q4_0 || is_iq4(T) ? _mm256_set1_epi32(xstart[i]) : _mm256_setzero_si256();
             for (int j = 0; j < 4; ++j) {
                 const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                expand_nibbles<T>(blk, j, half, lo, hi, true);
                 for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], lo, bcast4(x + (j * MR + i) * 4));
                 for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], hi, bcast4(x + ((j + 4) * MR + i) * 4));
             }
 #else
-            __m256i s16[MR];
-            for (int j = 0; j < 4; ++j) {
-                const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
-                const __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                for (int i = 0; i < MR; ++i) {
-                    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + (j * MR + i) * 4)),
-                                                       _mm256_maddubs_epi16(hi, bcast4(x + ((j + 4) * MR + i) * 4)));
-                    s16[i] = j == 0 ? p : _mm256_add_epi16(s16[i], p);
+            const __m256i ones = _mm256_set1_epi16(1);
+            for (int i = 0; i < MR; ++i) dot[i] = T == Q4_0 ? _mm256_set1_epi32(xstart[i]) : _mm256_setzero_si256();
+            if constexpr (is_iq4(T)) {  // signed values: |w| times x carrying w's sign (a pair sum up to
+                // 2 x 127 x 127: each product pair widened on its own, as two would overflow int16)
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+                    __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    expand_nibbles<T>(blk, j, half, lo, hi, false);
+                    const __m256i ulo = _mm256_sign_epi8(lo, lo), uhi = _mm256_sign_epi8(hi, hi);
+                    for (int i = 0; i < MR; ++i) {
+                        const __m256i plo = _mm256_maddubs_epi16(ulo, _mm256_sign_epi8(bcast4(x + (j * MR + i) * 4), lo));
+                        const __m256i phi = _mm256_maddubs_epi16(uhi, _mm256_sign_epi8(bcast4(x + ((j + 4) * MR + i) * 4), hi));
+                        dot[i] = _mm256_add_epi32(dot[i], _mm256_add_epi32(_mm256_madd_epi16(plo, ones), _mm256_madd_epi16(phi, ones)));
+                    }
+                }
+            } else {
+                // Pair sums stay in int16 for as many chunks as cannot overflow it: 4 x 2 x 2 x 15 x 127
+                // for nibbles, 2 x 2 x 2 x 31 x 127 for Q5_K's 5-bit values.
+                constexpr int kWiden = T == Q5_K ? 2 : 4;
+                __m256i s16[MR];
+                for (int j = 0; j < 4; ++j) {
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
+                    __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    expand_nibbles<T>(blk, j, half, lo, hi, false);
+                    for (int i = 0; i < MR; ++i) {
+                        const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + (j * MR + i) * 4)),
+                                                           _mm256_maddubs_epi16(hi, bcast4(x + ((j + 4) * MR + i) * 4)));
+                        s16[i] = j % kWiden == 0 ? p : _mm256_add_epi16(s16[i], p);
+                    }
+                    if (j % kWiden == kWiden - 1)
+                        for (int i = 0; i < MR; ++i) dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(s16[i], ones));
                 }
             }
-            for (int i = 0; i < MR; ++i) {
-                dot[i] = _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1));
-                if constexpr (T == Q4_0) dot[i] = _mm256_add_epi32(dot[i], _mm256_set1_epi32(xstart[i]));
-            }
 #endif
-            const uint8_t* sc = blk + 256;
-            if constexpr (T == Q4_K) {
+            const uint8_t* sc = blk + quant_bytes(T);
+            if constexpr (T == Q4_K || T == Q5_K) {
                 scale_into<MR>(dot, _mm256_mul_ps(hd, cvt_u8x8(sc + 8 * half)), xd, acc);
                 const __m256 wm = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(hm, cvt_u8x8(sc + 16 + 8 * half)));
                 for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xs[i]), acc[i]);
+            } else if constexpr (T == IQ4_XS) {
+                scale_into<MR>(dot, _mm256_mul_ps(hd, cvt_i8x8(sc + 8 * half)), xd, acc);
             } else {
                 scale_into<MR>(dot, cvt_f16x8(sc + 16 * half), xd, acc);
                 if constexpr (T == Q4_1) {
@@ -402,10 +478,13 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
                         case Q4_1: d = half_to_float(fp16_scales(sc)[r]), mn = half_to_float(fp16_scales(sc)[16 + r]); break;
                         case Q8_0: d = half_to_float(fp16_scales(sc)[r]), mn = 0.f; break;
                         case Q4_K:
+                        case Q5_K:
                             d = half_to_float(fp16_scales(head)[r]) * sc[r];
                             mn = -(half_to_float(fp16_scales(head)[16 + r]) * sc[16 + r]);
                             break;
                         case Q6_K: d = half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[16 * h + r]), mn = 0.f; break;
+                        case IQ4_NL: d = half_to_float(fp16_scales(sc)[r]), mn = 0.f; break;
+                        case IQ4_XS: d = half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[r]), mn = 0.f; break;
                         default: d = 1.f, mn = 0.f;
                     }
                     acc += d * xd * dot + mn * xd * sum;
@@ -451,7 +530,10 @@ void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const
         case Q4_1: return typed_tiles_matmul<Q4_1>(w, row_scales, a, t0, t1, N, out);
         case Q8_0: return typed_tiles_matmul<Q8_0>(w, row_scales, a, t0, t1, N, out);
         case Q4_K: return typed_tiles_matmul<Q4_K>(w, row_scales, a, t0, t1, N, out);
+        case Q5_K: return typed_tiles_matmul<Q5_K>(w, row_scales, a, t0, t1, N, out);
         case Q6_K: return typed_tiles_matmul<Q6_K>(w, row_scales, a, t0, t1, N, out);
+        case IQ4_NL: return typed_tiles_matmul<IQ4_NL>(w, row_scales, a, t0, t1, N, out);
+        case IQ4_XS: return typed_tiles_matmul<IQ4_XS>(w, row_scales, a, t0, t1, N, out);
         case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out);
         case BF16: return typed_tiles_matmul<BF16>(w, row_scales, a, t0, t1, N, out);
         case F32: return typed_tiles_matmul<F32>(w, row_scales, a, t0, t1, N, out);
