@@ -208,9 +208,9 @@ def write_tiny_gguf(path: Path, arch: str) -> None:
 
 
 # The types gguf cannot quantize (the K-quants, the IQ4 types), and the byte offsets of each block's fp16
-# scales (d, and Q4_K's and Q5_K's dmin): their tensors are written as random blocks.
-RANDOM_BLOCK_SCALES = {QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,), QType.IQ4_NL: (0,),
-                       QType.IQ4_XS: (0,)}
+# scales (d, and dmin where there is one): their tensors are written as random blocks.
+RANDOM_BLOCK_SCALES = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2),
+                       QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,)}
 
 
 def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:

@@ -21,8 +21,8 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
 }
 
 // The quant bytes of one GGUF row's block b in tile order (4-bit: byte k = weight k | weight k + 16 << 4;
-// 8-bit: 32 signed bytes) and its scales (and Q5_K's mask bits) written into row r's slots of the
-// tile's block and header.
+// 8-bit: 32 signed bytes; 2-bit: written in place) and its scales (and Q3_K's and Q5_K's mask bits)
+// written into row r's slots of the tile's block and header.
 void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* blk, uint8_t* head) {
     uint8_t qs[32];
     uint16_t* sc16 = reinterpret_cast<uint16_t*>(blk + quant_bytes(type));
@@ -41,6 +41,34 @@ void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* b
             auto* s = reinterpret_cast<const BlockQ8_0*>(row) + b;
             std::memcpy(qs, s->qs, 32), sc16[r] = s->d;
             break;
+        }
+        case Q2_K:
+        case Q3_K: {  // element e of sub-block j: bits 2 (j % 4) of qs[32 (j / 4) + e]; Q3_K's third bit j of hmask[e]
+            const int j = static_cast<int>(b % 8);
+            const uint8_t* q = (type == Q2_K ? reinterpret_cast<const BlockQ2_K*>(row)[b / 8].qs
+                                             : reinterpret_cast<const BlockQ3_K*>(row)[b / 8].qs) + 32 * (j / 4);
+            for (int e = 0; e < 32; ++e) {
+                const int i = r * 4 + e % 4;
+                blk[e / 4 % 2 * 64 + i] |= static_cast<uint8_t>((q[e] >> (2 * (j % 4)) & 3) << (2 * (e / 8)));
+            }
+            if (type == Q2_K) {
+                auto* s = reinterpret_cast<const BlockQ2_K*>(row) + b / 8;
+                blk[128 + r] = s->scales[2 * j], blk[128 + 16 + r] = s->scales[2 * j + 1];
+                reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
+                return;
+            }
+            auto* s = reinterpret_cast<const BlockQ3_K*>(row) + b / 8;
+            for (int e = 0; e < 32; ++e) {
+                const int i = r * 4 + e % 4;
+                blk[128 + e / 4 * 8 + i / 8] |= static_cast<uint8_t>((s->hmask[e] >> j & 1) << (i % 8));
+            }
+            for (int h = 0; h < 2; ++h) {  // ggml's 6-bit scale k: low 4 bits in byte k % 8, high 2 in byte 8 + k % 4
+                const int k = 2 * j + h;
+                const int sc = (s->scales[k % 8] >> (4 * (k / 8)) & 0xF) | (s->scales[8 + k % 4] >> (2 * (k / 4)) & 3) << 4;
+                blk[192 + 16 * h + r] = static_cast<uint8_t>(static_cast<int8_t>(sc - 32));
+            }
+            reinterpret_cast<uint16_t*>(head)[r] = s->d;
+            return;
         }
         case Q4_K: {  // sub-block j = b % 8 of super-block b / 8: nibbles of 32-byte chunk j / 2, low for even j
             auto* s = reinterpret_cast<const BlockQ4_K*>(row) + b / 8;
@@ -122,6 +150,8 @@ int64_t row_bytes(int64_t type, int64_t K) {
         case Q4_0: return K / QK * sizeof(BlockQ4_0);
         case Q4_1: return K / QK * sizeof(BlockQ4_1);
         case Q8_0: return K / QK * sizeof(BlockQ8_0);
+        case Q2_K: return K / QK_K * sizeof(BlockQ2_K);
+        case Q3_K: return K / QK_K * sizeof(BlockQ3_K);
         case Q4_K: return K / QK_K * sizeof(BlockQ4_K);
         case Q5_K: return K / QK_K * sizeof(BlockQ5_K);
         case Q6_K: return K / QK_K * sizeof(BlockQ6_K);

@@ -37,8 +37,8 @@ from conveyor.layers.quantization.tensors import (
 )
 from tests.gguf_writer import RANDOM_BLOCK_SCALES, random_blocks
 
-GGUF_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
-              GGMLType.IQ4_NL, GGMLType.IQ4_XS]
+GGUF_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K,
+              GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS]
 
 
 @pytest.fixture(scope="module")
