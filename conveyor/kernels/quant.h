@@ -105,8 +105,8 @@ constexpr int64_t kPackRows = 4;
 // the block's sum, and that integer sum times -8 (`neg8`) and -128 (`neg128`), and per half block
 // times -128 (`neg128h`, the group's r first halves then its r second halves): where the
 // microkernel starts its integer accumulators to take back Q4_0's offset and the +128 that makes
-// signed weights (Q8_0, I8, Q6_K, the IQ4 values) unsigned for vpdpbusd (per half block: the types with
-// a scale per 16 weights, Q2_K, Q3_K and Q6_K).
+// signed weights (Q8_0, I8, the IQ4 values) unsigned for vpdpbusd (per half block: for the types with a
+// scale per 16 weights, Q2_K, Q3_K and Q6_K, whose offsets of -4 and -32 are that divided by 32 and 4).
 //
 // For dense (BF16, F32) weights the activations stay fp32, packed the same way value by value (`f`: value k of row
 // i of a group of r rows at k * r + i): `shape_floats`, then `set_floats` per row.

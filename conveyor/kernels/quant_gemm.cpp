@@ -10,7 +10,8 @@
 // the weights unsigned for vpdpbusd (Q4_0's -8, the +128 of signed bytes) are taken back in the
 // integer domain: the accumulators start at -8 or -128 times the activation block's integer sum (a
 // broadcast load, no arithmetic). The two scales per block of Q2_K, Q3_K and Q6_K take two integer
-// sums, one per half; Q3_K's -4 is taken back from the half's sum, Q2_K's minimums need its value.
+// sums, one per half; Q3_K's -4 and Q6_K's -32 are taken back from the half's sum, Q2_K's minimums
+// need its value. Q6_K's 6-bit values are put together from their nibbles and 2-bit planes.
 // Q5_K's fifth bits are added to its nibbles from their masks, and the IQ4 types' nibbles become
 // their values plus 128 by a byte shuffle (the +128 taken back as for signed bytes).
 // Everything the loops branch on is a template parameter, so they unroll fully.
@@ -60,7 +61,7 @@ inline void prefetch_group(int64_t T, const uint8_t* blk) {
 
 // Where each row's integer accumulator starts: the activation block's -8 x sum (Q4_0) or -128 x sum
 // (signed 8-bit weights and the IQ4 values made unsigned), per half block for the types with a scale
-// per half (Q3_K: that / 32, its -4); Q2_K, Q4_1, Q4_K and Q5_K start at 0.
+// per half (Q3_K: that / 32, its -4; Q6_K: / 4, its -32); Q2_K, Q4_1, Q4_K and Q5_K start at 0.
 template <int64_t T>
 const int32_t* start_values(const Activations& a) {
     if constexpr (T == Q4_0) return a.neg8.data();
@@ -80,12 +81,12 @@ inline __mmask64 mask64(const uint8_t* p) {
     return _cvtu64_mask64(m);
 }
 
-// dot[i] += the products of chunks [j0, j1) of an 8-bit block (signed, made unsigned) with row i.
+// dot[i] += the products of an 8-bit block (signed, made unsigned) with row i.
 template <int MR>
-inline void dot8(const uint8_t* blk, const int8_t* x, int j0, int j1, __m512i* dot) {
+inline void dot8(const uint8_t* blk, const int8_t* x, __m512i* dot) {
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
 #pragma GCC unroll 8
-    for (int j = j0; j < j1; ++j) {
+    for (int j = 0; j < 8; ++j) {
         const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(blk + 64 * j), bias);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], w, _mm512_set1_epi32(word(x + (j * MR + i) * 4)));
@@ -208,19 +209,31 @@ void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefe
                         acc[i] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xd[i] * static_cast<float>(xstart[h * MR + i] / -128)), acc[i]);
                 }
             }
-        } else if constexpr (T == Q6_K) {  // a scale per half block: two integer sums
-            const uint8_t* sc = blk + 512;
+        } else if constexpr (T == Q6_K) {  // a scale per half block: q = nibble | high bits << 4 (0..63)
+            const __m512i planes[2] = {_mm512_loadu_si512(blk + 256), _mm512_loadu_si512(blk + 320)};
+            const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+            const uint8_t* sc = blk + 384;
 #pragma GCC unroll 2
             for (int h = 0; h < 2; ++h) {
 #pragma GCC unroll 16
-                for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(xstart[h * MR + i]);
-                dot8<MR>(blk, x, 4 * h, 4 * h + 4, dot);
+                for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(xstart[h * MR + i] / 4);  // -32 x the half's sum
+#pragma GCC unroll 4
+                for (int c = 0; c < 4; ++c) {  // word j = 4h + c: chunk c's low (h = 0) or high nibbles
+                    const int j = 4 * h + c, shift = 4 - 2 * (j / 2);  // its high bits from bits 2 (j / 2) to 4
+                    const __m512i raw = _mm512_loadu_si512(blk + 64 * c);
+                    const __m512i nib = _mm512_and_si512(h ? _mm512_srli_epi16(raw, 4) : raw, low4);
+                    const __m512i high = _mm512_and_si512(
+                        shift >= 0 ? _mm512_slli_epi16(planes[j % 2], shift) : _mm512_srli_epi16(planes[j % 2], -shift), bits45);
+                    const __m512i q = _mm512_or_si512(nib, high);
+#pragma GCC unroll 16
+                    for (int i = 0; i < MR; ++i) dot[i] = _mm512_dpbusd_epi32(dot[i], q, _mm512_set1_epi32(word(x + (j * MR + i) * 4)));
+                }
                 scale_into<MR>(dot, _mm512_mul_ps(hd, cvt_i8(sc + 16 * h)), xd, acc);
             }
         } else {
 #pragma GCC unroll 16
             for (int i = 0; i < MR; ++i) dot[i] = _mm512_set1_epi32(xstart[i]);
-            dot8<MR>(blk, x, 0, 8, dot);
+            dot8<MR>(blk, x, dot);
             if constexpr (T == I8) {  // per-row scales come after the whole sum
 #pragma GCC unroll 16
                 for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_set1_ps(xd[i]), acc[i]);
@@ -299,18 +312,18 @@ inline void expand_nibbles(const uint8_t* blk, int j, int half, __m256i& lo, __m
     }
 }
 
-// dot[i] (+)= the products of chunks [j0, j1) of an 8-bit block's half `half` with row i.
+// dot[i] (+)= the products of an 8-bit block's half `half` with row i.
 template <int MR>
-inline void dot8(const uint8_t* blk, int half, const int8_t* x, int j0, int j1, __m256i* dot) {
+inline void dot8(const uint8_t* blk, int half, const int8_t* x, __m256i* dot) {
 #if defined(__AVXVNNI__)
     const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int j = j0; j < j1; ++j) {
+    for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half)), bias);
         for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], w, bcast4(x + (j * MR + i) * 4));
     }
 #else
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int j = j0; j < j1; ++j) {
+    for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
         const __m256i u = _mm256_sign_epi8(w, w);
         for (int i = 0; i < MR; ++i)
@@ -466,16 +479,39 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
                         acc[i] = _mm256_fmadd_ps(wm, _mm256_set1_ps(xd[i] * static_cast<float>(xstart[h * MR + i] / -128)), acc[i]);
                 }
             }
-        } else if constexpr (T == Q6_K) {
-            const uint8_t* sc = blk + 512;
+        } else if constexpr (T == Q6_K) {  // as the AVX-512 kernel: q = nibble | high bits << 4 (0..63)
+            const __m256i planes[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256 + 32 * half)),
+                                       _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 320 + 32 * half))};
+            const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
+            const uint8_t* sc = blk + 384;
             for (int h = 0; h < 2; ++h) {
-                start8<MR>(xstart + h * MR, dot);
-                dot8<MR>(blk, half, x, 4 * h, 4 * h + 4, dot);
+                for (int i = 0; i < MR; ++i) dot[i] = _mm256_set1_epi32(xstart[h * MR + i] / 4);
+#if !defined(__AVXVNNI__)
+                __m256i s16[MR];  // pair sums of at most 2 x 63 x 127, two chunks: int16 holds them
+#endif
+                for (int c = 0; c < 4; ++c) {
+                    const int j = 4 * h + c, shift = 4 - 2 * (j / 2);
+                    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * half));
+                    const __m256i nib = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, low4);
+                    const __m256i high = _mm256_and_si256(
+                        shift >= 0 ? _mm256_slli_epi16(planes[j % 2], shift) : _mm256_srli_epi16(planes[j % 2], -shift), bits45);
+                    const __m256i q = _mm256_or_si256(nib, high);
+#if defined(__AVXVNNI__)
+                    for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], q, bcast4(x + (j * MR + i) * 4));
+#else
+                    for (int i = 0; i < MR; ++i) {
+                        const __m256i p = _mm256_maddubs_epi16(q, bcast4(x + (j * MR + i) * 4));
+                        s16[i] = c % 2 == 0 ? p : _mm256_add_epi16(s16[i], p);
+                    }
+                    if (c % 2 == 1)
+                        for (int i = 0; i < MR; ++i) dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(s16[i], _mm256_set1_epi16(1)));
+#endif
+                }
                 scale_into<MR>(dot, _mm256_mul_ps(hd, cvt_i8x8(sc + 16 * h + 8 * half)), xd, acc);
             }
         } else {
             start8<MR>(xstart, dot);
-            dot8<MR>(blk, half, x, 0, 8, dot);
+            dot8<MR>(blk, half, x, dot);
             if constexpr (T == I8) {
                 for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_set1_ps(xd[i]), acc[i]);
             } else {

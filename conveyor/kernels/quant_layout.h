@@ -7,8 +7,9 @@
 // output rows at once and the per-row scales are vectors: no horizontal sums. A 4-bit block is 256
 // bytes of nibbles, byte k of a row holding weight k (low) and weight k + 16 (high); an 8-bit block
 // is 512 bytes of signed values. A 2-bit block (Q2_K, Q3_K) is 128 bytes, two planes of 64 in the
-// chunks' order: the four weights of row r in chunk j at bits 2 (j / 2) of bytes r*4.. of plane j % 2,
-// so a shift and a mask make chunk j's bytes. Q5_K's fifth bits and Q3_K's third bits follow the
+// order of the activations' words: the four weights of row r in word j (weights 4j..4j+3) at bits
+// 2 (j / 2) of bytes r*4.. of plane j % 2, so a shift and a mask make word j's bytes. Q6_K's 6-bit
+// values are a 4-bit block of their low bits followed by such planes of their high two bits. Q5_K's fifth bits and Q3_K's third bits follow the
 // quants as 64 bytes of bit masks, one 64-bit word per activation word j (weights 4j..4j+3; for Q5_K
 // the low nibbles of chunk j for j < 4, the high ones of chunk j - 4), bit i for byte i of the unpacked
 // chunk: a masked add (AVX-512) or a byte compare (AVX2) turns them into bytes. IQ4_NL's and IQ4_XS's nibbles index ggml's kvalues_iq4nl (`kIQ4Values`): a byte
@@ -22,7 +23,7 @@
 //   Q3_K    16 i8 sc (ggml's 6-bit minus 32) per half   w = (d sc_h) (q - 4), q of 3 bits
 //   Q4_K    16 u8 sc, 16 u8 m                           w = (d sc) q - (dmin m)
 //   Q5_K    16 u8 sc, 16 u8 m                           w = (d sc) q - (dmin m), q of 5 bits
-//   Q6_K    16 i8 sc of weights 0-15, 16 of 16-31       w = (d sc) (q - 32), stored as q - 32
+//   Q6_K    16 i8 sc of weights 0-15, 16 of 16-31       w = (d sc) (q - 32), q of 6 bits
 //   IQ4_NL  16 fp16 d                                   w = d kvalues[q]
 //   IQ4_XS  16 i8 sc (ggml's 6-bit scale minus 32)      w = (d sc) kvalues[q]
 // and the super-block types put a header before each super-block of 8 blocks (256 weights): 16
@@ -30,8 +31,7 @@
 // file's: ggml's 6-bit scales and minimums unpacked to bytes, the K-quants' quants and high bits
 // regrouped into the blocks of 32 the activations are quantized in, so dequantizing a tile gives
 // ggml's values exactly. Against the file's blocks the tiles take 3.6% more memory (Q3_K), 2.8%
-// (Q4_K), 2.3% (Q5_K), 1.5% (IQ4_XS), nothing more (Q2_K, IQ4_NL) and 30% (Q6_K: its 6-bit values
-// as bytes).
+// (Q4_K), 2.3% (Q5_K), 1.5% (IQ4_XS) and nothing more (Q2_K, Q6_K, IQ4_NL).
 #pragma once
 
 #include "quant.h"
@@ -46,9 +46,10 @@ constexpr bool is_iq4(int64_t t) { return t == IQ4_NL || t == IQ4_XS; }
 constexpr bool is2bit(int64_t t) { return t == Q2_K || t == Q3_K; }
 // A scale per half block (16 weights).
 constexpr bool has_half_scales(int64_t t) { return t == Q2_K || t == Q3_K || t == Q6_K; }
-// The interleaved words of a block (2-bit planes, nibbles or bytes), and all its quants (Q3_K, Q5_K: the masks too).
-constexpr int64_t word_bytes(int64_t t) { return is2bit(t) ? 128 : is4bit(t) ? 256 : 512; }
-constexpr int64_t quant_bytes(int64_t t) { return word_bytes(t) + (t == Q3_K || t == Q5_K ? 64 : 0); }
+// The interleaved words of a block (2-bit planes, nibbles or bytes), and all its quants (Q3_K, Q5_K: the
+// masks too; Q6_K: the planes of its high bits).
+constexpr int64_t word_bytes(int64_t t) { return is2bit(t) ? 128 : is4bit(t) || t == Q6_K ? 256 : 512; }
+constexpr int64_t quant_bytes(int64_t t) { return word_bytes(t) + (t == Q3_K || t == Q5_K ? 64 : t == Q6_K ? 128 : 0); }
 // One block's quants and its own scales.
 constexpr int64_t block_bytes(int64_t t) {
     switch (t) {
@@ -79,16 +80,22 @@ inline int high_bit(const uint8_t* masks, int r, int e) {
     return masks[e / 4 * 8 + i / 8] >> (i % 8) & 1;
 }
 
+inline int two_bits(const uint8_t* planes, int r, int e) { return planes[e / 4 % 2 * 64 + r * 4 + e % 4] >> (2 * (e / 8)) & 3; }
+inline int nibble(const uint8_t* blk, int r, int e) {
+    const uint8_t byte = blk[(e % 16 / 4) * 64 + r * 4 + e % 4];
+    return e < 16 ? byte & 0xF : byte >> 4;
+}
+
 // Weight e (0..31) of row r in a block, as the dot product takes it: a nibble 0..15 (Q5_K: 0..31),
-// 2 bits (Q3_K: minus 4 with its third bit), an IQ4 value, or a signed byte.
+// 2 bits (Q3_K: minus 4 with its third bit), Q6_K's 6 bits minus 32, an IQ4 value, or a signed byte.
 inline int tiled_weight(int64_t t, const uint8_t* blk, int r, int e) {
     if (is2bit(t)) {
-        const int q = blk[e / 4 % 2 * 64 + r * 4 + e % 4] >> (2 * (e / 8)) & 3;
+        const int q = two_bits(blk, r, e);
         return t == Q3_K ? q + 4 * high_bit(blk + 128, r, e) - 4 : q;
     }
+    if (t == Q6_K) return (nibble(blk, r, e) | two_bits(blk + 256, r, e) << 4) - 32;
     if (is4bit(t)) {
-        const uint8_t byte = blk[(e % 16 / 4) * 64 + r * 4 + e % 4];
-        const int q = e < 16 ? byte & 0xF : byte >> 4;
+        const int q = nibble(blk, r, e);
         if (t == Q5_K) return q | high_bit(blk + 256, r, e) << 4;
         return is_iq4(t) ? kIQ4Values[q] : q;
     }

@@ -120,15 +120,18 @@ void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* b
         case Q6_K: {  // ggml's dequantize_row_q6_K order: element e of the super-block, scale e / 16
             auto* s = reinterpret_cast<const BlockQ6_K*>(row) + b / 8;
             const int j = static_cast<int>(b % 8), n = j / 4, l0 = j % 4 * 32;  // 128-element half, first element
+            uint8_t q[32];
             for (int e = 0; e < 32; ++e) {
                 const int l = (l0 + e) % 32, part = (l0 + e) / 32;  // part 0..3 of the half: ql/qh shifts below
                 const uint8_t* ql = s->ql + 64 * n;
                 const uint8_t* qh = s->qh + 32 * n;
                 const int low = part % 2 ? ql[l + 32] : ql[l];
-                const int q = ((part < 2 ? low & 0xF : low >> 4) | (((qh[l] >> (2 * part)) & 3) << 4)) - 32;
-                qs[e] = static_cast<uint8_t>(static_cast<int8_t>(q));
+                q[e] = static_cast<uint8_t>((part < 2 ? low & 0xF : low >> 4) | (((qh[l] >> (2 * part)) & 3) << 4));
             }
-            blk[512 + r] = static_cast<uint8_t>(s->scales[2 * j]), blk[512 + 16 + r] = static_cast<uint8_t>(s->scales[2 * j + 1]);
+            for (int k = 0; k < 16; ++k) qs[k] = static_cast<uint8_t>((q[k] & 0xF) | (q[k + 16] & 0xF) << 4);
+            for (int e = 0; e < 32; ++e)  // the high two bits as Q2_K's planes
+                blk[256 + e / 4 % 2 * 64 + r * 4 + e % 4] |= static_cast<uint8_t>((q[e] >> 4) << (2 * (e / 8)));
+            blk[384 + r] = static_cast<uint8_t>(s->scales[2 * j]), blk[384 + 16 + r] = static_cast<uint8_t>(s->scales[2 * j + 1]);
             reinterpret_cast<uint16_t*>(head)[r] = s->d;
             break;
         }

@@ -252,10 +252,11 @@ def test_gguf_tokenizer_is_cached_and_identical(tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
-                                   gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.IQ4_XS,
+                                   gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+                                   gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.IQ4_XS,
                                    gguf.GGMLQuantizationType.IQ4_NL], ids=lambda t: t.name)
 def test_kquant_and_iq4_files_are_kept_as_stored(tmp_path: Path, qtype: gguf.GGMLQuantizationType) -> None:
-    """A file whose matrices are Q2_K, Q3_K, Q5_K, IQ4_XS or IQ4_NL runs them through the kernels as stored: every
+    """A file whose matrices are a K-quant or an IQ4 type runs them through the kernels as stored: every
     linear layer holds that type, in at most 1.05x the file's bytes for those matrices (the tiles'
     unpacked scales), and it generates."""
     path = tmp_path / f"tiny-{qtype.name}.gguf"
