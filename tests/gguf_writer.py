@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from tests.utils import VOCAB, TinyModel
+from tools import random_gguf
 
 QType = gguf.GGMLQuantizationType
 
@@ -228,8 +229,6 @@ def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0, scale: floa
 def write_random_block_gguf(path: Path, qtype: QType) -> int:
     """tools/random_gguf's tiny Llama with every matrix but the embedding (Q8_0) in random blocks of
     `qtype`; the bytes of those matrices in the file."""
-    from tools import random_gguf
-
     shape = random_gguf.SHAPES["tiny"]
     writer = gguf.GGUFWriter(path, shape.arch)
     random_gguf.header(writer, shape)

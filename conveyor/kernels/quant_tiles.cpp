@@ -93,9 +93,9 @@ void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* b
                 qs[k] = static_cast<uint8_t>(lo | hi << 4);
             }
             uint8_t* masks = blk + 256;
-            for (int e = 0; e < 32; ++e) {
-                const int word = (e < 16 ? 0 : 4) + e % 16 / 4, i = r * 4 + e % 4;
-                masks[word * 8 + i / 8] |= static_cast<uint8_t>((s->qh[e] >> j & 1) << (i % 8));
+            for (int e = 0; e < 32; ++e) {  // word e / 4 (quant_layout.h)
+                const int i = r * 4 + e % 4;
+                masks[e / 4 * 8 + i / 8] |= static_cast<uint8_t>((s->qh[e] >> j & 1) << (i % 8));
             }
             uint8_t sc, mn;
             scale_min_k4(j, s->scales, &sc, &mn);
