@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from tests.utils import VOCAB, TinyModel
+from tools import random_gguf
 
 QType = gguf.GGMLQuantizationType
 
@@ -205,3 +206,45 @@ def write_tiny_gguf(path: Path, arch: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# The types gguf cannot quantize (the K-quants, the IQ4 types), and the byte offsets of each block's fp16
+# scales (d, and dmin where there is one): their tensors are written as random blocks.
+RANDOM_BLOCK_SCALES = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2),
+                       QType.Q6_K: (208,), QType.IQ4_NL: (0,), QType.IQ4_XS: (0,)}
+
+
+def random_blocks(qtype: QType, rows: int, cols: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """uint8 [rows, row bytes] of well-formed random blocks: every byte random but the fp16 scales,
+    drawn from [0.5, 1.5] x `scale` (random bytes there would be infinities and NaNs)."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for at in RANDOM_BLOCK_SCALES[qtype]:
+        d = (rng.uniform(0.5, 1.5, size=(rows, cols // block)) * scale).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_random_block_gguf(path: Path, qtype: QType) -> int:
+    """tools/random_gguf's tiny Llama with every matrix but the embedding (Q8_0) in random blocks of
+    `qtype`; the bytes of those matrices in the file."""
+    shape = random_gguf.SHAPES["tiny"]
+    writer = gguf.GGUFWriter(path, shape.arch)
+    random_gguf.header(writer, shape)
+    matrix_bytes = 0
+    for i, (name, dims, matrix) in enumerate(random_gguf.tensors(shape)):
+        if not matrix:
+            writer.add_tensor(name, np.ones(dims, dtype=np.float32))
+        elif name == "token_embd.weight":
+            values = np.random.default_rng(i).standard_normal(dims).astype(np.float32) * 0.02
+            writer.add_tensor(name, gguf.quants.quantize(values, QType.Q8_0), raw_dtype=QType.Q8_0)
+        else:
+            data = random_blocks(qtype, *dims, seed=i, scale=1e-3)
+            writer.add_tensor(name, data, raw_dtype=qtype)
+            matrix_bytes += data.nbytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return matrix_bytes

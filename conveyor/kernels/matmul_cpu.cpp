@@ -1,5 +1,6 @@
 // The matmul ops on CPU: out[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]) for weights in the kernels'
-// tiles (quant_layout.h): GGUF's Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, our per-channel int8 (I8) and dense bf16 and fp32.
+// tiles (quant_layout.h): GGUF's Q4_0, Q4_1, Q8_0, the K-quants Q2_K to Q6_K, IQ4_NL and IQ4_XS,
+// our per-channel int8 (I8) and dense bf16 and fp32.
 //
 // Quantized weights: the activations are quantized once per call to int8 blocks of 32 (one fp32
 // scale per block, as ggml's Q8_0) and the weights are dotted in integer arithmetic (VNNI where the

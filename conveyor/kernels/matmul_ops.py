@@ -1,6 +1,6 @@
 """Matmuls over weights in the kernels' 16-row tiles (matmul_cpu.cpp, quant_gemm.cpp, quant_tiles.cpp):
-GGUF's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K blocks, our per-channel int8 (I8), dense bf16 and fp32; the LM
-head fused with greedy sampling; repacking and dequantizing; and the whole-layer kernels built on them
+GGUF's Q4_0, Q4_1, Q8_0, the K-quants Q2_K to Q6_K, IQ4_NL and IQ4_XS blocks, our per-channel int8 (I8), dense
+bf16 and fp32; the LM head fused with greedy sampling; repacking and dequantizing; and the whole-layer kernels built on them
 (layer_ops.py)."""
 
 from __future__ import annotations

@@ -22,15 +22,28 @@ constexpr int64_t kTileRows = 16;  // output rows interleaved in one tile
 // GGUF/ggml type ids (ggml.h) of the block types handled here, our per-channel int8, and dense bf16 and
 // fp32 weights in the same tiles (not quantized: multiplied in fp32 with fp32 activations; F32 holds a
 // mixture-of-experts model's fp32 experts).
-enum WeightType : int64_t { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14, I8 = 1000, BF16 = 1001, F32 = 1002 };
+enum WeightType : int64_t {
+    Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23,
+    I8 = 1000, BF16 = 1001, F32 = 1002
+};
 
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
 struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };
+struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };
+struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };
+struct BlockIQ4_XS { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml block sizes");
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "ggml K-quant block sizes");
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 &&
+                  sizeof(BlockQ6_K) == 210, "ggml K-quant block sizes");
+static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "ggml IQ4 block sizes");
+
+// ggml's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit indices stand for.
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -62,13 +75,17 @@ inline float hsum(__m256 v) {
 #endif
 
 inline bool is_kernel_type(int64_t type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q4_K || type == Q6_K || type == I8 || type == BF16 ||
-           type == F32;
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K ||
+           type == Q6_K || type == IQ4_NL || type == IQ4_XS || type == I8 || type == BF16 || type == F32;
+}
+// The types stored in super-blocks of 256 weights (the K-quants and IQ4_XS).
+constexpr bool has_superblocks(int64_t type) {
+    return type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K || type == Q6_K || type == IQ4_XS;
 }
 // Dense (not quantized) tiles: one value per weight, their inputs packed as fp32.
 inline bool is_dense(int64_t type) { return type == BF16 || type == F32; }
 inline int64_t dense_bytes(int64_t type) { return type == F32 ? 4 : 2; }
-inline int64_t block_elems(int64_t type) { return type == Q4_K || type == Q6_K ? QK_K : is_dense(type) ? 1 : QK; }
+inline int64_t block_elems(int64_t type) { return has_superblocks(type) ? QK_K : is_dense(type) ? 1 : QK; }
 int64_t row_bytes(int64_t type, int64_t K);   // one row in GGUF's layout (I8: K bytes)
 int64_t tile_bytes(int64_t type, int64_t K);  // one tile of kTileRows rows in the tiled layout (quant_layout.h)
 
@@ -88,7 +105,8 @@ constexpr int64_t kPackRows = 4;
 // the block's sum, and that integer sum times -8 (`neg8`) and -128 (`neg128`), and per half block
 // times -128 (`neg128h`, the group's r first halves then its r second halves): where the
 // microkernel starts its integer accumulators to take back Q4_0's offset and the +128 that makes
-// signed weights unsigned for vpdpbusd (Q6_K's scales are per half block).
+// signed weights (Q8_0, I8, the IQ4 values) unsigned for vpdpbusd (per half block: for the types with a
+// scale per 16 weights, Q2_K, Q3_K and Q6_K, whose offsets of -4 and -32 are that divided by 32 and 4).
 //
 // For dense (BF16, F32) weights the activations stay fp32, packed the same way value by value (`f`: value k of row
 // i of a group of r rows at k * r + i): `shape_floats`, then `set_floats` per row.

@@ -21,7 +21,8 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
 }
 
 // The quant bytes of one GGUF row's block b in tile order (4-bit: byte k = weight k | weight k + 16 << 4;
-// 8-bit: 32 signed bytes) and its scales written into row r's slots of the tile's block and header.
+// 8-bit: 32 signed bytes; 2-bit: written in place) and its scales (and Q3_K's and Q5_K's mask bits)
+// written into row r's slots of the tile's block and header.
 void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* blk, uint8_t* head) {
     uint8_t qs[32];
     uint16_t* sc16 = reinterpret_cast<uint16_t*>(blk + quant_bytes(type));
@@ -41,6 +42,34 @@ void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* b
             std::memcpy(qs, s->qs, 32), sc16[r] = s->d;
             break;
         }
+        case Q2_K:
+        case Q3_K: {  // element e of sub-block j: bits 2 (j % 4) of qs[32 (j / 4) + e]; Q3_K's third bit j of hmask[e]
+            const int j = static_cast<int>(b % 8);
+            const uint8_t* q = (type == Q2_K ? reinterpret_cast<const BlockQ2_K*>(row)[b / 8].qs
+                                             : reinterpret_cast<const BlockQ3_K*>(row)[b / 8].qs) + 32 * (j / 4);
+            for (int e = 0; e < 32; ++e) {
+                const int i = r * 4 + e % 4;
+                blk[e / 4 % 2 * 64 + i] |= static_cast<uint8_t>((q[e] >> (2 * (j % 4)) & 3) << (2 * (e / 8)));
+            }
+            if (type == Q2_K) {
+                auto* s = reinterpret_cast<const BlockQ2_K*>(row) + b / 8;
+                blk[128 + r] = s->scales[2 * j], blk[128 + 16 + r] = s->scales[2 * j + 1];
+                reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
+                return;
+            }
+            auto* s = reinterpret_cast<const BlockQ3_K*>(row) + b / 8;
+            for (int e = 0; e < 32; ++e) {
+                const int i = r * 4 + e % 4;
+                blk[128 + e / 4 * 8 + i / 8] |= static_cast<uint8_t>((s->hmask[e] >> j & 1) << (i % 8));
+            }
+            for (int h = 0; h < 2; ++h) {  // ggml's 6-bit scale k: low 4 bits in byte k % 8, high 2 in byte 8 + k % 4
+                const int k = 2 * j + h;
+                const int sc = (s->scales[k % 8] >> (4 * (k / 8)) & 0xF) | (s->scales[8 + k % 4] >> (2 * (k / 4)) & 3) << 4;
+                blk[192 + 16 * h + r] = static_cast<uint8_t>(static_cast<int8_t>(sc - 32));
+            }
+            reinterpret_cast<uint16_t*>(head)[r] = s->d;
+            return;
+        }
         case Q4_K: {  // sub-block j = b % 8 of super-block b / 8: nibbles of 32-byte chunk j / 2, low for even j
             auto* s = reinterpret_cast<const BlockQ4_K*>(row) + b / 8;
             const int j = static_cast<int>(b % 8);
@@ -55,25 +84,61 @@ void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* b
             reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
             break;
         }
+        case Q5_K: {  // Q4_K's nibbles and scales, and bit j of qh[e] for element e of sub-block j
+            auto* s = reinterpret_cast<const BlockQ5_K*>(row) + b / 8;
+            const int j = static_cast<int>(b % 8);
+            const uint8_t* q = s->qs + 32 * (j / 2);
+            for (int k = 0; k < 16; ++k) {
+                const int lo = j % 2 ? q[k] >> 4 : q[k] & 0xF, hi = j % 2 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
+                qs[k] = static_cast<uint8_t>(lo | hi << 4);
+            }
+            uint8_t* masks = blk + 256;
+            for (int e = 0; e < 32; ++e) {  // word e / 4 (quant_layout.h)
+                const int i = r * 4 + e % 4;
+                masks[e / 4 * 8 + i / 8] |= static_cast<uint8_t>((s->qh[e] >> j & 1) << (i % 8));
+            }
+            uint8_t sc, mn;
+            scale_min_k4(j, s->scales, &sc, &mn);
+            blk[320 + r] = sc, blk[320 + 16 + r] = mn;
+            reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
+            break;
+        }
+        case IQ4_NL: {
+            auto* s = reinterpret_cast<const BlockIQ4_NL*>(row) + b;
+            std::memcpy(qs, s->qs, 16), sc16[r] = s->d;
+            break;
+        }
+        case IQ4_XS: {  // sub-block j's 16 bytes are already in tile order; its 6-bit scale minus 32 as a byte
+            auto* s = reinterpret_cast<const BlockIQ4_XS*>(row) + b / 8;
+            const int j = static_cast<int>(b % 8);
+            std::memcpy(qs, s->qs + 16 * j, 16);
+            const int ls = ((s->scales_l[j / 2] >> 4 * (j % 2)) & 0xF) | ((s->scales_h >> 2 * j) & 3) << 4;
+            blk[256 + r] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+            reinterpret_cast<uint16_t*>(head)[r] = s->d;
+            break;
+        }
         case Q6_K: {  // ggml's dequantize_row_q6_K order: element e of the super-block, scale e / 16
             auto* s = reinterpret_cast<const BlockQ6_K*>(row) + b / 8;
             const int j = static_cast<int>(b % 8), n = j / 4, l0 = j % 4 * 32;  // 128-element half, first element
+            uint8_t q[32];
             for (int e = 0; e < 32; ++e) {
                 const int l = (l0 + e) % 32, part = (l0 + e) / 32;  // part 0..3 of the half: ql/qh shifts below
                 const uint8_t* ql = s->ql + 64 * n;
                 const uint8_t* qh = s->qh + 32 * n;
                 const int low = part % 2 ? ql[l + 32] : ql[l];
-                const int q = ((part < 2 ? low & 0xF : low >> 4) | (((qh[l] >> (2 * part)) & 3) << 4)) - 32;
-                qs[e] = static_cast<uint8_t>(static_cast<int8_t>(q));
+                q[e] = static_cast<uint8_t>((part < 2 ? low & 0xF : low >> 4) | (((qh[l] >> (2 * part)) & 3) << 4));
             }
-            blk[512 + r] = static_cast<uint8_t>(s->scales[2 * j]), blk[512 + 16 + r] = static_cast<uint8_t>(s->scales[2 * j + 1]);
+            for (int k = 0; k < 16; ++k) qs[k] = static_cast<uint8_t>((q[k] & 0xF) | (q[k + 16] & 0xF) << 4);
+            for (int e = 0; e < 32; ++e)  // the high two bits as Q2_K's planes
+                blk[256 + e / 4 % 2 * 64 + r * 4 + e % 4] |= static_cast<uint8_t>((q[e] >> 4) << (2 * (e / 8)));
+            blk[384 + r] = static_cast<uint8_t>(s->scales[2 * j]), blk[384 + 16 + r] = static_cast<uint8_t>(s->scales[2 * j + 1]);
             reinterpret_cast<uint16_t*>(head)[r] = s->d;
             break;
         }
         default:  // I8
             std::memcpy(qs, row + b * QK, 32);
     }
-    for (int64_t j = 0; j < quant_bytes(type) / 64; ++j) std::memcpy(blk + j * 64 + r * 4, qs + 4 * j, 4);
+    for (int64_t j = 0; j < word_bytes(type) / 64; ++j) std::memcpy(blk + j * 64 + r * 4, qs + 4 * j, 4);
 }
 
 // Row r's 32 weights of block b as fp32, as ggml dequantizes them: the reference of the layout.
@@ -88,8 +153,13 @@ int64_t row_bytes(int64_t type, int64_t K) {
         case Q4_0: return K / QK * sizeof(BlockQ4_0);
         case Q4_1: return K / QK * sizeof(BlockQ4_1);
         case Q8_0: return K / QK * sizeof(BlockQ8_0);
+        case Q2_K: return K / QK_K * sizeof(BlockQ2_K);
+        case Q3_K: return K / QK_K * sizeof(BlockQ3_K);
         case Q4_K: return K / QK_K * sizeof(BlockQ4_K);
+        case Q5_K: return K / QK_K * sizeof(BlockQ5_K);
         case Q6_K: return K / QK_K * sizeof(BlockQ6_K);
+        case IQ4_NL: return K / QK * sizeof(BlockIQ4_NL);
+        case IQ4_XS: return K / QK_K * sizeof(BlockIQ4_XS);
         case I8: return K;
         case BF16: return 2 * K;
         case F32: return 4 * K;
@@ -175,7 +245,7 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
                     const uint16_t* sc = fp16_scales(blk + quant_bytes(type));
                     float* y = row + (b - b0) * QK;
 #if defined(__AVX512F__)
-                    if (is_kquant(type)) {
+                    if (has_superblocks(type) || is_iq4(type)) {
                         dequantize_block_row(type, tiles + t * tb, b, r, 1.f, y);
                         continue;
                     }

@@ -35,8 +35,10 @@ from conveyor.layers.quantization.tensors import (
     quantize_int4,
     quantize_int8,
 )
+from tests.gguf_writer import RANDOM_BLOCK_SCALES, random_blocks
 
-GGUF_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]
+GGUF_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K,
+              GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS]
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +49,13 @@ def ops():
 
 
 def gguf_tensor(qtype: int, rows: int, cols: int, seed: int = 0) -> QuantizedTensor:
-    """A tensor as a GGUF file holds it: gguf's own quantizer where it has one; for the K-quants (which
-    gguf cannot quantize) random blocks with sane fp16 super-block scales, every other byte random."""
-    rng = np.random.default_rng(seed)
-    if qtype in (GGMLType.Q4_K, GGMLType.Q6_K):
-        block, size = gguf.GGML_QUANT_SIZES[GGMLType(qtype)]
-        raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
-        scales = (rng.uniform(0.5, 1.5, size=(rows, cols // block, 2)) * 0.01).astype(np.float16)
-        if qtype == GGMLType.Q4_K:
-            raw[..., 0:4] = scales.view(np.uint8).reshape(rows, cols // block, 4)  # d, dmin
-        else:
-            raw[..., 208:210] = scales[..., :1].view(np.uint8).reshape(rows, cols // block, 2)  # d
-        data = raw.reshape(rows, -1)
+    """A tensor as a GGUF file holds it: gguf's own quantizer where it has one; for the others (the
+    K-quants and IQ4 types, which gguf cannot quantize) random blocks with sane fp16 scales, every other
+    byte random."""
+    if qtype in RANDOM_BLOCK_SCALES:
+        data = random_blocks(GGMLType(qtype), rows, cols, seed)
     else:
+        rng = np.random.default_rng(seed)
         data = gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), GGMLType(qtype))
     return QuantizedTensor(torch.from_numpy(np.ascontiguousarray(data)), int(qtype), (rows, cols))
 
@@ -170,12 +166,12 @@ def test_int4_groups_of_32(ops, cols: int) -> None:
 
 
 def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
-    """A fused projection of two types (as K-quant files mix them): kernel rows and prefill-sized
+    """A fused projection of several types (as K-quant files mix them): kernel rows and prefill-sized
     inputs (dequantize + F.linear) agree with the dequantized weights."""
     parts = [gguf_tensor(GGMLType.Q4_K, 24, 256, 1), gguf_tensor(GGMLType.Q4_K, 8, 256, 2),
-             gguf_tensor(GGMLType.Q6_K, 8, 256, 3)]
-    assert [s.shape[0] for s in merge_segments(parts)] == [32, 8]
-    bias = torch.randn(40)
+             gguf_tensor(GGMLType.Q6_K, 8, 256, 3), gguf_tensor(GGMLType.Q5_K, 16, 256, 4)]
+    assert [s.shape[0] for s in merge_segments(parts)] == [32, 8, 16]
+    bias = torch.randn(56)
     matmul = QuantMatmul(parts, bias)
     # The dequantize path takes big bf16 inputs on AMX CPUs only (`bf16_kernel_max_rows`): force it here.
     assert matmul.bf16_max_rows == bf16_kernel_max_rows()
@@ -185,7 +181,7 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
                         (torch.bfloat16, BF16_KERNEL_MAX_ROWS + 5)):
         x = torch.randn(rows, 256).to(dtype)
         out = matmul(x)
-        assert out.shape == (rows, 40) and out.dtype == dtype
+        assert out.shape == (rows, 56) and out.dtype == dtype
         kernel = matmul.takes_kernel(rows, dtype)  # else no activation quantization
         assert kernel == (dtype == torch.float32 or rows <= BF16_KERNEL_MAX_ROWS)
         ref = F.linear(quantize_activations(x) if kernel else x.float(), ref_w, bias)

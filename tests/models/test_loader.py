@@ -19,9 +19,11 @@ import torch
 import transformers
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from conveyor import LLM, SamplingParams
+from conveyor.layers.quantization.linear import QuantLinear
 from conveyor.models.loader import Checkpoint, ModelLoadError, default_model_path, load_checkpoint
 
-from tests.gguf_writer import tiny_head_dim, write_tiny_gguf
+from tests.gguf_writer import tiny_head_dim, write_random_block_gguf, write_tiny_gguf
 from tests.utils import tiny_tokenizer
 
 CONFIG_FIELDS = [
@@ -247,3 +249,27 @@ def test_gguf_tokenizer_is_cached_and_identical(tmp_path: Path, monkeypatch: pyt
         converted.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert (cached.eos_token_id, cached.bos_token_id, len(cached)) == (converted.eos_token_id, converted.bos_token_id,
                                                                        len(converted))
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q2_K, gguf.GGMLQuantizationType.Q3_K,
+                                   gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+                                   gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.IQ4_XS,
+                                   gguf.GGMLQuantizationType.IQ4_NL], ids=lambda t: t.name)
+def test_kquant_and_iq4_files_are_kept_as_stored(tmp_path: Path, qtype: gguf.GGMLQuantizationType) -> None:
+    """A file whose matrices are a K-quant or an IQ4 type runs them through the kernels as stored: every
+    linear layer holds that type, in at most 1.05x the file's bytes for those matrices (the tiles'
+    unpacked scales), and it generates."""
+    path = tmp_path / f"tiny-{qtype.name}.gguf"
+    file_bytes = write_random_block_gguf(path, qtype)
+    llm = LLM(str(path))
+    assert llm.quantization == "gguf"
+    linears = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+    segments = [s for m in linears for s in m.kernel.segments]
+    assert linears and {s.type_name for s in segments} == {qtype.name}
+    assert all(s.layout == "tiles" for s in segments)
+    resident = sum(s.nbytes for s in segments)
+    assert file_bytes <= resident <= 1.05 * file_bytes, (resident, file_bytes)
+    out = llm.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    allocator = llm.engine.allocator
+    assert allocator.num_free_blocks == allocator.num_total_blocks
