@@ -1,6 +1,7 @@
 // Prefill attention straight from the paged KV cache on CPU, fp32 or bf16, over fp32, bf16 or int8 K/V
-// rows (bf16 and int8 widened to fp32 on load, int8 scales applied per key: attention_blocks.h; scores,
-// softmax and sums in fp32; bf16 output rounded once). A chunk's queries attend to its
+// rows (bf16 and int8 values widened to fp32 on load; over int8 keys, integer dot products with the
+// quantized query and the scales applied per key: attention_blocks.h; scores, softmax and sums in
+// fp32; bf16 output rounded once). A chunk's queries attend to its
 // earlier context (cache slots, read in place) and to its own new K/V (taken from the batch, so the
 // kernel runs before the pass writes the cache: a sliding ring may reuse the context's slots for the
 // chunk's own tokens), causally, within an optional sliding window; flash-style (online softmax over
@@ -279,11 +280,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
     });
     std::atomic<size_t> next{0};
     parallel_for(0, call_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> qt(D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
-        std::vector<int32_t> qq(nq * Rp), qsum(Rp);  // int8 keys: the rows' queries quantized, their sums
-        std::vector<float> qs(Rp), qrow(D);          // and scales; a row's scaled query
-        std::vector<const T*> trow(NB);              // int8 K rows of a block of a chunk with one tile
-        std::vector<int32_t> qrow_words(nq);
+        std::vector<float> qt(scaled ? 0 : D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
+        std::vector<int32_t> qq(nq * Rp), qsum(Rp), words(nq);  // int8 keys: the rows' queries quantized, sums
+        std::vector<float> qs(Rp), qrow(D);                     // and scales; a row's scaled query
+        std::vector<const T*> trow(NB);                         // int8 K rows of a block of a chunk with one tile
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
         std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block of a chunk with one tile
@@ -295,21 +295,25 @@ void prefill(const PrefillArgs<Q, T>& a) {
             const ChunkBlocks& cb = blocks[t.chunk];
             const int64_t q_start = chunk[0], n_ctx = chunk[3], start = chunk[4], off = start - n_ctx;
             const int64_t R = (t.q1 - t.q0) * G;  // row r: query q0 + r / G, head kv_head * G + r % G
-            std::fill(qt.begin(), qt.end(), 0.f);
-            if constexpr (scaled) std::fill(qq.begin(), qq.end(), 0), std::fill(qsum.begin(), qsum.end(), 0),
-                                  std::fill(qs.begin(), qs.end(), 0.f);
+            if constexpr (scaled) {  // padding rows: zero queries
+                std::fill(qq.begin(), qq.end(), 0);
+                std::fill(qsum.begin(), qsum.end(), 0);
+                std::fill(qs.begin(), qs.end(), 0.f);
+            } else {
+                std::fill(qt.begin(), qt.end(), 0.f);
+            }
             for (int64_t r = 0; r < Rp; ++r) {
                 const int64_t pos = start + t.q0 + std::min(r, R - 1) / G;  // the row's position
                 hi[r] = static_cast<int32_t>(r < R ? pos : -1);  // padding rows see nothing
                 lo[r] = static_cast<int32_t>(window > 0 ? pos - window : -1);
                 if (r >= R) continue;
                 const Q* src = a.q + (q_start + t.q0 + r / G) * a.q_stride + (t.kv_head * G + r % G) * D;
-                for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
                 if constexpr (scaled) {  // int8 keys: the query quantized (attention_blocks.h)
-                    std::vector<int32_t>& words = qrow_words;
-                    for (int64_t d = 0; d < D; ++d) qrow[d] = qt[d * Rp + r];
+                    for (int64_t d = 0; d < D; ++d) qrow[d] = to_float(src[d]) * a.scale;
                     qsum[r] = quantize_query(qrow.data(), D, words.data(), qs[r]);
                     for (int64_t j = 0; j < nq; ++j) qq[j * Rp + r] = words[j];
+                } else {
+                    for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
                 }
             }
             std::fill(ot.begin(), ot.end(), 0.f);
