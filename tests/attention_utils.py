@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conveyor.cache.allocator import table_length
+from conveyor.cache.kv_format import dequantize_kv, quantize_kv
 from conveyor.engine.model_runner import ModelRunner
 from conveyor.kernels import cpu_paged_attention, triton_attention
 from conveyor.layers.attention import AttentionMetadata, cache_slots
@@ -169,6 +170,12 @@ def prefill_in_chunks(q, k, v, kv, slots, chunk_lens: list[int], window: int, sc
                                        torch.tensor(chunks), window, scale, softcap, o, sinks)
         out[rows] = o
     return out
+
+
+def int8_key_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The queries as the native kernels take them over int8 keys: q * scale (fp32) quantized per head as a K
+    row is (cache/kv_format.py), in fp64; with them and scale 1 `run_reference` is exact for those kernels."""
+    return dequantize_kv(quantize_kv(q.float() * scale), torch.float64)
 
 
 def run_reference(q, k, v, window: int, scale: float, softcap: float,

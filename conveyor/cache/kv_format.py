@@ -9,10 +9,12 @@ slot's scales travel with its values wherever a page is copied (the swap pool, p
 a token costs D + 4 bytes per head and K or V instead of 2D in bf16 (1.88x the tokens at D = 64,
 1.94x at D = 128). Rows are quantized once, when the pass writes them, and read in place.
 
-The attention kernels take the scales out of the inner loops: a score is the chain of
-`q_d * k_int_d` times the key's scale, and a value row enters the output as `fmadd(p * s_v, v_int,
-o)` (docs/design/kv-cache.md). `quantize_kv` and `dequantize_kv` here are the reference every
-kernel's writes and reads are tested against.
+The attention kernels take the scales out of the inner loops: over int8 keys the query row (q times
+the attention scale) is quantized as a K row is, a score is the integer dot product of the two rows
+times both scales (VNNI's byte dot products), and a value row enters the output as `fmadd(p * s_v,
+v_int, o)` (docs/design/kv-cache.md). `quantize_kv` and `dequantize_kv` here are the reference every
+kernel's writes and reads are tested against; `int8_key_query` gives the PyTorch backend the query the
+kernels score with.
 
 fp8 rows are the values cast to `float8_e4m3fn` or `float8_e5m2`, saturated at the format's largest
 finite value, with no scale (vLLM's default, a scale of 1.0): half the bytes of bf16, and readers
@@ -106,6 +108,12 @@ def dequantize_kv(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     q = rows[..., :d].view(torch.int8).float()
     scale = rows[..., d:].contiguous().view(torch.float32)
     return (q * scale).to(dtype)
+
+
+def int8_key_query(q: torch.Tensor, scale: float) -> torch.Tensor:
+    """The query `q [..., D]` as the native kernels score it against int8 keys: `q * scale` (fp32) quantized
+    per head as a K row is, back in q's dtype; attend to the dequantized rows with a scale of 1."""
+    return dequantize_kv(quantize_kv(q.float() * scale), q.dtype)
 
 
 def encode_kv(cache_dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,13 @@
 //     without sinks starts as before and pays nothing.
 //
 //   - int8 K/V rows (kv_cache_dtype "int8", cache/kv_format.py) hold a head's D integer values and
-//     then its fp32 scale: a score is the chain above over the integer values, times the key's scale
-//     (s = chain * s_k); a value row enters as o = fmadd(p * s_v, v_int, o). The scales stay out of
-//     the inner loops, and l sums the unscaled p.
+//     then its fp32 scale. Over int8 keys the query row (q * scale, fp32) is quantized as a K row is
+//     (`quantize_head_row`: a scale s_q, integer values), and a score is the exact integer dot
+//     product of the two rows' values, times the scales: s = float(dot) * (s_q * s_k) (then the cap).
+//     Integer sums have no order, so the kernels take them four bytes at a time with VNNI's
+//     vpdpbusd (`dot_quads`: unsigned times signed bytes, so the key bytes go in offset by 128 and
+//     the dot is the sum less 128 * the query's values' sum, `int8_scores`). A value row enters as
+//     o = fmadd(p * s_v, v_int, o). The scales stay out of the inner loops, and l sums the unscaled p.
 //
 // Every operation is lane-wise, so it does not matter which lane a row or a key lands in: prefill
 // vectorizes along query rows, decode along keys. `fmadd` (vec_math.h) makes the fusing explicit; the
@@ -34,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace conveyor {
 
@@ -84,6 +89,38 @@ inline void quantize_head_row(const float* x, int64_t D, int8_t* dst) {
     std::memcpy(dst + D, &s, sizeof s);
 }
 
+// An int8 row's values taken four bytes at a time (`dot_quads`): quads(D) 32-bit words, the last
+// padded with zero bytes in a query (so whatever bytes a key row has there count for nothing).
+constexpr int64_t quads(int64_t D) { return (D + 3) / 4; }
+
+// A query row x[0:D] (q * scale, fp32) quantized for int8 keys: its values into `values` (quads(D)
+// words, zero-padded) and its scale; returns the values' sum (`int8_scores`' offset).
+inline int32_t quantize_query(const float* x, int64_t D, int32_t* values, float& s) {
+    thread_local std::vector<int8_t> buffer;
+    buffer.resize(D + 4);
+    int8_t* row = buffer.data();
+    quantize_head_row(x, D, row);
+    std::memcpy(&s, row + D, sizeof s);
+    std::memset(row + D, 0, 4);
+    std::memcpy(values, row, quads(D) * 4);
+    int32_t sum = 0;
+    for (int64_t d = 0; d < D; ++d) sum += row[d];
+    return sum;
+}
+
+// A key row's quad as `dot_quads` takes it: its four bytes offset by 128 (unsigned).
+inline int32_t key_quad(const int8_t* row, int64_t j) {
+    uint32_t x;
+    std::memcpy(&x, row + 4 * j, sizeof x);
+    return static_cast<int32_t>(x ^ 0x80808080u);
+}
+
+// Scores from `dot_quads` sums over offset key bytes: float(sum - 128 * query sum) * (s_q * s_k),
+// lane-wise (the lanes are keys in decode, query rows in prefill: the same operations either way).
+inline vecw int8_scores(ivecw sums, ivecw query_sums, vecw scales) {
+    return __builtin_convertvector(sums - (query_sums << 7), vecw) * scales;
+}
+
 // First position of the block holding position `pos` (>= 0).
 constexpr int64_t block_start(int64_t pos) { return pos / kKeyBlock * kKeyBlock; }
 
@@ -112,27 +149,13 @@ inline vecw fold_chains(vecw* c) {
 
 // Calls f(d, column) for d = 0, 1, ..., D - 1 in order, column holding element d of W key rows
 // (rows[i] + offset for lane i, widened): a block of keys turned by head-dim entry, so a score is a
-// chain of multiply-adds down a column. bf16 rows are turned as 32-bit pairs and int8 rows as 32-bit
-// quads, split after (a half and a quarter of the shuffles of widening first: the turn is what costs
-// at depth); a tail of fewer than W entries is gathered.
+// chain of multiply-adds down a column. bf16 rows are turned as 32-bit pairs, split after (half the
+// shuffles of widening first: the turn is what costs at depth); a tail of fewer than W entries is
+// gathered. (int8 keys are turned as quads for `dot_quads` instead: `key_quads`.)
 template <typename T, typename F>
 inline void key_columns(const T* const* rows, int64_t offset, int64_t D, F&& f) {
     int64_t d0 = 0;
     vecw r[W];
-    if constexpr (std::is_same_v<T, int8_t>) {
-        for (; d0 + 4 * W <= D; d0 += 4 * W) {
-            for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + d0, sizeof(vecw));
-            transpose(r);
-            for (int j = 0; j < W; ++j) {
-                ivecw x;
-                std::memcpy(&x, &r[j], sizeof x);
-                for (int b = 0; b < 4; ++b) {  // byte b of each lane, sign-extended by the arithmetic shift
-                    const ivecw e = (x << (24 - 8 * b)) >> 24;
-                    f(d0 + 4 * j + b, __builtin_convertvector(e, vecw));
-                }
-            }
-        }
-    }
     if constexpr (std::is_same_v<T, bf16>) {
         for (; d0 + 2 * W <= D; d0 += 2 * W) {
             for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + d0, sizeof(vecw));
@@ -159,6 +182,30 @@ inline void key_columns(const T* const* rows, int64_t offset, int64_t D, F&& f) 
         float c[W];
         for (int i = 0; i < W; ++i) c[i] = to_float(rows[i][offset + d0]);
         f(d0, loadw(c));
+    }
+}
+
+// Calls f(j, column) for quads j = 0, 1, ..., nq - 1, column holding quad j of W int8 key rows (rows[i]
+// + offset for lane i) as `key_quad` gives it: 4W-byte slices of the rows turned as 32-bit words.
+template <typename F>
+inline void key_quads(const int8_t* const* rows, int64_t offset, int64_t nq, F&& f) {
+    vecw r[W];
+    for (int64_t j0 = 0; j0 < nq; j0 += W) {
+        const int64_t n = std::min<int64_t>(W, nq - j0);
+        for (int i = 0; i < W; ++i) {
+            if (n == W) {
+                std::memcpy(&r[i], rows[i] + offset + 4 * j0, sizeof(vecw));
+            } else {
+                r[i] = vecw{};
+                std::memcpy(&r[i], rows[i] + offset + 4 * j0, n * 4);
+            }
+        }
+        transpose(r);
+        for (int64_t j = 0; j < n; ++j) {
+            ivecw x;
+            std::memcpy(&x, &r[j], sizeof x);
+            f(j0 + j, x ^ splat_i(static_cast<int32_t>(0x80808080u)));
+        }
     }
 }
 

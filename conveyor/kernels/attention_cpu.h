@@ -6,8 +6,15 @@
 // each score one multiply-add chain down the head dim, the online softmax folded block by block, so a
 // token decoded here gets the bits a prefill chunk would give it. W keys at a time are turned by
 // head-dim entry in registers (`key_columns`), so their scores come out along the vector lanes, one
-// broadcast query element per step; the V rows are summed along the head dim, a broadcast
-// probability per key.
+// broadcast query element per step; int8 keys are turned four bytes at a time (`key_quads`) into
+// integer dot products with the quantized query, one VNNI vpdpbusd per quad and query head. The V
+// rows are summed along the head dim, a broadcast probability per key (int8: the probabilities
+// times the rows' scales first, a vector at a time).
+//
+// The paged decode kernel gives each thread a run of (request, kv head) pairs, so one long request
+// uses every thread (and the decode stack does the same with fewer rows than threads); each pair's
+// arithmetic is the same whichever thread runs it. The context itself is not split across threads:
+// a flash-decoding split would combine partial softmaxes in an order prefill does not have.
 //
 // Decode reads every cached K and V row once per step and does little arithmetic on it (at 64 rows
 // of ~200 tokens, ~10 MB a layer): its time is the memory's, plus whatever arithmetic the memory
@@ -31,6 +38,8 @@ namespace conveyor {
 // A thread's buffers for `attend_request`, reused across calls.
 struct DecodeScratch {
     std::vector<float> q, o, p, m, l;  // scaled queries, output sums, a block's probabilities, max, sum
+    std::vector<int32_t> qi, qsum;      // int8 keys: the queries quantized (`quantize_query`), their sums
+    std::vector<float> qs;              // and scales
     std::vector<int64_t> slot;          // each visible position's row offset in the cache
     std::vector<char> zero;             // a zero K row (lanes without a key)
 };
@@ -116,7 +125,7 @@ inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, 
 
 // o[c] = fmadd(p[c][i], v_i, o[c]) for key lanes i in [lo, hi) in order, C query heads at once (o: [C][J * W],
 // as `value_vectors` lays a row out; p: [C][kKeyBlock]); v_i is rows[i] + offset (D values, widened;
-// int8 rows: p[c][i] times the row's scale, attention_blocks.h).
+// int8 rows: p already times the row's scale, attention_blocks.h).
 template <bool Pairs, bool Full, typename T, int C, int J>
 inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64_t hi, int64_t D, const float* p,
                          float* o) {
@@ -126,10 +135,9 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
     for (int64_t i = lo; i < hi; ++i) {
         vecw v[J];
         value_vectors<Pairs, Full, T, J>(rows[i] + offset, D, v);
-        const float scale = row_scale(rows[i] + offset, D);  // int8 rows: p * s_v (attention_blocks.h)
 #pragma GCC unroll 8
         for (int c = 0; c < C; ++c) {
-            const vecw x = splat(kScaled<T> ? p[c * kKeyBlock + i] * scale : p[c * kKeyBlock + i]);
+            const vecw x = splat(p[c * kKeyBlock + i]);
 #pragma GCC unroll 32
             for (int j = 0; j < J; ++j) a[c][j] = fmadd(x, v[j], a[c][j]);
         }
@@ -140,31 +148,47 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
 
 constexpr int GK = W == 16 ? 8 : 4;  // query heads per pass over K rows
 
+// A query's form for int8 keys (attention_blocks.h): values as quads (nq words a head), sums, scales.
+struct Int8Query {
+    const int32_t* values;
+    int64_t nq;
+    const int32_t* sums;
+    const float* scales;
+};
+
 // One block's scores for `count` (<= GK) query heads of one kv head (queries q, Dp apart; K rows
-// krows[i] + offset, int8 ones times their scales), W keys turned by head-dim entry at a time into the chains, then each
-// head's `block_softmax` (its running max m, sum l, output o of J vectors, Dp apart, probabilities p,
+// krows[i] + offset), W keys turned by head-dim entry at a time into the chains (int8 keys: by quads
+// into `dot_quads` with the quantized queries qi, then `int8_scores`), then each head's
+// `block_softmax` (its running max m, sum l, output o of J vectors, Dp apart, probabilities p,
 // kKeyBlock apart). Not inlined and not per head dim: compiled once per cache dtype.
 template <typename T>
 __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset, int64_t D, const float* q, int64_t Dp,
-                                           int64_t count, int64_t nv, int64_t lo, int64_t hi, float cap, float* m,
-                                           float* l, float* o, int64_t J, float* p) {
+                                           Int8Query qi, int64_t count, int64_t nv, int64_t lo, int64_t hi, float cap,
+                                           float* m, float* l, float* o, int64_t J, float* p) {
     with_count<kBlockVectors>(nv, [&](auto nvc) {
         constexpr int NV = decltype(nvc)::value;
         with_count<GK>(count, [&](auto cc) {
             constexpr int C = decltype(cc)::value;
             vecw s[C][NV];
             for (int v = 0; v < NV; ++v) {
-                vecw acc[C] = {};
-                key_columns(krows + v * W, offset, D, [&](int64_t d, vecw k) {
+                if constexpr (kScaled<T>) {  // int8 keys: integer dot products, times the two scales
+                    ivecw acc[C] = {};
+                    key_quads(krows + v * W, offset, qi.nq, [&](int64_t j, ivecw k) {
 #pragma GCC unroll 8
-                    for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(q[c * Dp + d]), k, acc[c]);
-                });
-                if constexpr (kScaled<T>) {  // int8 keys: each lane's chain times its key's scale
+                        for (int c = 0; c < C; ++c) acc[c] = dot_quads(acc[c], k, splat_i(qi.values[c * qi.nq + j]));
+                    });
                     float scales[W];
                     for (int i = 0; i < W; ++i) scales[i] = row_scale(krows[v * W + i] + offset, D);
-                    for (int c = 0; c < C; ++c) acc[c] = acc[c] * loadw(scales);
+                    for (int c = 0; c < C; ++c)
+                        s[c][v] = int8_scores(acc[c], splat_i(qi.sums[c]), splat(qi.scales[c]) * loadw(scales));
+                } else {
+                    vecw acc[C] = {};
+                    key_columns(krows + v * W, offset, D, [&](int64_t d, vecw k) {
+#pragma GCC unroll 8
+                        for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(q[c * Dp + d]), k, acc[c]);
+                    });
+                    for (int c = 0; c < C; ++c) s[c][v] = acc[c];
                 }
-                for (int c = 0; c < C; ++c) s[c][v] = acc[c];
             }
             for (int c = 0; c < C; ++c)
                 block_softmax<NV>(s[c], lo, hi, cap, m[c], l[c], o + c * Dp, J, p + c * kKeyBlock);
@@ -191,6 +215,12 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     sc.q.assign(heads * Dp, 0.f);
     for (int64_t r = 0; r < heads; ++r)
         for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
+    const int64_t nq = kScaled<T> ? quads(D) : 0;
+    if constexpr (kScaled<T>) {
+        sc.qi.resize(heads * nq), sc.qsum.resize(heads), sc.qs.resize(heads);
+        for (int64_t r = 0; r < heads; ++r)
+            sc.qsum[r] = quantize_query(sc.q.data() + r * Dp, D, sc.qi.data() + r * nq, sc.qs[r]);
+    }
     sc.o.assign(heads * Dp, 0.f);
     sc.m.resize(heads);
     sc.l.resize(heads);
@@ -232,8 +262,17 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
         for (int64_t h = 0; h < nh; ++h) {
             for (int64_t g0 = 0; g0 < G; g0 += GK) {
                 const int64_t r = h * G + g0;
-                score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, std::min<int64_t>(GK, G - g0), nv, lo, hi, cap,
-                            sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock);
+                const Int8Query qi{sc.qi.data() + r * nq, nq, sc.qsum.data() + r, sc.qs.data() + r};
+                score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, qi, std::min<int64_t>(GK, G - g0), nv, lo, hi,
+                            cap, sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock);
+            }
+            if constexpr (kScaled<T>) {  // int8 V rows: p * s_v (attention_blocks.h), a vector at a time
+                alignas(64) float vs[kKeyBlock];
+                for (int64_t n = 0; n < kKeyBlock; ++n) vs[n] = row_scale(vrows[n] + h * Dr, D);
+                for (int64_t r = h * G; r < (h + 1) * G; ++r) {
+                    float* pr = sc.p.data() + r * kKeyBlock;
+                    for (int64_t v = 0; v < nv; ++v) storew(pr + v * W, loadw(pr + v * W) * loadw(vs + v * W));
+                }
             }
             for (int64_t g0 = 0; g0 < G; g0 += GV)
                 with_count<GV>(std::min<int64_t>(GV, G - g0), [&](auto count) {

@@ -2,7 +2,8 @@
 // scores, softmax and sums in fp32; bf16 output rounded once): the entry points (kernels/attention_ops.py
 // checks the tensors and calls them).
 //
-// Decode: one query token per request, one task per request (`attend_request`, attention_cpu.h);
+// Decode: one query token per request, the threads splitting the (request, kv head) pairs
+// (`attend_request`, attention_cpu.h);
 // K/V read from the pages in place, after the pass wrote the new K/V.
 // Prefill: prefill_attention_cpu.cpp, before the pass writes the chunks' own K/V.
 // `softcap` > 0 caps the scores as Gemma 2 does: tanh(score / softcap) * softcap; 0 leaves them.
@@ -32,32 +33,39 @@ void with_dtypes(int dtype, int kv_dtype, F&& f) {
     }
 }
 
-// Queries and outputs of type Q (fp32 or bf16) over a cache of rows of type T (Q's, or int8).
+// Queries and outputs of type Q (fp32 or bf16) over a cache of rows of type T (Q's, or int8). The
+// threads split the (row, kv head) pairs, each a run of whole rows and kv heads: one long request
+// still uses every thread, and a head's arithmetic does not depend on which thread runs it (so a
+// split is bit-identical to none).
 template <typename Q, typename T>
 void decode(const Q* qp, const T* kp, const T* vp, const int64_t* bt, const int64_t* lens, const int64_t* positions,
             int64_t window, Q* op, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t max_blocks, int64_t page_size,
             float scale, float cap, const float* sinks) {
     constexpr bool fp32 = std::is_same_v<Q, float>;
-    parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    const int64_t G = H / Hkv;
+    parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
         DecodeScratch scratch;
         std::vector<float> qf(fp32 ? 0 : H * D), of(fp32 ? 0 : H * D);
-        for (int64_t b = begin; b < end; ++b) {
+        for (int64_t p = begin; p < end;) {  // kv heads [h0, h1) of row b
+            const int64_t b = p / Hkv, h0 = p % Hkv, h1 = std::min(end - b * Hkv, Hkv), n = (h1 - h0) * G * D;
+            const int64_t at = b * H * D + h0 * G * D;  // the run's first query head
             const float* qb;
             float* ob;
             if constexpr (fp32) {
-                qb = qp + b * H * D;
-                ob = op + b * H * D;
+                qb = qp + at;
+                ob = op + at;
             } else {
-                for (int64_t i = 0; i < H * D; ++i) qf[i] = static_cast<float>(qp[b * H * D + i]);
+                for (int64_t i = 0; i < n; ++i) qf[i] = static_cast<float>(qp[at + i]);
                 qb = qf.data();
                 ob = of.data();
             }
             // A sliding window's ring holds positions [position - len + 1, position], p at slot p % window.
             const int64_t first = window > 0 ? positions[b] - lens[b] + 1 : 0;
-            attend_request<T>(qb, kp, vp, bt + b * max_blocks, lens[b], first, window, page_size, Hkv, D, H / Hkv, 0,
-                              Hkv, scale, cap, sinks, scratch, ob);
+            attend_request<T>(qb, kp, vp, bt + b * max_blocks, lens[b], first, window, page_size, Hkv, D, G, h0, h1,
+                              scale, cap, sinks, scratch, ob);
             if constexpr (!fp32)
-                for (int64_t i = 0; i < H * D; ++i) op[b * H * D + i] = bf16(of[i]);
+                for (int64_t i = 0; i < n; ++i) op[at + i] = bf16(of[i]);
+            p = b * Hkv + h1;
         }
     });
 }

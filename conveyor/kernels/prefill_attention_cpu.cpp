@@ -1,6 +1,7 @@
 // Prefill attention straight from the paged KV cache on CPU, fp32 or bf16, over fp32, bf16 or int8 K/V
-// rows (bf16 and int8 widened to fp32 on load, int8 scales applied per key: attention_blocks.h; scores,
-// softmax and sums in fp32; bf16 output rounded once). A chunk's queries attend to its
+// rows (bf16 and int8 values widened to fp32 on load; over int8 keys, integer dot products with the
+// quantized query and the scales applied per key: attention_blocks.h; scores, softmax and sums in
+// fp32; bf16 output rounded once). A chunk's queries attend to its
 // earlier context (cache slots, read in place) and to its own new K/V (taken from the batch, so the
 // kernel runs before the pass writes the cache: a sliding ring may reuse the context's slots for the
 // chunk's own tokens), causally, within an optional sliding window; flash-style (online softmax over
@@ -49,10 +50,9 @@ constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head
 static_assert(NB % KB == 0 && NB % W == 0 && (W == KB || W == 2 * KB), "a block pads its keys to a multiple of KB, within NB");
 
 // st[i][rows] = the scores of KB keys i (key i's d-th entry: K(i, d)) with C row vectors of qt
-// ([D][Rp]), st [NB][Rp], each times its key's scale ks[i] when Scaled (int8 keys); mx[c] = max(mx[c],
-// the row vector's scores).
-template <int C, bool Scaled, typename Keys>
-inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, const float* ks, float* st, vecw* mx) {
+// ([D][Rp]), st [NB][Rp]; mx[c] = max(mx[c], the row vector's scores).
+template <int C, typename Keys>
+inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, float* st, vecw* mx) {
     vecw acc[KB][C] = {};
     for (int64_t d = 0; d < D; ++d) {
         vecw q[C];
@@ -65,14 +65,43 @@ inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, const float*
             for (int c = 0; c < C; ++c) acc[i][c] = fmadd(x, q[c], acc[i][c]);
         }
     }
-    if constexpr (Scaled)
-        for (int i = 0; i < KB; ++i)
-            for (int c = 0; c < C; ++c) acc[i][c] = acc[i][c] * splat(ks[i]);
     for (int c = 0; c < C; ++c) {
         vecw m = mx[c];
         for (int i = 0; i < KB; ++i) {
             storew(st + i * Rp + c * W, acc[i][c]);
             m = vmax(m, acc[i][c]);
+        }
+        mx[c] = m;
+    }
+}
+
+// The same over int8 keys (attention_blocks.h): st[i][rows] = `int8_scores` of the `dot_quads` sums of
+// KB keys' quads K(i, j) (`key_quad`) with C row vectors of the quantized queries qt ([nq][Rp]: their
+// sums qsum and scales qs [Rp]), each key's scale ks[i].
+template <int C, typename Keys>
+inline void qk_tile_i8(Keys K, const int32_t* qt, int64_t nq, int64_t Rp, const int32_t* qsum, const float* qs,
+                       const float* ks, float* st, vecw* mx) {
+    ivecw acc[KB][C] = {};
+    for (int64_t j = 0; j < nq; ++j) {
+        ivecw q[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) std::memcpy(&q[c], qt + j * Rp + c * W, sizeof(ivecw));
+#pragma GCC unroll 8
+        for (int i = 0; i < KB; ++i) {
+            const ivecw x = splat_i(K(i, j));
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) acc[i][c] = dot_quads(acc[i][c], x, q[c]);
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        ivecw sums;
+        std::memcpy(&sums, qsum + c * W, sizeof sums);
+        const vecw scales = loadw(qs + c * W);
+        vecw m = mx[c];
+        for (int i = 0; i < KB; ++i) {
+            const vecw x = int8_scores(acc[i][c], sums, scales * splat(ks[i]));
+            storew(st + i * Rp + c * W, x);
+            m = vmax(m, x);
         }
         mx[c] = m;
     }
@@ -137,6 +166,7 @@ struct ChunkBlocks {
 // pages in every time).
 struct BlockBuffers {
     std::vector<float> kt, v;  // per block: K laid out [D][NB]; bf16 and int8 V rows widened, [NB][D]
+    std::vector<int32_t> kq;   // per block: int8 K rows' quads laid out [nq][NB] (`key_quad`)
     std::vector<float> ks, vs;  // per block: int8 K and V rows' scales, [NB]
 };
 thread_local BlockBuffers caller_buffers;
@@ -149,6 +179,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
     constexpr bool fp32 = std::is_same_v<T, float>;  // K/V rows usable as they are
     constexpr bool scaled = kScaled<T>;
     const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, Dr = head_row<T>(D);
+    const int64_t nq = scaled ? quads(D) : 0;
     const int64_t row = Hkv * Dr;
     const int64_t window = a.window;
     const float cap = a.softcap;
@@ -210,7 +241,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
     // The blocks of chunks with several tiles, laid out once for all of them (per tile, the layout took
     // ~10% of the time).
     BlockBuffers& buffers = caller_buffers;  // the workers below use this thread's
-    buffers.kt.resize(num_blocks * D * NB);
+    if (scaled) buffers.kq.resize(num_blocks * nq * NB);
+    else buffers.kt.resize(num_blocks * D * NB);
     if (!fp32) buffers.v.resize(num_blocks * NB * D);
     if (scaled) buffers.ks.resize(num_blocks * NB), buffers.vs.resize(num_blocks * NB);
     parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -225,10 +257,18 @@ void prefill(const PrefillArgs<Q, T>& a) {
                                           fp32 ? nullptr : buffers.v.data() + i * NB * D,
                                           scaled ? buffers.ks.data() + i * NB : nullptr,
                                           scaled ? buffers.vs.data() + i * NB : nullptr);
-            float* kt = buffers.kt.data() + i * D * NB;
             for (int64_t n = n1; n < round_up(n1, W); ++n) krow[n] = zero_t.data();
-            for (int64_t n0 = 0; n0 < n1; n0 += W)
-                key_columns(krow.data() + n0, 0, D, [&](int64_t d, vecw col) { storew(kt + d * NB + n0, col); });
+            for (int64_t n0 = 0; n0 < n1; n0 += W) {
+                if constexpr (scaled) {
+                    int32_t* kq = buffers.kq.data() + i * nq * NB;
+                    key_quads(krow.data() + n0, 0, nq, [&](int64_t j, ivecw col) {
+                        std::memcpy(kq + j * NB + n0, &col, sizeof col);
+                    });
+                } else {
+                    float* kt = buffers.kt.data() + i * D * NB;
+                    key_columns(krow.data() + n0, 0, D, [&](int64_t d, vecw col) { storew(kt + d * NB + n0, col); });
+                }
+            }
         }
     });
 
@@ -240,7 +280,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
     });
     std::atomic<size_t> next{0};
     parallel_for(0, call_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> qt(D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
+        std::vector<float> qt(scaled ? 0 : D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
+        std::vector<int32_t> qq(nq * Rp), qsum(Rp), words(nq);  // int8 keys: the rows' queries quantized, sums
+        std::vector<float> qs(Rp), qrow(D);                     // and scales; a row's scaled query
+        std::vector<const T*> trow(NB);                         // int8 K rows of a block of a chunk with one tile
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
         std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block of a chunk with one tile
@@ -252,14 +295,26 @@ void prefill(const PrefillArgs<Q, T>& a) {
             const ChunkBlocks& cb = blocks[t.chunk];
             const int64_t q_start = chunk[0], n_ctx = chunk[3], start = chunk[4], off = start - n_ctx;
             const int64_t R = (t.q1 - t.q0) * G;  // row r: query q0 + r / G, head kv_head * G + r % G
-            std::fill(qt.begin(), qt.end(), 0.f);
+            if constexpr (scaled) {  // padding rows: zero queries
+                std::fill(qq.begin(), qq.end(), 0);
+                std::fill(qsum.begin(), qsum.end(), 0);
+                std::fill(qs.begin(), qs.end(), 0.f);
+            } else {
+                std::fill(qt.begin(), qt.end(), 0.f);
+            }
             for (int64_t r = 0; r < Rp; ++r) {
                 const int64_t pos = start + t.q0 + std::min(r, R - 1) / G;  // the row's position
                 hi[r] = static_cast<int32_t>(r < R ? pos : -1);  // padding rows see nothing
                 lo[r] = static_cast<int32_t>(window > 0 ? pos - window : -1);
                 if (r >= R) continue;
                 const Q* src = a.q + (q_start + t.q0 + r / G) * a.q_stride + (t.kv_head * G + r % G) * D;
-                for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
+                if constexpr (scaled) {  // int8 keys: the query quantized (attention_blocks.h)
+                    for (int64_t d = 0; d < D; ++d) qrow[d] = to_float(src[d]) * a.scale;
+                    qsum[r] = quantize_query(qrow.data(), D, words.data(), qs[r]);
+                    for (int64_t j = 0; j < nq; ++j) qq[j * Rp + r] = words[j];
+                } else {
+                    for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
+                }
             }
             std::fill(ot.begin(), ot.end(), 0.f);
             for (int64_t r = 0; r < Rp; ++r)  // padding rows: no sink
@@ -271,7 +326,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 // rows laid out by head-dim entry (a chunk with several tiles) or read as rows.
                 const int64_t nb = std::min(NB, t.k1 + off - p0), nbp = (nb + KB - 1) / KB * KB;
                 const int64_t i = cb.base + t.kv_head * cb.count + p0 / NB - cb.first;
-                const float* kt = buffers.kt.data() + i * D * NB;
+                const float* kt = scaled ? nullptr : buffers.kt.data() + i * D * NB;
                 const float* ks = scaled ? (cb.shared ? buffers.ks.data() + i * NB : kscale.data()) : nullptr;
                 const float* vs = scaled ? (cb.shared ? buffers.vs.data() + i * NB : vscale.data()) : nullptr;
                 if (cb.shared) {
@@ -282,21 +337,29 @@ void prefill(const PrefillArgs<Q, T>& a) {
                         else vrow[n] = buffers.v.data() + (i * NB + n) * D;
                     }
                 } else {
-                    block_rows(t.chunk, t.kv_head, p0, nullptr, krow.data(), vrow.data(), kb.data(), vb.data(),
-                               kscale.data(), vscale.data());
+                    block_rows(t.chunk, t.kv_head, p0, scaled ? trow.data() : nullptr, scaled ? nullptr : krow.data(),
+                               vrow.data(), kb.data(), vb.data(), kscale.data(), vscale.data());
                 }
-                for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data();
+                for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data(), trow[n] = zero_t.data();
                 std::fill(bmax.begin(), bmax.end(), splat(kMasked));  // each row vector's max of raw scores
                 for (int64_t n = 0; n < nbp; n += KB)
                     row_groups(0, nv, [&](auto count, int64_t c) {
                         constexpr int C = decltype(count)::value;
                         float* s = st.data() + n * Rp + c * W;
-                        if (cb.shared)
-                            qk_tile<C, scaled>([&](int i, int64_t d) { return kt[d * NB + n + i]; }, qt.data() + c * W, D,
-                                               Rp, scaled ? ks + n : nullptr, s, bmax.data() + c);
+                        if constexpr (scaled) {
+                            const int32_t* kq = buffers.kq.data() + i * nq * NB;
+                            if (cb.shared)
+                                qk_tile_i8<C>([&](int k, int64_t j) { return kq[j * NB + n + k]; }, qq.data() + c * W, nq,
+                                              Rp, qsum.data() + c * W, qs.data() + c * W, ks + n, s, bmax.data() + c);
+                            else
+                                qk_tile_i8<C>([&](int k, int64_t j) { return key_quad(trow[n + k], j); }, qq.data() + c * W,
+                                              nq, Rp, qsum.data() + c * W, qs.data() + c * W, ks + n, s, bmax.data() + c);
+                        } else if (cb.shared)
+                            qk_tile<C>([&](int i, int64_t d) { return kt[d * NB + n + i]; }, qt.data() + c * W, D, Rp, s,
+                                       bmax.data() + c);
                         else
-                            qk_tile<C, scaled>([&](int i, int64_t d) { return krow[n + i][d]; }, qt.data() + c * W, D,
-                                               Rp, scaled ? ks + n : nullptr, s, bmax.data() + c);
+                            qk_tile<C>([&](int i, int64_t d) { return krow[n + i][d]; }, qt.data() + c * W, D, Rp, s,
+                                       bmax.data() + c);
                     });
                 // Online softmax, a row vector at a time: cap and mask the block's scores (masks only in
                 // blocks on the diagonal, at the window's edge, or with lanes past the tile's keys or

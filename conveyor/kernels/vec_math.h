@@ -169,6 +169,23 @@ inline bool any(ivecw mask) {  // some lane set (a comparison's result: all bits
     return std::memcmp(&mask, &zero, sizeof mask) != 0;
 }
 
+// acc + each lane's four byte products, unsigned bytes of a times signed bytes of b: VNNI's
+// vpdpbusd where the target has it (one instruction for 4W multiply-adds), else the same sums in
+// plain integer lanes. Exact either way (no saturation), so every target gets the same integers.
+inline ivecw dot_quads(ivecw acc, ivecw a, ivecw b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return ivecw(_mm512_dpbusd_epi32(__m512i(acc), __m512i(a), __m512i(b)));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return ivecw(_mm256_dpbusd_epi32(__m256i(acc), __m256i(a), __m256i(b)));
+#elif defined(__AVXVNNI__)
+    return ivecw(_mm256_dpbusd_avx_epi32(__m256i(acc), __m256i(a), __m256i(b)));
+#else
+    for (int k = 0; k < 4; ++k) acc += ((a >> (8 * k)) & 0xff) * ((b << (24 - 8 * k)) >> 24);
+    return acc;
+#endif
+}
+inline ivecw splat_i(int32_t x) { return ivecw{} + x; }  // a broadcast (integers: adding 0 is exact)
+
 // e^x for x <= 0 (`exp16`/`exp8` where the target has them: the same Cephes expf, x = n ln2 + r,
 // |r| <= ln2 / 2, a degree-5 polynomial in r), x clamped at -87 (e^-87 ~ 1.6e-38: nothing next to
 // the row max's 1).

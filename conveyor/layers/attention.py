@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..cache.kv_format import as_bytes, decode_kv, encode_kv, is_encoded, write_kv
+from ..cache.kv_format import as_bytes, decode_kv, encode_kv, int8_key_query, is_encoded, write_kv
 from ..errors import ConfigError, install_command
 from ..kernels import cpu_paged_attention, native_kernels_enabled
 
@@ -161,6 +161,8 @@ class TorchPagedAttention(AttentionBackend):
                 meta: AttentionMetadata, scale: float, softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D]; kv_cache: [2, slots, Hkv, D]. Returns [T, H, D]."""
+        if kv_cache.dtype == torch.uint8:  # int8 rows: the query the native kernels score with
+            q, scale = int8_key_query(q, scale), 1.0
         contexts = [tuple(read_kv(kv_cache[i], span.ctx_slots, q.dtype) for i in (0, 1)) for span in meta.prefills]
         k, v = write_kv(kv_cache, meta.slot_mapping, k, v)  # a chunk sees its own K/V as the cache holds them
         out = torch.empty_like(q)

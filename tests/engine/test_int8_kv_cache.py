@@ -107,7 +107,7 @@ def test_what_int8_costs_the_model(tiny_models: dict[str, TinyModel]) -> None:
 def test_the_built_in_model_in_int8() -> None:
     """The built-in model (head dim 64): 1.8x+ the tokens in the same memory, prompt log-probabilities close
     to the bf16 cache's: measured a mean absolute difference of 0.036 per token (at most 0.68, on an early
-    token) and a mean log-likelihood within 0.01 (perplexity +0.3% on a longer text, docs/benchmarks.md);
+    token) and a mean log-likelihood within 0.01 (perplexity within 0.3% on a longer text, docs/benchmarks.md);
     finer scales (one per 32 values) measured no better, 0.033 and 0.54."""
     text = ("The quick brown fox jumps over the lazy dog. Continuous batching rebuilds the batch at every step, "
             "so a finished sequence leaves at once and a waiting one takes its place. ") * 6

@@ -1,7 +1,7 @@
 """The native CPU attention kernels against a PyTorch reference at the shapes their code paths split on.
 
 Decode (`attention_cpu.h`): contexts of thousands of tokens (K/V rows pulled into L2 a chunk at a time),
-lengths that end mid-block, head dims that are and are not a whole number of vector pairs (rows read in
+threads splitting the (request, kv head) pairs, lengths that end mid-block, head dims that are and are not a whole number of vector pairs (rows read in
 place or copied, zero-padded), 1 to 8 query heads per kv head (score chunks of 3), soft-capping.
 Prefill (`prefill_attention_cpu.cpp`): chunks of up to 512 queries over thousands of context keys, odd
 lengths on both sides of key-block and query-tile edges, several chunks in one call, sliding windows,
@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 
+from conveyor.cache.kv_format import quantize_kv
 from conveyor.kernels import cpu_paged_attention
 from conveyor.layers.attention import AttentionMetadata, CpuPagedAttention
 
@@ -56,6 +57,29 @@ def test_decode_kernel_matches_reference(lens: list[int], heads: int, kv_heads: 
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), reference_decode(q, kv, meta, scale, softcap),
                                **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
+@pytest.mark.parametrize(("lens", "kv_heads", "dtype", "int8"), [
+    ([2100], 3, torch.bfloat16, False),         # one long request: its kv heads split 2 + 1 across two threads
+    ([2100], 3, torch.bfloat16, True),          # the same over int8 rows
+    ([700, 90, 1300], 2, torch.float32, False),  # three requests on two threads: the middle one split between them
+])
+def test_decode_threads_split_requests_by_kv_head_with_the_same_bits(lens: list[int], kv_heads: int,
+                                                                     dtype: torch.dtype, int8: bool) -> None:
+    q, kv, meta = decode_case(lens, 4 * kv_heads, kv_heads, 64, dtype)
+    cache = quantize_kv(kv) if int8 else kv
+    outs = []
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(CpuPagedAttention(cpu_paged_attention())._decode(q, cache, meta, 0.125, None))
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(outs[0], outs[1])
+    if not int8:
+        torch.testing.assert_close(outs[1].float(), reference_decode(q, kv, meta, 0.125),
+                                   **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
 
 
 def test_decode_kernel_names_its_head_dim_limit() -> None:

@@ -1,7 +1,8 @@
 """int8 KV rows (kv_cache_dtype "int8", cache/kv_format.py) in the native kernels: the quantizer writes the
 reference's bytes, decode and prefill read them in place and agree bit for bit with each other in any
-chunking (the scales enter one way in both: attention_blocks.h), and both are within int8's error of
-exact attention over the dequantized rows."""
+chunking (the query quantized and the scales applied one way in both: attention_blocks.h), both are exact
+attention of the quantized query over the dequantized rows (to fp32's error), and within int8's error of
+attention over the rows before quantization."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import torch
 from conveyor.cache.kv_format import dequantize_kv, quantize_kv
 from conveyor.kernels import cpu_paged_attention
 
-from tests.attention_utils import (BF16_TOL, decode_every_position, prefill_in_chunks, run_reference,
-                                   sequence_case)
+from tests.attention_utils import (BF16_TOL, decode_every_position, int8_key_queries, prefill_in_chunks,
+                                   run_reference, sequence_case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,7 +50,8 @@ def test_int8_rows_same_bits_in_any_chunk_and_in_decode(heads: int, kv_heads: in
     decoded = decode_every_position(q, kq, vq, table, page, window, scale, softcap)
     whole = prefill_in_chunks(q, kq, vq, kv, slots, [length], window, scale, softcap, together=False)
     assert decoded.dtype == dtype
-    exact = run_reference(q, dequantize_kv(kq, torch.float64), dequantize_kv(vq, torch.float64), window, scale, softcap)
+    exact = run_reference(int8_key_queries(q, scale), dequantize_kv(kq, torch.float64), dequantize_kv(vq, torch.float64),
+                          window, 1.0, softcap)
     torch.testing.assert_close(whole.double(), exact, **(dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32
                                                            else BF16_TOL))
     assert torch.equal(decoded, whole)
