@@ -26,9 +26,8 @@ from ..sched.output import ScheduledChunk
 
 
 class LoRAManager:
-    def __init__(self, targets: LoRATargets, config: LoRAConfig, dtype: torch.dtype, device: torch.device,
-                 max_tokens: int) -> None:
-        self.targets, self.config, self.dtype = targets, config, dtype
+    def __init__(self, targets: LoRATargets, config: LoRAConfig, device: torch.device, max_tokens: int) -> None:
+        self.targets, self.config = targets, config
         self.lock = threading.Lock()  # guards `registered` and `cache`
         self.registered: dict[str, LoRARequest] = {}  # by name: the server's adapters, `LLM.add_lora`'s
         self.cache: OrderedDict[LoRARequest, LoRAAdapter] = OrderedDict()
@@ -48,7 +47,7 @@ class LoRAManager:
             if adapter is not None:
                 self.cache.move_to_end(request)
                 return adapter
-        adapter = load_adapter(request, self.targets, self.config.max_lora_rank, self.dtype)
+        adapter = load_adapter(request, self.targets, self.config.max_lora_rank)
         with self.lock:
             self.cache[request] = adapter
             while len(self.cache) > self.config.cpu_loras:
@@ -150,4 +149,4 @@ def make_lora_manager(model: CausalLM, lora: LoRAConfig, config: ContinuousBatch
     if config.speculative_config is not None:
         raise ConfigError("LoRA adapters do not run with speculative decoding: drop speculative_config or enable_lora")
     targets = enable_lora(model, lora, model.dtype, device)
-    return LoRAManager(targets, lora, model.dtype, device, config.max_batch_tokens + config.q_padding_interval_size)
+    return LoRAManager(targets, lora, device, config.max_batch_tokens + config.q_padding_interval_size)

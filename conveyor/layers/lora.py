@@ -48,6 +48,18 @@ class LoRABatch:
         return cls(order, groups)
 
 
+@dataclass(frozen=True)
+class SlotPart:
+    """One adapter matrix pair of a `LoRALinear`: its block, its first output row, A `[r, in]`, B `[rows, r]`
+    and the scaling B is multiplied by."""
+
+    block: int
+    row: int
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+
+
 class LoRAState:
     """What every `LoRALinear` of a model reads: the running step's `LoRABatch` (None: no adapter rows, the
     base layers alone run). Set by the model runner around each forward pass."""
@@ -76,14 +88,14 @@ class LoRALinear(nn.Module):
         start = sum(self.slices[:index])
         return start, start + self.slices[index]
 
-    def set_slot(self, slot: int, parts: list[tuple[int, int, torch.Tensor, torch.Tensor]]) -> None:
-        """Fill slot `slot` with an adapter's (block, first output row, A `[r, in]`, scaled B `[rows, r]`)
-        parts; everything else of the slot is zeroed."""
+    def set_slot(self, slot: int, parts: list[SlotPart]) -> None:
+        """Fill slot `slot` with an adapter's parts (B scaled, both in the slot's dtype); everything else of
+        the slot is zeroed."""
         self.clear_slot(slot)
-        for block, row, a, b in parts:
-            lo = block * self.max_rank
-            self.lora_a[slot, lo:lo + a.shape[0]].copy_(a)
-            self.lora_b[slot, row:row + b.shape[0], lo:lo + b.shape[1]].copy_(b)
+        for part in parts:
+            lo, (rows, rank) = part.block * self.max_rank, part.b.shape
+            self.lora_a[slot, lo:lo + rank].copy_(part.a)
+            self.lora_b[slot, part.row:part.row + rows, lo:lo + rank].copy_(part.b.float() * part.scale)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()

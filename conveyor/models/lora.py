@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import ConfigError
-from ..layers.lora import LoRALinear, LoRAState
+from ..layers.lora import LoRALinear, LoRAState, SlotPart
 from ..lora_request import LoRAConfig, LoRARequest
 
 # A decoder layer's projection -> (PEFT's name of it fused, PEFT's names of its slices), relative to the layer.
@@ -64,11 +64,13 @@ class LoRATargets:
 
 @dataclass
 class LoRAAdapter:
-    """A loaded adapter: per `LoRALinear` (our name) its `set_slot` parts; its largest rank."""
+    """A loaded adapter: per `LoRALinear` (our name) its `set_slot` parts, the tensors as stored (no torch op
+    runs on them until the engine's thread copies them into a slot: see DEVELOPERS.md on OpenMP teams); its
+    largest rank."""
 
     request: LoRARequest
     rank: int
-    parts: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]]
+    parts: dict[str, list[SlotPart]]
 
 
 def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> LoRATargets:
@@ -115,7 +117,7 @@ def read_adapter_config(path: Path) -> dict:
     return json.loads(config_file.read_text())
 
 
-def load_adapter(request: LoRARequest, targets: LoRATargets, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+def load_adapter(request: LoRARequest, targets: LoRATargets, max_rank: int) -> LoRAAdapter:
     """Read and check a PEFT adapter: a LoRA, of rank <= `max_rank`, whose every module is one of the
     model's LoRA linears with the base's shapes; `ConfigError` naming the limit or the module otherwise."""
     path = Path(request.lora_path).expanduser()
@@ -139,7 +141,7 @@ def load_adapter(request: LoRARequest, targets: LoRATargets, max_rank: int, dtyp
             raise ConfigError(f"{where}: tensor {key!r} is not a LoRA A or B weight of a linear (supported: "
                               f"{', '.join(targets.leaf_names)})")
         tensors.setdefault(match.group(1), {})[match.group(2)] = tensor
-    parts: dict[str, list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    parts: dict[str, list[SlotPart]] = {}
     largest = 0
     for module, pair in sorted(tensors.items()):
         target = targets.by_peft_name.get(module)
@@ -158,8 +160,7 @@ def load_adapter(request: LoRARequest, targets: LoRATargets, max_rank: int, dtyp
                               f"{list(b.shape)}, the base takes A [r, {target.in_features}] and B "
                               f"[{target.out_rows}, r]")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
-        parts.setdefault(target.module, []).append(
-            (target.block, target.row, a.to(dtype), (b.float() * scale).to(dtype)))
+        parts.setdefault(target.module, []).append(SlotPart(target.block, target.row, a, b, scale))
         largest = max(largest, r)
     if not parts:
         raise ConfigError(f"{where}: adapter_model.safetensors holds no LoRA weights")
