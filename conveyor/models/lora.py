@@ -97,7 +97,7 @@ def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
             targets.by_peft_name[prefix + fused] = Target(ours, 0, 0, out, base.in_features)
             if len(parts) > 1:
                 for block, part in enumerate(parts):
-                    lo, hi = wrapped.slice_rows(block)
+                    lo, hi = wrapped.slice_range(block)
                     targets.by_peft_name[prefix + part] = Target(ours, block, lo, hi - lo, base.in_features)
     if not targets.linears:
         raise ConfigError(f"{type(model).__name__} has no decoder-layer linears LoRA can adapt")
