@@ -142,3 +142,19 @@ def test_lora_off_refuses_adapters(tiny_llama: TinyModel, adapters: dict) -> Non
     with pytest.raises(ConfigError, match="without enable_lora"):
         LLM(tiny_llama.path, max_loras=2)
     llm.shutdown()
+
+
+def test_quantized_base_with_an_adapter(tiny_llama: TinyModel, adapters: dict) -> None:
+    """int8 weights in bf16: the adapter's delta adds to the quantized base's output (bf16 adapters), and the
+    first greedy tokens follow peft's fp32 reference as the base model's follow transformers'."""
+    llm = LLM(tiny_llama.path, dtype="bfloat16", quantization="int8", enable_lora=True, max_loras=2,
+              config=ContinuousBatchingConfig(num_blocks=128))
+    prompts = random_prompts([6, 11, 19, 25, 8, 14], seed=9)
+    lora, reference = adapters["a"]
+    outs = llm.generate(prompts, greedy(1), use_tqdm=False, lora_request=lora)
+    base = llm.generate(prompts, greedy(1), use_tqdm=False)
+    expected = [hf_greedy(reference, p, 1)[0] for p in prompts]
+    assert sum(o.token_ids == e for o, e in zip(outs, expected)) >= 5
+    assert [o.token_ids for o in outs] != [o.token_ids for o in base]
+    assert all_free(llm)
+    llm.shutdown()
