@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .engine.engine import Engine
+from .engine.lora_manager import LoRAManager
 from .errors import ConfigError
 from .lora_request import LoRARequest
 
@@ -30,7 +31,7 @@ class LoRAMethods:
     def lora_enabled(self) -> bool:
         return self.engine.lora is not None
 
-    def _lora(self):  # noqa: ANN202 (the engine's LoRAManager)
+    def _lora(self) -> LoRAManager:
         if self.engine.lora is None:
             raise ConfigError("LoRA is off: load the model with enable_lora=True (--enable-lora)")
         return self.engine.lora
