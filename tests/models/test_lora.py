@@ -158,3 +158,18 @@ def test_quantized_base_with_an_adapter(tiny_llama: TinyModel, adapters: dict) -
     assert [o.token_ids for o in outs] != [o.token_ids for o in base]
     assert all_free(llm)
     llm.shutdown()
+
+
+def test_padded_steps_keep_each_row_on_its_adapter(lora_llm: LLM, tiny_llama: TinyModel, adapters: dict) -> None:
+    """Padded steps (as CUDA graphs run them) put padding rows between the decodes and the prefills: the
+    rows after them still run with their own adapters."""
+    padded = LLM(tiny_llama.path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+                 config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=64, pad_steps=True,
+                                                 q_padding_interval_size=8))
+    prompts = random_prompts([3, 21, 7, 30], seed=10)
+    lora = [adapters["a"][0], None, adapters["b"][0], adapters["a"][0]]
+    params = [greedy(n) for n in (9, 4, 12, 6)]  # finishing at different steps: decodes beside prefill chunks
+    ours = [o.token_ids for o in padded.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+    assert ours == [o.token_ids for o in lora_llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
+    assert all_free(padded)
+    padded.shutdown()
