@@ -20,6 +20,7 @@ from .engine.engine import Engine
 from .engine.stats import EngineStats
 from .errors import InvalidRequestError
 from .llm import LLM
+from .lora_request import LoRARequest
 from .manager import ContinuousBatchingManager
 from .pooling_params import PoolerConfig, PoolingParams
 from .request import (
@@ -37,4 +38,4 @@ __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatch
            "InvalidRequestError", "CompletionOutput", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
            "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator",
            "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "ClassificationRequestOutput",
-           "ScoringRequestOutput"]
+           "ScoringRequestOutput", "LoRARequest"]

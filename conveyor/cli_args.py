@@ -68,6 +68,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hf-overrides", default=None, metavar="JSON",
                        help="model config fields set over the checkpoint's (vLLM's), e.g. "
                        '\'{"is_matryoshka": true}\'')
+    lora = parser.add_argument_group("LoRA adapters (docs/lora.md)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve PEFT LoRA adapters beside the base model")
+    lora.add_argument("--max-loras", type=int, default=None, metavar="N",
+                      help="adapters in one batch (default 1): each holds a slot of stacked weights")
+    lora.add_argument("--max-lora-rank", type=int, default=None, metavar="R", help="the largest rank taken (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                      help="adapters kept loaded in host memory (default: --max-loras)")
     pooling = parser.add_argument_group("pooling models (embeddings, scoring)")
     pooling.add_argument("--runner", default="auto", choices=RUNNERS,
                          help="pooling: embed or score prompts (/v1/embeddings, /v1/score, /v1/rerank) instead of "
@@ -172,7 +179,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 gguf_file=args.gguf_file, hf_token=args.hf_token, chat_template=args.chat_template,
                 generation_config=args.generation_config, override_generation_config=overrides,
                 runner=args.runner, convert=args.convert, task=args.task, pooler_config=args.pooler_config,
-                hf_overrides=hf_overrides)
+                hf_overrides=hf_overrides, enable_lora=args.enable_lora, max_loras=args.max_loras,
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +196,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) accepted in requests; the first is reported (default: the Hub id as "
                        "given, else the model's file or directory name)")
+    group.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (the request's `model`): name=path, or vLLM's JSON "
+                       '\'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora')
     group.add_argument("--max-queue", type=int, default=512,
                        help="most generations (prompts x n) accepted and unfinished; past it, 503 + Retry-After")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -36,6 +36,8 @@ from .models import build_model
 from .models.hub import resolve_model_path
 from .models.loader import load_checkpoint
 from .models.pooling import apply_hf_overrides, build_pooler, matryoshka_dimensions, pooling_task
+from .lora_llm import LoRAMethods, per_prompt
+from .lora_request import LoRAConfig, LoRARequest
 from .pooling_llm import PoolingMethods
 from .pooling_params import PoolerConfig
 from .request import Prompt, Request, RequestOutput
@@ -90,7 +92,7 @@ def release_freed_memory() -> None:
             pass
 
 
-class LLM(PoolingMethods):
+class LLM(PoolingMethods, LoRAMethods):
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
 
     model: a Hugging Face model directory, a .gguf file, or a Hub id (`org/name`, `org/name:QUANT` for a
@@ -113,6 +115,8 @@ class LLM(PoolingMethods):
         the config's architectures. hf_overrides: vLLM's dict of config fields set over the checkpoint's.
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
         leaves unset), "vllm" (ignore it) or a directory; `override_generation_config` goes over it.
+    enable_lora, max_loras, max_lora_rank, max_cpu_loras: vLLM's multi-LoRA serving (docs/lora.md):
+        `generate(..., lora_request=LoRARequest(name, id, path))`, `add_lora`.
     vllm_kwargs: vLLM's other engine arguments: those that ask for what Conveyor always does
         (`trust_remote_code`, ...) are taken with a log line, the others are errors saying what to use
         (`vllm_flags`).
@@ -136,6 +140,7 @@ class LLM(PoolingMethods):
                  task: str | None = None, pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
                  hf_overrides: dict[str, Any] | None = None, **vllm_kwargs: Any) -> None:
         exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
+        lora_config = LoRAConfig.pop_kwargs(vllm_kwargs)
         for note in check_vllm_kwargs(vllm_kwargs):
             logger.info("%s", note)
         given_config = config
@@ -154,8 +159,10 @@ class LLM(PoolingMethods):
             config = replace(config, batch_invariant=batch_invariant)
         template = load_chat_template(chat_template) if chat_template is not None else None
         pooler_settings = PoolerConfig.parse(pooler_config)
-        if config.tensor_parallel_size > 1 and (hf_overrides or runner == "pooling" or task or convert != "auto"):
-            raise ConfigError("pooling models and hf_overrides run on one rank: tensor_parallel_size must be 1")
+        if config.tensor_parallel_size > 1 and (hf_overrides or runner == "pooling" or task or convert != "auto"
+                                                or lora_config is not None):
+            raise ConfigError("pooling models, LoRA adapters and hf_overrides run on one rank: tensor_parallel_size "
+                              "must be 1")
         self.device = resolve_device(device)
         location = resolve_model_path(model, revision=revision, download_dir=download_dir, gguf_file=gguf_file,
                                       token=hf_token)
@@ -201,7 +208,7 @@ class LLM(PoolingMethods):
             draft = (load_draft_model(spec, self.model_path, net, self.device)
                      if spec is not None and spec.method == "draft_model" else None)
             self.engine = Engine(net, self.tokenizer, engine_config, self.device, draft_model=draft, pooler=pooler,
-                                 matryoshka=matryoshka_dimensions(net.config))
+                                 matryoshka=matryoshka_dimensions(net.config), lora_config=lora_config)
             self.manager = ContinuousBatchingManager(self.engine)
             return net
 
@@ -286,10 +293,11 @@ class LLM(PoolingMethods):
         """Bytes of the KV pool in physical memory (on CPU the pool is committed as it is first written)."""
         return self.engine.pool.resident_bytes()
 
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
-        """A validated request for `manager.submit` (tokenized, constraint compiled); raises
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                     lora_request: LoRARequest | None = None) -> Request:
+        """A validated request for `manager.submit` (tokenized, constraint compiled, its adapter loaded); raises
         `InvalidRequestError` with a code and the parameter at fault. Safe from any thread."""
-        return self.engine.make_request(request_id, prompt, params)
+        return self.engine.make_request(request_id, prompt, params, lora_request)
 
     def stats(self) -> EngineStats:
         """Engine counters (tokens, preemptions, prefix cache) and cache/queue gauges now."""
@@ -297,10 +305,12 @@ class LLM(PoolingMethods):
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, or vLLM's `{"prompt": ...}` / `{"prompt_token_ids": ...}`);
         outputs in input order. priority (vLLM's): one for all prompts or one each, over the sampling
-        params' (lower runs first; needs `scheduling_policy="priority"`).
+        params' (lower runs first; needs `scheduling_policy="priority"`). lora_request: the adapter of all
+        prompts or one each (None: the base model); needs `enable_lora=True`.
 
         All prompts are validated before any is queued, so one bad prompt raises and runs nothing.
         """
@@ -318,8 +328,9 @@ class LLM(PoolingMethods):
             if len(priorities) != len(prompts):
                 raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
             params = [replace(p, priority=q) for p, q in zip(params, priorities)]
-        requests = [self.make_request(self.manager.new_request_id(), prompt, p)
-                    for prompt, p in zip(prompts, params)]
+        adapters = per_prompt(lora_request, len(prompts))
+        requests = [self.make_request(self.manager.new_request_id(), prompt, p, lora)
+                    for prompt, p, lora in zip(prompts, params, adapters)]
         return self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
 
     def _collect(self, ids: list[str], use_tqdm: bool, pooling: bool = False) -> list[RequestOutput]:

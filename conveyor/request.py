@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .lora_request import LoRARequest
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
@@ -167,8 +168,9 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prompt: str | None = None, eos_token_ids: tuple[int, ...] = (),
-                 pooling: PoolingParams | None = None) -> None:
+                 pooling: PoolingParams | None = None, lora_request: LoRARequest | None = None) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request  # its adapter (None: the base model), `engine.lora_manager`
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-LORA = "LoRA adapters are not supported: merge the adapter into the weights (peft's merge_and_unload) and serve that"
 TOKENIZER = ("the tokenizer is the model's own (its directory, Hub repo or GGUF file); to use another, copy its "
              "files into the model directory")
 PIPELINE = "pipeline parallelism is not supported: --tensor-parallel-size N splits the model over N devices, " \
@@ -23,10 +22,6 @@ UNSUPPORTED: dict[str, str] = {
     "--tokenizer-revision": "--revision applies to the model and its tokenizer together",
     "--load-format": "the format follows the files: a directory of *.safetensors, or a .gguf file "
                      "(--gguf-file NAME or org/name:QUANT for a Hub repo)",
-    "--enable-lora": LORA,
-    "--lora-modules": LORA,
-    "--max-lora-rank": LORA,
-    "--max-loras": LORA,
     "--cpu-offload-gb": "weights are not offloaded; --swap-space GIB (--cpu-offload-space) keeps preempted "
                         "requests' KV blocks in host memory",
     "--no-enable-chunked-prefill": "prefill is always chunked, --max-num-batched-tokens tokens a step: raise that "

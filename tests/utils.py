@@ -414,3 +414,27 @@ def assert_png(path: Path) -> None:
     """`path` is a PNG file with a real plot in it (more than an empty canvas's bytes)."""
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------------
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_lora_adapter(base: transformers.PreTrainedModel, path: Path, seed: int, rank: int = 8,
+                      targets: list[str] | None = None, **options: Any) -> transformers.PreTrainedModel:
+    """A random PEFT LoRA adapter of `base` (B not zero: init_lora_weights=False) saved to `path`; the
+    reference is a copy of `base` with the adapter, in peft (eval, fp32). `options`: more LoraConfig fields."""
+    import copy
+
+    import peft
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets or LORA_TARGETS,
+                             init_lora_weights=False, lora_dropout=0.0, **options)
+    model = peft.get_peft_model(copy.deepcopy(base), config).eval()
+    with torch.no_grad():  # peft's random init is on the scale of the weights: a delta that moves the tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.5)
+    model.save_pretrained(path)
+    return model

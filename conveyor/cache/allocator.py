@@ -308,6 +308,8 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         hashes = self._hashes.get(request.request_id)
         if hashes is None or hashes.tokens is not request:
             key = self.prefix_key(request.rope_length) if self.prefix_key is not None else b""
+            if request.lora_request is not None:  # blocks computed under an adapter are that adapter's alone
+                key += request.lora_request.cache_key
             hashes = self._hashes[request.request_id] = BlockHashes(self.page_size, request, key)
         return hashes
 

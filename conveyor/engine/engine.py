@@ -24,6 +24,7 @@ from ..config import ContinuousBatchingConfig
 from ..errors import DistributedError, InvalidRequestError, RequestErrorCode
 from ..layers.attention import make_attention_backend
 from ..layers.pooler import Pooler
+from ..lora_request import LoRAConfig, LoRARequest
 from ..models.base import CausalLM
 from ..models.batch_invariance import make_batch_invariant
 from ..pooling_params import PoolingParams
@@ -37,6 +38,7 @@ from .deadlines import Deadlines, timeout_message
 from .draft_runner import DraftProposer, draft_bytes_per_chunk
 from .graph_runner import CudaGraphs, graph_memory_bytes, graph_tokens, use_cuda_graphs
 from .input_processor import InputProcessor
+from .lora_manager import LoRAManager, make_lora_manager
 from .memory_profile import working_memory
 from .model_runner import ModelRunner
 from .output_processor import OutputProcessor
@@ -50,10 +52,12 @@ logger = logging.getLogger("conveyor")
 class Engine:
     def __init__(self, model: CausalLM, tokenizer: PreTrainedTokenizerBase,
                  config: ContinuousBatchingConfig, device: torch.device, draft_model: CausalLM | None = None,
-                 pooler: Pooler | None = None, matryoshka: list[int] | None = None) -> None:
+                 pooler: Pooler | None = None, matryoshka: list[int] | None = None,
+                 lora_config: LoRAConfig | None = None) -> None:
         """`draft_model`: the draft of a "draft_model" `config.speculative_config` (`draft_runner`). `pooler`: a
         pooling model's (`engine.pooling`): its requests are prefills pooled, never sampled; `matryoshka`: the
-        dimensions its embeddings may be cut to ([]: any, None: not a Matryoshka model)."""
+        dimensions its embeddings may be cut to ([]: any, None: not a Matryoshka model). `lora_config`:
+        multi-LoRA serving on (`engine.lora_manager`)."""
         if pooler is not None:
             check_pooling_config(config)
         self.pooler = pooler
@@ -65,6 +69,8 @@ class Engine:
         self.max_model_len = config.context_length(model.max_model_len)  # max_model_len, or the model's
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.lora: LoRAManager | None = (make_lora_manager(model, lora_config, config, device, pooler is not None)
+                                         if lora_config is not None else None)
         # The cache layout follows the model's attention types: layer groups of equal size (a chunk is
         # a page in each layer of a group) and one allocator per type, all over one pool.
         groups = layer_groups(model.layer_types)
@@ -110,6 +116,7 @@ class Engine:
         self.runner = (ModelRunner(model, self.pool, runner_groups, device, attention, config.max_requests_per_batch)
                        if pooler is None else PoolingModelRunner(model, self.pool, runner_groups, device, attention,
                                                                  pooler=pooler))
+        self.runner.lora = self.lora
         if config.batch_invariant:
             make_batch_invariant(model, self.runner.attention, device, self.dtype)
         # Async batching (on by default where graphs are) alternates two sets of static buffers.
@@ -149,10 +156,19 @@ class Engine:
         return tuple(sorted(ids))
 
     # -- requests in ------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
-        """Tokenize and validate (`InputProcessor`); raises InvalidRequestError naming the limit. Safe from any
+    def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                     lora_request: LoRARequest | None = None) -> Request:
+        """Tokenize and validate (`InputProcessor`), and load its adapter if it has one; raises
+        InvalidRequestError naming the limit (`ConfigError` for an adapter that does not fit). Safe from any
         thread."""
-        return self.input_processor.make_request(request_id, prompt, params)
+        request = self.input_processor.make_request(request_id, prompt, params)
+        if lora_request is not None:
+            if self.lora is None:
+                raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r} given, but LoRA is off: start the "
+                                          "engine with enable_lora=True (--enable-lora)", param="lora_request")
+            self.lora.load(lora_request)
+            request.lora_request = lora_request
+        return request
 
     def make_pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams) -> Request:
         """A pooling engine's request (`InputProcessor.make_pooling_request`); safe from any thread."""
@@ -164,7 +180,8 @@ class Engine:
                                       RequestErrorCode.DUPLICATE_REQUEST_ID)
         self.requests[request.request_id] = request
         self._constrained += request.grammar is not None
-        self.scheduler.add_request(request)
+        if self.lora is None or self.lora.admit(request):  # (else it waits for an adapter slot)
+            self.scheduler.add_request(request)
         self.counters.prompt_tokens += len(request.prompt_token_ids)
         self.deadlines.add(request)
 
@@ -363,4 +380,7 @@ class Engine:
         request.metrics.finished_time = time.monotonic()
         if self.requests.pop(request.request_id, None) is not None:
             self._constrained -= request.grammar is not None
+        if self.lora is not None:  # its adapter slot back: requests waiting for one start
+            for ready in self.lora.release(request):
+                self.scheduler.add_request(ready)
         self.counters.finished_requests += 1

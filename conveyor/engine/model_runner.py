@@ -22,6 +22,7 @@ from ..cache.allocator import AttentionTypeAllocator, LayerGroup, table_length
 from ..cache.pool import CachePool
 from ..config import ContinuousBatchingConfig
 from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
+from ..layers.lora import LoRABatch
 from ..layers.rotary import with_lengths
 from ..layers.sampler import SampledBatch, Sampler
 from ..request import Request
@@ -115,6 +116,7 @@ class PreparedStep:
     verify_rows: torch.Tensor | None = None  # all their rows (each row's logits check one token)
     pad_at: int = 0  # padded steps: rows from `pad_at` on moved down by `num_pad`
     num_pad: int = 0
+    lora: LoRABatch | None = None  # the rows that run with an adapter (`engine.lora_manager`)
 
     def row(self, unpadded_row: int) -> int:
         return unpadded_row if unpadded_row < self.pad_at else unpadded_row + self.num_pad
@@ -173,6 +175,7 @@ class ModelRunner:
         self.max_logit_rows = max_logit_rows  # LM head rows at a time for prompt logprobs (bounds the logits)
         self.buffers: list[StepBuffers] = []  # static step buffers, when steps are padded
         self.graphs: Any = None  # a graph_runner.CudaGraphs replaying padded steps, when on
+        self.lora: Any = None  # an engine.lora_manager.LoRAManager, with LoRA on
 
     def enable_padding(self, config: ContinuousBatchingConfig, buffer_sets: int = 1) -> None:
         """Pad every step into static buffers (`step_buffers`); `buffer_sets` alternate (async batching
@@ -228,6 +231,8 @@ class ModelRunner:
         if verified:
             prepared.verified = verified
             prepared.verify_rows = torch.tensor([prepared.row(r) for r in verify_rows], dtype=torch.long, device=dev)
+        if self.lora is not None:
+            prepared.lora = self.lora.step_batch(decodes + prefills, prepared.pad_at, prepared.num_pad)
         for meta in prepared.metas:
             self.attention.prepare(meta)
         return prepared
@@ -292,7 +297,7 @@ class ModelRunner:
         """Queue the step's forward pass and sampling, and the copy of its samples to the host; waits
         for the device only for prompt logprobs (their entries are host dicts)."""
         tokens = None
-        if self.graphs is not None and self.graphs.takes(step):
+        if self.graphs is not None and step.lora is None and self.graphs.takes(step):  # (adapters run eagerly)
             hidden, logits = None, self.graphs.replay(step)
         else:
             if self.graphs is not None:
@@ -319,9 +324,17 @@ class ModelRunner:
         return LaunchedStep(step.samplers, batch, prompt_logprobs, step.num_pad, step.verified, verify_logits)
 
     def forward(self, step: PreparedStep) -> torch.Tensor:
-        """Hidden states of every row of the step (each layer with its group's metadata)."""
-        return self.model(step.input_ids, step.positions, self.layer_kv, [step.metas[g] for g in self.layer_group],
-                          self.attention)
+        """Hidden states of every row of the step (each layer with its group's metadata), its adapter rows
+        through their adapters."""
+        state = getattr(self.model, "lora_state", None)
+        if state is not None:
+            state.batch = step.lora
+        try:
+            return self.model(step.input_ids, step.positions, self.layer_kv,
+                              [step.metas[g] for g in self.layer_group], self.attention)
+        finally:
+            if state is not None:
+                state.batch = None
 
     def _prompt_logprob_plan(self, chunks: list[ScheduledChunk]) -> PromptLogprobPlan | None:
         """Which rows score which prompt tokens, for requests that ask for prompt logprobs: the row at

@@ -1,6 +1,6 @@
 """Optional native CPU kernels: paged attention (decode and prefill), the decoder layer's fused
 elementwise ops (RMSNorm, RoPE, SiLU * up), the weight-streaming matmuls over quantized, int8, bf16
-and fp32 tiles, the native decode stack and grouped experts, and the sampler.
+and fp32 tiles, the native decode stack, grouped experts and LoRA deltas, and the sampler.
 
 They are plain C++ behind a C ABI, called through ctypes, compiled once per compiler and CPU into one
 shared library that every environment on the machine shares (build.py; `conveyor build-kernels`,
@@ -20,13 +20,14 @@ from .attention_ops import PagedAttentionOps
 from .build import KERNELS, PEAKS, Library
 from .cpu import cpu_flags, vector_flags
 from .fused_ops import FusedOps
+from .lora_ops import LoRAOps
 from .matmul_ops import MatmulOps
 from .native import Native, load, native_kernels_enabled
 from .peak_ops import PeakOps
 from .sampling_ops import SamplingOps
 
 __all__ = ["cpu_flags", "vector_flags", "native_kernels_enabled", "cpu_paged_attention", "cpu_fused_ops",
-           "cpu_matmul_ops", "cpu_sampling_ops", "cpu_peak_ops", "build_all"]
+           "cpu_matmul_ops", "cpu_sampling_ops", "cpu_lora_ops", "cpu_peak_ops", "build_all"]
 
 
 def _wrapper(library: Library, kind: Callable[..., Native]) -> Callable[[], Native | None]:
@@ -44,6 +45,7 @@ cpu_paged_attention: Callable[[], PagedAttentionOps | None] = _wrapper(KERNELS, 
 cpu_fused_ops: Callable[[], FusedOps | None] = _wrapper(KERNELS, FusedOps)  # type: ignore
 cpu_matmul_ops: Callable[[], MatmulOps | None] = _wrapper(KERNELS, MatmulOps)  # type: ignore
 cpu_sampling_ops: Callable[[], SamplingOps | None] = _wrapper(KERNELS, SamplingOps)  # type: ignore
+cpu_lora_ops: Callable[[], LoRAOps | None] = _wrapper(KERNELS, LoRAOps)  # type: ignore
 cpu_peak_ops: Callable[[], PeakOps | None] = _wrapper(PEAKS, PeakOps)  # type: ignore
 
 

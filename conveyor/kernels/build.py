@@ -52,6 +52,7 @@ KERNELS = Library("conveyor_kernels", (
     ("quant_gemm.cpp", ("-ffp-contract=fast",)),
     ("decode_stack_cpu.cpp", ("-ffp-contract=fast",)),
     ("moe_cpu.cpp", ("-ffp-contract=fast",)),
+    ("lora_cpu.cpp", ("-ffp-contract=fast",)),
     ("sampling_cpu.cpp", ("-ffp-contract=fast",)),
     ("matmul_cpu.cpp", ("-ffp-contract=fast",)),
     ("quant_tiles.cpp", ("-ffp-contract=fast",)),

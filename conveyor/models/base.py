@@ -19,6 +19,7 @@ from ..kernels import cpu_fused_ops, native_kernels_enabled
 from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import packed_lm_head, prepack_linears
+from ..layers.lora import LoRAState
 from ..layers.quantization.linear import (
     QuantEmbedding,
     QuantLinear,
@@ -101,6 +102,7 @@ class CausalLM(nn.Module):
         self.dtype = torch.float32  # the compute dtype, set when the weights are loaded
         self.decode_stack: DecodeStack | None = None  # the native layer stack for small decode batches
         self.mirror: Mirror | None = None  # tensor parallel, rank 0: the ranks that make every call too
+        self.lora_state: LoRAState | None = None  # multi-LoRA: the step's adapter rows (`models.lora`)
 
     @property
     def max_model_len(self) -> int:
@@ -233,7 +235,8 @@ class CausalLM(nn.Module):
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                    metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
-        if self.decode_stack is not None and self.decode_stack.takes(x, kv_caches, metas):
+        adapters = self.lora_state is not None and self.lora_state.batch is not None  # (the stack has none)
+        if self.decode_stack is not None and not adapters and self.decode_stack.takes(x, kv_caches, metas):
             cos, sin = self.rotary(positions, x.dtype)  # as the eager layers take them (bf16: rounded)
             return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size))
         for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),

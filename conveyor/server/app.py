@@ -39,6 +39,7 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
     app.state.responses = ResponseStore(serving.settings.max_stored_responses)
     add_error_handlers(app)
     include_routes(app, pooling=llm.pooling_task is not None)
-    app.openapi = lambda: instance_schema(app, serving.names, llm.vocab_size,  # type: ignore[method-assign]
+    names = None if llm.lora_enabled else serving.names  # (adapters come and go: then any name)
+    app.openapi = lambda: instance_schema(app, names, llm.vocab_size,  # type: ignore[method-assign]
                                           serving.max_model_len, llm.priority_scheduling)
     return app

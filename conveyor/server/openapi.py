@@ -45,10 +45,10 @@ STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}
                   "description": "the answer; with `stream: true`, server-sent events ending in `data: [DONE]`"}}
 
 
-def instance_schema(app: FastAPI, names: list[str], vocab_size: int, max_model_len: int,
+def instance_schema(app: FastAPI, names: list[str] | None, vocab_size: int, max_model_len: int,
                     priority_scheduling: bool) -> dict[str, Any]:
     """The schema with this server's bounds filled in (built once, then cached on the app): without priority
-    scheduling, `priority` is 0 only."""
+    scheduling, `priority` is 0 only; `names` None (LoRA adapters served, loaded at run time): any model name."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for path in schema.get("paths", {}).values():
@@ -56,7 +56,8 @@ def instance_schema(app: FastAPI, names: list[str], vocab_size: int, max_model_l
                 operation.get("responses", {}).pop("422", None)
         for unused in ("HTTPValidationError", "ValidationError"):
             schema.get("components", {}).get("schemas", {}).pop(unused, None)
-        bounds = {"served_name": {"enum": [*names, ""]}, "token_id": {"maximum": vocab_size - 1},
+        bounds = {"served_name": {"enum": [*names, ""]} if names is not None else {},
+                  "token_id": {"maximum": vocab_size - 1},
                   "max_new_tokens": {"maximum": max_model_len - 1},
                   "priority": {} if priority_scheduling else {"minimum": 0, "maximum": 0}}
         _fill(schema, bounds)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 from ..errors import InvalidRequestError, RequestErrorCode
 from ..llm import LLM
+from ..lora_request import LoRARequest
 from ..manager import EngineDeadError, death_message
 from ..request import Request, RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
@@ -166,6 +168,10 @@ class Serving:
         self._drain_task: asyncio.Task[None] | None = None
         self.created = int(time.time())
         self.on_engine_death: Callable[[], None] | None = None  # after the drain that follows a death
+        for adapter in settings.lora_modules:  # --lora-modules: checked against the model now, not at a request
+            llm.add_lora(adapter)
+        # ids of adapters loaded at run time (/v1/load_lora_adapter), after those of --lora-modules
+        self.lora_ids = itertools.count(max((a.lora_int_id for a in llm.list_loras()), default=0) + 1)
 
     # -- lifecycle --------------------------------------------------------------------------
     def startup(self) -> None:
@@ -235,10 +241,21 @@ class Serving:
             self.handoff.close()
 
     # -- admission --------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model and model not in self.names:
-            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.names)}.",
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's `model` names (None: the base model); a 404 naming it when it is
+        neither the base model nor a loaded adapter."""
+        if not model or model in self.names:
+            return None
+        adapter = self.llm.get_lora(model)
+        if adapter is None:
+            served = self.names + [a.lora_name for a in self.llm.list_loras()]
+            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}.",
                            param="model", code="model_not_found")
+        return adapter
+
+    def reply_model(self, adapter: LoRARequest | None) -> str:
+        """The `model` a reply reports: the adapter's name, else the base model's (vLLM's)."""
+        return adapter.lora_name if adapter is not None else self.model_name
 
     def unavailable(self, message: str, code: str) -> APIError:
         self.metrics.rejected.inc()
@@ -330,10 +347,11 @@ class Serving:
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
                        logprobs: int | None, param: str, prompt_logprobs: int | None = None,
                        constraint: tuple[StructuredOutputsParams | None, str | None] = (None, None),
-                       keep_special: bool = False) -> list[Request]:
+                       keep_special: bool = False, lora_request: LoRARequest | None = None) -> list[Request]:
         """Engine requests (validated, constraints compiled: call it off the event loop) for the prompts x n.
         constraint: a tool choice's (constraint, field); else the body's response_format / structured_outputs.
-        keep_special: decode special tokens into the text (a tool parser's markers)."""
+        keep_special: decode special tokens into the text (a tool parser's markers). lora_request: the adapter
+        they run with (`check_model`)."""
         structured, structured_param = body_constraint(body)
         if constraint[0] is not None:
             if structured is not None:
@@ -367,7 +385,7 @@ class Serving:
                         prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
                         skip_special_tokens=body.skip_special_tokens and not keep_special,
                         request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
-                    requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params))
+                    requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params, lora_request))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
                 except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed

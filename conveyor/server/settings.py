@@ -5,9 +5,11 @@ checked once at start. An operational concern with several settings keeps them i
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..lora_request import LoRARequest
 from .cors import CORSSettings
 from .responses.store import DEFAULT_CAPACITY
 from .tracing import TracingSettings
@@ -30,7 +32,9 @@ class ServerSettings:
     log_prompts, max_log_len: the request log (`request_log`); log_format: "text" or "json"
     (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn. request_timeout:
     the deadline of requests that set none (`SamplingParams.request_timeout`); None = none. tracing:
-    OpenTelemetry spans (`tracing`); None = off."""
+    OpenTelemetry spans (`tracing`); None = off. lora_modules: LoRA adapters served by name from the start
+    (`--lora-modules`); allow_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -52,6 +56,8 @@ class ServerSettings:
     disable_uvicorn_access_log: bool = False
     request_timeout: float | None = None
     tracing: TracingSettings | None = None
+    lora_modules: list[LoRARequest] = field(default_factory=list)
+    allow_runtime_lora_updating: bool = field(default_factory=lambda: runtime_lora_updating(os.environ))
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -86,4 +92,34 @@ class ServerSettings:
                    enable_log_requests=args.enable_log_requests, log_prompts=args.log_prompts,
                    max_log_len=args.max_log_len, log_format=args.log_format,
                    disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
-                   tracing=TracingSettings.from_args(args))
+                   tracing=TracingSettings.from_args(args),
+                   lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)))
+
+
+def runtime_lora_updating(environ: Any) -> bool:
+    """vLLM's switch for the run-time adapter endpoints: VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 or true."""
+    return environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
+def lora_modules(items: list[str] | None, enabled: bool) -> list[LoRARequest]:
+    """`--lora-modules`' adapters, ids 1, 2, ... in order: `name=path` or vLLM's JSON object with `name`,
+    `path` and optionally `base_model_name`; ValueError naming the item that is neither."""
+    if items and not enabled:
+        raise ValueError("--lora-modules needs --enable-lora")
+    adapters: list[LoRARequest] = []
+    for i, item in enumerate(items or [], start=1):
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                adapters.append(LoRARequest(spec["name"], i, spec["path"], spec.get("base_model_name")))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"--lora-modules {item!r}: vLLM's JSON form is an object with name, path and "
+                                 f"optionally base_model_name ({exc!r})") from None
+            continue
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: give name=path or vLLM's JSON object")
+        adapters.append(LoRARequest(name, i, path))
+    if len({a.lora_name for a in adapters}) != len(adapters):
+        raise ValueError("--lora-modules names an adapter twice")
+    return adapters

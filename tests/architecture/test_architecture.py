@@ -22,7 +22,8 @@ TOOLS = REPO / "tools"
 # folder of them; the package root (`conveyor`, the public API) is the "api" layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("conveyor.kernels",)),
-    ("base", ("conveyor.errors", "conveyor.sampling_params", "conveyor.pooling_params", "conveyor.request")),
+    ("base", ("conveyor.errors", "conveyor.sampling_params", "conveyor.pooling_params", "conveyor.lora_request",
+              "conveyor.request")),
     ("cache", ("conveyor.cache",)),
     ("sched", ("conveyor.sched",)),
     ("structured", ("conveyor.structured",)),
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("conveyor.config",)),
     ("engine", ("conveyor.engine",)),
     ("distributed", ("conveyor.distributed",)),
-    ("api", ("conveyor.manager", "conveyor.pooling_llm", "conveyor.llm", "conveyor.cli_args", "conveyor.chat_template",
+    ("api", ("conveyor.manager", "conveyor.pooling_llm", "conveyor.lora_llm", "conveyor.llm", "conveyor.cli_args", "conveyor.chat_template",
              "conveyor.generation_config", "conveyor.vllm_flags")),
     ("server", ("conveyor.server",)),
     ("scaleout", ("conveyor.scaleout",)),
@@ -43,7 +44,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 # What the server may import of the package: the facade and the types requests are made of.
 SERVER_ALLOWED = ("conveyor", "conveyor.llm", "conveyor.manager", "conveyor.errors", "conveyor.request",
-                  "conveyor.sampling_params", "conveyor.pooling_params", "conveyor.structured", "conveyor.tool_parsers", "conveyor.reasoning",
+                  "conveyor.sampling_params", "conveyor.pooling_params", "conveyor.lora_request", "conveyor.structured", "conveyor.tool_parsers", "conveyor.reasoning",
                   "conveyor.server")
 
 

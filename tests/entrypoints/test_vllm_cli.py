@@ -57,7 +57,7 @@ def test_generate_takes_a_chat_template(tiny_llama: TinyModel, tmp_path, capsys:
     assert "chat template file not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--tokenizer", "--pipeline-parallel-size", "-pp", "--enable-lora"])
+@pytest.mark.parametrize("flag", ["--tokenizer", "--pipeline-parallel-size", "-pp", "--enable-sleep-mode"])
 def test_a_vllm_flag_we_do_not_take_says_what_to_use(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "org/m", flag, "x"]) == 2
     name = flag.split("=")[0]

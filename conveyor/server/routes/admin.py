@@ -1,4 +1,5 @@
-"""Operations routes, open without the API key except /v1/models: health, Prometheus metrics, models."""
+"""Operations routes, open without the API key except /v1/models: health, Prometheus metrics, models (the
+base model's names, then the LoRA adapters, each with the base as its `parent`, as vLLM lists them)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,10 @@ async def metrics(serving: ServingDep) -> PrometheusResponse:
 
 @router.get("/v1/models", dependencies=AUTH, responses=error_responses(401))
 async def models(serving: ServingDep) -> dict[str, Any]:
-    return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": serving.created, "owned_by": "conveyor",
-         "root": str(serving.llm.model_path), "parent": None, "max_model_len": serving.max_model_len}
-        for name in serving.names]}
+    base = [{"id": name, "object": "model", "created": serving.created, "owned_by": "conveyor",
+             "root": str(serving.llm.model_path), "parent": None, "max_model_len": serving.max_model_len}
+            for name in serving.names]
+    adapters = [{"id": a.lora_name, "object": "model", "created": serving.created, "owned_by": "conveyor",
+                 "root": a.lora_path, "parent": a.base_model_name or serving.model_name,
+                 "max_model_len": serving.max_model_len} for a in serving.llm.list_loras()]
+    return {"object": "list", "data": base + adapters}

@@ -30,7 +30,7 @@ router = APIRouter()
 @router.post("/v1/chat/completions", dependencies=AUTH,
              responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503, 504))
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
-    serving.check_model(body.model)
+    adapter = serving.check_model(body.model)
     check_fields(body, "/v1/chat/completions", serving.ignored_fields)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -51,9 +51,10 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     requests = await serving.prepare(serving.build_requests, rid, [ids], body, limit, n_lp,
                                      "messages", constraint=(constraint, "tools"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)
-                                     or (reasoning.parser is not None and serving.keep_reasoning_special))
+                                     or (reasoning.parser is not None and serving.keep_reasoning_special),
+                                     lora_request=adapter)
     sub = serving.submit(requests)
-    head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name}
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.reply_model(adapter)}
     replies = [ChatReply(reasoning, plan, *role_and_echo(body)) for _ in requests]
 
     if body.stream:

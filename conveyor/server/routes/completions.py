@@ -22,7 +22,7 @@ router = APIRouter()
 @router.post("/v1/completions", dependencies=AUTH,
              responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503, 504))
 async def completions(body: CompletionRequest, raw: Request, serving: ServingDep) -> Response:
-    serving.check_model(body.model)
+    adapter = serving.check_model(body.model)
     check_fields(body, "/v1/completions", serving.ignored_fields)
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of is not supported (other than = n)", param="best_of")
@@ -33,9 +33,9 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     prompts = truncated(body, await serving.prepare(serving.tokenize, texts), limit, serving.max_model_len, "prompt")
     rid, created = new_id("cmpl"), int(time.time())
     requests = await serving.prepare(serving.build_requests, rid, prompts, body, limit, body.logprobs,
-                                     "prompt", prompt_logprobs=body.prompt_logprobs)
+                                     "prompt", prompt_logprobs=body.prompt_logprobs, lora_request=adapter)
     sub = serving.submit(requests)
-    head = {"id": rid, "object": "text_completion", "created": created, "model": serving.model_name}
+    head = {"id": rid, "object": "text_completion", "created": created, "model": serving.reply_model(adapter)}
     n_lp = body.logprobs
 
     if body.stream:

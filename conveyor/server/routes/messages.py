@@ -60,7 +60,7 @@ def render(serving: Serving, body: CountTokensRequest, plan: ToolPlan) -> tuple[
 @router.post("/v1/messages", dependencies=ANTHROPIC_AUTH,
              responses=STREAMED | error_responses(400, 401, 404, 413, 500, 504, 529))
 async def messages(body: MessagesRequest, raw: Request, serving: ServingDep) -> Response:
-    serving.check_model(body.model)
+    adapter = serving.check_model(body.model)
     plan = tool_plan(body, serving.tool_parser, serving.settings.enable_auto_tool_choice)
     prompt, options = await serving.prepare(render, serving, body, plan)
     shown = body.thinking is None or body.thinking.display != "omitted"
@@ -70,9 +70,10 @@ async def messages(body: MessagesRequest, raw: Request, serving: ServingDep) -> 
     requests = await serving.prepare(serving.build_requests, message_id, [prompt.ids], sampling_fields(body),
                                      body.max_tokens, None, "messages", constraint=(plan.constraint, "tools"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)
-                                     or (reasoning.parser is not None and serving.keep_reasoning_special))
+                                     or (reasoning.parser is not None and serving.keep_reasoning_special),
+                                     lora_request=adapter)
     sub = serving.submit(requests)
-    head = {"id": message_id, "type": "message", "role": "assistant", "model": serving.model_name}
+    head = {"id": message_id, "type": "message", "role": "assistant", "model": serving.reply_model(adapter)}
     reply = MessageReply(plan, reasoning)
     if body.stream:
         return SSEResponse(events(sub, head, len(prompt.ids), reply), sub)

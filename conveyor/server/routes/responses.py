@@ -46,7 +46,7 @@ StoreDep = Annotated[ResponseStore, Depends(get_store)]
 @router.post("/v1/responses", dependencies=AUTH,
              responses=STREAMED | error_responses(400, 401, 404, 413, 500, 503, 504))
 async def create_response(body: ResponsesRequest, raw: Request, serving: ServingDep, store: StoreDep) -> Response:
-    serving.check_model(body.model)
+    adapter = serving.check_model(body.model)
     if body.background and (body.stream or not body.store or not store.capacity):
         raise APIError(400, "background responses need store: true on a server that stores responses "
                        "(--max-stored-responses above 0), and are not streamed (poll GET /v1/responses/{id})",
@@ -83,10 +83,11 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
                                      body.max_output_tokens, None, "input",
                                      constraint=(forced, "tools") if forced else (text, "text"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)
-                                     or (reasoning.parser is not None and serving.keep_reasoning_special))
+                                     or (reasoning.parser is not None and serving.keep_reasoning_special),
+                                     lora_request=adapter)
     sub = serving.submit(requests)
-    run = ResponseRun(response_object(response_id, body, serving.model_name, requests[0].params), plan, reasoning,
-                      sub, len(prompt.ids), conversation, body.stream)
+    run = ResponseRun(response_object(response_id, body, serving.reply_model(adapter), requests[0].params), plan,
+                      reasoning, sub, len(prompt.ids), conversation, body.stream)
     if body.store:
         store.put(response_id, run.record)
     run.start()
