@@ -18,6 +18,10 @@ from .deps import AUTH, ServingDep
 
 router = APIRouter()
 
+# Plain-text successes, JSON errors (the route's response class would document the errors as text too).
+RESPONSES = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "done, in words"},
+             **error_responses(400, 401, 404)}
+
 
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str = ""
@@ -37,8 +41,7 @@ def check_updating(serving: Serving) -> None:
         raise APIError(400, "LoRA is off: start the server with --enable-lora", type="InvalidUserInput")
 
 
-@router.post("/v1/load_lora_adapter", dependencies=AUTH, response_class=PlainTextResponse,
-             responses=error_responses(400, 401, 404))
+@router.post("/v1/load_lora_adapter", dependencies=AUTH, responses=RESPONSES)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, serving: ServingDep) -> PlainTextResponse:
     check_updating(serving)
     name = body.lora_name
@@ -56,8 +59,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, serving: ServingDep) -
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter", dependencies=AUTH, response_class=PlainTextResponse,
-             responses=error_responses(400, 401, 404))
+@router.post("/v1/unload_lora_adapter", dependencies=AUTH, responses=RESPONSES)
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, serving: ServingDep) -> PlainTextResponse:
     check_updating(serving)
     name = body.lora_name
