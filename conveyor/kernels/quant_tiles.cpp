@@ -20,6 +20,20 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* m) {
     }
 }
 
+// Sub-block j (a block of 32) of a Q4_K or Q5_K super-block `s` into row r of a tile: its nibbles from
+// 32-byte chunk j / 2 (low ones for even j) in tile order into `qs`, its scale and minimum into
+// `scales`[r] and [16 + r], d and dmin into the group's header.
+template <typename Block>
+inline void k4_sub_block(const Block* s, int j, int r, uint8_t* qs, uint8_t* scales, uint8_t* head) {
+    const uint8_t* q = s->qs + 32 * (j / 2);
+    for (int k = 0; k < 16; ++k) {
+        const int lo = j % 2 ? q[k] >> 4 : q[k] & 0xF, hi = j % 2 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
+        qs[k] = static_cast<uint8_t>(lo | hi << 4);
+    }
+    scale_min_k4(j, s->scales, &scales[r], &scales[16 + r]);
+    reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
+}
+
 // The quant bytes of one GGUF row's block b in tile order (4-bit: byte k = weight k | weight k + 16 << 4;
 // 8-bit: 32 signed bytes; 2-bit: written in place) and its scales (and Q3_K's and Q5_K's mask bits)
 // written into row r's slots of the tile's block and header.
@@ -70,37 +84,19 @@ void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* b
             reinterpret_cast<uint16_t*>(head)[r] = s->d;
             return;
         }
-        case Q4_K: {  // sub-block j = b % 8 of super-block b / 8: nibbles of 32-byte chunk j / 2, low for even j
-            auto* s = reinterpret_cast<const BlockQ4_K*>(row) + b / 8;
-            const int j = static_cast<int>(b % 8);
-            const uint8_t* q = s->qs + 32 * (j / 2);
-            for (int k = 0; k < 16; ++k) {
-                const int lo = j % 2 ? q[k] >> 4 : q[k] & 0xF, hi = j % 2 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
-                qs[k] = static_cast<uint8_t>(lo | hi << 4);
-            }
-            uint8_t sc, mn;
-            scale_min_k4(j, s->scales, &sc, &mn);
-            blk[256 + r] = sc, blk[256 + 16 + r] = mn;
-            reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
+        case Q4_K:
+            k4_sub_block(reinterpret_cast<const BlockQ4_K*>(row) + b / 8, static_cast<int>(b % 8), r, qs, blk + 256,
+                         head);
             break;
-        }
         case Q5_K: {  // Q4_K's nibbles and scales, and bit j of qh[e] for element e of sub-block j
             auto* s = reinterpret_cast<const BlockQ5_K*>(row) + b / 8;
             const int j = static_cast<int>(b % 8);
-            const uint8_t* q = s->qs + 32 * (j / 2);
-            for (int k = 0; k < 16; ++k) {
-                const int lo = j % 2 ? q[k] >> 4 : q[k] & 0xF, hi = j % 2 ? q[k + 16] >> 4 : q[k + 16] & 0xF;
-                qs[k] = static_cast<uint8_t>(lo | hi << 4);
-            }
+            k4_sub_block(s, j, r, qs, blk + 320, head);
             uint8_t* masks = blk + 256;
             for (int e = 0; e < 32; ++e) {  // word e / 4 (quant_layout.h)
                 const int i = r * 4 + e % 4;
                 masks[e / 4 * 8 + i / 8] |= static_cast<uint8_t>((s->qh[e] >> j & 1) << (i % 8));
             }
-            uint8_t sc, mn;
-            scale_min_k4(j, s->scales, &sc, &mn);
-            blk[320 + r] = sc, blk[320 + 16 + r] = mn;
-            reinterpret_cast<uint16_t*>(head)[r] = s->d, reinterpret_cast<uint16_t*>(head)[16 + r] = s->dmin;
             break;
         }
         case IQ4_NL: {
