@@ -20,6 +20,7 @@ from torch import nn
 
 from ..cache.allocator import AttentionTypeAllocator, LayerGroup, table_length
 from ..cache.pool import CachePool
+from ..cache.transfer import to_device
 from ..config import ContinuousBatchingConfig
 from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
 from ..layers.lora import LoRABatch
@@ -214,10 +215,10 @@ class ModelRunner:
                 samplers.append(c.request)
         metas = [self._group_metadata(allocator, index, decodes, prefills, decode_pos)
                  for allocator, index in self.groups]
-        input_ids, pos = torch.tensor(ids, device=dev), torch.cat(positions)
+        input_ids, pos = to_device(ids, torch.long, dev), torch.cat(positions)
         if self.rope_by_length:  # each token's RoPE length with its position: max(request.rope_length, position + 1)
             floors = [c.request.rope_length for c in decodes + prefills for _ in range(c.num_tokens)]
-            pos = with_lengths(pos, torch.maximum(pos + 1, torch.tensor(floors, device=dev)))
+            pos = with_lengths(pos, torch.maximum(pos + 1, to_device(floors, torch.long, dev)))
         plan = self._prompt_logprob_plan(decodes + prefills)
         if self.buffers:
             step = self.buffers[buffer_set].load(input_ids, pos, metas, sample_rows)
@@ -225,12 +226,12 @@ class ModelRunner:
             prepared = PreparedStep(step.input_ids, step.positions, step.metas, step.sample_rows, samplers, plan,
                                     step.shape, buffer_set, pad_at=step.pad_at, num_pad=step.num_pad)
         else:
-            prepared = PreparedStep(input_ids, pos, metas, torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers,
+            prepared = PreparedStep(input_ids, pos, metas, to_device(sample_rows, torch.long, dev), samplers,
                                     plan)
         verified, verify_rows = verify_rows_of(chunks, self.drafts_decode)
         if verified:
             prepared.verified = verified
-            prepared.verify_rows = torch.tensor([prepared.row(r) for r in verify_rows], dtype=torch.long, device=dev)
+            prepared.verify_rows = to_device([prepared.row(r) for r in verify_rows], torch.long, dev)
         if self.lora is not None:
             prepared.lora = self.lora.step_batch(decodes + prefills, prepared.pad_at, prepared.num_pad)
         for meta in prepared.metas:
@@ -253,7 +254,7 @@ class ModelRunner:
         if decodes:
             tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
             width = max(len(t) for t in tables)
-            bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+            bt = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
             ring = decode_pos if window is None else decode_pos % window
             meta.decode_block_tables = bt
             meta.decode_context_lens = decode_pos + 1 if window is None else (decode_pos + 1).clamp(max=window)
@@ -262,7 +263,7 @@ class ModelRunner:
             start, n = c.request.num_computed_tokens, c.num_tokens
             end = start + n
             lo = 0 if window is None else max(0, start - window + 1)
-            table = torch.tensor(allocator.block_table(c.request.request_id, group), device=dev)
+            table = to_device(allocator.block_table(c.request.request_id, group), torch.long, dev)
             key_pos = torch.arange(lo, end, device=dev)
             ring = key_pos if window is None else key_pos % window
             slots = table[ring // page] * page + ring % page

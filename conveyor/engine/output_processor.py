@@ -63,9 +63,11 @@ class OutputProcessor:
                 self.allocator.register_full_blocks(request)
 
     def register_blocks(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Every token of the chunks' completed blocks is known now (async batching reads one step behind)."""
+        """Every token of the chunks' completed blocks is known now (async batching reads one step behind).
+        A request offloaded since the step was launched holds no blocks now: its blocks are indexed
+        again once it is back (freeing reset what it had registered)."""
         for chunk in chunks:
-            if not chunk.request.is_finished:
+            if not chunk.request.is_finished and self.allocator.holds(chunk.request.request_id):
                 self.allocator.register_full_blocks(chunk.request)
 
     @staticmethod

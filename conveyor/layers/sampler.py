@@ -154,8 +154,10 @@ class Sampler:
         """Penalties and min_tokens for one row (only rows that ask for them pay for this)."""
         p = request.params
         if p.repetition_penalty != 1.0:  # transformers' rule: divide positive logits, multiply negative ones
-            seen = torch.zeros_like(row, dtype=torch.bool)
-            seen[to_device(request.prompt_token_ids + request.output_token_ids, torch.long, row.device)] = True
+            # index_fill_, not `seen[ids] = True`: a Python scalar assigned by index goes through a host
+            # tensor copied to the device, which waits for it
+            seen = torch.zeros_like(row, dtype=torch.bool).index_fill_(
+                0, to_device(request.prompt_token_ids + request.output_token_ids, torch.long, row.device), True)
             penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row.copy_(torch.where(seen, penalized, row))
         if (p.presence_penalty or p.frequency_penalty) and request.output_token_ids:
@@ -164,7 +166,7 @@ class Sampler:
             counts = torch.zeros_like(row).index_add_(0, ids, torch.ones_like(ids, dtype=row.dtype))
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if len(request.output_token_ids) < p.min_tokens and request.stop_token_ids:
-            row[to_device(sorted(request.stop_token_ids), torch.long, row.device)] = float("-inf")
+            row.index_fill_(0, to_device(sorted(request.stop_token_ids), torch.long, row.device), float("-inf"))
 
     @staticmethod
     def _sample(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -90,6 +90,23 @@ def test_async_cancellation_and_failure_return_every_block(tiny_models) -> None:
     assert engine.allocator.num_free_blocks == initial
 
 
+@pytest.mark.parametrize("swap_space", [0.01, 0.0], ids=["swapped", "recomputed"])
+def test_async_offload_of_a_request_in_flight(tiny_models, swap_space: float) -> None:
+    """A pool too small for the batch: requests whose last step is still in flight are swapped out (or reset
+    and recomputed); the same tokens as the synchronous engine with room, and every block comes back."""
+    model = tiny_models["llama"]
+    prompts, params = workload()
+    ref = model.llm(max_batch_tokens=32, page_size=4).generate(prompts, params, use_tqdm=False)
+    llm = model.llm(num_blocks=24, page_size=4, max_batch_tokens=32, safety_margin=0.0,
+                    cpu_offload_space=swap_space, use_async_batching=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    stats = llm.engine.counters
+    assert (stats.swap_outs if swap_space else stats.soft_resets) > 0
+    assert not llm.engine.pipeline.busy and not llm.engine.pipeline.deferred
+    assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+
+
 def test_async_forward_failure_fails_its_requests_and_keeps_serving(tiny_models) -> None:
     llm = tiny_models["llama"].llm(use_async_batching=True)
     engine = llm.engine

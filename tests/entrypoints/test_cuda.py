@@ -129,7 +129,11 @@ def test_block_accounting_with_cancel_stop_seeds_and_pinned_swaps(tiny_llama: Ti
     for _ in range(3):
         engine.step()
     engine.cancel_request("cancel-me")
-    assert all_free(tight)
+    for _ in range(5):  # async batching frees a cancelled request's blocks once the step holding it is read back
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert not engine.has_unfinished_requests() and all_free(tight)
     assert engine.pool.num_chunks == 24 + NUM_RESERVED_CHUNKS and engine.swap.num_free == engine.swap.num_slots
 
 

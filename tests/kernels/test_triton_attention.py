@@ -67,7 +67,9 @@ def run_backends(specs: list[tuple[int, int]], page_size: int, heads: int, kv_he
     assert out.dtype == dtype and out.shape == q.shape
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out.float(), ref.float(), **tol)
-    assert torch.equal(as_bytes(caches[0]), as_bytes(caches[1]))
+    # The reserved first chunk is excluded: a prefill longer than its window sends the keys that fall out of
+    # the ring to slot 0, several writes to one slot, whose winner CUDA does not fix.
+    assert torch.equal(as_bytes(caches[0][:, page_size:]), as_bytes(caches[1][:, page_size:]))
 
 
 # (q_len, pos) per sequence, decodes first: page boundaries, contexts past one key block (64), chunks
