@@ -69,10 +69,17 @@ def ragged_batch(decode_positions: torch.Tensor | None, decode_block_tables: tor
             tables[nd + i, :table.numel()] = table
             host_seqs.append((q_start, q_len, pos))
             host_tiles.extend((nd + i, q0) for q0 in range(0, q_len, tq))
-        seq_parts.append(torch.tensor(host_seqs, dtype=torch.int32).T.to(device))
-        tile_parts.append(torch.tensor(host_tiles, dtype=torch.int32).T.to(device))
+        seq_parts.append(host_to_device(list(zip(*host_seqs)), device))
+        tile_parts.append(host_to_device(list(zip(*host_tiles)), device))
     return RaggedBatch(torch.cat(seq_parts, 1).contiguous(), tables, torch.cat(tile_parts, 1).contiguous(), tq,
                        page_size, window)
+
+
+def host_to_device(rows: list[tuple[int, ...]], device: torch.device) -> torch.Tensor:
+    """An int32 host table on `device`; on CUDA through pinned memory, so the copy does not wait for the
+    device (one from pageable memory does)."""
+    cuda = device.type == "cuda"
+    return torch.tensor(rows, dtype=torch.int32, pin_memory=cuda).to(device, non_blocking=cuda)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: RaggedBatch,

@@ -6,8 +6,9 @@ delta `(x @ A.T) @ B.T` runs over its own rows and is added to theirs, so rows w
 exactly the base model's. Rows are grouped by adapter as the mixture-of-experts layer groups them by
 expert (`layers.moe`): the step's `LoRABatch` holds the rows that have an adapter sorted by slot (one
 stable sort per step, shared by every layer) and each slot's count on the host. On CPU one native call
-per layer computes every adapter's delta (`kernels/lora_cpu.cpp`); elsewhere a gather, small matmuls
-per adapter in the batch and one `index_add_`; nothing loops over rows.
+per layer computes every adapter's delta (`kernels/lora_cpu.cpp`), on CUDA two Triton launches
+(`kernels/triton_lora.py`); above `NATIVE_MAX_ROWS` grouped rows (prefill), and on other devices, a gather,
+small matmuls per adapter in the batch and one `index_add_`; nothing loops over rows.
 
 Adapters live in `max_loras` slots of stacked weights: `lora_a[slot]` is A transposed, `[in, blocks *
 rank]`, and `lora_b[slot]` is `[rank, out]`, the scaling folded into B (both laid out so the kernel's
@@ -27,8 +28,8 @@ from torch import nn
 
 from ..kernels import cpu_lora_ops
 
-# Grouped rows up to which the native kernel is faster than the PyTorch path's matmuls (which win on
-# prefill chunks: 1.4 against 3.1 ms at 1,024 rows, 0.89 against 0.78 ms at 256; 0.69 against 0.10 ms at 8;
+# Grouped rows up to which the native (or on CUDA the Triton) kernel runs; above, the PyTorch path's matmuls,
+# which win on prefill chunks (native kernel: 1.4 against 3.1 ms at 1,024 rows, 0.89 against 0.78 ms at 256; 0.69 against 0.10 ms at 8;
 # a q/k/v projection of the built-in model, 4 adapters of rank 16, bf16, one thread, CPU time).
 NATIVE_MAX_ROWS = 256
 
@@ -36,9 +37,11 @@ NATIVE_MAX_ROWS = 256
 @dataclass
 class LoRABatch:
     """A step's rows that run with an adapter: `order` their row indices grouped by slot (batch order
-    within a slot), `groups` (slot, start, end) slices of `order` (also as an int64 `[n, 3]` tensor)."""
+    within a slot), `slots` each grouped row's slot, `groups` (slot, start, end) slices of `order` (also as
+    an int64 `[n, 3]` tensor)."""
 
     order: torch.Tensor
+    slots: torch.Tensor
     groups: list[tuple[int, int, int]]
     group_table: torch.Tensor
 
@@ -55,7 +58,7 @@ class LoRABatch:
             if n:
                 groups.append((slot, start, start + n))
                 start += n
-        return cls(order, groups, torch.tensor(groups, dtype=torch.long))
+        return cls(order, row_slots.index_select(0, order), groups, torch.tensor(groups, dtype=torch.long))
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,12 @@ class LoRALinear(nn.Module):
         self.slice_rows = torch.tensor([0, *torch.tensor(slices).cumsum(0).tolist()], dtype=torch.long)
         self.lora_a = torch.zeros(max_loras, in_features, len(slices) * max_rank, dtype=dtype, device=device)
         self.lora_b = torch.zeros(max_loras, max_rank, self.out_features, dtype=dtype, device=device)
-        self.slice_block = torch.full((max_loras, len(slices)), -1, dtype=torch.long)
+        self.slice_block = torch.full((max_loras, len(slices)), -1, dtype=torch.long, device=device)
+        self.col_slice = torch.repeat_interleave(torch.arange(len(slices)), torch.tensor(slices)).to(device)
         self.blocks: list[list[int]] = self.slice_block.tolist()  # (the host copy the PyTorch path reads)
         cpu = torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
         self.ops = cpu_lora_ops() if cpu else None
+        self.grouped_kernel = torch.device(device).type == "cuda"  # kernels/triton_lora.py
 
     def slice_range(self, index: int) -> tuple[int, int]:
         """The output rows of slice `index`."""
@@ -113,7 +118,7 @@ class LoRALinear(nn.Module):
                 start, end = self.slice_range(s)
                 if part.row <= start and end <= part.row + rows:
                     self.blocks[slot][s] = part.block
-        self.slice_block[slot] = torch.tensor(self.blocks[slot])
+        self.slice_block[slot] = torch.tensor(self.blocks[slot], device=self.slice_block.device)
 
     def clear_slot(self, slot: int) -> None:
         self.lora_a[slot].zero_()
@@ -131,6 +136,10 @@ class LoRALinear(nn.Module):
             self.ops.add_delta_(y, x.contiguous(), batch.order, batch.group_table, self.lora_a, self.lora_b,
                                 self.slice_rows, self.slice_block)
             return y
+        if self.grouped_kernel and batch.order.numel() <= NATIVE_MAX_ROWS and x.dtype == y.dtype == self.lora_a.dtype:
+            from ..kernels.triton_lora import add_lora_delta_  # (Triton is imported on CUDA only)
+            return add_lora_delta_(y, x.contiguous(), batch.order, batch.slots, self.lora_a, self.lora_b,
+                                   self.col_slice, self.slice_block)
         return self.add_delta(y, x, batch)
 
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:

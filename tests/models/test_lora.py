@@ -61,6 +61,21 @@ def test_adapters_and_base_in_one_batch_equal_peft(lora_llm: LLM, tiny_llama: Ti
     assert all_free(lora_llm)
 
 
+@pytest.mark.cuda
+def test_adapters_on_cuda_equal_peft(tiny_llama: TinyModel, adapters: dict) -> None:
+    """The CUDA path (the Triton kernel for decode steps, the PyTorch path for prefill chunks), fp32."""
+    llm = LLM(tiny_llama.path, dtype="float32", device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8,
+              config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=64))
+    prompts = random_prompts([5, 17, 9, 12], seed=4)
+    which = ["a", None, "b", "a"]
+    outs = llm.generate(prompts, [greedy(8)] * 4, use_tqdm=False,
+                        lora_request=[adapters[w][0] if w else None for w in which])
+    for i, (prompt, w, out) in enumerate(zip(prompts, which, outs)):
+        ref, logits = hf_greedy(adapters[w][1] if w else tiny_llama.reference, prompt, 8)
+        assert_greedy_match(out.token_ids, ref, logits, f"prompt {i} adapter {w}")
+    assert all_free(llm)
+
+
 def test_more_adapters_than_slots_wait_for_one(lora_llm: LLM, adapters: dict, tmp_path: Path,
                                                tiny_llama: TinyModel) -> None:
     """A third adapter with both slots in use waits until a request frees one, then runs right."""
