@@ -85,7 +85,7 @@ def expert_matrices(tensor: Any, names: list[str], dtype: torch.dtype, keep_quan
         rows = [1, rows[-1]]
     qtype = int(tensor.tensor_type)
     if keep_quantized and qtype in KERNEL_TYPES and len(rows) == 2:
-        return {name: QuantizedTensor(torch.from_numpy(np.array(part, dtype=np.uint8)), qtype, tuple(rows))
+        return {name: QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, tuple(rows))
                 for name, part in zip(names, parts)}, True
     return {name: torch.tensor(gguf.quants.dequantize(part, tensor.tensor_type).reshape(rows), dtype=dtype)
             for name, part in zip(names, parts)}, False

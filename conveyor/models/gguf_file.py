@@ -60,7 +60,9 @@ class GGUFFile:
             self._buf.close()
         alignment = int(self.metadata.get("general.alignment", 32))
         start = -(-self._pos // alignment) * alignment
-        data = np.memmap(path, mode="r")
+        # Copy-on-write: tensors kept quantized are views of the file's pages (writable, so torch takes
+        # them without a copy), so a load holds the file once in the page cache, not twice in memory.
+        data = np.memmap(path, mode="c")
         self.tensors = [self._tensor(data, start, *info) for info in infos]
 
     def _read(self, n: int) -> bytes:

@@ -273,7 +273,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
             permute_heads = heads * kept_shape[0] // shape[0]  # a slice of whole heads
         qtype = int(tensor.tensor_type)
         if keep_quantized and qtype in KERNEL_TYPES and len(shape) == 2 and part is not None:
-            weight = QuantizedTensor(torch.from_numpy(np.array(part, dtype=np.uint8)), qtype, kept_shape)
+            weight = QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, kept_shape)
             if permute_heads is not None:  # a permutation of whole rows: the blocks move as they are
                 weight = weight.index_rows(_undo_llama_rope_permute(np.arange(kept_shape[0]), permute_heads))
             state_dict[hf_name] = weight

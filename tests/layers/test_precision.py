@@ -14,6 +14,7 @@ from conveyor.layers.precision import resolve_precision
 from conveyor.layers.quantization import linear as quant_linear
 from conveyor.layers.quantization.linear import QuantEmbedding, QuantLinear
 from conveyor.layers.quantization.tensors import QuantizedTensor
+from conveyor.models import gguf_file
 from conveyor.models.loader import _undo_llama_rope_permute, load_checkpoint
 
 from tests.gguf_writer import GGUF_TYPES, write_quantized_gguf
@@ -134,6 +135,31 @@ def test_gguf_tensors_kept_as_they_are(quantized_gguf: Path, gguf_tokenizer: Non
         value = tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
         assert torch.equal(value, dense.state_dict[name]), name
     assert _undo_llama_rope_permute(np.arange(8), 2).tolist() != list(range(8))  # the permutation is not trivial
+
+
+def test_gguf_tensors_kept_quantized_are_views_of_the_file(quantized_gguf: Path, gguf_tokenizer: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load copies none of the tensors it keeps quantized (except Q/K, whose rows are permuted): they are
+    the file's pages, so loading holds a model once in memory, not twice (the repacked tiles are the copy)."""
+    maps: list[np.memmap] = []
+    memmap = np.memmap
+
+    def recording(*args, **kwargs):
+        maps.append(memmap(*args, **kwargs))
+        return maps[-1]
+
+    monkeypatch.setattr(gguf_file.np, "memmap", recording)
+    kept = load_checkpoint(quantized_gguf, keep_quantized=True)
+    (mapping,) = maps
+    lo, hi = mapping.ctypes.data, mapping.ctypes.data + mapping.size
+    v = kept.state_dict["model.layers.1.self_attn.v_proj.weight"]
+    q = kept.state_dict["model.layers.0.self_attn.q_proj.weight"]
+    assert isinstance(v, QuantizedTensor) and lo <= v.data.data_ptr() < hi
+    assert isinstance(q, QuantizedTensor) and not lo <= q.data.data_ptr() < hi
+    before = int(v.data[0, 0])
+    v.data[0, 0] ^= 0xFF  # copy-on-write: a write changes this copy's page, never the file
+    again = load_checkpoint(quantized_gguf, keep_quantized=True).state_dict["model.layers.1.self_attn.v_proj.weight"]
+    assert int(again.data[0, 0]) == before != int(v.data[0, 0])
 
 
 def test_gguf_mode_runs_the_files_weights(tiny_llama: TinyModel, quantized_gguf: Path, gguf_tokenizer: None) -> None:
