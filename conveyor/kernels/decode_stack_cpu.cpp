@@ -14,7 +14,14 @@
 // the eager path's bf16 tensors round it (projection outputs, attention output, residual adds); values
 // are held in fp32 arrays, bf16-exact. So a request's tokens do not depend on whether its step went
 // through the stack (decode-only, <= 64 rows) or the eager layers (batch invariance).
+//
+// With LoRA adapters (`set_lora`: a projection's stacked adapter weights, the `LoRALinear`'s tensors, by
+// address), a step's rows that have an adapter get its delta after each base projection (lora_delta.h,
+// the per-layer kernel's phases, so the same bits): the shrink runs right after the base matmul (it reads
+// only the projection's input), then past a barrier each thread finishes its output columns for every
+// row (bias, rounding) and adds the deltas there, then one more barrier.
 #include "attention_cpu.h"
+#include "lora_delta.h"
 #include "quant.h"
 #include "row_ops.h"
 #include "tiled_linear.h"
@@ -33,9 +40,26 @@ using conveyor::Linear;
 using conveyor::Segment;
 using conveyor::silu_mul;
 
+// One projection's adapters: the stacked weights (fp32 or bf16, `dtype`) of lora_delta.h's layout; a null
+// `a` where the projection has none.
+struct LoRAProjection {
+    const void* a = nullptr;
+    const void* b = nullptr;
+    const int64_t *slice_rows = nullptr, *slice_block = nullptr;
+    int64_t n_slices = 0, rank = 0, blocks = 0, in = 0, out = 0;
+    int dtype = 0;
+
+    template <typename W>
+    conveyor::LoRAWeights<W> weights() const {
+        return {static_cast<const W*>(a), static_cast<const W*>(b), slice_rows, slice_block, n_slices, rank, blocks,
+                in, out};
+    }
+};
+
 struct Layer {
     std::vector<float> input_norm, post_norm;
     Linear qkv, o, gate_up, down;
+    LoRAProjection lora[4];  // qkv, o, gate_up, down
     int64_t group = 0;  // which layer group's attention metadata this layer reads
 };
 
@@ -118,6 +142,23 @@ class DecodeStack {
         layers_.push_back(std::move(layer));
     }
 
+    // Layer `l`'s projection `p` (0..3: qkv, o, gate_up, down) adds adapter deltas: A `[slots, in, blocks *
+    // rank]`, B `[slots, rank, out]`, `slice_rows` [n_slices + 1], `slice_block` [slots, n_slices], all
+    // kept by the caller (their values may change between calls, their addresses not).
+    void set_lora(int64_t l, int64_t p, int dtype, const void* a, const void* b, const int64_t* slice_rows,
+                  const int64_t* slice_block, int64_t n_slices, int64_t rank, int64_t blocks) {
+        CONVEYOR_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()) && p >= 0 && p < 4, "no projection ", p,
+                       " in layer ", l);
+        Layer& L = layers_[l];
+        const Linear* lin[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+        CONVEYOR_CHECK(slice_rows[n_slices] == lin[p]->N, "the adapter's slices cover ", slice_rows[n_slices],
+                       " output rows, the projection has ", lin[p]->N);
+        CONVEYOR_CHECK(dtype == conveyor::kF32 || dtype == conveyor::kBF16, "adapter weights must be fp32 or bf16");
+        L.lora[p] = LoRAProjection{a, b, slice_rows, slice_block, n_slices, rank, blocks, lin[p]->K, lin[p]->N, dtype};
+        lora_width_ = std::max(lora_width_, rank * blocks);
+        lora_rank_ = std::max(lora_rank_, rank);
+    }
+
     // x [B, hidden] fp32, updated in place; cos/sin [B, D] fp32; per layer its KV cache [2, slots, Hkv,
     // D] (the model's dtype `dtype`, or int8 rows with their scales: `kv_dtype` kI8) and its slot count; per layer group its decode block tables [B,
     // width], context lengths [B], the slots [B] the new K/V go to and its sliding window (0: none; its
@@ -126,12 +167,19 @@ class DecodeStack {
     void forward(float* x, int64_t B, const float* cos, const float* sin, int dtype, int kv_dtype, void* const* kv,
                  const int64_t* kv_slots, int64_t num_kv, const int64_t* const* tables, const int64_t* widths,
                  const int64_t* const* lens, const int64_t* const* slots, const int64_t* windows, int64_t groups,
-                 const int64_t* positions, int64_t page_size, int threads, bool shared_rows) {
+                 const int64_t* positions, int64_t page_size, int threads, bool shared_rows,
+                 const conveyor::LoRAGroups& lora) {
         CONVEYOR_CHECK(B >= 1 && B <= max_rows_, "the stack takes 1 to ", max_rows_, " rows, got ", B);
+        if (lora.n_groups) {
+            for (const Layer& L : layers_)
+                for (const LoRAProjection& p : L.lora)
+                    CONVEYOR_CHECK(!p.a || p.dtype == dtype, "adapter weights must have the model's dtype");
+            lora_t_.resize(lora.rows() * lora_width_);
+        }
         CONVEYOR_CHECK(num_kv == static_cast<int64_t>(layers_.size()), "one KV cache per layer expected");
         for (const Layer& L : layers_)
             CONVEYOR_CHECK(L.group >= 0 && L.group < groups, "layer group ", L.group, " has no attention metadata");
-        const Step step{x, cos, sin, kv, kv_slots, tables, widths, lens, slots, windows, positions, page_size};
+        const Step step{x, cos, sin, kv, kv_slots, tables, widths, lens, slots, windows, positions, page_size, lora};
         using conveyor::bf16;
         if (kv_dtype == conveyor::kI8) {
             if (dtype == conveyor::kF32) run<float, int8_t>(step, B, threads, shared_rows);
@@ -162,6 +210,7 @@ class DecodeStack {
         const int64_t* windows;
         const int64_t* positions;
         int64_t page;
+        conveyor::LoRAGroups lora;  // the rows with an adapter (n_groups 0: none)
     };
 
     // T: the model's dtype; C: the cache's rows (T, or int8).
@@ -189,6 +238,29 @@ class DecodeStack {
             const auto matmul = [&](const Linear& lin, const Activations& act, float* out, int64_t ld) {
                 lin.run(act, out, ld, tid, nt);
             };
+            std::vector<conveyor::LoRAShrinkItem> items;
+            std::vector<float> bt(lora_rank_ * conveyor::kLoRAV);
+            // this thread's share of a projection's adapter shrink (of its input x), after the base matmul
+            const auto shrink = [&](const LoRAProjection& p, const float* x, int64_t ld) {
+                const conveyor::LoRAWeights<T> w = p.weights<T>();
+                conveyor::lora_shrink_items(in.lora, w.width(), items);
+                const int64_t n = static_cast<int64_t>(items.size());
+                conveyor::lora_shrink(x, ld, w, in.lora, items.data(), n * tid / nt, n * (tid + 1) / nt, lora_t_.data());
+            };
+            // past the barrier: this thread's output columns, every row's bias and rounding, then the deltas
+            const auto expand = [&](const Linear& lin, const LoRAProjection& p, float* y, int64_t ld) {
+                const conveyor::LoRAWeights<T> w = p.weights<T>();
+                const int64_t blocks = (w.out + conveyor::kLoRAV - 1) / conveyor::kLoRAV;
+                const int64_t c0 = blocks * tid / nt, c1 = blocks * (tid + 1) / nt;
+                const int64_t o0 = c0 * conveyor::kLoRAV, o1 = std::min(w.out, c1 * conveyor::kLoRAV);
+                for (int64_t b = 0; b < B; ++b) {
+                    float* row = y + b * ld;
+                    if (!lin.bias.empty())
+                        for (int64_t o = o0; o < o1; ++o) row[o] += lin.bias[o];
+                    for (int64_t o = o0; o < o1; ++o) row[o] = conveyor::round_as<T>(row[o]);
+                }
+                conveyor::lora_expand<T>(lora_t_.data(), w, in.lora, c0, c1, y, ld, bt.data());
+            };
             for (int64_t b = r0; b < r1; ++b)
                 conveyor::rms_norm_row<T>(xp + b * hidden_, layers_[0].input_norm.data(), hidden_, eps,
                                           xn_.data() + b * hidden_);
@@ -203,6 +275,9 @@ class DecodeStack {
                 const int64_t* len = in.lens[L.group];
                 const int64_t window = in.windows[L.group];
                 const int64_t* pos = in.positions;
+                // which projections add adapter deltas this step (their bias and rounding then come with them)
+                bool adapted[4];
+                for (int p = 0; p < 4; ++p) adapted[p] = in.lora.n_groups > 0 && L.lora[p].a != nullptr;
                 const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
                     const int64_t first = window > 0 ? pos[b] - len[b] + 1 : 0;  // a ring holds the window's positions
                     conveyor::attend_request<C>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
@@ -212,8 +287,10 @@ class DecodeStack {
                 };
                 const auto rope_and_store = [&](int64_t b) {
                     float* row = qkv_.data() + b * qkv_n;
-                    L.qkv.add_bias_row(row);
-                    round_row<T>(row, qkv_n);
+                    if (!adapted[0]) {
+                        L.qkv.add_bias_row(row);
+                        round_row<T>(row, qkv_n);
+                    }
                     for (int64_t h = 0; h < H_ + Hkv_; ++h)  // q heads, then k heads
                         conveyor::rope_head<T>(row + h * D_, cp + b * D_, sp + b * D_, D_);
                     store_kv_heads(kc + slot[b] * kv_row, row + qd, Hkv_, D_);
@@ -221,6 +298,11 @@ class DecodeStack {
                 };
 #pragma omp barrier
                 matmul(L.qkv, act_hidden_, qkv_.data(), qkv_n);
+                if (adapted[0]) {
+                    shrink(L.lora[0], xn_.data(), hidden_);
+#pragma omp barrier
+                    expand(L.qkv, L.lora[0], qkv_.data(), qkv_n);
+                }
 #pragma omp barrier
                 if (by_rows && shared_rows) {  // a row may read what another thread's row stores
                     for (int64_t b = r0; b < r1; ++b) rope_and_store(b);
@@ -246,10 +328,17 @@ class DecodeStack {
                 prepare(L.o, attn_.data(), qd, act_attn_);
 #pragma omp barrier
                 matmul(L.o, act_attn_, out_.data(), hidden_);
+                if (adapted[1]) {
+                    shrink(L.lora[1], attn_.data(), qd);
+#pragma omp barrier
+                    expand(L.o, L.lora[1], out_.data(), hidden_);
+                }
 #pragma omp barrier
                 for (int64_t b = r0; b < r1; ++b) {
-                    L.o.add_bias_row(out_.data() + b * hidden_);
-                    round_row<T>(out_.data() + b * hidden_, hidden_);
+                    if (!adapted[1]) {
+                        L.o.add_bias_row(out_.data() + b * hidden_);
+                        round_row<T>(out_.data() + b * hidden_, hidden_);
+                    }
                     add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
                     conveyor::rms_norm_row<T>(xp + b * hidden_, L.post_norm.data(), hidden_, eps,
                                               xn_.data() + b * hidden_);
@@ -257,21 +346,35 @@ class DecodeStack {
                 prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
 #pragma omp barrier
                 matmul(L.gate_up, act_hidden_, mid_.data(), 2 * inter_);
+                if (adapted[2]) {
+                    shrink(L.lora[2], xn_.data(), hidden_);
+#pragma omp barrier
+                    expand(L.gate_up, L.lora[2], mid_.data(), 2 * inter_);
+                }
 #pragma omp barrier
                 for (int64_t b = r0; b < r1; ++b) {
                     float* gate = mid_.data() + b * 2 * inter_;
-                    L.gate_up.add_bias_row(gate);
-                    round_row<T>(gate, 2 * inter_);
+                    if (!adapted[2]) {
+                        L.gate_up.add_bias_row(gate);
+                        round_row<T>(gate, 2 * inter_);
+                    }
                     conveyor::silu_mul_row<T>(gate, gate + inter_, inter_, act_.data() + b * inter_);
                 }
                 prepare(L.down, act_.data(), inter_, act_inter_);
 #pragma omp barrier
                 matmul(L.down, act_inter_, out_.data(), hidden_);
+                if (adapted[3]) {
+                    shrink(L.lora[3], act_.data(), inter_);
+#pragma omp barrier
+                    expand(L.down, L.lora[3], out_.data(), hidden_);
+                }
 #pragma omp barrier
                 const Layer* next = l + 1 < layers_.size() ? &layers_[l + 1] : nullptr;
                 for (int64_t b = r0; b < r1; ++b) {  // the residual add, then the next layer's input norm
-                    L.down.add_bias_row(out_.data() + b * hidden_);
-                    round_row<T>(out_.data() + b * hidden_, hidden_);
+                    if (!adapted[3]) {
+                        L.down.add_bias_row(out_.data() + b * hidden_);
+                        round_row<T>(out_.data() + b * hidden_, hidden_);
+                    }
                     add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
                     if (next)
                         conveyor::rms_norm_row<T>(xp + b * hidden_, next->input_norm.data(), hidden_, eps,
@@ -287,6 +390,8 @@ class DecodeStack {
     int64_t max_rows_;
     std::vector<Layer> layers_;
     std::vector<float> xn_, qkv_, attn_, mid_, act_, out_;
+    int64_t lora_width_ = 0, lora_rank_ = 0;  // the widest adapter t row and largest rank set
+    std::vector<float> lora_t_;                // the shrink's output, [grouped rows, lora_width_]
     Activations act_hidden_, act_attn_, act_inter_;
 };
 
@@ -315,9 +420,21 @@ CONVEYOR_API int conveyor_decode_stack_forward(void* stack, float* x, int64_t B,
                                                const int64_t* const* tables, const int64_t* widths,
                                                const int64_t* const* lens, const int64_t* const* slots,
                                                const int64_t* windows, int64_t groups, const int64_t* positions,
-                                               int64_t page_size, int threads, int shared_rows) {
+                                               int64_t page_size, int threads, int shared_rows,
+                                               const int64_t* lora_order, const int64_t* lora_groups,
+                                               int64_t lora_n_groups) {
     return conveyor::guarded(threads, [&] {
         static_cast<DecodeStack*>(stack)->forward(x, B, cos, sin, dtype, kv_dtype, kv, kv_slots, num_kv, tables, widths, lens,
-                                                  slots, windows, groups, positions, page_size, threads, shared_rows != 0);
+                                                  slots, windows, groups, positions, page_size, threads, shared_rows != 0,
+                                                  conveyor::LoRAGroups{lora_order, lora_groups, lora_n_groups});
+    });
+}
+
+CONVEYOR_API int conveyor_decode_stack_set_lora(void* stack, int64_t layer, int64_t projection, int dtype, const void* a,
+                                                const void* b, const int64_t* slice_rows, const int64_t* slice_block,
+                                                int64_t n_slices, int64_t rank, int64_t blocks) {
+    return conveyor::guarded(1, [&] {
+        static_cast<DecodeStack*>(stack)->set_lora(layer, projection, dtype, a, b, slice_rows, slice_block, n_slices,
+                                                   rank, blocks);
     });
 }

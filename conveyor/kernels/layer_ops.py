@@ -58,7 +58,8 @@ class DecodeStack(Native):
         self._free = bind(lib, "conveyor_decode_stack_free", None, P)
         self._add = bind(lib, "conveyor_decode_stack_add_layer", I32, P, P, P, P, P, P, I64)
         self._forward = bind(lib, "conveyor_decode_stack_forward", I32, P, P, I64, P, P, I32, I32, P, P, I64, P, P, P,
-                             P, P, I64, P, I64, I32, I32)
+                             P, P, I64, P, I64, I32, I32, P, P, I64)
+        self._set_lora = bind(lib, "conveyor_decode_stack_set_lora", I32, P, I64, I64, I32, P, P, P, P, I64, I64, I64)
         self.hidden = hidden
         self.num_layers = 0
         self._keep: list[torch.Tensor] = []
@@ -86,6 +87,27 @@ class DecodeStack(Native):
                              (P * 4)(*[None if b is None else b.data_ptr() for b in fp32_biases]), group))
         self.num_layers += 1
 
+    def set_lora(self, layer: int, projection: int, a: torch.Tensor, b: torch.Tensor, slice_rows: torch.Tensor,
+                 slice_block: torch.Tensor) -> None:
+        """Layer `layer`'s projection `projection` (0..3: qkv, o, gate_up, down) adds the adapter deltas of
+        these stacked weights (a `LoRALinear`'s: A `[slots, in, blocks * rank]`, B `[slots, rank, out]`,
+        `slice_rows` [slices + 1], `slice_block` [slots, slices]). The stack reads them by address at each
+        step, so slots loaded later are seen; the tensors are kept alive here."""
+        code = dtype_code(a, "a")
+        require(b.dtype == a.dtype and a.is_contiguous() and b.is_contiguous() and a.device.type == "cpu",
+                "a and b must be contiguous CPU tensors of one dtype")
+        slots, _, width = a.shape
+        rank = b.shape[1]
+        require(b.shape[0] == slots and width % rank == 0, f"a {list(a.shape)} and b {list(b.shape)} do not fit")
+        for t, name in ((slice_rows, "slice_rows"), (slice_block, "slice_block")):
+            require(t.dtype == torch.long and t.is_contiguous(), f"{name} must be contiguous int64")
+        require(slice_block.shape[0] == slots and slice_rows.numel() == slice_block.shape[1] + 1,
+                "slice_block must be [slots, slices] and slice_rows [slices + 1]")
+        self._keep += [a, b, slice_rows, slice_block]
+        self.check(self._set_lora(self._handle, layer, projection, code, a.data_ptr(), b.data_ptr(),
+                                  slice_rows.data_ptr(), slice_block.data_ptr(), slice_block.shape[1], rank,
+                                  width // rank))
+
     def _kv_arrays(self, kv: Sequence[torch.Tensor]) -> tuple[ctypes.Array, ctypes.Array]:
         """Each layer's cache address and slot count as C arrays, rebuilt only when the caches change."""
         key = tuple(t.data_ptr() for t in kv)
@@ -96,12 +118,14 @@ class DecodeStack(Native):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: Sequence[torch.Tensor],
                 tables: Sequence[torch.Tensor], lens: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
                 windows: Sequence[int], positions: torch.Tensor, page_size: int, threads: int,
-                shared_rows: bool, model_dtype: torch.dtype) -> torch.Tensor:
+                shared_rows: bool, model_dtype: torch.dtype,
+                lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """x [B, hidden] fp32, updated in place and returned; cos/sin [B, D] fp32; per layer its KV cache
         [2, slots, Hkv, D] (`model_dtype`, whose roundings the stack keeps, or int8 rows); per layer group
         its decode block tables [B, width], context lengths [B], the slots [B] the new K/V go to and its
         sliding window (0: none); the rows' positions [B]. `shared_rows`: some request has several rows
-        (speculative proposals)."""
+        (speculative proposals). `lora`: the rows with an adapter grouped by slot, `order` and the
+        (slot, start, end) `groups` `[n, 3]` of `layers.lora.LoRABatch` (None: none)."""
         require(x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2 and x.shape[1] == self.hidden,
                 "x must be fp32 [B, hidden]")
         require(len(windows) == len(tables) == len(lens) == len(slots) and positions.numel() == x.shape[0],
@@ -115,12 +139,14 @@ class DecodeStack(Native):
         kv_code = INT8_ROWS if dtype == torch.uint8 else DTYPES[dtype]
         kv_ptrs, kv_slots = self._kv_arrays(kv)
         groups = len(tables)
+        lora_args = (None, None, 0) if lora is None else (
+            int64_vector(lora[0], "order"), int64_vector(lora[1], "lora groups"), lora[1].shape[0])
         self.check(self._forward(
             self._handle, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), DTYPES[model_dtype], kv_code,
             kv_ptrs, kv_slots,
             len(kv), _pointers(tables, "block tables"), (I64 * groups)(*[t.shape[1] for t in tables]),
             _pointers(lens, "context lengths"), _pointers(slots, "slots"), (I64 * groups)(*windows), groups,
-            int64_vector(positions, "positions"), page_size, threads, shared_rows))
+            int64_vector(positions, "positions"), page_size, threads, shared_rows, *lora_args))
         return x
 
 

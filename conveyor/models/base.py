@@ -235,10 +235,10 @@ class CausalLM(nn.Module):
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                    metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
         x = self.embed(input_ids)
-        adapters = self.lora_state is not None and self.lora_state.batch is not None  # (the stack has none)
-        if self.decode_stack is not None and not adapters and self.decode_stack.takes(x, kv_caches, metas):
+        lora = self.lora_state.batch if self.lora_state is not None else None
+        if self.decode_stack is not None and self.decode_stack.takes(x, kv_caches, metas, lora):
             cos, sin = self.rotary(positions, x.dtype)  # as the eager layers take them (bf16: rounded)
-            return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size))
+            return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size, lora))
         for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),
                                                      kv_caches, metas):
             x = layer(x, cos, sin, kv_cache, meta, attention)

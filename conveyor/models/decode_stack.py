@@ -13,6 +13,11 @@ PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more than
 eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
 `CONVEYOR_DECODE_STACK=0` turns it off.
 
+With multi-LoRA (`attach_lora`), steps whose rows have adapters stay on the stack too: it reads the
+`LoRALinear`s' stacked adapter weights by address and adds each adapter's delta to its rows after every
+base projection, with the per-layer kernel's code (`kernels/lora_delta.h`), so the bits are the eager
+LoRA path's. Per step the host passes the `LoRABatch`'s grouped rows, nothing per layer.
+
 Its threads meet at 8 barriers a layer, so when another process takes a core a barrier waits for
 a descheduled thread's next time slice: on this 2-core machine a step went from 5.6 ms to 1.3 s
 with one busy neighbour. `ThreadChooser` times the stack and keeps whichever thread count (torch's,
@@ -29,10 +34,12 @@ from collections.abc import Sequence
 import torch
 
 from ..layers.attention import AttentionMetadata
+from ..layers.lora import LoRABatch, LoRALinear
 from ..layers.quantization import linear as quant_linear
 from ..layers.quantization.linear import QuantLinear
 
 MAX_ROWS = 64
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the native stack's order
 
 
 class ThreadChooser:
@@ -93,6 +100,7 @@ class DecodeStack:
         self.native = native
         self.num_layers = num_layers
         self.threads = ThreadChooser(torch.get_num_threads())
+        self.lora = False  # whether steps with adapter rows run here (`attach_lora`)
 
     @classmethod
     def build(cls, model: torch.nn.Module, layer_class: type) -> DecodeStack | None:
@@ -102,7 +110,7 @@ class DecodeStack:
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
-        projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+        projections = PROJECTIONS
         if any(type(layer) is not layer_class or layer.q_norm is not None or layer.softcap is not None
                or layer.sinks is not None or not all(_segments(getattr(layer, p)) is not None for p in projections) for layer in layers):
             return None
@@ -119,17 +127,32 @@ class DecodeStack:
                              segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i)
         return cls(native, len(layers))
 
-    @staticmethod
-    def takes(x: torch.Tensor, kv_caches: Sequence[torch.Tensor], metas: Sequence[AttentionMetadata]) -> bool:
+    def attach_lora(self, layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> None:
+        """Run steps with adapter rows here: every projection of `layers` that is a `LoRALinear` (wrapped
+        after the stack was built) adds its adapters' deltas. Not where an adapter dtype differs from the
+        model's `dtype` (the eager path then converts)."""
+        linears = [[getattr(layer, p) for p in PROJECTIONS] for layer in layers]
+        if any(isinstance(lin, LoRALinear) and lin.lora_a.dtype != dtype for row in linears for lin in row):
+            return
+        for i, row in enumerate(linears):
+            for p, lin in enumerate(row):
+                if isinstance(lin, LoRALinear):
+                    self.native.set_lora(i, p, lin.lora_a, lin.lora_b, lin.slice_rows, lin.slice_block)
+        self.lora = True
+
+    def takes(self, x: torch.Tensor, kv_caches: Sequence[torch.Tensor], metas: Sequence[AttentionMetadata],
+              lora: LoRABatch | None = None) -> bool:
         """A decode-only batch of at most MAX_ROWS rows over the paged cache (not, say, the roofline
-        bench's contiguous K/V) in the model's dtype or int8 rows (fp8 pages are the PyTorch backend's)."""
+        bench's contiguous K/V) in the model's dtype or int8 rows (fp8 pages are the PyTorch backend's);
+        with adapter rows (`lora`) only once `attach_lora` ran."""
         rows, meta = x.shape[0], metas[0]
-        return (0 < rows <= MAX_ROWS and isinstance(meta, AttentionMetadata) and meta.num_decodes == rows
+        return ((lora is None or self.lora) and 0 < rows <= MAX_ROWS and isinstance(meta, AttentionMetadata) and meta.num_decodes == rows
                 and not meta.prefills and kv_caches[0].dtype in (x.dtype, torch.uint8))
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: Sequence[torch.Tensor],
-                 metas: Sequence[AttentionMetadata], page_size: int) -> torch.Tensor:
-        """Hidden states after the last layer (before the final norm), in x's dtype."""
+                 metas: Sequence[AttentionMetadata], page_size: int, lora: LoRABatch | None = None) -> torch.Tensor:
+        """Hidden states after the last layer (before the final norm), in x's dtype; `lora`: the step's
+        rows with an adapter."""
         h = x.float().contiguous()
         tables = [m.decode_block_tables for m in metas]
         lens = [m.decode_context_lens for m in metas]
@@ -139,6 +162,6 @@ class DecodeStack:
         started = time.perf_counter()
         self.native.forward(h, cos.float().contiguous(), sin.float().contiguous(), list(kv_caches), tables, lens,
                             slots, windows, metas[0].decode_positions, page_size, threads, metas[0].decode_shared_rows,
-                            x.dtype)
+                            x.dtype, None if lora is None else (lora.order, lora.group_table))
         self.threads.record(time.perf_counter() - started)
         return h.to(x.dtype)

@@ -76,7 +76,8 @@ class LoRAAdapter:
 def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> LoRATargets:
     """Wrap every q/k/v, o, gate/up and down projection of the model's decoder layers (those it has: a
     mixture-of-experts layer has no dense gate/up) in a `LoRALinear` with `config.max_loras` slots; the
-    model's `lora_state` is what they read each step."""
+    model's `lora_state` is what they read each step. The native decode stack, where the model has one,
+    reads the same slots."""
     state = LoRAState()
     model.lora_state = state
     targets = LoRATargets()
@@ -101,6 +102,9 @@ def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
                     targets.by_peft_name[prefix + part] = Target(ours, block, lo, hi - lo, base.in_features)
     if not targets.linears:
         raise ConfigError(f"{type(model).__name__} has no decoder-layer linears LoRA can adapt")
+    stack = getattr(model, "decode_stack", None)
+    if stack is not None:  # decode steps with adapter rows stay on the native stack
+        stack.attach_lora(model.layers, dtype)
     return targets
 
 

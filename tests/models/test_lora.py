@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor import LLM, ContinuousBatchingConfig, LoRARequest
+from conveyor import LLM, ContinuousBatchingConfig, LoRARequest, SamplingParams
 from conveyor.errors import ConfigError, InvalidRequestError
+from conveyor.models.decode_stack import DecodeStack
 from tests.utils import (
     ROPE_BY_LENGTH_CONFIGS,
+    VOCAB,
     TinyModel,
     all_free,
     assert_greedy_match,
@@ -173,6 +175,56 @@ def test_quantized_base_with_an_adapter(tiny_llama: TinyModel, adapters: dict) -
     assert [o.token_ids for o in outs] != [o.token_ids for o in base]
     assert all_free(llm)
     llm.shutdown()
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), [("auto-fp32", "int8"), ("bfloat16", "int8"),
+                                                    ("bfloat16", "none")])
+def test_decode_stack_with_adapters_equals_the_eager_lora_path(tiny_llama: TinyModel, adapters: dict, dtype: str,
+                                                               quantization: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode steps with adapter rows run on the native decode stack (counted) and give the eager LoRA
+    path's tokens and log-probabilities to the bit, in fp32 compute and in bf16, two adapters (one on
+    q/v/down only) and the base in one batch that shrinks as requests finish."""
+    if dtype == "auto-fp32":
+        monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
+
+    def make() -> LLM:
+        return LLM(tiny_llama.path, dtype=dtype.removesuffix("-fp32"), quantization=quantization, enable_lora=True,
+                   max_loras=2, max_lora_rank=8, config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=16))
+
+    native = make()
+    monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
+    eager = make()
+    monkeypatch.delenv("CONVEYOR_DECODE_STACK")
+    assert native.engine.model.decode_stack is not None and eager.engine.model.decode_stack is None
+    adapted_calls: list[bool] = []
+    original = DecodeStack.__call__
+
+    def spy(self: DecodeStack, x: torch.Tensor, *args: object) -> torch.Tensor:
+        adapted_calls.append(len(args) > 5 and args[5] is not None)
+        return original(self, x, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    prompts = random_prompts([5, 17, 9, 30, 3], seed=52)
+    lora = [adapters[w][0] if w else None for w in ("a", None, "b", "a", "b")]
+    params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=VOCAB) for n in (8, 5, 10, 6, 9)]
+
+    def run(llm: LLM, requests: list[LoRARequest | None]) -> tuple[list[list[int]], list[torch.Tensor]]:
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+        return ([o.token_ids for o in outs],
+                [torch.tensor([[step[t] for t in range(VOCAB)] for step in o.logprobs]) for o in outs])
+
+    ids, lps = run(native, lora)
+    assert any(adapted_calls), "decode steps with adapter rows should run on the stack"
+    ref_ids, ref_lps = run(eager, lora)
+    assert ids == ref_ids
+    assert all(torch.equal(a, b) for a, b in zip(lps, ref_lps))
+    _, base_lps = run(native, [None] * len(prompts))
+    assert all(not torch.equal(lps[i], base_lps[i]) for i, r in enumerate(lora) if r)  # the deltas do change them
+    assert torch.equal(lps[1], base_lps[1])  # the base row is unchanged by its neighbours' adapters
+    for llm in (native, eager):
+        assert all_free(llm)
+        llm.shutdown()
 
 
 def test_padded_steps_keep_each_row_on_its_adapter(lora_llm: LLM, tiny_llama: TinyModel, adapters: dict) -> None:
