@@ -174,6 +174,9 @@ class DecodeStack {
             for (const Layer& L : layers_)
                 for (const LoRAProjection& p : L.lora)
                     CONVEYOR_CHECK(!p.a || p.dtype == dtype, "adapter weights must have the model's dtype");
+            for (int64_t p = 0; p < lora.rows(); ++p)
+                CONVEYOR_CHECK(lora.order[p] >= 0 && lora.order[p] < B, "adapter row ", lora.order[p], " is not one of the ",
+                               B, " rows");
             lora_t_.resize(lora.rows() * lora_width_);
         }
         CONVEYOR_CHECK(num_kv == static_cast<int64_t>(layers_.size()), "one KV cache per layer expected");
@@ -239,7 +242,7 @@ class DecodeStack {
                 lin.run(act, out, ld, tid, nt);
             };
             std::vector<conveyor::LoRAShrinkItem> items;
-            std::vector<float> bt(lora_rank_ * conveyor::kLoRAV);
+            std::vector<float> lora_bt(lora_rank_ * conveyor::kLoRAV);  // the expand's B block
             // this thread's share of a projection's adapter shrink (of its input x), after the base matmul
             const auto shrink = [&](const LoRAProjection& p, const float* x, int64_t ld) {
                 const conveyor::LoRAWeights<T> w = p.weights<T>();
@@ -259,7 +262,7 @@ class DecodeStack {
                         for (int64_t o = o0; o < o1; ++o) row[o] += lin.bias[o];
                     for (int64_t o = o0; o < o1; ++o) row[o] = conveyor::round_as<T>(row[o]);
                 }
-                conveyor::lora_expand<T>(lora_t_.data(), w, in.lora, c0, c1, y, ld, bt.data());
+                conveyor::lora_expand<T>(lora_t_.data(), w, in.lora, c0, c1, y, ld, lora_bt.data());
             };
             for (int64_t b = r0; b < r1; ++b)
                 conveyor::rms_norm_row<T>(xp + b * hidden_, layers_[0].input_norm.data(), hidden_, eps,

@@ -18,7 +18,7 @@ With multi-LoRA (`attach_lora`), steps whose rows have adapters stay on the stac
 base projection, with the per-layer kernel's code (`kernels/lora_delta.h`), so the bits are the eager
 LoRA path's. Per step the host passes the `LoRABatch`'s grouped rows, nothing per layer.
 
-Its threads meet at 8 barriers a layer, so when another process takes a core a barrier waits for
+Its threads meet at 8 barriers a layer (12 in a step with adapter rows), so when another process takes a core a barrier waits for
 a descheduled thread's next time slice: on this 2-core machine a step went from 5.6 ms to 1.3 s
 with one busy neighbour. `ThreadChooser` times the stack and keeps whichever thread count (torch's,
 or one thread, which has no barriers) measured faster lately, trying the other now and then.
@@ -110,9 +110,8 @@ class DecodeStack:
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
-        projections = PROJECTIONS
         if any(type(layer) is not layer_class or layer.q_norm is not None or layer.softcap is not None
-               or layer.sinks is not None or not all(_segments(getattr(layer, p)) is not None for p in projections) for layer in layers):
+               or layer.sinks is not None or not all(_segments(getattr(layer, p)) is not None for p in PROJECTIONS) for layer in layers):
             return None
         if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None
@@ -121,7 +120,7 @@ class DecodeStack:
         native = ops.DecodeStack(config.hidden_size, config.intermediate_size, first.num_heads, first.num_kv_heads,
                                  first.head_dim, float(first.input_layernorm.eps), float(first.scale), MAX_ROWS)
         for i, layer in enumerate(layers):
-            linears = [getattr(layer, p) for p in projections]
+            linears = [getattr(layer, p) for p in PROJECTIONS]
             segments = [_segments(lin) for lin in linears]
             native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                              segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i)
