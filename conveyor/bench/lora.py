@@ -3,8 +3,9 @@
 `streams` random prompts generate `tokens` tokens each, all in one `generate`; in the "lora" run stream i runs
 with adapter i mod (adapters + 1), the last share on the base model, in the "base" run every stream runs on
 the base model. Both runs use the same `LLM` (LoRA on, `max_loras` = adapters), alternated repeat by repeat,
-so the ratio is what the adapters' deltas cost (on CUDA also the eager path they take: no CUDA graph). The adapters are random PEFT files of the asked rank on all seven projections of every layer,
-written to a temporary directory (B not zero, so the deltas are real work).
+so the ratio is what the adapters' deltas cost (on CUDA also the eager path they take: no CUDA graph).
+The adapters are random PEFT files of the asked rank on all seven projections of every layer, written to
+a temporary directory (B not zero, so the deltas are real work).
 """
 
 from __future__ import annotations
