@@ -5,20 +5,18 @@ interpreter here, compiled on a CUDA machine) and the PyTorch path agree, fp32 a
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from torch import nn
 
+from conveyor.kernels import triton_attention
 from conveyor.layers.lora import LoRABatch, LoRALinear, LoRAState, SlotPart
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest where no CUDA device is visible
+from tests.attention_utils import interpreter_only
 
 
 @pytest.mark.parametrize("path", ["native", "pytorch", "triton"])
 def test_grouped_delta_equals_each_rows_own_adapter(path: str) -> None:
-    if path == "triton" and not INTERPRETED:
+    if path == "triton" and not triton_attention.INTERPRETED:
         pytest.skip("CUDA machine: the compiled kernel is tested instead")
     g = torch.Generator().manual_seed(0)
     base = nn.Linear(16, 24, bias=True)
@@ -105,7 +103,7 @@ def check_triton_against_pytorch(device: torch.device) -> None:
     assert torch.equal(kernel[[1, 5, 9]], base(x)[[1, 5, 9]])
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="CUDA machine: the compiled kernel is tested instead")
+@interpreter_only
 def test_triton_kernel_agrees_with_pytorch_in_bf16() -> None:
     check_triton_against_pytorch(torch.device("cpu"))
 
