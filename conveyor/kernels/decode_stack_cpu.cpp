@@ -18,8 +18,9 @@
 // With LoRA adapters (`set_lora`: a projection's stacked adapter weights, the `LoRALinear`'s tensors, by
 // address), a step's rows that have an adapter get its delta after each base projection (lora_delta.h,
 // the per-layer kernel's phases, so the same bits): the shrink runs right after the base matmul (it reads
-// only the projection's input), then past a barrier each thread finishes its output columns for every
-// row (bias, rounding) and adds the deltas there, then one more barrier.
+// only the projection's input), then past the matmul's barrier each thread finishes its own rows (bias,
+// rounding) and adds their deltas before its elementwise work on them, so adapters add no barrier
+// (one, before thread 0's K/V writes, when there are fewer rows than threads).
 #include "attention_cpu.h"
 #include "lora_delta.h"
 #include "quant.h"
@@ -242,7 +243,6 @@ class DecodeStack {
                 lin.run(act, out, ld, tid, nt);
             };
             std::vector<conveyor::LoRAShrinkItem> items;
-            std::vector<float> lora_bt(lora_rank_ * conveyor::kLoRAV);  // the expand's B block
             // this thread's share of a projection's adapter shrink (of its input x), after the base matmul
             const auto shrink = [&](const LoRAProjection& p, const float* x, int64_t ld) {
                 const conveyor::LoRAWeights<T> w = p.weights<T>();
@@ -250,19 +250,14 @@ class DecodeStack {
                 const int64_t n = static_cast<int64_t>(items.size());
                 conveyor::lora_shrink(x, ld, w, in.lora, items.data(), n * tid / nt, n * (tid + 1) / nt, lora_t_.data());
             };
-            // past the barrier: this thread's output columns, every row's bias and rounding, then the deltas
-            const auto expand = [&](const Linear& lin, const LoRAProjection& p, float* y, int64_t ld) {
+            // past the barrier, this thread's rows: the base output's bias and rounding, then the deltas
+            const auto add_deltas = [&](const Linear& lin, const LoRAProjection& p, float* y, int64_t ld) {
                 const conveyor::LoRAWeights<T> w = p.weights<T>();
-                const int64_t blocks = (w.out + conveyor::kLoRAV - 1) / conveyor::kLoRAV;
-                const int64_t c0 = blocks * tid / nt, c1 = blocks * (tid + 1) / nt;
-                const int64_t o0 = c0 * conveyor::kLoRAV, o1 = std::min(w.out, c1 * conveyor::kLoRAV);
-                for (int64_t b = 0; b < B; ++b) {
-                    float* row = y + b * ld;
-                    if (!lin.bias.empty())
-                        for (int64_t o = o0; o < o1; ++o) row[o] += lin.bias[o];
-                    for (int64_t o = o0; o < o1; ++o) row[o] = conveyor::round_as<T>(row[o]);
+                for (int64_t b = r0; b < r1; ++b) {
+                    lin.add_bias_row(y + b * ld);
+                    round_row<T>(y + b * ld, w.out);
                 }
-                conveyor::lora_expand<T>(lora_t_.data(), w, in.lora, c0, c1, y, ld, lora_bt.data());
+                conveyor::lora_expand<T>(lora_t_.data(), w, in.lora, 0, w.vectors(), r0, r1, y, ld);
             };
             for (int64_t b = r0; b < r1; ++b)
                 conveyor::rms_norm_row<T>(xp + b * hidden_, layers_[0].input_norm.data(), hidden_, eps,
@@ -301,12 +296,14 @@ class DecodeStack {
                 };
 #pragma omp barrier
                 matmul(L.qkv, act_hidden_, qkv_.data(), qkv_n);
+                if (adapted[0]) shrink(L.lora[0], xn_.data(), hidden_);
+#pragma omp barrier
                 if (adapted[0]) {
-                    shrink(L.lora[0], xn_.data(), hidden_);
+                    add_deltas(L.qkv, L.lora[0], qkv_.data(), qkv_n);
+                    if (!by_rows) {  // thread 0 then stores every row
 #pragma omp barrier
-                    expand(L.qkv, L.lora[0], qkv_.data(), qkv_n);
+                    }
                 }
-#pragma omp barrier
                 if (by_rows && shared_rows) {  // a row may read what another thread's row stores
                     for (int64_t b = r0; b < r1; ++b) rope_and_store(b);
 #pragma omp barrier
@@ -331,12 +328,9 @@ class DecodeStack {
                 prepare(L.o, attn_.data(), qd, act_attn_);
 #pragma omp barrier
                 matmul(L.o, act_attn_, out_.data(), hidden_);
-                if (adapted[1]) {
-                    shrink(L.lora[1], attn_.data(), qd);
+                if (adapted[1]) shrink(L.lora[1], attn_.data(), qd);
 #pragma omp barrier
-                    expand(L.o, L.lora[1], out_.data(), hidden_);
-                }
-#pragma omp barrier
+                if (adapted[1]) add_deltas(L.o, L.lora[1], out_.data(), hidden_);
                 for (int64_t b = r0; b < r1; ++b) {
                     if (!adapted[1]) {
                         L.o.add_bias_row(out_.data() + b * hidden_);
@@ -349,12 +343,9 @@ class DecodeStack {
                 prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
 #pragma omp barrier
                 matmul(L.gate_up, act_hidden_, mid_.data(), 2 * inter_);
-                if (adapted[2]) {
-                    shrink(L.lora[2], xn_.data(), hidden_);
+                if (adapted[2]) shrink(L.lora[2], xn_.data(), hidden_);
 #pragma omp barrier
-                    expand(L.gate_up, L.lora[2], mid_.data(), 2 * inter_);
-                }
-#pragma omp barrier
+                if (adapted[2]) add_deltas(L.gate_up, L.lora[2], mid_.data(), 2 * inter_);
                 for (int64_t b = r0; b < r1; ++b) {
                     float* gate = mid_.data() + b * 2 * inter_;
                     if (!adapted[2]) {
@@ -366,12 +357,9 @@ class DecodeStack {
                 prepare(L.down, act_.data(), inter_, act_inter_);
 #pragma omp barrier
                 matmul(L.down, act_inter_, out_.data(), hidden_);
-                if (adapted[3]) {
-                    shrink(L.lora[3], act_.data(), inter_);
+                if (adapted[3]) shrink(L.lora[3], act_.data(), inter_);
 #pragma omp barrier
-                    expand(L.down, L.lora[3], out_.data(), hidden_);
-                }
-#pragma omp barrier
+                if (adapted[3]) add_deltas(L.down, L.lora[3], out_.data(), hidden_);
                 const Layer* next = l + 1 < layers_.size() ? &layers_[l + 1] : nullptr;
                 for (int64_t b = r0; b < r1; ++b) {  // the residual add, then the next layer's input norm
                     if (!adapted[3]) {

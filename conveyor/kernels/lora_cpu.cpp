@@ -20,10 +20,8 @@ void lora_delta(const T* x, int64_t x_stride, const conveyor::LoRAGroups& g, con
     conveyor::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
         conveyor::lora_shrink(x, x_stride, w, g, items.data(), i0, i1, t.data());
     });
-    const int64_t col_blocks = (w.out + conveyor::kLoRAV - 1) / conveyor::kLoRAV;
-    conveyor::parallel_for(0, col_blocks, 4, [&](int64_t c0, int64_t c1) {
-        std::vector<float> bt(w.rank * conveyor::kLoRAV);
-        conveyor::lora_expand<T>(t.data(), w, g, c0, c1, y, y_stride, bt.data());
+    conveyor::parallel_for(0, w.vectors(), conveyor::kLoRAVecs, [&](int64_t c0, int64_t c1) {
+        conveyor::lora_expand<T>(t.data(), w, g, c0, c1, 0, INT64_MAX, y, y_stride);
     });
 }
 

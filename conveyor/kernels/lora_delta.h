@@ -5,10 +5,13 @@
 // whose thread team runs the phases between its barriers), so both compute the same bits.
 //
 // Two phases: (1) the shrink, `t[p] = A_slot x[order[p]]` for every grouped row p (all blocks of the
-// slot, fp32 accumulation), split into work items of rows and columns of t; (2) the expand, split by
-// kV-column blocks of the output: each output row o of each slice adds `B_slot[o] . t[p, block]` to
-// `y[order[p], o]` for the group's rows, so a B row is read once per group and no two threads write
-// one value.
+// slot), split into work items of rows and columns of t; (2) the expand: `y[order[p], o] +=
+// B_slot[o] . t[p, block]` for the output columns and output rows a caller asks for (the per-layer
+// kernel splits the columns across threads, the decode stack the rows). Both run as tiles of up to
+// kLoRARows rows times kLoRAVecs vectors, whose accumulators stay in registers: a weight vector is
+// loaded (and widened from bf16) once for all the tile's rows. Every sum runs in fp32 in order over
+// its inner index with one rounding per multiply-add (`fmadd`), so a value does not depend on the
+// tile it fell in, nor on whether a vector or the scalar tail computed it.
 //
 // Layout (the `LoRALinear`'s): A `[slots, in, blocks * rank]` (transposed), B `[slots, rank, out]` with
 // the scaling folded in; `slice_rows` the slices' output offsets (`n_slices + 1`), `slice_block[slot,
@@ -18,24 +21,30 @@
 
 #include "row_ops.h"
 #include "runtime.h"
+#include "vec_math.h"
 
 #include <vector>
 
 namespace conveyor {
 
-constexpr int64_t kLoRAV = 16;     // output columns of one expand block: one AVX-512 vector of fp32
-constexpr int64_t kLoRAW = 64;     // columns of t one shrink item sums (a rank-16 q/k/v adapter's 48 in one)
-constexpr int64_t kLoRARows = 4;   // rows of the shrink's tile (each with its accumulators)
+#ifdef __AVX512F__
+constexpr int64_t kLoRARows = 4;  // rows of a tile: 4 x kLoRAVecs accumulators of 32 vector registers
+#else
+constexpr int64_t kLoRARows = 2;  // (16 vector registers)
+#endif
+constexpr int64_t kLoRAVecs = 4;           // vectors of columns one tile sums
+constexpr int64_t kLoRAW = kLoRAVecs * W;  // columns of t one shrink item sums
 
-// One projection's stacked adapter weights (W: fp32 or bf16).
-template <typename W>
+// One projection's stacked adapter weights (Wt: fp32 or bf16).
+template <typename Wt>
 struct LoRAWeights {
-    const W* a;
-    const W* b;
+    const Wt* a;
+    const Wt* b;
     const int64_t* slice_rows;
     const int64_t* slice_block;
     int64_t n_slices, rank, blocks, in, out;
     int64_t width() const { return blocks * rank; }  // t's row: every block of the slot
+    int64_t vectors() const { return (out + W - 1) / W; }  // the expand's column vectors
 };
 
 // The step's grouped rows.
@@ -46,7 +55,7 @@ struct LoRAGroups {
     int64_t rows() const { return n_groups ? groups[3 * (n_groups - 1) + 2] : 0; }
 };
 
-// A shrink work item: a tile of rows [p0, p1) of one slot's group, kW columns of t from k0.
+// A shrink work item: a tile of rows [p0, p1) of one slot's group, kLoRAW columns of t from k0.
 struct LoRAShrinkItem {
     int64_t slot, p0, p1, k0;
 };
@@ -59,77 +68,181 @@ inline void lora_shrink_items(const LoRAGroups& g, int64_t width, std::vector<Lo
                 items.push_back({g.groups[3 * i], p, std::min(p + kLoRARows, g.groups[3 * i + 2]), k0});
 }
 
-// (1) items [i0, i1) of the shrink into t `[rows, width]`: each sums over `in` the A^T row's kW columns
-// (converted once) times each tile row's x (fp32 accumulators).
-template <typename X, typename W>
-void lora_shrink(const X* x, int64_t x_stride, const LoRAWeights<W>& w, const LoRAGroups& g,
+namespace lora_detail {
+
+// n < W values from p as floats, the other lanes 0 (no read past the n).
+template <typename T>
+inline vecw load_part(const T* p, int64_t n) {
+#ifdef __AVX512F__
+    return vecw(load16(p, static_cast<__mmask16>((1u << n) - 1)));
+#else
+    float tmp[W] = {};
+    for (int64_t j = 0; j < n; ++j) tmp[j] = to_float(p[j]);
+    return loadw(tmp);
+#endif
+}
+
+// v rounded to R (fp32: as it is; bf16: to nearest even, widened back).
+template <typename R>
+inline vecw round_w(vecw v) {
+    if constexpr (std::is_same_v<R, float>) {
+        return v;
+    } else {
+#ifdef __AVX512F__
+        return vecw(round_bf16(__m512(v)));
+#else
+        float tmp[W];
+        storew(tmp, v);
+        for (float& f : tmp) f = round_as<R>(f);
+        return loadw(tmp);
+#endif
+    }
+}
+
+inline void store_w(float* p, vecw v) { storew(p, v); }
+inline void store_w(bf16* p, vecw v) {  // v holds bf16 values: exact
+#ifdef __AVX512F__
+    store16(p, __m512(v));
+#else
+    float tmp[W];
+    storew(tmp, v);
+    for (int64_t j = 0; j < W; ++j) p[j] = bf16(tmp[j]);
+#endif
+}
+
+// t[r][0, n) = sum over i < in of x[r][i] * at[i * width + (0, n)], for NV vectors of columns (the last
+// may be partial); rows [m, kLoRARows) repeat row m - 1 and are not stored.
+template <int NV, typename X, typename Wt>
+void shrink_tile(const X* const* x, const Wt* at, int64_t width, int64_t in, int64_t n, float* const* t, int64_t m) {
+    const int64_t full = n / W, part = n - full * W;
+    vecw acc[kLoRARows][NV] = {};
+    for (int64_t i = 0; i < in; ++i) {
+        const Wt* ai = at + i * width;
+        vecw col[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) col[v] = v < full ? loadw(ai + v * W) : load_part(ai + v * W, part);
+#pragma GCC unroll 4
+        for (int r = 0; r < kLoRARows; ++r) {
+            const vecw xi = splat(to_float(x[r][i]));
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(xi, col[v], acc[r][v]);
+        }
+    }
+    for (int64_t r = 0; r < m; ++r)
+        for (int v = 0; v < NV; ++v) {
+            float out[W];
+            storew(out, acc[r][v]);
+            std::copy(out, out + std::min<int64_t>(W, n - v * W), t[r] + v * W);
+        }
+}
+
+// y[r][0, NV W) = R(y + sum over k < rank of t[r][k] * b[k * out + (0, NV W)]) for rows r < m.
+template <int NV, typename R, typename Wt, typename Y>
+void expand_tile(const float* const* t, const Wt* b, int64_t out, int64_t rank, Y* const* y, int64_t m) {
+    vecw acc[kLoRARows][NV] = {};
+    for (int64_t k = 0; k < rank; ++k) {
+        vecw bk[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) bk[v] = loadw(b + k * out + v * W);
+#pragma GCC unroll 4
+        for (int r = 0; r < kLoRARows; ++r) {
+            const vecw tk = splat(t[r][k]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(tk, bk[v], acc[r][v]);
+        }
+    }
+    for (int64_t r = 0; r < m; ++r)
+        for (int v = 0; v < NV; ++v) store_w(y[r] + v * W, round_w<R>(loadw(y[r] + v * W) + acc[r][v]));
+}
+
+// The block of t that output columns [o0, o0 + n) of `slot` read: one for all (>= 0), none (-1), or
+// several slices' (-2: per column).
+template <typename Wt>
+int64_t columns_block(const LoRAWeights<Wt>& w, int64_t slot, int64_t o0, int64_t n) {
+    int64_t s = 0;
+    while (w.slice_rows[s + 1] <= o0) ++s;
+    return o0 + n <= w.slice_rows[s + 1] ? w.slice_block[slot * w.n_slices + s] : -2;
+}
+
+// The same sums one column at a time: columns [o0, o1) of rows r < m, each reading its slice's block.
+template <typename R, typename Wt, typename Y>
+void expand_columns(const float* const* t, const LoRAWeights<Wt>& w, int64_t slot, int64_t o0, int64_t o1,
+                    Y* const* y, int64_t m) {
+    const Wt* b = w.b + slot * w.rank * w.out;
+    for (int64_t o = o0; o < o1; ++o) {
+        const int64_t block = columns_block(w, slot, o, 1);
+        if (block < 0) continue;
+        for (int64_t r = 0; r < m; ++r) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < w.rank; ++k) acc = fmadd(t[r][block * w.rank + k], to_float(b[k * w.out + o]), acc);
+            y[r][o] = static_cast<Y>(round_as<R>(static_cast<float>(y[r][o]) + acc));
+        }
+    }
+}
+
+}  // namespace lora_detail
+
+// (1) items [i0, i1) of the shrink into t `[rows, width]`.
+template <typename X, typename Wt>
+void lora_shrink(const X* x, int64_t x_stride, const LoRAWeights<Wt>& w, const LoRAGroups& g,
                  const LoRAShrinkItem* items, int64_t i0, int64_t i1, float* t) {
-    const int64_t width = w.width(), in = w.in;
+    const int64_t width = w.width();
     for (int64_t it = i0; it < i1; ++it) {
         const LoRAShrinkItem& s = items[it];
         const int64_t n = std::min(kLoRAW, width - s.k0), m = s.p1 - s.p0;
         const X* xr[kLoRARows];
-        for (int64_t r = 0; r < kLoRARows; ++r) xr[r] = x + g.order[s.p0 + std::min(r, m - 1)] * x_stride;
-        float acc[kLoRARows][kLoRAW] = {};
-        float col[kLoRAW] = {};
-        const W* at = w.a + s.slot * in * width + s.k0;
-        for (int64_t i = 0; i < in; ++i) {
-            for (int64_t j = 0; j < n; ++j) col[j] = static_cast<float>(at[i * width + j]);
-#pragma GCC unroll 4
-            for (int64_t r = 0; r < kLoRARows; ++r) {
-                const float xi = static_cast<float>(xr[r][i]);
-#pragma omp simd
-                for (int64_t j = 0; j < kLoRAW; ++j) acc[r][j] += xi * col[j];
-            }
+        float* tr[kLoRARows];
+        for (int64_t r = 0; r < kLoRARows; ++r) {
+            xr[r] = x + g.order[s.p0 + std::min(r, m - 1)] * x_stride;
+            tr[r] = t + (s.p0 + r) * width + s.k0;
         }
-        for (int64_t r = 0; r < m; ++r)
-            for (int64_t j = 0; j < n; ++j) t[(s.p0 + r) * width + s.k0 + j] = acc[r][j];
+        const Wt* at = w.a + s.slot * w.in * width + s.k0;
+        switch ((n + W - 1) / W) {
+            case 1: lora_detail::shrink_tile<1>(xr, at, width, w.in, n, tr, m); break;
+            case 2: lora_detail::shrink_tile<2>(xr, at, width, w.in, n, tr, m); break;
+            case 3: lora_detail::shrink_tile<3>(xr, at, width, w.in, n, tr, m); break;
+            default: lora_detail::shrink_tile<4>(xr, at, width, w.in, n, tr, m); break;
+        }
     }
 }
 
-// (2) kV-column blocks [c0, c1) of the expand: a block's B columns for the slice's rank (converted once
-// per group, into `bt`: rank * kV floats) times each grouped row's t, summed in fp32, added to y once.
-template <typename R, typename W, typename Y>
-void lora_expand(const float* t, const LoRAWeights<W>& w, const LoRAGroups& g, int64_t c0, int64_t c1, Y* y,
-                 int64_t y_stride, float* bt) {
-    const int64_t width = w.width(), rank = w.rank, out = w.out, n_slices = w.n_slices;
-    for (int64_t c = c0; c < c1; ++c) {
-        const int64_t o0 = c * kLoRAV, n = std::min(kLoRAV, out - o0);
-        int64_t s = 0;
-        while (w.slice_rows[s + 1] <= o0) ++s;
-        for (int64_t gi = 0; gi < g.n_groups; ++gi) {
-            const int64_t slot = g.groups[3 * gi], start = g.groups[3 * gi + 1], end = g.groups[3 * gi + 2];
-            // a column block may straddle two slices (widths not multiples of kV): per column its block
-            int64_t col_block[kLoRAV];
-            bool any = false;
-            for (int64_t j = 0, sj = s; j < kLoRAV; ++j) {
-                while (j < n && w.slice_rows[sj + 1] <= o0 + j) ++sj;
-                col_block[j] = j < n ? w.slice_block[slot * n_slices + sj] : -1;
-                any |= col_block[j] >= 0;
+// (2) the expand for column vectors [c0, c1) (W columns each) of the grouped rows whose output row is
+// in [row0, row1).
+template <typename R, typename Wt, typename Y>
+void lora_expand(const float* t, const LoRAWeights<Wt>& w, const LoRAGroups& g, int64_t c0, int64_t c1,
+                 int64_t row0, int64_t row1, Y* y, int64_t y_stride) {
+    const int64_t width = w.width(), rank = w.rank;
+    for (int64_t gi = 0; gi < g.n_groups; ++gi) {
+        const int64_t slot = g.groups[3 * gi], end = g.groups[3 * gi + 2];
+        const Wt* b = w.b + slot * rank * w.out;
+        for (int64_t p = g.groups[3 * gi + 1]; p < end;) {
+            int64_t tile[kLoRARows], m = 0;  // the next rows of the group that are ours
+            for (; p < end && m < kLoRARows; ++p)
+                if (g.order[p] >= row0 && g.order[p] < row1) tile[m++] = p;
+            if (m == 0) break;
+            const float* tp[kLoRARows];
+            Y* yp[kLoRARows];
+            for (int64_t r = 0; r < kLoRARows; ++r) {
+                const int64_t q = tile[std::min(r, m - 1)];
+                tp[r] = t + q * width;
+                yp[r] = y + g.order[q] * y_stride;
             }
-            if (!any) continue;
-            const W* bs = w.b + slot * rank * out + o0;
-            for (int64_t r = 0; r < rank; ++r)
-                for (int64_t j = 0; j < kLoRAV; ++j) bt[r * kLoRAV + j] = j < n ? static_cast<float>(bs[r * out + j]) : 0.0f;
-            bool uniform = true;  // every column reads one block: a broadcast; else per column
-            for (int64_t j = 1; j < n; ++j) uniform &= col_block[j] == col_block[0];
-            for (int64_t p = start; p < end; ++p) {
-                const float* tp = t + p * width;
-                float acc[kLoRAV] = {};
-                if (uniform) {
-                    const float* tb = tp + col_block[0] * rank;
-                    for (int64_t r = 0; r < rank; ++r) {
-                        const float wr = tb[r], *br = &bt[r * kLoRAV];
-#pragma omp simd
-                        for (int64_t j = 0; j < kLoRAV; ++j) acc[j] += wr * br[j];
-                    }
-                } else {
-                    for (int64_t j = 0; j < n; ++j)
-                        if (col_block[j] >= 0)
-                            for (int64_t r = 0; r < rank; ++r) acc[j] += tp[col_block[j] * rank + r] * bt[r * kLoRAV + j];
+            for (int64_t c = c0; c < c1; c += kLoRAVecs) {
+                const int64_t o0 = c * W, o1 = std::min(std::min(c1, c + kLoRAVecs) * W, w.out);
+                const int64_t block = lora_detail::columns_block(w, slot, o0, o1 - o0);
+                if (block == -1) continue;
+                const int64_t nv = block >= 0 ? (o1 - o0) / W : 0;  // whole vectors of one block
+                const float* tb[kLoRARows];
+                Y* yo[kLoRARows];
+                for (int64_t r = 0; r < kLoRARows; ++r) tb[r] = tp[r] + std::max<int64_t>(block, 0) * rank, yo[r] = yp[r] + o0;
+                switch (nv) {
+                    case 0: break;
+                    case 1: lora_detail::expand_tile<1, R>(tb, b + o0, w.out, rank, yo, m); break;
+                    case 2: lora_detail::expand_tile<2, R>(tb, b + o0, w.out, rank, yo, m); break;
+                    case 3: lora_detail::expand_tile<3, R>(tb, b + o0, w.out, rank, yo, m); break;
+                    default: lora_detail::expand_tile<4, R>(tb, b + o0, w.out, rank, yo, m); break;
                 }
-                Y* yr = y + g.order[p] * y_stride + o0;
-                for (int64_t j = 0; j < n; ++j) yr[j] = static_cast<Y>(round_as<R>(static_cast<float>(yr[j]) + acc[j]));
+                lora_detail::expand_columns<R>(tp, w, slot, o0 + nv * W, o1, yp, m);
             }
         }
     }
