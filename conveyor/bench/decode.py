@@ -7,7 +7,8 @@ decode only: from the moment every stream has its first token to the moment the 
 decoding together). The KV cache dtypes asked for run interleaved, repeat by repeat, each with its own `LLM`,
 so a noisy machine weighs on them alike; with `llama_bench`, llama.cpp's `llama-bench -d CONTEXT` runs in the
 same rotation on the same GGUF file (one stream; q8_0 KV beside int8, f16 beside auto). A step's bytes are the
-weights (`bandwidth.weight_bytes`) plus every stream's KV at its mean context over the timed window.
+weights (`bandwidth.weight_bytes`) plus every stream's KV at its mean context over the timed window; each run's
+share of the bandwidth is against a probe right after it (the median of those shares is reported).
 """
 
 from __future__ import annotations
@@ -95,9 +96,11 @@ def run_decode(model: str | None, kv_dtypes: list[str], *, context: int, streams
         llm.generate([[8 + i] * min(context, 256) for i in range(streams)], warmup, use_tqdm=False)
     rates: dict[str, list[float]] = {name: [] for name in [*kv_dtypes, *(f"llama.cpp {LLAMA_KV[kv]}"
                                                                         for kv in kv_dtypes if llama_bench)]}
+    probes: dict[str, list[float]] = {kv: [] for kv in kv_dtypes}  # the bandwidth right after each run
     for r in range(repeats):
         for kv, llm in llms.items():
             rates[kv].append(decode_once(llm, context, streams, tokens, seed=100 + r))
+            probes[kv].append(read_bandwidth(repeats=3)["gb_per_s"])
             if llama_bench:
                 rates[f"llama.cpp {LLAMA_KV[kv]}"].append(
                     llama_bench_once(llama_bench, str(model), kv, context, tokens, torch.get_num_threads()))
@@ -113,13 +116,14 @@ def run_decode(model: str | None, kv_dtypes: list[str], *, context: int, streams
             entry |= {"kv_bytes_per_token": per_token, "step_bytes": weights["total_bytes"] + kv_bytes,
                       "kv_step_bytes": kv_bytes, "blocks_back": stats.free_blocks == stats.total_blocks}
             entry["gb_per_s"] = entry["step_bytes"] * entry["median_tok_per_s"] / streams / 1e9
+            # each run against the probe right after it: a shared machine's bandwidth swings within minutes
+            entry["bandwidth_gb_per_s"] = probes[name]
+            entry["fraction_of_bandwidth"] = statistics.median(
+                entry["step_bytes"] * rate / streams / 1e9 / bw for rate, bw in zip(values, probes[name]))
         systems[name] = entry
     for llm in llms.values():
         llm.shutdown()
     bandwidth = read_bandwidth()
-    for entry in systems.values():
-        if "gb_per_s" in entry:
-            entry["fraction_of_bandwidth"] = entry["gb_per_s"] / bandwidth["gb_per_s"]
     return {"model": str(any_llm.model_path), "mode": resolved_mode(any_llm), "environment": environment(),
             "context": context, "streams": streams, "tokens": tokens, "repeats": repeats, "weights": weights,
             "bandwidth": bandwidth, "systems": systems}
@@ -128,11 +132,13 @@ def run_decode(model: str | None, kv_dtypes: list[str], *, context: int, streams
 def format_report(report: dict[str, Any]) -> str:
     """A table: each system's median tok/s with its spread, step bytes and their rate against the bandwidth."""
     base = report["systems"].get("auto", {}).get("median_tok_per_s")
+    probed = [bw for s in report["systems"].values() for bw in s.get("bandwidth_gb_per_s", [])]
     lines = [f"Decode at depth: {Path(report['model']).name}, {report['streams']} stream(s) after "
              f"{report['context']} prompt tokens, {report['tokens']} tokens each, {report['repeats']} repeats "
              f"interleaved; {describe_mode(report['mode'], report['environment'])}, "
              f"{report['environment']['torch_threads']} threads",
-             f"machine read bandwidth {report['bandwidth']['gb_per_s']:.1f} GB/s; weights "
+             f"machine read bandwidth {report['bandwidth']['gb_per_s']:.1f} GB/s at the end, "
+             f"{min(probed):.1f}-{max(probed):.1f} right after the runs (each run's share is against its own); weights "
              f"{report['weights']['total_bytes'] / 2**20:.0f} MiB a step",
              f"{'system':<16}{'tok/s':>8}{'min-max':>16}{'step MiB':>10}{'of it KV':>10}{'GB/s':>7}{'of bw':>7}"
              f"{'vs auto':>9}"]
