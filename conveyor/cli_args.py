@@ -24,6 +24,10 @@ from .tool_parsers import TOOL_PARSERS
 
 MODEL_FIELDS = ("max_model_len", "seed")  # config fields that are model options in vLLM's --help
 SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's short forms of config fields' flags
+# A server's token budget a step unless told (vLLM's CPU server default; `LLM` keeps the config's 512): with
+# requests arriving while others decode, a larger budget finishes prompts in fewer steps, each of which
+# also carries every decoding row (docs/benchmarks.md, "Served").
+SERVE_MAX_BATCH_TOKENS = 2048
 
 
 def token_count(value: str) -> int:
@@ -139,6 +143,9 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
               if getattr(args, f.name, None) is not None}
     if args.no_block_sharing:
         values["allow_block_sharing"] = False
+    serve_default = getattr(args, "serve_max_batch_tokens", None)  # set by add_serve_args
+    if serve_default and "max_batch_tokens" not in values and args.max_num_batched_tokens is None:
+        values["max_batch_tokens"] = serve_default
     config = ContinuousBatchingConfig(**values)  # speculative_config: its JSON text, parsed and validated there
     return with_vllm_engine_args(config, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens,
@@ -187,6 +194,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as --model (vLLM's `vllm serve MODEL`)")
     add_engine_args(parser)
+    parser.set_defaults(serve_max_batch_tokens=SERVE_MAX_BATCH_TOKENS)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     group.add_argument("--port", type=int, default=8000)

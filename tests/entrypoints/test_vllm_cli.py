@@ -11,9 +11,10 @@ import json
 import httpx
 import pytest
 
-from conveyor import LLM
+from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.cli import main
-from conveyor.cli_args import add_engine_args, config_from_args, llm_kwargs_from_args, model_from_args
+from conveyor.cli_args import (SERVE_MAX_BATCH_TOKENS, add_engine_args, config_from_args, llm_kwargs_from_args,
+                               model_from_args)
 from conveyor.errors import ConfigError
 from conveyor.scaleout.launch import forwarded_options
 from conveyor.server import BackgroundServer, ServerSettings
@@ -80,6 +81,16 @@ def test_flags_asking_for_what_we_always_do_are_taken() -> None:
     assert notes == [f"--trust-remote-code: no effect, {ALREADY_SO['--trust-remote-code']}",
                      f"--disable-log-requests: no effect, {ALREADY_SO['--disable-log-requests']}"]
     assert check_vllm_flags(["x", "--", "--tokenizer"]) == (["x", "--", "--tokenizer"], [])  # after --: not flags
+
+
+def test_a_server_takes_a_larger_token_budget_unless_told() -> None:
+    """`conveyor serve` defaults to vLLM's CPU server budget; `generate` and `LLM` keep the config's."""
+    serve, engine = serve_parser(), argparse.ArgumentParser()
+    add_engine_args(engine)
+    assert config_from_args(serve.parse_args([])).max_batch_tokens == SERVE_MAX_BATCH_TOKENS == 2048
+    assert config_from_args(engine.parse_args([])).max_batch_tokens == ContinuousBatchingConfig().max_batch_tokens
+    for argv in (["--max-batch-tokens", "256"], ["--max-num-batched-tokens", "256"]):  # told: no disagreement
+        assert config_from_args(serve.parse_args(argv)).max_batch_tokens == 256
 
 
 def test_vllm_names_on_the_command_line() -> None:
