@@ -9,7 +9,6 @@ import ctypes
 
 import torch
 
-from . import huge_pages
 from .layer_ops import DecodeStack, GroupedExperts
 from .native import I32, I64, P, Native, bind, dtype_code, int64_vector, pointer, require, threads
 
@@ -106,7 +105,7 @@ class MatmulOps(Native):
         require(rows.dtype == torch.uint8 and rows.is_contiguous() and rows.dim() == 2 and rows.shape[1] == row,
                 f"rows must be contiguous uint8 [N, {row}]")
         n = rows.shape[0]
-        out = huge_pages.empty(-(-n // TILE_ROWS), self._tile_bytes(qtype, k))  # decode streams it every step
+        out = torch.empty(-(-n // TILE_ROWS), self._tile_bytes(qtype, k), dtype=torch.uint8)
         self.check(self._repack(rows.data_ptr(), qtype, n, k, out.data_ptr(), threads()))
         return out
 
