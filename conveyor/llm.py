@@ -49,6 +49,9 @@ logger = logging.getLogger("conveyor")
 
 
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+# A pooling model's token budget a step when no config is given: its steps are all prompt tokens, which run
+# faster in larger matmuls (and no decoding row waits behind them).
+POOLING_MAX_BATCH_TOKENS = 2048
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -188,6 +191,8 @@ class LLM(PoolingMethods, LoRAMethods):
                 apply_hf_overrides(checkpoint.config, hf_overrides)
                 task_name = pooling_task(checkpoint.config, runner, convert, task)
                 if task_name is not None:
+                    if given_config is None and max_num_batched_tokens is None:  # prompts only: larger steps
+                        engine_config = replace(config, max_batch_tokens=POOLING_MAX_BATCH_TOKENS)
                     pooler = build_pooler(task_name, checkpoint.config, checkpoint.state_dict, checkpoint.tokenizer,
                                           pooler_settings, checkpoint.pooler_config, self.device)
                 net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization,

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conveyor import LLM, ContinuousBatchingConfig, InvalidRequestError, PoolingParams
 from conveyor.config import ConfigError
+from conveyor.llm import POOLING_MAX_BATCH_TOKENS
 
 from tests.utils import TinyModel, all_free, random_prompts
 
@@ -143,3 +144,19 @@ def test_generating_and_pooling_models_refuse_each_others_calls(tiny_models: dic
     with pytest.raises(ConfigError, match="run on one rank: tensor_parallel_size must be 1"):
         pooling_llm(model, tensor_parallel_size=2)
     assert all_free(pooling) and all_free(generating)
+
+
+def test_a_pooling_model_takes_larger_steps_unless_told(tiny_models: dict[str, TinyModel], one_thread: None) -> None:
+    """No config: `POOLING_MAX_BATCH_TOKENS` (its steps are all prompt tokens); a config or vLLM's name wins."""
+    model = tiny_models["llama"]
+    default = LLM(model.path, dtype="float32", runner="pooling")
+    assert default.engine.config.max_batch_tokens == POOLING_MAX_BATCH_TOKENS > ContinuousBatchingConfig().max_batch_tokens
+    told = LLM(model.path, dtype="float32", runner="pooling", max_num_batched_tokens=64)
+    assert told.engine.config.max_batch_tokens == 64
+    given = LLM(model.path, dtype="float32", runner="pooling", config=ContinuousBatchingConfig(num_blocks=64))
+    assert given.engine.config.max_batch_tokens == ContinuousBatchingConfig().max_batch_tokens
+    prompts = random_prompts([40, 90, 17], seed=2)
+    for a, b in zip(default.embed(prompts, use_tqdm=False), told.embed(prompts, use_tqdm=False)):
+        torch.testing.assert_close(torch.tensor(a.outputs.embedding), torch.tensor(b.outputs.embedding), atol=1e-5,
+                                   rtol=0)
+    assert all_free(default) and all_free(told) and all_free(given)
