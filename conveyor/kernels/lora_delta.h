@@ -234,7 +234,10 @@ void lora_expand(const float* t, const LoRAWeights<Wt>& w, const LoRAGroups& g, 
                 const int64_t nv = block >= 0 ? (o1 - o0) / W : 0;  // whole vectors of one block
                 const float* tb[kLoRARows];
                 Y* yo[kLoRARows];
-                for (int64_t r = 0; r < kLoRARows; ++r) tb[r] = tp[r] + std::max<int64_t>(block, 0) * rank, yo[r] = yp[r] + o0;
+                for (int64_t r = 0; r < kLoRARows; ++r) {
+                    tb[r] = tp[r] + std::max<int64_t>(block, 0) * rank;
+                    yo[r] = yp[r] + o0;
+                }
                 switch (nv) {
                     case 0: break;
                     case 1: lora_detail::expand_tile<1, R>(tb, b + o0, w.out, rank, yo, m); break;

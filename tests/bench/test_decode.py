@@ -31,8 +31,9 @@ def test_reports_each_kv_dtype_and_its_step_bytes(tiny_llama: TinyModel) -> None
         assert entry["step_bytes"] == weights + 2 * (40 + 6 / 2) * entry["kv_bytes_per_token"]
         assert entry["gb_per_s"] == pytest.approx(entry["step_bytes"] * entry["median_tok_per_s"] / 2 / 1e9)
         assert len(entry["bandwidth_gb_per_s"]) == 2 and entry["blocks_back"]
-        assert entry["fraction_of_bandwidth"] == pytest.approx(statistics.median(
-            entry["step_bytes"] * rate / 2 / 1e9 / bw for rate, bw in zip(entry["tok_per_s"], entry["bandwidth_gb_per_s"])))
+        shares = [entry["step_bytes"] * rate / 2 / 1e9 / bw
+                  for rate, bw in zip(entry["tok_per_s"], entry["bandwidth_gb_per_s"])]
+        assert entry["fraction_of_bandwidth"] == pytest.approx(statistics.median(shares))
     lines = format_report(report).splitlines()
     assert lines[3].startswith("auto") and lines[4].startswith("int8") and lines[3].endswith("1.00x")
 

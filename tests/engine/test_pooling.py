@@ -150,7 +150,8 @@ def test_a_pooling_model_takes_larger_steps_unless_told(tiny_models: dict[str, T
     """No config: `POOLING_MAX_BATCH_TOKENS` (its steps are all prompt tokens); a config or vLLM's name wins."""
     model = tiny_models["llama"]
     default = LLM(model.path, dtype="float32", runner="pooling")
-    assert default.engine.config.max_batch_tokens == POOLING_MAX_BATCH_TOKENS > ContinuousBatchingConfig().max_batch_tokens
+    budget = default.engine.config.max_batch_tokens
+    assert budget == POOLING_MAX_BATCH_TOKENS > ContinuousBatchingConfig().max_batch_tokens
     told = LLM(model.path, dtype="float32", runner="pooling", max_num_batched_tokens=64)
     assert told.engine.config.max_batch_tokens == 64
     given = LLM(model.path, dtype="float32", runner="pooling", config=ContinuousBatchingConfig(num_blocks=64))
