@@ -157,7 +157,6 @@ class DecodeStack {
         CONVEYOR_CHECK(dtype == conveyor::kF32 || dtype == conveyor::kBF16, "adapter weights must be fp32 or bf16");
         L.lora[p] = LoRAProjection{a, b, slice_rows, slice_block, n_slices, rank, blocks, lin[p]->K, lin[p]->N, dtype};
         lora_width_ = std::max(lora_width_, rank * blocks);
-        lora_rank_ = std::max(lora_rank_, rank);
     }
 
     // x [B, hidden] fp32, updated in place; cos/sin [B, D] fp32; per layer its KV cache [2, slots, Hkv,
@@ -381,7 +380,7 @@ class DecodeStack {
     int64_t max_rows_;
     std::vector<Layer> layers_;
     std::vector<float> xn_, qkv_, attn_, mid_, act_, out_;
-    int64_t lora_width_ = 0, lora_rank_ = 0;  // the widest adapter t row and largest rank set
+    int64_t lora_width_ = 0;                   // the widest adapter t row set
     std::vector<float> lora_t_;                // the shrink's output, [grouped rows, lora_width_]
     Activations act_hidden_, act_attn_, act_inter_;
 };

@@ -110,24 +110,32 @@ inline void store_w(bf16* p, vecw v) {  // v holds bf16 values: exact
 #endif
 }
 
-// t[r][0, n) = sum over i < in of x[r][i] * at[i * width + (0, n)], for NV vectors of columns (the last
-// may be partial); rows [m, kLoRARows) repeat row m - 1 and are not stored.
+// acc[r][v] = the sum over k < depth of x[r][k] * w[k * ld + v * W + (0, W)], in order over k, one
+// rounding per multiply-add; n columns of w (the last vector may be partial: nothing past n is read).
+// The shrink and the expand are both this product of a tile of rows with a block of weight vectors.
 template <int NV, typename X, typename Wt>
-void shrink_tile(const X* const* x, const Wt* at, int64_t width, int64_t in, int64_t n, float* const* t, int64_t m) {
+void tile_products(const X* const* x, const Wt* w, int64_t ld, int64_t depth, int64_t n, vecw (&acc)[kLoRARows][NV]) {
     const int64_t full = n / W, part = n - full * W;
-    vecw acc[kLoRARows][NV] = {};
-    for (int64_t i = 0; i < in; ++i) {
-        const Wt* ai = at + i * width;
+    for (int64_t k = 0; k < depth; ++k) {
+        const Wt* wk = w + k * ld;
         vecw col[NV];
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) col[v] = v < full ? loadw(ai + v * W) : load_part(ai + v * W, part);
+        for (int v = 0; v < NV; ++v) col[v] = v < full ? loadw(wk + v * W) : load_part(wk + v * W, part);
 #pragma GCC unroll 4
         for (int r = 0; r < kLoRARows; ++r) {
-            const vecw xi = splat(to_float(x[r][i]));
+            const vecw xk = splat(to_float(x[r][k]));
 #pragma GCC unroll 4
-            for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(xi, col[v], acc[r][v]);
+            for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(xk, col[v], acc[r][v]);
         }
     }
+}
+
+// t[r][0, n) = A^T's columns [0, n) (at, rows of `width`) times x[r] over `in`, for NV vectors of columns;
+// rows [m, kLoRARows) repeat row m - 1 and are not stored.
+template <int NV, typename X, typename Wt>
+void shrink_tile(const X* const* x, const Wt* at, int64_t width, int64_t in, int64_t n, float* const* t, int64_t m) {
+    vecw acc[kLoRARows][NV] = {};
+    tile_products(x, at, width, in, n, acc);
     for (int64_t r = 0; r < m; ++r)
         for (int v = 0; v < NV; ++v) {
             float out[W];
@@ -140,17 +148,7 @@ void shrink_tile(const X* const* x, const Wt* at, int64_t width, int64_t in, int
 template <int NV, typename R, typename Wt, typename Y>
 void expand_tile(const float* const* t, const Wt* b, int64_t out, int64_t rank, Y* const* y, int64_t m) {
     vecw acc[kLoRARows][NV] = {};
-    for (int64_t k = 0; k < rank; ++k) {
-        vecw bk[NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) bk[v] = loadw(b + k * out + v * W);
-#pragma GCC unroll 4
-        for (int r = 0; r < kLoRARows; ++r) {
-            const vecw tk = splat(t[r][k]);
-#pragma GCC unroll 4
-            for (int v = 0; v < NV; ++v) acc[r][v] = fmadd(tk, bk[v], acc[r][v]);
-        }
-    }
+    tile_products(t, b, out, rank, NV * W, acc);
     for (int64_t r = 0; r < m; ++r)
         for (int v = 0; v < NV; ++v) store_w(y[r] + v * W, round_w<R>(loadw(y[r] + v * W) + acc[r][v]));
 }

@@ -18,10 +18,11 @@ With multi-LoRA (`attach_lora`), steps whose rows have adapters stay on the stac
 base projection, with the per-layer kernel's code (`kernels/lora_delta.h`), so the bits are the eager
 LoRA path's. Per step the host passes the `LoRABatch`'s grouped rows, nothing per layer.
 
-Its threads meet at 8 barriers a layer (12 in a step with adapter rows), so when another process takes a core a barrier waits for
-a descheduled thread's next time slice: on this 2-core machine a step went from 5.6 ms to 1.3 s
-with one busy neighbour. `ThreadChooser` times the stack and keeps whichever thread count (torch's,
-or one thread, which has no barriers) measured faster lately, trying the other now and then.
+Its threads meet at 8 barriers a layer (adapter rows add none, but one when a step has fewer rows
+than threads), so when another process takes a core a barrier waits for a descheduled thread's next
+time slice: on this 2-core machine a step went from 5.6 ms to 1.3 s with one busy neighbour.
+`ThreadChooser` times the stack and keeps whichever thread count (torch's, or one thread, which has no
+barriers) measured faster lately, trying the other now and then.
 """
 
 from __future__ import annotations
