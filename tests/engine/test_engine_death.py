@@ -174,7 +174,11 @@ def test_conveyor_serve_exits_1_after_answering_in_flight_requests(tiny_dir: Pat
         assert rest[-1] == "data: [DONE]" and CAUSE in json.loads(rest[-2][6:])["error"]["message"]
         assert proc.wait(60) == 1
         prober.join(10)
-        assert health[0] == 200 and health[-1] == 503 and set(health) == {200, 503}, health
+        # 200 until the death, then 503 until the port closes: the 503 window lasts until uvicorn's next tick
+        # (<= 0.1 s) once nothing is in flight, so a loaded machine may not catch it; the in-process test above
+        # checks the 503 itself.
+        first_503 = health.index(503) if 503 in health else len(health)
+        assert health[0] == 200 and set(health[:first_503]) == {200} and set(health[first_503:]) <= {503}, health
         text = log.read_text()
         assert "engine loop died" in text and CAUSE in text
     finally:
