@@ -16,15 +16,12 @@
 // arithmetic is the same whichever thread runs it. The context itself is not split across threads:
 // a flash-decoding split would combine partial softmaxes in an order prefill does not have.
 //
-// Decode reads every cached K and V row once per step and does little arithmetic on it (at 64 rows
-// of ~200 tokens, ~10 MB a layer): its time is the memory's, plus whatever arithmetic the memory
-// does not hide. So the memory streams while the arithmetic runs: each block's K and V rows are
-// prefetched into L2 (prefetcht2) kPrefetchBlocks key blocks ahead, the prefetches of a block split
-// over its kv heads' passes so they spread through the arithmetic. Measured on one core with K/V
-// from DRAM (int8, 16k positions, 4 of 8 kv heads): 1.7-1.8 ms a layer against 2.2-2.4 ms for the
-// earlier design, a loop of plain loads pulling a 256 KB chunk into L2 before using it (that loop
-// streamed ~10 GB/s, but the arithmetic then ran on its own); distances of 1 to 16 blocks measured
-// alike, prefetcht0 was slower than either.
+// Decode reads every cached K and V row once per step and does little arithmetic on it: its time is
+// the memory's, plus whatever arithmetic the memory does not hide. So the memory streams while the
+// arithmetic runs: each position's K and V rows are prefetched into L2 (prefetcht2) kPrefetchBlocks
+// key blocks ahead, one position every few keys of the value sums (`block_values`' `each_key`), so
+// that the prefetches never queue up in a burst (a burst fills the core's miss buffers and the
+// prefetch instruction itself then waits). docs/benchmarks.md has the measurements.
 #pragma once
 
 #include "attention_blocks.h"
@@ -130,13 +127,15 @@ inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, 
 // o[c] = fmadd(p[c][i], v_i, o[c]) for key lanes i in [lo, hi) in order, C query heads at once (o: [C][J * W],
 // as `value_vectors` lays a row out; p: [C][kKeyBlock]); v_i is rows[i] + offset (D values, widened;
 // int8 rows: p already times the row's scale, attention_blocks.h).
-template <bool Pairs, bool Full, typename T, int C, int J>
+// `each_key(i)` runs before key i's products (the caller's prefetches, spread through the arithmetic).
+template <bool Pairs, bool Full, typename T, int C, int J, typename F>
 inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64_t hi, int64_t D, const float* p,
-                         float* o) {
+                         float* o, F&& each_key) {
     vecw a[C][J];
     for (int c = 0; c < C; ++c)
         for (int j = 0; j < J; ++j) a[c][j] = loadw(o + (c * J + j) * W);
     for (int64_t i = lo; i < hi; ++i) {
+        each_key(i);
         vecw v[J];
         value_vectors<Pairs, Full, T, J>(rows[i] + offset, D, v);
 #pragma GCC unroll 8
@@ -248,8 +247,8 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     const T* zero = reinterpret_cast<const T*>(sc.zero.data());
 
     // The memory streams while the arithmetic runs: rows are prefetched into L2 kPrefetchBlocks blocks
-    // ahead, each block's rows split over its kv heads' passes, so the prefetches spread through the
-    // arithmetic instead of waiting in a burst.
+    // ahead, each block's positions split over its kv heads' passes and, within a pass, one position
+    // every few keys of its value sums.
     const int64_t row_bytes = nh * Dr * static_cast<int64_t>(sizeof(T));
     constexpr int64_t ahead = kPrefetchBlocks * kKeyBlock;  // positions
     prefetch_rows(kc, vc, sc.slot.data(), 0, std::min(len, ahead), row_bytes);
@@ -265,8 +264,13 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
         }
         const int64_t nv = (hi + W - 1) / W;
         for (int64_t h = 0; h < nh; ++h) {
-            prefetch_rows(kc, vc, sc.slot.data(), t0 + ahead + h * kKeyBlock / nh,
-                          std::min(len, t0 + ahead + (h + 1) * kKeyBlock / nh), row_bytes);
+            // This pass prefetches positions [next, end): one every `stride` keys of its value sums.
+            int64_t next = std::min(len, t0 + ahead + h * kKeyBlock / nh);
+            const int64_t end = std::min(len, t0 + ahead + (h + 1) * kKeyBlock / nh);
+            const int64_t stride = std::max<int64_t>(1, (hi - lo) / std::max<int64_t>(1, end - next));
+            const auto each_key = [&](int64_t i) {
+                if (next < end && (i - lo) % stride == 0) prefetch_rows(kc, vc, sc.slot.data(), next, next + 1, row_bytes), ++next;
+            };
             for (int64_t g0 = 0; g0 < G; g0 += GK) {
                 const int64_t r = h * G + g0;
                 const Int8Query qi{sc.qi.data() + r * nq, nq, sc.qsum.data() + r, sc.qs.data() + r};
@@ -287,10 +291,11 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                     const int64_t r0 = h * G + g0;
                     const float* pr = sc.p.data() + r0 * kKeyBlock;
                     float* orow = sc.o.data() + r0 * Dp;
-                    if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow);
-                    else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow);
-                    else block_values<false, false, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow);
+                    if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
+                    else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
+                    else block_values<false, false, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
                 });
+            if (next < end) prefetch_rows(kc, vc, sc.slot.data(), next, end, row_bytes);
         }
         t0 = t1;
     }
