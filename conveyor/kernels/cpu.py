@@ -23,6 +23,18 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@cache
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD", ...); empty where it cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def vector_flags() -> list[str]:
     """The vector-instruction flags of this CPU that matter to the kernels, for logs and figures."""
     return [f for f in VECTOR_FLAGS if f in cpu_flags()]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels import cpu_flags, cpu_matmul_ops
+from conveyor.kernels import cpu_flags, cpu_matmul_ops, cpu_vendor
 from conveyor.layers.quantization.linear import (
     BF16_KERNEL_MAX_ROWS,
     QuantEmbedding,
@@ -196,6 +196,15 @@ def test_bf16_kernel_rows_follow_the_cpu() -> None:
         matmul = QuantMatmul([quantize_int4(torch.randn(32, 64))])
         assert matmul.takes_kernel(4096, torch.float32)
         assert matmul.takes_kernel(4096, torch.bfloat16) == (limit is None)
+    # Dense bf16 weights run on the tiles' fp32 FMAs: oneDNN's bf16 matmul takes big inputs also where
+    # vdpbf16ps keeps the FMA's rate (AMD's avx512_bf16), while quantized weights stay on the int8 kernel.
+    flags, dense_limit = cpu_flags(), bf16_kernel_max_rows(dense=True)
+    full_rate = "amx_bf16" in flags or ("avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD")
+    assert dense_limit == (BF16_KERNEL_MAX_ROWS if full_rate else None)
+    if matmul_ops() is not None:
+        dense = QuantMatmul([bf16_rows(torch.randn(32, 64))])
+        assert dense.takes_kernel(BF16_KERNEL_MAX_ROWS, torch.bfloat16)
+        assert dense.takes_kernel(4096, torch.bfloat16) == (dense_limit is None)
 
 
 def test_quant_embedding_rows() -> None:
@@ -291,7 +300,8 @@ def test_fused_argmax_equals_argmax_of_the_matmul(ops, qtype: int, rows: int, ou
             assert torch.equal(matmul.argmax(x), matmul(x).argmax(dim=-1)), n
     finally:
         torch.set_num_threads(threads)
-    assert matmul.argmax(x.bfloat16()).shape == (rows,)
+    fused = matmul.argmax(x.bfloat16())  # fused where the kernel takes this many bf16 rows (`bf16_kernel_max_rows`)
+    assert (fused.shape == (rows,)) if matmul.takes_kernel(rows, torch.bfloat16) else (fused is None)
     with_bias = QuantMatmul([w], bias=torch.zeros(out_rows))
     assert with_bias.argmax(x) is None  # not fused: the kernel takes no bias
 
