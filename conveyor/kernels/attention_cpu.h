@@ -21,7 +21,9 @@
 // arithmetic runs: each position's K and V rows are prefetched into L2 (prefetcht2) kPrefetchBlocks
 // key blocks ahead, one position every few keys of the value sums (`block_values`' `each_key`), so
 // that the prefetches never queue up in a burst (a burst fills the core's miss buffers and the
-// prefetch instruction itself then waits). docs/benchmarks.md has the measurements.
+// prefetch instruction itself then waits). A thread's next run (`DecodeScratch::next`) is prefetched
+// the same way during this one's last blocks: a batch of short requests streams as one long one
+// instead of starting each on a cold cache. docs/benchmarks.md has the measurements.
 #pragma once
 
 #include "attention_blocks.h"
@@ -36,8 +38,23 @@
 
 namespace conveyor {
 
+// A run of a request's kv heads as a thread attends it: its block table, length, first position, ring
+// (0: none) and first kv head. Equal runs are the same run.
+struct DecodeRun {
+    const int64_t* table = nullptr;
+    int64_t len = 0, first = 0, ring = 0, h0 = 0;
+    bool operator==(const DecodeRun&) const = default;
+};
+
 // A thread's buffers for `attend_request`, reused across calls.
 struct DecodeScratch {
+    // Set by the caller before each call: the run this thread attends next in the same cache (none:
+    // table nullptr). Its first positions are prefetched during this run's last blocks, so that a short
+    // request does not start on a cold cache (`warm`: the run announced last time and how many of its
+    // first positions were prefetched).
+    DecodeRun next;
+    DecodeRun announced;
+    int64_t warm = 0;
     std::vector<float> q, o, p, m, l;  // scaled queries, output sums, a block's probabilities, max, sum
     std::vector<int32_t> qi, qsum;      // int8 keys: the queries quantized (`quantize_query`), their sums
     std::vector<float> qs;              // and scales
@@ -47,7 +64,7 @@ struct DecodeScratch {
 
 namespace detail {
 constexpr int kRegisters = W == 16 ? 30 : 14;  // vector registers the products may hold
-constexpr int64_t kPrefetchBlocks = 4;          // how far ahead K and V rows are prefetched, in key blocks
+constexpr int64_t kPrefetchBlocks = 2;          // how far ahead K and V rows are prefetched, in key blocks
 
 // f(std::integral_constant<int, n>{}) for a runtime n in [1, N].
 template <int N, typename F>
@@ -163,6 +180,17 @@ __attribute__((always_inline)) inline void prefetch_rows(const T* kc, const T* v
         }
 }
 
+// Each of the first n positions' row offset in the cache (rows of `row` values, head rows of Dr) for
+// `run`: position first + t at slot index first + t (or its remainder by the ring), its kv head h0's row.
+inline void slot_offsets(const DecodeRun& run, int64_t n, int64_t page, int64_t row, int64_t Dr, int64_t* out) {
+    int64_t i = run.ring > 0 ? run.first % run.ring : run.first, b = i / page, o = i % page;
+    for (int64_t t = 0; t < n; ++t) {
+        out[t] = (run.table[b] * page + o) * row + run.h0 * Dr;
+        if (++i == run.ring) i = b = o = 0;  // the ring wraps around
+        else if (++o == page) o = 0, ++b;
+    }
+}
+
 constexpr int GK = W == 16 ? 8 : 4;  // query heads per pass over K rows
 
 // A query's form for int8 keys (attention_blocks.h): values as quads (nq words a head), sums, scales.
@@ -222,13 +250,13 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     const int64_t nh = h1 - h0, heads = nh * G;
     const bool pairs = kPairs<T> && D == Dp && J % 2 == 0;
     const int64_t Dr = head_row<T>(D);  // a head's row in the cache (int8: its scale after the values)
-    sc.slot.resize(len);
-    int64_t i = ring > 0 ? first % ring : first, b = i / page, o = i % page;  // slot index of position first + t
-    for (int64_t t = 0; t < len; ++t) {
-        sc.slot[t] = (table[b] * page + o) * Hkv * Dr + h0 * Dr;
-        if (++i == ring) i = b = o = 0;  // the ring wraps around
-        else if (++o == page) o = 0, ++b;
-    }
+    // Row offsets of this run's positions, then of the next run's first `ahead` (prefetched only).
+    constexpr int64_t ahead = kPrefetchBlocks * kKeyBlock;  // positions
+    const DecodeRun run{table, len, first, ring, h0};
+    const int64_t extra = sc.next.table ? std::min(ahead, sc.next.len) : 0, npf = len + extra;
+    sc.slot.resize(npf);
+    slot_offsets(run, len, page, Hkv * Dr, Dr, sc.slot.data());
+    if (extra > 0) slot_offsets(sc.next, extra, page, Hkv * Dr, Dr, sc.slot.data() + len);
     sc.q.assign(heads * Dp, 0.f);
     for (int64_t r = 0; r < heads; ++r)
         for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
@@ -248,10 +276,11 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
 
     // The memory streams while the arithmetic runs: rows are prefetched into L2 kPrefetchBlocks blocks
     // ahead, each block's positions split over its kv heads' passes and, within a pass, one position
-    // every few keys of its value sums.
+    // every few keys of its value sums; past this run's end, the next run's (as many kv heads' rows as
+    // this run's). Positions [0, done) are prefetched (by the last call, if it announced this run).
     const int64_t row_bytes = nh * Dr * static_cast<int64_t>(sizeof(T));
-    constexpr int64_t ahead = kPrefetchBlocks * kKeyBlock;  // positions
-    prefetch_rows(kc, vc, sc.slot.data(), 0, std::min(len, ahead), row_bytes);
+    int64_t done = std::min(npf, ahead);
+    prefetch_rows(kc, vc, sc.slot.data(), sc.announced == run ? std::min(sc.warm, done) : 0, done, row_bytes);
     const T *krows[kKeyBlock], *vrows[kKeyBlock];
     for (int64_t t0 = 0; t0 < len;) {
         // A block: positions [p0, p0 + kKeyBlock); its lanes [lo, hi) hold positions first + t0, ...
@@ -265,8 +294,8 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
         const int64_t nv = (hi + W - 1) / W;
         for (int64_t h = 0; h < nh; ++h) {
             // This pass prefetches positions [next, end): one every `stride` keys of its value sums.
-            int64_t next = std::min(len, t0 + ahead + h * kKeyBlock / nh);
-            const int64_t end = std::min(len, t0 + ahead + (h + 1) * kKeyBlock / nh);
+            int64_t next = std::max(done, std::min(npf, t0 + ahead + h * kKeyBlock / nh));
+            const int64_t end = std::min(npf, t0 + ahead + (h + 1) * kKeyBlock / nh);
             const int64_t stride = std::max<int64_t>(1, (hi - lo) / std::max<int64_t>(1, end - next));
             const auto each_key = [&](int64_t i) {
                 if (next < end && (i - lo) % stride == 0) prefetch_rows(kc, vc, sc.slot.data(), next, next + 1, row_bytes), ++next;
@@ -296,9 +325,12 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                     else block_values<false, false, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
                 });
             if (next < end) prefetch_rows(kc, vc, sc.slot.data(), next, end, row_bytes);
+            done = std::max(done, end);
         }
         t0 = t1;
     }
+    sc.announced = sc.next;
+    sc.warm = std::max<int64_t>(0, done - len);
     for (int64_t r = 0; r < heads; ++r) {
         const float inv = 1.f / sc.l[r];
         const float* o_r = sc.o.data() + r * Dp;

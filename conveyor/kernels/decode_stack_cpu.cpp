@@ -275,10 +275,13 @@ class DecodeStack {
                 // which projections add adapter deltas this step (their bias and rounding then come with them)
                 bool adapted[4];
                 for (int p = 0; p < 4; ++p) adapted[p] = in.lora.n_groups > 0 && L.lora[p].a != nullptr;
-                const auto attend = [&](int64_t b, int64_t g0, int64_t g1) {  // kv heads [g0, g1) of row b
-                    const int64_t first = window > 0 ? pos[b] - len[b] + 1 : 0;  // a ring holds the window's positions
+                const auto first = [&](int64_t b) { return window > 0 ? pos[b] - len[b] + 1 : 0; };  // a ring's first
+                // kv heads [g0, g1) of row b, then (its first rows prefetched meanwhile) row nb's from 0, if nb < B
+                const auto attend = [&](int64_t b, int64_t g0, int64_t g1, int64_t nb) {
+                    scratch.next = nb < B ? conveyor::DecodeRun{bt + nb * width, len[nb], first(nb), window, 0}
+                                          : conveyor::DecodeRun{};
                     conveyor::attend_request<C>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
-                                                first, window, page, Hkv_, D_, G, g0, g1, scale, 0.f, nullptr, scratch,
+                                                first(b), window, page, Hkv_, D_, G, g0, g1, scale, 0.f, nullptr, scratch,
                                                 attn_.data() + b * qd + g0 * G * D_);
                     round_row<T>(attn_.data() + b * qd + g0 * G * D_, (g1 - g0) * G * D_);
                 };
@@ -306,11 +309,11 @@ class DecodeStack {
                 if (by_rows && shared_rows) {  // a row may read what another thread's row stores
                     for (int64_t b = r0; b < r1; ++b) rope_and_store(b);
 #pragma omp barrier
-                    for (int64_t b = r0; b < r1; ++b) attend(b, 0, Hkv_);
+                    for (int64_t b = r0; b < r1; ++b) attend(b, 0, Hkv_, b + 1 < r1 ? b + 1 : B);
                 } else if (by_rows) {
                     for (int64_t b = r0; b < r1; ++b) {
                         rope_and_store(b);
-                        attend(b, 0, Hkv_);
+                        attend(b, 0, Hkv_, b + 1 < r1 ? b + 1 : B);
                     }
                 } else {
                     if (tid == 0)
@@ -319,7 +322,7 @@ class DecodeStack {
                     const int64_t pairs = B * Hkv_, p0 = pairs * tid / nt, p1 = pairs * (tid + 1) / nt;
                     for (int64_t p = p0; p < p1;) {  // runs of kv heads of one row
                         const int64_t b = p / Hkv_, g1 = std::min(p1, (b + 1) * Hkv_);
-                        attend(b, p % Hkv_, g1 - b * Hkv_);
+                        attend(b, p % Hkv_, g1 - b * Hkv_, g1 < p1 ? b + 1 : B);
                         p = g1;
                     }
 #pragma omp barrier

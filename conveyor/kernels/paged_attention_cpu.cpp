@@ -60,8 +60,10 @@ void decode(const Q* qp, const T* kp, const T* vp, const int64_t* bt, const int6
                 ob = of.data();
             }
             // A sliding window's ring holds positions [position - len + 1, position], p at slot p % window.
-            const int64_t first = window > 0 ? positions[b] - lens[b] + 1 : 0;
-            attend_request<T>(qb, kp, vp, bt + b * max_blocks, lens[b], first, window, page_size, Hkv, D, G, h0, h1,
+            const auto first = [&](int64_t r) { return window > 0 ? positions[r] - lens[r] + 1 : 0; };
+            const int64_t nb = b + 1;  // the next run: row nb's kv heads from 0, if this thread has it
+            scratch.next = nb * Hkv < end ? DecodeRun{bt + nb * max_blocks, lens[nb], first(nb), window, 0} : DecodeRun{};
+            attend_request<T>(qb, kp, vp, bt + b * max_blocks, lens[b], first(b), window, page_size, Hkv, D, G, h0, h1,
                               scale, cap, sinks, scratch, ob);
             if constexpr (!fp32)
                 for (int64_t i = 0; i < n; ++i) op[at + i] = bf16(of[i]);
