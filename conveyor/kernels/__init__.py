@@ -18,7 +18,7 @@ from functools import cache
 
 from .attention_ops import PagedAttentionOps
 from .build import KERNELS, PEAKS, Library
-from .cpu import cpu_flags, cpu_vendor, vector_flags
+from .cpu import cpu_flags, vector_flags
 from .fused_ops import FusedOps
 from .lora_ops import LoRAOps
 from .matmul_ops import MatmulOps
@@ -26,8 +26,8 @@ from .native import Native, load, native_kernels_enabled
 from .peak_ops import PeakOps
 from .sampling_ops import SamplingOps
 
-__all__ = ["cpu_flags", "cpu_vendor", "vector_flags", "native_kernels_enabled", "cpu_paged_attention",
-           "cpu_fused_ops", "cpu_matmul_ops", "cpu_sampling_ops", "cpu_lora_ops", "cpu_peak_ops", "build_all"]
+__all__ = ["cpu_flags", "vector_flags", "native_kernels_enabled", "cpu_paged_attention", "cpu_fused_ops",
+           "cpu_matmul_ops", "cpu_sampling_ops", "cpu_lora_ops", "cpu_peak_ops", "build_all"]
 
 
 def _wrapper(library: Library, kind: Callable[..., Native]) -> Callable[[], Native | None]:

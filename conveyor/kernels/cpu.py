@@ -28,12 +28,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(_cpuinfo("flags").split())
 
 
-@cache
-def cpu_vendor() -> str:
-    """The CPU's vendor_id ("GenuineIntel", "AuthenticAMD", ...); empty where it cannot be read."""
-    return _cpuinfo("vendor_id")
-
-
 def vector_flags() -> list[str]:
     """The vector-instruction flags of this CPU that matter to the kernels, for logs and figures."""
     return [f for f in VECTOR_FLAGS if f in cpu_flags()]

@@ -226,7 +226,7 @@ class DecodeStack {
         const float* sp = in.sin;
         const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
         for (auto [act, K] : {std::pair{&act_hidden_, hidden_}, {&act_attn_, qd}, {&act_inter_, inter_}})
-            act->shape(B, K), act->shape_floats(B, K);
+            act->shape(B, K), act->shape_floats(B, K, std::is_same_v<T, conveyor::bf16>);  // rows rounded to T
         const int nt_wanted = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, 64)));
 #pragma omp parallel num_threads(nt_wanted)
         {

@@ -97,7 +97,7 @@ void quantize_typed(const T* x, int64_t ldx, int64_t M, int64_t K, Activations& 
 
 void prepare_activations(const void* x, int dtype, int64_t M, int64_t K, int64_t ldx, int64_t type, Activations& a) {
     if (is_dense(type)) {
-        a.shape_floats(M, K);
+        a.shape_floats(M, K, dtype == kBF16);
         parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
             for (int64_t m = m0; m < m1; ++m) {
                 if (dtype == kF32) a.set_floats(m, static_cast<const float*>(x) + m * ldx);
@@ -264,6 +264,9 @@ CONVEYOR_API int conveyor_dequantize_matrix(const uint8_t* weight, int64_t type,
 // type the kernels do not take.
 CONVEYOR_API int64_t conveyor_row_bytes(int64_t type, int64_t K) { return is_kernel_type(type) ? row_bytes(type, K) : -1; }
 CONVEYOR_API int64_t conveyor_tile_bytes(int64_t type, int64_t K) { return is_kernel_type(type) ? tile_bytes(type, K) : -1; }
+
+// Whether dense bf16 tiles multiply bf16 pairs by vdpbf16ps on this CPU (`bf16_pair_products`, quant.h).
+CONVEYOR_API int conveyor_bf16_pair_products() { return bf16_pair_products() ? 1 : 0; }
 
 // The instruction set the kernels were compiled for.
 CONVEYOR_API const char* conveyor_isa() {

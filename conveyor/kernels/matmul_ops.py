@@ -28,6 +28,7 @@ class MatmulOps(Native):
         self._row_bytes = bind(lib, "conveyor_row_bytes", I64, I64, I64)
         self._tile_bytes = bind(lib, "conveyor_tile_bytes", I64, I64, I64)
         self._isa = bind(lib, "conveyor_isa", ctypes.c_char_p)
+        self._pairs = bind(lib, "conveyor_bf16_pair_products", I32)
         self._tile_sizes: dict[tuple[int, int], int] = {}  # (type, K) -> tile bytes, asked once
 
     def DecodeStack(self, *args: float) -> DecodeStack:  # noqa: N802 (a constructor, as the class it returns)
@@ -48,6 +49,11 @@ class MatmulOps(Native):
     def isa(self) -> str:
         """The instruction set the kernels were compiled for (e.g. "avx512-vnni+avx512-bf16")."""
         return self._isa().decode()
+
+    def bf16_pair_products(self) -> bool:
+        """Whether dense bf16 tiles multiply bf16 inputs two products an instruction (vdpbf16ps, where it runs
+        at the FMA's rate: AMD's avx512_bf16) instead of widening the weights for fp32 FMAs."""
+        return bool(self._pairs())
 
     def _tiles(self, weight: torch.Tensor, qtype: int, k: int, n: int) -> int:
         """Checks that `weight` holds n rows of k elements of `qtype` as tiles; its number of tiles."""

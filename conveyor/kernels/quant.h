@@ -109,26 +109,51 @@ constexpr int64_t kPackRows = 4;
 // scale per 16 weights, Q2_K, Q3_K and Q6_K, whose offsets of -4 and -32 are that divided by 32 and 4).
 //
 // For dense (BF16, F32) weights the activations stay fp32, packed the same way value by value (`f`: value k of row
-// i of a group of r rows at k * r + i): `shape_floats`, then `set_floats` per row.
+// i of a group of r rows at k * r + i): `shape_floats`, then `set_floats` per row. Where BF16 tiles
+// multiply by vdpbf16ps (`bf16_pair_products`) and the rows hold bf16 values (so nothing is rounded),
+// they are also packed as bf16 pairs (`bp`: the 32-bit word of values 2j, 2j + 1 of row i at j * r + i).
+// Whether BF16 tiles multiply bf16 pairs by vdpbf16ps (two products an instruction), where it runs at
+// the FMA's rate: AMD's avx512_bf16 (Zen 4 on). Intel's AVX512-BF16 without AMX runs it at half rate,
+// no faster than the fp32 FMAs of the widened weights.
+inline bool bf16_pair_products() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    static const bool amd = __builtin_cpu_is("amd");
+    return amd;
+#else
+    return false;
+#endif
+}
+
 struct Activations {
     int64_t M = 0, K = 0, nb = 0;
+    bool pairs = false;  // `bp` holds the rows as bf16 pairs too
     std::vector<int8_t> q;
     std::vector<float> d, s32, f;
+    std::vector<uint32_t> bp;
     std::vector<int32_t> neg8, neg128, neg128h;
     void shape(int64_t rows, int64_t cols) {
         M = rows, K = cols, nb = cols / QK;
         q.resize(M * K), d.resize(M * nb), s32.resize(M * nb), neg8.resize(M * nb), neg128.resize(M * nb);
         neg128h.resize(M * nb * 2);
     }
-    void shape_floats(int64_t rows, int64_t cols) {
+    // bf16_values: the rows will hold bf16 values (bf16 inputs, or fp32 ones rounded to bf16).
+    void shape_floats(int64_t rows, int64_t cols, bool bf16_values = false) {
         M = rows, K = cols, nb = cols / QK;
         f.resize(M * K);
+        pairs = bf16_values && cols % 2 == 0 && bf16_pair_products();
+        if (pairs) bp.resize(M * K / 2);
     }
     template <typename T>
     void set_floats(int64_t m, const T* x) {
         const int64_t g0 = group_start(m), r = group_rows(g0);
         float* dst = f.data() + g0 * K + (m - g0);
         for (int64_t k = 0; k < K; ++k) dst[k * r] = static_cast<float>(x[k]);
+        if (pairs) {
+            uint32_t* pd = bp.data() + g0 * K / 2 + (m - g0);
+            for (int64_t j = 0; j < K / 2; ++j)
+                pd[j * r] = static_cast<uint32_t>(bf16::from_float(static_cast<float>(x[2 * j]))) |
+                            static_cast<uint32_t>(bf16::from_float(static_cast<float>(x[2 * j + 1]))) << 16;
+        }
     }
     // The group of row m: its first row and its number of rows.
     static int64_t group_start(int64_t m) { return m / kPackRows * kPackRows; }

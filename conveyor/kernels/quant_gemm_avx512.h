@@ -33,9 +33,10 @@ inline void scale_into(const __m512i* dot, __m512 wd, const float* xd, __m512* a
 }
 
 // Dense tiles (W = bf16 or float): per input k, the tile's 16 weights (bf16 widened to fp32, a shift)
-// and one FMA per activation row, broadcast from the packed fp32 group. vdpbf16ps would take bf16
-// activations, but it runs at half the FMA rate on the AVX-512 Xeons measured here (`bench/peaks.py`:
-// bf16-avx512 82 GFLOP/s a core, fp32-fma 163).
+// and one FMA per activation row, broadcast from the packed fp32 group. Over bf16 activations on CPUs
+// where vdpbf16ps keeps the FMA's rate, bf16 tiles take `dense_pairs_pass` instead (two products an
+// instruction); on Intel's AVX-512 Xeons without AMX it runs at half that rate (`tools/roofline`'s
+// peaks: bf16-avx512 82 GFLOP/s a core, fp32-fma 163), no faster than this.
 template <typename W, int MR>
 void dense_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefetch, __m512* acc) {
 #pragma GCC unroll 16
@@ -50,6 +51,29 @@ void dense_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool pref
         for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[i]), acc[i]);
     }
 }
+
+#if defined(__AVX512BF16__)
+// BF16 tiles against bf16 pairs (`Activations::bp`, where `bf16_pair_products`): per two inputs k, k + 1
+// the tile's two rows of 16 weights, interleaved into pairs by one permute, and one vdpbf16ps per
+// activation row (its pair broadcast): the products are exact, each added as by an FMA.
+template <int MR>
+void dense_pairs_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefetch, __m512* acc) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    const uint32_t* x = a.bp.data() + m0 * a.K / 2;
+    const bf16* w = reinterpret_cast<const bf16*>(tile);
+    alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
+                                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i order = _mm512_load_si512(kInterleave);
+    for (int64_t j = 0; j < a.K / 2; ++j, x += MR, w += 2 * kTileRows) {
+        if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+        const __m512bh wp = (__m512bh)_mm512_permutexvar_epi16(order, _mm512_loadu_si512(w));
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i)
+            acc[i] = _mm512_dpbf16_ps(acc[i], wp, (__m512bh)_mm512_set1_epi32(static_cast<int>(x[i])));
+    }
+}
+#endif
 
 template <int64_t T, int MR>
 void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefetch, __m512* result) {
@@ -188,7 +212,13 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
     if (!out.stream && n0 + kTileRows < N)
         for (int i = 0; i < MR; ++i) _mm_prefetch(out.address(m0 + i, n0 + kTileRows), _MM_HINT_T0);
     __m512 res[MR];
-    if constexpr (T == BF16) dense_pass<bf16, MR>(tile, a, m0, m0 == 0, res);
+    if constexpr (T == BF16) {
+#if defined(__AVX512BF16__)
+        if (a.pairs) dense_pairs_pass<MR>(tile, a, m0, m0 == 0, res);
+        else
+#endif
+            dense_pass<bf16, MR>(tile, a, m0, m0 == 0, res);
+    }
     else if constexpr (T == F32) dense_pass<float, MR>(tile, a, m0, m0 == 0, res);
     else tile_pass<T, MR>(tile, a, m0, m0 == 0, res);
     const int64_t valid = std::min<int64_t>(kTileRows, N - n0);

@@ -10,9 +10,8 @@ decode (and a recomputed request its K/V back bit for bit); the native decode st
 eager layers compute (`decode_stack.py`). So in bf16 (and with quantized weights in fp32) this is the
 default; `batch_invariant=True` makes it a guarantee: it refuses what cannot keep it (dense fp32, whose
 linears run on MKL/oneDNN with a reduction order that changes with the row count; other devices and
-attention backends; linears left on PyTorch's matmul) and turns off the one batch-dependent path:
-bf16 inputs of more than `BF16_KERNEL_MAX_ROWS` rows handed to oneDNN's bf16 matmul (AMX CPUs; dense bf16
-weights on AMD's avx512_bf16: `bf16_kernel_max_rows`).
+attention backends; linears left on PyTorch's matmul) and turns off the one batch-dependent path, on
+AMX CPUs: bf16 inputs of more than `BF16_KERNEL_MAX_ROWS` rows dequantized for oneDNN's AMX matmul.
 """
 
 from __future__ import annotations
@@ -47,4 +46,4 @@ def make_batch_invariant(model: nn.Module, attention: AttentionBackend, device: 
         raise ConfigError(f"batch_invariant=True needs every linear layer on the native kernels; {where} runs on "
                           "PyTorch's matmul (CONVEYOR_NATIVE_KERNELS=0, or kernels that did not build)")
     for kernel in [head] + [m.kernel for m in model.modules() if isinstance(m, QuantLinear)]:
-        kernel.bf16_max_rows = None  # every row count on the native kernel (not oneDNN above 48 rows)
+        kernel.bf16_max_rows = None  # every row count on the native kernel (AMX CPUs: not oneDNN above it)

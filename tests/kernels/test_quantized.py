@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conveyor.kernels import cpu_flags, cpu_matmul_ops, cpu_vendor
+from conveyor.kernels import cpu_flags, cpu_matmul_ops
 from conveyor.layers.quantization.linear import (
     BF16_KERNEL_MAX_ROWS,
     QuantEmbedding,
@@ -196,15 +197,12 @@ def test_bf16_kernel_rows_follow_the_cpu() -> None:
         matmul = QuantMatmul([quantize_int4(torch.randn(32, 64))])
         assert matmul.takes_kernel(4096, torch.float32)
         assert matmul.takes_kernel(4096, torch.bfloat16) == (limit is None)
-    # Dense bf16 weights run on the tiles' fp32 FMAs: oneDNN's bf16 matmul takes big inputs also where
-    # vdpbf16ps keeps the FMA's rate (AMD's avx512_bf16), while quantized weights stay on the int8 kernel.
-    flags, dense_limit = cpu_flags(), bf16_kernel_max_rows(dense=True)
-    full_rate = "amx_bf16" in flags or ("avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD")
-    assert dense_limit == (BF16_KERNEL_MAX_ROWS if full_rate else None)
-    if matmul_ops() is not None:
-        dense = QuantMatmul([bf16_rows(torch.randn(32, 64))])
-        assert dense.takes_kernel(BF16_KERNEL_MAX_ROWS, torch.bfloat16)
-        assert dense.takes_kernel(4096, torch.bfloat16) == (dense_limit is None)
+        dense = QuantMatmul([bf16_rows(torch.randn(32, 64))])  # dense bf16 tiles: the same rule
+        assert dense.takes_kernel(4096, torch.bfloat16) == (limit is None)
+        # their bf16 inputs as pairs for vdpbf16ps where it runs at the FMA's rate: AMD's avx512_bf16
+        amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+        if matmul_ops().isa() == "avx512-vnni+avx512-bf16":
+            assert matmul_ops().bf16_pair_products() == amd
 
 
 def test_quant_embedding_rows() -> None:
@@ -259,6 +257,23 @@ def test_bf16_tiles_matmul(ops, dtype: torch.dtype, rows: int) -> None:
         out = QuantMatmul([bf16_rows(weight)], bias)(x)
         assert out.dtype == dtype and out.shape == (rows, 37)
         assert_close_scaled(out, F.linear(x.float(), weight.float(), bias), 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("rows", [1, 12, 13, 67, 200])
+def test_bf16_tiles_over_bf16_inputs_are_exact_products(ops, rows: int) -> None:
+    """bf16 inputs into bf16 tiles, fp32 out, whatever the kernel's path (on AMD's avx512_bf16, vdpbf16ps
+    over pairs of inputs, interleaved from two rows of a tile; elsewhere the widened weights' FMAs):
+    every product is exact, so only the summation order separates it from F.linear in fp64, for even
+    and odd input widths (an odd one takes the FMAs) and every group of rows, the last one partial."""
+    torch.manual_seed(rows)
+    for cols in (64, 100, 99, 2048):
+        weight, x = torch.randn(45, cols).bfloat16(), torch.randn(rows, cols).bfloat16()
+        tiles = bf16_rows(weight).tiled(ops)
+        out = torch.empty(rows, 45)
+        ops.quant_matmul(x, tiles.data, BF16, torch.empty(0), None, out)
+        expected = F.linear(x.double(), weight.double())
+        scale = F.linear(x.double().abs(), weight.double().abs())  # the sum of |products| bounds the rounding
+        assert ((out.double() - expected).abs() <= 2 * cols * 2.0 ** -24 * scale + 1e-30).all(), cols
 
 
 @pytest.mark.parametrize("rows", [1, 3, 12, 13, 67])

@@ -1,6 +1,6 @@
 """Batch invariance: a request's tokens and logprobs are the same bits alone, in a batch of 64 and with its
 prompt cut into other chunks; by default in bf16 on CPU where every bf16 row count stays on the native kernels
-(not AMX; dense bf16 weights not on AMD's avx512_bf16), guaranteed with batch_invariant=True
+(not AMX), guaranteed with batch_invariant=True
 (models/batch_invariance.py)."""
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def check_invariance(model: TinyModel, temperature: float, dtype: str, quantizat
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_bf16_is_batch_invariant_by_default(tiny_models: dict[str, TinyModel], kind: str, quantization: str | None,
                                             temperature: float) -> None:
-    if bf16_kernel_max_rows(dense=quantization is None) is not None:
-        pytest.skip("this CPU takes oneDNN's bf16 matmul above 48 bf16 rows for these weights (AMX; dense bf16 on "
-                    "AMD's avx512_bf16): batch invariance needs batch_invariant=True there (tested below)")
+    if bf16_kernel_max_rows() is not None:
+        pytest.skip("AMX CPUs take oneDNN's AMX matmul above 48 bf16 rows: batch invariance needs "
+                    "batch_invariant=True there (tested below)")
     check_invariance(tiny_models[kind], temperature, "bfloat16", quantization)
 
 

@@ -69,6 +69,7 @@ def test_linear_paths() -> None:
     assert kind == ("amx-bf16" if "amx_bf16" in flags else "bf16-avx512" if "avx512_bf16" in flags else "fp32-fma")
     assert linear_path(torch.nn.Linear(64, 48), 64, torch.float32) == ("float32 dense (oneDNN/MKL)", "fp32-fma")
     dense = QuantMatmul([bf16_rows(w)])
-    assert linear_path(dense, 32, torch.bfloat16) == (f"BF16: bf16 tiles, fp32 FMA kernel ({isa})", "fp32-fma")
-    if not dense.takes_kernel(64, torch.bfloat16):  # oneDNN's bf16 matmul above 48 rows (`bf16_kernel_max_rows`)
-        assert linear_path(dense, 64, torch.bfloat16) == ("BF16: dequantize + bfloat16 matmul", kind)
+    fma = (f"BF16: bf16 tiles, fp32 FMA kernel ({isa})", "fp32-fma")
+    pairs = (f"BF16: bf16 tiles, vdpbf16ps kernel ({isa})", "bf16-avx512")
+    assert linear_path(dense, 32, torch.bfloat16) == (pairs if cpu_matmul_ops().bf16_pair_products() else fma)
+    assert linear_path(dense, 32, torch.float32) == fma  # fp32 inputs are not rounded to bf16 pairs

@@ -36,8 +36,11 @@ def linear_path(fn: Any, rows: int, dtype: torch.dtype) -> tuple[str, str]:
         if not fn.takes_kernel(rows, dtype):
             return f"{types}: dequantize + {dtype_name(dtype)} matmul", (
                 _bf16_matmul_kind() if dtype == torch.bfloat16 else "fp32-fma")
-        isa = cpu_matmul_ops().isa()
-        if all(s.type_name == "BF16" for s in fn.segments):  # dense bf16 tiles: widened, fp32 FMAs
+        ops = cpu_matmul_ops()
+        isa = ops.isa()
+        if all(s.type_name == "BF16" for s in fn.segments):  # dense bf16 tiles: bf16 pairs, or widened for fp32 FMAs
+            if dtype == torch.bfloat16 and ops.bf16_pair_products():
+                return f"BF16: bf16 tiles, vdpbf16ps kernel ({isa})", "bf16-avx512"
             return f"BF16: bf16 tiles, fp32 FMA kernel ({isa})", "fp32-fma"
         if all(s.type_name == "F32" for s in fn.segments):  # dense fp32 tiles (mixture-of-experts experts)
             return f"F32: fp32 tiles, fp32 FMA kernel ({isa})", "fp32-fma"

@@ -7,8 +7,10 @@ peaks at 160 and oneDNN's bf16 matmul on AVX512-BF16 at 80). On a CPU with AMX, 
 matmul runs on the tiles and is faster for big inputs: there, in bf16, inputs of more than
 `BF16_KERNEL_MAX_ROWS` rows (prefill chunks, big decode batches) go to it instead, the weight
 dequantized into a scratch buffer shared by every layer of that shape (not a second copy of the
-model: one matrix at a time). Dense bf16 weights in tiles take the same route on AMD's avx512_bf16
-CPUs (`bf16_kernel_max_rows`). Without the native kernels, every input takes the dequantize path.
+model: one matrix at a time). Dense bf16 weights stay in tiles at every row count without AMX: over
+bf16 inputs they multiply by vdpbf16ps where it runs at the FMA's rate (AMD's avx512_bf16; 360-440
+GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32 FMAs of the widened
+weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
 Measured on an AMX Xeon (1 thread, Q4_1, bf16 activations, the row-by-row kernel before the GEMM
 microkernel; kernel / dequantize + matmul, ms): gate_up 3072x576 at 64 rows 1.25 / 0.97, at 512 rows
@@ -22,24 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels import cpu_flags, cpu_matmul_ops, cpu_vendor, native_kernels_enabled
+from ...kernels import cpu_flags, cpu_matmul_ops, native_kernels_enabled
 from .registry import quantization_method
-from .tensors import BF16, QuantizedTensor, bf16_rows, cat_rows
+from .tensors import QuantizedTensor, bf16_rows, cat_rows
 
 # On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
-# the AMX tiles (module docstring); without AMX the int8 kernel wins at every row count. Dense bf16
-# weights run on the tiles' fp32 FMAs, which oneDNN's bf16 matmul outruns where vdpbf16ps keeps the
-# FMA's rate (AMD's avx512_bf16, Zen 4 on; Intel's AVX512-BF16 without AMX runs it at half).
+# the AMX tiles (module docstring); without AMX the kernel wins at every row count.
 BF16_KERNEL_MAX_ROWS = 48
 
 
-def bf16_kernel_max_rows(dense: bool = False) -> int | None:
-    """Most rows of a bf16 input the native kernel takes (None: any), on this CPU, for quantized
-    weights or (`dense`) bf16 ones."""
-    flags = cpu_flags()
-    if "amx_bf16" in flags or (dense and "avx512_bf16" in flags and cpu_vendor() == "AuthenticAMD"):
-        return BF16_KERNEL_MAX_ROWS
-    return None
+def bf16_kernel_max_rows() -> int | None:
+    """Most rows of a bf16 input the native kernel takes (None: any), on this CPU."""
+    return BF16_KERNEL_MAX_ROWS if "amx_bf16" in cpu_flags() else None
 
 
 def matmul_ops() -> object | None:
@@ -97,7 +93,7 @@ class QuantMatmul:
         self.bias = bias
         self.out_dtype = out_dtype
         self.ops = matmul_ops()
-        self.bf16_max_rows = bf16_kernel_max_rows(dense=all(s.qtype == BF16 for s in self.segments))
+        self.bf16_max_rows = bf16_kernel_max_rows()
 
     def takes_kernel(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether an input of `rows` rows in `dtype` runs on the native kernel (else: dequantize + matmul)."""
@@ -204,8 +200,8 @@ def tile_bf16_modules(model: nn.Module) -> int:
     """Replace, in place, every bf16 CPU `nn.Linear` and `nn.Embedding` of a loaded model with the same
     weights in the kernels' tiles (`QuantLinear` / `QuantEmbedding` over `bf16_rows`; a tied LM head
     then shares the embedding's tiles): one copy of the weights, multiplied by the native GEMM (bf16
-    widened to fp32, FMAs; oneDNN's bf16 matmul ran at half its speed on Intel's AVX-512 CPUs without
-    AMX), or above `bf16_kernel_max_rows(dense=True)` rows by oneDNN's from the dequantized tiles.
+    pairs by vdpbf16ps where it runs at the FMA's rate, else the weights widened to fp32 for FMAs; both
+    outran oneDNN's bf16 matmul without AMX), on AMX above `bf16_kernel_max_rows()` rows by oneDNN's.
     How many were replaced; none without the native kernels."""
     if matmul_ops() is None:
         return 0
