@@ -97,6 +97,18 @@ constexpr int64_t kPackRows = 12;
 constexpr int64_t kPackRows = 4;
 #endif
 
+// Whether BF16 tiles multiply bf16 pairs by vdpbf16ps (two products an instruction), where it runs at
+// the FMA's rate: AMD's avx512_bf16 (Zen 4 on). Intel's AVX512-BF16 without AMX runs it at half rate,
+// no faster than the fp32 FMAs of the widened weights.
+inline bool bf16_pair_products() {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    static const bool amd = __builtin_cpu_is("amd");
+    return amd;
+#else
+    return false;
+#endif
+}
+
 // Activations quantized to int8 blocks of 32 (scale amax / 127), packed for the tiled GEMM: rows in
 // groups of kPackRows (the last one smaller), and within a group of r rows, block by block, the
 // four-byte words of the rows interleaved (word j of row i at (j * r + i) * 4 of the block's r * 32
@@ -112,18 +124,6 @@ constexpr int64_t kPackRows = 4;
 // i of a group of r rows at k * r + i): `shape_floats`, then `set_floats` per row. Where BF16 tiles
 // multiply by vdpbf16ps (`bf16_pair_products`) and the rows hold bf16 values (so nothing is rounded),
 // they are also packed as bf16 pairs (`bp`: the 32-bit word of values 2j, 2j + 1 of row i at j * r + i).
-// Whether BF16 tiles multiply bf16 pairs by vdpbf16ps (two products an instruction), where it runs at
-// the FMA's rate: AMD's avx512_bf16 (Zen 4 on). Intel's AVX512-BF16 without AMX runs it at half rate,
-// no faster than the fp32 FMAs of the widened weights.
-inline bool bf16_pair_products() {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    static const bool amd = __builtin_cpu_is("amd");
-    return amd;
-#else
-    return false;
-#endif
-}
-
 struct Activations {
     int64_t M = 0, K = 0, nb = 0;
     bool pairs = false;  // `bp` holds the rows as bf16 pairs too
