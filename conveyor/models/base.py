@@ -154,10 +154,11 @@ class CausalLM(nn.Module):
             if isinstance(parts, list):
                 model.set_submodule(name.removesuffix(".weight"), model.quantized_module(name, parts, dtype))
                 del planned[name]
-        try:
-            model.load_state_dict(planned, strict=True)
+        try:  # the loaded tensors become the parameters (no copy: a bf16 checkpoint was copied into fp32 ones)
+            model.load_state_dict(planned, strict=True, assign=True)
         except RuntimeError as exc:  # names the missing or unexpected tensors (by the model's names)
             raise ValueError(f"the {config.model_type} checkpoint does not fit {cls.__name__}: {exc}") from None
+        del fused, planned  # the fused copies then live only as long as the parameters made of them
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)

@@ -14,7 +14,7 @@ from conveyor.layers.precision import resolve_precision
 from conveyor.layers.quantization import linear as quant_linear
 from conveyor.layers.quantization.linear import QuantEmbedding, QuantLinear
 from conveyor.layers.quantization.tensors import QuantizedTensor
-from conveyor.models import gguf_file
+from conveyor.models import build_model, gguf_file
 from conveyor.models.loader import _undo_llama_rope_permute, load_checkpoint
 
 from tests.gguf_writer import GGUF_TYPES, write_quantized_gguf
@@ -160,6 +160,17 @@ def test_gguf_tensors_kept_quantized_are_views_of_the_file(quantized_gguf: Path,
     v.data[0, 0] ^= 0xFF  # copy-on-write: a write changes this copy's page, never the file
     again = load_checkpoint(quantized_gguf, keep_quantized=True).state_dict["model.layers.1.self_attn.v_proj.weight"]
     assert int(again.data[0, 0]) == before != int(v.data[0, 0])
+
+
+def test_a_checkpoints_tensors_become_the_parameters(tiny_llama: TinyModel) -> None:
+    """A load in the checkpoint's dtype copies no tensor into parameters: the loaded (or fused) tensors
+    are the parameters (a 1B bf16 checkpoint was copied into fp32 parameters first: 11 GiB at the peak)."""
+    checkpoint = load_checkpoint(tiny_llama.path, dtype=torch.bfloat16)
+    norm = checkpoint.state_dict["model.norm.weight"]
+    model = build_model(checkpoint.config, checkpoint.state_dict, torch.bfloat16, torch.device("cpu"), "none")
+    assert model.norm.weight.dtype == torch.bfloat16 and model.norm.weight.data_ptr() == norm.data_ptr()
+    assert torch.equal(model.layers[0].input_layernorm.weight,
+                       checkpoint.state_dict["model.layers.0.input_layernorm.weight"])
 
 
 def test_gguf_mode_runs_the_files_weights(tiny_llama: TinyModel, quantized_gguf: Path, gguf_tokenizer: None) -> None:

@@ -245,7 +245,8 @@ def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, d
         if method.keeps_stored and quantized and all(isinstance(p, QuantizedTensor) for p in parts):
             planned[name] = parts  # type: ignore[assignment]
             continue
-        dense = torch.cat([p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p for p in parts])
+        tensors = [p.dequantize(dtype) if isinstance(p, QuantizedTensor) else p for p in parts]
+        dense = tensors[0].contiguous() if len(tensors) == 1 else torch.cat(tensors)  # one part: not copied
         if method.quantize is not None and name in quantizable and dense.dim() == 2 and dense.shape[1] % 32 == 0:
             planned[name] = [method.quantize(dense)]
         else:
