@@ -11,21 +11,16 @@ VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx51
                 "avx512_bf16", "amx_bf16", "amx_int8", "avx512_fp16")
 
 
-def _cpuinfo(field: str) -> str:
-    """The value of /proc/cpuinfo's first `field` line (Linux); empty where it cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 @cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags; empty where they cannot be read."""
-    return frozenset(_cpuinfo("flags").split())
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def vector_flags() -> list[str]:
