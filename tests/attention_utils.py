@@ -178,12 +178,11 @@ def int8_key_queries(q: torch.Tensor, scale: float) -> torch.Tensor:
     return dequantize_kv(quantize_kv(q.float() * scale), torch.float64)
 
 
-def run_reference(q, k, v, window: int, scale: float, softcap: float,
-                  sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """fp64 attention of one sequence over itself, causal (within the window); `sinks`: one more logit per
-    head in each softmax's denominator, with no value (gpt-oss)."""
-    group = q.shape[1] // k.shape[1]
-    keys, values = (x.double().repeat_interleave(group, 1) for x in (k, v))
+def reference_probs(q, k, window: int, scale: float, softcap: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 softmax weights [heads, queries, keys] of one sequence over itself, causal (within the window);
+    `sinks`: one more logit per head in each softmax's denominator, with no value (gpt-oss)."""
+    keys = k.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
     scores = torch.einsum("ihd,jhd->hij", q.double(), keys) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
@@ -192,7 +191,29 @@ def run_reference(q, k, v, window: int, scale: float, softcap: float,
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:
         sink = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
-        probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
-    else:
-        probs = scores.softmax(-1)
-    return torch.einsum("hij,jhd->ihd", probs, values)
+        return torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
+    return scores.softmax(-1)
+
+
+def run_reference(q, k, v, window: int, scale: float, softcap: float,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 attention of one sequence over itself, causal (within the window), `reference_probs`' weights."""
+    values = v.double().repeat_interleave(q.shape[1] // k.shape[1], 1)
+    return torch.einsum("hij,jhd->ihd", reference_probs(q, k, window, scale, softcap, sinks), values)
+
+
+def int8_value_bound(probs: torch.Tensor, v_int8: torch.Tensor, block: int = 64) -> torch.Tensor:
+    """The most the native kernels' value sums over int8 rows may differ from exact attention with the same
+    weights (`probs`, [heads, queries, keys], positions from 0): a block of `block` keys' weights w = p * s_v
+    are rounded to integers on the scale w_max / 32767 (attention_blocks.h), so key j's weight moves by at
+    most half of its block's step, which its |integer values| carry into the output ([queries, heads, dim])."""
+    dim = v_int8.shape[-1] - 4
+    values = v_int8[..., :dim].view(torch.int8).double().abs()
+    scales = v_int8[..., dim:].contiguous().view(torch.float32)[..., 0].double()  # [keys, kv_heads]
+    group = probs.shape[0] // v_int8.shape[1]
+    weights = probs * scales.T.repeat_interleave(group, 0)[:, None, :]
+    keys = weights.shape[-1]
+    padded = torch.nn.functional.pad(weights, (0, -keys % block))
+    step = padded.unflatten(-1, (-1, block)).amax(-1).repeat_interleave(block, -1)[..., :keys] / 32767
+    step = torch.where(probs > 0, step, 0.0)  # a key with no weight rounds to exactly 0
+    return 0.5001 * torch.einsum("hij,jhd->ihd", step, values.repeat_interleave(group, 1))

@@ -24,7 +24,12 @@
 //     Integer sums have no order, so the kernels take them four bytes at a time with VNNI's
 //     vpdpbusd (`dot_quads`: unsigned times signed bytes, so the key bytes go in offset by 128 and
 //     the dot is the sum less 128 * the query's values' sum, `int8_scores`). A value row enters as
-//     o = fmadd(p * s_v, v_int, o). The scales stay out of the inner loops, and l sums the unscaled p.
+//     A block's value rows enter as one integer sum too: each row's weights w = p * s_v (fp32) are
+//     rounded to 15-bit integers, u = nearbyint(w * (32767 / w_max)) with w_max the block's largest
+//     (`weight_levels`), the sum_n u_n * v_int[n] taken exactly (`dot_pairs`, the values turned into
+//     pairs of two keys at one head-dim entry: `value_pairs`), then o = fmadd(float(sum), w_max /
+//     32767, o) (int8_values.h). l sums the unscaled p. A block whose weights are all below
+//     kTinyWeight adds nothing (32767 / w_max would overflow).
 //
 // Every operation is lane-wise, so it does not matter which lane a row or a key lands in: prefill
 // vectorizes along query rows, decode along keys. `fmadd` (vec_math.h) makes the fusing explicit; the

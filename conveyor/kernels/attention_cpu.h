@@ -8,8 +8,9 @@
 // head-dim entry in registers (`key_columns`), so their scores come out along the vector lanes, one
 // broadcast query element per step; int8 keys are turned four bytes at a time (`key_quads`) into
 // integer dot products with the quantized query, one VNNI vpdpbusd per quad and query head. The V
-// rows are summed along the head dim, a broadcast probability per key (int8: the probabilities
-// times the rows' scales first, a vector at a time).
+// rows are summed along the head dim, a broadcast probability per key; int8 V rows two keys at a time
+// (`value_pairs`: sign-extended and interleaved into 16-bit pairs) into integer sums with the
+// weights p * s_v rounded to 15-bit integers, one vpdpwssd per pair, vector and query head.
 //
 // The paged decode kernel gives each thread a run of (request, kv head) pairs, so one long request
 // uses every thread (and the decode stack does the same with fewer rows than threads); each pair's
@@ -27,6 +28,7 @@
 #pragma once
 
 #include "attention_blocks.h"
+#include "int8_values.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -58,6 +60,8 @@ struct DecodeScratch {
     std::vector<float> q, o, p, m, l;  // scaled queries, output sums, a block's probabilities, max, sum
     std::vector<int32_t> qi, qsum;      // int8 keys: the queries quantized (`quantize_query`), their sums
     std::vector<float> qs;              // and scales
+    std::vector<uint16_t> u;            // int8 values: a block's weights per query head (`weight_levels`)
+    std::vector<float> sw;              // and their sums' scales
     std::vector<int64_t> slot;          // each visible position's row offset in the cache
     std::vector<char> zero;             // a zero K row (lanes without a key)
 };
@@ -247,6 +251,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
             const float* sinks, DecodeScratch& sc, float* out) {
     constexpr int64_t Dp = J * W;
     constexpr int GV = std::max(1, std::min(8, (kRegisters - J) / J));  // query heads per pass over V rows
+    constexpr int GQ = W == 16 ? 4 : 2;  // the same over int8 V rows (4 sums a head, 4 value pairs)
     const int64_t nh = h1 - h0, heads = nh * G;
     const bool pairs = kPairs<T> && D == Dp && J % 2 == 0;
     const int64_t Dr = head_row<T>(D);  // a head's row in the cache (int8: its scale after the values)
@@ -271,6 +276,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     sc.l.resize(heads);
     for (int64_t r = 0; r < heads; ++r) start_row(sinks ? sinks + h0 * G + r : nullptr, sc.m[r], sc.l[r]);
     sc.p.resize(heads * kKeyBlock);
+    if constexpr (kScaled<T>) sc.u.resize(heads * kKeyBlock), sc.sw.resize(heads);
     sc.zero.assign((nh * Dr + Dp) * sizeof(T), 0);  // zero values (and scales) for every head's read
     const T* zero = reinterpret_cast<const T*>(sc.zero.data());
 
@@ -297,8 +303,9 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
             int64_t next = std::max(done, std::min(npf, t0 + ahead + h * kKeyBlock / nh));
             const int64_t end = std::min(npf, t0 + ahead + (h + 1) * kKeyBlock / nh);
             const int64_t stride = std::max<int64_t>(1, (hi - lo) / std::max<int64_t>(1, end - next));
-            const auto each_key = [&](int64_t i) {
-                if (next < end && (i - lo) % stride == 0) prefetch_rows(kc, vc, sc.slot.data(), next, next + 1, row_bytes), ++next;
+            int64_t wait = 0;  // keys until the next prefetch (a count: a division per key showed in profiles)
+            const auto each_key = [&](int64_t) {
+                if (next < end && --wait < 0) prefetch_rows(kc, vc, sc.slot.data(), next, next + 1, row_bytes), ++next, wait = stride - 1;
             };
             for (int64_t g0 = 0; g0 < G; g0 += GK) {
                 const int64_t r = h * G + g0;
@@ -306,24 +313,43 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                 score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, qi, std::min<int64_t>(GK, G - g0), nv, lo, hi,
                             cap, sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock);
             }
-            if constexpr (kScaled<T>) {  // int8 V rows: p * s_v (attention_blocks.h), a vector at a time
+            if constexpr (kScaled<T>) {  // int8 V rows: integer sums, the weights p * s_v as integers
                 alignas(64) float vs[kKeyBlock];
                 for (int64_t n = 0; n < kKeyBlock; ++n) vs[n] = row_scale(vrows[n] + h * Dr, D);
                 for (int64_t r = h * G; r < (h + 1) * G; ++r) {
-                    float* pr = sc.p.data() + r * kKeyBlock;
-                    for (int64_t v = 0; v < nv; ++v) storew(pr + v * W, loadw(pr + v * W) * loadw(vs + v * W));
+                    const float* pr = sc.p.data() + r * kKeyBlock;
+                    vecw w[kBlockVectors], wmax = {};
+                    for (int64_t v = 0; v < nv; ++v) wmax = vmax(wmax, w[v] = loadw(pr + v * W) * loadw(vs + v * W));
+                    const float top = lane_max(wmax);
+                    const vecw inv = splat(weight_inverse(top));
+                    sc.sw[r] = weight_scale(top);
+                    for (int64_t v = 0; v < nv; ++v) {
+                        const auto levels = __builtin_convertvector(weight_levels(w[v], inv), hvecw);
+                        std::memcpy(sc.u.data() + r * kKeyBlock + v * W, &levels, sizeof levels);
+                    }
                 }
+                for (int64_t g0 = 0; g0 < G; g0 += GQ)
+                    with_count<GQ>(std::min<int64_t>(GQ, G - g0), [&](auto count) {
+                        constexpr int C = decltype(count)::value;
+                        const int64_t r0 = h * G + g0;
+                        const uint16_t* u = sc.u.data() + r0 * kKeyBlock;
+                        if (D % (4 * W) == 0)
+                            value_pair_sums<true, C>(vrows, h * Dr, lo, hi, D, Dp, u, sc.sw.data() + r0, sc.o.data() + r0 * Dp, each_key);
+                        else
+                            value_pair_sums<false, C>(vrows, h * Dr, lo, hi, D, Dp, u, sc.sw.data() + r0, sc.o.data() + r0 * Dp, each_key);
+                    });
+            } else {
+                for (int64_t g0 = 0; g0 < G; g0 += GV)
+                    with_count<GV>(std::min<int64_t>(GV, G - g0), [&](auto count) {
+                        constexpr int C = decltype(count)::value;
+                        const int64_t r0 = h * G + g0;
+                        const float* pr = sc.p.data() + r0 * kKeyBlock;
+                        float* orow = sc.o.data() + r0 * Dp;
+                        if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
+                        else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
+                        else block_values<false, false, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
+                    });
             }
-            for (int64_t g0 = 0; g0 < G; g0 += GV)
-                with_count<GV>(std::min<int64_t>(GV, G - g0), [&](auto count) {
-                    constexpr int C = decltype(count)::value;
-                    const int64_t r0 = h * G + g0;
-                    const float* pr = sc.p.data() + r0 * kKeyBlock;
-                    float* orow = sc.o.data() + r0 * Dp;
-                    if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
-                    else if (D == Dp) block_values<false, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
-                    else block_values<false, false, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
-                });
             if (next < end) prefetch_rows(kc, vc, sc.slot.data(), next, end, row_bytes);
             done = std::max(done, end);
         }
@@ -335,7 +361,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
         const float inv = 1.f / sc.l[r];
         const float* o_r = sc.o.data() + r * Dp;
         for (int64_t d = 0; d < D; ++d) {  // entry d of the row sits where `value_vectors` put it
-            const int64_t at = pairs ? (d / (2 * W) * 2 + d % 2) * W + d % (2 * W) / 2 : d;
+            const int64_t at = kScaled<T> ? pair_entry(d) : pairs ? (d / (2 * W) * 2 + d % 2) * W + d % (2 * W) / 2 : d;
             out[r * D + d] = o_r[at] * inv;
         }
     }
@@ -362,11 +388,13 @@ void attend_request(const float* q, const T* kc, const T* vc, const int64_t* tab
         detail::attend<T, decltype(j)::value>(q, kc, vc, table, len, first, ring, page, Hkv, D, G, h0, h1, scale, cap,
                                               sinks, sc, out);
     };
-    if (vectors <= 1) run(std::integral_constant<int, 1>{});
-    else if (vectors <= 2) run(std::integral_constant<int, 2>{});
-    else if (vectors <= 3) run(std::integral_constant<int, 3>{});
-    else if (vectors <= 4) run(std::integral_constant<int, 4>{});
-    else if (vectors <= 6) run(std::integral_constant<int, 6>{});
+    if constexpr (!kScaled<T>) {  // int8: whole groups of four vectors (`value_pairs`)
+        if (vectors <= 1) return run(std::integral_constant<int, 1>{});
+        if (vectors <= 2) return run(std::integral_constant<int, 2>{});
+        if (vectors <= 3) return run(std::integral_constant<int, 3>{});
+        if (vectors > 4 && vectors <= 6) return run(std::integral_constant<int, 6>{});
+    }
+    if (vectors <= 4) run(std::integral_constant<int, 4>{});
     else if (vectors <= 8) run(std::integral_constant<int, 8>{});
     else if (vectors <= 12) run(std::integral_constant<int, 12>{});
     else if (vectors <= 16) run(std::integral_constant<int, 16>{});

@@ -1,7 +1,8 @@
 // Prefill attention straight from the paged KV cache on CPU, fp32 or bf16, over fp32, bf16 or int8 K/V
-// rows (bf16 and int8 values widened to fp32 on load; over int8 keys, integer dot products with the
-// quantized query and the scales applied per key: attention_blocks.h; scores, softmax and sums in
-// fp32; bf16 output rounded once). A chunk's queries attend to its
+// rows (bf16 values widened to fp32 on load; over int8 rows, integer dot products of the quantized
+// query with the keys and of the weights, rounded to integers, with the values, the scales applied
+// per key and per block: attention_blocks.h; scores, softmax and sums in fp32; bf16 output rounded
+// once). A chunk's queries attend to its
 // earlier context (cache slots, read in place) and to its own new K/V (taken from the batch, so the
 // kernel runs before the pass writes the cache: a sliding ring may reuse the context's slots for the
 // chunk's own tokens), causally, within an optional sliding window; flash-style (online softmax over
@@ -16,11 +17,13 @@
 // scores are kept transposed, keys x rows, so the softmax's running max and sum are plain vector
 // operations and any head dim works. The two products run in register blocks of KB keys (or head-dim
 // entries) x CB row vectors. Before the tiles, each chunk's key blocks are laid out by head-dim entry
-// (`key_columns`: the score loop walks one pointer and broadcasts KB neighbours) and bf16 V rows
-// widened, once per kv head for all of its tiles (per tile, that took ~10% of the time). The block's
-// row max is taken from the score registers when no mask or cap touches it, and the output's rescale
-// rides on the weighted sum's loads.
+// (`key_columns`: the score loop walks one pointer and broadcasts KB neighbours; int8 ones as quads)
+// and bf16 V rows widened (int8 ones turned into pairs, `value_pairs`), once per kv head for all of
+// its tiles (per tile, that took ~10% of the time). The block's row max is taken from the score
+// registers when no mask or cap touches it, and the output's rescale rides on the weighted sum's
+// loads.
 #include "attention_blocks.h"
+#include "int8_values.h"
 #include "prefill_attention_cpu.h"
 
 
@@ -108,18 +111,17 @@ inline void qk_tile_i8(Keys K, const int32_t* qt, int64_t nq, int64_t Rp, const 
 }
 
 // ot[d][rows] = ot[d][rows] * alpha[rows], then fmadd(pt[n][rows], v[n][d], ot[d][rows]) for n =
-// 0..len-1 in order, R head-dim entries d and C row vectors: pt is [NB][Rp], ot [D][Rp]; Scaled (int8
-// values): pt[n] times the row's scale vs[n] first.
-template <int R, int C, bool Scaled>
+// 0..len-1 in order, R head-dim entries d and C row vectors: pt is [NB][Rp], ot [D][Rp].
+template <int R, int C>
 inline void pv_tile(const float* const* v, int64_t d, const float* pt, int64_t len, int64_t Rp, const vecw* alpha,
-                    const float* vs, float* ot) {
+                    float* ot) {
     vecw acc[R][C];
     for (int i = 0; i < R; ++i)
         for (int c = 0; c < C; ++c) acc[i][c] = loadw(ot + (d + i) * Rp + c * W) * alpha[c];
     for (int64_t n = 0; n < len; ++n) {
         vecw p[C];
 #pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) p[c] = Scaled ? loadw(pt + n * Rp + c * W) * splat(vs[n]) : loadw(pt + n * Rp + c * W);
+        for (int c = 0; c < C; ++c) p[c] = loadw(pt + n * Rp + c * W);
 #pragma GCC unroll 8
         for (int i = 0; i < R; ++i) {
             const vecw x = splat(v[n][d + i]);
@@ -165,8 +167,9 @@ struct ChunkBlocks {
 // The shared buffers, the calling thread's (reused across calls: fresh large allocations fault their
 // pages in every time).
 struct BlockBuffers {
-    std::vector<float> kt, v;  // per block: K laid out [D][NB]; bf16 and int8 V rows widened, [NB][D]
+    std::vector<float> kt, v;  // per block: K laid out [D][NB]; bf16 V rows widened, [NB][D]
     std::vector<int32_t> kq;   // per block: int8 K rows' quads laid out [nq][NB] (`key_quad`)
+    std::vector<int32_t> vp;   // and int8 V rows' pairs (`block_value_pairs`), [NB / 2][Dq]
     std::vector<float> ks, vs;  // per block: int8 K and V rows' scales, [NB]
 };
 thread_local BlockBuffers caller_buffers;
@@ -179,7 +182,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
     constexpr bool fp32 = std::is_same_v<T, float>;  // K/V rows usable as they are
     constexpr bool scaled = kScaled<T>;
     const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, Dr = head_row<T>(D);
-    const int64_t nq = scaled ? quads(D) : 0;
+    const int64_t nq = scaled ? quads(D) : 0, Dq = scaled ? pair_groups(D) * 4 * W : 0;
     const int64_t row = Hkv * Dr;
     const int64_t window = a.window;
     const float cap = a.softcap;
@@ -209,10 +212,11 @@ void prefill(const PrefillArgs<Q, T>& a) {
     const std::vector<T> zero_t(Dr);  // the K row of a block's missing keys (zero values and scale)
     const std::vector<float> zero(D, 0.f);   // and its V row
     // Chunk c's block at position p0 of kv head h: its K and V rows (lane n: position p0 + n; the zero
-    // rows where the chunk has no such key: before its first, past its last), bf16 and int8 ones widened
-    // into kb and vb ([NB][D]), int8 ones' scales into ks and vs ([NB]: 0 past the block's last key).
+    // rows where the chunk has no such key: before its first, past its last), bf16 ones widened into kb
+    // and vb ([NB][D]); int8 ones as they are (vraw), their scales into ks and vs ([NB]: 0 past the
+    // block's last key).
     const auto block_rows = [&](int64_t c, int64_t h, int64_t p0, const T** krow, const float** kf, const float** vf,
-                                float* kb, float* vb, float* ks, float* vs) {
+                                float* kb, float* vb, float* ks, float* vs, const T** vraw) {
         const int64_t* chunk = a.chunks + c * 5;
         const int64_t off = chunk[4] - chunk[3], n1 = std::min(NB, chunk[3] + chunk[1] + off - p0);
         for (int64_t n = 0; n < n1; ++n) {
@@ -221,8 +225,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
             const T* k = present ? key(chunk, h, j, a.cache_k, a.k, a.k_stride) : zero_t.data();
             const T* v = present ? key(chunk, h, j, a.cache_v, a.v, a.v_stride) : zero_t.data();
             if (krow) krow[n] = k;
-            if constexpr (scaled) ks[n] = row_scale(k, D), vs[n] = row_scale(v, D);
-            if constexpr (fp32) {
+            if constexpr (scaled) {
+                ks[n] = row_scale(k, D), vs[n] = row_scale(v, D);
+                vraw[n] = v;
+            } else if constexpr (fp32) {
                 if (kf) kf[n] = k;
                 vf[n] = v;
             } else {
@@ -235,7 +241,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
             }
         }
         if constexpr (scaled)
-            for (int64_t n = n1; n < NB; ++n) ks[n] = vs[n] = 0.f;
+            for (int64_t n = n1; n < NB; ++n) ks[n] = vs[n] = 0.f, vraw[n] = zero_t.data();
         return n1;
     };
     // The blocks of chunks with several tiles, laid out once for all of them (per tile, the layout took
@@ -243,10 +249,11 @@ void prefill(const PrefillArgs<Q, T>& a) {
     BlockBuffers& buffers = caller_buffers;  // the workers below use this thread's
     if (scaled) buffers.kq.resize(num_blocks * nq * NB);
     else buffers.kt.resize(num_blocks * D * NB);
-    if (!fp32) buffers.v.resize(num_blocks * NB * D);
+    if (scaled) buffers.vp.resize(num_blocks * NB / 2 * Dq);
+    else if (!fp32) buffers.v.resize(num_blocks * NB * D);
     if (scaled) buffers.ks.resize(num_blocks * NB), buffers.vs.resize(num_blocks * NB);
     parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<const T*> krow(NB);
+        std::vector<const T*> krow(NB), vraw(NB);
         std::vector<const float*> vf(NB);
         for (int64_t i = begin; i < end; ++i) {
             int64_t c = 0;
@@ -254,9 +261,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
             const ChunkBlocks& cb = blocks[c];
             const int64_t h = (i - cb.base) / cb.count, p0 = (cb.first + (i - cb.base) % cb.count) * NB;
             const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(), nullptr,
-                                          fp32 ? nullptr : buffers.v.data() + i * NB * D,
+                                          fp32 || scaled ? nullptr : buffers.v.data() + i * NB * D,
                                           scaled ? buffers.ks.data() + i * NB : nullptr,
-                                          scaled ? buffers.vs.data() + i * NB : nullptr);
+                                          scaled ? buffers.vs.data() + i * NB : nullptr, vraw.data());
+            if constexpr (scaled) block_value_pairs(vraw.data(), D, buffers.vp.data() + i * NB / 2 * Dq);
             for (int64_t n = n1; n < round_up(n1, W); ++n) krow[n] = zero_t.data();
             for (int64_t n0 = 0; n0 < n1; n0 += W) {
                 if constexpr (scaled) {
@@ -283,10 +291,12 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<float> qt(scaled ? 0 : D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
         std::vector<int32_t> qq(nq * Rp), qsum(Rp), words(nq);  // int8 keys: the rows' queries quantized, sums
         std::vector<float> qs(Rp), qrow(D);                     // and scales; a row's scaled query
-        std::vector<const T*> trow(NB);                         // int8 K rows of a block of a chunk with one tile
+        std::vector<const T*> trow(NB), vraw(NB);              // int8 K and V rows of a block of a chunk with one tile
+        std::vector<int32_t> vp(scaled ? NB / 2 * Dq : 0), pq(scaled ? NB / 2 * Rp : 0);  // its value pairs; weights
+        std::vector<float> sw(scaled ? Rp : 0);                 // and the sums' scales
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
-        std::vector<float> kb(fp32 ? 0 : NB * D), vb(fp32 ? 0 : NB * D);  // a block of a chunk with one tile
+        std::vector<float> kb(fp32 || scaled ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);  // a block of a chunk with one tile
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
         std::vector<vecw> bmax(nv), alpha(nv);
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
@@ -329,8 +339,9 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 const float* kt = scaled ? nullptr : buffers.kt.data() + i * D * NB;
                 const float* ks = scaled ? (cb.shared ? buffers.ks.data() + i * NB : kscale.data()) : nullptr;
                 const float* vs = scaled ? (cb.shared ? buffers.vs.data() + i * NB : vscale.data()) : nullptr;
+                const int32_t* vpb = scaled && cb.shared ? buffers.vp.data() + i * NB / 2 * Dq : vp.data();
                 if (cb.shared) {
-                    for (int64_t n = 0; n < nb; ++n) {
+                    for (int64_t n = 0; n < nb && !scaled; ++n) {
                         const int64_t j = p0 + n - off;
                         if (j < cb.k_min) vrow[n] = zero.data();
                         else if constexpr (fp32) vrow[n] = key(chunk, t.kv_head, j, a.cache_v, a.v, a.v_stride);
@@ -338,7 +349,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     }
                 } else {
                     block_rows(t.chunk, t.kv_head, p0, scaled ? trow.data() : nullptr, scaled ? nullptr : krow.data(),
-                               vrow.data(), kb.data(), vb.data(), kscale.data(), vscale.data());
+                               vrow.data(), kb.data(), vb.data(), kscale.data(), vscale.data(), vraw.data());
+                    if constexpr (scaled) block_value_pairs(vraw.data(), D, vp.data());
                 }
                 for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data(), trow[n] = zero_t.data();
                 std::fill(bmax.begin(), bmax.end(), splat(kMasked));  // each row vector's max of raw scores
@@ -414,16 +426,45 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     }
                 }
                 int64_t d = 0;
-                for (; d + KB <= D; d += KB)
-                    row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<KB, decltype(cb)::value, scaled>(vrow.data(), d, st.data() + c * W, nbp, Rp,
-                                                                 alpha.data() + c, vs, ot.data() + c * W);
-                    });
-                for (; d < D; ++d)
-                    row_groups(0, nv, [&](auto cb, int64_t c) {
-                        pv_tile<1, decltype(cb)::value, scaled>(vrow.data(), d, st.data() + c * W, nbp, Rp,
-                                                                alpha.data() + c, vs, ot.data() + c * W);
-                    });
+                if constexpr (scaled) {  // the weights p * s_v as integers, each row's (attention_blocks.h)
+                    for (int64_t c = 0; c < nv; ++c) {
+                        vecw wmax = {};
+                        for (int64_t n = 0; n < nbp; ++n) wmax = vmax(wmax, loadw(st.data() + n * Rp + c * W) * splat(vs[n]));
+                        const vecw inv = weight_inverse(wmax);
+                        storew(sw.data() + c * W, weight_scale(wmax));
+                        for (int64_t j = 0; j < nbp / 2; ++j) {
+                            const vecw w0 = loadw(st.data() + 2 * j * Rp + c * W) * splat(vs[2 * j]);
+                            const vecw w1 = loadw(st.data() + (2 * j + 1) * Rp + c * W) * splat(vs[2 * j + 1]);
+                            const ivecw word = weight_levels(w0, inv) | weight_levels(w1, inv) << 16;
+                            std::memcpy(pq.data() + j * Rp + c * W, &word, sizeof word);
+                        }
+                    }
+                    int64_t at[KB];
+                    for (; d < D; d += KB) {
+                        const int64_t r = std::min<int64_t>(KB, D - d);
+                        for (int64_t k = 0; k < KB; ++k) at[k] = pair_entry(d + std::min(k, r - 1));
+                        row_groups(0, nv, [&](auto cb, int64_t c) {
+                            constexpr int C = decltype(cb)::value;
+                            if (r == KB) pv_tile_i8<KB, C>(vpb, Dq, at, d, pq.data() + c * W, nbp / 2, Rp, alpha.data() + c,
+                                                           sw.data() + c * W, ot.data() + c * W);
+                            else
+                                for (int64_t k = 0; k < r; ++k)
+                                    pv_tile_i8<1, C>(vpb, Dq, at + k, d + k, pq.data() + c * W, nbp / 2, Rp,
+                                                     alpha.data() + c, sw.data() + c * W, ot.data() + c * W);
+                        });
+                    }
+                } else {
+                    for (; d + KB <= D; d += KB)
+                        row_groups(0, nv, [&](auto cb, int64_t c) {
+                            pv_tile<KB, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp,
+                                                             alpha.data() + c, ot.data() + c * W);
+                        });
+                    for (; d < D; ++d)
+                        row_groups(0, nv, [&](auto cb, int64_t c) {
+                            pv_tile<1, decltype(cb)::value>(vrow.data(), d, st.data() + c * W, nbp, Rp,
+                                                            alpha.data() + c, ot.data() + c * W);
+                        });
+                }
             }
             for (int64_t r = 0; r < R; ++r) {
                 Q* dst = a.out + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D;

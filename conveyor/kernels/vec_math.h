@@ -184,6 +184,25 @@ inline ivecw dot_quads(ivecw acc, ivecw a, ivecw b) {
     return acc;
 #endif
 }
+
+// acc + each lane's two 16-bit products, signed halves of a times signed halves of b: VNNI's vpdpwssd
+// where the target has it, else vpmaddwd and an add (the same sums where no product is -32768
+// squared, vpmaddwd's one overflow), else plain integer lanes.
+inline ivecw dot_pairs(ivecw acc, ivecw a, ivecw b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+    return ivecw(_mm512_dpwssd_epi32(__m512i(acc), __m512i(a), __m512i(b)));
+#elif defined(__AVX512BW__) && defined(__AVX512F__)
+    return acc + ivecw(_mm512_madd_epi16(__m512i(a), __m512i(b)));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return ivecw(_mm256_dpwssd_epi32(__m256i(acc), __m256i(a), __m256i(b)));
+#elif defined(__AVXVNNI__)
+    return ivecw(_mm256_dpwssd_avx_epi32(__m256i(acc), __m256i(a), __m256i(b)));
+#elif defined(__AVX2__)
+    return acc + ivecw(_mm256_madd_epi16(__m256i(a), __m256i(b)));
+#else
+    return acc + ((a << 16) >> 16) * ((b << 16) >> 16) + (a >> 16) * (b >> 16);
+#endif
+}
 inline ivecw splat_i(int32_t x) { return ivecw{} + x; }  // a broadcast (integers: adding 0 is exact)
 
 // e^x for x <= 0 (`exp16`/`exp8` where the target has them: the same Cephes expf, x = n ln2 + r,

@@ -81,15 +81,24 @@ def test_swapped_and_soft_reset_requests_keep_their_outputs(tiny_llama: TinyMode
         assert all_free(llm) and (llm.engine.swap is None or llm.engine.swap.num_free == llm.engine.swap.num_slots)
 
 
+def assert_reads_int8_alike(model: TinyModel, prompts: list[list[int]], new_tokens: int, **kwargs) -> None:
+    """attention_backend="torch" (dequantize, then SDPA) against the native kernels' int8 arithmetic: the same
+    values, so the same greedy tokens, and log-probabilities apart by much less than what the int8 rows
+    themselves cost. The kernels round one thing more, each key block's softmax weights to 15-bit integers
+    in the value sums (attention_blocks.h; 4% and 11% of int8's cost on llama_smooth and gemma2 here); a
+    page or a scale misread would cost more than the rows' whole quantization."""
+    native = model.llm(kv_cache_dtype="int8", **kwargs)
+    torch_backend = model.llm(kv_cache_dtype="int8", attention_backend="torch", **kwargs)
+    ours = next_token_logprobs(native, prompts)
+    err = (ours - next_token_logprobs(torch_backend, prompts)).abs().max().item()
+    int8_cost = (ours - next_token_logprobs(model.llm(**kwargs), prompts)).abs().max().item()
+    assert err < 0.25 * int8_cost, (err, int8_cost)
+    assert greedy_ids(native, prompts, new_tokens) == greedy_ids(torch_backend, prompts, new_tokens)
+    assert all_free(native) and all_free(torch_backend)
+
+
 def test_the_pytorch_backend_reads_int8_as_the_kernels_do(tiny_models: dict[str, TinyModel]) -> None:
-    """attention_backend="torch" (dequantize, then SDPA) against the native kernels' int8 arithmetic."""
-    model = tiny_models["llama_smooth"]
-    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7], seed=41)
-    native = model.llm(kv_cache_dtype="int8")
-    torch_backend = model.llm(kv_cache_dtype="int8", attention_backend="torch")
-    err = (next_token_logprobs(native, prompts) - next_token_logprobs(torch_backend, prompts)).abs().max().item()
-    assert err < 1e-4, err
-    assert greedy_ids(native, prompts) == greedy_ids(torch_backend, prompts)
+    assert_reads_int8_alike(tiny_models["llama_smooth"], random_prompts([5, 9, 14, 20, 3, 30, 11, 7], seed=41), 12)
 
 
 def test_what_int8_costs_the_model(tiny_models: dict[str, TinyModel]) -> None:
@@ -145,14 +154,7 @@ def test_prefix_hits_read_the_int8_pages_their_owner_wrote(tiny_models: dict[str
 def test_sliding_windows_read_int8_as_the_pytorch_backend(tiny_models: dict[str, TinyModel], kind: str) -> None:
     """Windowed layers (alone, or beside full ones in their own pool group) in int8: the native kernels and
     the PyTorch backend agree past the window."""
-    model = tiny_models[kind]
-    prompts = random_prompts([5, 19, 30, 12], seed=43)
-    native = model.llm(kv_cache_dtype="int8", page_size=4)
-    torch_backend = model.llm(kv_cache_dtype="int8", page_size=4, attention_backend="torch")
-    err = (next_token_logprobs(native, prompts) - next_token_logprobs(torch_backend, prompts)).abs().max().item()
-    assert err < 1e-4, err
-    assert greedy_ids(native, prompts, 16) == greedy_ids(torch_backend, prompts, 16)
-    assert all_free(native) and all_free(torch_backend)
+    assert_reads_int8_alike(tiny_models[kind], random_prompts([5, 19, 30, 12], seed=43), 16, page_size=4)
 
 
 def test_speculation_over_int8_pages_equals_speculation_off(tiny_models: dict[str, TinyModel]) -> None:
