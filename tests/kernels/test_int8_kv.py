@@ -39,6 +39,8 @@ def test_native_quantizer_writes_the_reference_bytes(dtype: torch.dtype, dim: in
     (4, 4, 80, 0, 30.0, torch.float32, 8),     # soft-capped, a head dim that is not a whole number of vectors
     (12, 2, 16, 100, 5.0, torch.bfloat16, 16),  # a window across key blocks, capped
     (12, 2, 16, 100, 5.0, torch.float32, 16),
+    (8, 1, 256, 0, 0.0, torch.float32, 16),    # Gemma's head dim: four groups of value pairs, two passes of heads
+    (6, 3, 48, 0, 0.0, torch.float32, 8),      # a head dim with a partial group
 ])
 def test_int8_rows_same_bits_in_any_chunk_and_in_decode(heads: int, kv_heads: int, dim: int, window: int,
                                                         softcap: float, dtype: torch.dtype, page: int) -> None:
