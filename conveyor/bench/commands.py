@@ -3,7 +3,7 @@
 Subcommands: `throughput` (offline throughput, optionally against transformers or vLLM), `decode`
 (decode at depth against the machine's read bandwidth), `serve` (online serving benchmark of any
 OpenAI-compatible server, over HTTP), `perplexity` (a model's perplexity on a text, in windows,
-through prompt logprobs), `lora` (a batch over several LoRA adapters against the same batch on the base). The project CLI can mount the suite with
+through prompt logprobs), `embed` (embedding throughput, optionally against vLLM), `lora` (a batch over several LoRA adapters against the same batch on the base). The project CLI can mount the suite with
 `add_subcommands(subparsers)` or simply call `main(argv)`. The checkout's diagnostics, QA harnesses
 and simulations are in tools/ (not installed).
 """
@@ -31,7 +31,7 @@ def build_parser(prog: str = "python -m conveyor.bench") -> argparse.ArgumentPar
 
 def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register every benchmark subcommand; each sets `func(args) -> exit code`."""
-    from . import decode, lora, perplexity, serve, throughput
+    from . import decode, embed, lora, perplexity, serve, throughput
 
     commands = [
         ("throughput", throughput,
@@ -59,6 +59,12 @@ def add_subcommands(subparsers: argparse._SubParsersAction) -> None:
          "for run interleaved repeat by repeat (and llama.cpp's llama-bench -d at the same depth with "
          "--llama-bench). Reports decode tok/s (median and spread), the bytes a step reads (weights + KV) and "
          "their rate against the machine's measured read bandwidth."),
+        ("embed", embed,
+         "embedding throughput of a pooling model over many texts (optionally vs vLLM)",
+         "--num-texts random texts of --text-len tokens embedded in one LLM(runner='pooling').embed call, "
+         "--repeats times after a warm-up; reports prompt tok/s (median and spread). --compare vllm runs vLLM's "
+         "pooling LLM.embed on the same token ids in the interpreter --vllm-python names and reports its tok/s, "
+         "the ratio and the cosine similarity of the two engines' embeddings."),
         ("lora", lora,
          "a batch of streams over several LoRA adapters and the base vs the same batch on the base alone",
          "--streams random prompts generate --tokens tokens each in one generate, spread over --adapters random "

@@ -29,6 +29,7 @@ from .modes import add_mode_arguments, resolved_mode
 from .progress import add_progress_argument, progress_wanted
 from .structured import add_structured_arguments, structured_from_args
 from .throughput_report import CONVEYOR, HF_CB, HF_STATIC, VLLM, compare_outputs, count_values, format_report
+from .vllm_compare import add_vllm_arguments
 from .workloads import Workload, WorkloadError, render_prompts
 
 logger = logging.getLogger("conveyor.bench")
@@ -281,14 +282,7 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--speculative-config", default=None, metavar="JSON",
                      help="speculative decoding, vLLM's JSON, e.g. "
                         '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    vl = parser.add_argument_group("vLLM baseline (--compare vllm; run in its own interpreter, see vllm_compare.py)")
-    vl.add_argument("--vllm-python", default=None, metavar="PATH", help="a Python interpreter with vLLM installed")
-    vl.add_argument("--vllm-model", default=None,
-                    help="what vLLM loads (default: the model file Conveyor loaded); e.g. an HF directory")
-    vl.add_argument("--vllm-tokenizer", default=None, help="vLLM's tokenizer (default: vLLM's choice for the model)")
-    vl.add_argument("--vllm-kwargs", default=None, metavar="JSON",
-                    help="more vllm.LLM(...) arguments as a JSON object, e.g. '{\"max_model_len\": 2048}'")
-    vl.add_argument("--vllm-timeout", type=float, default=None, metavar="S", help="give up on vLLM after S seconds")
+    add_vllm_arguments(parser)
     hf = parser.add_argument_group("transformers baselines")
     hf.add_argument("--hf-batch-size", type=int, default=16, help="batch size of static generate (default 16)")
     hf.add_argument("--hf-max-batch-tokens", type=int, default=-1,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -58,6 +59,18 @@ class VllmOptions:
             raise ValueError(f"--vllm-kwargs may not set {taken}: use {[RESERVED_KWARGS[k] for k in taken]}")
 
 
+def add_vllm_arguments(parser: Any) -> None:
+    """The `--vllm-*` options of a benchmark with `--compare vllm`."""
+    vl = parser.add_argument_group("vLLM baseline (--compare vllm; run in its own interpreter, see vllm_compare.py)")
+    vl.add_argument("--vllm-python", default=None, metavar="PATH", help="a Python interpreter with vLLM installed")
+    vl.add_argument("--vllm-model", default=None,
+                    help="what vLLM loads (default: the model file Conveyor loaded); e.g. an HF directory")
+    vl.add_argument("--vllm-tokenizer", default=None, help="vLLM's tokenizer (default: vLLM's choice for the model)")
+    vl.add_argument("--vllm-kwargs", default=None, metavar="JSON",
+                    help="more vllm.LLM(...) arguments as a JSON object, e.g. '{\"max_model_len\": 2048}'")
+    vl.add_argument("--vllm-timeout", type=float, default=None, metavar="S", help="give up on vLLM after S seconds")
+
+
 def parse_kwargs(text: str | None) -> dict[str, Any]:
     """`--vllm-kwargs` JSON object (e.g. '{"max_model_len": 2048}') -> dict."""
     if not text:
@@ -93,8 +106,8 @@ def thread_binding(threads: int) -> str:
     return ",".join(str(c) for c in cpus[:max(threads, 1)])
 
 
-def run_vllm(options: VllmOptions, request: dict[str, Any]) -> RunResult:
-    """Run `request` through `vllm_runner.py` in `options.python`; its tokens, timing and resolved settings."""
+def call_runner(options: VllmOptions, request: dict[str, Any]) -> dict[str, Any]:
+    """Run `request` through `vllm_runner.py` in `options.python`; its RESULT (protocol checked)."""
     env = os.environ.copy()
     for key, value in {**ENV_DEFAULTS, "VLLM_CPU_OMP_THREADS_BIND": thread_binding(torch.get_num_threads())}.items():
         env.setdefault(key, value)
@@ -108,13 +121,23 @@ def run_vllm(options: VllmOptions, request: dict[str, Any]) -> RunResult:
             raise VllmError(f"--vllm-python {options.python}: no such interpreter") from None
         except subprocess.TimeoutExpired:
             raise VllmError(f"the vLLM run took longer than {options.timeout_s} s") from None
-        if proc.returncode != 0 or not result_path.exists():
+        if not result_path.exists():
             raise VllmError(f"the vLLM runner ({options.python} {RUNNER.name}) exited with status {proc.returncode}; "
                             "its output is above")
+        if proc.returncode != 0:  # RESULT.json is written whole after the timed call: only the teardown failed
+            print(f"note: the vLLM runner wrote its result, then exited with status {proc.returncode} (at shutdown)",
+                  file=sys.stderr)
         result = json.loads(result_path.read_text())
-    if result.get("protocol") != PROTOCOL or len(result.get("token_ids", ())) != len(request["prompts"]):
+    key = "embeddings" if request.get("task") == "embed" else "token_ids"
+    if result.get("protocol") != PROTOCOL or len(result.get(key, ())) != len(request["prompts"]):
         raise VllmError(f"the vLLM runner answered protocol {result.get('protocol')!r} with "
-                        f"{len(result.get('token_ids', ()))} outputs for {len(request['prompts'])} prompts")
+                        f"{len(result.get(key, ()))} outputs for {len(request['prompts'])} prompts")
+    return result
+
+
+def run_vllm(options: VllmOptions, request: dict[str, Any]) -> RunResult:
+    """Run a generate `request` in vLLM; its tokens, timing and resolved settings."""
+    result = call_runner(options, request)
     reasons = result["finish_reasons"]
     return RunResult(
         token_ids=[list(t) for t in result["token_ids"]], wall_s=float(result["wall_s"]),

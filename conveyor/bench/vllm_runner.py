@@ -17,6 +17,10 @@ prompt at once is in `wall_s` (not the load). RESULT.json:
     {"protocol": 1, "vllm_version": str, "load_s": float, "wall_s": float, "token_ids": [[int]],
      "finish_reasons": [str | null], "dtype": str | null, "quantization": str | null, "env": {VLLM_*: str}}
 
+With "task": "embed" (`conveyor bench embed --compare vllm`) the model loads as a pooling model
+(`runner="pooling"`), the warm-up and the timed call are `LLM.embed`, and RESULT.json has
+"embeddings": [[float]] in place of "token_ids" and "finish_reasons".
+
 Exit status 0 on success; otherwise the traceback is on stderr and no RESULT.json is written.
 """
 
@@ -39,15 +43,28 @@ def _model_config(llm: Any) -> Any:
 
 
 def run(request: dict[str, Any]) -> dict[str, Any]:
-    """Load the model in vLLM, warm up, time one generate over every prompt; the RESULT dict."""
+    """Load the model in vLLM, warm up, time one generate (or embed) over every prompt; the RESULT dict."""
     if request.get("protocol") != PROTOCOL:
         raise ValueError(f"vllm_runner speaks protocol {PROTOCOL}, the request is {request.get('protocol')!r}")
     import vllm
 
+    embed = request.get("task") == "embed"
     started = time.perf_counter()
     llm = vllm.LLM(model=request["model"], tokenizer=request["tokenizer"], dtype=request["dtype"],
-                   **request["llm_kwargs"])
+                   **({"runner": "pooling"} if embed else {}), **request["llm_kwargs"])
     load_s = time.perf_counter() - started
+    config = _model_config(llm)
+    dtype = getattr(config, "dtype", None)
+    result = {"protocol": PROTOCOL, "vllm_version": getattr(vllm, "__version__", None), "load_s": load_s,
+              "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+              "quantization": getattr(config, "quantization", None),
+              "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+    if embed:
+        llm.embed([{"prompt_token_ids": request["warmup_prompt"]}], use_tqdm=False)
+        started = time.perf_counter()
+        outputs = llm.embed([{"prompt_token_ids": p} for p in request["prompts"]], use_tqdm=False)
+        return {**result, "wall_s": time.perf_counter() - started,
+                "embeddings": [list(o.outputs.embedding) for o in outputs]}
 
     def params(max_tokens: int, ignore_eos: bool) -> Any:
         return vllm.SamplingParams(max_tokens=max_tokens, temperature=request["temperature"], ignore_eos=ignore_eos,
@@ -60,14 +77,8 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     outputs = llm.generate(prompts, sampling, use_tqdm=False)
     wall_s = time.perf_counter() - started
-    config = _model_config(llm)
-    dtype = getattr(config, "dtype", None)
-    return {"protocol": PROTOCOL, "vllm_version": getattr(vllm, "__version__", None), "load_s": load_s,
-            "wall_s": wall_s, "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-            "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
-            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-            "quantization": getattr(config, "quantization", None),
-            "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
+    return {**result, "wall_s": wall_s, "token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outputs]}
 
 
 def main(argv: list[str]) -> int:

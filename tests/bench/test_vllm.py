@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import stat
 import sys
 from pathlib import Path
 
@@ -32,17 +31,9 @@ from conveyor.bench.vllm_compare import (
 from conveyor.bench.workloads import BenchRequest, Workload
 from conveyor.kernels import vector_flags
 
+from tests.bench.vllm_stand_in import interpreter
 from tests.utils import TinyModel, random_prompts
 
-FAKE_VLLM = Path(__file__).with_name("fake_vllm")
-
-
-def interpreter(tmp_path: Path, body: str | None = None) -> str:
-    """An executable standing in for vLLM's Python: ours with the fake vllm importable (or `body`)."""
-    path = tmp_path / "vllm-python"
-    path.write_text(body or f'#!/bin/sh\nPYTHONPATH="{FAKE_VLLM}" exec "{sys.executable}" "$@"\n')
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

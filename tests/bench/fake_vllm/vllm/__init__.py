@@ -1,7 +1,8 @@
 """A stand-in for vLLM in `tests/bench/test_vllm.py`: the part of its offline API that
 `conveyor/bench/vllm_runner.py` uses (`LLM(model, tokenizer, dtype, **kwargs)`, `SamplingParams`,
 `LLM.generate` over `{"prompt_token_ids": ...}` prompts, `llm.model_config`), decoding greedily with
-transformers' eager model so that its tokens are a known reference.
+transformers' eager model so that its tokens are a known reference; and `LLM.embed` (for
+`runner="pooling"`): the last token's final hidden state, L2-normalized, as vLLM pools a decoder.
 
 `FAKE_VLLM_LOG` (a path): the constructor arguments, the sampling parameters of the timed call and
 the `VLLM_*`/`HF_*` environment are written there as JSON. `FAKE_VLLM_FLIP` ("i:k,..."): request i's
@@ -40,6 +41,16 @@ class RequestOutput:
 
 
 @dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    outputs: EmbeddingOutput
+
+
+@dataclass
 class ModelConfig:
     dtype: torch.dtype
     quantization: str | None = None
@@ -66,6 +77,19 @@ class LLM:
             if not p.ignore_eos and token in (p.stop_token_ids or []):
                 return CompletionOutput(out, "stop")
         return CompletionOutput(out, "length")
+
+    @torch.inference_mode()
+    def embed(self, prompts: list[dict], use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        assert self.log["kwargs"].get("runner") == "pooling", "embed needs runner='pooling'"
+        outputs = []
+        for pr in prompts:
+            hidden = self.model.model(torch.tensor([pr["prompt_token_ids"]])).last_hidden_state[0, -1].float()
+            outputs.append(EmbeddingRequestOutput(EmbeddingOutput((hidden / hidden.norm()).tolist())))
+        self.log["calls"].append([len(pr["prompt_token_ids"]) for pr in prompts])
+        if os.environ.get("FAKE_VLLM_LOG"):
+            with open(os.environ["FAKE_VLLM_LOG"], "w") as f:
+                json.dump(self.log, f)
+        return outputs
 
     def generate(self, prompts: list[dict], sampling_params: SamplingParams | list[SamplingParams],
                  use_tqdm: bool = True) -> list[RequestOutput]:
