@@ -11,7 +11,6 @@ similarity of each text's pair: both pool the last token's final hidden state, n
 from __future__ import annotations
 
 import json
-import math
 import random
 import statistics
 import sys
@@ -19,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..pooling_llm import cosine
 from .modes import add_mode_arguments, describe_mode, resolved_mode
 from .throughput import environment, vllm_options_from_args
 from .vllm_compare import add_vllm_arguments, call_runner, vllm_dtype
@@ -28,11 +28,6 @@ def random_texts(num_texts: int, text_len: int, vocab_size: int, seed: int) -> l
     """Texts of random token ids (none of the first 100, where special tokens sit)."""
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab_size) for _ in range(text_len)] for _ in range(num_texts)]
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)) or 1.0)
 
 
 def run_embed(llm: Any, texts: list[list[int]], *, repeats: int = 3) -> dict[str, Any]:
