@@ -1,11 +1,12 @@
 """Embedding throughput: `LLM(runner="pooling").embed` over many texts, optionally against vLLM's.
 
 `num_texts` random token-id texts of `text_len` tokens (seeded) are embedded in one `embed` call after an
-untimed one, `repeats` times, prefix caching off; the report gives prompt tokens per second
-(the median run and the spread). With `compare=vllm` vLLM's offline `LLM(runner="pooling").embed` runs the same token ids in
-its own interpreter (`vllm_compare.py`: the same model file or `--vllm-model`, dtype and threads), and
-the report adds its rate, the ratio, and how far apart the two engines' embeddings are (the cosine
-similarity of each text's pair: both pool the last token's final hidden state, normalized, by default).
+untimed one, `repeats` times, prefix caching off; the report gives prompt tokens per second (the median
+run and the spread). With `compare=vllm` vLLM's offline `LLM(runner="pooling").embed` runs the same token
+ids in its own interpreter (`vllm_compare.py`: the same model file or `--vllm-model`, dtype and threads;
+one untimed pass, then one timed), and the report adds its rate, the ratio, and how far apart the two
+engines' embeddings are (the cosine similarity of each text's pair: both pool the last token's final
+hidden state, normalized, by default).
 """
 
 from __future__ import annotations
@@ -47,8 +48,7 @@ def run_embed(llm: Any, texts: list[list[int]], *, repeats: int = 3) -> dict[str
 def run_vllm_embed(options: Any, *, model: str, dtype: Any, texts: list[list[int]]) -> dict[str, Any]:
     """vLLM's pooling `LLM.embed` over the same texts in its own interpreter: tok/s and embeddings."""
     request = {"protocol": 1, "task": "embed", "model": options.model or model, "tokenizer": options.tokenizer,
-               "dtype": vllm_dtype(dtype), "llm_kwargs": options.llm_kwargs, "prompts": texts,
-               "warmup_prompt": texts[0]}
+               "dtype": vllm_dtype(dtype), "llm_kwargs": options.llm_kwargs, "prompts": texts}
     result = call_runner(options, request)
     return {"tokens": sum(len(t) for t in texts), "tok_per_s": sum(len(t) for t in texts) / result["wall_s"],
             "embeddings": result["embeddings"], "vllm_version": result.get("vllm_version"),

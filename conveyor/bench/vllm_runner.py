@@ -18,8 +18,9 @@ prompt at once is in `wall_s` (not the load). RESULT.json:
      "finish_reasons": [str | null], "dtype": str | null, "quantization": str | null, "env": {VLLM_*: str}}
 
 With "task": "embed" (`conveyor bench embed --compare vllm`) the model loads as a pooling model
-(`runner="pooling"`), the warm-up and the timed call are `LLM.embed`, and RESULT.json has
-"embeddings": [[float]] in place of "token_ids" and "finish_reasons".
+(`runner="pooling"`), the warm-up (over every prompt, as Conveyor's side warms up) and the timed call
+are `LLM.embed`, and RESULT.json has "embeddings": [[float]] in place of "token_ids" and
+"finish_reasons"; "warmup_prompt" is not used.
 
 Exit status 0 on success; otherwise the traceback is on stderr and no RESULT.json is written.
 """
@@ -60,9 +61,10 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
               "quantization": getattr(config, "quantization", None),
               "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}
     if embed:
-        llm.embed([{"prompt_token_ids": request["warmup_prompt"]}], use_tqdm=False)
+        prompts = [{"prompt_token_ids": p} for p in request["prompts"]]
+        llm.embed(prompts, use_tqdm=False)
         started = time.perf_counter()
-        outputs = llm.embed([{"prompt_token_ids": p} for p in request["prompts"]], use_tqdm=False)
+        outputs = llm.embed(prompts, use_tqdm=False)
         return {**result, "wall_s": time.perf_counter() - started,
                 "embeddings": [list(o.outputs.embedding) for o in outputs]}
 
