@@ -4,7 +4,7 @@
 untimed one, `repeats` times, prefix caching off; the report gives prompt tokens per second (the median
 run and the spread). With `compare=vllm` vLLM's offline `LLM(runner="pooling").embed` runs the same token
 ids in its own interpreter (`vllm_compare.py`: the same model file or `--vllm-model`, dtype and threads;
-one untimed pass, then one timed), and the report adds its rate, the ratio, and how far apart the two
+prefix caching off; one untimed pass, then one timed), and the report adds its rate, the ratio, and how far apart the two
 engines' embeddings are (the cosine similarity of each text's pair: both pool the last token's final
 hidden state, normalized, by default).
 """
@@ -48,7 +48,9 @@ def run_embed(llm: Any, texts: list[list[int]], *, repeats: int = 3) -> dict[str
 def run_vllm_embed(options: Any, *, model: str, dtype: Any, texts: list[list[int]]) -> dict[str, Any]:
     """vLLM's pooling `LLM.embed` over the same texts in its own interpreter: tok/s and embeddings."""
     request = {"protocol": 1, "task": "embed", "model": options.model or model, "tokenizer": options.tokenizer,
-               "dtype": vllm_dtype(dtype), "llm_kwargs": options.llm_kwargs, "prompts": texts}
+               "dtype": vllm_dtype(dtype), "prompts": texts,
+               # as ours: the untimed pass would otherwise fill its prefix cache with the timed pass's texts
+               "llm_kwargs": {"enable_prefix_caching": False, **options.llm_kwargs}}
     result = call_runner(options, request)
     return {"tokens": sum(len(t) for t in texts), "tok_per_s": sum(len(t) for t in texts) / result["wall_s"],
             "embeddings": result["embeddings"], "vllm_version": result.get("vllm_version"),

@@ -39,7 +39,8 @@ def test_compare_vllm_end_to_end(tiny: TinyModel, tmp_path: Path, monkeypatch, c
                  "--repeats", "1", "--compare", "vllm", "--vllm-python", interpreter(tmp_path),
                  "--out", str(out)]) == 0
     seen = json.loads(log.read_text())
-    assert (seen["model"], seen["dtype"], seen["kwargs"]) == (str(tiny.path), "float32", {"runner": "pooling"})
+    assert (seen["model"], seen["dtype"], seen["kwargs"]) == (
+        str(tiny.path), "float32", {"runner": "pooling", "enable_prefix_caching": False})
     assert seen["calls"] == [[11] * 4, [11] * 4]  # an untimed pass over every text, then the timed one
     report = json.loads(out.read_text())
     assert "embeddings" not in report["conveyor"] and "embeddings" not in report["vllm"]
