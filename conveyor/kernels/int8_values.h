@@ -104,6 +104,24 @@ inline void value_pair_sums(const int8_t* const* rows, int64_t offset, int64_t l
     }
 }
 
+// Prefill's register block over int8 rows, for its scores (`dot_quads`) and its value sums (`dot_pairs`):
+// acc[i][c] = dot(acc[i][c], splat(S(i, j)), C row vectors of rows[j]) for j < nj in order, R broadcast
+// words S(i, j) against rows ([nj][Rp], the query rows' words).
+template <int R, int C, typename Splat, typename Dot>
+inline void integer_tile(ivecw (&acc)[R][C], Splat S, const int32_t* rows, int64_t nj, int64_t Rp, Dot dot) {
+    for (int64_t j = 0; j < nj; ++j) {
+        ivecw r[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) std::memcpy(&r[c], rows + j * Rp + c * W, sizeof(ivecw));
+#pragma GCC unroll 8
+        for (int i = 0; i < R; ++i) {
+            const ivecw x = splat_i(S(i, j));
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) acc[i][c] = dot(acc[i][c], x, r[c]);
+        }
+    }
+}
+
 // Prefill's sums (prefill_attention_cpu.cpp's `pv_tile` for int8 rows, along query rows): ot[d][rows]
 // = fmadd(float(sum), sw[rows], ot[d][rows] * alpha[rows]), the sum over pairs j < nj of `dot_pairs`
 // of the rows' weights pq[j] ([nj][Rp]) with entry d's value pair, for R entries d (entry d + i at
@@ -112,17 +130,8 @@ template <int R, int C>
 inline void pv_tile_i8(const int32_t* vp, int64_t Dq, const int64_t* at, int64_t d, const int32_t* pq, int64_t nj,
                        int64_t Rp, const vecw* alpha, const float* sw, float* ot) {
     ivecw acc[R][C] = {};
-    for (int64_t j = 0; j < nj; ++j) {
-        ivecw p[C];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) std::memcpy(&p[c], pq + j * Rp + c * W, sizeof(ivecw));
-#pragma GCC unroll 8
-        for (int i = 0; i < R; ++i) {
-            const ivecw x = splat_i(vp[j * Dq + at[i]]);
-#pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) acc[i][c] = dot_pairs(acc[i][c], p[c], x);
-        }
-    }
+    integer_tile<R, C>(acc, [vp, Dq, at](int i, int64_t j) { return vp[j * Dq + at[i]]; }, pq, nj, Rp,
+                       [](ivecw a, ivecw x, ivecw p) { return dot_pairs(a, p, x); });
     for (int i = 0; i < R; ++i)
         for (int c = 0; c < C; ++c) {
             float* o = ot + (d + i) * Rp + c * W;

@@ -85,17 +85,7 @@ template <int C, typename Keys>
 inline void qk_tile_i8(Keys K, const int32_t* qt, int64_t nq, int64_t Rp, const int32_t* qsum, const float* qs,
                        const float* ks, float* st, vecw* mx) {
     ivecw acc[KB][C] = {};
-    for (int64_t j = 0; j < nq; ++j) {
-        ivecw q[C];
-#pragma GCC unroll 8
-        for (int c = 0; c < C; ++c) std::memcpy(&q[c], qt + j * Rp + c * W, sizeof(ivecw));
-#pragma GCC unroll 8
-        for (int i = 0; i < KB; ++i) {
-            const ivecw x = splat_i(K(i, j));
-#pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) acc[i][c] = dot_quads(acc[i][c], x, q[c]);
-        }
-    }
+    integer_tile<KB, C>(acc, K, qt, nq, Rp, [](ivecw a, ivecw x, ivecw q) { return dot_quads(a, x, q); });
     for (int c = 0; c < C; ++c) {
         ivecw sums;
         std::memcpy(&sums, qsum + c * W, sizeof sums);
