@@ -20,11 +20,12 @@
 // Decode reads every cached K and V row once per step and does little arithmetic on it: its time is
 // the memory's, plus whatever arithmetic the memory does not hide. So the memory streams while the
 // arithmetic runs: each position's K and V rows are prefetched into L2 (prefetcht2) kPrefetchBlocks
-// key blocks ahead, one position every few keys of the value sums (`block_values`' `each_key`), so
-// that the prefetches never queue up in a burst (a burst fills the core's miss buffers and the
-// prefetch instruction itself then waits). A thread's next run (`DecodeScratch::next`) is prefetched
-// the same way during this one's last blocks: a batch of short requests streams as one long one
-// instead of starting each on a cold cache. docs/benchmarks.md has the measurements.
+// key blocks ahead, a cache line every few multiply-adds of the scores and the value sums
+// (`RowStream`), so that the prefetches never queue up in a burst (a burst fills the core's miss
+// buffers and the prefetch instruction itself then waits). A thread's next run
+// (`DecodeScratch::next`) is prefetched the same way during this one's last blocks: a batch of short
+// requests streams as one long one instead of starting each on a cold cache. docs/benchmarks.md has
+// the measurements.
 #pragma once
 
 #include "attention_blocks.h"
@@ -184,6 +185,44 @@ __attribute__((always_inline)) inline void prefetch_rows(const T* kc, const T* v
         }
 }
 
+// The K and V rows of the positions ahead, prefetched into L2 (prefetcht2) a line at a time at the pace
+// of the arithmetic: `pace(macs)` after every few multiply-adds of the scores and the value sums issues
+// the lines those multiply-adds are worth, so that the prefetches in flight stay level. (Issued a
+// position at a time during the value sums only, they came in bursts that filled the core's miss
+// buffers: the prefetch instructions themselves then waited, and the memory's time added to the
+// arithmetic's instead of hiding under it.)
+struct RowStream {
+    const char *k, *v;     // the K and V caches
+    const int64_t* slot;   // each position's row offset, in elements of `elem` bytes
+    int64_t elem, row_bytes;
+    int64_t pos = 0, limit = 0;  // the next position whose rows are fetched; none from `limit` on
+    int64_t num = 0, den = 1, credit = 0;  // lines per multiply-add: num / den
+    uintptr_t line = 0, stop = 0;          // the next line of the row under way, and its end
+    bool in_v = false;                     // that row is pos's V row (else its K row)
+
+    __attribute__((always_inline)) inline void one() {
+        if (line >= stop) {
+            if (pos >= limit) return;
+            const uintptr_t p = reinterpret_cast<uintptr_t>((in_v ? v : k) + slot[pos] * elem);
+            line = p & ~uintptr_t{63}, stop = p + row_bytes;
+        }
+        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 1);
+        line += 64;
+        if (line >= stop) {
+            if (in_v) ++pos;
+            in_v = !in_v;
+        }
+    }
+    __attribute__((always_inline)) inline void pace(int64_t macs) {
+        if (pos >= limit) return;
+        for (credit += macs * num; credit >= den; credit -= den) one();
+    }
+    // Everything before position p (at most the limit) fetched: what the pace left behind.
+    void until(int64_t p) {
+        while (pos < std::min(p, limit)) one();
+    }
+};
+
 // Each of the first n positions' row offset in the cache (rows of `row` values, head rows of Dr) for
 // `run`: position first + t at slot index first + t (or its remainder by the ring), its kv head h0's row.
 inline void slot_offsets(const DecodeRun& run, int64_t n, int64_t page, int64_t row, int64_t Dr, int64_t* out) {
@@ -213,7 +252,7 @@ struct Int8Query {
 template <typename T>
 __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset, int64_t D, const float* q, int64_t Dp,
                                            Int8Query qi, int64_t count, int64_t nv, int64_t lo, int64_t hi, float cap,
-                                           float* m, float* l, float* o, int64_t J, float* p) {
+                                           float* m, float* l, float* o, int64_t J, float* p, RowStream& pf) {
     with_count<kBlockVectors>(nv, [&](auto nvc) {
         constexpr int NV = decltype(nvc)::value;
         with_count<GK>(count, [&](auto cc) {
@@ -223,6 +262,7 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
                 if constexpr (kScaled<T>) {  // int8 keys: integer dot products, times the two scales
                     ivecw acc[C] = {};
                     key_quads(krows + v * W, offset, qi.nq, [&](int64_t j, ivecw k) {
+                        pf.pace(C * W * 4);
 #pragma GCC unroll 8
                         for (int c = 0; c < C; ++c) acc[c] = dot_quads(acc[c], k, splat_i(qi.values[c * qi.nq + j]));
                     });
@@ -233,6 +273,7 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
                 } else {
                     vecw acc[C] = {};
                     key_columns(krows + v * W, offset, D, [&](int64_t d, vecw k) {
+                        pf.pace(C * W);
 #pragma GCC unroll 8
                         for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(q[c * Dp + d]), k, acc[c]);
                     });
@@ -281,12 +322,18 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     const T* zero = reinterpret_cast<const T*>(sc.zero.data());
 
     // The memory streams while the arithmetic runs: rows are prefetched into L2 kPrefetchBlocks blocks
-    // ahead, each block's positions split over its kv heads' passes and, within a pass, one position
-    // every few keys of its value sums; past this run's end, the next run's (as many kv heads' rows as
-    // this run's). Positions [0, done) are prefetched (by the last call, if it announced this run).
+    // ahead, a line at a time at the arithmetic's pace (`RowStream`: a block's K and V rows over its
+    // multiply-adds, 2 x G x D a key and kv head), each kv head's share of the block's positions made up
+    // after its pass; past this run's end, the next run's (as many kv heads' rows as this run's).
+    // Positions [0, ahead) are fetched at the start, but for those the last call did, if it announced this run.
     const int64_t row_bytes = nh * Dr * static_cast<int64_t>(sizeof(T));
-    int64_t done = std::min(npf, ahead);
+    const int64_t done = std::min(npf, ahead);
     prefetch_rows(kc, vc, sc.slot.data(), sc.announced == run ? std::min(sc.warm, done) : 0, done, row_bytes);
+    RowStream pf{reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), sc.slot.data(),
+                 static_cast<int64_t>(sizeof(T)), row_bytes};
+    pf.pos = done;
+    pf.num = 2 * (row_bytes / 64 + 2);  // a position's lines, K and V, an upper bound
+    pf.den = 2 * nh * G * D;            // its multiply-adds
     const T *krows[kKeyBlock], *vrows[kKeyBlock];
     for (int64_t t0 = 0; t0 < len;) {
         // A block: positions [p0, p0 + kKeyBlock); its lanes [lo, hi) hold positions first + t0, ...
@@ -298,20 +345,13 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
             vrows[n] = key ? vc + sc.slot[t0 + n - lo] : zero;
         }
         const int64_t nv = (hi + W - 1) / W;
+        pf.limit = std::min(npf, t1 + ahead);
         for (int64_t h = 0; h < nh; ++h) {
-            // This pass prefetches positions [next, end): one every `stride` keys of its value sums.
-            int64_t next = std::max(done, std::min(npf, t0 + ahead + h * kKeyBlock / nh));
-            const int64_t end = std::min(npf, t0 + ahead + (h + 1) * kKeyBlock / nh);
-            const int64_t stride = std::max<int64_t>(1, (hi - lo) / std::max<int64_t>(1, end - next));
-            int64_t wait = 0;  // keys until the next prefetch (a count: a division per key showed in profiles)
-            const auto each_key = [&](int64_t) {
-                if (next < end && --wait < 0) prefetch_rows(kc, vc, sc.slot.data(), next, next + 1, row_bytes), ++next, wait = stride - 1;
-            };
             for (int64_t g0 = 0; g0 < G; g0 += GK) {
                 const int64_t r = h * G + g0;
                 const Int8Query qi{sc.qi.data() + r * nq, nq, sc.qsum.data() + r, sc.qs.data() + r};
                 score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, qi, std::min<int64_t>(GK, G - g0), nv, lo, hi,
-                            cap, sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock);
+                            cap, sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock, pf);
             }
             if constexpr (kScaled<T>) {  // int8 V rows: integer sums, the weights p * s_v as integers
                 alignas(64) float vs[kKeyBlock];
@@ -332,6 +372,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                     with_count<GQ>(std::min<int64_t>(GQ, G - g0), [&](auto count) {
                         constexpr int C = decltype(count)::value;
                         const int64_t r0 = h * G + g0;
+                        const auto each_key = [&pf, macs = C * D](int64_t) { pf.pace(macs); };
                         const uint16_t* u = sc.u.data() + r0 * kKeyBlock;
                         if (D % (4 * W) == 0)
                             value_pair_sums<true, C>(vrows, h * Dr, lo, hi, D, Dp, u, sc.sw.data() + r0, sc.o.data() + r0 * Dp, each_key);
@@ -343,6 +384,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                     with_count<GV>(std::min<int64_t>(GV, G - g0), [&](auto count) {
                         constexpr int C = decltype(count)::value;
                         const int64_t r0 = h * G + g0;
+                        const auto each_key = [&pf, macs = C * D](int64_t) { pf.pace(macs); };
                         const float* pr = sc.p.data() + r0 * kKeyBlock;
                         float* orow = sc.o.data() + r0 * Dp;
                         if (pairs) block_values<kPairs<T>, true, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
@@ -350,13 +392,12 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                         else block_values<false, false, T, C, J>(vrows, h * Dr, lo, hi, D, pr, orow, each_key);
                     });
             }
-            if (next < end) prefetch_rows(kc, vc, sc.slot.data(), next, end, row_bytes);
-            done = std::max(done, end);
+            pf.until(t0 + ahead + (h + 1) * (hi - lo) / nh);
         }
         t0 = t1;
     }
     sc.announced = sc.next;
-    sc.warm = std::max<int64_t>(0, done - len);
+    sc.warm = std::max<int64_t>(0, pf.pos - len);
     for (int64_t r = 0; r < heads; ++r) {
         const float inv = 1.f / sc.l[r];
         const float* o_r = sc.o.data() + r * Dp;
