@@ -186,8 +186,8 @@ __attribute__((always_inline)) inline void prefetch_rows(const T* kc, const T* v
 }
 
 // The K and V rows of the positions ahead, prefetched into L2 (prefetcht2) a line at a time at the pace
-// of the arithmetic: `pace(macs)` after every few multiply-adds of the scores and the value sums issues
-// the lines those multiply-adds are worth, so that the prefetches in flight stay level. (Issued a
+// of the arithmetic: `pace(macs)` after each W keys' scores and each key's value sums issues the lines
+// those multiply-adds are worth, so that the prefetches in flight stay level. (Issued a
 // position at a time during the value sums only, they came in bursts that filled the core's miss
 // buffers: the prefetch instructions themselves then waited, and the memory's time added to the
 // arithmetic's instead of hiding under it.)
@@ -262,10 +262,10 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
                 if constexpr (kScaled<T>) {  // int8 keys: integer dot products, times the two scales
                     ivecw acc[C] = {};
                     key_quads(krows + v * W, offset, qi.nq, [&](int64_t j, ivecw k) {
-                        pf.pace(C * W * 4);
 #pragma GCC unroll 8
                         for (int c = 0; c < C; ++c) acc[c] = dot_quads(acc[c], k, splat_i(qi.values[c * qi.nq + j]));
                     });
+                    pf.pace(C * W * D);
                     float scales[W];
                     for (int i = 0; i < W; ++i) scales[i] = row_scale(krows[v * W + i] + offset, D);
                     for (int c = 0; c < C; ++c)
@@ -273,10 +273,10 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
                 } else {
                     vecw acc[C] = {};
                     key_columns(krows + v * W, offset, D, [&](int64_t d, vecw k) {
-                        pf.pace(C * W);
 #pragma GCC unroll 8
                         for (int c = 0; c < C; ++c) acc[c] = fmadd(splat(q[c * Dp + d]), k, acc[c]);
                     });
+                    pf.pace(C * W * D);  // after the turn, not in it: there it kept `key_columns` from inlining
                     for (int c = 0; c < C; ++c) s[c][v] = acc[c];
                 }
             }
