@@ -171,20 +171,6 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
         for (int j = 0; j < J; ++j) storew(o + (c * J + j) * W, a[c][j]);
 }
 
-// Prefetches (prefetcht2: into L2) the K and V rows of positions [t0, t1): row_bytes from kc + slot[t],
-// vc + slot[t]. Always inlined: measured here (GCC 12), the same loop as a lambda called from `attend`
-// lost most of the gain.
-template <typename T>
-__attribute__((always_inline)) inline void prefetch_rows(const T* kc, const T* vc, const int64_t* slot, int64_t t0,
-                                                         int64_t t1, int64_t row_bytes) {
-    for (const T* base : {kc, vc})
-        for (int64_t t = t0; t < t1; ++t) {
-            const uintptr_t p = reinterpret_cast<uintptr_t>(base + slot[t]);
-            for (uintptr_t l = p & ~uintptr_t{63}; l < p + row_bytes; l += 64)
-                __builtin_prefetch(reinterpret_cast<const void*>(l), 0, 1);
-        }
-}
-
 // The K and V rows of the positions ahead, prefetched into L2 (prefetcht2) a line at a time at the pace
 // of the arithmetic: `pace(macs)` after each W keys' scores and each key's value sums issues the lines
 // those multiply-adds are worth, so that the prefetches in flight stay level. (Issued a
@@ -327,11 +313,11 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     // after its pass; past this run's end, the next run's (as many kv heads' rows as this run's).
     // Positions [0, ahead) are fetched at the start, but for those the last call did, if it announced this run.
     const int64_t row_bytes = nh * Dr * static_cast<int64_t>(sizeof(T));
-    const int64_t done = std::min(npf, ahead);
-    prefetch_rows(kc, vc, sc.slot.data(), sc.announced == run ? std::min(sc.warm, done) : 0, done, row_bytes);
     RowStream pf{reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), sc.slot.data(),
                  static_cast<int64_t>(sizeof(T)), row_bytes};
-    pf.pos = done;
+    pf.limit = std::min(npf, ahead);
+    pf.pos = sc.announced == run ? std::min(sc.warm, pf.limit) : 0;
+    pf.until(pf.limit);  // the first blocks' rows at once: nothing computes before them
     pf.num = 2 * (row_bytes / 64 + 2);  // a position's lines, K and V, an upper bound
     pf.den = 2 * nh * G * D;            // its multiply-adds
     const T *krows[kKeyBlock], *vrows[kKeyBlock];
