@@ -59,6 +59,7 @@ struct DecodeScratch {
     DecodeRun announced;
     int64_t warm = 0;
     std::vector<float> q, o, p, m, l;  // scaled queries, output sums, a block's probabilities, max, sum
+    std::vector<uint32_t> qp;           // bf16 keys: the queries as bf16 pairs (unscaled)
     std::vector<int32_t> qi, qsum;      // int8 keys: the queries quantized (`quantize_query`), their sums
     std::vector<float> qs;              // and scales
     std::vector<uint16_t> u;            // int8 values: a block's weights per query head (`weight_levels`)
@@ -230,14 +231,22 @@ struct Int8Query {
     const float* scales;
 };
 
+// Queries over bf16 keys: each head's bf16 pairs (np apart), unscaled, and the scale for the scores.
+struct PairQuery {
+    const uint32_t* pairs;
+    int64_t np;
+    float scale;
+};
+
 // One block's scores for `count` (<= GK) query heads of one kv head (queries q, Dp apart; K rows
 // krows[i] + offset), W keys turned by head-dim entry at a time into the chains (int8 keys: by quads
-// into `dot_quads` with the quantized queries qi, then `int8_scores`), then each head's
+// into `dot_quads` with the quantized queries qi, then `int8_scores`; bf16 keys: by pairs into
+// `dot_bf16_pairs` with the queries' pairs qp, then the scale), then each head's
 // `block_softmax` (its running max m, sum l, output o of J vectors, Dp apart, probabilities p,
 // kKeyBlock apart). Not inlined and not per head dim: compiled once per cache dtype.
 template <typename T>
 __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset, int64_t D, const float* q, int64_t Dp,
-                                           Int8Query qi, int64_t count, int64_t nv, int64_t lo, int64_t hi, float cap,
+                                           Int8Query qi, PairQuery qp, int64_t count, int64_t nv, int64_t lo, int64_t hi, float cap,
                                            float* m, float* l, float* o, int64_t J, float* p, RowStream& pf) {
     with_count<kBlockVectors>(nv, [&](auto nvc) {
         constexpr int NV = decltype(nvc)::value;
@@ -256,6 +265,14 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
                     for (int i = 0; i < W; ++i) scales[i] = row_scale(krows[v * W + i] + offset, D);
                     for (int c = 0; c < C; ++c)
                         s[c][v] = int8_scores(acc[c], splat_i(qi.sums[c]), splat(qi.scales[c]) * loadw(scales));
+                } else if constexpr (kPairedScores<T>) {  // bf16 keys: chains over pairs, then the scale
+                    vecw acc[C] = {};
+                    key_pairs(krows + v * W, offset, D, [&](int64_t j, uvecw k) {
+#pragma GCC unroll 8
+                        for (int c = 0; c < C; ++c) acc[c] = dot_bf16_pairs(acc[c], k, uvecw{} + qp.pairs[c * qp.np + j]);
+                    });
+                    pf.pace(C * W * D);
+                    for (int c = 0; c < C; ++c) s[c][v] = acc[c] * splat(qp.scale);
                 } else {
                     vecw acc[C] = {};
                     key_columns(krows + v * W, offset, D, [&](int64_t d, vecw k) {
@@ -292,6 +309,13 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     sc.q.assign(heads * Dp, 0.f);
     for (int64_t r = 0; r < heads; ++r)
         for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
+    const int64_t np = kPairedScores<T> ? bf16_pairs(D) : 0;
+    if constexpr (kPairedScores<T>) {
+        sc.qp.assign(heads * np, 0u);
+        for (int64_t r = 0; r < heads; ++r)
+            for (int64_t d = 0; d < D; ++d)
+                sc.qp[r * np + d / 2] |= static_cast<uint32_t>(bf16(q[r * D + d]).x) << (16 * (d % 2));
+    }
     const int64_t nq = kScaled<T> ? quads(D) : 0;
     if constexpr (kScaled<T>) {
         sc.qi.resize(heads * nq), sc.qsum.resize(heads), sc.qs.resize(heads);
@@ -336,7 +360,8 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
             for (int64_t g0 = 0; g0 < G; g0 += GK) {
                 const int64_t r = h * G + g0;
                 const Int8Query qi{sc.qi.data() + r * nq, nq, sc.qsum.data() + r, sc.qs.data() + r};
-                score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, qi, std::min<int64_t>(GK, G - g0), nv, lo, hi,
+                const PairQuery qp{sc.qp.data() + r * np, np, scale};
+                score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, qi, qp, std::min<int64_t>(GK, G - g0), nv, lo, hi,
                             cap, sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock, pf);
             }
             if constexpr (kScaled<T>) {  // int8 V rows: integer sums, the weights p * s_v as integers

@@ -78,6 +78,33 @@ inline void qk_tile(Keys K, const float* qt, int64_t D, int64_t Rp, float* st, v
     }
 }
 
+// The same over bf16 keys (attention_blocks.h): st[i][rows] = scale * the `dot_bf16_pairs` chain of KB
+// keys' pairs K(i, j) with C row vectors of the queries' pairs qp ([np][Rp]).
+template <int C, typename Keys>
+inline void qk_tile_pairs(Keys K, const uint32_t* qp, int64_t np, int64_t Rp, float scale, float* st, vecw* mx) {
+    vecw acc[KB][C] = {};
+    for (int64_t j = 0; j < np; ++j) {
+        uvecw q[C];
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) std::memcpy(&q[c], qp + j * Rp + c * W, sizeof q[c]);
+#pragma GCC unroll 8
+        for (int i = 0; i < KB; ++i) {
+            const uvecw x = uvecw{} + K(i, j);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; ++c) acc[i][c] = dot_bf16_pairs(acc[i][c], x, q[c]);
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        vecw m = mx[c];
+        for (int i = 0; i < KB; ++i) {
+            const vecw x = acc[i][c] * splat(scale);
+            storew(st + i * Rp + c * W, x);
+            m = vmax(m, x);
+        }
+        mx[c] = m;
+    }
+}
+
 // The same over int8 keys (attention_blocks.h): st[i][rows] = `int8_scores` of the `dot_quads` sums of
 // KB keys' quads K(i, j) (`key_quad`) with C row vectors of the quantized queries qt ([nq][Rp]: their
 // sums qsum and scales qs [Rp]), each key's scale ks[i].
@@ -157,7 +184,8 @@ struct ChunkBlocks {
 // The shared buffers, the calling thread's (reused across calls: fresh large allocations fault their
 // pages in every time).
 struct BlockBuffers {
-    std::vector<float> kt, v;  // per block: K laid out [D][NB]; bf16 V rows widened, [NB][D]
+    std::vector<float> kt, v;  // per block: fp32 K laid out [D][NB]; bf16 V rows widened, [NB][D]
+    std::vector<uint32_t> kp;  // per block: bf16 K rows' pairs laid out [np][NB] (`key_pairs`)
     std::vector<int32_t> kq;   // per block: int8 K rows' quads laid out [nq][NB] (`key_quad`)
     std::vector<int32_t> vp;   // and int8 V rows' pairs (`block_value_pairs`), [NB / 2][Dq]
     std::vector<float> ks, vs;  // per block: int8 K and V rows' scales, [NB]
@@ -171,8 +199,9 @@ template <typename Q, typename T>
 void prefill(const PrefillArgs<Q, T>& a) {
     constexpr bool fp32 = std::is_same_v<T, float>;  // K/V rows usable as they are
     constexpr bool scaled = kScaled<T>;
+    constexpr bool paired = kPairedScores<T>;  // bf16 keys: scores over pairs (attention_blocks.h)
     const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, Dr = head_row<T>(D);
-    const int64_t nq = scaled ? quads(D) : 0, Dq = scaled ? pair_groups(D) * 4 * W : 0;
+    const int64_t np = paired ? bf16_pairs(D) : 0, nq = scaled ? quads(D) : 0, Dq = scaled ? pair_groups(D) * 4 * W : 0;
     const int64_t row = Hkv * Dr;
     const int64_t window = a.window;
     const float cap = a.softcap;
@@ -202,11 +231,11 @@ void prefill(const PrefillArgs<Q, T>& a) {
     const std::vector<T> zero_t(Dr);  // the K row of a block's missing keys (zero values and scale)
     const std::vector<float> zero(D, 0.f);   // and its V row
     // Chunk c's block at position p0 of kv head h: its K and V rows (lane n: position p0 + n; the zero
-    // rows where the chunk has no such key: before its first, past its last), bf16 ones widened into kb
-    // and vb ([NB][D]); int8 ones as they are (vraw), their scales into ks and vs ([NB]: 0 past the
-    // block's last key).
+    // rows where the chunk has no such key: before its first, past its last): K rows as they are
+    // (krow; fp32 ones also as kf), bf16 V rows widened into vb ([NB][D]); int8 ones as they are (vraw),
+    // their scales into ks and vs ([NB]: 0 past the block's last key).
     const auto block_rows = [&](int64_t c, int64_t h, int64_t p0, const T** krow, const float** kf, const float** vf,
-                                float* kb, float* vb, float* ks, float* vs, const T** vraw) {
+                                float* vb, float* ks, float* vs, const T** vraw) {
         const int64_t* chunk = a.chunks + c * 5;
         const int64_t off = chunk[4] - chunk[3], n1 = std::min(NB, chunk[3] + chunk[1] + off - p0);
         for (int64_t n = 0; n < n1; ++n) {
@@ -222,10 +251,6 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 if (kf) kf[n] = k;
                 vf[n] = v;
             } else {
-                if (kf) {
-                    widen(k, D, kb + n * D);
-                    kf[n] = kb + n * D;
-                }
                 widen(v, D, vb + n * D);
                 vf[n] = vb + n * D;
             }
@@ -238,6 +263,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
     // ~10% of the time).
     BlockBuffers& buffers = caller_buffers;  // the workers below use this thread's
     if (scaled) buffers.kq.resize(num_blocks * nq * NB);
+    else if (paired) buffers.kp.resize(num_blocks * np * NB);
     else buffers.kt.resize(num_blocks * D * NB);
     if (scaled) buffers.vp.resize(num_blocks * NB / 2 * Dq);
     else if (!fp32) buffers.v.resize(num_blocks * NB * D);
@@ -250,7 +276,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
             while (!blocks[c].shared || blocks[c].base + blocks[c].count * Hkv <= i) ++c;
             const ChunkBlocks& cb = blocks[c];
             const int64_t h = (i - cb.base) / cb.count, p0 = (cb.first + (i - cb.base) % cb.count) * NB;
-            const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(), nullptr,
+            const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(),
                                           fp32 || scaled ? nullptr : buffers.v.data() + i * NB * D,
                                           scaled ? buffers.ks.data() + i * NB : nullptr,
                                           scaled ? buffers.vs.data() + i * NB : nullptr, vraw.data());
@@ -261,6 +287,11 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     int32_t* kq = buffers.kq.data() + i * nq * NB;
                     key_quads(krow.data() + n0, 0, nq, [&](int64_t j, ivecw col) {
                         std::memcpy(kq + j * NB + n0, &col, sizeof col);
+                    });
+                } else if constexpr (paired) {
+                    uint32_t* kp = buffers.kp.data() + i * np * NB;
+                    key_pairs(krow.data() + n0, 0, D, [&](int64_t j, uvecw col) {
+                        std::memcpy(kp + j * NB + n0, &col, sizeof col);
                     });
                 } else {
                     float* kt = buffers.kt.data() + i * D * NB;
@@ -278,7 +309,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
     });
     std::atomic<size_t> next{0};
     parallel_for(0, call_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> qt(scaled ? 0 : D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
+        std::vector<float> qt(scaled || paired ? 0 : D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
         std::vector<int32_t> qq(nq * Rp), qsum(Rp), words(nq);  // int8 keys: the rows' queries quantized, sums
         std::vector<float> qs(Rp), qrow(D);                     // and scales; a row's scaled query
         std::vector<const T*> trow(NB), vraw(NB);              // int8 K and V rows of a block of a chunk with one tile
@@ -286,7 +317,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<float> sw(scaled ? Rp : 0);                 // and the sums' scales
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
-        std::vector<float> kb(fp32 || scaled ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);  // a block of a chunk with one tile
+        std::vector<uint32_t> qp(np * Rp), kp(np * NB);  // bf16 keys: the rows' query pairs; a block's key pairs
+        std::vector<float> vb(fp32 || scaled ? 0 : NB * D);  // a block of a chunk with one tile: bf16 V rows widened
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
         std::vector<vecw> bmax(nv), alpha(nv);
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
@@ -299,6 +331,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 std::fill(qq.begin(), qq.end(), 0);
                 std::fill(qsum.begin(), qsum.end(), 0);
                 std::fill(qs.begin(), qs.end(), 0.f);
+            } else if constexpr (paired) {
+                std::fill(qp.begin(), qp.end(), 0u);
             } else {
                 std::fill(qt.begin(), qt.end(), 0.f);
             }
@@ -312,6 +346,9 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     for (int64_t d = 0; d < D; ++d) qrow[d] = to_float(src[d]) * a.scale;
                     qsum[r] = quantize_query(qrow.data(), D, words.data(), qs[r]);
                     for (int64_t j = 0; j < nq; ++j) qq[j * Rp + r] = words[j];
+                } else if constexpr (paired) {  // bf16 keys: the query as bf16 pairs, unscaled
+                    for (int64_t d = 0; d < D; ++d)
+                        qp[d / 2 * Rp + r] |= static_cast<uint32_t>(bf16(to_float(src[d])).x) << (16 * (d % 2));
                 } else {
                     for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
                 }
@@ -338,9 +375,17 @@ void prefill(const PrefillArgs<Q, T>& a) {
                         else vrow[n] = buffers.v.data() + (i * NB + n) * D;
                     }
                 } else {
-                    block_rows(t.chunk, t.kv_head, p0, scaled ? trow.data() : nullptr, scaled ? nullptr : krow.data(),
-                               vrow.data(), kb.data(), vb.data(), kscale.data(), vscale.data(), vraw.data());
+                    block_rows(t.chunk, t.kv_head, p0, scaled || paired ? trow.data() : nullptr,
+                               scaled || paired ? nullptr : krow.data(), vrow.data(), vb.data(), kscale.data(),
+                               vscale.data(), vraw.data());
                     if constexpr (scaled) block_value_pairs(vraw.data(), D, vp.data());
+                    if constexpr (paired) {
+                        for (int64_t n = nb; n < round_up(nb, W); ++n) trow[n] = zero_t.data();
+                        for (int64_t n0 = 0; n0 < nb; n0 += W)
+                            key_pairs(trow.data() + n0, 0, D, [&](int64_t j, uvecw col) {
+                                std::memcpy(kp.data() + j * NB + n0, &col, sizeof col);
+                            });
+                    }
                 }
                 for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data(), trow[n] = zero_t.data();
                 std::fill(bmax.begin(), bmax.end(), splat(kMasked));  // each row vector's max of raw scores
@@ -356,6 +401,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
                             else
                                 qk_tile_i8<C>([&](int k, int64_t j) { return key_quad(trow[n + k], j); }, qq.data() + c * W,
                                               nq, Rp, qsum.data() + c * W, qs.data() + c * W, ks + n, s, bmax.data() + c);
+                        } else if constexpr (paired) {
+                            const uint32_t* k = cb.shared ? buffers.kp.data() + i * np * NB : kp.data();
+                            qk_tile_pairs<C>([&](int x, int64_t j) { return k[j * NB + n + x]; }, qp.data() + c * W, np, Rp,
+                                             a.scale, s, bmax.data() + c);
                         } else if (cb.shared)
                             qk_tile<C>([&](int i, int64_t d) { return kt[d * NB + n + i]; }, qt.data() + c * W, D, Rp, s,
                                        bmax.data() + c);

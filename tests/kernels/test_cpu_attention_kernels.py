@@ -110,6 +110,7 @@ def test_prefill_kernel_matches_reference_on_long_contexts(heads: int, kv_heads:
     (8, 1, 128, 0, 0.0, torch.bfloat16, 16),   # 8 query heads on one kv head
     (4, 4, 80, 0, 30.0, torch.bfloat16, 8),    # one query head per kv head, soft-capped, D not a power of two
     (6, 2, 33, 40, 0.0, torch.float32, 4),     # odd head dim, a window shorter than a key block
+    (6, 2, 33, 40, 0.0, torch.bfloat16, 4),    # the same over bf16 keys: a last pair with one entry
     (12, 2, 16, 100, 5.0, torch.bfloat16, 16),  # a window across key blocks, capped
     (2, 1, 256, 0, 50.0, torch.float32, 16),   # Gemma 2's head dim and cap
 ])
