@@ -6,11 +6,12 @@
 //     in order; lane n of a block is position b * kKeyBlock + n, so nothing depends on where the
 //     query's chunk started;
 //   - a score is one fused multiply-add chain down the head dim, d = 0, 1, ..., D - 1, from 0:
-//     s = fmadd(q[d] * scale, k[d], s); soft-capped, tanh(s / cap) * cap. Over bf16 keys the query is
-//     rounded to bf16 unscaled (exact for a bf16 model's query) and the chain goes by pairs of entries,
-//     one `dot_bf16_pairs` per pair j (AVX512-BF16's vdpbf16ps: entry 2j + 1's product, then 2j's, each
-//     fused, from 0), then s = s * scale: half the instructions of widening the keys (the products of
-//     two bf16 values are exact in fp32, so only the chain's order differs from the fp32 form);
+//     s = fmadd(q[d] * scale, k[d], s) (bf16 keys widened to fp32, exactly); soft-capped,
+//     tanh(s / cap) * cap. Over bf16 keys on a CPU that multiplies bf16 pairs (AVX512-BF16's vdpbf16ps,
+//     `kBf16Pairs`), the query is rounded to bf16 unscaled (exact for a bf16 model's query) and the
+//     chain goes by pairs of entries, one `dot_bf16_pairs` per pair j (entry 2j + 1's product, then
+//     2j's, each fused, from 0), then s = s * scale: half the instructions of widening the keys (the
+//     products of two bf16 values are exact in fp32: only the chain's order differs);
 //   - per block, over its visible keys: m1 = max(m, the block's max score); alpha = e^(m - m1) (skipped
 //     where m1 == m: it is 1); p = e^(s - m1), exactly 0 for a masked or missing key; sum = `block_sum`
 //     of the p (lane chains, then a fixed tree); l = fmadd(l, alpha, sum) (l + sum when unmoved);
@@ -27,8 +28,8 @@
 //     product of the two rows' values, times the scales: s = float(dot) * (s_q * s_k) (then the cap).
 //     Integer sums have no order, so the kernels take them four bytes at a time with VNNI's
 //     vpdpbusd (`dot_quads`: unsigned times signed bytes, so the key bytes go in offset by 128 and
-//     the dot is the sum less 128 * the query's values' sum, `int8_scores`). A value row enters as
-//     A block's value rows enter as one integer sum too: each row's weights w = p * s_v (fp32) are
+//     the dot is the sum less 128 * the query's values' sum, `int8_scores`). A block's value rows
+//     enter as one integer sum too: each row's weights w = p * s_v (fp32) are
 //     rounded to 15-bit integers, u = nearbyint(w * (32767 / w_max)) with w_max the block's largest
 //     (`weight_levels`), the sum_n u_n * v_int[n] taken exactly (`dot_pairs`, the values turned into
 //     pairs of two keys at one head-dim entry: `value_pairs`), then o = fmadd(float(sum), w_max /
@@ -71,10 +72,11 @@ template <typename T>
 constexpr int64_t head_row(int64_t D) {
     return kScaled<T> ? D + static_cast<int64_t>(sizeof(float)) : D;
 }
-// Over bf16 keys a score is a chain over pairs of head-dim entries (`dot_bf16_pairs`), the query
-// rounded to bf16 pairs too: bf16_pairs(D) of them, the last one's high half 0 where D is odd.
+// Over bf16 keys, where the CPU multiplies bf16 pairs (`kBf16Dot`), a score is a chain over pairs of
+// head-dim entries (`dot_bf16_pairs`), the query rounded to bf16 pairs too: bf16_pairs(D) of them, the
+// last one's high half 0 where D is odd.
 template <typename T>
-constexpr bool kPairedScores = std::is_same_v<T, bf16>;
+constexpr bool kBf16Pairs = std::is_same_v<T, bf16> && kBf16Dot;
 constexpr int64_t bf16_pairs(int64_t D) { return (D + 1) / 2; }
 
 template <typename T>
@@ -162,14 +164,33 @@ inline vecw fold_chains(vecw* c) {
     return c[0];
 }
 
-// Calls f(d, column) for d = 0, 1, ..., D - 1 in order, column holding element d of W fp32 key rows
-// (rows[i] + offset for lane i): a block of keys turned by head-dim entry, so a score is a chain of
-// multiply-adds down a column; a tail of fewer than W entries is gathered. (bf16 keys are turned as
-// pairs, `key_pairs`; int8 ones as quads, `key_quads`.)
-template <typename F>
-inline void key_columns(const float* const* rows, int64_t offset, int64_t D, F&& f) {
+// Calls f(d, column) for d = 0, 1, ..., D - 1 in order, column holding element d of W key rows
+// (rows[i] + offset for lane i, widened): a block of keys turned by head-dim entry, so a score is a
+// chain of multiply-adds down a column. bf16 rows are turned as 32-bit pairs, split after (half the
+// shuffles of widening first: the turn is what costs at depth); a tail of fewer than W entries is
+// gathered. (Where `kBf16Pairs`, bf16 keys are turned as pairs and not split, `key_pairs`; int8 keys
+// as quads, `key_quads`.)
+template <typename T, typename F>
+inline void key_columns(const T* const* rows, int64_t offset, int64_t D, F&& f) {
     int64_t d0 = 0;
     vecw r[W];
+    if constexpr (std::is_same_v<T, bf16>) {
+        for (; d0 + 2 * W <= D; d0 += 2 * W) {
+            for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + d0, sizeof(vecw));
+            transpose(r);
+            for (int j = 0; j < W; ++j) {
+                uvecw x, even, odd;
+                std::memcpy(&x, &r[j], sizeof x);
+                even = x << 16;
+                odd = x & 0xffff0000u;
+                vecw e, o;
+                std::memcpy(&e, &even, sizeof e);
+                std::memcpy(&o, &odd, sizeof o);
+                f(d0 + 2 * j, e);
+                f(d0 + 2 * j + 1, o);
+            }
+        }
+    }
     for (; d0 + W <= D; d0 += W) {
         for (int i = 0; i < W; ++i) r[i] = loadw(rows[i] + offset + d0);
         transpose(r);
@@ -177,7 +198,7 @@ inline void key_columns(const float* const* rows, int64_t offset, int64_t D, F&&
     }
     for (; d0 < D; ++d0) {
         float c[W];
-        for (int i = 0; i < W; ++i) c[i] = rows[i][offset + d0];
+        for (int i = 0; i < W; ++i) c[i] = to_float(rows[i][offset + d0]);
         f(d0, loadw(c));
     }
 }

@@ -1,12 +1,13 @@
 // Decode attention for one request's query heads over its cached K/V rows, read from the pages in
-// place (fp32, or bf16 widened to fp32; scores, softmax and sums in fp32). Shared by the paged
+// place (fp32, or bf16 widened to fp32, or int8; scores, softmax and sums in fp32). Shared by the paged
 // decode kernel (paged_attention_cpu.cpp) and the native decode stack (decode_stack_cpu.cpp).
 //
 // Its arithmetic is attention_blocks.h's, the prefill kernel's: keys in blocks of absolute positions,
 // each score one multiply-add chain down the head dim, the online softmax folded block by block, so a
 // token decoded here gets the bits a prefill chunk would give it. W keys at a time are turned by
 // head-dim entry in registers (`key_columns`), so their scores come out along the vector lanes, one
-// broadcast query element per step; int8 keys are turned four bytes at a time (`key_quads`) into
+// broadcast query element per step; where AVX512-BF16 runs, bf16 keys are turned as 32-bit pairs of
+// entries (`key_pairs`) for one vdpbf16ps per pair and query head; int8 keys are turned four bytes at a time (`key_quads`) into
 // integer dot products with the quantized query, one VNNI vpdpbusd per quad and query head. The V
 // rows are summed along the head dim, a broadcast probability per key; int8 V rows two keys at a time
 // (`value_pairs`: sign-extended and interleaved into 16-bit pairs) into integer sums with the
@@ -265,11 +266,11 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
                     for (int i = 0; i < W; ++i) scales[i] = row_scale(krows[v * W + i] + offset, D);
                     for (int c = 0; c < C; ++c)
                         s[c][v] = int8_scores(acc[c], splat_i(qi.sums[c]), splat(qi.scales[c]) * loadw(scales));
-                } else if constexpr (kPairedScores<T>) {  // bf16 keys: chains over pairs, then the scale
+                } else if constexpr (kBf16Pairs<T>) {  // bf16 keys: chains over pairs, then the scale
                     vecw acc[C] = {};
                     key_pairs(krows + v * W, offset, D, [&](int64_t j, uvecw k) {
 #pragma GCC unroll 8
-                        for (int c = 0; c < C; ++c) acc[c] = dot_bf16_pairs(acc[c], k, uvecw{} + qp.pairs[c * qp.np + j]);
+                        for (int c = 0; c < C; ++c) acc[c] = dot_bf16_pairs(acc[c], k, qp.pairs[c * qp.np + j]);
                     });
                     pf.pace(C * W * D);
                     for (int c = 0; c < C; ++c) s[c][v] = acc[c] * splat(qp.scale);
@@ -309,8 +310,8 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     sc.q.assign(heads * Dp, 0.f);
     for (int64_t r = 0; r < heads; ++r)
         for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
-    const int64_t np = kPairedScores<T> ? bf16_pairs(D) : 0;
-    if constexpr (kPairedScores<T>) {
+    const int64_t np = kBf16Pairs<T> ? bf16_pairs(D) : 0;
+    if constexpr (kBf16Pairs<T>) {
         sc.qp.assign(heads * np, 0u);
         for (int64_t r = 0; r < heads; ++r)
             for (int64_t d = 0; d < D; ++d)

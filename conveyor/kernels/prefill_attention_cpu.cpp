@@ -89,9 +89,9 @@ inline void qk_tile_pairs(Keys K, const uint32_t* qp, int64_t np, int64_t Rp, fl
         for (int c = 0; c < C; ++c) std::memcpy(&q[c], qp + j * Rp + c * W, sizeof q[c]);
 #pragma GCC unroll 8
         for (int i = 0; i < KB; ++i) {
-            const uvecw x = uvecw{} + K(i, j);
+            const uint32_t x = K(i, j);
 #pragma GCC unroll 8
-            for (int c = 0; c < C; ++c) acc[i][c] = dot_bf16_pairs(acc[i][c], x, q[c]);
+            for (int c = 0; c < C; ++c) acc[i][c] = dot_bf16_pairs(acc[i][c], q[c], x);
         }
     }
     for (int c = 0; c < C; ++c) {
@@ -199,7 +199,7 @@ template <typename Q, typename T>
 void prefill(const PrefillArgs<Q, T>& a) {
     constexpr bool fp32 = std::is_same_v<T, float>;  // K/V rows usable as they are
     constexpr bool scaled = kScaled<T>;
-    constexpr bool paired = kPairedScores<T>;  // bf16 keys: scores over pairs (attention_blocks.h)
+    constexpr bool paired = kBf16Pairs<T>;  // bf16 keys: scores over pairs (attention_blocks.h)
     const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, Dr = head_row<T>(D);
     const int64_t np = paired ? bf16_pairs(D) : 0, nq = scaled ? quads(D) : 0, Dq = scaled ? pair_groups(D) * 4 * W : 0;
     const int64_t row = Hkv * Dr;
@@ -232,10 +232,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
     const std::vector<float> zero(D, 0.f);   // and its V row
     // Chunk c's block at position p0 of kv head h: its K and V rows (lane n: position p0 + n; the zero
     // rows where the chunk has no such key: before its first, past its last): K rows as they are
-    // (krow; fp32 ones also as kf), bf16 V rows widened into vb ([NB][D]); int8 ones as they are (vraw),
-    // their scales into ks and vs ([NB]: 0 past the block's last key).
+    // (krow), or as fp32 rows (kf: bf16 ones widened into kb, [NB][D]), bf16 V rows widened into vb;
+    // int8 ones as they are (vraw), their scales into ks and vs ([NB]: 0 past the block's last key).
     const auto block_rows = [&](int64_t c, int64_t h, int64_t p0, const T** krow, const float** kf, const float** vf,
-                                float* vb, float* ks, float* vs, const T** vraw) {
+                                float* kb, float* vb, float* ks, float* vs, const T** vraw) {
         const int64_t* chunk = a.chunks + c * 5;
         const int64_t off = chunk[4] - chunk[3], n1 = std::min(NB, chunk[3] + chunk[1] + off - p0);
         for (int64_t n = 0; n < n1; ++n) {
@@ -251,6 +251,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 if (kf) kf[n] = k;
                 vf[n] = v;
             } else {
+                if (kf) {
+                    widen(k, D, kb + n * D);
+                    kf[n] = kb + n * D;
+                }
                 widen(v, D, vb + n * D);
                 vf[n] = vb + n * D;
             }
@@ -276,7 +280,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
             while (!blocks[c].shared || blocks[c].base + blocks[c].count * Hkv <= i) ++c;
             const ChunkBlocks& cb = blocks[c];
             const int64_t h = (i - cb.base) / cb.count, p0 = (cb.first + (i - cb.base) % cb.count) * NB;
-            const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(),
+            const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(), nullptr,
                                           fp32 || scaled ? nullptr : buffers.v.data() + i * NB * D,
                                           scaled ? buffers.ks.data() + i * NB : nullptr,
                                           scaled ? buffers.vs.data() + i * NB : nullptr, vraw.data());
@@ -318,7 +322,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
         std::vector<uint32_t> qp(np * Rp), kp(np * NB);  // bf16 keys: the rows' query pairs; a block's key pairs
-        std::vector<float> vb(fp32 || scaled ? 0 : NB * D);  // a block of a chunk with one tile: bf16 V rows widened
+        std::vector<float> kb(fp32 || scaled || paired ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);  // a block of a chunk
+                                                                                                     // with one tile
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
         std::vector<vecw> bmax(nv), alpha(nv);
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
@@ -363,7 +368,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 // rows laid out by head-dim entry (a chunk with several tiles) or read as rows.
                 const int64_t nb = std::min(NB, t.k1 + off - p0), nbp = (nb + KB - 1) / KB * KB;
                 const int64_t i = cb.base + t.kv_head * cb.count + p0 / NB - cb.first;
-                const float* kt = scaled ? nullptr : buffers.kt.data() + i * D * NB;
+                const float* kt = scaled || paired ? nullptr : buffers.kt.data() + i * D * NB;
                 const float* ks = scaled ? (cb.shared ? buffers.ks.data() + i * NB : kscale.data()) : nullptr;
                 const float* vs = scaled ? (cb.shared ? buffers.vs.data() + i * NB : vscale.data()) : nullptr;
                 const int32_t* vpb = scaled && cb.shared ? buffers.vp.data() + i * NB / 2 * Dq : vp.data();
@@ -376,7 +381,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     }
                 } else {
                     block_rows(t.chunk, t.kv_head, p0, scaled || paired ? trow.data() : nullptr,
-                               scaled || paired ? nullptr : krow.data(), vrow.data(), vb.data(), kscale.data(),
+                               scaled || paired ? nullptr : krow.data(), vrow.data(), kb.data(), vb.data(), kscale.data(),
                                vscale.data(), vraw.data());
                     if constexpr (scaled) block_value_pairs(vraw.data(), D, vp.data());
                     if constexpr (paired) {

@@ -203,23 +203,20 @@ inline ivecw dot_pairs(ivecw acc, ivecw a, ivecw b) {
     return acc + ((a << 16) >> 16) * ((b << 16) >> 16) + (a >> 16) * (b >> 16);
 #endif
 }
-// acc + each lane's two products of bf16 pairs (the low halves of a and b, the high halves), as
-// AVX512-BF16's vdpbf16ps takes them: the high halves' product first, then the low halves', each a
-// fused multiply-add (the products of two bf16 values are exact in fp32). Elsewhere the same two
-// multiply-adds in that order (vdpbf16ps also flushes subnormals, which bf16 attention inputs are not).
-inline vecw dot_bf16_pairs(vecw acc, uvecw a, uvecw b) {
+// Whether the CPU multiplies bf16 pairs (AVX512-BF16's vdpbf16ps): the attention kernels then take bf16
+// keys as pairs (`kBf16Pairs`, attention_blocks.h); elsewhere they widen them to fp32.
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-    return vecw(_mm512_dpbf16_ps(__m512(acc), (__m512bh)__m512i(a), (__m512bh)__m512i(b)));
-#else
-    const uvecw mask = uvecw{} + 0xffff0000u;
-    const uvecw ah = a & mask, bh = b & mask, al = a << 16, bl = b << 16;
-    vecw x, y;
-    std::memcpy(&x, &ah, sizeof x), std::memcpy(&y, &bh, sizeof y);
-    acc = fmadd(x, y, acc);
-    std::memcpy(&x, &al, sizeof x), std::memcpy(&y, &bl, sizeof y);
-    return fmadd(x, y, acc);
-#endif
+constexpr bool kBf16Dot = true;
+// acc + each lane's bf16 pair of a times the bf16 pair b (the same for every lane): the high halves'
+// product, then the low halves', each a fused multiply-add (a product of two bf16 values is exact in
+// fp32; vdpbf16ps also flushes subnormals, which bf16 attention inputs are not).
+inline vecw dot_bf16_pairs(vecw acc, uvecw a, uint32_t b) {
+    return vecw(_mm512_dpbf16_ps(__m512(acc), (__m512bh)__m512i(a), (__m512bh)_mm512_set1_epi32(static_cast<int>(b))));
 }
+#else
+constexpr bool kBf16Dot = false;
+vecw dot_bf16_pairs(vecw acc, uvecw a, uint32_t b);  // declared for the kernels' discarded branches only
+#endif
 inline ivecw splat_i(int32_t x) { return ivecw{} + x; }  // a broadcast (integers: adding 0 is exact)
 
 // e^x for x <= 0 (`exp16`/`exp8` where the target has them: the same Cephes expf, x = n ln2 + r,

@@ -108,7 +108,7 @@ def test_conveyor_serve_logs_json_lines(tiny_llama: TinyModel, tmp_path: Path) -
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url, log)
-        rid = complete(url, max_tokens=3).json()["id"]
+        rid = complete(url, max_tokens=3, ignore_eos=True).json()["id"]  # sampled: an EOS would end it early
         deadline = time.monotonic() + 10
         while metric(httpx.get(f"{url}/metrics").text, "conveyor:kv_cache_usage_perc") > 0:  # every block back
             assert time.monotonic() < deadline
