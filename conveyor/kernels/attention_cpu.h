@@ -1,5 +1,5 @@
 // Decode attention for one request's query heads over its cached K/V rows, read from the pages in
-// place (fp32, or bf16 widened to fp32, or int8; scores, softmax and sums in fp32). Shared by the paged
+// place (fp32, bf16 or int8 rows; scores, softmax and sums in fp32). Shared by the paged
 // decode kernel (paged_attention_cpu.cpp) and the native decode stack (decode_stack_cpu.cpp).
 //
 // Its arithmetic is attention_blocks.h's, the prefill kernel's: keys in blocks of absolute positions,

@@ -322,8 +322,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
         std::vector<uint32_t> qp(np * Rp), kp(np * NB);  // bf16 keys: the rows' query pairs; a block's key pairs
-        std::vector<float> kb(fp32 || scaled || paired ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);  // a block of a chunk
-                                                                                                     // with one tile
+        // A block of a chunk with one tile: its bf16 K rows widened (where not paired) and V rows widened.
+        std::vector<float> kb(fp32 || scaled || paired ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
         std::vector<vecw> bmax(nv), alpha(nv);
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
