@@ -125,6 +125,16 @@ inline int32_t quantize_query(const float* x, int64_t D, int32_t* values, float&
     return sum;
 }
 
+// A query row x[0:D] as `dot_bf16_pairs` takes it over bf16 keys (`kBf16Pairs`): rounded to bf16, unscaled,
+// pair j (entries 2j low, 2j + 1 high; 0 past D) at out[j * stride].
+template <typename Q>
+inline void query_pairs(const Q* x, int64_t D, uint32_t* out, int64_t stride) {
+    for (int64_t j = 0; j < bf16_pairs(D); ++j) {
+        const uint32_t lo = bf16(to_float(x[2 * j])).x, hi = 2 * j + 1 < D ? bf16(to_float(x[2 * j + 1])).x : 0u;
+        out[j * stride] = lo | hi << 16;
+    }
+}
+
 // A key row's quad as `dot_quads` takes it: its four bytes offset by 128 (unsigned).
 inline int32_t key_quad(const int8_t* row, int64_t j) {
     uint32_t x;

@@ -7,11 +7,12 @@
 // token decoded here gets the bits a prefill chunk would give it. W keys at a time are turned by
 // head-dim entry in registers (`key_columns`), so their scores come out along the vector lanes, one
 // broadcast query element per step; where AVX512-BF16 runs, bf16 keys are turned as 32-bit pairs of
-// entries (`key_pairs`) for one vdpbf16ps per pair and query head; int8 keys are turned four bytes at a time (`key_quads`) into
-// integer dot products with the quantized query, one VNNI vpdpbusd per quad and query head. The V
-// rows are summed along the head dim, a broadcast probability per key; int8 V rows two keys at a time
-// (`value_pairs`: sign-extended and interleaved into 16-bit pairs) into integer sums with the
-// weights p * s_v rounded to 15-bit integers, one vpdpwssd per pair, vector and query head.
+// entries (`key_pairs`) for one vdpbf16ps per pair and query head; int8 keys are turned four bytes
+// at a time (`key_quads`) into integer dot products with the quantized query, one VNNI vpdpbusd per
+// quad and query head. The V rows are summed along the head dim, a broadcast probability per key;
+// int8 V rows two keys at a time (`value_pairs`: sign-extended and interleaved into 16-bit pairs)
+// into integer sums with the weights p * s_v rounded to 15-bit integers, one vpdpwssd per pair, vector
+// and query head.
 //
 // The paged decode kernel gives each thread a run of (request, kv head) pairs, so one long request
 // uses every thread (and the decode stack does the same with fewer rows than threads); each pair's
@@ -247,8 +248,8 @@ struct PairQuery {
 // kKeyBlock apart). Not inlined and not per head dim: compiled once per cache dtype.
 template <typename T>
 __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset, int64_t D, const float* q, int64_t Dp,
-                                           Int8Query qi, PairQuery qp, int64_t count, int64_t nv, int64_t lo, int64_t hi, float cap,
-                                           float* m, float* l, float* o, int64_t J, float* p, RowStream& pf) {
+                                           Int8Query qi, PairQuery qp, int64_t count, int64_t nv, int64_t lo, int64_t hi,
+                                           float cap, float* m, float* l, float* o, int64_t J, float* p, RowStream& pf) {
     with_count<kBlockVectors>(nv, [&](auto nvc) {
         constexpr int NV = decltype(nvc)::value;
         with_count<GK>(count, [&](auto cc) {
@@ -312,10 +313,8 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
         for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
     const int64_t np = kBf16Pairs<T> ? bf16_pairs(D) : 0;
     if constexpr (kBf16Pairs<T>) {
-        sc.qp.assign(heads * np, 0u);
-        for (int64_t r = 0; r < heads; ++r)
-            for (int64_t d = 0; d < D; ++d)
-                sc.qp[r * np + d / 2] |= static_cast<uint32_t>(bf16(q[r * D + d]).x) << (16 * (d % 2));
+        sc.qp.resize(heads * np);
+        for (int64_t r = 0; r < heads; ++r) query_pairs(q + r * D, D, sc.qp.data() + r * np, 1);
     }
     const int64_t nq = kScaled<T> ? quads(D) : 0;
     if constexpr (kScaled<T>) {
@@ -362,8 +361,9 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
                 const int64_t r = h * G + g0;
                 const Int8Query qi{sc.qi.data() + r * nq, nq, sc.qsum.data() + r, sc.qs.data() + r};
                 const PairQuery qp{sc.qp.data() + r * np, np, scale};
-                score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, qi, qp, std::min<int64_t>(GK, G - g0), nv, lo, hi,
-                            cap, sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J, sc.p.data() + r * kKeyBlock, pf);
+                score_heads(krows, h * Dr, D, sc.q.data() + r * Dp, Dp, qi, qp, std::min<int64_t>(GK, G - g0), nv, lo,
+                            hi, cap, sc.m.data() + r, sc.l.data() + r, sc.o.data() + r * Dp, J,
+                            sc.p.data() + r * kKeyBlock, pf);
             }
             if constexpr (kScaled<T>) {  // int8 V rows: integer sums, the weights p * s_v as integers
                 alignas(64) float vs[kKeyBlock];

@@ -352,8 +352,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     qsum[r] = quantize_query(qrow.data(), D, words.data(), qs[r]);
                     for (int64_t j = 0; j < nq; ++j) qq[j * Rp + r] = words[j];
                 } else if constexpr (paired) {  // bf16 keys: the query as bf16 pairs, unscaled
-                    for (int64_t d = 0; d < D; ++d)
-                        qp[d / 2 * Rp + r] |= static_cast<uint32_t>(bf16(to_float(src[d])).x) << (16 * (d % 2));
+                    query_pairs(src, D, qp.data() + r, Rp);
                 } else {
                     for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
                 }
@@ -381,8 +380,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     }
                 } else {
                     block_rows(t.chunk, t.kv_head, p0, scaled || paired ? trow.data() : nullptr,
-                               scaled || paired ? nullptr : krow.data(), vrow.data(), kb.data(), vb.data(), kscale.data(),
-                               vscale.data(), vraw.data());
+                               scaled || paired ? nullptr : krow.data(), vrow.data(), kb.data(), vb.data(),
+                               kscale.data(), vscale.data(), vraw.data());
                     if constexpr (scaled) block_value_pairs(vraw.data(), D, vp.data());
                     if constexpr (paired) {
                         for (int64_t n = nb; n < round_up(nb, W); ++n) trow[n] = zero_t.data();
@@ -408,8 +407,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
                                               nq, Rp, qsum.data() + c * W, qs.data() + c * W, ks + n, s, bmax.data() + c);
                         } else if constexpr (paired) {
                             const uint32_t* k = cb.shared ? buffers.kp.data() + i * np * NB : kp.data();
-                            qk_tile_pairs<C>([&](int x, int64_t j) { return k[j * NB + n + x]; }, qp.data() + c * W, np, Rp,
-                                             a.scale, s, bmax.data() + c);
+                            qk_tile_pairs<C>([&](int x, int64_t j) { return k[j * NB + n + x]; }, qp.data() + c * W, np,
+                                             Rp, a.scale, s, bmax.data() + c);
                         } else if (cb.shared)
                             qk_tile<C>([&](int i, int64_t d) { return kt[d * NB + n + i]; }, qt.data() + c * W, D, Rp, s,
                                        bmax.data() + c);
