@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import inspect
 import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,6 +25,7 @@ from .engine.stats import EngineStats
 from .engine.step_history import StepHistory
 from .generation_config import GenerationDefaults
 from .kernels import vector_flags
+from .kernels.host_memory import keep_freed_memory, release_freed_memory
 from .kernels.openmp import run_on_fresh_thread
 from .layers.precision import keeps_stored, resolve_precision, resolve_quantization
 from .layers.quantization.linear import describe_weights
@@ -81,18 +79,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """The compute dtype `dtype` means on `device` ("auto": see `precision`)."""
     return resolve_precision(dtype, None, device, None).dtype
-
-
-def release_freed_memory() -> None:
-    """Give freed heap memory back to the OS. glibc keeps it after a big load (a checkpoint widened to
-    fp32, then quantized to int8, stays resident otherwise). Built-in model, process RSS after load:
-    int8 1337 -> 482 MiB, gguf 591 -> 441 MiB."""
-    if sys.platform.startswith("linux"):
-        gc.collect()
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc
-            pass
 
 
 class LLM(PoolingMethods, LoRAMethods):
@@ -202,6 +188,8 @@ class LLM(PoolingMethods, LoRAMethods):
             self.tokenizer = checkpoint.tokenizer
             del checkpoint  # what the model did not keep of the loaded tensors is garbage now
             release_freed_memory()
+            if self.device.type == "cpu":
+                keep_freed_memory()  # from here on the steps reuse each other's buffers
             if template is not None:  # everything that renders chats (the server too) reads it from the tokenizer
                 self.tokenizer.chat_template = template
                 try:

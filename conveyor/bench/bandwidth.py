@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from conveyor.kernels import host_memory
 from conveyor.layers.linear import PackedLinear
 from conveyor.layers.quantization.linear import QuantLinear, QuantMatmul
 
@@ -92,12 +93,15 @@ def last_level_cache_bytes() -> int | None:
 def read_bandwidth(buffer_bytes: int | None = None, *, repeats: int = 5,
                    device: torch.device | str = "cpu") -> dict[str, Any]:
     """The machine's read bandwidth: median GB/s of `torch.sum` over an fp32 buffer of `buffer_bytes`
-    (default: twice the last-level cache, at least `MIN_PROBE_BYTES`), with torch's threads."""
+    (default: twice the last-level cache, at least `MIN_PROBE_BYTES`), with torch's threads, on the CPU on huge
+    pages where the weights get them (`kernels.host_memory`): the bandwidth they can be read at."""
     device = torch.device(device)
     cache = last_level_cache_bytes() if device.type == "cpu" else None
     if buffer_bytes is None:
         buffer_bytes = max(MIN_PROBE_BYTES, 2 * (cache or 0))
-    buffer = torch.ones(max(buffer_bytes // 4, 1), dtype=torch.float32, device=device)  # pages touched here
+    n = max(buffer_bytes // 4, 1)
+    buffer = host_memory.empty((n,), torch.float32) if device.type == "cpu" else torch.empty(n, device=device)
+    buffer.fill_(1.0)  # pages touched here
     nbytes = buffer.numel() * 4
     samples = []
     for i in range(max(repeats, 1) + 1):  # the first pass is a warm-up

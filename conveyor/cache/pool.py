@@ -20,7 +20,6 @@ import ctypes.util
 import functools
 import math
 import mmap
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -54,7 +53,10 @@ class CachePool:
                    for _ in range(num_layers)]
         for layer in self.kv:
             layer[:, :NUM_RESERVED_CHUNKS * page_size].zero_()
-        self._free: deque[int] = deque(range(NUM_RESERVED_CHUNKS, num_chunks))
+        # A stack, the lowest chunk on top at first: the most recently freed chunks are taken first, so a
+        # workload reuses the memory it has touched (resident, likely in cache) instead of cycling through
+        # the whole pool and faulting in fresh pages all the way.
+        self._free: list[int] = list(range(num_chunks - 1, NUM_RESERVED_CHUNKS - 1, -1))
 
     @staticmethod
     def bytes_per_chunk(page_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -73,10 +75,10 @@ class CachePool:
         """`n` chunks, or None (and nothing taken) if fewer are free."""
         if n > len(self._free):
             return None
-        return [self._free.popleft() for _ in range(n)]
+        return [self._free.pop() for _ in range(n)]
 
     def free(self, chunks: list[int]) -> None:
-        self._free.extend(chunks)
+        self._free.extend(reversed(chunks))  # the first of them is taken first
 
     @property
     def nbytes(self) -> int:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..cache.pool import CachePool
 from ..errors import DistributedError
+from ..kernels.host_memory import keep_freed_memory, release_freed_memory
 from ..layers.attention import AttentionBackend, AttentionMetadata, make_attention_backend
 from ..layers.precision import Precision
 from ..models.base import CausalLM
@@ -143,6 +144,9 @@ class RankWorker:
                                        self.group, tokenizer=False)
             attention = make_attention_backend(self.device, net.dtype, command.attention_backend)
             self.models[command.model_id] = (net, attention)
+            if self.device.type == "cpu":  # as rank 0's LLM does: the load's garbage returned, steps' memory kept
+                release_freed_memory()
+                keep_freed_memory()
         except Exception as exc:  # reported to rank 0, which raises it; this rank serves on
             logger.exception("rank %d could not load its shard of %s", self.group.rank, command.path)
             error = f"{type(exc).__name__}: {exc}"

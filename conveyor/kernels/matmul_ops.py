@@ -9,6 +9,7 @@ import ctypes
 
 import torch
 
+from . import host_memory
 from .layer_ops import DecodeStack, GroupedExperts
 from .native import I32, I64, P, Native, bind, dtype_code, int64_vector, pointer, require, threads
 
@@ -111,7 +112,7 @@ class MatmulOps(Native):
         require(rows.dtype == torch.uint8 and rows.is_contiguous() and rows.dim() == 2 and rows.shape[1] == row,
                 f"rows must be contiguous uint8 [N, {row}]")
         n = rows.shape[0]
-        out = torch.empty(-(-n // TILE_ROWS), self._tile_bytes(qtype, k), dtype=torch.uint8)
+        out = host_memory.empty((-(-n // TILE_ROWS), self._tile_bytes(qtype, k)), torch.uint8)  # streamed each step
         self.check(self._repack(rows.data_ptr(), qtype, n, k, out.data_ptr(), threads()))
         return out
 

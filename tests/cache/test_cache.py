@@ -112,6 +112,17 @@ def test_pool_resident_bytes_count_the_pages_written():
     assert pool.nbytes <= pool.resident_bytes() <= pool.nbytes + slack
 
 
+def test_pool_hands_out_the_chunks_freed_last_first():
+    # so a workload keeps reusing the memory it has touched instead of faulting in the whole pool
+    pool = make_pool(10, page_size=4)
+    first = pool.allocate(3)
+    assert first == [2, 3, 4]
+    pool.free(first[1:])
+    assert pool.allocate(2) == [3, 4] and pool.allocate(1) == [5]
+    pool.free([4, 3])
+    assert pool.allocate(3) == [4, 3, 6] and pool.num_free == 8 - 5  # 2, 5, 4, 3, 6 held
+
+
 def test_allocator_blocks_for_tokens():
     alloc = FullAttentionCacheAllocator(make_pool(10, page_size=4))
     assert [alloc.blocks_for_tokens(n) for n in range(0, 10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
@@ -364,10 +375,11 @@ def test_cached_blocks_are_reclaimed_newest_first():
     alloc.free("b")
     assert list(alloc.prefix_cache._cached) == ta[:3] + tb[:2]  # the order they became cached
     assert alloc.pool.num_free == 2 and alloc.num_free_blocks == 7
-    # 4 new blocks: the two uninitialized ones, then the two most recently cached (b's, deepest first).
+    # 4 new blocks: the two uninitialized ones and the two most recently cached (b's, evicted deepest
+    # first); the pool hands out the chunks freed last first, so the evicted ones lead.
     assert alloc.allocate("x", 16)
     assert sorted(alloc.block_table("x")) == sorted([ta[3], tb[2]] + tb[:2])
-    assert alloc.block_table("x")[2:] == [tb[1], tb[0]]
+    assert alloc.block_table("x")[:2] == [tb[0], tb[1]]
     assert list(alloc.prefix_cache._cached) == ta[:3]
     assert alloc.match_prefix(make_request("b2", list(range(30, 38)) + [0])) == []  # evicted: no match
     assert alloc.match_prefix(make_request("a2", list(range(10, 22)) + [0])) == ta[:3]
