@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conveyor.kernels import host_memory
+from conveyor.kernels import cpu_matmul_ops, host_memory
 
 
 def vm_flags(address: int) -> list[str]:
@@ -64,8 +64,6 @@ def test_small_tensors_and_the_switch_keep_plain_allocations(mode):
 def test_weight_tiles_start_on_huge_pages(mode):
     if mode(None) == "off":
         pytest.skip("transparent huge pages are off on this machine")
-    from conveyor.kernels import cpu_matmul_ops
-
     ops = cpu_matmul_ops()
     if ops is None:
         pytest.skip("no native kernels")
