@@ -76,7 +76,7 @@ import resource, sys, torch
 from conveyor.kernels import host_memory
 if sys.argv[1] == "keep" and not host_memory.keep_freed_memory():
     print("not glibc"); sys.exit()
-for _ in range(3):  # a step's worth of buffers: allocated, written, all freed at its end
+for _ in range(5):  # a step's worth of buffers: allocated, written, all freed at its end
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     buffers = [torch.empty(2 * 2**20, dtype=torch.float32) for _ in range(6)]  # 8 MiB each
     for b in buffers:
@@ -96,5 +96,6 @@ def test_kept_freed_memory_comes_back_without_page_faults():
         return [int(x) for x in out.split()]
 
     pages = 6 * 8 * 2**20 // 4096
-    assert faults("keep")[-1] < 0.1 * pages  # the last round reused the earlier rounds' pages
+    # the heap settles within a few rounds (its first ones may still fault part of it in), then reuses them
+    assert faults("keep")[-1] < 0.1 * pages
     assert faults("default")[1] > 0.5 * pages  # by glibc's own thresholds the second round faulted afresh
