@@ -174,6 +174,16 @@ inline vecw fold_chains(vecw* c) {
     return c[0];
 }
 
+// A vector of 32-bit bf16 pairs as two fp32 vectors: the low halves (even entries), the high ones (odd).
+inline void split_bf16_pairs(const void* pairs, vecw& even, vecw& odd) {
+    uvecw x, e, o;
+    std::memcpy(&x, pairs, sizeof x);
+    e = x << 16;
+    o = x & 0xffff0000u;
+    std::memcpy(&even, &e, sizeof even);
+    std::memcpy(&odd, &o, sizeof odd);
+}
+
 // Calls f(d, column) for d = 0, 1, ..., D - 1 in order, column holding element d of W key rows
 // (rows[i] + offset for lane i, widened): a block of keys turned by head-dim entry, so a score is a
 // chain of multiply-adds down a column. bf16 rows are turned as 32-bit pairs, split after (half the
@@ -189,13 +199,8 @@ inline void key_columns(const T* const* rows, int64_t offset, int64_t D, F&& f) 
             for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + d0, sizeof(vecw));
             transpose(r);
             for (int j = 0; j < W; ++j) {
-                uvecw x, even, odd;
-                std::memcpy(&x, &r[j], sizeof x);
-                even = x << 16;
-                odd = x & 0xffff0000u;
                 vecw e, o;
-                std::memcpy(&e, &even, sizeof e);
-                std::memcpy(&o, &odd, sizeof o);
+                split_bf16_pairs(&r[j], e, o);
                 f(d0 + 2 * j, e);
                 f(d0 + 2 * j + 1, o);
             }

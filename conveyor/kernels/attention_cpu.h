@@ -92,14 +92,7 @@ constexpr bool kPairs = std::is_same_v<T, bf16>;
 template <bool Pairs, bool Full, typename T, int J>
 inline void value_vectors(const T* row, int64_t D, vecw* v) {
     if constexpr (Pairs) {
-        for (int k = 0; k < J / 2; ++k) {
-            uvecw x, even, odd;
-            std::memcpy(&x, row + 2 * k * W, sizeof x);
-            even = x << 16;
-            odd = x & 0xffff0000u;
-            std::memcpy(&v[2 * k], &even, sizeof(vecw));
-            std::memcpy(&v[2 * k + 1], &odd, sizeof(vecw));
-        }
+        for (int k = 0; k < J / 2; ++k) split_bf16_pairs(row + 2 * k * W, v[2 * k], v[2 * k + 1]);
     } else {
         for (int j = 0; j < J; ++j) {
             if (Full || (j + 1) * W <= D) {
@@ -308,13 +301,15 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     sc.slot.resize(npf);
     slot_offsets(run, len, page, Hkv * Dr, Dr, sc.slot.data());
     if (extra > 0) slot_offsets(sc.next, extra, page, Hkv * Dr, Dr, sc.slot.data() + len);
-    sc.q.assign(heads * Dp, 0.f);
-    for (int64_t r = 0; r < heads; ++r)
-        for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
     const int64_t np = kBf16Pairs<T> ? bf16_pairs(D) : 0;
-    if constexpr (kBf16Pairs<T>) {
+    if constexpr (kBf16Pairs<T>) {  // the queries as unscaled bf16 pairs (the scaled fp32 ones go unread)
+        sc.q.resize(heads * Dp);
         sc.qp.resize(heads * np);
         for (int64_t r = 0; r < heads; ++r) query_pairs(q + r * D, D, sc.qp.data() + r * np, 1);
+    } else {  // the queries scaled, in fp32 (int8 keys: what `quantize_query` takes)
+        sc.q.assign(heads * Dp, 0.f);
+        for (int64_t r = 0; r < heads; ++r)
+            for (int64_t d = 0; d < D; ++d) sc.q[r * Dp + d] = q[r * D + d] * scale;
     }
     const int64_t nq = kScaled<T> ? quads(D) : 0;
     if constexpr (kScaled<T>) {

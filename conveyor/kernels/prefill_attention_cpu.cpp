@@ -52,6 +52,13 @@ constexpr int64_t NB = kKeyBlock;
 constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head) per task
 static_assert(NB % KB == 0 && NB % W == 0 && (W == KB || W == 2 * KB), "a block pads its keys to a multiple of KB, within NB");
 
+// W bf16 K rows (rows[0:W]) as `key_pairs` turns them, stored in a block's pair layout [np][NB] from
+// column out (a chunk's shared blocks and a one-tile chunk's block alike).
+template <typename T>
+inline void store_key_pairs(const T* const* rows, int64_t D, uint32_t* out) {
+    key_pairs(rows, 0, D, [&](int64_t j, uvecw col) { std::memcpy(out + j * NB, &col, sizeof col); });
+}
+
 // st[i][rows] = the scores of KB keys i (key i's d-th entry: K(i, d)) with C row vectors of qt
 // ([D][Rp]), st [NB][Rp]; mx[c] = max(mx[c], the row vector's scores).
 template <int C, typename Keys>
@@ -293,10 +300,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                         std::memcpy(kq + j * NB + n0, &col, sizeof col);
                     });
                 } else if constexpr (paired) {
-                    uint32_t* kp = buffers.kp.data() + i * np * NB;
-                    key_pairs(krow.data() + n0, 0, D, [&](int64_t j, uvecw col) {
-                        std::memcpy(kp + j * NB + n0, &col, sizeof col);
-                    });
+                    store_key_pairs(krow.data() + n0, D, buffers.kp.data() + i * np * NB + n0);
                 } else {
                     float* kt = buffers.kt.data() + i * D * NB;
                     key_columns(krow.data() + n0, 0, D, [&](int64_t d, vecw col) { storew(kt + d * NB + n0, col); });
@@ -385,10 +389,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     if constexpr (scaled) block_value_pairs(vraw.data(), D, vp.data());
                     if constexpr (paired) {
                         for (int64_t n = nb; n < round_up(nb, W); ++n) trow[n] = zero_t.data();
-                        for (int64_t n0 = 0; n0 < nb; n0 += W)
-                            key_pairs(trow.data() + n0, 0, D, [&](int64_t j, uvecw col) {
-                                std::memcpy(kp.data() + j * NB + n0, &col, sizeof col);
-                            });
+                        for (int64_t n0 = 0; n0 < nb; n0 += W) store_key_pairs(trow.data() + n0, D, kp.data() + n0);
                     }
                 }
                 for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data(), trow[n] = zero_t.data();
