@@ -253,22 +253,31 @@ inline void key_pairs(const bf16* const* rows, int64_t offset, int64_t D, F&& f)
 // + offset for lane i) as `key_quad` gives it: 4W-byte slices of the rows turned as 32-bit words.
 template <typename F>
 inline void key_quads(const int8_t* const* rows, int64_t offset, int64_t nq, F&& f) {
-    vecw r[W];
-    for (int64_t j0 = 0; j0 < nq; j0 += W) {
-        const int64_t n = std::min<int64_t>(W, nq - j0);
+    const ivecw bias = splat_i(static_cast<int32_t>(0x80808080u));
+    int64_t j0 = 0;
+    for (; j0 + W <= nq; j0 += W) {  // whole groups: turned and consumed in registers
+        vecw r[W];
+        for (int i = 0; i < W; ++i) std::memcpy(&r[i], rows[i] + offset + 4 * j0, sizeof(vecw));
+        transpose(r);
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) {
+            ivecw x;
+            std::memcpy(&x, &r[j], sizeof x);
+            f(j0 + j, x ^ bias);
+        }
+    }
+    if (j0 < nq) {  // the last, partial group: the rows' remaining words, zeros after
+        const int64_t n = nq - j0;
+        vecw r[W];
         for (int i = 0; i < W; ++i) {
-            if (n == W) {
-                std::memcpy(&r[i], rows[i] + offset + 4 * j0, sizeof(vecw));
-            } else {
-                r[i] = vecw{};
-                std::memcpy(&r[i], rows[i] + offset + 4 * j0, n * 4);
-            }
+            r[i] = vecw{};
+            std::memcpy(&r[i], rows[i] + offset + 4 * j0, n * 4);
         }
         transpose(r);
         for (int64_t j = 0; j < n; ++j) {
             ivecw x;
             std::memcpy(&x, &r[j], sizeof x);
-            f(j0 + j, x ^ splat_i(static_cast<int32_t>(0x80808080u)));
+            f(j0 + j, x ^ bias);
         }
     }
 }

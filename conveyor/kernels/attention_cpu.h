@@ -22,9 +22,9 @@
 // Decode reads every cached K and V row once per step and does little arithmetic on it: its time is
 // the memory's, plus whatever arithmetic the memory does not hide. So the memory streams while the
 // arithmetic runs: each position's K and V rows are prefetched into L2 (prefetcht2) kPrefetchBlocks
-// key blocks ahead, a cache line every few multiply-adds of the scores and the value sums
-// (`RowStream`), so that the prefetches never queue up in a burst (a burst fills the core's miss
-// buffers and the prefetch instruction itself then waits). A thread's next run
+// key blocks ahead, a row (a few cache lines) every so many multiply-adds of the scores and the value
+// sums (`RowStream`), so that the prefetches never queue up in a burst (a burst of a block's rows fills
+// the core's miss buffers and the prefetch instruction itself then waits). A thread's next run
 // (`DecodeScratch::next`) is prefetched the same way during this one's last blocks: a batch of short
 // requests streams as one long one instead of starting each on a cold cache. docs/benchmarks.md has
 // the measurements.
@@ -167,33 +167,28 @@ inline void block_values(const T* const* rows, int64_t offset, int64_t lo, int64
         for (int j = 0; j < J; ++j) storew(o + (c * J + j) * W, a[c][j]);
 }
 
-// The K and V rows of the positions ahead, prefetched into L2 (prefetcht2) a line at a time at the pace
-// of the arithmetic: `pace(macs)` after each W keys' scores and each key's value sums issues the lines
+// The K and V rows of the positions ahead, prefetched into L2 (prefetcht2) a row at a time at the pace
+// of the arithmetic: `pace(macs)` after each W keys' scores and each key's value sums issues the rows
 // those multiply-adds are worth, so that the prefetches in flight stay level. (Issued a
 // position at a time during the value sums only, they came in bursts that filled the core's miss
 // buffers: the prefetch instructions themselves then waited, and the memory's time added to the
-// arithmetic's instead of hiding under it.)
+// arithmetic's instead of hiding under it. A line at a time, the bookkeeping cost more than the
+// bursts of a row's few lines: docs/benchmarks.md.)
 struct RowStream {
     const char *k, *v;     // the K and V caches
     const int64_t* slot;   // each position's row offset, in elements of `elem` bytes
     int64_t elem, row_bytes;
     int64_t pos = 0, limit = 0;  // the next position whose rows are fetched; none from `limit` on
-    int64_t num = 0, den = 1, credit = 0;  // lines per multiply-add: num / den
-    uintptr_t line = 0, stop = 0;          // the next line of the row under way, and its end
-    bool in_v = false;                     // that row is pos's V row (else its K row)
+    int64_t num = 0, den = 1, credit = 0;  // rows per multiply-add: num / den
+    bool in_v = false;                     // the next row is pos's V row (else its K row)
 
-    __attribute__((always_inline)) inline void one() {
-        if (line >= stop) {
-            if (pos >= limit) return;
-            const uintptr_t p = reinterpret_cast<uintptr_t>((in_v ? v : k) + slot[pos] * elem);
-            line = p & ~uintptr_t{63}, stop = p + row_bytes;
-        }
-        __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 1);
-        line += 64;
-        if (line >= stop) {
-            if (in_v) ++pos;
-            in_v = !in_v;
-        }
+    __attribute__((always_inline)) inline void one() {  // the next row's lines
+        if (pos >= limit) return;
+        const uintptr_t p = reinterpret_cast<uintptr_t>((in_v ? v : k) + slot[pos] * elem);
+        for (uintptr_t a = p & ~uintptr_t{63}; a < p + row_bytes; a += 64)
+            __builtin_prefetch(reinterpret_cast<const void*>(a), 0, 1);
+        if (in_v) ++pos;
+        in_v = !in_v;
     }
     __attribute__((always_inline)) inline void pace(int64_t macs) {
         if (pos >= limit) return;
@@ -327,7 +322,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     const T* zero = reinterpret_cast<const T*>(sc.zero.data());
 
     // The memory streams while the arithmetic runs: rows are prefetched into L2 kPrefetchBlocks blocks
-    // ahead, a line at a time at the arithmetic's pace (`RowStream`: a block's K and V rows over its
+    // ahead, a row at a time at the arithmetic's pace (`RowStream`: a block's K and V rows over its
     // multiply-adds, 2 x G x D a key and kv head), each kv head's share of the block's positions made up
     // after its pass; past this run's end, the next run's (as many kv heads' rows as this run's).
     // Positions [0, ahead) are fetched at the start, but for those the last call did, if it announced this run.
@@ -337,7 +332,7 @@ void attend(const float* q, const T* kc, const T* vc, const int64_t* table, int6
     pf.limit = std::min(npf, ahead);
     pf.pos = sc.announced == run ? std::min(sc.warm, pf.limit) : 0;
     pf.until(pf.limit);  // the first blocks' rows at once: nothing computes before them
-    pf.num = 2 * (row_bytes / 64 + 2);  // a position's lines, K and V, an upper bound
+    pf.num = 2;  // a position's rows, K and V
     pf.den = 2 * nh * G * D;            // its multiply-adds
     const T *krows[kKeyBlock], *vrows[kKeyBlock];
     for (int64_t t0 = 0; t0 < len;) {
