@@ -129,7 +129,10 @@ inline int32_t quantize_query(const float* x, int64_t D, int32_t* values, float&
 // pair j (entries 2j low, 2j + 1 high; 0 past D) at out[j * stride].
 template <typename Q>
 inline void query_pairs(const Q* x, int64_t D, uint32_t* out, int64_t stride) {
-    for (int64_t j = 0; j < bf16_pairs(D); ++j) {
+    int64_t j = 0;
+    if constexpr (std::is_same_v<Q, bf16>)  // already bf16: the pairs are the row's 32-bit words
+        for (; 2 * j + 1 < D; ++j) std::memcpy(out + j * stride, x + 2 * j, sizeof(uint32_t));
+    for (; j < bf16_pairs(D); ++j) {
         const uint32_t lo = bf16(to_float(x[2 * j])).x, hi = 2 * j + 1 < D ? bf16(to_float(x[2 * j + 1])).x : 0u;
         out[j * stride] = lo | hi << 16;
     }
