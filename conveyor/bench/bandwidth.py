@@ -100,7 +100,10 @@ def read_bandwidth(buffer_bytes: int | None = None, *, repeats: int = 5,
     if buffer_bytes is None:
         buffer_bytes = max(MIN_PROBE_BYTES, 2 * (cache or 0))
     n = max(buffer_bytes // 4, 1)
-    buffer = host_memory.empty((n,), torch.float32) if device.type == "cpu" else torch.empty(n, device=device)
+    if device.type == "cpu":
+        buffer = host_memory.empty((n,), torch.float32)
+    else:
+        buffer = torch.empty(n, dtype=torch.float32, device=device)
     buffer.fill_(1.0)  # pages touched here
     nbytes = buffer.numel() * 4
     samples = []

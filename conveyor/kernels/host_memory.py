@@ -72,7 +72,7 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tenso
     never touched) whose whole huge pages under the tensor are marked MADV_HUGEPAGE; the partial one at
     its end is not, so nothing past the tensor is committed. Smaller tensors, and every tensor where huge
     pages are off, are plain `torch.empty`."""
-    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < 2 * HUGE_PAGE or thp_mode() == "off":
         return torch.empty(shape, dtype=dtype)
     buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
