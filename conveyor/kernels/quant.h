@@ -168,15 +168,27 @@ struct Activations {
         const int64_t g0 = group_start(m), r = group_rows(g0);
         return q[g0 * K + b * r * QK + (e / 4 * r + m - g0) * 4 + e % 4];
     }
-    // Row m's block b: its 32 values `v` (amax / 127 = `scale`) and their sums, stored.
-    void set_block(int64_t m, int64_t b, const int8_t* v, float scale, int sum_lo, int sum_hi) {
-        const int64_t g0 = group_start(m), r = group_rows(g0), row = m - g0, i = g0 * nb + b * r + row;
-        d[i] = scale, s32[i] = scale * (sum_lo + sum_hi);
-        neg8[i] = -8 * (sum_lo + sum_hi), neg128[i] = -128 * (sum_lo + sum_hi);
-        const int64_t h = g0 * nb * 2 + b * 2 * r + row;
-        neg128h[h] = -128 * sum_lo, neg128h[h + r] = -128 * sum_hi;
-        int8_t* dst = q.data() + g0 * K + b * r * QK + row * 4;
-        for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, v + 4 * j, 4);
+    // Where row m's blocks go: block b's scale and sums at b * r of each pointer, its words r * 4 bytes
+    // apart from b * r * QK of `q` (r: the rows of its group).
+    struct RowSlots {
+        float *d, *s32;
+        int32_t *neg8, *neg128, *neg128h;
+        int8_t* q;
+        int64_t r;
+        // Block b: its 32 values `v` (amax / 127 = `scale`) and their sums, stored.
+        void set(int64_t b, const int8_t* v, float scale, int sum_lo, int sum_hi) const {
+            const int64_t i = b * r;
+            d[i] = scale, s32[i] = scale * (sum_lo + sum_hi);
+            neg8[i] = -8 * (sum_lo + sum_hi), neg128[i] = -128 * (sum_lo + sum_hi);
+            neg128h[2 * i] = -128 * sum_lo, neg128h[2 * i + r] = -128 * sum_hi;
+            int8_t* dst = q + i * QK;
+            for (int j = 0; j < QK / 4; ++j) std::memcpy(dst + j * r * 4, v + 4 * j, 4);
+        }
+    };
+    RowSlots row_slots(int64_t m) {
+        const int64_t g0 = group_start(m), r = group_rows(g0), row = m - g0, i = g0 * nb + row;
+        return {d.data() + i, s32.data() + i, neg8.data() + i, neg128.data() + i,
+                neg128h.data() + g0 * nb * 2 + row, q.data() + g0 * K + row * 4, r};
     }
 };
 // x [M, K] (fp32 or bf16 by `dtype`, rows ldx apart) as the kernels of weight type `type` take it:

@@ -116,6 +116,9 @@ def test_gguf_matmul_matches_dequantized_reference(ops, qtype: int, rows: int) -
     ops.quant_matmul(x, kw.data, w.qtype, torch.empty(0), None, out)
     assert_close_scaled(out, quantize_activations(x) @ ref_w.T, 2e-6)
     assert_close_scaled(out, x @ ref_w.T, 2e-2)  # int8 activations: ~1/127 of each block's largest value
+    xb = x.bfloat16()  # bf16 rows are widened before they are quantized
+    ops.quant_matmul(xb, kw.data, w.qtype, torch.empty(0), None, out)
+    assert_close_scaled(out, quantize_activations(xb) @ ref_w.T, 2e-6)
 
 
 def test_bias_bf16_and_column_slices(ops) -> None:
