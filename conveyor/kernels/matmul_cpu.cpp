@@ -88,8 +88,10 @@ void quantize_row(const T* src, const Activations::RowSlots& out, int64_t nb, st
         _mm256_store_si256(reinterpret_cast<__m256i*>(q), packed);
         const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(packed, bias), _mm256_setzero_si256());
         const __m128i lo = _mm256_castsi256_si128(sad), hi = _mm256_extracti128_si256(sad, 1);
-        const int sum_lo = static_cast<int>(_mm_cvtsi128_si64(_mm_add_epi64(lo, _mm_unpackhi_epi64(lo, lo)))) - 16 * 128;
-        const int sum_hi = static_cast<int>(_mm_cvtsi128_si64(_mm_add_epi64(hi, _mm_unpackhi_epi64(hi, hi)))) - 16 * 128;
+        const auto half_sum = [](__m128i s) {  // two 8-byte sums of values plus 128
+            return static_cast<int>(_mm_cvtsi128_si64(_mm_add_epi64(s, _mm_unpackhi_epi64(s, s)))) - 16 * 128;
+        };
+        const int sum_lo = half_sum(lo), sum_hi = half_sum(hi);
         out.set(b, q, d[b], sum_lo, sum_hi);
     }
 }
