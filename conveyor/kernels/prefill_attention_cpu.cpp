@@ -366,7 +366,6 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 start_row(a.sinks && r < R ? a.sinks + t.kv_head * G + r % G : nullptr, m[r], l[r]);
             const int64_t first_pos = start + t.q0, last_pos = start + t.q1 - 1;
             for (int64_t p0 = block_start(t.k0 + off); p0 < t.k1 + off; p0 += NB) {
-                // Lanes [0, nb) of the block at position p0: those up to the tile's last key.
                 // Lanes [0, nb) of the block at position p0: those up to the tile's last key; the K
                 // rows laid out by head-dim entry (a chunk with several tiles) or read as rows.
                 const int64_t nb = std::min(NB, t.k1 + off - p0), nbp = (nb + KB - 1) / KB * KB;
