@@ -69,7 +69,7 @@ void quantize_row(const T* src, const Activations::RowSlots& out, int64_t nb, st
     const __m512 absmask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
     for (int64_t b = 0; b < nb; ++b) {
         const __m512 v0 = load16(src + b * QK), v1 = load16(src + b * QK + 16);
-        d[b] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask)));
+        d[b] = lane_max(vecw(_mm512_max_ps(_mm512_and_ps(v0, absmask), _mm512_and_ps(v1, absmask))));
     }
     for (int64_t b = 0; b < nb; b += 16) {
         const __m512 db = _mm512_div_ps(_mm512_loadu_ps(d + b), _mm512_set1_ps(127.f));

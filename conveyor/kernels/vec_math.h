@@ -299,7 +299,8 @@ inline void transpose_steps(vecw* r) {
 inline void transpose(vecw* r) {
 #if defined(__AVX512F__)
     __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {  // t[2k], t[2k + 1]: rows 2k, 2k + 1 interleaved, entries 0-1 and 2-3 of each lane
+    // t[2k], t[2k + 1]: rows 2k, 2k + 1 interleaved, entries 0-1 and 2-3 of each lane
+    for (int i = 0; i < 16; i += 2) {
         t[i] = _mm512_unpacklo_ps(__m512(r[i]), __m512(r[i + 1]));
         t[i + 1] = _mm512_unpackhi_ps(__m512(r[i]), __m512(r[i + 1]));
     }
@@ -310,8 +311,10 @@ inline void transpose(vecw* r) {
         u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
     }
     for (int e = 0; e < 4; ++e) {
-        const __m512 a = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88), b = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
-        const __m512 c = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88), d = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
+        const __m512 a = _mm512_shuffle_f32x4(u[e], u[4 + e], 0x88);
+        const __m512 b = _mm512_shuffle_f32x4(u[e], u[4 + e], 0xDD);
+        const __m512 c = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512 d = _mm512_shuffle_f32x4(u[8 + e], u[12 + e], 0xDD);
         r[e] = vecw(_mm512_shuffle_f32x4(a, c, 0x88));
         r[4 + e] = vecw(_mm512_shuffle_f32x4(b, d, 0x88));
         r[8 + e] = vecw(_mm512_shuffle_f32x4(a, c, 0xDD));
