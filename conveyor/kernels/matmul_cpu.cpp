@@ -12,9 +12,13 @@
 #include "quant.h"
 #include "vec_math.h"
 
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#include <unistd.h>
 
 namespace conveyor {
 namespace {
@@ -290,6 +294,27 @@ CONVEYOR_API int conveyor_dequantize_rows(const uint8_t* weight, int64_t type, c
                 }
             }
         });
+    });
+}
+
+// Rows `ids` (n_ids of them, each in [0, num_rows)) of a table of `row_bytes`-byte rows that starts at byte
+// `offset` of the open file `fd`, read into out [n_ids, row_bytes]: embedding lookups from a file's table,
+// which then never becomes part of the process' resident memory (page cache reads, not a mapping).
+CONVEYOR_API int conveyor_read_rows(int fd, int64_t offset, int64_t row_bytes, const int64_t* ids, int64_t n_ids,
+                                    int64_t num_rows, uint8_t* out) {
+    return guarded(1, [&] {
+        for (int64_t r = 0; r < n_ids; ++r) {
+            CONVEYOR_CHECK(ids[r] >= 0 && ids[r] < num_rows, "row index ", ids[r], " out of range [0, ", num_rows, ")");
+            uint8_t* dst = out + r * row_bytes;
+            int64_t done = 0;
+            while (done < row_bytes) {
+                const ssize_t got = pread(fd, dst + done, row_bytes - done, offset + ids[r] * row_bytes + done);
+                if (got < 0 && errno == EINTR) continue;
+                CONVEYOR_CHECK(got > 0, "reading row ", ids[r], " of the table at byte ", offset, " of the file: ",
+                               got < 0 ? std::strerror(errno) : "the file ends first");
+                done += got;
+            }
+        }
     });
 }
 

@@ -25,6 +25,7 @@ class MatmulOps(Native):
         self._argmax = bind(lib, "conveyor_quant_argmax", I32, I32, P, I64, I64, I64, P, I64, P, I64, P, I32)
         self._repack = bind(lib, "conveyor_repack_tiles", I32, P, I64, I64, I64, P, I32)
         self._rows = bind(lib, "conveyor_dequantize_rows", I32, P, I64, P, P, I64, I64, I64, I32, P, I32)
+        self._read = bind(lib, "conveyor_read_rows", I32, I32, I64, I64, P, I64, I64, P)
         self._matrix = bind(lib, "conveyor_dequantize_matrix", I32, P, I64, P, I64, I64, I32, P, I32)
         self._row_bytes = bind(lib, "conveyor_row_bytes", I64, I64, I64)
         self._tile_bytes = bind(lib, "conveyor_tile_bytes", I64, I64, I64)
@@ -127,6 +128,15 @@ class MatmulOps(Native):
         ids = ids.to(torch.int64).contiguous()
         self.check(self._rows(weight.data_ptr(), qtype, self._scales(qtype, row_scales, tiles), int64_vector(ids, "ids"),
                               ids.numel(), num_rows, k, out_code, out.data_ptr(), threads()))
+
+    def read_rows(self, fd: int, offset: int, ids: torch.Tensor, num_rows: int, out: torch.Tensor) -> None:
+        """Rows `ids` of a table of `num_rows` rows of `out.shape[1]` bytes at byte `offset` of the open file
+        `fd`, read into out [len(ids), row bytes] (uint8, contiguous)."""
+        require(out.dtype == torch.uint8 and out.dim() == 2 and out.is_contiguous() and out.shape[0] == ids.numel(),
+                "out must be contiguous uint8 [len(ids), row bytes]")
+        ids = ids.to(torch.int64).contiguous()
+        self.check(self._read(fd, offset, out.shape[1], int64_vector(ids, "ids"), ids.numel(), num_rows,
+                              out.data_ptr()))
 
     def dequantize_matrix(self, weight: torch.Tensor, qtype: int, row_scales: torch.Tensor, out: torch.Tensor) -> None:
         """A whole tiled matrix into out [N, K] (fp32 or bf16, contiguous)."""

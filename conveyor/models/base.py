@@ -180,7 +180,7 @@ class CausalLM(nn.Module):
         if isinstance(old, nn.Embedding):
             if len(parts) != 1:
                 raise ValueError(f"{name}: an embedding table must be one quantized tensor")
-            return QuantEmbedding(parts[0], dtype)
+            return QuantEmbedding(parts[0], dtype, tiled=self.tied)  # tiles only where the head reads them
         return QuantLinear(parts, bias=old.bias is not None, dtype=dtype)
 
     def head_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -35,6 +35,7 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: np.ndarray  # as stored: innermost dimension first
     data: np.ndarray  # memory-mapped; numpy order
+    offset: int  # of its first byte in the file
 
 
 class GGUFFile:
@@ -56,14 +57,12 @@ class GGUFFile:
                 key = self._string()
                 self.metadata[key] = self._value(GGUFValueType(self._unpack("<I")[0]))
             infos = [self._tensor_info() for _ in range(n_tensors)]
+            size = len(self._buf)
         finally:
             self._buf.close()
         alignment = int(self.metadata.get("general.alignment", 32))
         start = -(-self._pos // alignment) * alignment
-        # Copy-on-write: tensors kept quantized are views of the file's pages (writable, so torch takes
-        # them without a copy), so a load holds the file once in the page cache, not twice in memory.
-        data = np.memmap(path, mode="c")
-        self.tensors = [self._tensor(data, start, *info) for info in infos]
+        self.tensors = [self._tensor(path, size, start, *info) for info in infos]
 
     def _read(self, n: int) -> bytes:
         if self._pos + n > len(self._buf):
@@ -105,20 +104,23 @@ class GGUFFile:
         return name, dims, GGMLQuantizationType(kind), offset
 
     @staticmethod
-    def _tensor(data: np.memmap, start: int, name: str, dims: np.ndarray, kind: GGMLQuantizationType,
-                offset: int) -> GGUFTensor:
+    def _tensor(path: str | Path, file_size: int, start: int, name: str, dims: np.ndarray,
+                kind: GGMLQuantizationType, offset: int) -> GGUFTensor:
+        """The tensor's own mapping of its bytes, copy-on-write: a tensor kept quantized is a view of the
+        file's pages (writable, so torch takes it without a copy), and once the load drops the tensors a
+        model did not keep (repacked, dequantized), their pages leave the process with them."""
         shape = tuple(reversed(dims.tolist()))
         n_elements = int(np.prod(dims))
         block, size = GGML_QUANT_SIZES[kind]
         n_bytes = n_elements * size // block
         begin = start + offset
-        if begin + n_bytes > len(data):
+        if begin + n_bytes > file_size:
             raise ValueError(f"tensor {name} runs past the end of the file")
-        raw = data[begin:begin + n_bytes]
+        raw = np.memmap(path, mode="c", offset=begin, shape=(n_bytes,)) if n_bytes else np.empty(0, np.uint8)
         if kind in _ELEMENT_TYPES:
             array = raw.view(_ELEMENT_TYPES[kind]).reshape(shape)
         else:
             if shape[-1] % block:
                 raise ValueError(f"tensor {name}: a row of {shape[-1]} is not whole {kind.name} blocks of {block}")
             array = raw.reshape(*shape[:-1], shape[-1] // block * size)  # rows of block bytes
-        return GGUFTensor(name, kind, dims, array)
+        return GGUFTensor(name, kind, dims, array, begin)

@@ -29,7 +29,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 
 from ..layers.quantization.mxfp4 import is_mxfp4
-from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, QuantizedTensor
+from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion, QuantizedTensor
 from ..pooling_params import PoolerConfig
 from . import gguf_experts, gguf_families
 from .gguf_file import GGUFFile
@@ -273,7 +273,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
             permute_heads = heads * kept_shape[0] // shape[0]  # a slice of whole heads
         qtype = int(tensor.tensor_type)
         if keep_quantized and qtype in KERNEL_TYPES and len(shape) == 2 and part is not None:
-            weight = QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, kept_shape)
+            whole = selection is None and permute_heads is None  # the file's rows as they are
+            weight = QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, kept_shape,
+                                     source=FileRegion(str(path), tensor.offset) if whole else None)
             if permute_heads is not None:  # a permutation of whole rows: the blocks move as they are
                 weight = weight.index_rows(_undo_llama_rope_permute(np.arange(kept_shape[0]), permute_heads))
             state_dict[hf_name] = weight

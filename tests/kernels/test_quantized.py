@@ -28,6 +28,7 @@ from conveyor.layers.quantization.tensors import (
     BF16,
     F32,
     I8,
+    FileRegion,
     GGMLType,
     QuantizedTensor,
     bf16_rows,
@@ -214,6 +215,31 @@ def test_quant_embedding_rows() -> None:
     out = QuantEmbedding(table, torch.bfloat16)(ids)
     assert out.shape == (2, 2, 64) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out, table.dequantize()[ids].bfloat16())
+
+
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_K])
+def test_quant_embedding_reads_a_files_rows(tmp_path: Path, qtype: int) -> None:
+    """An untied table of a file is read from the file row by row (never mapped): the same rows as the
+    dequantized table; an id outside it is an error naming the range; a file cut short, one naming that."""
+    table = gguf_tensor(qtype, 40, 256)
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"x" * 100 + table.data.numpy().tobytes())
+    source = FileRegion(str(path), 100)
+    embedding = QuantEmbedding(QuantizedTensor(table.data, qtype, (40, 256), source=source), torch.bfloat16,
+                               tiled=False)
+    ids = torch.tensor([[39, 0, 7], [7, 21, 39]])
+    out = embedding(ids)
+    torch.testing.assert_close(out, table.dequantize()[ids].bfloat16(), rtol=0, atol=0)
+    if matmul_ops() is None:
+        return
+    assert embedding.file is not None and embedding.weight.layout == "rows"
+    with pytest.raises(RuntimeError, match=r"row index 40 out of range \[0, 40\)"):
+        embedding(torch.tensor([3, 40]))
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(RuntimeError, match="the file ends first"):
+        embedding(torch.tensor([39]))
+    tied = QuantEmbedding(QuantizedTensor(table.data, qtype, (40, 256), source=source), torch.bfloat16)
+    assert tied.file is None and tied.weight.layout == "tiles"  # a tied head's tiles, shared
 
 
 def test_row_operations() -> None:

@@ -150,16 +150,53 @@ def test_gguf_tensors_kept_quantized_are_views_of_the_file(quantized_gguf: Path,
 
     monkeypatch.setattr(gguf_file.np, "memmap", recording)
     kept = load_checkpoint(quantized_gguf, keep_quantized=True)
-    (mapping,) = maps
-    lo, hi = mapping.ctypes.data, mapping.ctypes.data + mapping.size
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(m.ctypes.data <= t.data_ptr() < m.ctypes.data + m.size for m in maps)
+
     v = kept.state_dict["model.layers.1.self_attn.v_proj.weight"]
     q = kept.state_dict["model.layers.0.self_attn.q_proj.weight"]
-    assert isinstance(v, QuantizedTensor) and lo <= v.data.data_ptr() < hi
-    assert isinstance(q, QuantizedTensor) and not lo <= q.data.data_ptr() < hi
+    assert isinstance(v, QuantizedTensor) and mapped(v.data) and v.source is not None
+    assert isinstance(q, QuantizedTensor) and not mapped(q.data) and q.source is None
+    # a mapping of its own (freed with the tensor, not kept by the one tensor a model keeps as rows)
+    assert [m.size for m in maps if m.ctypes.data == v.data.data_ptr()] == [v.data.numel()]
     before = int(v.data[0, 0])
     v.data[0, 0] ^= 0xFF  # copy-on-write: a write changes this copy's page, never the file
     again = load_checkpoint(quantized_gguf, keep_quantized=True).state_dict["model.layers.1.self_attn.v_proj.weight"]
     assert int(again.data[0, 0]) == before != int(v.data[0, 0])
+
+
+def _mapping_rss_kib(address: int) -> int:
+    """Resident KiB of this process' mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split()[0]
+            if "-" in first and ":" not in first:
+                lo, hi = (int(x, 16) for x in first.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_an_untied_embedding_is_read_from_the_file(quantized_gguf: Path, gguf_tokenizer: None) -> None:
+    """An untied GGUF table is looked up by reading its rows from the file: it takes no memory in the
+    process (its mapping stays unfaulted through a generation) and gives the same tokens as the tiled
+    table in memory. A tied table is the LM head's tiles, shared."""
+    ours = LLM(quantized_gguf)
+    table = ours.engine.model.embed_tokens
+    assert isinstance(table, QuantEmbedding)
+    if quant_linear.matmul_ops() is None:
+        pytest.skip("without the native kernels the table is GGUF rows in memory")
+    assert table.file is not None and table.weight.source is not None and table.weight.layout == "rows"
+    prompts = random_prompts([6, 13, 21], seed=44)
+    ids = greedy_ids(ours, prompts)
+    assert _mapping_rss_kib(table.weight.data.data_ptr()) == 0
+    tiled = QuantEmbedding(table.weight, table.dtype)  # the same table in the process' memory, tiled
+    assert tiled.weight.layout == "tiles"
+    ours.engine.model.embed_tokens = tiled
+    assert greedy_ids(ours, prompts) == ids
 
 
 def test_a_checkpoints_tensors_become_the_parameters(tiny_llama: TinyModel) -> None:

@@ -170,12 +170,18 @@ class QuantLinear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """`nn.Embedding` over a quantized table: the looked-up rows are dequantized to `dtype`."""
+    """`nn.Embedding` over a quantized table: the looked-up rows are dequantized to `dtype`. The table is
+    tiled for the kernels, the layout a tied LM head shares, except where `tiled` is False and it is a
+    file's (`QuantizedTensor.source`, an untied table): then each lookup reads its rows from the file, so
+    the table is never resident in the process. A mapping of the file's pages would not do: a touched row
+    maps the whole large folio the page cache holds it in, and the table soon becomes resident."""
 
-    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype) -> None:
+    def __init__(self, weight: QuantizedTensor, dtype: torch.dtype, tiled: bool = True) -> None:
         super().__init__()
         ops = matmul_ops()
-        self.weight = weight if ops is None else weight.tiled(ops)  # shared with a tied head as it is
+        from_file = ops is not None and not tiled and weight.source is not None
+        self.weight = weight if ops is None or from_file else weight.tiled(ops)  # a tied head shares the tiles
+        self.file = open(weight.source.path, "rb", buffering=0) if from_file else None  # noqa: SIM115 (the model's)
         self.dtype = dtype
         self.num_embeddings, self.embedding_dim = weight.shape
 
@@ -184,9 +190,14 @@ class QuantEmbedding(nn.Module):
         flat = ids.reshape(-1)
         if ops is None:
             return self.weight.index_rows(flat).dequantize(self.dtype).view(*ids.shape, self.embedding_dim)
+        table, index, num_rows = self.weight, flat, self.num_embeddings
+        if self.file is not None:  # the looked-up rows from the file, tiled
+            rows = torch.empty(flat.numel(), table.data.shape[1], dtype=torch.uint8)
+            ops.read_rows(self.file.fileno(), table.source.offset, flat, num_rows, rows)
+            table = QuantizedTensor(rows, table.qtype, (flat.numel(), self.embedding_dim)).tiled(ops)
+            index, num_rows = torch.arange(flat.numel()), flat.numel()
         out = torch.empty(flat.numel(), self.embedding_dim, dtype=self.dtype)
-        ops.dequantize_rows(self.weight.data, self.weight.qtype, self.weight.row_scales_or_empty(), flat,
-                            self.num_embeddings, out)
+        ops.dequantize_rows(table.data, table.qtype, table.row_scales_or_empty(), index, num_rows, out)
         return out.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -270,6 +281,6 @@ def describe_weights(model: nn.Module, quantization: str) -> str:
                    else [module.weight] if isinstance(module, QuantEmbedding) else [])
         for t in tensors:
             counts[t.type_name] = counts.get(t.type_name, 0) + 1
-            nbytes += t.nbytes
+            nbytes += 0 if getattr(module, "file", None) is not None else t.nbytes  # a table read from its file
     kinds = ", ".join(f"{n} {t}" for t, n in sorted(counts.items()))
     return f"{quantization}{f' ({kinds} matrices)' if kinds else ''}, {nbytes / 2**20:.0f} MiB"

@@ -41,17 +41,29 @@ def type_name(qtype: int) -> str:
     return {I8: "I8", BF16: "BF16", F32: "F32"}.get(qtype) or GGMLType(qtype).name
 
 
+@dataclass(frozen=True)
+class FileRegion:
+    """Where a tensor's rows lie in a file, unchanged (a GGUF file's tensor): its path and the byte offset
+    of its first row."""
+
+    path: str
+    offset: int
+
+
 @dataclass
 class QuantizedTensor:
     """`shape = (rows, cols)` weights as `data` uint8 in the layout of `qtype`: GGUF's rows
     `[rows, row_bytes]` (`layout="rows"`), or 16-row tiles `[ceil(rows / 16), tile_bytes]`
-    (`layout="tiles"`); `row_scales` fp32 for I8 (None otherwise), padded to whole tiles when tiled."""
+    (`layout="tiles"`); `row_scales` fp32 for I8 (None otherwise), padded to whole tiles when tiled;
+    `source` where the rows are in a file when `data` is a view of that file's bytes (rows can be read
+    from it again)."""
 
     data: torch.Tensor
     qtype: int
     shape: tuple[int, int]
     row_scales: torch.Tensor | None = None
     layout: str = "rows"
+    source: FileRegion | None = None
 
     def __post_init__(self) -> None:
         rows, cols = self.shape
