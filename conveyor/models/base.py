@@ -5,15 +5,16 @@ stored), the LM head, and the hooks a family fills (fused native ops, the native
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.initialization import no_init_weights
+from transformers.initialization import TORCH_INIT_FUNCTIONS, TORCH_MODULES_TO_PATCH
 
 from ..kernels import cpu_fused_ops, native_kernels_enabled
 from ..kernels.fused_ops import FusedOps
@@ -75,6 +76,23 @@ class Mirror(Protocol):
                 metas: Sequence[AttentionMetadata]) -> AbstractContextManager[None]: ...
 
     def logits(self, hidden: torch.Tensor) -> AbstractContextManager[None]: ...
+
+
+@contextmanager
+def no_init_weights() -> Iterator[None]:
+    """torch's init functions made no-ops while a model is built (every parameter is loaded after): the
+    torch half of transformers' `no_init_weights`, over its own tables. Its other half patches
+    `PreTrainedModel`, a class our models never use, whose import (torch._dynamo, triton) added to every
+    load's time and to every process' resident memory (docs/benchmarks.md, "Memory, the 8B")."""
+    saved = [(module, name, getattr(module, name)) for module in map(sys.modules.get, TORCH_MODULES_TO_PATCH)
+             if module is not None for name in TORCH_INIT_FUNCTIONS if hasattr(module, name)]
+    try:
+        for module, name, _ in saved:
+            setattr(module, name, lambda *args, **kwargs: None)
+        yield
+    finally:
+        for module, name, function in saved:
+            setattr(module, name, function)
 
 
 class CausalLM(nn.Module):

@@ -3,6 +3,8 @@ measured closeness to the fp32 exact path on tiny models (log-probabilities and 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from conveyor.layers.quantization import linear as quant_linear
 from conveyor.layers.quantization.linear import QuantEmbedding, QuantLinear
 from conveyor.layers.quantization.tensors import QuantizedTensor
 from conveyor.models import build_model, gguf_file
+from conveyor.models.base import no_init_weights
 from conveyor.models.loader import _undo_llama_rope_permute, load_checkpoint
 
 from tests.gguf_writer import GGUF_TYPES, write_quantized_gguf
@@ -197,6 +200,22 @@ def test_an_untied_embedding_is_read_from_the_file(quantized_gguf: Path, gguf_to
     assert tiled.weight.layout == "tiles"
     ours.engine.model.embed_tokens = tiled
     assert greedy_ids(ours, prompts) == ids
+
+
+def test_building_a_model_imports_no_compiler(tiny_llama: TinyModel) -> None:
+    """Loading and running a model imports neither torch._dynamo nor triton on CPU (transformers'
+    `no_init_weights` imported them with `PreTrainedModel`: load time and resident memory in every
+    process), and the model is built without random initialization (its weights are the checkpoint's)."""
+    code = (f"import sys; from conveyor import LLM, SamplingParams; llm = LLM({str(tiny_llama.path)!r}); "
+            "llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False); "
+            "print([m for m in ('torch._dynamo', 'triton', 'transformers.modeling_utils') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    with no_init_weights():
+        linear = torch.nn.Linear(4, 4)
+        assert torch.nn.init.ones_(linear.weight) is None  # a no-op while building
+    assert torch.nn.init.ones_(linear.weight).eq(1).all()  # restored after
 
 
 def test_a_checkpoints_tensors_become_the_parameters(tiny_llama: TinyModel) -> None:
