@@ -438,3 +438,22 @@ def make_lora_adapter(base: transformers.PreTrainedModel, path: Path, seed: int,
                 p.mul_(0.5)
     model.save_pretrained(path)
     return model
+
+
+def smaps_fields(address: int) -> dict[str, list[str]]:
+    """The /proc/self/smaps fields (name -> the words after it) of this process' mapping that holds
+    `address`: its resident KiB (`Rss`), its flags (`VmFlags`), ..."""
+    fields: dict[str, list[str]] | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head, *rest = line.split()
+            if "-" in head and ":" not in head:  # a mapping's first line: its address range
+                if fields is not None:
+                    break
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                fields = {} if lo <= address < hi else None
+            elif fields is not None:
+                fields[head.removesuffix(":")] = rest
+    if fields is None:
+        raise AssertionError(f"no mapping holds {address:#x}")
+    return fields

@@ -11,19 +11,7 @@ import torch
 
 from conveyor.kernels import cpu_matmul_ops, host_memory
 
-
-def vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "VmFlags:":
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
+from tests.utils import smaps_fields
 
 
 @pytest.fixture
@@ -47,7 +35,7 @@ def test_a_large_tensor_is_aligned_marked_and_usable(mode):
     assert t.shape == (3, 5 * 2**20 // 4 + 7) and t.dtype == torch.float32 and t.is_contiguous()
     assert t.data_ptr() % host_memory.HUGE_PAGE == 0
     if host_memory.thp_mode() == "madvise":
-        assert "hg" in vm_flags(t.data_ptr())
+        assert "hg" in smaps_fields(t.data_ptr())["VmFlags"]
     t.copy_(torch.arange(t.numel(), dtype=torch.float32).view(t.shape))
     assert t[2, -1].item() == t.numel() - 1 and t.sum().item() == pytest.approx(t.numel() * (t.numel() - 1) / 2)
 

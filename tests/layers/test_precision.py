@@ -22,7 +22,7 @@ from conveyor.models.loader import _undo_llama_rope_permute, load_checkpoint
 
 from tests.gguf_writer import GGUF_TYPES, write_quantized_gguf
 from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, TinyModel, agreement, greedy_ids,
-                         next_token_logprobs, random_prompts)
+                         next_token_logprobs, random_prompts, smaps_fields)
 
 CPU = torch.device("cpu")
 
@@ -169,20 +169,6 @@ def test_gguf_tensors_kept_quantized_are_views_of_the_file(quantized_gguf: Path,
     assert int(again.data[0, 0]) == before != int(v.data[0, 0])
 
 
-def _mapping_rss_kib(address: int) -> int:
-    """Resident KiB of this process' mapping that holds `address` (/proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            first = line.split()[0]
-            if "-" in first and ":" not in first:
-                lo, hi = (int(x, 16) for x in first.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 def test_an_untied_embedding_is_read_from_the_file(quantized_gguf: Path, gguf_tokenizer: None) -> None:
     """An untied GGUF table is looked up by reading its rows from the file: it takes no memory in the
     process (its mapping stays unfaulted through a generation) and gives the same tokens as the tiled
@@ -195,7 +181,7 @@ def test_an_untied_embedding_is_read_from_the_file(quantized_gguf: Path, gguf_to
     assert table.file is not None and table.weight.source is not None and table.weight.layout == "rows"
     prompts = random_prompts([6, 13, 21], seed=44)
     ids = greedy_ids(ours, prompts)
-    assert _mapping_rss_kib(table.weight.data.data_ptr()) == 0
+    assert int(smaps_fields(table.weight.data.data_ptr())["Rss"][0]) == 0  # resident KiB
     tiled = QuantEmbedding(table.weight, table.dtype)  # the same table in the process' memory, tiled
     assert tiled.weight.layout == "tiles"
     ours.engine.model.embed_tokens = tiled
