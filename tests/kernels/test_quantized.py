@@ -19,6 +19,7 @@ from conveyor.kernels import cpu_flags, cpu_matmul_ops
 from conveyor.layers.quantization.linear import (
     BF16_KERNEL_MAX_ROWS,
     QuantEmbedding,
+    QuantLinear,
     QuantMatmul,
     bf16_kernel_max_rows,
     matmul_ops,
@@ -191,6 +192,18 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
         assert kernel == (dtype == torch.float32 or rows <= BF16_KERNEL_MAX_ROWS)
         ref = F.linear(quantize_activations(x) if kernel else x.float(), ref_w, bias)
         assert_close_scaled(out, ref, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_quant_linear_computes_with_the_loaded_bias() -> None:
+    """The models' loader assigns the checkpoint's tensors (load_state_dict with assign=True), which replaces
+    the bias Parameter: the kernel must add the loaded bias, not the zeros it was built with."""
+    weight = quantize_int8(torch.randn(16, 64))
+    linear = QuantLinear([weight], bias=True, dtype=torch.float32)
+    bias = torch.randn(16)
+    linear.load_state_dict({"bias": bias}, assign=True)
+    assert linear.bias is not None and torch.equal(linear.bias, bias)
+    x = torch.randn(3, 64)
+    assert_close_scaled(linear(x), F.linear(quantize_activations(x), weight.dequantize(), bias), 1e-5)
 
 
 def test_bf16_kernel_rows_follow_the_cpu() -> None:

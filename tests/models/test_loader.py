@@ -24,7 +24,7 @@ from conveyor.layers.quantization.linear import QuantLinear
 from conveyor.models.loader import Checkpoint, ModelLoadError, default_model_path, load_checkpoint
 
 from tests.gguf_writer import tiny_head_dim, write_random_block_gguf, write_tiny_gguf
-from tests.utils import tiny_tokenizer
+from tests.utils import TINY_CONFIGS, next_token_logprobs, random_prompts, tiny_tokenizer
 
 CONFIG_FIELDS = [
     "model_type",
@@ -112,6 +112,26 @@ def test_tiny_gguf_matches_transformers(arch: str, tmp_path: Path, monkeypatch: 
     assert ckpt.config.head_dim == tiny_head_dim(arch)
     if arch == "qwen2":
         assert ckpt.config.attention_bias
+
+
+def test_quantized_linears_keep_the_checkpoints_biases(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases (random here: a random model's are zeros) through int8 weights: the loader assigns
+    the checkpoint's tensors, and the kernels must add the loaded biases, not the zeros they were built with
+    (dropped, they move the log-probabilities by nats; int8 weights of this random model, by tenths)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS["qwen2"]())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(std=1.0)
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    prompts = random_prompts([5, 12, 30], seed=3)
+    dense = next_token_logprobs(LLM(tmp_path, dtype="float32"), prompts)
+    llm = LLM(tmp_path, dtype="bfloat16", quantization="int8")
+    assert isinstance(llm.engine.model.layers[0].qkv_proj, QuantLinear)
+    err = (next_token_logprobs(llm, prompts) - dense).abs().max().item()
+    assert err < 0.5, err
 
 
 @pytest.mark.parametrize(

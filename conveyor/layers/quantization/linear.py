@@ -158,8 +158,15 @@ class QuantLinear(nn.Module):
         super().__init__()
         out_features = sum(p.shape[0] for p in parts)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.kernel = QuantMatmul(parts, self.bias)  # the same Parameter: loading fills it in place
+        self.kernel = QuantMatmul(parts, self.bias)  # the same Parameter
         self.in_features, self.out_features = self.kernel.in_features, out_features
+        # A load with assign=True (the models' loader) replaces the Parameter: the kernel takes the new one.
+        self.register_load_state_dict_post_hook(QuantLinear.share_bias)
+
+    @staticmethod
+    def share_bias(module: QuantLinear, incompatible_keys: object) -> None:
+        """The kernel's bias is the module's (a load-state-dict post hook)."""
+        module.kernel.bias = module.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x)
