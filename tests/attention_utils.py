@@ -65,10 +65,10 @@ def reference_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: tor
 
 
 def run_prefill(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]], window: int, softcap: float,
-                dtype: torch.dtype, contiguous_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                dtype: torch.dtype, contiguous_k: bool = False, amx: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefill kernel's output and the reference's. Queries, keys and values are views into one fused
     projection (strided rows), as the layer passes them (keys contiguous after a q/k norm); each chunk's
-    context sits at random slots of a cache of at least 2048."""
+    context sits at random slots of a cache of at least 2048. `amx`: as the kernel's argument."""
     g = torch.Generator().manual_seed(heads * dim + len(chunks))
     total, slots = sum(n for n, _ in chunks), max([2048] + [n_ctx for _, n_ctx in chunks])
     qkv = torch.randn(total, (heads + 2 * kv_heads) * dim, generator=g).to(dtype)
@@ -84,7 +84,7 @@ def run_prefill(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int
     out = torch.full_like(q, float("nan"))
     scale = dim ** -0.5
     cpu_paged_attention().paged_prefill_attention(q, k, v, kv, torch.cat([s for *_, s in spans]), torch.tensor(rows),
-                                                  window, scale, softcap, out)
+                                                  window, scale, softcap, out, amx=amx)
     return out.double(), reference_prefill(q, k, v, kv, spans, window, scale, softcap)
 
 

@@ -22,7 +22,7 @@ from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.cache.allocator import FullAttentionCacheAllocator
 from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool
 from conveyor.layers.moe import SparseMoe
-from conveyor.layers.quantization.linear import QuantLinear
+from conveyor.layers.quantization.linear import QuantLinear, bf16_kernel_max_rows
 
 # -- tiny models ------------------------------------------------------------------------------------
 VOCAB = 300
@@ -116,6 +116,11 @@ def tiny_tokenizer(vocab_size: int = VOCAB) -> transformers.PreTrainedTokenizerF
 # A chat template given in place of the model's own: other marker words, so a test sees which one applied.
 USER_CHAT_TEMPLATE = ("{% for m in messages %}w7 {{ m['content'] }} w8 {% endfor %}"
                       "{% if add_generation_prompt %}w9{% endif %}")
+
+
+# AMX CPUs take bf16 prefill to oneDNN's AMX matmul and to the attention kernel's tiles, neither of them
+# batch-invariant (models/batch_invariance.py): a test that compares two runs' bits asks for it there.
+INVARIANT: dict[str, bool] = {"batch_invariant": True} if bf16_kernel_max_rows() is not None else {}
 
 
 class TinyModel:

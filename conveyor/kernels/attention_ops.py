@@ -45,7 +45,7 @@ class PagedAttentionOps(Native):
         self._decode = bind(lib, "conveyor_paged_decode_attention", I32, I32, I32, P, P, I64, P, I64, P, P, I64, I64,
                             I64, I64, I64, I64, F32, F32, P, P, I32)
         self._prefill = bind(lib, "conveyor_paged_prefill_attention", I32, I32, I32, P, P, P, I64, I64, I64, P, I64, P,
-                             P, I64, I64, I64, I64, I64, F32, F32, P, P, I32)
+                             P, I64, I64, I64, I64, I64, F32, F32, P, P, I32, I32)
         self._quantize = bind(lib, "conveyor_quantize_kv", I32, I32, P, I64, I64, P, I32)
         self._width = bind(lib, "conveyor_prefill_vector_width", I64)
 
@@ -73,11 +73,14 @@ class PagedAttentionOps(Native):
 
     def paged_prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                                 ctx_slots: torch.Tensor, chunks: torch.Tensor, window: int, scale: float,
-                                softcap: float, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
+                                softcap: float, out: torch.Tensor, sinks: torch.Tensor | None = None,
+                                amx: bool = False) -> None:
         """Every prefill chunk's attention into out [T, H, D] (contiguous): queries q [T, H, D], the batch's
         new k, v [T, Hkv, D] (heads contiguous; for an int8 cache, int8 rows as `quantize_kv` makes them),
         each chunk's context slots (int64, all chunks') and per chunk {q_start, q_len, offset into
-        ctx_slots, n_ctx, start} (int64 [C, 5]). Call it before the pass writes the new K/V into the cache."""
+        ctx_slots, n_ctx, start} (int64 [C, 5]). `amx`: bf16 over a bf16 cache takes the AMX tiles where the CPU
+        has them (faster; not the decode kernel's bits, kernels/prefill_amx.h). Call it before the pass writes
+        the new K/V into the cache."""
         require(all(t.device.type == "cpu" for t in (q, k, v, out, kv_cache)), "CPU tensors only")
         require(out.dtype == q.dtype, "out must have the queries' dtype")
         _check_heads(q, "q")
@@ -94,7 +97,7 @@ class PagedAttentionOps(Native):
         self.check(self._prefill(
             dtype_code(q, "q"), kv_code, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
             kv_cache.data_ptr(), kv_cache.shape[1], int64_vector(ctx_slots, "ctx_slots"), int64_vector(chunks, "chunks"),
-            chunks.shape[0], H, Hkv, D, window, scale, softcap, _sinks(sinks, H), out.data_ptr(), threads()))
+            chunks.shape[0], H, Hkv, D, window, scale, softcap, _sinks(sinks, H), out.data_ptr(), int(amx), threads()))
 
     def quantize_kv(self, x: torch.Tensor) -> torch.Tensor:
         """Rows x [..., D] (fp32 or bf16) as int8 head rows with their scales, uint8 [..., D + 4]: what an int8

@@ -104,13 +104,14 @@ CONVEYOR_API int conveyor_paged_decode_attention(int dtype, int kv_dtype, const 
 // apart, heads contiguous), the cache [2, slots, Hkv, D], each chunk's context slots (all chunks'
 // concatenated) and per chunk {q_start, q_len, offset into ctx_slots, n_ctx, start}. K, V and the cache
 // are of `kv_dtype`: q's, or int8 rows with their scales (the new K/V quantized as the cache will hold
-// them). Call it before the pass writes the new K/V into the cache.
+// them). `amx` != 0: bf16 over a bf16 cache may take the AMX tiles (prefill_amx.h). Call it before the
+// pass writes the new K/V into the cache.
 CONVEYOR_API int conveyor_paged_prefill_attention(int dtype, int kv_dtype, const void* q, const void* k, const void* v,
                                                   int64_t q_stride, int64_t k_stride, int64_t v_stride, const void* kv,
                                                   int64_t slots, const int64_t* ctx_slots, const int64_t* chunks,
                                                   int64_t num_chunks, int64_t H, int64_t Hkv, int64_t D, int64_t window,
                                                   float scale, float softcap, const float* sinks, void* out,
-                                                  int threads) {
+                                                  int amx, int threads) {
     return guarded(threads, [&] {
         CONVEYOR_CHECK(Hkv > 0 && H % Hkv == 0, "head counts or sizes disagree");
         for (int64_t i = 0; i < num_chunks; ++i)
@@ -122,7 +123,8 @@ CONVEYOR_API int conveyor_paged_prefill_attention(int dtype, int kv_dtype, const
             const T* cp = static_cast<const T*>(kv);
             prefill_attention<Q, T>({static_cast<const Q*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cp,
                                      cp + slots * Hkv * head_row<T>(D), q_stride, k_stride, v_stride, ctx_slots, chunks,
-                                     num_chunks, H, Hkv, D, window, scale, softcap, sinks, static_cast<Q*>(out)});
+                                     num_chunks, H, Hkv, D, window, scale, softcap, sinks, static_cast<Q*>(out),
+                                     amx != 0});
         };
         with_dtypes(dtype, kv_dtype, run);
     });

@@ -24,13 +24,14 @@
 // loads.
 #include "attention_blocks.h"
 #include "int8_values.h"
+#include "prefill_amx.h"
 #include "prefill_attention_cpu.h"
-
 
 #include <algorithm>
 #include <atomic>
 #include <climits>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -196,6 +197,7 @@ struct BlockBuffers {
     std::vector<int32_t> kq;   // per block: int8 K rows' quads laid out [nq][NB] (`key_quad`)
     std::vector<int32_t> vp;   // and int8 V rows' pairs (`block_value_pairs`), [NB / 2][Dq]
     std::vector<float> ks, vs;  // per block: int8 K and V rows' scales, [NB]
+    std::vector<bf16> kr, vt;   // per block, on the AMX tiles: K rows [NB][Dp] and V transposed [Dp][NB]
 };
 thread_local BlockBuffers caller_buffers;
 
@@ -207,8 +209,11 @@ void prefill(const PrefillArgs<Q, T>& a) {
     constexpr bool fp32 = std::is_same_v<T, float>;  // K/V rows usable as they are
     constexpr bool scaled = kScaled<T>;
     constexpr bool paired = kBf16Pairs<T>;  // bf16 keys: scores over pairs (attention_blocks.h)
+    constexpr bool amx_kind = paired && kAmx;  // and, where asked for, on the AMX tiles (prefill_amx.h)
+    const bool amx = amx_kind && a.amx && amx_usable();
     const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, Dr = head_row<T>(D);
-    const int64_t np = paired ? bf16_pairs(D) : 0, nq = scaled ? quads(D) : 0, Dq = scaled ? pair_groups(D) * 4 * W : 0;
+    const int64_t Dp = amx ? amx_head(D) : D;  // the head dim as the tiles take it
+    const int64_t np = paired ? (amx ? Dp / 2 : bf16_pairs(D)) : 0, nq = scaled ? quads(D) : 0, Dq = scaled ? pair_groups(D) * 4 * W : 0;
     const int64_t row = Hkv * Dr;
     const int64_t window = a.window;
     const float cap = a.softcap;
@@ -270,14 +275,35 @@ void prefill(const PrefillArgs<Q, T>& a) {
             for (int64_t n = n1; n < NB; ++n) ks[n] = vs[n] = 0.f, vraw[n] = zero_t.data();
         return n1;
     };
+    // Chunk c's block at position p0 of kv head h as the AMX tiles take it: K rows into kr, V rows
+    // transposed into vt (`amx_block`; zero rows where the chunk has no such key).
+    const auto amx_rows = [&](int64_t c, int64_t h, int64_t p0, bf16* kr, bf16* vt) {
+        if constexpr (amx_kind) {
+            const int64_t* chunk = a.chunks + c * 5;
+            const int64_t off = chunk[4] - chunk[3], n1 = std::min(NB, chunk[3] + chunk[1] + off - p0);
+            const T *krows[NB], *vrows[NB];
+            for (int64_t n = 0; n < NB; ++n) {
+                const int64_t j = p0 + n - off;
+                const bool present = n < n1 && j >= blocks[c].k_min;
+                krows[n] = present ? key(chunk, h, j, a.cache_k, a.k, a.k_stride) : zero_t.data();
+                vrows[n] = present ? key(chunk, h, j, a.cache_v, a.v, a.v_stride) : zero_t.data();
+            }
+            amx_block(krows, vrows, D, NB, kr, vt);
+        }
+    };
     // The blocks of chunks with several tiles, laid out once for all of them (per tile, the layout took
     // ~10% of the time).
     BlockBuffers& buffers = caller_buffers;  // the workers below use this thread's
-    if (scaled) buffers.kq.resize(num_blocks * nq * NB);
-    else if (paired) buffers.kp.resize(num_blocks * np * NB);
-    else buffers.kt.resize(num_blocks * D * NB);
-    if (scaled) buffers.vp.resize(num_blocks * NB / 2 * Dq);
-    else if (!fp32) buffers.v.resize(num_blocks * NB * D);
+    if (amx) {
+        buffers.kr.resize(num_blocks * NB * Dp);
+        buffers.vt.resize(num_blocks * Dp * NB);
+    } else {
+        if (scaled) buffers.kq.resize(num_blocks * nq * NB);
+        else if (paired) buffers.kp.resize(num_blocks * np * NB);
+        else buffers.kt.resize(num_blocks * D * NB);
+        if (scaled) buffers.vp.resize(num_blocks * NB / 2 * Dq);
+        else if (!fp32) buffers.v.resize(num_blocks * NB * D);
+    }
     if (scaled) buffers.ks.resize(num_blocks * NB), buffers.vs.resize(num_blocks * NB);
     parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
         std::vector<const T*> krow(NB), vraw(NB);
@@ -287,6 +313,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
             while (!blocks[c].shared || blocks[c].base + blocks[c].count * Hkv <= i) ++c;
             const ChunkBlocks& cb = blocks[c];
             const int64_t h = (i - cb.base) / cb.count, p0 = (cb.first + (i - cb.base) % cb.count) * NB;
+            if (amx) {
+                amx_rows(c, h, p0, buffers.kr.data() + i * NB * Dp, buffers.vt.data() + i * Dp * NB);
+                continue;
+            }
             const int64_t n1 = block_rows(c, h, p0, krow.data(), nullptr, vf.data(), nullptr,
                                           fp32 || scaled ? nullptr : buffers.v.data() + i * NB * D,
                                           scaled ? buffers.ks.data() + i * NB : nullptr,
@@ -317,7 +347,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
     });
     std::atomic<size_t> next{0};
     parallel_for(0, call_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> qt(scaled || paired ? 0 : D * Rp), st(NB * Rp), ot(D * Rp), m(Rp), l(Rp);
+        std::vector<float> qt(scaled || paired ? 0 : D * Rp), st(NB * Rp), ot(Dp * Rp), m(Rp), l(Rp);
         std::vector<int32_t> qq(nq * Rp), qsum(Rp), words(nq);  // int8 keys: the rows' queries quantized, sums
         std::vector<float> qs(Rp), qrow(D);                     // and scales; a row's scaled query
         std::vector<const T*> trow(NB), vraw(NB);              // int8 K and V rows of a block of a chunk with one tile
@@ -330,6 +360,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<float> kb(fp32 || scaled || paired ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
         std::vector<vecw> bmax(nv), alpha(nv);
+        std::vector<bf16> akr(amx ? NB * Dp : 0), avt(amx ? Dp * NB : 0);  // AMX: a one-tile chunk's block
+        std::vector<uint32_t> pp(amx ? NB / 2 * Rp : 0);                 // and the weights' pairs
+        std::optional<AmxScope> tiles;
+        if (amx) tiles.emplace();
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
             const Task& t = tasks[ti];
             const int64_t* chunk = a.chunks + t.chunk * 5;
@@ -374,7 +408,9 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 const float* ks = scaled ? (cb.shared ? buffers.ks.data() + i * NB : kscale.data()) : nullptr;
                 const float* vs = scaled ? (cb.shared ? buffers.vs.data() + i * NB : vscale.data()) : nullptr;
                 const int32_t* vpb = scaled && cb.shared ? buffers.vp.data() + i * NB / 2 * Dq : vp.data();
-                if (cb.shared) {
+                if (amx) {
+                    if (!cb.shared) amx_rows(t.chunk, t.kv_head, p0, akr.data(), avt.data());
+                } else if (cb.shared) {
                     for (int64_t n = 0; n < nb && !scaled; ++n) {
                         const int64_t j = p0 + n - off;
                         if (j < cb.k_min) vrow[n] = zero.data();
@@ -393,7 +429,12 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 }
                 for (int64_t n = nb; n < nbp; ++n) krow[n] = vrow[n] = zero.data(), trow[n] = zero_t.data();
                 std::fill(bmax.begin(), bmax.end(), splat(kMasked));  // each row vector's max of raw scores
-                for (int64_t n = 0; n < nbp; n += KB)
+                if (amx) {
+                    if constexpr (amx_kind)
+                        amx_scores(cb.shared ? buffers.kr.data() + i * NB * Dp : akr.data(), Dp, qp.data(), Rp, nbp,
+                                   a.scale, st.data(), bmax.data());
+                }
+                for (int64_t n = 0; n < (amx ? 0 : nbp); n += KB)  // the vector path
                     row_groups(0, nv, [&](auto count, int64_t c) {
                         constexpr int C = decltype(count)::value;
                         float* s = st.data() + n * Rp + c * W;
@@ -467,6 +508,19 @@ void prefill(const PrefillArgs<Q, T>& a) {
                         alpha[c] = splat(1.f);
                         storew(l.data() + c * W, loadw(l.data() + c * W) + sum);
                     }
+                }
+                if (amx) {  // the tiles' sums: the output rescaled first, then the weights as bf16 pairs
+                    if constexpr (amx_kind) {
+                        for (int64_t d = 0; d < D; ++d)
+                            for (int64_t c = 0; c < nv; ++c) {
+                                float* o = ot.data() + d * Rp + c * W;
+                                storew(o, loadw(o) * alpha[c]);
+                            }
+                        weight_pairs(st.data(), Rp, nbp, pp.data());
+                        amx_values(cb.shared ? buffers.vt.data() + i * Dp * NB : avt.data(), Dp, NB, pp.data(), Rp,
+                                   nbp, ot.data());
+                    }
+                    continue;
                 }
                 int64_t d = 0;
                 if constexpr (scaled) {  // the weights p * s_v as integers, each row's (attention_blocks.h)

@@ -12,7 +12,8 @@ namespace conveyor {
 // start} (start: the position of its first query; its context is the n_ctx positions before it);
 // out [tokens, heads, D] contiguous. `window` > 0: sliding-window attention; `softcap` > 0: scores
 // capped as tanh(s / softcap) * softcap; `sinks` (nullptr: none) one attention-sink logit per query
-// head (attention_blocks.h).
+// head (attention_blocks.h). `amx`: bf16 over a bf16 cache may take the AMX tiles where the CPU has
+// them (prefill_amx.h: not the decode kernel's bits).
 template <typename Q, typename T>
 struct PrefillArgs {
     const Q* q;
@@ -23,6 +24,7 @@ struct PrefillArgs {
     float scale, softcap;
     const float* sinks;
     Q* out;
+    bool amx;
 };
 
 // Writes every chunk's attention output; call it before the pass writes the chunks' own K/V into

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..cache.kv_format import as_bytes, decode_kv, encode_kv, int8_key_query, is_encoded, write_kv
 from ..errors import ConfigError, install_command
-from ..kernels import cpu_paged_attention, native_kernels_enabled
+from ..kernels import cpu_flags, cpu_paged_attention, native_kernels_enabled
 
 
 def cache_slots(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -195,12 +195,15 @@ class CpuPagedAttention(AttentionBackend):
     2,000-token prompt's prefill on the built-in model): SDPA's bf16 kernel JIT-compiles a oneDNN
     brgemm per new (query tail, key tail) shape into a per-thread cache that is never emptied
     (`KernelCache` in ATen's CPUBlas.cpp), about 0.2 MiB per shape (300 prompt lengths: +72 MiB), so
-    a server's memory grows with every prompt length it sees."""
+    a server's memory grows with every prompt length it sees. Where the CPU has AMX tiles, the kernel's
+    bf16 products run on them (`amx`, kernels/prefill_amx.h), unless batch invariance is asked for: the
+    tiles' sums are not the decode kernel's bits."""
 
     decode_reads_written = True
 
     def __init__(self, kernel: object) -> None:
         self.kernel = kernel
+        self.amx = "amx_bf16" in cpu_flags()
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """The decode kernel takes the block tables as they are; the prefill kernel takes every chunk's
@@ -222,7 +225,7 @@ class CpuPagedAttention(AttentionBackend):
             k, v = self.kernel.quantize_kv(k), self.kernel.quantize_kv(v)
         if meta.prefills:
             self.kernel.paged_prefill_attention(q, k, v, kv_cache, meta.prefill_ctx_slots, meta.prefill_chunks,
-                                                meta.window or 0, scale, softcap or 0.0, out, sinks)
+                                                meta.window or 0, scale, softcap or 0.0, out, sinks, amx=self.amx)
         kv_cache[0].index_copy_(0, meta.slot_mapping, k)
         kv_cache[1].index_copy_(0, meta.slot_mapping, v)
         if meta.num_decodes:

@@ -10,8 +10,9 @@ decode (and a recomputed request its K/V back bit for bit); the native decode st
 eager layers compute (`decode_stack.py`). So in bf16 (and with quantized weights in fp32) this is the
 default; `batch_invariant=True` makes it a guarantee: it refuses what cannot keep it (dense fp32, whose
 linears run on MKL/oneDNN with a reduction order that changes with the row count; other devices and
-attention backends; linears left on PyTorch's matmul) and turns off the one batch-dependent path, on
-AMX CPUs: bf16 inputs of more than `BF16_KERNEL_MAX_ROWS` rows dequantized for oneDNN's AMX matmul.
+attention backends; linears left on PyTorch's matmul) and turns off the batch-dependent paths of AMX
+CPUs: bf16 inputs of more than `BF16_KERNEL_MAX_ROWS` rows dequantized for oneDNN's AMX matmul, and
+prefill attention's products on the tiles (`CpuPagedAttention.amx`).
 """
 
 from __future__ import annotations
@@ -47,3 +48,4 @@ def make_batch_invariant(model: nn.Module, attention: AttentionBackend, device: 
                           "PyTorch's matmul (CONVEYOR_NATIVE_KERNELS=0, or kernels that did not build)")
     for kernel in [head] + [m.kernel for m in model.modules() if isinstance(m, QuantLinear)]:
         kernel.bf16_max_rows = None  # every row count on the native kernel (AMX CPUs: not oneDNN above it)
+    attention.amx = False  # prefill attention's products off the AMX tiles, in decode's arithmetic

@@ -13,7 +13,7 @@ from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.cache.kv_format import kv_format
 from conveyor.errors import ConfigError
 
-from tests.utils import (NGRAM, VOCAB, TinyModel, agreement, all_free, copy_prompts, greedy, greedy_ids,
+from tests.utils import (INVARIANT, NGRAM, VOCAB, TinyModel, agreement, all_free, copy_prompts, greedy, greedy_ids,
                          next_token_logprobs, random_prompts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +55,8 @@ def test_outputs_do_not_depend_on_the_batch(tiny_models: dict[str, TinyModel], q
     params = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True, logprobs=VOCAB)
 
     def run(**config: object) -> tuple[list[list[int]], list]:
-        llm = model.llm(dtype="bfloat16", quantization=quantization, kv_cache_dtype="int8", page_size=4, **config)
+        llm = model.llm(dtype="bfloat16", quantization=quantization, kv_cache_dtype="int8", page_size=4, **config,
+                        **INVARIANT)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         assert all_free(llm)
         return [o.token_ids for o in outs], [o.logprobs for o in outs]

@@ -13,7 +13,7 @@ from conveyor.layers.quantization.linear import QuantMatmul, matmul_ops
 from conveyor.layers.quantization.tensors import quantize_int8
 from conveyor.models.base import CausalLM
 
-from tests.utils import NGRAM, TinyModel, copy_prompts, random_prompts
+from tests.utils import INVARIANT, NGRAM, TinyModel, copy_prompts, random_prompts
 
 pytestmark = pytest.mark.skipif(matmul_ops() is None, reason="native kernels unavailable")
 
@@ -55,7 +55,7 @@ def head_calls(monkeypatch: pytest.MonkeyPatch, fresh: bool = False) -> list[tup
 
 def test_sampled_steps_reuse_one_buffer_with_the_same_tokens(tiny_models: dict[str, TinyModel],
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    llm = tiny_models["llama"].llm(dtype="bfloat16", quantization="int8")
+    llm = tiny_models["llama"].llm(dtype="bfloat16", quantization="int8", **INVARIANT)
     prompts = random_prompts([5, 17, 9, 30, 12], seed=71)
     params = [SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.95, seed=i, ignore_eos=True)
               for i in range(len(prompts))]

@@ -5,17 +5,18 @@ threads splitting the (request, kv head) pairs, lengths that end mid-block, head
 place or copied, zero-padded), 1 to 8 query heads per kv head (score chunks of 3), soft-capping.
 Prefill (`prefill_attention_cpu.cpp`): chunks of up to 512 queries over thousands of context keys, odd
 lengths on both sides of key-block and query-tile edges, several chunks in one call, sliding windows,
-soft-capping."""
+soft-capping; on AMX CPUs, the same on the tiles (`prefill_amx.h`)."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
 
 from conveyor.cache.kv_format import quantize_kv
-from conveyor.kernels import cpu_paged_attention
+from conveyor.kernels import cpu_flags, cpu_paged_attention
 from conveyor.layers.attention import AttentionMetadata, CpuPagedAttention
 
 from tests.attention_utils import (BF16_TOL, decode_every_position, prefill_in_chunks, reference_decode, run_prefill,
@@ -102,6 +103,23 @@ def test_prefill_kernel_matches_reference_on_long_contexts(heads: int, kv_heads:
                                                            dtype: torch.dtype) -> None:
     out, expected = run_prefill(heads, kv_heads, dim, chunks, window, softcap, dtype)
     torch.testing.assert_close(out, expected, **(FP32_TOL if dtype == torch.float32 else BF16_TOL))
+
+
+@pytest.mark.skipif("amx_bf16" not in cpu_flags() or bool(os.environ.get("CONVEYOR_MARCH")),
+                    reason="the AMX tiles need an AMX CPU and a build for it")
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "chunks", "window", "softcap"), [
+    (9, 3, 64, [(257, 1000), (1, 3000), (33, 63), (64, 0)], 0, 0.0),  # block and tile edges, one-tile chunks
+    (6, 2, 33, [(40, 50)], 20, 3.0),        # odd head dim (the tiles' 32 padded with zeros), window, cap
+    (24, 2, 16, [(9, 300)], 0, 0.0),        # 12 query heads per kv head, a head dim below a tile's row
+    (8, 2, 128, [(300, 2100)], 1024, 0.0),  # a window inside the context
+    (8, 4, 256, [(100, 1200)], 0, 50.0),    # Gemma 2's head dim and cap
+])
+def test_prefill_on_amx_tiles_matches_reference(heads: int, kv_heads: int, dim: int, chunks: list[tuple[int, int]],
+                                                window: int, softcap: float) -> None:
+    out, expected = run_prefill(heads, kv_heads, dim, chunks, window, softcap, torch.bfloat16, amx=True)
+    torch.testing.assert_close(out, expected, **BF16_TOL)
+    vector, _ = run_prefill(heads, kv_heads, dim, chunks, window, softcap, torch.bfloat16)
+    assert not torch.equal(out, vector)  # the tiles ran: their sums are not the vector path's bits
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "window", "softcap", "dtype", "page"), [

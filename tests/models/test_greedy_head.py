@@ -9,7 +9,7 @@ from conveyor import SamplingParams
 from conveyor.layers.quantization.linear import matmul_ops
 from conveyor.models.base import CausalLM
 
-from tests.utils import TinyModel, random_prompts
+from tests.utils import INVARIANT, TinyModel, random_prompts
 
 pytestmark = pytest.mark.skipif(matmul_ops() is None, reason="native kernels unavailable")
 
@@ -29,7 +29,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch, enabled: bool = True) -> list[i
 def test_fused_greedy_equals_the_sampler(tiny_models: dict[str, TinyModel], monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = random_prompts([5, 17, 9, 30], seed=61)
     greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    llm = tiny_models["llama"].llm(dtype="bfloat16", quantization="int8")
+    llm = tiny_models["llama"].llm(dtype="bfloat16", quantization="int8", **INVARIANT)
     calls = fused_calls(monkeypatch)
     fused = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert calls, "plain greedy batches should take the fused head"

@@ -14,6 +14,7 @@ from conveyor import LLM, ContinuousBatchingConfig, LoRARequest, SamplingParams
 from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.models.decode_stack import DecodeStack
 from tests.utils import (
+    INVARIANT,
     ROPE_BY_LENGTH_CONFIGS,
     VOCAB,
     TinyModel,
@@ -190,7 +191,8 @@ def test_decode_stack_with_adapters_equals_the_eager_lora_path(tiny_llama: TinyM
 
     def make() -> LLM:
         return LLM(tiny_llama.path, dtype=dtype.removesuffix("-fp32"), quantization=quantization, enable_lora=True,
-                   max_loras=2, max_lora_rank=8, config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=16))
+                   max_loras=2, max_lora_rank=8,
+                   config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=16, **INVARIANT))
 
     native = make()
     monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
