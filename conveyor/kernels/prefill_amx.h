@@ -60,20 +60,71 @@ struct AmxScope {
     AmxScope& operator=(const AmxScope&) = delete;
 };
 
+// A tile operand: rows `stride` bytes apart; its second tile (of a 2 x 2 block) `next` bytes on, its next
+// step along the sum `step` bytes on.
+struct TileOperand {
+    const char* p;
+    int64_t stride, next, step;
+};
+
+// A block of M x N output tiles (M, N <= 2) in fp32 at c (rows `stride` bytes apart, tile (m, n) at c + m *
+// cm + n * cn floats): loaded (or zero) in tiles 0-3, plus the sum over `steps` of A(m) B(n) (A in tiles
+// 4-5, B in 6-7, each loaded once for its two products), stored back.
+template <int M, int N>
+inline void tile_block(const TileOperand& a, const TileOperand& b, int64_t steps, float* c, int64_t stride, int64_t cm,
+                       int64_t cn, bool load) {
+    if (load) {
+        _tile_loadd(0, c, stride);
+        if constexpr (N > 1) _tile_loadd(1, c + cn, stride);
+        if constexpr (M > 1) _tile_loadd(2, c + cm, stride);
+        if constexpr (M > 1 && N > 1) _tile_loadd(3, c + cm + cn, stride);
+    } else {
+        _tile_zero(0);
+        if constexpr (N > 1) _tile_zero(1);
+        if constexpr (M > 1) _tile_zero(2);
+        if constexpr (M > 1 && N > 1) _tile_zero(3);
+    }
+    for (int64_t s = 0; s < steps; ++s) {
+        _tile_loadd(4, a.p + s * a.step, a.stride);
+        if constexpr (M > 1) _tile_loadd(5, a.p + a.next + s * a.step, a.stride);
+        _tile_loadd(6, b.p + s * b.step, b.stride);
+        if constexpr (N > 1) _tile_loadd(7, b.p + b.next + s * b.step, b.stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if constexpr (N > 1) _tile_dpbf16ps(1, 4, 7);
+        if constexpr (M > 1) _tile_dpbf16ps(2, 5, 6);
+        if constexpr (M > 1 && N > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, stride);
+    if constexpr (N > 1) _tile_stored(1, c + cn, stride);
+    if constexpr (M > 1) _tile_stored(2, c + cm, stride);
+    if constexpr (M > 1 && N > 1) _tile_stored(3, c + cm + cn, stride);
+}
+
+// C [16 mt][16 nt] (+)= A B over `steps`, in 2 x 2 blocks of tiles (the edges in smaller ones): A's tile m at
+// a.p + m * a_tile bytes, B's n at b.p + n * b_tile, C's (m, n) at c + m * cm + n * cn floats.
+inline void tile_products(TileOperand a, int64_t a_tile, TileOperand b, int64_t b_tile, int64_t mt, int64_t nt,
+                          int64_t steps, float* c, int64_t stride, int64_t cm, int64_t cn, bool load) {
+    a.next = a_tile, b.next = b_tile;
+    for (int64_t m = 0; m < mt; m += 2)
+        for (int64_t n = 0; n < nt; n += 2) {
+            const TileOperand am{a.p + m * a_tile, a.stride, a.next, a.step}, bn{b.p + n * b_tile, b.stride, b.next, b.step};
+            float* cmn = c + m * cm + n * cn;
+            if (m + 1 < mt && n + 1 < nt) tile_block<2, 2>(am, bn, steps, cmn, stride, cm, cn, load);
+            else if (m + 1 < mt) tile_block<2, 1>(am, bn, steps, cmn, stride, cm, cn, load);
+            else if (n + 1 < nt) tile_block<1, 2>(am, bn, steps, cmn, stride, cm, cn, load);
+            else tile_block<1, 1>(am, bn, steps, cmn, stride, cm, cn, load);
+        }
+}
+
 // st[n][rows] = scale * (K row n . the rows' queries) for keys n < round_up(nk, 16), every row tile;
 // mx[c] = max(mx[c], row vector c's scores over keys n < nk).
 inline void amx_scores(const bf16* kr, int64_t Dp, const uint32_t* qp, int64_t Rp, int64_t nk, float scale, float* st,
                        vecw* mx) {
-    for (int64_t n = 0; n < nk; n += kAmxRows)
-        for (int64_t c = 0; c < Rp; c += kAmxRows) {
-            _tile_zero(0);
-            for (int64_t j = 0; j < Dp; j += 2 * kAmxPairs) {
-                _tile_loadd(1, kr + n * Dp + j, Dp * sizeof(bf16));
-                _tile_loadd(2, qp + j / 2 * Rp + c, Rp * sizeof(uint32_t));
-                _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, st + n * Rp + c, Rp * sizeof(float));
-        }
+    const auto* keys = reinterpret_cast<const char*>(kr);
+    const auto* queries = reinterpret_cast<const char*>(qp);
+    tile_products({keys, Dp * 2, 0, 2 * kAmxPairs * 2}, kAmxRows * Dp * 2,
+                  {queries, Rp * 4, 0, kAmxPairs * Rp * 4}, kAmxRows * 4, round_up(nk, kAmxRows) / kAmxRows,
+                  Rp / kAmxRows, Dp / (2 * kAmxPairs), st, Rp * 4, kAmxRows * Rp, kAmxRows, false);
     for (int64_t c = 0; c < Rp / W; ++c) {
         vecw m = mx[c];
         for (int64_t n = 0; n < nk; ++n) {
@@ -101,17 +152,11 @@ inline void weight_pairs(const float* st, int64_t Rp, int64_t nk, uint32_t* pp) 
 
 // ot[d][rows] += the weights pp (`weight_pairs`, keys < nk) times V^T vt [Dp][NB], every entry and row tile.
 inline void amx_values(const bf16* vt, int64_t Dp, int64_t NB, const uint32_t* pp, int64_t Rp, int64_t nk, float* ot) {
-    const int64_t nk2 = round_up(nk, 2 * kAmxPairs);
-    for (int64_t d = 0; d < Dp; d += kAmxRows)
-        for (int64_t c = 0; c < Rp; c += kAmxRows) {
-            _tile_loadd(0, ot + d * Rp + c, Rp * sizeof(float));
-            for (int64_t j = 0; j < nk2; j += 2 * kAmxPairs) {
-                _tile_loadd(1, vt + d * NB + j, NB * sizeof(bf16));
-                _tile_loadd(2, pp + j / 2 * Rp + c, Rp * sizeof(uint32_t));
-                _tile_dpbf16ps(0, 1, 2);
-            }
-            _tile_stored(0, ot + d * Rp + c, Rp * sizeof(float));
-        }
+    const auto* values = reinterpret_cast<const char*>(vt);
+    const auto* weights = reinterpret_cast<const char*>(pp);
+    tile_products({values, NB * 2, 0, 2 * kAmxPairs * 2}, kAmxRows * NB * 2,
+                  {weights, Rp * 4, 0, kAmxPairs * Rp * 4}, kAmxRows * 4, Dp / kAmxRows, Rp / kAmxRows,
+                  round_up(nk, 2 * kAmxPairs) / (2 * kAmxPairs), ot, Rp * 4, kAmxRows * Rp, kAmxRows, true);
 }
 #else
 constexpr bool kAmx = false;

@@ -511,11 +511,12 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 }
                 if (amx) {  // the tiles' sums: the output rescaled first, then the weights as bf16 pairs
                     if constexpr (amx_kind) {
-                        for (int64_t d = 0; d < D; ++d)
-                            for (int64_t c = 0; c < nv; ++c) {
-                                float* o = ot.data() + d * Rp + c * W;
-                                storew(o, loadw(o) * alpha[c]);
-                            }
+                        for (int64_t c = 0; c < nv; ++c)
+                            if (any(alpha[c] != splat(1.f)))
+                                for (int64_t d = 0; d < D; ++d) {
+                                    float* o = ot.data() + d * Rp + c * W;
+                                    storew(o, loadw(o) * alpha[c]);
+                                }
                         weight_pairs(st.data(), Rp, nbp, pp.data());
                         amx_values(cb.shared ? buffers.vt.data() + i * Dp * NB : avt.data(), Dp, NB, pp.data(), Rp,
                                    nbp, ot.data());
@@ -563,10 +564,21 @@ void prefill(const PrefillArgs<Q, T>& a) {
                         });
                 }
             }
-            for (int64_t r = 0; r < R; ++r) {
-                Q* dst = a.out + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D;
-                const float inv = 1.f / l[r];
-                for (int64_t d = 0; d < D; ++d) store(dst + d, ot[d * Rp + r] * inv);
+            // out = o * (1 / l), W rows x W entries at a time turned into rows (`transpose`): the loads
+            // of ot's columns one entry at a time cost as much as a short chunk's products.
+            for (int64_t c = 0; c < nv && c * W < R; ++c) {
+                const vecw inv = splat(1.f) / loadw(l.data() + c * W);
+                for (int64_t d0 = 0; d0 < D; d0 += W) {
+                    vecw x[W];
+                    for (int64_t i = 0; i < W; ++i) x[i] = d0 + i < D ? loadw(ot.data() + (d0 + i) * Rp + c * W) * inv : vecw{};
+                    transpose(x);
+                    for (int64_t j = 0, r = c * W; j < W && r < R; ++j, ++r) {
+                        Q* dst = a.out + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D + d0;
+                        float row[W];
+                        storew(row, x[j]);
+                        for (int64_t d = 0; d < std::min<int64_t>(W, D - d0); ++d) store(dst + d, row[d]);
+                    }
+                }
             }
         }
     });
