@@ -51,8 +51,8 @@ def check_invariance(model: TinyModel, temperature: float, dtype: str, quantizat
 def test_bf16_is_batch_invariant_by_default(tiny_models: dict[str, TinyModel], kind: str, quantization: str | None,
                                             temperature: float) -> None:
     if bf16_kernel_max_rows() is not None:
-        pytest.skip("AMX CPUs take oneDNN's AMX matmul above 48 bf16 rows: batch invariance needs "
-                    "batch_invariant=True there (tested below)")
+        pytest.skip("AMX CPUs take oneDNN's AMX matmul above 128 bf16 rows and prefill attention on the tiles: "
+                    "batch invariance needs batch_invariant=True there (tested below)")
     check_invariance(tiny_models[kind], temperature, "bfloat16", quantization)
 
 
@@ -90,7 +90,7 @@ def test_vllm_switch_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_linear_rows_do_not_depend_on_their_neighbours(tiny_llama: TinyModel) -> None:
     """A row's projection is the same bits in any batch (activations quantized per row, K summed in one order
     at every row count): what the engine tests above rest on. AMX CPUs keep every row count there only when
-    batch invariance is asked for (above 48 rows oneDNN's AMX matmul runs otherwise)."""
+    batch invariance is asked for (above 128 rows oneDNN's AMX matmul runs otherwise)."""
     llm = tiny_llama.llm(dtype="bfloat16", quantization="int8", **INVARIANT)
     try:
         proj = llm.engine.model.layers[0].qkv_proj

@@ -12,10 +12,8 @@ bf16 inputs they multiply by vdpbf16ps where it runs at the FMA's rate (AMD's av
 GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32 FMAs of the widened
 weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
-Measured on an AMX Xeon (1 thread, Q4_1, bf16 activations, the row-by-row kernel before the GEMM
-microkernel; kernel / dequantize + matmul, ms): gate_up 3072x576 at 64 rows 1.25 / 0.97, at 512 rows
-13.6 / 2.3; down 576x1536 at 64 rows 0.65 / 0.68. On an AVX-512 Xeon without AMX (2 threads, GFLOP/s):
-gate_up at 64 rows 313 / 100, at 512 rows 286 / 125; the LM head (Q8_0 49152x576) at 64 rows 281 / 94.
+Where the two cross on an AMX Xeon, and what the kernel gives without AMX: docs/benchmarks.md
+(`### An AMX CPU's split`).
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from .tensors import QuantizedTensor, bf16_rows, cat_rows
 
 # On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
 # the AMX tiles (module docstring); without AMX the kernel wins at every row count.
-BF16_KERNEL_MAX_ROWS = 48
+BF16_KERNEL_MAX_ROWS = 128
 
 
 def bf16_kernel_max_rows() -> int | None:
