@@ -1,8 +1,8 @@
 // Prefill attention's two products on AMX tiles (prefill_attention_cpu.cpp, bf16 queries over a bf16
 // cache, where the CPU has AMX-BF16 and the caller allows it): the scores of 16 keys x 16 query rows
 // and the weighted sums of 16 head-dim entries x 16 rows per tile instruction, instead of one row
-// vector a key at a time. The tiles sum in their own order, and the weights enter the sums rounded to
-// bf16 (as FlashAttention's), so a query's output is no longer the decode kernel's bits: the caller
+// vector a key at a time. The tiles sum in their own order, and the weights enter the sums as two bf16
+// parts (16 bits of each), so a query's output is no longer the decode kernel's bits: the caller
 // takes this path only where batch invariance is not asked for (models/batch_invariance.py), as the
 // linears' oneDNN path on the same CPUs.
 //
@@ -11,7 +11,7 @@
 //     missing keys): a tile's rows are 16 keys;
 //   - the queries as bf16 pairs [Dp / 2][Rp] (`query_pairs`, zero past D): a tile's rows are pairs;
 //   - a block's V transposed, [Dp][NB] bf16 (zero for missing keys): a tile's rows are 16 entries;
-//   - the weights as bf16 pairs of keys [NB / 2][Rp] (`weight_pairs`);
+//   - the weights as bf16 pairs of keys [NB / 2][Rp], in two parts (`weight_pairs`);
 //   - scores st [NB][Rp] and outputs ot [Dp][Rp] in fp32, as the vector path keeps them.
 #pragma once
 
@@ -136,17 +136,27 @@ inline void amx_scores(const bf16* kr, int64_t Dp, const uint32_t* qp, int64_t R
     }
 }
 
-// The weights st [NB][Rp] (fp32) of keys n < nk as bf16 pairs of keys, pp [nk2 / 2][Rp] (nk2: nk rounded
+// A weight p as two bf16 parts, p ~ hi + lo: hi rounded from p, lo from what hi leaves (16 bits of p).
+inline void split_weight(__m512 p, __m512i& hi, __m512i& lo) {
+    hi = _mm512_cvtepu16_epi32(__m256i(_mm512_cvtneps_pbh(p)));
+    const __m512 rest = _mm512_sub_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)));
+    lo = _mm512_cvtepu16_epi32(__m256i(_mm512_cvtneps_pbh(rest)));
+}
+
+// The weights st [NB][Rp] (fp32) of keys n < nk as bf16 pairs of keys, their high parts in hi and the rest
+// in lo (`split_weight`: one bf16 rounding would cost a weight 8 bits), each [nk2 / 2][Rp] (nk2: nk rounded
 // up to 32), zero past nk: key 2j in a word's low half, 2j + 1 in its high half.
-inline void weight_pairs(const float* st, int64_t Rp, int64_t nk, uint32_t* pp) {
+inline void weight_pairs(const float* st, int64_t Rp, int64_t nk, uint32_t* hi, uint32_t* lo) {
     const int64_t nk2 = round_up(nk, 2 * kAmxPairs);
     for (int64_t j = 0; j < nk2 / 2; ++j)
         for (int64_t c = 0; c < Rp; c += W) {
             const __m512 p0 = 2 * j < nk ? _mm512_loadu_ps(st + 2 * j * Rp + c) : _mm512_setzero_ps();
             const __m512 p1 = 2 * j + 1 < nk ? _mm512_loadu_ps(st + (2 * j + 1) * Rp + c) : _mm512_setzero_ps();
-            const __m512i lo = _mm512_cvtepu16_epi32(__m256i(_mm512_cvtneps_pbh(p0)));
-            const __m512i hi = _mm512_cvtepu16_epi32(__m256i(_mm512_cvtneps_pbh(p1)));
-            _mm512_storeu_si512(pp + j * Rp + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            __m512i h0, l0, h1, l1;
+            split_weight(p0, h0, l0);
+            split_weight(p1, h1, l1);
+            _mm512_storeu_si512(hi + j * Rp + c, _mm512_or_si512(h0, _mm512_slli_epi32(h1, 16)));
+            _mm512_storeu_si512(lo + j * Rp + c, _mm512_or_si512(l0, _mm512_slli_epi32(l1, 16)));
         }
 }
 
@@ -164,7 +174,7 @@ inline bool amx_usable() { return false; }
 struct AmxScope {};
 // Declared for the kernel's discarded branches only.
 void amx_scores(const bf16*, int64_t, const uint32_t*, int64_t, int64_t, float, float*, vecw*);
-void weight_pairs(const float*, int64_t, int64_t, uint32_t*);
+void weight_pairs(const float*, int64_t, int64_t, uint32_t*, uint32_t*);
 void amx_values(const bf16*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*);
 #endif
 

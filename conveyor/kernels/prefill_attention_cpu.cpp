@@ -361,7 +361,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
         std::vector<vecw> bmax(nv), alpha(nv);
         std::vector<bf16> akr(amx ? NB * Dp : 0), avt(amx ? Dp * NB : 0);  // AMX: a one-tile chunk's block
-        std::vector<uint32_t> pp(amx ? NB / 2 * Rp : 0);                 // and the weights' pairs
+        std::vector<uint32_t> pp(amx ? NB * Rp : 0);                     // and the weights' pairs (two parts)
         std::optional<AmxScope> tiles;
         if (amx) tiles.emplace();
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
@@ -509,7 +509,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                         storew(l.data() + c * W, loadw(l.data() + c * W) + sum);
                     }
                 }
-                if (amx) {  // the tiles' sums: the output rescaled first, then the weights as bf16 pairs
+                if (amx) {  // the tiles' sums: the output rescaled first, then the weights' two bf16 parts
                     if constexpr (amx_kind) {
                         for (int64_t c = 0; c < nv; ++c)
                             if (any(alpha[c] != splat(1.f)))
@@ -517,9 +517,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
                                     float* o = ot.data() + d * Rp + c * W;
                                     storew(o, loadw(o) * alpha[c]);
                                 }
-                        weight_pairs(st.data(), Rp, nbp, pp.data());
-                        amx_values(cb.shared ? buffers.vt.data() + i * Dp * NB : avt.data(), Dp, NB, pp.data(), Rp,
-                                   nbp, ot.data());
+                        weight_pairs(st.data(), Rp, nbp, pp.data(), pp.data() + NB / 2 * Rp);
+                        const bf16* vt = cb.shared ? buffers.vt.data() + i * Dp * NB : avt.data();
+                        amx_values(vt, Dp, NB, pp.data(), Rp, nbp, ot.data());
+                        amx_values(vt, Dp, NB, pp.data() + NB / 2 * Rp, Rp, nbp, ot.data());
                     }
                     continue;
                 }
