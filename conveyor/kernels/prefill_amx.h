@@ -107,7 +107,8 @@ inline void tile_products(TileOperand a, int64_t a_tile, TileOperand b, int64_t 
     a.next = a_tile, b.next = b_tile;
     for (int64_t m = 0; m < mt; m += 2)
         for (int64_t n = 0; n < nt; n += 2) {
-            const TileOperand am{a.p + m * a_tile, a.stride, a.next, a.step}, bn{b.p + n * b_tile, b.stride, b.next, b.step};
+            const TileOperand am{a.p + m * a_tile, a.stride, a.next, a.step};
+            const TileOperand bn{b.p + n * b_tile, b.stride, b.next, b.step};
             float* cmn = c + m * cm + n * cn;
             if (m + 1 < mt && n + 1 < nt) tile_block<2, 2>(am, bn, steps, cmn, stride, cm, cn, load);
             else if (m + 1 < mt) tile_block<2, 1>(am, bn, steps, cmn, stride, cm, cn, load);

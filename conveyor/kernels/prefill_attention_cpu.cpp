@@ -213,7 +213,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
     const bool amx = amx_kind && a.amx && amx_usable();
     const int64_t H = a.heads, D = a.head_dim, G = a.heads / a.kv_heads, Hkv = a.kv_heads, Dr = head_row<T>(D);
     const int64_t Dp = amx ? amx_head(D) : D;  // the head dim as the tiles take it
-    const int64_t np = paired ? (amx ? Dp / 2 : bf16_pairs(D)) : 0, nq = scaled ? quads(D) : 0, Dq = scaled ? pair_groups(D) * 4 * W : 0;
+    const int64_t np = paired ? (amx ? Dp / 2 : bf16_pairs(D)) : 0, nq = scaled ? quads(D) : 0;
+    const int64_t Dq = scaled ? pair_groups(D) * 4 * W : 0;
     const int64_t row = Hkv * Dr;
     const int64_t window = a.window;
     const float cap = a.softcap;
@@ -571,7 +572,8 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 const vecw inv = splat(1.f) / loadw(l.data() + c * W);
                 for (int64_t d0 = 0; d0 < D; d0 += W) {
                     vecw x[W];
-                    for (int64_t i = 0; i < W; ++i) x[i] = d0 + i < D ? loadw(ot.data() + (d0 + i) * Rp + c * W) * inv : vecw{};
+                    for (int64_t i = 0; i < W; ++i)
+                        x[i] = d0 + i < D ? loadw(ot.data() + (d0 + i) * Rp + c * W) * inv : vecw{};
                     transpose(x);
                     for (int64_t j = 0, r = c * W; j < W && r < R; ++j, ++r) {
                         Q* dst = a.out + (q_start + t.q0 + r / G) * H * D + (t.kv_head * G + r % G) * D + d0;

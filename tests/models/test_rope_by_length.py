@@ -142,8 +142,9 @@ def smooth(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Model]:
     ("phi3_longrope", "bfloat16", "int8")])  # full rotary: the native decode stack, positions carrying lengths
 def test_precision_modes_stay_close(smooth: dict[str, Model], kind: str, dtype: str, quantization: str | None) -> None:
     """bf16 and int8 against the fp32 exact path, within the limits test_precision sets for Llama (prompts
-    past LongRoPE's threshold included)."""
-    prompts = random_prompts([5, 12, 20, 30, 34, 40, 8, 25], seed=41)
+    past LongRoPE's threshold included). Sixteen prompts: over eight, one early difference moved the
+    greedy agreement by a tenth, and the same arithmetic passed or failed by the CPU the reference ran on."""
+    prompts = random_prompts([5, 12, 20, 30, 34, 40, 8, 25] * 2, seed=41)
     fp32, other = smooth[kind].llm(), smooth[kind].llm(dtype=dtype, quantization=quantization)
     assert (other.engine.model.decode_stack is not None) == (kind == "phi3_longrope")
     tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization is None else QUANT_MODES[quantization][1]
