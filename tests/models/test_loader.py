@@ -23,7 +23,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.layers.quantization.linear import QuantLinear
 from conveyor.models.loader import Checkpoint, ModelLoadError, default_model_path, load_checkpoint
 
-from tests.gguf_writer import tiny_head_dim, write_random_block_gguf, write_tiny_gguf
+from tests.gguf_writer import tiny_head_dim, write_gguf, write_random_block_gguf, write_tiny_gguf
 from tests.utils import TINY_CONFIGS, next_token_logprobs, random_prompts, tiny_tokenizer
 
 CONFIG_FIELDS = [
@@ -114,21 +114,31 @@ def test_tiny_gguf_matches_transformers(arch: str, tmp_path: Path, monkeypatch: 
         assert ckpt.config.attention_bias
 
 
-def test_quantized_linears_keep_the_checkpoints_biases(tmp_path: Path) -> None:
-    """Qwen2's q/k/v biases (random here: a random model's are zeros) through int8 weights: the loader assigns
-    the checkpoint's tensors, and the kernels must add the loaded biases, not the zeros they were built with
-    (dropped, they move the log-probabilities by nats; int8 weights of this random model, by tenths)."""
+@pytest.mark.parametrize("stored", ["hf", "gguf"])
+def test_quantized_linears_keep_the_checkpoints_biases(stored: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2's q/k/v biases (random here: a random model's are zeros) through int8 weights, and through a
+    GGUF file's Q8_0 ones: the loader assigns the checkpoint's tensors, and the kernels must add the loaded
+    biases, not the zeros they were built with (dropped, they move the log-probabilities by nats; 8-bit
+    weights of this random model, by tenths)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(TINY_CONFIGS["qwen2"]())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(std=1.0)
-    model.save_pretrained(tmp_path)
-    tiny_tokenizer().save_pretrained(tmp_path)
+    if stored == "gguf":
+        path = tmp_path / "qwen2.gguf"
+        kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        write_gguf(path, model, "qwen2", dict.fromkeys(kinds, gguf.GGMLQuantizationType.Q8_0), head=True)
+        monkeypatch.setattr("conveyor.models.loader._gguf_tokenizer", lambda path: tiny_tokenizer())
+    else:
+        path = tmp_path
+        model.save_pretrained(path)
+        tiny_tokenizer().save_pretrained(path)
     prompts = random_prompts([5, 12, 30], seed=3)
-    dense = next_token_logprobs(LLM(tmp_path, dtype="float32"), prompts)
-    llm = LLM(tmp_path, dtype="bfloat16", quantization="int8")
+    dense = next_token_logprobs(LLM(path, dtype="float32"), prompts)
+    llm = LLM(path, dtype="bfloat16", quantization="int8" if stored == "hf" else None)
     assert isinstance(llm.engine.model.layers[0].qkv_proj, QuantLinear)
     err = (next_token_logprobs(llm, prompts) - dense).abs().max().item()
     assert err < 0.5, err
