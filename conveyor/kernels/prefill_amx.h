@@ -180,15 +180,15 @@ void amx_values(const bf16*, int64_t, int64_t, const uint32_t*, int64_t, int64_t
 #endif
 
 // A block's K rows (rows[n], n < NB) row-major into kr [NB][Dp] and its V rows transposed into vt
-// [Dp][NB], bf16, zero past D.
+// [Dp][NB], bf16, zero past D (only the padding is zeroed: the rows overwrite the rest).
 inline void amx_block(const bf16* const* krows, const bf16* const* vrows, int64_t D, int64_t NB, bf16* kr, bf16* vt) {
     const int64_t Dp = amx_head(D);
-    std::memset(static_cast<void*>(kr), 0, NB * Dp * sizeof(bf16));
-    std::memset(static_cast<void*>(vt), 0, Dp * NB * sizeof(bf16));
     for (int64_t n = 0; n < NB; ++n) {
         std::memcpy(static_cast<void*>(kr + n * Dp), krows[n], D * sizeof(bf16));
+        std::memset(static_cast<void*>(kr + n * Dp + D), 0, (Dp - D) * sizeof(bf16));
         for (int64_t d = 0; d < D; ++d) vt[d * NB + n] = vrows[n][d];
     }
+    std::memset(static_cast<void*>(vt + D * NB), 0, (Dp - D) * NB * sizeof(bf16));
 }
 
 }  // namespace conveyor

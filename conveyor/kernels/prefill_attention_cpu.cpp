@@ -245,8 +245,9 @@ void prefill(const PrefillArgs<Q, T>& a) {
     const std::vector<float> zero(D, 0.f);   // and its V row
     // Chunk c's block at position p0 of kv head h: its K and V rows (lane n: position p0 + n; the zero
     // rows where the chunk has no such key: before its first, past its last): K rows as they are
-    // (krow), or as fp32 rows (kf: bf16 ones widened into kb, [NB][D]), bf16 V rows widened into vb;
-    // int8 ones as they are (vraw), their scales into ks and vs ([NB]: 0 past the block's last key).
+    // (krow), or as fp32 rows (kf: bf16 ones widened into kb, [NB][D]), V rows as they are (vraw), bf16
+    // ones widened into vb (vf); int8 rows' scales into ks and vs ([NB]: 0 past the block's last key).
+    // Pointers not wanted are nullptr.
     const auto block_rows = [&](int64_t c, int64_t h, int64_t p0, const T** krow, const float** kf, const float** vf,
                                 float* kb, float* vb, float* ks, float* vs, const T** vraw) {
         const int64_t* chunk = a.chunks + c * 5;
@@ -257,9 +258,9 @@ void prefill(const PrefillArgs<Q, T>& a) {
             const T* k = present ? key(chunk, h, j, a.cache_k, a.k, a.k_stride) : zero_t.data();
             const T* v = present ? key(chunk, h, j, a.cache_v, a.v, a.v_stride) : zero_t.data();
             if (krow) krow[n] = k;
+            if (vraw) vraw[n] = v;
             if constexpr (scaled) {
                 ks[n] = row_scale(k, D), vs[n] = row_scale(v, D);
-                vraw[n] = v;
             } else if constexpr (fp32) {
                 if (kf) kf[n] = k;
                 vf[n] = v;
@@ -268,8 +269,10 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     widen(k, D, kb + n * D);
                     kf[n] = kb + n * D;
                 }
-                widen(v, D, vb + n * D);
-                vf[n] = vb + n * D;
+                if (vf) {
+                    widen(v, D, vb + n * D);
+                    vf[n] = vb + n * D;
+                }
             }
         }
         if constexpr (scaled)
@@ -280,15 +283,9 @@ void prefill(const PrefillArgs<Q, T>& a) {
     // transposed into vt (`amx_block`; zero rows where the chunk has no such key).
     const auto amx_rows = [&](int64_t c, int64_t h, int64_t p0, bf16* kr, bf16* vt) {
         if constexpr (amx_kind) {
-            const int64_t* chunk = a.chunks + c * 5;
-            const int64_t off = chunk[4] - chunk[3], n1 = std::min(NB, chunk[3] + chunk[1] + off - p0);
             const T *krows[NB], *vrows[NB];
-            for (int64_t n = 0; n < NB; ++n) {
-                const int64_t j = p0 + n - off;
-                const bool present = n < n1 && j >= blocks[c].k_min;
-                krows[n] = present ? key(chunk, h, j, a.cache_k, a.k, a.k_stride) : zero_t.data();
-                vrows[n] = present ? key(chunk, h, j, a.cache_v, a.v, a.v_stride) : zero_t.data();
-            }
+            const int64_t n1 = block_rows(c, h, p0, krows, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, vrows);
+            for (int64_t n = n1; n < NB; ++n) krows[n] = vrows[n] = zero_t.data();
             amx_block(krows, vrows, D, NB, kr, vt);
         }
     };
