@@ -17,6 +17,7 @@
 
 #include "vec_math.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -69,10 +70,11 @@ struct TileOperand {
 
 // A block of M x N output tiles (M, N <= 2) in fp32 at c (rows `stride` bytes apart, tile (m, n) at c + m *
 // cm + n * cn floats): loaded (or zero) in tiles 0-3, plus the sum over `steps` of A(m) B(n) (A in tiles
-// 4-5, B in 6-7, each loaded once for its two products), stored back.
+// 4-5, B in 6-7, each loaded once for its two products), stored back. A's steps repeat every `period`
+// (B holds two parts of one operand one after the other, both times A).
 template <int M, int N>
-inline void tile_block(const TileOperand& a, const TileOperand& b, int64_t steps, float* c, int64_t stride, int64_t cm,
-                       int64_t cn, bool load) {
+inline void tile_block(const TileOperand& a, const TileOperand& b, int64_t steps, int64_t period, float* c,
+                       int64_t stride, int64_t cm, int64_t cn, bool load) {
     if (load) {
         _tile_loadd(0, c, stride);
         if constexpr (N > 1) _tile_loadd(1, c + cn, stride);
@@ -84,9 +86,9 @@ inline void tile_block(const TileOperand& a, const TileOperand& b, int64_t steps
         if constexpr (M > 1) _tile_zero(2);
         if constexpr (M > 1 && N > 1) _tile_zero(3);
     }
-    for (int64_t s = 0; s < steps; ++s) {
-        _tile_loadd(4, a.p + s * a.step, a.stride);
-        if constexpr (M > 1) _tile_loadd(5, a.p + a.next + s * a.step, a.stride);
+    for (int64_t s = 0, sa = 0; s < steps; ++s, sa = sa + 1 == period ? 0 : sa + 1) {
+        _tile_loadd(4, a.p + sa * a.step, a.stride);
+        if constexpr (M > 1) _tile_loadd(5, a.p + a.next + sa * a.step, a.stride);
         _tile_loadd(6, b.p + s * b.step, b.stride);
         if constexpr (N > 1) _tile_loadd(7, b.p + b.next + s * b.step, b.stride);
         _tile_dpbf16ps(0, 4, 6);
@@ -100,20 +102,21 @@ inline void tile_block(const TileOperand& a, const TileOperand& b, int64_t steps
     if constexpr (M > 1 && N > 1) _tile_stored(3, c + cm + cn, stride);
 }
 
-// C [16 mt][16 nt] (+)= A B over `steps`, in 2 x 2 blocks of tiles (the edges in smaller ones): A's tile m at
-// a.p + m * a_tile bytes, B's n at b.p + n * b_tile, C's (m, n) at c + m * cm + n * cn floats.
+// C [16 mt][16 nt] (+)= A B over `steps` (A's repeating every `period`), in 2 x 2 blocks of tiles (the edges
+// in smaller ones): A's tile m at a.p + m * a_tile bytes, B's n at b.p + n * b_tile, C's (m, n) at c + m * cm
+// + n * cn floats.
 inline void tile_products(TileOperand a, int64_t a_tile, TileOperand b, int64_t b_tile, int64_t mt, int64_t nt,
-                          int64_t steps, float* c, int64_t stride, int64_t cm, int64_t cn, bool load) {
+                          int64_t steps, int64_t period, float* c, int64_t stride, int64_t cm, int64_t cn, bool load) {
     a.next = a_tile, b.next = b_tile;
     for (int64_t m = 0; m < mt; m += 2)
         for (int64_t n = 0; n < nt; n += 2) {
             const TileOperand am{a.p + m * a_tile, a.stride, a.next, a.step};
             const TileOperand bn{b.p + n * b_tile, b.stride, b.next, b.step};
             float* cmn = c + m * cm + n * cn;
-            if (m + 1 < mt && n + 1 < nt) tile_block<2, 2>(am, bn, steps, cmn, stride, cm, cn, load);
-            else if (m + 1 < mt) tile_block<2, 1>(am, bn, steps, cmn, stride, cm, cn, load);
-            else if (n + 1 < nt) tile_block<1, 2>(am, bn, steps, cmn, stride, cm, cn, load);
-            else tile_block<1, 1>(am, bn, steps, cmn, stride, cm, cn, load);
+            if (m + 1 < mt && n + 1 < nt) tile_block<2, 2>(am, bn, steps, period, cmn, stride, cm, cn, load);
+            else if (m + 1 < mt) tile_block<2, 1>(am, bn, steps, period, cmn, stride, cm, cn, load);
+            else if (n + 1 < nt) tile_block<1, 2>(am, bn, steps, period, cmn, stride, cm, cn, load);
+            else tile_block<1, 1>(am, bn, steps, period, cmn, stride, cm, cn, load);
         }
 }
 
@@ -125,7 +128,8 @@ inline void amx_scores(const bf16* kr, int64_t Dp, const uint32_t* qp, int64_t R
     const auto* queries = reinterpret_cast<const char*>(qp);
     tile_products({keys, Dp * 2, 0, 2 * kAmxPairs * 2}, kAmxRows * Dp * 2,
                   {queries, Rp * 4, 0, kAmxPairs * Rp * 4}, kAmxRows * 4, round_up(nk, kAmxRows) / kAmxRows,
-                  Rp / kAmxRows, Dp / (2 * kAmxPairs), st, Rp * 4, kAmxRows * Rp, kAmxRows, false);
+                  Rp / kAmxRows, Dp / (2 * kAmxPairs), Dp / (2 * kAmxPairs), st, Rp * 4, kAmxRows * Rp, kAmxRows,
+                  false);
     for (int64_t c = 0; c < Rp / W; ++c) {
         vecw m = mx[c];
         for (int64_t n = 0; n < nk; ++n) {
@@ -144,11 +148,12 @@ inline void split_weight(__m512 p, __m512i& hi, __m512i& lo) {
     lo = _mm512_cvtepu16_epi32(__m256i(_mm512_cvtneps_pbh(rest)));
 }
 
-// The weights st [NB][Rp] (fp32) of keys n < nk as bf16 pairs of keys, their high parts in hi and the rest
-// in lo (`split_weight`: one bf16 rounding would cost a weight 8 bits), each [nk2 / 2][Rp] (nk2: nk rounded
-// up to 32), zero past nk: key 2j in a word's low half, 2j + 1 in its high half.
-inline void weight_pairs(const float* st, int64_t Rp, int64_t nk, uint32_t* hi, uint32_t* lo) {
+// The weights st [NB][Rp] (fp32) of keys n < nk as bf16 pairs of keys into pp, their high parts first and
+// the rest after them (`split_weight`: one bf16 rounding would cost a weight 8 bits), each [nk2 / 2][Rp] (nk2:
+// nk rounded up to 32), zero past nk: key 2j in a word's low half, 2j + 1 in its high half.
+inline void weight_pairs(const float* st, int64_t Rp, int64_t nk, uint32_t* pp) {
     const int64_t nk2 = round_up(nk, 2 * kAmxPairs);
+    uint32_t *hi = pp, *lo = pp + nk2 / 2 * Rp;
     for (int64_t j = 0; j < nk2 / 2; ++j)
         for (int64_t c = 0; c < Rp; c += W) {
             const __m512 p0 = 2 * j < nk ? _mm512_loadu_ps(st + 2 * j * Rp + c) : _mm512_setzero_ps();
@@ -161,13 +166,15 @@ inline void weight_pairs(const float* st, int64_t Rp, int64_t nk, uint32_t* hi, 
         }
 }
 
-// ot[d][rows] += the weights pp (`weight_pairs`, keys < nk) times V^T vt [Dp][NB], every entry and row tile.
+// ot[d][rows] += the weights pp (`weight_pairs`, keys < nk: both parts, one pass over the output tiles)
+// times V^T vt [Dp][NB], every entry and row tile.
 inline void amx_values(const bf16* vt, int64_t Dp, int64_t NB, const uint32_t* pp, int64_t Rp, int64_t nk, float* ot) {
     const auto* values = reinterpret_cast<const char*>(vt);
     const auto* weights = reinterpret_cast<const char*>(pp);
+    const int64_t steps = round_up(nk, 2 * kAmxPairs) / (2 * kAmxPairs);
     tile_products({values, NB * 2, 0, 2 * kAmxPairs * 2}, kAmxRows * NB * 2,
                   {weights, Rp * 4, 0, kAmxPairs * Rp * 4}, kAmxRows * 4, Dp / kAmxRows, Rp / kAmxRows,
-                  round_up(nk, 2 * kAmxPairs) / (2 * kAmxPairs), ot, Rp * 4, kAmxRows * Rp, kAmxRows, true);
+                  2 * steps, steps, ot, Rp * 4, kAmxRows * Rp, kAmxRows, true);
 }
 #else
 constexpr bool kAmx = false;
@@ -175,19 +182,35 @@ inline bool amx_usable() { return false; }
 struct AmxScope {};
 // Declared for the kernel's discarded branches only.
 void amx_scores(const bf16*, int64_t, const uint32_t*, int64_t, int64_t, float, float*, vecw*);
-void weight_pairs(const float*, int64_t, int64_t, uint32_t*, uint32_t*);
+void weight_pairs(const float*, int64_t, int64_t, uint32_t*);
 void amx_values(const bf16*, int64_t, int64_t, const uint32_t*, int64_t, int64_t, float*);
 #endif
 
 // A block's K rows (rows[n], n < NB) row-major into kr [NB][Dp] and its V rows transposed into vt
-// [Dp][NB], bf16, zero past D (only the padding is zeroed: the rows overwrite the rest).
+// [Dp][NB], bf16, zero past D (only the padding is zeroed: the rows overwrite the rest). The transpose goes
+// by 32-bit words: keys 2j and 2j + 1's entry d side by side (word j of vt's row d), W x W words at a time.
 inline void amx_block(const bf16* const* krows, const bf16* const* vrows, int64_t D, int64_t NB, bf16* kr, bf16* vt) {
     const int64_t Dp = amx_head(D);
     for (int64_t n = 0; n < NB; ++n) {
         std::memcpy(static_cast<void*>(kr + n * Dp), krows[n], D * sizeof(bf16));
         std::memset(static_cast<void*>(kr + n * Dp + D), 0, (Dp - D) * sizeof(bf16));
-        for (int64_t d = 0; d < D; ++d) vt[d * NB + n] = vrows[n][d];
     }
+    for (int64_t j0 = 0; j0 < NB / 2; j0 += W)
+        for (int64_t d0 = 0; d0 < D; d0 += W) {
+            const int64_t nd = std::min<int64_t>(W, D - d0);
+            const auto entries = [&](const bf16* row) {  // entries d0 .. d0 + nd of a row, widened to words
+                hvecw h = {};
+                std::memcpy(&h, row + d0, nd == W ? sizeof h : nd * sizeof(bf16));
+                return __builtin_convertvector(h, uvecw);
+            };
+            vecw w[W];
+            for (int64_t j = 0; j < W; ++j) {
+                const uvecw word = entries(vrows[2 * (j0 + j)]) | entries(vrows[2 * (j0 + j) + 1]) << 16;
+                std::memcpy(&w[j], &word, sizeof word);
+            }
+            transpose(w);
+            for (int64_t d = 0; d < nd; ++d) std::memcpy(vt + (d0 + d) * NB + 2 * j0, &w[d], sizeof w[d]);
+        }
     std::memset(static_cast<void*>(vt + D * NB), 0, (Dp - D) * NB * sizeof(bf16));
 }
 

@@ -158,6 +158,25 @@ inline void pv_tile(const float* const* v, int64_t d, const float* pt, int64_t l
         for (int c = 0; c < C; ++c) storew(ot + (d + i) * Rp + c * W, acc[i][c]);
 }
 
+// A tile's bf16 queries of even D as `query_pairs` lays them out (their pairs are their 32-bit words): pair j
+// of row r (rows[r], r < R) at qp[j * Rp + r], zero past D / 2 and in rows R .. Rp, W rows x W pairs at a time
+// turned by `transpose` (a row at a time, each of its pairs was a store of its own down a column).
+inline void tile_query_pairs(const bf16* const* rows, int64_t R, int64_t D, int64_t np, int64_t Rp, uint32_t* qp) {
+    for (int64_t r0 = 0; r0 < Rp; r0 += W)
+        for (int64_t j0 = 0; j0 < np; j0 += W) {
+            const int64_t n = std::clamp<int64_t>(D / 2 - j0, 0, W);
+            vecw x[W];
+            for (int64_t i = 0; i < W; ++i) {
+                x[i] = vecw{};
+                if (r0 + i < R && n > 0)
+                    std::memcpy(&x[i], rows[r0 + i] + 2 * j0, n == W ? sizeof x[i] : n * sizeof(uint32_t));
+            }
+            transpose(x);
+            for (int64_t j = 0; j < std::min<int64_t>(W, np - j0); ++j)
+                std::memcpy(qp + (j0 + j) * Rp + r0, &x[j], sizeof x[j]);
+        }
+}
+
 // Calls f(integral_constant<C>) for the row vectors [c0, nv) in groups of CB, then the remainder.
 template <int C = CB, typename F>
 inline void row_groups(int64_t c0, int64_t nv, F&& f) {
@@ -216,6 +235,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
     const int64_t np = paired ? (amx ? Dp / 2 : bf16_pairs(D)) : 0, nq = scaled ? quads(D) : 0;
     const int64_t Dq = scaled ? pair_groups(D) * 4 * W : 0;
     const int64_t row = Hkv * Dr;
+    const bool word_pairs = paired && std::is_same_v<Q, bf16> && D % 2 == 0;  // `tile_query_pairs`
     const int64_t window = a.window;
     const float cap = a.softcap;
     const int64_t tq = std::max<int64_t>(1, kTileRows / G), Rp = (tq * G + W - 1) / W * W, nv = Rp / W;
@@ -354,6 +374,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<int32_t> hi(Rp), lo(Rp);
         std::vector<const float*> krow(NB), vrow(NB);
         std::vector<uint32_t> qp(np * Rp), kp(np * NB);  // bf16 keys: the rows' query pairs; a block's key pairs
+        std::vector<const Q*> qrows(word_pairs ? Rp : 0);  // and the rows' queries where those are their words
         // A block of a chunk with one tile: its bf16 K rows widened (where not paired) and V rows widened.
         std::vector<float> kb(fp32 || scaled || paired ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
@@ -373,7 +394,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
                 std::fill(qsum.begin(), qsum.end(), 0);
                 std::fill(qs.begin(), qs.end(), 0.f);
             } else if constexpr (paired) {
-                std::fill(qp.begin(), qp.end(), 0u);
+                if (!word_pairs) std::fill(qp.begin(), qp.end(), 0u);
             } else {
                 std::fill(qt.begin(), qt.end(), 0.f);
             }
@@ -388,11 +409,14 @@ void prefill(const PrefillArgs<Q, T>& a) {
                     qsum[r] = quantize_query(qrow.data(), D, words.data(), qs[r]);
                     for (int64_t j = 0; j < nq; ++j) qq[j * Rp + r] = words[j];
                 } else if constexpr (paired) {  // bf16 keys: the query as bf16 pairs, unscaled
-                    query_pairs(src, D, qp.data() + r, Rp);
+                    if (word_pairs) qrows[r] = src;
+                    else query_pairs(src, D, qp.data() + r, Rp);
                 } else {
                     for (int64_t d = 0; d < D; ++d) qt[d * Rp + r] = to_float(src[d]) * a.scale;
                 }
             }
+            if constexpr (std::is_same_v<Q, bf16>)
+                if (word_pairs) tile_query_pairs(qrows.data(), R, D, np, Rp, qp.data());
             std::fill(ot.begin(), ot.end(), 0.f);
             for (int64_t r = 0; r < Rp; ++r)  // padding rows: no sink
                 start_row(a.sinks && r < R ? a.sinks + t.kv_head * G + r % G : nullptr, m[r], l[r]);
@@ -515,10 +539,9 @@ void prefill(const PrefillArgs<Q, T>& a) {
                                     float* o = ot.data() + d * Rp + c * W;
                                     storew(o, loadw(o) * alpha[c]);
                                 }
-                        weight_pairs(st.data(), Rp, nbp, pp.data(), pp.data() + NB / 2 * Rp);
+                        weight_pairs(st.data(), Rp, nbp, pp.data());
                         const bf16* vt = cb.shared ? buffers.vt.data() + i * Dp * NB : avt.data();
                         amx_values(vt, Dp, NB, pp.data(), Rp, nbp, ot.data());
-                        amx_values(vt, Dp, NB, pp.data() + NB / 2 * Rp, Rp, nbp, ot.data());
                     }
                     continue;
                 }
