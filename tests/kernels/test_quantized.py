@@ -179,8 +179,9 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
     assert [s.shape[0] for s in merge_segments(parts)] == [32, 8, 16]
     bias = torch.randn(56)
     matmul = QuantMatmul(parts, bias)
-    # The dequantize path takes big bf16 inputs on AMX CPUs only (`bf16_kernel_max_rows`): force it here.
-    assert matmul.bf16_max_rows == bf16_kernel_max_rows()
+    # The dequantize path takes big bf16 inputs on AMX CPUs only, and not for K-quants (`bf16_kernel_max_rows`):
+    # force it here.
+    assert matmul.bf16_max_rows is None
     matmul.bf16_max_rows = BF16_KERNEL_MAX_ROWS
     ref_w = torch.cat([p.dequantize() for p in parts])
     for dtype, rows in ((torch.float32, 1), (torch.float32, 90), (torch.bfloat16, 7),
@@ -216,6 +217,12 @@ def test_bf16_kernel_rows_follow_the_cpu() -> None:
         assert matmul.takes_kernel(4096, torch.bfloat16) == (limit is None)
         dense = QuantMatmul([bf16_rows(torch.randn(32, 64))])  # dense bf16 tiles: the same rule
         assert dense.takes_kernel(4096, torch.bfloat16) == (limit is None)
+        # K-quants (and IQ4) dequantize a block row at a time: the kernel at every row count, also where a
+        # fused projection mixes them with a type that would leave it
+        for parts in ([gguf_tensor(GGMLType.Q4_K, 32, 256)], [gguf_tensor(GGMLType.IQ4_XS, 32, 256)],
+                      [gguf_tensor(GGMLType.Q8_0, 32, 256), gguf_tensor(GGMLType.Q6_K, 16, 256)]):
+            assert QuantMatmul(parts).takes_kernel(4096, torch.bfloat16)
+        assert QuantMatmul([gguf_tensor(GGMLType.Q8_0, 32, 256)]).takes_kernel(4096, torch.bfloat16) == (limit is None)
         # their bf16 inputs as pairs for vdpbf16ps where it runs at the FMA's rate: AMD's avx512_bf16
         amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
         if matmul_ops().isa() == "avx512-vnni+avx512-bf16":

@@ -12,11 +12,15 @@ bf16 inputs they multiply by vdpbf16ps where it runs at the FMA's rate (AMD's av
 GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32 FMAs of the widened
 weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
+Only weights whose whole-matrix dequantization is vectorized take that path (`FAST_DEQUANTIZE`); the
+K-quants and IQ4 unpack a block row at a time, so their prefill stays on the kernel at every row count.
 Where the two cross on an AMX Xeon, and what the kernel gives without AMX: docs/benchmarks.md
 (`### An AMX CPU's split`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -24,16 +28,23 @@ from torch import nn
 
 from ...kernels import cpu_flags, cpu_matmul_ops, native_kernels_enabled
 from .registry import quantization_method
-from .tensors import QuantizedTensor, bf16_rows, cat_rows
+from .tensors import BF16, F32, I8, GGMLType, QuantizedTensor, bf16_rows, cat_rows
 
 # On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
 # the AMX tiles (module docstring); without AMX the kernel wins at every row count.
 BF16_KERNEL_MAX_ROWS = 128
+# The weight types whose whole-matrix dequantization (`kernels.dequantize_matrix`) is vectorized, for
+# which dequantize + oneDNN's matmul wins above that. The others (K-quants, IQ4) unpack a block row at a
+# time: at 512 rows their prefill through oneDNN ran at a third of the kernel's (docs/benchmarks.md).
+FAST_DEQUANTIZE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8, BF16, F32})
 
 
-def bf16_kernel_max_rows() -> int | None:
-    """Most rows of a bf16 input the native kernel takes (None: any), on this CPU."""
-    return BF16_KERNEL_MAX_ROWS if "amx_bf16" in cpu_flags() else None
+def bf16_kernel_max_rows(qtypes: Iterable[int] = ()) -> int | None:
+    """Most rows of a bf16 input the native kernel takes (None: any), on this CPU, for weights of
+    `qtypes` (all of them: a fused projection's segments, a layer's experts)."""
+    if "amx_bf16" not in cpu_flags() or any(qtype not in FAST_DEQUANTIZE for qtype in qtypes):
+        return None
+    return BF16_KERNEL_MAX_ROWS
 
 
 def matmul_ops() -> object | None:
@@ -91,7 +102,7 @@ class QuantMatmul:
         self.bias = bias
         self.out_dtype = out_dtype
         self.ops = matmul_ops()
-        self.bf16_max_rows = bf16_kernel_max_rows()
+        self.bf16_max_rows = bf16_kernel_max_rows(s.qtype for s in self.segments)
 
     def takes_kernel(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether an input of `rows` rows in `dtype` runs on the native kernel (else: dequantize + matmul)."""
