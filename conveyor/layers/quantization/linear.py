@@ -35,7 +35,8 @@ from .tensors import BF16, F32, I8, GGMLType, QuantizedTensor, bf16_rows, cat_ro
 BF16_KERNEL_MAX_ROWS = 128
 # The weight types whose whole-matrix dequantization (`kernels.dequantize_matrix`) is vectorized, for
 # which dequantize + oneDNN's matmul wins above that. The others (K-quants, IQ4) unpack a block row at a
-# time: at 512 rows their prefill through oneDNN ran at a third of the kernel's (docs/benchmarks.md).
+# time: at 512 rows their prefill through oneDNN ran at a third of the kernel's, and vectorized, no
+# faster than the kernel (docs/benchmarks.md).
 FAST_DEQUANTIZE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8, BF16, F32})
 
 
