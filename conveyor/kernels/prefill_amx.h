@@ -11,7 +11,7 @@
 //     missing keys): a tile's rows are 16 keys;
 //   - the queries as bf16 pairs [Dp / 2][Rp] (`query_pairs`, zero past D): a tile's rows are pairs;
 //   - a block's V transposed, [Dp][NB] bf16 (zero for missing keys): a tile's rows are 16 entries;
-//   - the weights as bf16 pairs of keys [NB / 2][Rp], in two parts (`weight_pairs`);
+//   - the weights as bf16 pairs of keys, two parts one after the other, each [nk / 2][Rp] (`weight_pairs`);
 //   - scores st [NB][Rp] and outputs ot [Dp][Rp] in fp32, as the vector path keeps them.
 #pragma once
 

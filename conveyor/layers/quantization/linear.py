@@ -12,8 +12,9 @@ bf16 inputs they multiply by vdpbf16ps where it runs at the FMA's rate (AMD's av
 GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32 FMAs of the widened
 weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
-Only weights whose whole-matrix dequantization is vectorized take that path (`FAST_DEQUANTIZE`); the
-K-quants and IQ4 unpack a block row at a time, so their prefill stays on the kernel at every row count.
+Only weights whose whole-matrix dequantization is cheap next to the matmul take that path
+(`FAST_DEQUANTIZE`); the K-quants and IQ4 unpack a block row at a time, so their prefill stays on the
+kernel at every row count.
 Where the two cross on an AMX Xeon, and what the kernel gives without AMX: docs/benchmarks.md
 (`### An AMX CPU's split`).
 """
@@ -33,10 +34,11 @@ from .tensors import BF16, F32, I8, GGMLType, QuantizedTensor, bf16_rows, cat_ro
 # On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
 # the AMX tiles (module docstring); without AMX the kernel wins at every row count.
 BF16_KERNEL_MAX_ROWS = 128
-# The weight types whose whole-matrix dequantization (`kernels.dequantize_matrix`) is vectorized, for
-# which dequantize + oneDNN's matmul wins above that. The others (K-quants, IQ4) unpack a block row at a
-# time: at 512 rows their prefill through oneDNN ran at a third of the kernel's, and vectorized, no
-# faster than the kernel (docs/benchmarks.md).
+# The weight types whose whole-matrix dequantization (`kernels.dequantize_matrix`) is cheap next to the
+# matmul (vectorized blocks; dense tiles copied back into rows), for which dequantize + oneDNN's matmul
+# wins above that. The others (K-quants, IQ4) unpack a block row at a time: at 512 rows their prefill
+# through oneDNN ran at a third of the kernel's, and vectorized, no faster than the kernel
+# (docs/benchmarks.md).
 FAST_DEQUANTIZE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8, BF16, F32})
 
 
