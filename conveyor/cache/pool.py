@@ -127,22 +127,27 @@ def available_memory(device: torch.device) -> int:
     return info.get("MemAvailable", info.get("MemFree", 0))
 
 
-def working_memory_bytes(model: Any, config: Any, dtype: torch.dtype) -> int:
+def working_memory_bytes(model: Any, config: Any, dtype: torch.dtype, dense_scores: bool = True) -> int:
     """Memory a full-size pass needs besides the pool, reserved before the pool is sized: activations
-    of `max_batch_tokens` tokens (residual, norms, q/k/v with their rotated copies, MLP), prefill
-    attention scores and probabilities (fp32, every head, queries by up to a whole context), logits
-    and sampling buffers of `max_requests_per_batch` rows (fp32), and the index tensors and masks of
-    every layer group (int64 slots and bool masks over whole contexts)."""
+    of `max_batch_tokens` tokens (residual, norms, q/k/v with their rotated copies, MLP), logits and
+    sampling buffers of `max_requests_per_batch` rows (fp32), the index tensors of every layer group
+    (int64 slots over whole contexts), and prefill attention's: with `dense_scores` (an attention
+    backend that builds them: `AttentionBackend.dense_scores`) scores and probabilities (fp32, every
+    head, queries by up to a whole context) and bool masks as big, else a context's K/V laid out for
+    the kernel (its key blocks, 8 bytes a value at most)."""
     c = model.config
     elem = torch.tensor([], dtype=dtype).element_size()
     q, kv = c.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
     tokens, rows = config.max_batch_tokens, config.max_requests_per_batch
     context = config.max_model_len or model.max_model_len
     activations = tokens * (4 * c.hidden_size + 3 * q + 4 * kv + 3 * c.intermediate_size) * elem
-    scores = 2 * c.num_attention_heads * tokens * context * 4
     logits = 3 * rows * c.vocab_size * 4
-    index = len(layer_groups(model.layer_types)) * (rows + tokens) * context * (8 + 1)
-    return activations + scores + logits + index
+    groups = len(layer_groups(model.layer_types))
+    if dense_scores:
+        attention = 2 * c.num_attention_heads * tokens * context * 4 + groups * tokens * context * (8 + 1)
+    else:
+        attention = context * 2 * kv * 8
+    return activations + logits + groups * rows * context * (8 + 1) + attention
 
 
 def plan_num_chunks(*, num_blocks: int | None, max_memory_percent: float | None, bytes_per_chunk: int,

@@ -81,7 +81,8 @@ class Engine:
         chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
                                  for t, _ in groups)
         use_graphs = pooler is None and use_cuda_graphs(config, device, model.cuda_graphs)
-        working = working_memory(model, config, device, self.dtype)  # CUDA: measured by a profiling pass
+        attention = make_attention_backend(device, self.dtype, config.attention_backend, config.kv_cache_dtype)
+        working = working_memory(model, config, device, self.dtype, attention.dense_scores)  # CUDA: measured
         if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
             working += graph_memory_bytes(model, config, self.dtype)
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.kv_format.dtype, **shape)
@@ -112,7 +113,6 @@ class Engine:
                                    config.attention_backend) if draft_model is not None else None
         self.scheduler = make_scheduler(config, self.allocator, proposer=self.speculator)
         # Prompt logprobs go through the LM head in slices as big as a sampling batch: the working memory has room.
-        attention = make_attention_backend(device, self.dtype, config.attention_backend, config.kv_cache_dtype)
         self.runner = (ModelRunner(model, self.pool, runner_groups, device, attention, config.max_requests_per_batch)
                        if pooler is None else PoolingModelRunner(model, self.pool, runner_groups, device, attention,
                                                                  pooler=pooler))

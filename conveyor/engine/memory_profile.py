@@ -88,12 +88,12 @@ def scratch_chunks(model: Any, config: Any) -> int:
         for n in profile_split(config.max_batch_tokens, config.max_requests_per_batch) for t, _ in groups)
 
 
-def working_memory(model: Any, config: Any, device: torch.device, dtype: torch.dtype) -> int:
+def working_memory(model: Any, config: Any, device: torch.device, dtype: torch.dtype, dense_scores: bool = True) -> int:
     """Bytes to keep free for one full-size pass: measured on CUDA when the pool is sized from free
-    memory (`num_blocks` None), the estimate otherwise."""
+    memory (`num_blocks` None), the estimate otherwise (`dense_scores`: the attention backend's)."""
     if device.type != "cuda" or config.num_blocks is not None:
-        return working_memory_bytes(model, config, dtype)
+        return working_memory_bytes(model, config, dtype, dense_scores)
     measured = measured_working_memory(model, config, device, dtype)
     logger.info("profiling pass of %d tokens: %.0f MiB working memory (estimate %.0f MiB)", config.max_batch_tokens,
-                measured / 2**20, working_memory_bytes(model, config, dtype) / 2**20)
+                measured / 2**20, working_memory_bytes(model, config, dtype, dense_scores) / 2**20)
     return measured

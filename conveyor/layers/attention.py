@@ -106,6 +106,7 @@ class AttentionBackend:
     """Writes the new K/V into the cache and attends each query to its request's context."""
 
     decode_reads_written = False  # decode rows read the pass's new K/V from the cache (written first)
+    dense_scores = False  # prefill builds each chunk's whole scores and masks (the pool's sizing reserves them)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Derive any per-pass index tensors the backend needs (once per forward, not per layer)."""
@@ -129,6 +130,7 @@ class TorchPagedAttention(AttentionBackend):
     """
 
     decode_reads_written = True
+    dense_scores = True
 
     def __init__(self) -> None:
         self._workspace: torch.Tensor | None = None

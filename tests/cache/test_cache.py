@@ -557,17 +557,26 @@ def test_num_blocks_overrides_sizing():
 
 def test_pool_is_sized_from_free_memory_after_the_working_memory(tiny_llama, monkeypatch):
     """The pool takes max_memory_percent of what is left once one full pass's working memory (activations,
-    attention scores, logits, index tensors) is set aside; too little memory is a clear error."""
+    logits, index tensors, and prefill attention's: whole scores and masks where the backend builds them, a
+    context's laid-out K/V for the native kernels) is set aside; too little memory is a clear error."""
     free = 32 << 20
     monkeypatch.setattr(cache_pool, "available_memory", lambda device: free)
-    config = ContinuousBatchingConfig(max_memory_percent=0.5)
-    engine = LLM(tiny_llama.path, dtype="float32", config=config).engine
-    working = working_memory_bytes(engine.model, config, torch.float32)
     per_chunk = CachePool.bytes_per_chunk(16, 2, 2, 16, torch.float32)  # page 16, 2 layers, 2 kv heads, dim 16
-    assert 8 << 20 < working < free  # attention scores of 512 queries x 512 keys x 4 heads dominate
-    assert engine.pool.num_chunks == int((free - working) * 0.5) // per_chunk
+    working = {}
+    for backend in ("torch", "auto"):
+        config = ContinuousBatchingConfig(max_memory_percent=0.5, attention_backend=backend)
+        engine = LLM(tiny_llama.path, dtype="float32", config=config).engine
+        dense = engine.runner.attention.dense_scores
+        working[dense] = working_memory_bytes(engine.model, config, torch.float32, dense)
+        assert engine.pool.num_chunks == int((free - working[dense]) * 0.5) // per_chunk
+    assert 8 << 20 < working[True] < free  # attention scores of 512 queries x 512 keys x 4 heads dominate
+    if False in working:  # the native kernels (they build here): blocks of scores, never a chunk's whole
+        assert working[True] - working[False] > 2 * 4 * 512 * 512 * 4
     bigger = ContinuousBatchingConfig(max_batch_tokens=1024, max_requests_per_batch=128)
-    assert working_memory_bytes(engine.model, bigger, torch.float32) > working
-    monkeypatch.setattr(cache_pool, "available_memory", lambda device: working + 4 * per_chunk)  # room for 2 chunks: only the reserved ones
+    assert working_memory_bytes(engine.model, bigger, torch.float32) > working[True]
+    assert working_memory_bytes(engine.model, bigger, torch.float32, False) > working_memory_bytes(
+        engine.model, ContinuousBatchingConfig(), torch.float32, False)
+    config = ContinuousBatchingConfig(max_memory_percent=0.5, attention_backend="torch")
+    monkeypatch.setattr(cache_pool, "available_memory", lambda device: working[True] + 4 * per_chunk)  # room for 2 chunks: only the reserved ones
     with pytest.raises(MemoryError, match="not enough free memory for a KV cache"):
         LLM(tiny_llama.path, dtype="float32", config=config)
