@@ -28,7 +28,7 @@ from .kernels import vector_flags
 from .kernels.host_memory import keep_freed_memory, release_freed_memory
 from .kernels.openmp import run_on_fresh_thread
 from .layers.precision import keeps_stored, resolve_precision, resolve_quantization
-from .layers.quantization.linear import describe_weights
+from .layers.quantization.linear import describe_weights, prompts_take_onednn
 from .manager import ContinuousBatchingManager
 from .models import build_model
 from .models.hub import resolve_model_path
@@ -50,6 +50,9 @@ DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 # A pooling model's token budget a step when no config is given: its steps are all prompt tokens, which run
 # faster in larger matmuls (and no decoding row waits behind them).
 POOLING_MAX_BATCH_TOKENS = 2048
+# The same where a model's prompts go to oneDNN's bf16 matmul over weights dequantized at each call (AMX
+# CPUs, `prompts_take_onednn`): larger steps amortize the dequantization (docs/configuration.md).
+ONEDNN_MAX_BATCH_TOKENS = 2048
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -183,6 +186,9 @@ class LLM(PoolingMethods, LoRAMethods):
                                           pooler_settings, checkpoint.pooler_config, self.device)
                 net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization,
                                   lm_head=task_name is None)
+                if (given_config is None and max_num_batched_tokens is None and task_name is None
+                        and not config.batch_invariant and prompts_take_onednn(net, self.dtype)):
+                    engine_config = replace(config, max_batch_tokens=ONEDNN_MAX_BATCH_TOKENS)
             self.model_path = checkpoint.path
             self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
             self.tokenizer = checkpoint.tokenizer

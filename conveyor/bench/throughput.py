@@ -128,7 +128,7 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
     config, None = transformers' own defaults, or a number. `structured`: a `StructuredOutputsParams`;
     Conveyor then runs once more with it on every request (`bench/structured.py`).
     """
-    from .. import LLM, ContinuousBatchingConfig
+    from .. import LLM
 
     if workload.temperature != 0:
         raise WorkloadError(f"workload {workload.name!r} has temperature {workload.temperature}: the throughput "
@@ -143,8 +143,7 @@ def run_throughput(workload: Workload, *, llm: Any = None, model: str | os.PathL
 
     if llm is None:
         started = time.perf_counter()
-        llm = LLM(model, device=device, dtype=dtype, quantization=quantization,
-                  config=config or ContinuousBatchingConfig())
+        llm = LLM(model, device=device, dtype=dtype, quantization=quantization, config=config)
         logger.info("conveyor: loaded in %.1f s", time.perf_counter() - started)
     tokenizer = llm.get_tokenizer()
     prompts = render_prompts(workload, llm.render_chat)
@@ -264,7 +263,8 @@ def add_arguments(parser: Any) -> None:
     eng.add_argument("--device", default="auto")
     add_mode_arguments(eng)
     eng.add_argument("--max-batch-tokens", type=int, default=None,
-                     help="Conveyor's per-pass token budget (default: ContinuousBatchingConfig's)")
+                     help="Conveyor's per-pass token budget (default: LLM's, 512, or 2048 where prompts go to "
+                          "oneDNN's AMX matmul)")
     eng.add_argument("--max-requests-per-batch", type=int, default=None)
     eng.add_argument("--num-blocks", type=int, default=None, help="Conveyor's KV pool size in blocks")
     eng.add_argument("--kv-cache-dtype", default=None, help="auto (default) or int8: how Conveyor's KV cache is stored")
@@ -368,7 +368,7 @@ def run_from_args(args: Any) -> int:
         overrides["allow_block_sharing"] = False
     started = time.perf_counter()
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
-              config=ContinuousBatchingConfig(**overrides))
+              config=ContinuousBatchingConfig(**overrides) if overrides else None)  # None: LLM's defaults
     print(f"Loaded {llm.model_path.name} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if workload is None:
         tokenizer = llm.get_tokenizer()

@@ -9,9 +9,15 @@ import torch
 
 from conveyor import LLM, ContinuousBatchingConfig, InvalidRequestError, RequestState, SamplingParams
 from conveyor.engine.engine import Engine
+from conveyor.layers.quantization import linear as quantized_linear
+from conveyor.layers.quantization.linear import matmul_ops
+from conveyor.llm import ONEDNN_MAX_BATCH_TOKENS
 from conveyor.models.loader import ModelLoadError
 
 from tests.utils import TinyModel, greedy, hf_greedy, random_prompts
+
+AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"})
+AMX = AVX512 | {"amx_tile", "amx_bf16", "amx_int8"}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,28 @@ def test_bad_model_paths(tmp_path) -> None:
 def test_bad_config_raises() -> None:
     with pytest.raises(ValueError, match="max_batch_tokens must be a positive integer"):
         ContinuousBatchingConfig(max_batch_tokens=0)
+
+
+def test_prompts_on_onednn_take_larger_steps(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a config, a bf16 model whose linears send big inputs to oneDNN's AMX matmul (over weights
+    dequantized at each call) takes `ONEDNN_MAX_BATCH_TOKENS` a step; elsewhere, in fp32, or told, not."""
+    if matmul_ops() is None:
+        pytest.skip("needs the native kernels (the bf16 linears' tiles)")
+    default = ContinuousBatchingConfig().max_batch_tokens
+    for flags, dtype, kwargs, budget in ((AMX, "bfloat16", {}, ONEDNN_MAX_BATCH_TOKENS),
+                                         (AVX512, "bfloat16", {}, default),
+                                         (AMX, "float32", {}, default),
+                                         (AMX, "bfloat16", {"max_num_batched_tokens": 64}, 64),
+                                         (AMX, "bfloat16", {"config": ContinuousBatchingConfig(num_blocks=64)},
+                                          default),
+                                         (AMX, "bfloat16", {"batch_invariant": True}, default)):
+        monkeypatch.setattr(quantized_linear, "cpu_flags", lambda flags=flags: flags)
+        llm = LLM(tiny_llama.path, dtype=dtype, **kwargs)
+        try:
+            assert llm.engine.config.max_batch_tokens == budget, (flags, dtype, kwargs)
+        finally:
+            llm.shutdown()
+    assert ONEDNN_MAX_BATCH_TOKENS > default
 
 
 # -- blocks come back -----------------------------------------------------------------------

@@ -284,6 +284,17 @@ def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, d
     return planned
 
 
+def prompts_take_onednn(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether most of `model`'s linear weights (by bytes) send `dtype` inputs of more than
+    `BF16_KERNEL_MAX_ROWS` rows to oneDNN's matmul (bf16 on AMX CPUs, `FAST_DEQUANTIZE` types): each such
+    call dequantizes its weight, which larger steps amortize."""
+    if dtype != torch.bfloat16:
+        return False
+    kernels = [m.kernel for m in model.modules() if isinstance(m, QuantLinear)]
+    split = sum(k.nbytes for k in kernels if k.bf16_max_rows is not None)
+    return 2 * split > sum(k.nbytes for k in kernels)
+
+
 def describe_weights(model: nn.Module, quantization: str) -> str:
     """For the start-up log: the weight format and the resident bytes of the model's weights (packed
     oneDNN copies included)."""
