@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from conveyor.kernels import cpu_flags, cpu_matmul_ops
+from conveyor.layers.quantization import linear as quantized_linear
 from conveyor.layers.quantization.linear import (
     BF16_KERNEL_MAX_ROWS,
     QuantEmbedding,
@@ -193,6 +194,28 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
         assert kernel == (dtype == torch.float32 or rows <= BF16_KERNEL_MAX_ROWS)
         ref = F.linear(quantize_activations(x) if kernel else x.float(), ref_w, bias)
         assert_close_scaled(out, ref, 1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_dequantize_path_goes_in_chunks_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight bigger than `SCRATCH_BYTES` is dequantized and multiplied a chunk of rows at a time into one
+    buffer per width: the same outputs as the whole matrix at once, a last chunk that ends inside a tile and
+    our int8's per-row scales included."""
+    if cpu_matmul_ops() is None:
+        pytest.skip("the chunks are the native dequantization's")
+    parts = [quantize_int8(torch.randn(40, 64)), gguf_tensor(GGMLType.Q4_0, 53, 64, 5)]
+    bias = torch.randn(93)
+    x = torch.randn(BF16_KERNEL_MAX_ROWS + 3, 64).bfloat16()
+    matmuls = []
+    for scratch in (1 << 30, 16 * 64 * 2):  # the whole matrix; one tile's rows a chunk
+        monkeypatch.setattr(quantized_linear, "SCRATCH_BYTES", scratch)
+        monkeypatch.setattr(quantized_linear, "SCRATCH", quantized_linear._Scratch())
+        matmul = QuantMatmul(parts, bias)
+        matmul.bf16_max_rows = BF16_KERNEL_MAX_ROWS  # the dequantize path on any CPU
+        matmuls.append(matmul(x))
+        assert [tuple(b.shape) for b in quantized_linear.SCRATCH.buffers.values()] == [(min(53, scratch // 128), 64)]
+    assert torch.equal(matmuls[0], matmuls[1])
+    ref = F.linear(x.float(), torch.cat([p.dequantize() for p in parts]), bias)
+    assert_close_scaled(matmuls[1], ref, 1e-2)
 
 
 def test_quant_linear_computes_with_the_loaded_bias() -> None:

@@ -21,7 +21,7 @@ Where the two cross on an AMX Xeon, and what the kernel gives without AMX: docs/
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from torch import nn
 
 from ...kernels import cpu_flags, cpu_matmul_ops, native_kernels_enabled
 from .registry import quantization_method
-from .tensors import BF16, F32, I8, GGMLType, QuantizedTensor, bf16_rows, cat_rows
+from .tensors import BF16, F32, I8, TILE_ROWS, GGMLType, QuantizedTensor, bf16_rows, cat_rows
 
 # On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
 # the AMX tiles (module docstring); without AMX the kernel wins at every row count.
@@ -55,20 +55,37 @@ def matmul_ops() -> object | None:
     return cpu_matmul_ops() if native_kernels_enabled() else None
 
 
+# The most bytes of weight the oneDNN path dequantizes at a time: a bigger matrix goes in chunks of rows,
+# so its scratch stays this size (at 4,096 rows of a 3B model's matrices oneDNN ran as fast as over the
+# whole matrix: docs/benchmarks.md); the 1B shape's matrices fit whole.
+SCRATCH_BYTES = 64 << 20
+
+
 class _Scratch:
-    """One dequantized matrix per (shape, dtype) at a time, reused by every layer of that shape."""
+    """One buffer per (columns, dtype) of at most `SCRATCH_BYTES`, reused by every layer: a weight's
+    chunks of rows are dequantized into it one after the other."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self.buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def dequantize(self, weight: QuantizedTensor, dtype: torch.dtype, ops: object | None) -> torch.Tensor:
+    def chunks(self, weight: QuantizedTensor, dtype: torch.dtype,
+               ops: object | None) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, its rows dequantized) for the chunks of `weight` in order, each valid until the next."""
         if ops is None:
-            return weight.dequantize(dtype)
-        out = self.buffers.get((*weight.shape, dtype))
-        if out is None:
-            out = self.buffers[(*weight.shape, dtype)] = torch.empty(weight.shape, dtype=dtype)
-        ops.dequantize_matrix(weight.data, weight.qtype, weight.row_scales_or_empty(), out)
-        return out
+            yield 0, weight.dequantize(dtype)
+            return
+        rows, cols = weight.shape
+        per_chunk = max(TILE_ROWS, SCRATCH_BYTES // (cols * dtype.itemsize) // TILE_ROWS * TILE_ROWS)
+        buffer = self.buffers.get((cols, dtype))
+        if buffer is None or buffer.shape[0] < min(rows, per_chunk):
+            buffer = self.buffers[(cols, dtype)] = torch.empty(min(rows, per_chunk), cols, dtype=dtype)
+        scales = weight.row_scales_or_empty()
+        for n0 in range(0, rows, per_chunk):
+            n1 = min(rows, n0 + per_chunk)
+            out = buffer[:n1 - n0]
+            ops.dequantize_matrix(weight.data[n0 // TILE_ROWS:-(-n1 // TILE_ROWS)], weight.qtype,
+                                  scales[n0:n1 + (-n1) % TILE_ROWS] if scales.numel() else scales, out)
+            yield n0, out
 
 
 SCRATCH = _Scratch()
@@ -137,10 +154,10 @@ class QuantMatmul:
         else:
             outs, start = [], 0
             for seg in self.segments:
-                end = start + seg.shape[0]
-                outs.append(F.linear(x2, SCRATCH.dequantize(seg, x.dtype, ops),
-                                     None if bias is None else bias[start:end].to(x.dtype)))
-                start = end
+                for n0, w in SCRATCH.chunks(seg, x.dtype, ops):
+                    n0 += start
+                    outs.append(F.linear(x2, w, None if bias is None else bias[n0:n0 + w.shape[0]].to(x.dtype)))
+                start += seg.shape[0]
             result = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(dtype)
             out = result if out is None else out.copy_(result)
         return out.view(*lead, self.out_features)
