@@ -180,9 +180,8 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
     assert [s.shape[0] for s in merge_segments(parts)] == [32, 8, 16]
     bias = torch.randn(56)
     matmul = QuantMatmul(parts, bias)
-    # The dequantize path takes big bf16 inputs on AMX CPUs only, and not for K-quants (`bf16_kernel_max_rows`):
-    # force it here.
-    assert matmul.bf16_max_rows is None
+    # The dequantize path takes big bf16 inputs on AMX CPUs only (`bf16_kernel_max_rows`): force it here.
+    assert matmul.bf16_max_rows == bf16_kernel_max_rows()
     matmul.bf16_max_rows = BF16_KERNEL_MAX_ROWS
     ref_w = torch.cat([p.dequantize() for p in parts])
     for dtype, rows in ((torch.float32, 1), (torch.float32, 90), (torch.bfloat16, 7),
@@ -198,7 +197,7 @@ def test_quant_matmul_mixed_segments_and_dequantize_path() -> None:
 
 def test_dequantize_path_goes_in_chunks_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """A weight bigger than `SCRATCH_BYTES` is dequantized and multiplied a chunk of rows at a time into one
-    buffer per width: the same outputs as the whole matrix at once, a last chunk that ends inside a tile and
+    buffer: the same outputs as the whole matrix at once, a last chunk that ends inside a tile and
     our int8's per-row scales included."""
     if cpu_matmul_ops() is None:
         pytest.skip("the chunks are the native dequantization's")
@@ -212,7 +211,7 @@ def test_dequantize_path_goes_in_chunks_of_rows(monkeypatch: pytest.MonkeyPatch)
         matmul = QuantMatmul(parts, bias)
         matmul.bf16_max_rows = BF16_KERNEL_MAX_ROWS  # the dequantize path on any CPU
         matmuls.append(matmul(x))
-        assert [tuple(b.shape) for b in quantized_linear.SCRATCH.buffers.values()] == [(min(53, scratch // 128), 64)]
+        assert [b.numel() for b in quantized_linear.SCRATCH.buffers.values()] == [min(53, scratch // 128) * 64]
     assert torch.equal(matmuls[0], matmuls[1])
     ref = F.linear(x.float(), torch.cat([p.dequantize() for p in parts]), bias)
     assert_close_scaled(matmuls[1], ref, 1e-2)
@@ -240,12 +239,15 @@ def test_bf16_kernel_rows_follow_the_cpu() -> None:
         assert matmul.takes_kernel(4096, torch.bfloat16) == (limit is None)
         dense = QuantMatmul([bf16_rows(torch.randn(32, 64))])  # dense bf16 tiles: the same rule
         assert dense.takes_kernel(4096, torch.bfloat16) == (limit is None)
-        # K-quants (and IQ4) dequantize a block row at a time: the kernel at every row count, also where a
-        # fused projection mixes them with a type that would leave it
+        # so do the K-quants and IQ4 (their blocks' rows dequantized in vector registers) and a fused projection
+        # of them; Q2_K and Q3_K unpack a value at a time: the kernel at every row count, also where a fused
+        # projection mixes them with a type that would leave it
         for parts in ([gguf_tensor(GGMLType.Q4_K, 32, 256)], [gguf_tensor(GGMLType.IQ4_XS, 32, 256)],
                       [gguf_tensor(GGMLType.Q8_0, 32, 256), gguf_tensor(GGMLType.Q6_K, 16, 256)]):
+            assert QuantMatmul(parts).takes_kernel(4096, torch.bfloat16) == (limit is None)
+        for parts in ([gguf_tensor(GGMLType.Q3_K, 32, 256)], [gguf_tensor(GGMLType.Q2_K, 32, 256)],
+                      [gguf_tensor(GGMLType.Q8_0, 32, 256), gguf_tensor(GGMLType.Q3_K, 16, 256)]):
             assert QuantMatmul(parts).takes_kernel(4096, torch.bfloat16)
-        assert QuantMatmul([gguf_tensor(GGMLType.Q8_0, 32, 256)]).takes_kernel(4096, torch.bfloat16) == (limit is None)
         # their bf16 inputs as pairs for vdpbf16ps where it runs at the FMA's rate: AMD's avx512_bf16
         amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
         if matmul_ops().isa() == "avx512-vnni+avx512-bf16":

@@ -6,15 +6,14 @@ read in their quantized form, the activations quantized to int8 blocks of 32, in
 peaks at 160 and oneDNN's bf16 matmul on AVX512-BF16 at 80). On a CPU with AMX, oneDNN's bf16
 matmul runs on the tiles and is faster for big inputs: there, in bf16, inputs of more than
 `BF16_KERNEL_MAX_ROWS` rows (prefill chunks, big decode batches) go to it instead, the weight
-dequantized into a scratch buffer shared by every layer of that shape (not a second copy of the
-model: one matrix at a time). Dense bf16 weights stay in tiles at every row count without AMX: over
+dequantized into a scratch buffer shared by every layer of that width (not a second copy of the
+model: at most `SCRATCH_BYTES` of one matrix's rows at a time). Dense bf16 weights stay in tiles at every row count without AMX: over
 bf16 inputs they multiply by vdpbf16ps where it runs at the FMA's rate (AMD's avx512_bf16; 360-440
 GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32 FMAs of the widened
 weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
 Only weights whose whole-matrix dequantization is cheap next to the matmul take that path
-(`FAST_DEQUANTIZE`); the K-quants and IQ4 unpack a block row at a time, so their prefill stays on the
-kernel at every row count.
+(`FAST_DEQUANTIZE`: all but Q2_K and Q3_K, which unpack a value at a time and stay on the kernel).
 Where the two cross on an AMX Xeon, and what the kernel gives without AMX: docs/benchmarks.md
 (`### An AMX CPU's split`).
 """
@@ -35,11 +34,11 @@ from .tensors import BF16, F32, I8, TILE_ROWS, GGMLType, QuantizedTensor, bf16_r
 # the AMX tiles (module docstring); without AMX the kernel wins at every row count.
 BF16_KERNEL_MAX_ROWS = 128
 # The weight types whose whole-matrix dequantization (`kernels.dequantize_matrix`) is cheap next to the
-# matmul (vectorized blocks; dense tiles copied back into rows), for which dequantize + oneDNN's matmul
-# wins above that. The others (K-quants, IQ4) unpack a block row at a time: at 512 rows their prefill
-# through oneDNN ran at a third of the kernel's, and vectorized, no faster than the kernel
-# (docs/benchmarks.md).
-FAST_DEQUANTIZE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8, BF16, F32})
+# matmul (a block row's 32 values in vector registers; dense tiles copied back into rows), for which
+# dequantize + oneDNN's matmul wins above that. Q2_K and Q3_K unpack a value at a time: value by value,
+# the K-quants' prefill through oneDNN had run at a third of the kernel's (docs/benchmarks.md).
+FAST_DEQUANTIZE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
+                             GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, I8, BF16, F32})
 
 
 def bf16_kernel_max_rows(qtypes: Iterable[int] = ()) -> int | None:
@@ -56,17 +55,17 @@ def matmul_ops() -> object | None:
 
 
 # The most bytes of weight the oneDNN path dequantizes at a time: a bigger matrix goes in chunks of rows,
-# so its scratch stays this size (at 4,096 rows of a 3B model's matrices oneDNN ran as fast as over the
-# whole matrix: docs/benchmarks.md); the 1B shape's matrices fit whole.
+# so the scratch stays this size (at 4,096 rows of a 3B model's matrices oneDNN ran as fast as over the
+# whole matrix, at 2,048 1-7% slower: docs/benchmarks.md); the 1B shape's matrices fit whole.
 SCRATCH_BYTES = 64 << 20
 
 
 class _Scratch:
-    """One buffer per (columns, dtype) of at most `SCRATCH_BYTES`, reused by every layer: a weight's
-    chunks of rows are dequantized into it one after the other."""
+    """One buffer per dtype of at most `SCRATCH_BYTES` (or one tile's rows), reused by every layer: a
+    weight's chunks of rows are dequantized into it one after the other, as [rows, columns] views."""
 
     def __init__(self) -> None:
-        self.buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def chunks(self, weight: QuantizedTensor, dtype: torch.dtype,
                ops: object | None) -> Iterator[tuple[int, torch.Tensor]]:
@@ -76,13 +75,14 @@ class _Scratch:
             return
         rows, cols = weight.shape
         per_chunk = max(TILE_ROWS, SCRATCH_BYTES // (cols * dtype.itemsize) // TILE_ROWS * TILE_ROWS)
-        buffer = self.buffers.get((cols, dtype))
-        if buffer is None or buffer.shape[0] < min(rows, per_chunk):
-            buffer = self.buffers[(cols, dtype)] = torch.empty(min(rows, per_chunk), cols, dtype=dtype)
+        size = min(rows, per_chunk) * cols
+        buffer = self.buffers.get(dtype)
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[dtype] = torch.empty(size, dtype=dtype)
         scales = weight.row_scales_or_empty()
         for n0 in range(0, rows, per_chunk):
             n1 = min(rows, n0 + per_chunk)
-            out = buffer[:n1 - n0]
+            out = buffer[:(n1 - n0) * cols].view(n1 - n0, cols)
             ops.dequantize_matrix(weight.data[n0 // TILE_ROWS:-(-n1 // TILE_ROWS)], weight.qtype,
                                   scales[n0:n1 + (-n1) % TILE_ROWS] if scales.numel() else scales, out)
             yield n0, out
