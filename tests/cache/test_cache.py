@@ -577,6 +577,7 @@ def test_pool_is_sized_from_free_memory_after_the_working_memory(tiny_llama, mon
     assert working_memory_bytes(engine.model, bigger, torch.float32, False) > working_memory_bytes(
         engine.model, ContinuousBatchingConfig(), torch.float32, False)
     config = ContinuousBatchingConfig(max_memory_percent=0.5, attention_backend="torch")
-    monkeypatch.setattr(cache_pool, "available_memory", lambda device: working[True] + 4 * per_chunk)  # room for 2 chunks: only the reserved ones
+    # room for 2 chunks: only the reserved ones
+    monkeypatch.setattr(cache_pool, "available_memory", lambda device: working[True] + 4 * per_chunk)
     with pytest.raises(MemoryError, match="not enough free memory for a KV cache"):
         LLM(tiny_llama.path, dtype="float32", config=config)

@@ -6,11 +6,11 @@ read in their quantized form, the activations quantized to int8 blocks of 32, in
 peaks at 160 and oneDNN's bf16 matmul on AVX512-BF16 at 80). On a CPU with AMX, oneDNN's bf16
 matmul runs on the tiles and is faster for big inputs: there, in bf16, inputs of more than
 `BF16_KERNEL_MAX_ROWS` rows (prefill chunks, big decode batches) go to it instead, the weight
-dequantized into a scratch buffer shared by every layer of that width (not a second copy of the
-model: at most `SCRATCH_BYTES` of one matrix's rows at a time). Dense bf16 weights stay in tiles at every row count without AMX: over
-bf16 inputs they multiply by vdpbf16ps where it runs at the FMA's rate (AMD's avx512_bf16; 360-440
-GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32 FMAs of the widened
-weights elsewhere. Without the native kernels, every input takes the dequantize path.
+dequantized into a scratch buffer shared by every layer (not a second copy of the model: at most
+`SCRATCH_BYTES` of one matrix's rows at a time). Dense bf16 weights stay in tiles at every row count
+without AMX: over bf16 inputs they multiply by vdpbf16ps where it runs at the FMA's rate (AMD's
+avx512_bf16; 360-440 GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32
+FMAs of the widened weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
 Only weights whose whole-matrix dequantization is cheap next to the matmul take that path
 (`FAST_DEQUANTIZE`: all but Q2_K and Q3_K, which unpack a value at a time and stay on the kernel).
