@@ -187,7 +187,8 @@ class LLM(PoolingMethods, LoRAMethods):
                 net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization,
                                   lm_head=task_name is None)
                 if (given_config is None and max_num_batched_tokens is None and task_name is None
-                        and not config.batch_invariant and prompts_take_onednn(net, self.dtype)):
+                        and self.device.type == "cpu" and not config.batch_invariant
+                        and prompts_take_onednn(net, self.dtype)):
                     engine_config = replace(config, max_batch_tokens=ONEDNN_MAX_BATCH_TOKENS)
             self.model_path = checkpoint.path
             self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
