@@ -154,15 +154,60 @@ inline __m512 mul_rounded(__m512 x, __m512 y) {
 inline __m512 widen_u8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)); }
 inline __m512 widen_i8(__m128i q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)); }
 
-// Row r's 32 weights of block b of a K-quant (Q4_K, Q5_K, Q6_K) or IQ4 tile into y, `tiled_value`'s
-// arithmetic 16 at a time: the row's nibbles are its 4-byte words of each chunk (weights 0-15 low,
-// 16-31 high), Q5_K's fifth bits and Q6_K's high two bits its bits of each word's mask or plane.
-// False for the other types. A weight at a time (`tiled_value`) took ~10 cycles: a 3B model's prefill
-// through oneDNN on an AMX CPU waited on it.
+// Row r's 4 weights of each word w (weights 4w..4w+3) as bytes: from bits 2 (w / 2) of its bytes of plane
+// w % 2 (Q2_K's and Q3_K's quants, Q6_K's high bits), or from bits 4r..4r+3 of mask word w (Q3_K's third
+// bits, Q5_K's fifth), each set bit as `one`.
+inline void plane_words(const uint8_t* planes, int r, uint32_t* words) {
+    uint32_t p[2];
+    std::memcpy(&p[0], planes + 4 * r, 4), std::memcpy(&p[1], planes + 64 + 4 * r, 4);
+    for (int w = 0; w < 8; ++w) words[w] = p[w % 2] >> (2 * (w / 2)) & 0x03030303u;
+}
+inline void mask_words(const uint8_t* masks, int r, uint32_t one, uint32_t* words) {
+    for (int w = 0; w < 8; ++w) {
+        uint64_t mask;
+        std::memcpy(&mask, masks + 8 * w, 8);
+        const uint32_t bits = static_cast<uint32_t>(mask >> (4 * r));
+        words[w] = ((bits & 1) | (bits & 2) << 7 | (bits & 4) << 14 | (bits & 8) << 21) * one;
+    }
+}
+
+// Row r's 32 weights of block b of a 2-bit tile (Q2_K, Q3_K) into y, `tiled_value`'s arithmetic 16 at a
+// time, a scale per half.
+void dequantize_two_bit_row(int64_t type, const uint8_t* blk, const uint8_t* head, int r, float* y) {
+    uint32_t words[8], third[8];
+    plane_words(blk, r, words);
+    if (type == Q3_K) mask_words(blk + 128, r, 4, third);
+    const uint8_t* sc = blk + quant_bytes(type);
+    const float d = half_to_float(fp16_scales(head)[r]);
+    for (int h = 0; h < 2; ++h) {
+        __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(words + 4 * h));
+        if (type == Q3_K) {  // (d sc_h) (q - 4), q of 3 bits
+            q = _mm_or_si128(q, _mm_loadu_si128(reinterpret_cast<const __m128i*>(third + 4 * h)));
+            const __m512 v = _mm512_sub_ps(widen_u8(q), _mm512_set1_ps(4.f));
+            _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_set1_ps(d * static_cast<int8_t>(sc[16 * h + r])), v));
+        } else {  // (d sc_h) q - (dmin m_h), sc and m the nibbles of one byte
+            const int packed = sc[16 * h + r];
+            const __m512 dl = _mm512_set1_ps(d * (packed & 0xF));
+            const float m = conveyor::mul_rounded(half_to_float(fp16_scales(head)[16 + r]), packed >> 4);
+            const __m512 ml = _mm512_set1_ps(m);
+            _mm512_storeu_ps(y + 16 * h, _mm512_sub_ps(mul_rounded(dl, widen_u8(q)), ml));
+        }
+    }
+}
+
+// Row r's 32 weights of block b of a K-quant or IQ4 tile into y, `tiled_value`'s arithmetic 16 at a
+// time: the row's nibbles are its 4-byte words of each chunk (weights 0-15 low, 16-31 high), its 2-bit
+// values, Q5_K's fifth bits and Q6_K's high two bits its bits of each word's plane or mask. False for
+// the other types. A weight at a time (`tiled_value`) took ~10 cycles: a 3B model's prefill through
+// oneDNN on an AMX CPU waited on it.
 bool dequantize_block_row_vec(int64_t type, const uint8_t* tile, int64_t b, int r, float* y) {
-    if (type != Q4_K && type != Q5_K && type != Q6_K && !is_iq4(type)) return false;
+    if (!has_superblocks(type) && !is_iq4(type)) return false;
     const uint8_t* blk = tile_block(type, tile, b);
     const uint8_t* head = tile_header(type, tile, b);
+    if (is2bit(type)) {
+        dequantize_two_bit_row(type, blk, head, r, y);
+        return true;
+    }
     const uint8_t* sc = blk + quant_bytes(type);
     alignas(16) uint8_t qs[16];
     for (int j = 0; j < 4; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
@@ -176,18 +221,12 @@ bool dequantize_block_row_vec(int64_t type, const uint8_t* tile, int64_t b, int 
             _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_set1_ps(d), widen_i8(_mm_shuffle_epi8(table, q[h]))));
         return true;
     }
-    uint32_t words[8];  // the high bits of word w (weights 4w..4w+3) as bytes
-    if (type == Q6_K) {  // plane w % 2, bits 2 (w / 2)
-        uint32_t planes[2];
-        std::memcpy(&planes[0], blk + 256 + 4 * r, 4), std::memcpy(&planes[1], blk + 256 + 64 + 4 * r, 4);
-        for (int w = 0; w < 8; ++w) words[w] = (planes[w % 2] >> (2 * (w / 2)) & 0x03030303u) << 4;
-    } else if (type == Q5_K) {  // bits 4r..4r+3 of mask word w
-        for (int w = 0; w < 8; ++w) {
-            uint64_t mask;
-            std::memcpy(&mask, blk + 256 + 8 * w, 8);
-            const uint32_t bits = static_cast<uint32_t>(mask >> (4 * r)) & 0xF;
-            words[w] = (bits & 1) << 4 | (bits & 2) << 11 | (bits & 4) << 18 | (bits & 8) << 25;
-        }
+    uint32_t words[8];  // the high bits of word w (weights 4w..4w+3) as bytes, from bit 4 on
+    if (type == Q6_K) {
+        plane_words(blk + 256, r, words);
+        for (uint32_t& w : words) w <<= 4;
+    } else if (type == Q5_K) {
+        mask_words(blk + 256, r, 16, words);
     }
     if (type != Q4_K)
         for (int h = 0; h < 2; ++h) {
