@@ -146,8 +146,7 @@ class SparseMoe(nn.Module):
         self.observer: Callable[[list[int]], None] | None = None
         self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
         # On an AMX CPU, bf16 experts with more rows than this run faster through oneDNN's AMX matmul
-        # (`QuantMatmul`, the loop): prefill chunks. None: the grouped kernels take any rows (set with them:
-        # it depends on the experts' weight types).
+        # (`QuantMatmul`, the loop): prefill chunks. None: the grouped kernels take any rows (set with them).
         self.amx_rows: int | None = None
 
     def group_experts(self) -> bool:
@@ -175,7 +174,7 @@ class SparseMoe(nn.Module):
         first, act = self.experts[0], self.activation
         self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features,
                                           act.alpha if act else 1.0, act.limit if act else 0.0)
-        self.amx_rows = bf16_kernel_max_rows(s.qtype for m in linears for s in m.kernel.segments)
+        self.amx_rows = bf16_kernel_max_rows()
         for e in self.experts:
             linears = (e.gate_up_proj, e.down_proj)
             biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]

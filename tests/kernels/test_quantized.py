@@ -239,15 +239,12 @@ def test_bf16_kernel_rows_follow_the_cpu() -> None:
         assert matmul.takes_kernel(4096, torch.bfloat16) == (limit is None)
         dense = QuantMatmul([bf16_rows(torch.randn(32, 64))])  # dense bf16 tiles: the same rule
         assert dense.takes_kernel(4096, torch.bfloat16) == (limit is None)
-        # so do the K-quants and IQ4 (their blocks' rows dequantized in vector registers) and a fused projection
-        # of them; Q2_K and Q3_K unpack a value at a time: the kernel at every row count, also where a fused
-        # projection mixes them with a type that would leave it
-        for parts in ([gguf_tensor(GGMLType.Q4_K, 32, 256)], [gguf_tensor(GGMLType.IQ4_XS, 32, 256)],
-                      [gguf_tensor(GGMLType.Q8_0, 32, 256), gguf_tensor(GGMLType.Q6_K, 16, 256)]):
-            assert QuantMatmul(parts).takes_kernel(4096, torch.bfloat16) == (limit is None)
-        for parts in ([gguf_tensor(GGMLType.Q3_K, 32, 256)], [gguf_tensor(GGMLType.Q2_K, 32, 256)],
-                      [gguf_tensor(GGMLType.Q8_0, 32, 256), gguf_tensor(GGMLType.Q3_K, 16, 256)]):
-            assert QuantMatmul(parts).takes_kernel(4096, torch.bfloat16)
+        # so does every GGUF type (a block row's values dequantized in vector registers), and a fused projection
+        # that mixes them
+        for qtype in GGUF_TYPES:
+            assert QuantMatmul([gguf_tensor(qtype, 32, 256)]).takes_kernel(4096, torch.bfloat16) == (limit is None)
+        fused = [gguf_tensor(GGMLType.Q8_0, 32, 256), gguf_tensor(GGMLType.Q3_K, 16, 256)]
+        assert QuantMatmul(fused).takes_kernel(4096, torch.bfloat16) == (limit is None)
         # their bf16 inputs as pairs for vdpbf16ps where it runs at the FMA's rate: AMD's avx512_bf16
         amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
         if matmul_ops().isa() == "avx512-vnni+avx512-bf16":

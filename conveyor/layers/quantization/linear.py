@@ -12,15 +12,15 @@ without AMX: over bf16 inputs they multiply by vdpbf16ps where it runs at the FM
 avx512_bf16; 360-440 GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32
 FMAs of the widened weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
-Only weights whose whole-matrix dequantization is cheap next to the matmul take that path
-(`FAST_DEQUANTIZE`: all but Q2_K and Q3_K, which unpack a value at a time and stay on the kernel).
+Every weight type takes that path: each dequantizes a block row's 32 values in vector registers
+(`kernels.dequantize_matrix`), cheap next to the matmul.
 Where the two cross on an AMX Xeon, and what the kernel gives without AMX: docs/benchmarks.md
 (`### An AMX CPU's split`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -28,25 +28,16 @@ from torch import nn
 
 from ...kernels import cpu_flags, cpu_matmul_ops, native_kernels_enabled
 from .registry import quantization_method
-from .tensors import BF16, F32, I8, TILE_ROWS, GGMLType, QuantizedTensor, bf16_rows, cat_rows
+from .tensors import TILE_ROWS, QuantizedTensor, bf16_rows, cat_rows
 
 # On an AMX CPU, in bf16, up to this many rows the kernel beats dequantize + oneDNN's bf16 matmul on
 # the AMX tiles (module docstring); without AMX the kernel wins at every row count.
 BF16_KERNEL_MAX_ROWS = 128
-# The weight types whose whole-matrix dequantization (`kernels.dequantize_matrix`) is cheap next to the
-# matmul (a block row's 32 values in vector registers; dense tiles copied back into rows), for which
-# dequantize + oneDNN's matmul wins above that. Q2_K and Q3_K unpack a value at a time: value by value,
-# the K-quants' prefill through oneDNN had run at a third of the kernel's (docs/benchmarks.md).
-FAST_DEQUANTIZE = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K,
-                             GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, I8, BF16, F32})
 
 
-def bf16_kernel_max_rows(qtypes: Iterable[int] = ()) -> int | None:
-    """Most rows of a bf16 input the native kernel takes (None: any), on this CPU, for weights of
-    `qtypes` (all of them: a fused projection's segments, a layer's experts)."""
-    if "amx_bf16" not in cpu_flags() or any(qtype not in FAST_DEQUANTIZE for qtype in qtypes):
-        return None
-    return BF16_KERNEL_MAX_ROWS
+def bf16_kernel_max_rows() -> int | None:
+    """Most rows of a bf16 input the native kernel takes (None: any), on this CPU."""
+    return BF16_KERNEL_MAX_ROWS if "amx_bf16" in cpu_flags() else None
 
 
 def matmul_ops() -> object | None:
@@ -122,7 +113,7 @@ class QuantMatmul:
         self.bias = bias
         self.out_dtype = out_dtype
         self.ops = matmul_ops()
-        self.bf16_max_rows = bf16_kernel_max_rows(s.qtype for s in self.segments)
+        self.bf16_max_rows = bf16_kernel_max_rows()
 
     def takes_kernel(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether an input of `rows` rows in `dtype` runs on the native kernel (else: dequantize + matmul)."""
@@ -303,8 +294,8 @@ def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, d
 
 def prompts_take_onednn(model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether most of `model`'s linear weights (by bytes) send `dtype` inputs of more than
-    `BF16_KERNEL_MAX_ROWS` rows to oneDNN's matmul (bf16 on AMX CPUs, `FAST_DEQUANTIZE` types): each such
-    call dequantizes its weight, which larger steps amortize."""
+    `BF16_KERNEL_MAX_ROWS` rows to oneDNN's matmul (bf16 on AMX CPUs, not under batch invariance): each
+    such call dequantizes its weight, which larger steps amortize."""
     if dtype != torch.bfloat16:
         return False
     kernels = [m.kernel for m in model.modules() if isinstance(m, QuantLinear)]
