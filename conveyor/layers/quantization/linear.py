@@ -12,8 +12,9 @@ without AMX: over bf16 inputs they multiply by vdpbf16ps where it runs at the FM
 avx512_bf16; 360-440 GFLOP/s on 2 Zen 4 cores from 8 rows on, oneDNN's bf16 matmul 160-430), by fp32
 FMAs of the widened weights elsewhere. Without the native kernels, every input takes the dequantize path.
 
-Every weight type takes that path: each dequantizes a block row's 32 values in vector registers
-(`kernels.dequantize_matrix`), cheap next to the matmul.
+Every weight type takes that path: its whole-matrix dequantization (`kernels.dequantize_matrix`: a
+quantized block row's 32 values at a time in vector registers, dense tiles copied back into rows) is
+cheap next to the matmul.
 Where the two cross on an AMX Xeon, and what the kernel gives without AMX: docs/benchmarks.md
 (`### An AMX CPU's split`).
 """
