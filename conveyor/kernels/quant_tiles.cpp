@@ -195,31 +195,50 @@ void dequantize_two_bit_row(int64_t type, const uint8_t* blk, const uint8_t* hea
     }
 }
 
-// Row r's 32 weights of block b of a K-quant or IQ4 tile into y, `tiled_value`'s arithmetic 16 at a
-// time: the row's nibbles are its 4-byte words of each chunk (weights 0-15 low, 16-31 high), its 2-bit
-// values, Q5_K's fifth bits and Q6_K's high two bits its bits of each word's plane or mask. False for
-// the other types. A weight at a time (`tiled_value`) took ~10 cycles: a 3B model's prefill through
-// oneDNN on an AMX CPU waited on it.
-bool dequantize_block_row_vec(int64_t type, const uint8_t* tile, int64_t b, int r, float* y) {
-    if (!has_superblocks(type) && !is_iq4(type)) return false;
+// Row r's 32 weights of block b of a quantized tile into y, `dequantize_block_row`'s values 16 at a time
+// (row_scale: I8's scale of that row): the row's bytes are its 4-byte words of each chunk (4-bit types:
+// weights 0-15 in the low nibbles, 16-31 in the high ones), its 2-bit values, Q5_K's fifth bits and
+// Q6_K's high two bits its bits of each word's plane or mask. A weight at a time (`tiled_value`) took
+// ~10 cycles: a 3B model's prefill through oneDNN on an AMX CPU waited on it.
+void dequantize_block_row_vec(int64_t type, const uint8_t* tile, int64_t b, int r, float row_scale, float* y) {
     const uint8_t* blk = tile_block(type, tile, b);
     const uint8_t* head = tile_header(type, tile, b);
     if (is2bit(type)) {
         dequantize_two_bit_row(type, blk, head, r, y);
-        return true;
+        return;
     }
     const uint8_t* sc = blk + quant_bytes(type);
+    if (!is4bit(type) && type != Q6_K) {  // Q8_0, I8: q d
+        alignas(32) int8_t qs[32];
+        for (int j = 0; j < 8; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
+        const __m512 d = _mm512_set1_ps(type == I8 ? row_scale : half_to_float(fp16_scales(sc)[r]));
+        for (int h = 0; h < 2; ++h) {
+            const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
+            _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(widen_i8(q), d));
+        }
+        return;
+    }
     alignas(16) uint8_t qs[16];
     for (int j = 0; j < 4; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
     const __m128i raw = _mm_load_si128(reinterpret_cast<const __m128i*>(qs)), low4 = _mm_set1_epi8(0x0F);
     __m128i q[2] = {_mm_and_si128(raw, low4), _mm_and_si128(_mm_srli_epi16(raw, 4), low4)};
+    if (type == Q4_0 || type == Q4_1) {  // (q - 8) d; Q4_1: q d + m
+        const __m512 d = _mm512_set1_ps(half_to_float(fp16_scales(sc)[r]));
+        const __m512 m = _mm512_set1_ps(type == Q4_1 ? half_to_float(fp16_scales(sc)[16 + r]) : 0.f);
+        for (int h = 0; h < 2; ++h) {
+            const __m512 v = widen_u8(q[h]);
+            _mm512_storeu_ps(y + 16 * h, type == Q4_0 ? _mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(8.f)), d)
+                                                      : _mm512_add_ps(mul_rounded(v, d), m));
+        }
+        return;
+    }
     if (is_iq4(type)) {  // d kvalues[q] (IQ4_XS: d sc)
         const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
         const float d = type == IQ4_XS ? half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[r])
                                        : half_to_float(fp16_scales(sc)[r]);
         for (int h = 0; h < 2; ++h)
             _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_set1_ps(d), widen_i8(_mm_shuffle_epi8(table, q[h]))));
-        return true;
+        return;
     }
     uint32_t words[8];  // the high bits of word w (weights 4w..4w+3) as bytes, from bit 4 on
     if (type == Q6_K) {
@@ -239,13 +258,12 @@ bool dequantize_block_row_vec(int64_t type, const uint8_t* tile, int64_t b, int 
             const __m512 v = _mm512_sub_ps(widen_u8(q[h]), _mm512_set1_ps(32.f));
             _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_set1_ps(d * static_cast<int8_t>(sc[16 * h + r])), v));
         }
-        return true;
+        return;
     }
-    // (d sc) q - (dmin m)
+    // Q4_K, Q5_K: (d sc) q - (dmin m)
     const __m512 d1 = _mm512_set1_ps(half_to_float(fp16_scales(head)[r]) * sc[r]);
     const __m512 m1 = _mm512_set1_ps(half_to_float(fp16_scales(head)[16 + r]) * sc[16 + r]);
     for (int h = 0; h < 2; ++h) _mm512_storeu_ps(y + 16 * h, _mm512_sub_ps(mul_rounded(d1, widen_u8(q[h])), m1));
-    return true;
 }
 #endif
 
@@ -341,48 +359,14 @@ void dequantize_tiles(int64_t type, const uint8_t* tiles, const float* row_scale
     for (int64_t t = t0; t < t1; ++t) {
         for (int r = 0; r < kTileRows && t * kTileRows + r < N; ++r) {
             const int64_t n = t * kTileRows + r;
+            const float scale = type == I8 ? row_scales[n] : 1.f;
             for (int64_t b0 = 0; b0 < nb; b0 += 4) {
                 const int64_t count = std::min<int64_t>(4, nb - b0);
                 for (int64_t b = b0; b < b0 + count; ++b) {
-                    const uint8_t* blk = tile_block(type, tiles + t * tb, b);
-                    const uint16_t* sc = fp16_scales(blk + quant_bytes(type));
-                    float* y = row + (b - b0) * QK;
 #if defined(__AVX512F__)
-                    if (dequantize_block_row_vec(type, tiles + t * tb, b, r, y)) continue;
-                    if (has_superblocks(type) || is_iq4(type)) {
-                        dequantize_block_row(type, tiles + t * tb, b, r, 1.f, y);
-                        continue;
-                    }
-                    if (is4bit(type)) {
-                        alignas(16) uint8_t qs[16];
-                        for (int j = 0; j < 4; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
-                        const __m128i raw = _mm_load_si128(reinterpret_cast<const __m128i*>(qs));
-                        const __m128i mask = _mm_set1_epi8(0x0F);
-                        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-                        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
-                        const float d = half_to_float(sc[r]);
-                        if (type == Q4_1) {  // q * d + m, as ggml
-                            const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(half_to_float(sc[16 + r]));
-                            _mm512_storeu_ps(y, _mm512_add_ps(_mm512_mul_ps(lo, dv), mv));
-                            _mm512_storeu_ps(y + 16, _mm512_add_ps(_mm512_mul_ps(hi, dv), mv));
-                        } else {  // (q - 8) * d
-                            const __m512 dv = _mm512_set1_ps(d), eight = _mm512_set1_ps(8.f);
-                            _mm512_storeu_ps(y, _mm512_mul_ps(_mm512_sub_ps(lo, eight), dv));
-                            _mm512_storeu_ps(y + 16, _mm512_mul_ps(_mm512_sub_ps(hi, eight), dv));
-                        }
-                        continue;
-                    }
-                    alignas(32) int8_t qs[32];
-                    for (int j = 0; j < 8; ++j) std::memcpy(qs + 4 * j, blk + 64 * j + 4 * r, 4);
-                    const float d = type == I8 ? row_scales[n] : half_to_float(sc[r]);
-                    const __m512 dv = _mm512_set1_ps(d);
-                    for (int h = 0; h < 2; ++h) {
-                        const __m128i q = _mm_load_si128(reinterpret_cast<const __m128i*>(qs + 16 * h));
-                        _mm512_storeu_ps(y + 16 * h, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), dv));
-                    }
+                    dequantize_block_row_vec(type, tiles + t * tb, b, r, scale, row + (b - b0) * QK);
 #else
-                    (void)sc, (void)blk;
-                    dequantize_block_row(type, tiles + t * tb, b, r, type == I8 ? row_scales[n] : 1.f, y);
+                    dequantize_block_row(type, tiles + t * tb, b, r, scale, row + (b - b0) * QK);
 #endif
                 }
                 const int64_t len = count * QK, off = n * K + b0 * QK;

@@ -146,8 +146,8 @@ class SparseMoe(nn.Module):
         self.observer: Callable[[list[int]], None] | None = None
         self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
         # On an AMX CPU, bf16 experts with more rows than this run faster through oneDNN's AMX matmul
-        # (`QuantMatmul`, the loop): prefill chunks. None: the grouped kernels take any rows (set with them).
-        self.amx_rows: int | None = None
+        # (`QuantMatmul`, the loop): prefill chunks. None: the grouped kernels take any rows.
+        self.amx_rows = bf16_kernel_max_rows()
 
     def group_experts(self) -> bool:
         """Run the routed experts through the native `GroupedExperts` (one call per layer and step, see
@@ -174,7 +174,6 @@ class SparseMoe(nn.Module):
         first, act = self.experts[0], self.activation
         self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features,
                                           act.alpha if act else 1.0, act.limit if act else 0.0)
-        self.amx_rows = bf16_kernel_max_rows()
         for e in self.experts:
             linears = (e.gate_up_proj, e.down_proj)
             biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]

@@ -295,8 +295,9 @@ def plan_weights(weights: dict[str, Weight | list[Weight]], quantization: str, d
 
 def prompts_take_onednn(model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether most of `model`'s linear weights (by bytes) send `dtype` inputs of more than
-    `BF16_KERNEL_MAX_ROWS` rows to oneDNN's matmul (bf16 on AMX CPUs, not under batch invariance): each
-    such call dequantizes its weight, which larger steps amortize."""
+    `BF16_KERNEL_MAX_ROWS` rows to oneDNN's matmul (bf16 on AMX CPUs; batch invariance, which keeps them
+    on the kernel, is set later by the engine): each such call dequantizes its weight, which larger steps
+    amortize."""
     if dtype != torch.bfloat16:
         return False
     kernels = [m.kernel for m in model.modules() if isinstance(m, QuantLinear)]
