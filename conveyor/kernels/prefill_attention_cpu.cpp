@@ -238,7 +238,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
     const bool word_pairs = paired && std::is_same_v<Q, bf16> && D % 2 == 0;  // `tile_query_pairs`
     const int64_t window = a.window;
     const float cap = a.softcap;
-    const int64_t tq = std::max<int64_t>(1, kTileRows / G), Rp = (tq * G + W - 1) / W * W, nv = Rp / W;
+    const int64_t tq = std::max<int64_t>(1, kTileRows / G), Rmax = round_up(tq * G, W);  // a task's rows, at most
     std::vector<Task> tasks;
     std::vector<ChunkBlocks> blocks(a.num_chunks);
     int64_t num_blocks = 0;
@@ -365,22 +365,22 @@ void prefill(const PrefillArgs<Q, T>& a) {
     });
     std::atomic<size_t> next{0};
     parallel_for(0, call_threads(), 1, [&](int64_t, int64_t) {
-        std::vector<float> qt(scaled || paired ? 0 : D * Rp), st(NB * Rp), ot(Dp * Rp), m(Rp), l(Rp);
-        std::vector<int32_t> qq(nq * Rp), qsum(Rp), words(nq);  // int8 keys: the rows' queries quantized, sums
-        std::vector<float> qs(Rp), qrow(D);                     // and scales; a row's scaled query
-        std::vector<const T*> trow(NB), vraw(NB);              // int8 K and V rows of a block of a chunk with one tile
-        std::vector<int32_t> vp(scaled ? NB / 2 * Dq : 0), pq(scaled ? NB / 2 * Rp : 0);  // its value pairs; weights
-        std::vector<float> sw(scaled ? Rp : 0);                 // and the sums' scales
-        std::vector<int32_t> hi(Rp), lo(Rp);
+        std::vector<float> qt(scaled || paired ? 0 : D * Rmax), st(NB * Rmax), ot(Dp * Rmax), m(Rmax), l(Rmax);
+        std::vector<int32_t> qq(nq * Rmax), qsum(Rmax), words(nq);  // int8 keys: the rows' queries quantized, sums
+        std::vector<float> qs(Rmax), qrow(D);                       // and scales; a row's scaled query
+        std::vector<const T*> trow(NB), vraw(NB);                  // int8 K and V rows of a block of a chunk with one tile
+        std::vector<int32_t> vp(scaled ? NB / 2 * Dq : 0), pq(scaled ? NB / 2 * Rmax : 0);  // its value pairs; weights
+        std::vector<float> sw(scaled ? Rmax : 0);                   // and the sums' scales
+        std::vector<int32_t> hi(Rmax), lo(Rmax);
         std::vector<const float*> krow(NB), vrow(NB);
-        std::vector<uint32_t> qp(np * Rp), kp(np * NB);  // bf16 keys: the rows' query pairs; a block's key pairs
-        std::vector<const Q*> qrows(word_pairs ? Rp : 0);  // and the rows' queries where those are their words
+        std::vector<uint32_t> qp(np * Rmax), kp(np * NB);  // bf16 keys: the rows' query pairs; a block's key pairs
+        std::vector<const Q*> qrows(word_pairs ? Rmax : 0);  // and the rows' queries where those are their words
         // A block of a chunk with one tile: its bf16 K rows widened (where not paired) and V rows widened.
         std::vector<float> kb(fp32 || scaled || paired ? 0 : NB * D), vb(fp32 || scaled ? 0 : NB * D);
         std::vector<float> kscale(scaled ? NB : 0), vscale(scaled ? NB : 0);  // and its int8 rows' scales
-        std::vector<vecw> bmax(nv), alpha(nv);
+        std::vector<vecw> bmax(Rmax / W), alpha(Rmax / W);
         std::vector<bf16> akr(amx ? NB * Dp : 0), avt(amx ? Dp * NB : 0);  // AMX: a one-tile chunk's block
-        std::vector<uint32_t> pp(amx ? NB * Rp : 0);                     // and the weights' pairs (two parts)
+        std::vector<uint32_t> pp(amx ? NB * Rmax : 0);                   // and the weights' pairs (two parts)
         std::optional<AmxScope> tiles;
         if (amx) tiles.emplace();
         for (size_t ti; (ti = next.fetch_add(1)) < tasks.size();) {
@@ -389,14 +389,15 @@ void prefill(const PrefillArgs<Q, T>& a) {
             const ChunkBlocks& cb = blocks[t.chunk];
             const int64_t q_start = chunk[0], n_ctx = chunk[3], start = chunk[4], off = start - n_ctx;
             const int64_t R = (t.q1 - t.q0) * G;  // row r: query q0 + r / G, head kv_head * G + r % G
+            const int64_t Rp = round_up(R, W), nv = Rp / W;  // the rows padded (a chunk's last tile: few)
             if constexpr (scaled) {  // padding rows: zero queries
-                std::fill(qq.begin(), qq.end(), 0);
-                std::fill(qsum.begin(), qsum.end(), 0);
-                std::fill(qs.begin(), qs.end(), 0.f);
+                std::fill_n(qq.begin(), nq * Rp, 0);
+                std::fill_n(qsum.begin(), Rp, 0);
+                std::fill_n(qs.begin(), Rp, 0.f);
             } else if constexpr (paired) {
-                if (!word_pairs) std::fill(qp.begin(), qp.end(), 0u);
+                if (!word_pairs) std::fill_n(qp.begin(), np * Rp, 0u);
             } else {
-                std::fill(qt.begin(), qt.end(), 0.f);
+                std::fill_n(qt.begin(), D * Rp, 0.f);
             }
             for (int64_t r = 0; r < Rp; ++r) {
                 const int64_t pos = start + t.q0 + std::min(r, R - 1) / G;  // the row's position
@@ -417,7 +418,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
             }
             if constexpr (std::is_same_v<Q, bf16>)
                 if (word_pairs) tile_query_pairs(qrows.data(), R, D, np, Rp, qp.data());
-            std::fill(ot.begin(), ot.end(), 0.f);
+            std::fill_n(ot.begin(), Dp * Rp, 0.f);
             for (int64_t r = 0; r < Rp; ++r)  // padding rows: no sink
                 start_row(a.sinks && r < R ? a.sinks + t.kv_head * G + r % G : nullptr, m[r], l[r]);
             const int64_t first_pos = start + t.q0, last_pos = start + t.q1 - 1;
