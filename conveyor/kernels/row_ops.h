@@ -73,7 +73,7 @@ inline void rms_norm_row(const In* x, const In* w, int64_t n, float eps, Out* ou
         __m512 v = _mm512_mul_ps(load16(x + j), iv);
         if constexpr (bf) v = round_bf16(v);
         __m512 y = _mm512_mul_ps(load16(w + j), v);
-        if constexpr (bf) y = round_bf16(y);
+        if constexpr (bf && !std::is_same_v<Out, bf16>) y = round_bf16(y);  // (a bf16 store rounds itself)
         store16(out + j, y);
     }
 #endif
@@ -97,7 +97,7 @@ inline void rope_head(V* v, const C* c, const C* s, int64_t D) {
         __m512 e = _mm512_mul_ps(x2, c2), f = _mm512_mul_ps(x1, s2);
         if constexpr (bf) a = round_bf16(a), b = round_bf16(b), e = round_bf16(e), f = round_bf16(f);
         __m512 lo = _mm512_add_ps(unfused(a), unfused(b)), hi = _mm512_add_ps(unfused(e), unfused(f));
-        if constexpr (bf) lo = round_bf16(lo), hi = round_bf16(hi);
+        if constexpr (bf && !std::is_same_v<V, bf16>) lo = round_bf16(lo), hi = round_bf16(hi);  // (as above)
         store16(v + i, lo, m);
         store16(v + half + i, hi, m);
     }
@@ -121,7 +121,7 @@ inline void silu_mul_row(const In* g, const In* u, int64_t n, Out* o) {
         const __m512 gi = load16(g + i);
         const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gi));
         __m512 y = _mm512_mul_ps(_mm512_div_ps(gi, _mm512_add_ps(one, e)), load16(u + i));
-        if constexpr (bf) y = round_bf16(y);
+        if constexpr (bf && !std::is_same_v<Out, bf16>) y = round_bf16(y);  // (a bf16 store rounds itself)
         store16(o + i, y);
     }
 #elif defined(__AVX2__) && defined(__FMA__)
