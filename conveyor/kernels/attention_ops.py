@@ -47,6 +47,7 @@ class PagedAttentionOps(Native):
         self._prefill = bind(lib, "conveyor_paged_prefill_attention", I32, I32, I32, P, P, P, I64, I64, I64, P, I64, P,
                              P, I64, I64, I64, I64, I64, F32, F32, P, P, I32, I32)
         self._quantize = bind(lib, "conveyor_quantize_kv", I32, I32, P, I64, I64, P, I32)
+        self._write = bind(lib, "conveyor_write_kv", I32, P, I64, P, I64, P, I64, I64, I64, P, P, I32)
         self._width = bind(lib, "conveyor_prefill_vector_width", I64)
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -98,6 +99,19 @@ class PagedAttentionOps(Native):
             dtype_code(q, "q"), kv_code, q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
             kv_cache.data_ptr(), kv_cache.shape[1], int64_vector(ctx_slots, "ctx_slots"), int64_vector(chunks, "chunks"),
             chunks.shape[0], H, Hkv, D, window, scale, softcap, _sinks(sinks, H), out.data_ptr(), int(amx), threads()))
+
+    def write_kv(self, kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """kv_cache[0][slots] = k and kv_cache[1][slots] = v: the batch's new rows [T, Hkv, D] (or int8 rows [T,
+        Hkv, D + 4]; heads contiguous, tokens any stride apart) into the cache [2, slots, Hkv, D] of their dtype."""
+        require(kv_cache.is_contiguous() and k.dtype == v.dtype == kv_cache.dtype, "k, v and the cache: one dtype")
+        require(k.shape == v.shape and k.shape[1:] == kv_cache.shape[2:] and slots.shape == (k.shape[0],),
+                f"k and v must be [tokens, {', '.join(map(str, kv_cache.shape[2:]))}] with a slot each")
+        _check_heads(k, "k")
+        _check_heads(v, "v")
+        size = k.element_size()
+        self.check(self._write(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
+                               int64_vector(slots, "slots"), k.shape[0], k[0].numel() * size, kv_cache.shape[1],
+                               kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), threads()))
 
     def quantize_kv(self, x: torch.Tensor) -> torch.Tensor:
         """Rows x [..., D] (fp32 or bf16) as int8 head rows with their scales, uint8 [..., D + 4]: what an int8

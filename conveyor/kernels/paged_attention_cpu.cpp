@@ -12,6 +12,7 @@
 #include "prefill_attention_cpu.h"
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -145,6 +146,29 @@ CONVEYOR_API int conveyor_quantize_kv(int dtype, const void* x, int64_t rows, in
                     for (int64_t d = 0; d < D; ++d) row[d] = static_cast<float>(b[d]);
                 }
                 quantize_head_row(src, D, static_cast<int8_t*>(out) + r * head_row<int8_t>(D));
+            }
+        });
+    });
+}
+
+// The batch's new K and V rows into the cache at their slots: token t's rows of `row_bytes` (its heads
+// together) at k + t * k_stride and v + t * v_stride bytes, to slot slots[t] of cache_k and cache_v. One
+// parallel pass over both, where two index_copy_ over strided views took about four times as long.
+CONVEYOR_API int conveyor_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
+                                   int64_t rows, int64_t row_bytes, int64_t num_slots, void* cache_k, void* cache_v,
+                                   int threads) {
+    return guarded(threads, [&] {
+        for (int64_t t = 0; t < rows; ++t)
+            CONVEYOR_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " of token ", t,
+                           " outside the cache's ", num_slots);
+        const auto* ks = static_cast<const char*>(k);
+        const auto* vs = static_cast<const char*>(v);
+        auto* ck = static_cast<char*>(cache_k);
+        auto* cv = static_cast<char*>(cache_v);
+        parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+            for (int64_t t = begin; t < end; ++t) {
+                std::memcpy(ck + slots[t] * row_bytes, ks + t * k_stride, row_bytes);
+                std::memcpy(cv + slots[t] * row_bytes, vs + t * v_stride, row_bytes);
             }
         });
     });

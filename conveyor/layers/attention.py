@@ -228,8 +228,7 @@ class CpuPagedAttention(AttentionBackend):
         if meta.prefills:
             self.kernel.paged_prefill_attention(q, k, v, kv_cache, meta.prefill_ctx_slots, meta.prefill_chunks,
                                                 meta.window or 0, scale, softcap or 0.0, out, sinks, amx=self.amx)
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        self.kernel.write_kv(kv_cache, meta.slot_mapping, k, v)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], kv_cache, meta, scale, softcap, sinks)
         return out

@@ -182,3 +182,26 @@ def test_attention_sinks_of_the_wrong_shape_are_an_error() -> None:
     with pytest.raises(RuntimeError, match=r"one logit per query head \(4\)"):
         cpu_paged_attention().paged_decode_attention(q, kv, meta.decode_block_tables, meta.decode_context_lens, None, 0,
                                                      meta.page_size, 0.25, 0.0, torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
+def test_write_kv_puts_each_row_at_its_slot(dtype: torch.dtype) -> None:
+    """The batch's K/V rows (views of a fused qkv output, tokens a row apart) land where index_copy_ puts them;
+    a slot outside the cache is an error naming it."""
+    g = torch.Generator().manual_seed(3)
+    kv_heads, dim, tokens = 3, 64 + (4 if dtype == torch.uint8 else 0), 300
+    qkv = torch.randn(tokens, 5 * kv_heads * dim, generator=g)
+    qkv = (qkv * 50).to(torch.uint8) if dtype == torch.uint8 else qkv.to(dtype)
+    k = qkv[:, 3 * kv_heads * dim:4 * kv_heads * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, 4 * kv_heads * dim:].view(tokens, kv_heads, dim)
+    cache = torch.zeros(2, 1000, kv_heads, dim, dtype=dtype)
+    slots = torch.randperm(1000, generator=g)[:tokens]
+    expected = cache.clone()
+    expected[0].index_copy_(0, slots, k)
+    expected[1].index_copy_(0, slots, v)
+    ops = cpu_paged_attention()
+    ops.write_kv(cache, slots, k, v)
+    assert torch.equal(cache, expected)
+    slots[7] = 1000
+    with pytest.raises(RuntimeError, match="slot 1000 of token 7 outside the cache's 1000"):
+        ops.write_kv(cache, slots, k, v)
