@@ -1,5 +1,5 @@
-// Fused elementwise ops of the Llama decoder layer on CPU (fp32 or bf16): RMSNorm, rotary
-// embedding (in place) and SiLU(gate) * up, each one pass instead of the 3-10 small PyTorch ops it
+// Fused elementwise ops of the Llama decoder layer on CPU (fp32 or bf16): RMSNorm (after the residual
+// add, or alone), rotary embedding (in place) and SiLU(gate) * up, each one pass instead of the 3-10 small PyTorch ops it
 // replaces (at decode batch sizes those ops cost more in dispatch and thread fork/join than in
 // arithmetic). Each op rounds like the PyTorch sequence it replaces (built with -ffp-contract=off:
 // no fused multiply-adds); only RMSNorm's sum of squares is added in another order. bf16 inputs
@@ -42,6 +42,27 @@ CONVEYOR_API int conveyor_rms_norm(int dtype, const void* x, const void* weight,
             T* op = static_cast<T*>(out);
             parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
                 for (int64_t r = begin; r < end; ++r) rms_norm_row<T>(xp + r * n, w, n, eps, op + r * n);
+            });
+        });
+    });
+}
+
+// The residual stream's add and the next RMSNorm in one pass: x = x + residual in place (rounded to the
+// dtype, as PyTorch's add), then out = rms_norm(x) as `conveyor_rms_norm` (contiguous rows of n, one dtype).
+CONVEYOR_API int conveyor_add_rms_norm(int dtype, void* x, const void* residual, const void* weight, int64_t rows,
+                                       int64_t n, float eps, void* out, int threads) {
+    return guarded(threads, [&] {
+        dispatch(dtype, [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            T* xp = static_cast<T*>(x);
+            const T* rp = static_cast<const T*>(residual);
+            const T* w = static_cast<const T*>(weight);
+            T* op = static_cast<T*>(out);
+            parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
+                for (int64_t r = begin; r < end; ++r) {
+                    add_row(xp + r * n, rp + r * n, n);
+                    rms_norm_row<T>(xp + r * n, w, n, eps, op + r * n);
+                }
             });
         });
     });

@@ -44,6 +44,16 @@ inline __m512 unfused(__m512 x) {
 }
 #endif
 
+// x = x + r over a row of n, rounded to T (bf16: the fp32 sum rounded once, as PyTorch's bf16 add).
+template <typename T>
+inline void add_row(T* x, const T* r, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) store16(x + i, _mm512_add_ps(load16(x + i), load16(r + i)));
+#endif
+    for (; i < n; ++i) x[i] = T(to_float(x[i]) + to_float(r[i]));
+}
+
 // out = weight * (x * rsqrt(mean(x^2) + eps)) over a row of n, as transformers' LlamaRMSNorm: the
 // statistics in fp32 (the sum of squares in 8 interleaved partial sums), the normalized x rounded to T
 // before the product with the weight.

@@ -84,11 +84,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
-        x = x + self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(x))
-        if self.fused is not None:
-            return x + self.down_proj(self.fused.silu_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
+        if self.fused is not None:  # h (a fresh output) becomes x + h, normed in the same pass
+            norm = self.post_attention_layernorm
+            gate_up = self.gate_up_proj(self.fused.add_rms_norm_(h, x, norm.weight, norm.eps))
+            return h + self.down_proj(self.fused.silu_mul(gate_up))
+        x = x + h
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 

@@ -116,3 +116,15 @@ def test_models_use_fused_ops_only_where_they_apply(tiny_models, monkeypatch):
     assert gemma.layers[0].fused is None  # Gemma's (1 + w) norm and GELU stay in PyTorch
     monkeypatch.setenv("CONVEYOR_NATIVE_KERNELS", "0")
     assert tiny_models["llama"].llm().engine.model.layers[0].fused is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_add_then_the_norm(ops, dtype):
+    """x += residual rounds as PyTorch's add (the same bits), and the norm of the sum is `rms_norm`'s."""
+    torch.manual_seed(0)
+    x, residual = (torch.randn(130, 100) * 3).to(dtype), (torch.randn(130, 100) * 3).to(dtype)
+    weight = torch.randn(100).to(dtype)
+    expected_sum = x + residual
+    expected = ops.rms_norm(expected_sum, weight, 1e-5)
+    out = ops.add_rms_norm_(x, residual, weight, 1e-5)
+    assert torch.equal(x, expected_sum) and torch.equal(out, expected)
