@@ -303,18 +303,21 @@ class ModelRunner:
         else:
             if self.graphs is not None:
                 self.graphs.eager_steps += 1
-            hidden = self.forward(step)
             rows = step.sample_rows[:len(step.samplers)] if step.verified else step.sample_rows
             if step.verify_rows is not None:  # one LM head pass for the sampled and the verified rows
                 rows = torch.cat([rows, step.verify_rows])
-            elif step.samplers and self.sampler.plain_greedy(step.sampling_views or step.samplers):
+            # Prompt logprobs read any row; else the pass computes the read rows' last layer alone.
+            hidden = self.forward(step) if step.prompt_plan else self.forward(step, rows)
+            picked = hidden.index_select(0, rows) if step.prompt_plan else hidden  # the rows' states, in order
+            if step.verify_rows is None and step.samplers and self.sampler.plain_greedy(step.sampling_views
+                                                                                          or step.samplers):
                 # the LM head fused with the argmax where it can (None elsewhere): no logits written
-                tokens = self.model.greedy_tokens(hidden.index_select(0, rows[:len(step.samplers)]))
+                tokens = self.model.greedy_tokens(picked[:len(step.samplers)])
             logits = None
             if tokens is None and rows.numel():
                 # the reused buffer, except for verified rows' logits, which outlive the step
                 out = None if step.verified else self.logits_buffer.take(rows.numel())
-                logits = self.model.compute_logits(hidden.index_select(0, rows), out)
+                logits = self.model.compute_logits(picked, out)
         prompt_logprobs = self._prompt_logprobs(step.prompt_plan, hidden) if step.prompt_plan else []
         verify_logits = logits[len(step.samplers):] if step.verified else None
         batch = None
@@ -324,15 +327,15 @@ class ModelRunner:
             batch = self.sampler.sample(logits[:len(step.samplers)], step.sampling_views or step.samplers).start_copy()
         return LaunchedStep(step.samplers, batch, prompt_logprobs, step.num_pad, step.verified, verify_logits)
 
-    def forward(self, step: PreparedStep) -> torch.Tensor:
-        """Hidden states of every row of the step (each layer with its group's metadata), its adapter rows
-        through their adapters."""
+    def forward(self, step: PreparedStep, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of every row of the step (each layer with its group's metadata), or of `rows` only
+        (in their order), its adapter rows through their adapters."""
         state = getattr(self.model, "lora_state", None)
         if state is not None:
             state.batch = step.lora
         try:
             return self.model(step.input_ids, step.positions, self.layer_kv,
-                              [step.metas[g] for g in self.layer_group], self.attention)
+                              [step.metas[g] for g in self.layer_group], self.attention, rows)
         finally:
             if state is not None:
                 state.batch = None

@@ -32,20 +32,22 @@ class PoolingModelRunner(ModelRunner):
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
         step = self.prepare(chunks)  # (its sample rows are left unread: nothing samples)
-        return StepResult([], [], [], pooled=self.pool_chunks(chunks, self.forward(step)))
-
-    def pool_chunks(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> PooledStep:
-        """Each chunk's part of its prompt's pooling, merged with its earlier chunks'; the outputs of the
-        prompts completed, through the head in one batch per set of options."""
         decodes, prefills = split_batch(chunks, self.drafts_decode)
         order = decodes + prefills  # the pass's row order
-        starts, offset = [], 0
-        for chunk in order:
-            starts.append(offset)
-            offset += chunk.num_tokens
-        device = hidden.device
-        parts = self.pooler.chunk_parts(hidden, torch.tensor(starts, device=device),
-                                        torch.tensor([c.num_tokens for c in order], device=device))
+        counts = torch.tensor([c.num_tokens for c in order], device=self.device)
+        starts = counts.cumsum(0) - counts
+        rows = self.pooler.read_rows(starts, counts)  # (LAST, CLS: the pass computes those rows' states alone)
+        hidden = self.forward(step, rows)
+        if rows is not None:
+            starts, counts = torch.arange(len(order), device=self.device), torch.ones_like(counts)
+        return StepResult([], [], [], pooled=self.pool_chunks(order, hidden, starts, counts))
+
+    def pool_chunks(self, order: list[ScheduledChunk], hidden: torch.Tensor, starts: torch.Tensor,
+                    counts: torch.Tensor) -> PooledStep:
+        """Each chunk's part of its prompt's pooling (chunk i: `counts[i]` rows of `hidden` from `starts[i]`),
+        merged with its earlier chunks'; the outputs of the prompts completed, through the head in one batch
+        per set of options. `order`: the chunks in the pass's row order."""
+        parts = self.pooler.chunk_parts(hidden, starts, counts)
         out = PooledStep()
         done: list[torch.Tensor] = []
         for chunk, part in zip(order, parts):

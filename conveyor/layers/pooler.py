@@ -44,6 +44,14 @@ class Pooler(nn.Module):
     def num_labels(self) -> int | None:
         return None if self.classifier is None else self.classifier.out_features
 
+    def read_rows(self, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
+        """The one row of each chunk `chunk_parts` reads (the last or the first), in order; None where it reads
+        them all (MEAN). A pass may then compute only these rows' hidden states (`CausalLM.forward`'s `rows`),
+        and `chunk_parts` takes them with starts 0, 1, ... and counts of one."""
+        if self.pooling_type == "LAST":
+            return starts + counts - 1
+        return starts if self.pooling_type == "CLS" else None
+
     def chunk_parts(self, hidden: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`[chunks, hidden]` fp32: each chunk's part of its prompt's pooling, the chunk being `counts[i]` rows
         of `hidden` from row `starts[i]` (long tensors on its device)."""

@@ -5,9 +5,11 @@ stored), the LM head, and the hooks a family fills (fused native ops, the native
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import cache
 from typing import Protocol
 
 import torch
@@ -76,6 +78,14 @@ class Mirror(Protocol):
                 metas: Sequence[AttentionMetadata]) -> AbstractContextManager[None]: ...
 
     def logits(self, hidden: torch.Tensor) -> AbstractContextManager[None]: ...
+
+
+@cache
+def selects_rows(layer_type: type[nn.Module]) -> bool:
+    """Whether a decoder layer's forward takes `rows`: then the last layer computes its attention's output
+    projection and its MLP for those rows only (every row's K/V is still written), not for every prompt
+    token of the step: a prefill reads one row of a chunk (its sample, or a pooled last token)."""
+    return "rows" in inspect.signature(layer_type.forward).parameters
 
 
 @contextmanager
@@ -244,24 +254,33 @@ class CausalLM(nn.Module):
         return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
-                metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
-        """Hidden states `[num_tokens, hidden]` after the final norm; `kv_caches` and `metas` per layer."""
-        if self.mirror is not None:
+                metas: Sequence[AttentionMetadata], attention: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm, `[num_tokens, hidden]`, or only those of `rows` (long indices,
+        in their order: the rows the step reads, `select_rows`); `kv_caches` and `metas` per layer."""
+        if self.mirror is not None:  # (every rank computes every row: the layers' collectives see one shape)
             with self.mirror.forward(input_ids, positions, kv_caches, metas):
-                return self.run_layers(input_ids, positions, kv_caches, metas, attention)
-        return self.run_layers(input_ids, positions, kv_caches, metas, attention)
+                hidden = self.run_layers(input_ids, positions, kv_caches, metas, attention)
+            return hidden if rows is None else hidden.index_select(0, rows)
+        return self.run_layers(input_ids, positions, kv_caches, metas, attention, rows)
 
     def run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
-                   metas: Sequence[AttentionMetadata], attention: AttentionBackend) -> torch.Tensor:
+                   metas: Sequence[AttentionMetadata], attention: AttentionBackend,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embed(input_ids)
         lora = self.lora_state.batch if self.lora_state is not None else None
         if self.decode_stack is not None and self.decode_stack.takes(x, kv_caches, metas, lora):
             cos, sin = self.rotary(positions, x.dtype)  # as the eager layers take them (bf16: rounded)
-            return self.norm(self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size, lora))
-        for layer, (cos, sin), kv_cache, meta in zip(self.layers, self.rotary_for_layer(positions, x.dtype),
-                                                     kv_caches, metas):
-            x = layer(x, cos, sin, kv_cache, meta, attention)
-        return self.norm(x)
+            x = self.decode_stack(x, cos, sin, kv_caches, metas, metas[0].page_size, lora)
+            return self.norm(x if rows is None else x.index_select(0, rows))
+        last = len(self.layers) - 1
+        rotary = self.rotary_for_layer(positions, x.dtype)
+        for i, (layer, (cos, sin), kv_cache, meta) in enumerate(zip(self.layers, rotary, kv_caches, metas)):
+            if i == last and rows is not None and lora is None and selects_rows(type(layer)):
+                x, rows = layer(x, cos, sin, kv_cache, meta, attention, rows=rows), None
+            else:
+                x = layer(x, cos, sin, kv_cache, meta, attention)
+        return self.norm(x if rows is None else x.index_select(0, rows))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -64,8 +64,10 @@ class DecoderLayer(nn.Module):
         self.fused: FusedOps | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
-        """Fused q/k/v projection, optional q/k norms, RoPE, paged attention, output projection."""
+                  meta: AttentionMetadata, attention: AttentionBackend,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Fused q/k/v projection, optional q/k norms, RoPE, paged attention, output projection (of `rows`
+        only, where given)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -79,12 +81,15 @@ class DecoderLayer(nn.Module):
         else:  # (partial rotary: only the first dimensions of each head)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks.float()  # (the kernels take fp32)
-        o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap, sinks)
-        return self.o_proj(o.reshape(t, self.q_size))
+        o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap, sinks).reshape(t, self.q_size)
+        return self.o_proj(o if rows is None else o.index_select(0, rows))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
-        h = self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
+                meta: AttentionMetadata, attention: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for every row of x, or for `rows` only (`models.base.selects_rows`)."""
+        h = self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention, rows)
+        if rows is not None:
+            x = x.index_select(0, rows)
         if self.fused is not None:  # h (a fresh output) becomes x + h, normed in the same pass
             norm = self.post_attention_layernorm
             gate_up = self.gate_up_proj(self.fused.add_rms_norm_(h, x, norm.weight, norm.eps))

@@ -12,6 +12,7 @@ from conveyor.engine.engine import Engine
 from conveyor.layers.quantization import linear as quantized_linear
 from conveyor.layers.quantization.linear import matmul_ops
 from conveyor.llm import ONEDNN_MAX_BATCH_TOKENS
+from conveyor.models import base
 from conveyor.models.loader import ModelLoadError
 
 from tests.utils import TinyModel, greedy, hf_greedy, random_prompts
@@ -304,3 +305,33 @@ def test_stats_count_tokens_and_show_the_cache(tiny_llama: TinyModel) -> None:
     assert stats.finished_requests == 2 and stats.soft_resets == 0
     assert stats.free_blocks == stats.total_blocks == 64 and stats.kv_cache_usage == 0.0
     assert stats.running_requests == stats.waiting_requests == 0
+
+
+def test_the_last_layer_computes_only_the_rows_a_step_reads(tiny_llama: TinyModel,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill reads one row of a chunk (its sample): the last layer's MLP sees those rows alone, every
+    row with prompt logprobs, and the tokens and logprobs are those of the full pass's rows."""
+    llm = tiny_llama.llm(page_size=4, max_batch_tokens=64)
+    last = llm.engine.model.layers[-1].gate_up_proj
+    seen: list[int] = []
+    handle = last.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    prompts = random_prompts([30, 12, 7], seed=4)
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
+    scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    try:
+        narrowed = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert seen[0] == 3 and set(seen) == {3}  # one prefill of 49 tokens, then three decode rows a step
+        seen.clear()
+        with_prompt = llm.generate([{"prompt_token_ids": prompts[0]}], scored, use_tqdm=False)[0]
+        assert seen[0] == 30
+        monkeypatch.setattr(base, "selects_rows", lambda layer_type: False)
+        full = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        again = llm.generate([{"prompt_token_ids": prompts[0]}], scored, use_tqdm=False)[0]
+    finally:
+        handle.remove()
+        llm.shutdown()
+    for a, b in zip(narrowed, full):  # (an fp32 GEMM over 3 rows or 49 may round apart: 1e-5)
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(x[t] == pytest.approx(y[t], abs=1e-5) for t in x)
+    assert with_prompt.prompt_logprobs == again.prompt_logprobs
