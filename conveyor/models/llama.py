@@ -69,15 +69,19 @@ class DecoderLayer(nn.Module):
         """Fused q/k/v projection, optional q/k norms, RoPE, paged attention, output projection (of `rows`
         only, where given)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.fused is not None and cos.shape[-1] == self.head_dim:  # in place, on the qkv (or norms') output
-            self.fused.rope_(q, cos, sin)
-            self.fused.rope_(k, cos, sin)
+            if self.q_norm is None:  # q's heads and then k's, side by side in each row: one pass over both
+                self.fused.rope_(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
+            else:
+                self.fused.rope_(q, cos, sin)
+                self.fused.rope_(k, cos, sin)
         else:  # (partial rotary: only the first dimensions of each head)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks.float()  # (the kernels take fp32)
