@@ -1,7 +1,7 @@
 // Fused elementwise ops of the Llama decoder layer on CPU (fp32 or bf16): RMSNorm (after the residual
-// add, or alone), rotary embedding (in place) and SiLU(gate) * up, each one pass instead of the 3-10 small PyTorch ops it
-// replaces (at decode batch sizes those ops cost more in dispatch and thread fork/join than in
-// arithmetic). Each op rounds like the PyTorch sequence it replaces (built with -ffp-contract=off:
+// add, or alone), rotary embedding (in place) and SiLU(gate) * up, each one pass instead of the 3-10
+// small PyTorch ops it replaces (at decode batch sizes those ops cost more in dispatch and thread
+// fork/join than in arithmetic). Each op rounds like the PyTorch sequence it replaces (built with -ffp-contract=off:
 // no fused multiply-adds); only RMSNorm's sum of squares is added in another order. bf16 inputs
 // are computed in fp32 and rounded to bf16 wherever the PyTorch bf16 op would round (SiLU * up:
 // once, at the end). AVX-512 (and for SiLU, AVX2) vectors where the CPU has them, the same

@@ -152,11 +152,11 @@ CONVEYOR_API int conveyor_quantize_kv(int dtype, const void* x, int64_t rows, in
 }
 
 // The batch's new K and V rows into the cache at their slots: token t's rows of `row_bytes` (its heads
-// together) at k + t * k_stride and v + t * v_stride bytes, to slot slots[t] of cache_k and cache_v. One
-// parallel pass over both, where two index_copy_ over strided views took about four times as long.
-CONVEYOR_API int conveyor_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride, const int64_t* slots,
-                                   int64_t rows, int64_t row_bytes, int64_t num_slots, void* cache_k, void* cache_v,
-                                   int threads) {
+// together) at k + t * k_stride and v + t * v_stride bytes, to slot slots[t] of cache_k and cache_v: one
+// parallel pass over both (two index_copy_ over the fused qkv output's strided views were slower).
+CONVEYOR_API int conveyor_write_kv(const void* k, int64_t k_stride, const void* v, int64_t v_stride,
+                                   const int64_t* slots, int64_t rows, int64_t row_bytes, int64_t num_slots,
+                                   void* cache_k, void* cache_v, int threads) {
     return guarded(threads, [&] {
         for (int64_t t = 0; t < rows; ++t)
             CONVEYOR_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " of token ", t,

@@ -368,7 +368,7 @@ void prefill(const PrefillArgs<Q, T>& a) {
         std::vector<float> qt(scaled || paired ? 0 : D * Rmax), st(NB * Rmax), ot(Dp * Rmax), m(Rmax), l(Rmax);
         std::vector<int32_t> qq(nq * Rmax), qsum(Rmax), words(nq);  // int8 keys: the rows' queries quantized, sums
         std::vector<float> qs(Rmax), qrow(D);                       // and scales; a row's scaled query
-        std::vector<const T*> trow(NB), vraw(NB);                  // int8 K and V rows of a block of a chunk with one tile
+        std::vector<const T*> trow(NB), vraw(NB);  // int8 K and V rows of a block of a chunk with one tile
         std::vector<int32_t> vp(scaled ? NB / 2 * Dq : 0), pq(scaled ? NB / 2 * Rmax : 0);  // its value pairs; weights
         std::vector<float> sw(scaled ? Rmax : 0);                   // and the sums' scales
         std::vector<int32_t> hi(Rmax), lo(Rmax);
