@@ -202,6 +202,8 @@ def test_write_kv_puts_each_row_at_its_slot(dtype: torch.dtype) -> None:
     ops = cpu_paged_attention()
     ops.write_kv(cache, slots, k, v)
     assert torch.equal(cache, expected)
+    ops.write_kv(cache, slots[:0], k[:0], v[:0])  # no rows: nothing written
+    assert torch.equal(cache, expected)
     slots[7] = 1000
     with pytest.raises(RuntimeError, match="slot 1000 of token 7 outside the cache's 1000"):
         ops.write_kv(cache, slots, k, v)
