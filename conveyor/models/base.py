@@ -84,8 +84,10 @@ class Mirror(Protocol):
 def selects_rows(layer_type: type[nn.Module]) -> bool:
     """Whether a decoder layer's forward takes `rows`: then the last layer computes its attention's output
     projection and its MLP for those rows only (every row's K/V is still written), not for every prompt
-    token of the step: a prefill reads one row of a chunk (its sample, or a pooled last token)."""
-    return "rows" in inspect.signature(layer_type.forward).parameters
+    token of the step: a prefill reads one row of a chunk (its sample, or a pooled last token). A subclass
+    whose own `attention` does not take `rows` does not either."""
+    methods = [layer_type.forward] + ([layer_type.attention] if hasattr(layer_type, "attention") else [])
+    return all("rows" in inspect.signature(method).parameters for method in methods)
 
 
 @contextmanager
