@@ -109,8 +109,9 @@ class PagedAttentionOps(Native):
         _check_heads(k, "k")
         _check_heads(v, "v")
         size = k.element_size()
+        row_bytes = k.shape[1] * k.shape[2] * size
         self.check(self._write(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size,
-                               int64_vector(slots, "slots"), k.shape[0], k.shape[1] * k.shape[2] * size, kv_cache.shape[1],
+                               int64_vector(slots, "slots"), k.shape[0], row_bytes, kv_cache.shape[1],
                                kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), threads()))
 
     def quantize_kv(self, x: torch.Tensor) -> torch.Tensor:
