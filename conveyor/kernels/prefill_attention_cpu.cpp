@@ -50,7 +50,7 @@ constexpr int KB = 4;
 #endif
 constexpr int CB = 3;
 constexpr int64_t NB = kKeyBlock;
-constexpr int64_t kTileRows = 96;  // query rows (queries x heads of one kv head) per task
+constexpr int64_t kTileRows = 48;  // query rows (queries x heads of one kv head) per task
 static_assert(NB % KB == 0 && NB % W == 0 && (W == KB || W == 2 * KB), "a block pads its keys to a multiple of KB, within NB");
 
 // W bf16 K rows (rows[0:W]) as `key_pairs` turns them, stored in a block's pair layout [np][NB] from
