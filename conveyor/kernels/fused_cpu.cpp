@@ -1,8 +1,8 @@
 // Fused elementwise ops of the Llama decoder layer on CPU (fp32 or bf16): RMSNorm (after the residual
 // add, or alone), rotary embedding (in place) and SiLU(gate) * up, each one pass instead of the 3-10
 // small PyTorch ops it replaces (at decode batch sizes those ops cost more in dispatch and thread
-// fork/join than in arithmetic). Each op rounds like the PyTorch sequence it replaces (built with -ffp-contract=off:
-// no fused multiply-adds); only RMSNorm's sum of squares is added in another order. bf16 inputs
+// fork/join than in arithmetic). Each op rounds like the PyTorch sequence it replaces (built with
+// -ffp-contract=off: no fused multiply-adds); only RMSNorm's sum of squares is added in another order. bf16 inputs
 // are computed in fp32 and rounded to bf16 wherever the PyTorch bf16 op would round (SiLU * up:
 // once, at the end). AVX-512 (and for SiLU, AVX2) vectors where the CPU has them, the same
 // operations in the same order as the scalar loops (SiLU's e^x is a vector polynomial to ~1 ulp
@@ -29,28 +29,12 @@ void dispatch(int dtype, F&& f) {
 
 }  // namespace
 
-// out = weight * (x * rsqrt(mean(x^2) + eps)) for `rows` contiguous rows of n (x, weight and out of
-// one dtype), as transformers' LlamaRMSNorm: the statistics in fp32, the normalized x rounded to x's
-// dtype before the product with the weight.
-CONVEYOR_API int conveyor_rms_norm(int dtype, const void* x, const void* weight, int64_t rows, int64_t n, float eps,
-                                   void* out, int threads) {
-    return guarded(threads, [&] {
-        dispatch(dtype, [&](auto* tag) {
-            using T = std::remove_pointer_t<decltype(tag)>;
-            const T* xp = static_cast<const T*>(x);
-            const T* w = static_cast<const T*>(weight);
-            T* op = static_cast<T*>(out);
-            parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
-                for (int64_t r = begin; r < end; ++r) rms_norm_row<T>(xp + r * n, w, n, eps, op + r * n);
-            });
-        });
-    });
-}
-
-// The residual stream's add and the next RMSNorm in one pass: x = x + residual in place (rounded to the
-// dtype, as PyTorch's add), then out = rms_norm(x) as `conveyor_rms_norm` (contiguous rows of n, one dtype).
-CONVEYOR_API int conveyor_add_rms_norm(int dtype, void* x, const void* residual, const void* weight, int64_t rows,
-                                       int64_t n, float eps, void* out, int threads) {
+// out = weight * (x * rsqrt(mean(x^2) + eps)) for `rows` contiguous rows of n (x, residual, weight and out
+// of one dtype), as transformers' LlamaRMSNorm: the statistics in fp32, the normalized x rounded to x's
+// dtype before the product with the weight. With a residual (else null), the residual stream's add first,
+// in the same pass: x = x + residual in place, rounded to the dtype as PyTorch's add.
+CONVEYOR_API int conveyor_rms_norm(int dtype, void* x, const void* residual, const void* weight, int64_t rows,
+                                   int64_t n, float eps, void* out, int threads) {
     return guarded(threads, [&] {
         dispatch(dtype, [&](auto* tag) {
             using T = std::remove_pointer_t<decltype(tag)>;
@@ -60,7 +44,7 @@ CONVEYOR_API int conveyor_add_rms_norm(int dtype, void* x, const void* residual,
             T* op = static_cast<T*>(out);
             parallel_for(0, rows, kRowGrain, [&](int64_t begin, int64_t end) {
                 for (int64_t r = begin; r < end; ++r) {
-                    add_row(xp + r * n, rp + r * n, n);
+                    if (rp) add_row(xp + r * n, rp + r * n, n);
                     rms_norm_row<T>(xp + r * n, w, n, eps, op + r * n);
                 }
             });

@@ -18,36 +18,30 @@ def _same_dtype(x: torch.Tensor, other: torch.Tensor, name: str) -> None:
 class FusedOps(Native):
     def __init__(self, lib: ctypes.CDLL) -> None:
         super().__init__(lib)
-        self._rms_norm = bind(lib, "conveyor_rms_norm", I32, I32, P, P, I64, I64, F32, P, I32)
-        self._add_rms_norm = bind(lib, "conveyor_add_rms_norm", I32, I32, P, P, P, I64, I64, F32, P, I32)
+        self._rms_norm = bind(lib, "conveyor_rms_norm", I32, I32, P, P, P, I64, I64, F32, P, I32)
         self._rope = bind(lib, "conveyor_rope", I32, I32, P, I64, I64, I64, I64, P, P, I32)
         self._silu_mul = bind(lib, "conveyor_silu_mul", I32, I32, P, I64, I64, P, I32)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * (x * rsqrt(mean(x^2) + eps)) over the last dimension, as transformers' LlamaRMSNorm."""
-        code = dtype_code(x, "x")
-        _same_dtype(x, weight, "weight")
-        x = x.contiguous()
-        n = x.shape[-1]
-        require(weight.numel() == n and weight.is_contiguous(), f"weight must be contiguous with {n} elements")
-        out = torch.empty_like(x)
-        self.check(self._rms_norm(code, x.data_ptr(), weight.data_ptr(), x.numel() // n, n, eps, out.data_ptr(),
-                                  threads()))
-        return out
+        return self._norm(x.contiguous(), None, weight, eps)
 
     def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x += residual in place (rounded as PyTorch's add), then `rms_norm(x, weight, eps)`, in one pass: a
         decoder layer's residual add and the next norm."""
-        code = dtype_code(x, "x")
         _same_dtype(x, residual, "residual")
-        _same_dtype(x, weight, "weight")
-        n = x.shape[-1]
         require(x.is_contiguous() and residual.is_contiguous() and residual.shape == x.shape,
                 "x and residual must be contiguous, of one shape")
+        return self._norm(x, residual, weight, eps)
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        code = dtype_code(x, "x")
+        _same_dtype(x, weight, "weight")
+        n = x.shape[-1]
         require(weight.numel() == n and weight.is_contiguous(), f"weight must be contiguous with {n} elements")
         out = torch.empty_like(x)
-        self.check(self._add_rms_norm(code, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.numel() // n, n,
-                                      eps, out.data_ptr(), threads()))
+        self.check(self._rms_norm(code, x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                  weight.data_ptr(), x.numel() // n, n, eps, out.data_ptr(), threads()))
         return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
