@@ -207,6 +207,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                        help="LoRA adapters served by name (the request's `model`): name=path, or vLLM's JSON "
                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora')
+    group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                       help="answer GET /tokenizer_info: the tokenizer's settings and chat template (vLLM's flag; "
+                       "lm-evaluation-harness's remote tokenizer reads it)")
     group.add_argument("--max-queue", type=int, default=512,
                        help="most generations (prompts x n) accepted and unfinished; past it, 503 + Retry-After")
     group.add_argument("--shutdown-timeout", type=float, default=10.0,

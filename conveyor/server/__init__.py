@@ -43,7 +43,7 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   `include_reasoning: false` leaves it out. A constrained reply is read from its first token. The
   Responses API makes it a `reasoning` item, the Messages API a `thinking` block. An assistant
   message's `reasoning_content` reaches a template that renders it.
-- Not supported, answered 400 rather than ignored: echo on completions, suffix, best_of != n,
+- Not supported, answered 400 rather than ignored: suffix, best_of != n,
   top_logprobs without logprobs, prompt_logprobs with stream, llama.cpp's samplers set on
   (`request_fields`). At most 20 logprobs (and prompt_logprobs).
 - Tools (`tools`): "none", "required" (a list of calls, constrained; `parallel_tool_calls: false`
@@ -58,6 +58,10 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   small thread pool, never on the event loop.
 - prompt_logprobs (completions, vLLM's extra field): each choice gets `prompt_logprobs`, vLLM's
   list of None (first token) or {token id: {logprob, rank, decoded_token}}; null when not asked.
+- echo (completions, as vLLM): each choice's text begins with its prompt (as sent, or the text of the
+  tokens kept by truncation or given as ids), and with `logprobs` its logprobs with the prompt tokens'
+  (the first null); `max_tokens: 0` (only with echo) returns the prompt alone and counts no completion
+  tokens. A stream sends the prompt with the first token.
   llama.cpp's `n_predict`, `grammar`, `json_schema` and `cache_prompt` are mapped. Other unknown
   fields are ignored (as vLLM), with a warning the first time each name is seen.
 - Errors are `{"error": {"message", "type", "param", "code"}}`: 400 invalid_request_error

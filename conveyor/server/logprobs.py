@@ -18,15 +18,18 @@ class LogprobRenderer:
             text = self.texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
-    def completion(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int,
+    def completion(self, token_ids: list[int], logprobs: list[dict[int, float] | None], n: int,
                    offset: int) -> dict[str, Any]:
+        """OpenAI's completion logprobs; a None entry (an echoed prompt's first token) has null ones."""
         tokens = [self.token_str(t) for t in token_ids]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [{self.token_str(i): v for i, v in list(lp.items())[:n]} for lp in logprobs],
+        return {"tokens": tokens,
+                "token_logprobs": [None if lp is None else lp.get(t) for t, lp in zip(token_ids, logprobs)],
+                "top_logprobs": [None if lp is None else {self.token_str(i): v for i, v in list(lp.items())[:n]}
+                                 for lp in logprobs],
                 "text_offset": offsets}
 
     def prompt(self, entries: list[dict[int, float] | None], n: int) -> list[dict[str, Any] | None]:

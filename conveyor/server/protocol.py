@@ -2,9 +2,9 @@
 
 Unknown fields are ignored, as vLLM does, and logged once per name (`request_fields`); fields that
 would change the result and that Conveyor cannot honour are rejected with a 400 rather than silently
-dropped: by the models themselves where a constraint says it (`echo` on completions, `suffix`), else
-by the handlers (`best_of` != n; malformed `response_format`, `structured_outputs`, `tools`,
-`tool_choice`, `logit_bias`; llama.cpp's samplers). The models carry the constraints the server
+dropped: by the models themselves where a constraint says it (`suffix`), else by the handlers
+(`best_of` != n; malformed `response_format`, `structured_outputs`, `tools`, `tool_choice`,
+`logit_bias`; llama.cpp's samplers). The models carry the constraints the server
 enforces (ranges, roles, non-empty prompts), so that the OpenAPI schema documents what is accepted.
 """
 
@@ -114,20 +114,13 @@ class SamplingFields(RequestBody):
 class CompletionRequest(SamplingFields):
     prompt: Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds],
                                                                                       Field(min_length=1)]
-    # OpenAI's and vLLM's default; null = the rest of the context
-    max_tokens: int | None = Field(16, ge=1, json_schema_extra=MAX_NEW)
+    # OpenAI's and vLLM's default; null = the rest of the context; 0 (with echo): the prompt's logprobs only
+    max_tokens: int | None = Field(16, ge=0, json_schema_extra=MAX_NEW)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
-    echo: StrictBool = Field(False, json_schema_extra={"const": False})  # true is not supported
+    echo: StrictBool = False  # the prompt before each choice's text (and its tokens before the logprobs)
     suffix: None = None  # not supported
     best_of: int | None = Field(None, ge=1)  # only = n
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
 
 
 class TextPart(RequestBody):

@@ -34,7 +34,8 @@ class ServerSettings:
     the deadline of requests that set none (`SamplingParams.request_timeout`); None = none. tracing:
     OpenTelemetry spans (`tracing`); None = off. lora_modules: LoRA adapters served by name from the start
     (`--lora-modules`); allow_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default)."""
+    answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default).
+    enable_tokenizer_info_endpoint: GET /tokenizer_info answers (vLLM's flag)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -58,6 +59,7 @@ class ServerSettings:
     tracing: TracingSettings | None = None
     lora_modules: list[LoRARequest] = field(default_factory=list)
     allow_runtime_lora_updating: bool = field(default_factory=lambda: runtime_lora_updating(os.environ))
+    enable_tokenizer_info_endpoint: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -93,7 +95,8 @@ class ServerSettings:
                    max_log_len=args.max_log_len, log_format=args.log_format,
                    disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
                    tracing=TracingSettings.from_args(args),
-                   lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)))
+                   lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)),
+                   enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
 
 
 def runtime_lora_updating(environ: Any) -> bool:

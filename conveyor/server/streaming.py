@@ -96,11 +96,12 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[int]], body: Any, n_lp: int | None,
                     render: Callable[[int, RequestOutput, int], dict[str, Any] | None],
-                    first_choices: Sequence[dict[str, Any]] = ()) -> SSEResponse:
+                    first_choices: Sequence[dict[str, Any]] = (), counts_output: bool = True) -> SSEResponse:
     """Server-sent events for a streaming completion or chat completion: one chunk per output that
     carries text (or logprobs, or the end), `render(i, output, first_new_token)` shaping the choice;
     an error event if a request fails; a usage chunk when asked; then [DONE]. A render that returns
-    None has nothing to send yet (a tool call still being parsed)."""
+    None has nothing to send yet (a tool call still being parsed). `counts_output` False: the usage
+    counts no completion tokens (an echo's, whose one token is not sent)."""
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     chunk = ChunkTemplate(head, include_usage)
 
@@ -109,7 +110,7 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
         for choice in first_choices:
             yield chunk(choice)
         async for i, out in sub.outputs():
-            counts[i] = len(out.token_ids)
+            counts[i] = len(out.token_ids) if counts_output else 0
             if (err := failure(out)) is not None:
                 yield sse(err.body())
                 break

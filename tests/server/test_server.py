@@ -47,7 +47,7 @@ def cli_server(tiny_dir: Path):
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "conveyor.cli", "serve", str(tiny_dir), "--port",
                                  str(port), "--max-queue", "3", "--num-blocks", "256", "--shutdown-timeout", "10",
-                                 "--dtype", "float32"],
+                                 "--dtype", "float32", "--enable-tokenizer-info-endpoint"],
                                 stdout=out, stderr=subprocess.STDOUT)
     yield proc, f"http://127.0.0.1:{port}", log
     if proc.poll() is None:
@@ -136,6 +136,55 @@ def test_completion_prompt_logprobs_as_vllm(http: httpx.Client, tiny_llm: LLM) -
 
 
 @pytest.mark.slow
+def test_completion_echo_as_lm_evaluation_harness_reads_it(url: str, http: httpx.Client, tiny_llm: LLM) -> None:
+    """echo puts the prompt before the text and its tokens' logprobs before the reply's (the first null);
+    with max_tokens 0, the prompt alone. lm-evaluation-harness scores a continuation by summing
+    `token_logprobs[ctxlen:-1]` of {echo, logprobs 1, max_tokens 1}."""
+    context, continuation = random_prompts([6, 4], seed=3)
+    prompt = context + continuation
+    [offline] = tiny_llm.generate([prompt], greedy(3, prompt_logprobs=1, logprobs=1), use_tqdm=False)
+    expected_lps = [None] + [entry[t] for t, entry in zip(prompt[1:], offline.prompt_logprobs[1:])]
+
+    scored = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                                                "echo": True}).json()["choices"][0]
+    token_lps = scored["logprobs"]["token_logprobs"]
+    assert len(token_lps) == len(prompt) + 1 and token_lps[0] is None and scored["logprobs"]["top_logprobs"][0] is None
+    assert sum(token_lps[len(context):-1]) == pytest.approx(sum(expected_lps[len(context):]), abs=1e-5)
+    reply = scored["text"].removeprefix(words(prompt))
+    assert reply != scored["text"] and reply and offline.text.startswith(reply)
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+    alone = client.completions.create(model="tiny", prompt=words(prompt), max_tokens=0, echo=True, logprobs=2)
+    choice = alone.choices[0]
+    assert choice.text == words(prompt) and choice.logprobs.tokens == [f"w{t}" for t in prompt]
+    assert choice.logprobs.token_logprobs == pytest.approx(expected_lps, abs=1e-5)
+    assert all(len(top) == 2 and max(top.values()) >= lp
+               for top, lp in zip(choice.logprobs.top_logprobs[1:], expected_lps[1:]))
+    assert alone.usage.completion_tokens == 0 and alone.usage.prompt_tokens == len(prompt)
+
+    both = client.completions.create(model="tiny", prompt=words(prompt), max_tokens=3, echo=True, logprobs=1,
+                                     temperature=0, n=2)
+    for choice in both.choices:
+        assert choice.text == words(prompt) + offline.text
+        assert choice.logprobs.token_logprobs[len(prompt):] == pytest.approx(
+            [lp[t] for t, lp in zip(offline.token_ids, offline.logprobs)], abs=1e-5)
+    assert both.usage.completion_tokens == 6
+
+    chunks = list(client.completions.create(model="tiny", prompt=words(prompt), max_tokens=3, echo=True, logprobs=1,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert texts[0].startswith(words(prompt)) and "".join(texts) == words(prompt) + offline.text
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks if c.choices) == len(prompt) + 3
+    assert chunks[-1].usage.completion_tokens == 3
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == words(prompt)
+    assert chunks[-1].usage.completion_tokens == 0
+
+    refused = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
 def test_builtin_model_with_openai_client() -> None:
     llm = LLM(config=ContinuousBatchingConfig(num_blocks=256))
     with BackgroundServer(llm) as url:
@@ -260,6 +309,8 @@ def test_bad_requests_get_openai_errors(url: str, http: httpx.Client) -> None:
     assert chat_tokens == [3, 7, 4, 5]
     assert http.post("/detokenize", json={"tokens": [5, 6]}).json() == {"prompt": "w5 w6"}
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "tiny-alias"]
+    off = error(http.get("/tokenizer_info"), 404)  # vLLM's endpoint is off unless asked for
+    assert "--enable-tokenizer-info-endpoint" in off["message"]
 
 
 def test_engine_failure_is_a_500_or_a_stream_error_event(http: httpx.Client, tiny_llm: LLM,
@@ -300,6 +351,9 @@ def test_max_queue_rejects_with_503_and_loses_nothing(cli_server) -> None:
     assert all(r.json()["usage"]["completion_tokens"] == 48 for r in accepted)
     assert len({r.json()["choices"][0]["text"] for r in accepted}) == 1
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200  # room again
+    info = httpx.get(f"{url}/tokenizer_info").json()  # --enable-tokenizer-info-endpoint
+    assert info["eos_token"] and info["chat_template"] == CHAT_TEMPLATE and "tokenizer_class" in info
+    assert not {"vocab_file", "name_or_path"} & set(info)
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(cli_server) -> None:

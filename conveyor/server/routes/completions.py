@@ -1,4 +1,6 @@
-"""POST /v1/completions: prompts (text or token ids) in, choices out, streamed or whole."""
+"""POST /v1/completions: prompts (text or token ids) in, choices out, streamed or whole; with `echo`, each
+choice begins with its prompt (and its logprobs with the prompt's, as vLLM: what lm-evaluation-harness
+reads for log-likelihoods, `max_tokens` 0 for the prompt alone)."""
 
 from __future__ import annotations
 
@@ -30,33 +32,60 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     texts = serving.completion_prompts(body)  # a prompt too long to fit is refused here, untokenized
     limit = token_limit(body)
-    prompts = truncated(body, await serving.prepare(serving.tokenize, texts), limit, serving.max_model_len, "prompt")
+    generates = limit != 0  # max_tokens 0 (with echo): one token is generated for the prompt's logprobs, not sent
+    if not generates and not body.echo:
+        raise APIError(400, "max_tokens 0 returns nothing without echo: true", param="max_tokens")
+    engine_limit = limit if generates else 1
+    tokenized = await serving.prepare(serving.tokenize, texts)
+    prompts = truncated(body, tokenized, engine_limit, serving.max_model_len, "prompt")
+    prompt_lp = body.prompt_logprobs
+    if prompt_lp is None and body.echo:
+        prompt_lp = body.logprobs  # the echoed prompt's logprobs (vLLM's)
     rid, created = new_id("cmpl"), int(time.time())
-    requests = await serving.prepare(serving.build_requests, rid, prompts, body, limit, body.logprobs,
-                                     "prompt", prompt_logprobs=body.prompt_logprobs, lora_request=adapter)
+    requests = await serving.prepare(serving.build_requests, rid, prompts, body, engine_limit, body.logprobs,
+                                     "prompt", prompt_logprobs=prompt_lp, lora_request=adapter)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "text_completion", "created": created, "model": serving.reply_model(adapter)}
     n_lp = body.logprobs
+    # echo: the prompt as sent where it was kept whole, else the text of the tokens the model saw
+    echoes = [text if isinstance(text, str) and len(kept) == len(ids) else serving.tokenizer.decode(kept)
+              for text, ids, kept in zip(texts, tokenized, prompts)] if body.echo else []
+
+    def rendered(i: int, out: RequestOutput, text: str, start: int, echo: bool,
+                 offset: int) -> tuple[str, dict[str, Any] | None]:
+        """Choice i's `text` and the logprobs of its tokens from `start` on (neither with max_tokens 0), the
+        prompt's before them if `echo`."""
+        ids = out.token_ids[start:] if generates else []
+        entries: list[dict[int, float] | None] = out.logprobs[start:] if generates and n_lp is not None else []
+        text = text if generates else ""
+        if echo:
+            p = i // body.n
+            text, ids = echoes[p] + text, prompts[p] + ids
+            if n_lp is not None:
+                assert out.prompt_logprobs is not None  # echo with logprobs asks for them
+                entries = [*out.prompt_logprobs, *entries]
+        return text, None if n_lp is None else serving.logprobs.completion(ids, entries, n_lp, offset)
 
     if body.stream:
         offsets = [0] * len(requests)  # characters of text sent per choice, for logprob text offsets
+        echoed = [not body.echo] * len(requests)
 
         def completion_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
-            lp = None
-            if n_lp is not None:
-                lp = serving.logprobs.completion(out.token_ids[start:], out.logprobs[start:], n_lp, offsets[i])
-            offsets[i] += len(out.delta_text)
-            return {"index": i, "text": out.delta_text, "logprobs": lp,
+            text, lp = rendered(i, out, out.delta_text, start, not echoed[i], offsets[i])
+            echoed[i] = True
+            offsets[i] += len(text)
+            return {"index": i, "text": text, "logprobs": lp,
                     "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
 
-        return stream_response(sub, head, prompts, body, n_lp, completion_choice)
+        return stream_response(sub, head, prompts, body, n_lp, completion_choice, counts_output=generates)
 
     finals = await collect(sub, raw)
     choices = []
     for i, out in enumerate(finals):
-        lp = None if n_lp is None else serving.logprobs.completion(out.token_ids, out.logprobs, n_lp, 0)
-        plp = None if out.prompt_logprobs is None else serving.logprobs.prompt(out.prompt_logprobs,
-                                                                               body.prompt_logprobs or 0)
-        choices.append({"index": i, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
+        text, lp = rendered(i, out, out.text, 0, body.echo, 0)
+        plp = None if body.prompt_logprobs is None else serving.logprobs.prompt(out.prompt_logprobs or [],
+                                                                                 body.prompt_logprobs)
+        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
                         "stop_reason": None, "prompt_logprobs": plp})
-    return JSONResponse(head | {"choices": choices, "usage": usage(prompts, finals)})
+    counted = finals if generates else [0] * len(finals)
+    return JSONResponse(head | {"choices": choices, "usage": usage(prompts, counted)})

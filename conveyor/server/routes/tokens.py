@@ -1,4 +1,5 @@
-"""vLLM's /tokenize and /detokenize: the served model's tokenizer and chat template, over HTTP."""
+"""vLLM's /tokenize, /detokenize and /tokenizer_info: the served model's tokenizer and chat template, over
+HTTP (lm-evaluation-harness's remote tokenizer reads all three)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,29 @@ async def detokenize(body: DetokenizeRequest, serving: ServingDep) -> dict[str, 
     if bad:
         raise APIError(400, f"token ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
     return {"prompt": serving.tokenizer.decode(body.tokens)}
+
+
+@router.get("/tokenizer_info", dependencies=AUTH, responses=error_responses(401, 404))
+async def tokenizer_info(serving: ServingDep) -> dict[str, Any]:
+    """The tokenizer's settings (its special tokens, class, the chat template served), as vLLM's endpoint;
+    off unless the server was started with --enable-tokenizer-info-endpoint, as vLLM's."""
+    if not serving.settings.enable_tokenizer_info_endpoint:
+        raise APIError(404, "/tokenizer_info is off: start the server with --enable-tokenizer-info-endpoint")
+    tokenizer = serving.tokenizer
+    info = {name: plain(value) for name, value in getattr(tokenizer, "init_kwargs", {}).items()
+            if name not in LOCAL_FILES}
+    return info | {"tokenizer_class": type(tokenizer).__name__, "chat_template": serving.chat_template or None}
+
+
+LOCAL_FILES = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")  # paths on the server
+
+
+def plain(value: Any) -> Any:
+    """A tokenizer setting as JSON: added tokens by their text, anything else unknown to JSON as a string."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
