@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import logging
 import sys
 from dataclasses import replace
@@ -98,6 +99,7 @@ def cmd_build_kernels(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="Continuous-batching LLM inference engine")
+    parser.add_argument("--version", action="version", version=importlib.metadata.version("conveyor"))
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete prompts and print the results",
                          usage="conveyor generate [MODEL] PROMPT [PROMPT ...] [options]")

@@ -4,6 +4,7 @@ thread, and once as a `conveyor serve` subprocess), plus one end-to-end run on t
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import re
 import signal
@@ -294,6 +295,8 @@ def test_bad_requests_get_openai_errors(url: str, http: httpx.Client) -> None:
     assert error(httpx.post(f"{url}/v1/completions", json={"prompt": "w5"}), 401)["code"] == "invalid_api_key"
     error(httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}), 401)
     assert httpx.get(f"{url}/health").status_code == 200  # health stays open
+    assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
+    assert httpx.get(f"{url}/version").json() == {"version": importlib.metadata.version("conveyor")}
     assert error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "w5"}), 404)["param"] == "model"
     assert error(http.post("/v1/completions", json={"prompt": 5}), 400)["param"] == "prompt"
     assert "JSON" in error(http.post("/v1/completions", content=b"{not json",

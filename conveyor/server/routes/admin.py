@@ -1,8 +1,10 @@
-"""Operations routes, open without the API key except /v1/models: health, Prometheus metrics, models (the
-base model's names, then the LoRA adapters, each with the base as its `parent`, as vLLM lists them)."""
+"""Operations routes, open without the API key except /v1/models: health (and vLLM's /ping, as SageMaker
+probes it), the version, Prometheus metrics, models (the base model's names, then the LoRA adapters, each
+with the base as its `parent`, as vLLM lists them)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 from fastapi import APIRouter, Response
@@ -22,6 +24,10 @@ class PrometheusResponse(Response):
 
 @router.get("/health", response_class=Response, responses={200: {"description": "serving", "content": {}}}
             | error_responses(503))
+@router.get("/ping", response_class=Response, responses={200: {"description": "serving", "content": {}}}
+            | error_responses(503))
+@router.post("/ping", response_class=Response, responses={200: {"description": "serving", "content": {}}}
+             | error_responses(503))
 async def health(serving: ServingDep) -> Response:
     if serving.dead_error is not None:
         raise APIError(503, f"not serving: {death_message(serving.dead_error)}", type="service_unavailable_error",
@@ -29,6 +35,11 @@ async def health(serving: ServingDep) -> Response:
     if serving.draining or not serving.llm.manager.is_running():
         raise APIError(503, "not serving (shutting down or engine stopped)", type="service_unavailable_error")
     return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": importlib.metadata.version("conveyor")}
 
 
 @router.get("/metrics", response_class=PrometheusResponse)
