@@ -264,6 +264,12 @@ def add_operations_args(parser: argparse.ArgumentParser) -> None:
                        help="most prompt characters (or token ids) the request log shows (default: all)")
     group.add_argument("--log-format", choices=["text", "json"], default="text",
                        help="text (default) or json: one JSON object per line, for log shippers")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic stats line (throughput, requests, KV cache, prefix cache hit rate)")
+    group.add_argument("--log-stats-interval", type=float, metavar="SECONDS",
+                       default=float(os.environ.get("VLLM_LOG_STATS_INTERVAL", 10)),
+                       help="seconds between stats lines, logged while the engine has work (default: "
+                       "$VLLM_LOG_STATS_INTERVAL, else 10)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no access log line per HTTP request")
     group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",

@@ -43,9 +43,12 @@ ALREADY_SO: dict[str, str] = {
     "--trust-remote-code": "Conveyor runs its own implementation of each supported architecture, never a repo's code",
     "--enable-chunked-prefill": "prefill is always chunked",
     "--disable-log-requests": "requests are logged only with --enable-log-requests",
-    "--disable-log-stats": "no periodic stats are logged (GET /metrics has them)",
     "--disable-custom-all-reduce": "tensor parallelism all-reduces through torch.distributed, never a custom kernel",
     "--disable-frontend-multiprocessing": "the HTTP front end runs in the engine's process",
+}
+# `LLM(...)` arguments of the same kind; `conveyor serve` takes these flags for what they say.
+KWARGS_ALREADY_SO: dict[str, str] = ALREADY_SO | {
+    "--disable-log-stats": "LLM logs no periodic stats (conveyor serve does, unless --disable-log-stats)",
 }
 
 
@@ -72,7 +75,7 @@ def check_vllm_flags(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def check_vllm_kwargs(kwargs: dict[str, Any]) -> list[str]:
-    """A note for each keyword argument whose vLLM meaning is what Conveyor always does (`ALREADY_SO`);
+    """A note for each keyword argument whose vLLM meaning is what Conveyor always does (`KWARGS_ALREADY_SO`);
     `UnsupportedFlagError` for a vLLM argument Conveyor does not take, naming what to use; `TypeError`,
     as Python's own, for any other name."""
     notes: list[str] = []
@@ -82,7 +85,7 @@ def check_vllm_kwargs(kwargs: dict[str, Any]) -> list[str]:
         if flag in UNSUPPORTED or (value is False and negated in UNSUPPORTED):
             raise UnsupportedFlagError(f"{name}={value!r} (vLLM's) is not supported: "
                                        f"{UNSUPPORTED.get(flag) or UNSUPPORTED[negated]}")
-        if flag not in ALREADY_SO:
+        if flag not in KWARGS_ALREADY_SO:
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}")
-        notes.append(f"{name}={value!r}: no effect, {ALREADY_SO[flag]}")
+        notes.append(f"{name}={value!r}: no effect, {KWARGS_ALREADY_SO[flag]}")
     return notes

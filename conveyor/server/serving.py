@@ -43,6 +43,7 @@ from .observers import RequestObservers
 from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
 from .settings import ServerSettings
+from .stats_log import StatsLog
 from ..reasoning import ReasoningParser, get_reasoning_parser
 from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
@@ -166,6 +167,7 @@ class Serving:
         self.active: set[Submission] = set()
         self.draining = False
         self._drain_task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None  # the periodic stats line (`stats_log`)
         self.created = int(time.time())
         self.on_engine_death: Callable[[], None] | None = None  # after the drain that follows a death
         for adapter in settings.lora_modules:  # --lora-modules: checked against the model now, not at a request
@@ -178,6 +180,8 @@ class Serving:
         self.loop = asyncio.get_running_loop()
         self.handoff = handoff = Handoff(self.loop)
         self.llm.manager.start()
+        if self.settings.log_stats_interval is not None:
+            self._stats_task = self.loop.create_task(StatsLog(self.llm.stats, self.settings.log_stats_interval).run())
         # Through the handoff too: after the outputs that failed the requests in flight.
         self.llm.manager.add_death_callback(lambda exc: handoff.put(self.engine_died, exc))
         logger.info("serving %s (%s) at %s: context %d tokens, KV cache capacity %d tokens, max queue %d",
@@ -230,6 +234,8 @@ class Serving:
                 await asyncio.sleep(0.02)
 
     async def shutdown(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         self.begin_drain()
         if self._drain_task is not None:
             await self._drain_task

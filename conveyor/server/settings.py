@@ -35,7 +35,8 @@ class ServerSettings:
     OpenTelemetry spans (`tracing`); None = off. lora_modules: LoRA adapters served by name from the start
     (`--lora-modules`); allow_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default).
-    enable_tokenizer_info_endpoint: GET /tokenizer_info answers (vLLM's flag)."""
+    enable_tokenizer_info_endpoint: GET /tokenizer_info answers (vLLM's flag). log_stats_interval:
+    seconds between the periodic stats lines (`stats_log`); None = none."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -60,6 +61,7 @@ class ServerSettings:
     lora_modules: list[LoRARequest] = field(default_factory=list)
     allow_runtime_lora_updating: bool = field(default_factory=lambda: runtime_lora_updating(os.environ))
     enable_tokenizer_info_endpoint: bool = False
+    log_stats_interval: float | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -78,6 +80,8 @@ class ServerSettings:
             raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
         if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
             raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
+        if not 0 < args.log_stats_interval < float("inf"):
+            raise ValueError(f"--log-stats-interval must be a number of seconds > 0, got {args.log_stats_interval}")
         kwargs = args.default_chat_template_kwargs
         try:
             kwargs = None if kwargs is None else json.loads(kwargs)
@@ -96,7 +100,8 @@ class ServerSettings:
                    disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
                    tracing=TracingSettings.from_args(args),
                    lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)),
-                   enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint)
+                   enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                   log_stats_interval=None if args.disable_log_stats else args.log_stats_interval)
 
 
 def runtime_lora_updating(environ: Any) -> bool:
