@@ -207,6 +207,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                        help="LoRA adapters served by name (the request's `model`): name=path, or vLLM's JSON "
                        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; needs --enable-lora')
+    group.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="HTTPS: the server's private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, metavar="PATH", help="HTTPS: the server's certificate (PEM)")
+    group.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                       help="HTTPS: CA certificates to check client certificates against")
+    group.add_argument("--ssl-cert-reqs", type=int, default=0, metavar="N",
+                       help="HTTPS: client certificates 0 not asked for (default), 1 optional, 2 required")
     group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="answer GET /tokenizer_info: the tokenizer's settings and chat template (vLLM's flag; "
                        "lm-evaluation-harness's remote tokenizer reads it)")

@@ -29,8 +29,6 @@ UNSUPPORTED: dict[str, str] = {
     "--guided-decoding-backend": "structured outputs always run on llguidance: drop the flag",
     "--structured-outputs-config": "structured outputs always run on llguidance: drop the flag",
     "--limit-mm-per-prompt": "Conveyor serves text-only models; multimodal inputs are not supported",
-    "--ssl-keyfile": "the server speaks plain HTTP: put a TLS-terminating proxy (nginx, Caddy) in front",
-    "--ssl-certfile": "the server speaks plain HTTP: put a TLS-terminating proxy (nginx, Caddy) in front",
     "--compilation-config": "there is no torch.compile step; CUDA graphs of decode steps are on by default on CUDA "
                             "(--enforce-eager turns them off)",
     "--kv-transfer-config": "disaggregated prefill (KV transfer between instances) is not supported",

@@ -18,6 +18,7 @@ import uvicorn
 
 from ..cli_args import add_serve_args
 from ..server import GracefulServer
+from ..server.tls import TLSSettings, scheme, uvicorn_tls
 from .front import Front, build_front
 from .net import free_port, replica_url
 from .placement import Placement, plan_placement
@@ -27,7 +28,8 @@ from .supervisor import Replica, Supervisor
 logger = logging.getLogger("conveyor.scaleout")
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health probe otherwise
 
-NOT_FORWARDED = {"host", "port", "help"}  # every replica gets its own loopback address
+# Every replica gets its own loopback address, spoken to in plain HTTP (the front terminates TLS).
+NOT_FORWARDED = {"host", "port", "help", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs"}
 
 
 def forwarded_options(args: argparse.Namespace) -> list[str]:
@@ -93,6 +95,7 @@ def build_supervisor(args: argparse.Namespace, placements: list[Placement], remo
 
 def serve_data_parallel(args: argparse.Namespace) -> int:
     """Run the replicas, the router and the front until SIGINT/SIGTERM; 0 after a clean drain."""
+    tls = TLSSettings.from_args(args)
     placements, remote = plan(args)
     supervisor = build_supervisor(args, placements, remote)
     for p in placements:
@@ -104,7 +107,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         return 1
     front = Front(supervisor)
     config = uvicorn.Config(build_front(front), host=args.host, port=args.port, log_level=args.log_level,
-                            lifespan="on", timeout_graceful_shutdown=5)
+                            lifespan="on", timeout_graceful_shutdown=5, **uvicorn_tls(tls))
 
     def drain(then: Callable[[], None]) -> bool:
         front.stopping = True
@@ -113,8 +116,8 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         threading.Thread(target=lambda: (supervisor.stop(), then()), name="conveyor-drain", daemon=True).start()
         return True
 
-    logger.info("serving %d replica(s) behind %s at http://%s:%d", len(supervisor.replicas),
-                args.router, args.host, args.port)
+    logger.info("serving %d replica(s) behind %s at %s://%s:%d", len(supervisor.replicas),
+                args.router, scheme(tls), args.host, args.port)
     try:
         GracefulServer(config, drain).run()
     finally:

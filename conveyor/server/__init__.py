@@ -108,6 +108,7 @@ from ..llm import LLM
 from ..manager import EngineDeadError, death_message
 from .app import build_app
 from .log_format import uvicorn_logging
+from .tls import scheme, uvicorn_tls
 from .settings import ServerSettings
 
 __all__ = ["build_app", "ServerSettings", "run_server", "BackgroundServer", "GracefulServer", "check_address"]
@@ -177,11 +178,12 @@ def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port
     """Serve until SIGINT/SIGTERM: then new requests get 503, in-flight ones get `shutdown_timeout`
     seconds to finish before they are aborted, and this returns (a second signal: at once). If the
     engine loop dies, the same drain follows and this raises `EngineDeadError`."""
-    settings.url = settings.url or f"http://{host}:{port}"
+    settings.url = settings.url or f"{scheme(settings.tls)}://{host}:{port}"
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5,  # after the app's own drain
-                            **uvicorn_logging(settings.log_format, not settings.disable_uvicorn_access_log))
+                            **uvicorn_logging(settings.log_format, not settings.disable_uvicorn_access_log),
+                            **uvicorn_tls(settings.tls))
     serving = app.state.serving
     server = GracefulServer(config, serving.request_shutdown)
     serving.on_engine_death = server.drained
@@ -198,12 +200,13 @@ class BackgroundServer:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
-        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         settings = settings or ServerSettings()
+        self.url = f"{scheme(settings.tls)}://{host}:{self.sock.getsockname()[1]}"
         settings.url = self.url
         self.app = build_app(llm, settings)
         config = uvicorn.Config(self.app, log_level=log_level, lifespan="on", access_log=False,
-                                timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5)
+                                timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5,
+                                **uvicorn_tls(settings.tls))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="conveyor-server", daemon=True)

@@ -12,6 +12,7 @@ from typing import Any
 from ..lora_request import LoRARequest
 from .cors import CORSSettings
 from .responses.store import DEFAULT_CAPACITY
+from .tls import TLSSettings
 from .tracing import TracingSettings
 
 
@@ -36,7 +37,7 @@ class ServerSettings:
     (`--lora-modules`); allow_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default).
     enable_tokenizer_info_endpoint: GET /tokenizer_info answers (vLLM's flag). log_stats_interval:
-    seconds between the periodic stats lines (`stats_log`); None = none."""
+    seconds between the periodic stats lines (`stats_log`); None = none. tls: HTTPS (`tls`); None = off."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -62,6 +63,7 @@ class ServerSettings:
     allow_runtime_lora_updating: bool = field(default_factory=lambda: runtime_lora_updating(os.environ))
     enable_tokenizer_info_endpoint: bool = False
     log_stats_interval: float | None = None
+    tls: TLSSettings | None = None
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -101,7 +103,8 @@ class ServerSettings:
                    tracing=TracingSettings.from_args(args),
                    lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)),
                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                   log_stats_interval=None if args.disable_log_stats else args.log_stats_interval)
+                   log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
+                   tls=TLSSettings.from_args(args))
 
 
 def runtime_lora_updating(environ: Any) -> bool:

@@ -86,10 +86,12 @@ def test_router_command_names_the_workers_policy_and_metrics_port(monkeypatch: p
 def test_replicas_get_the_engine_options_as_given_and_their_own_address():
     argv = ["--model", "m.gguf", "--num-blocks", "64", "--dtype", "float32", "--no-block-sharing",
             "--no-use-cuda-graph", "--served-model-name", "a", "b", "--speculative-config", '{"method": "ngram"}',
-            "--host", "0.0.0.0", "--port", "9", "--data-parallel-size", "2", "--threads", "1", "--api-key", "k"]
+            "--host", "0.0.0.0", "--port", "9", "--data-parallel-size", "2", "--threads", "1", "--api-key", "k",
+            "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]
     args = serve_parser().parse_args(argv)
     forwarded = forwarded_options(args)
     assert "--host" not in forwarded and "--port" not in forwarded and "--data-parallel-size" not in forwarded
+    assert not [a for a in forwarded if a.startswith("--ssl")]  # the front terminates TLS
     again = serve_parser().parse_args(forwarded)
     for name in ("model", "num_blocks", "dtype", "no_block_sharing", "use_cuda_graph", "served_model_name",
                  "speculative_config", "api_key"):
