@@ -195,6 +195,9 @@ class Request:
         # consumed exactly `output_token_ids`, which offloading never changes, so it stays valid across
         # soft resets and swaps (a reset recomputes K/V, it does not resample).
         self.grammar: llguidance.LLMatcher | None = None
+        # `params.bad_words` as token sequences (set by the engine, which has the tokenizer).
+        self.bad_words_token_ids: list[list[int]] = []
+        self.cache_salt: str | None = None  # vLLM's: cached blocks are shared only between equal salts
         # Detokenization: output text so far, how much of it the user has been sent.
         self.text = ""
         self.sent_text_len = 0
@@ -235,6 +238,11 @@ class Request:
         """Whether cached blocks may stand in for its prompt's first tokens (prefix caching): not when every
         prompt position's output is needed (prompt logprobs; pooling over more than the last token)."""
         return not self.needs_prompt_logprobs and not self.pools_every_row
+
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether sampling masks tokens besides a grammar's (`allowed_token_ids`, `bad_words`)."""
+        return self.params.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -72,12 +72,16 @@ class SamplingParams:
     occurrence). min_tokens: EOS, stop tokens and stop strings are ignored until this many tokens
     have been generated. seed: per-request generator, so
     the same seed gives the same tokens whatever else is in the batch. stop: strings that end
-    generation (not included in the text). logprobs: return the top-n log-probabilities of each
-    generated token (computed from the raw model logits). prompt_logprobs: the log-probability of
-    every prompt token after the first given the tokens before it, plus the top-n alternatives, as
-    vLLM's (for perplexity and scoring; such a request computes its whole prompt, no prefix cache).
+    generation (not included in the text, unless include_stop_str_in_output, vLLM's). logprobs: return
+    the top-n log-probabilities of each generated token (computed from the raw model logits).
+    prompt_logprobs: the log-probability of every prompt token after the first given the tokens before
+    it, plus the top-n alternatives, as vLLM's (for perplexity and scoring; such a request computes its
+    whole prompt, no prefix cache).
     structured_outputs: a constraint (JSON schema, regex, choice, grammar) the output must match, as
     vLLM's. logit_bias: {token id: bias in [-100, 100]} added to the logits before sampling (OpenAI's rule).
+    allowed_token_ids (vLLM's): only these tokens may be generated. bad_words (vLLM's): words never
+    generated: each word's last token is banned where the tokens before it were just generated (the word
+    tokenized alone and after a space).
     skip_special_tokens: special tokens are left out of the text (vLLM's default); a tool-call format
     whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept. truncate_prompt_tokens
     (vLLM's): keep only the prompt's last N tokens; -1 keeps the most that fit in the context beside
@@ -107,6 +111,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None
     request_timeout: float | None = None
@@ -157,6 +164,15 @@ class SamplingParams:
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                                     or not 0 < timeout < float("inf")):
             raise SamplingParamsError(f"request_timeout must be a number of seconds > 0, got {timeout!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
+                                                 for t in self.allowed_token_ids):
+                raise SamplingParamsError("allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
+                                          f"got {self.allowed_token_ids[:5]!r}")
+        self.bad_words = list(self.bad_words or [])
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise SamplingParamsError("bad_words must be non-empty strings")
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:

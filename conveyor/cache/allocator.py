@@ -310,6 +310,8 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
             key = self.prefix_key(request.rope_length) if self.prefix_key is not None else b""
             if request.lora_request is not None:  # blocks computed under an adapter are that adapter's alone
                 key += request.lora_request.cache_key
+            if request.cache_salt is not None:  # and under a salt, that salt's
+                key += b"salt:" + request.cache_salt.encode()
             hashes = self._hashes[request.request_id] = BlockHashes(self.page_size, request, key)
         return hashes
 

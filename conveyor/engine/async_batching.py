@@ -14,9 +14,9 @@ while in flight) go back to the pool only once the last step that holds it has f
 pass ever writes into a block someone else owns. Padded steps alternate between two sets of static
 buffers: step N+1 is written into one while step N still reads the other.
 
-Samplers that read a request's output history (penalties, min_tokens) get a snapshot taken when the
-step is prepared, its pending last token filled on the worker: they see exactly what a synchronous
-step would.
+Samplers that read a request's output history (penalties, min_tokens, bad words of several tokens) get
+a snapshot taken when the step is prepared, its pending last token filled on the worker: they see
+exactly what a synchronous step would.
 """
 
 from __future__ import annotations
@@ -45,20 +45,21 @@ PLACEHOLDER = -1  # a sampled token not read back yet
 class SamplingView:
     """What the sampler reads of a request, with its output history frozen when the step was prepared."""
 
-    __slots__ = ("generator", "grammar", "output_token_ids", "params", "prompt_token_ids", "request_id",
-                 "stop_token_ids")
+    __slots__ = ("bad_words_token_ids", "generator", "grammar", "output_token_ids", "params", "prompt_token_ids",
+                 "request_id", "restricts_tokens", "stop_token_ids")
 
     def __init__(self, request: Request) -> None:
         self.request_id, self.params, self.generator = request.request_id, request.params, request.generator
         self.grammar = request.grammar  # None: constrained requests run synchronous steps (Engine.step)
         self.prompt_token_ids, self.stop_token_ids = request.prompt_token_ids, request.stop_token_ids
+        self.bad_words_token_ids, self.restricts_tokens = request.bad_words_token_ids, request.restricts_tokens
         self.output_token_ids = list(request.output_token_ids)
 
 
 def needs_history(request: Request) -> bool:
     p = request.params
     return (p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
-            or len(request.output_token_ids) < p.min_tokens)
+            or len(request.output_token_ids) < p.min_tokens or any(len(w) > 1 for w in request.bad_words_token_ids))
 
 
 @dataclass

@@ -66,7 +66,8 @@ class InputProcessor:
             if (getattr(params, name) or 0) > self.vocab_size:
                 raise InvalidRequestError(f"{name} must be at most the vocabulary size {self.vocab_size}, "
                                           f"got {getattr(params, name)}", param=name)
-        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
                 raise InvalidRequestError(f"{name} token ids must be in [0, {self.vocab_size}), got {bad[:5]}",
@@ -78,6 +79,8 @@ class InputProcessor:
                                       "structured_outputs") from exc
         request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
         request.grammar = grammar
+        request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
+        request.cache_salt = self.cache_salt(prompt)
         if not params.greedy and (params.seed is not None or self.seed is not None):
             request.generator = torch.Generator(device=self.device).manual_seed(self.request_seed(params))
         return request
@@ -140,6 +143,18 @@ class InputProcessor:
                                           param="max_new_tokens")
         return token_ids[-keep:]
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (vLLM's rule: the spaced form is kept where it is
+        other tokens of the same count, so the word is banned at the start and in the middle of a text)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return sequences
+
     def request_seed(self, params: SamplingParams) -> int:
         """The request's own seed, else one drawn from the engine's seed and the request's arrival number:
         the same requests in the same order sample the same tokens (vLLM's `seed`)."""
@@ -168,10 +183,19 @@ class InputProcessor:
         return token_ids, text
 
     @staticmethod
+    def cache_salt(prompt: Prompt) -> str | None:
+        """vLLM's `cache_salt` of a prompt dict: prompts reuse cached blocks only of prompts with the same salt."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidRequestError(f"cache_salt must be a non-empty string, got {salt!r}",
+                                      RequestErrorCode.INVALID_PROMPT, "cache_salt")
+        return salt
+
+    @staticmethod
     def _vllm_prompt(prompt: dict[str, Any]) -> str | list[int]:
-        """The text or ids of vLLM's `TextPrompt` / `TokensPrompt`; other keys (multi-modal data, embeddings)
-        are refused by name rather than ignored."""
-        other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        """The text or ids of vLLM's `TextPrompt` / `TokensPrompt` (and its `cache_salt`); other keys
+        (multi-modal data, embeddings) are refused by name rather than ignored."""
+        other = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"})
         if other or not prompt:
             raise InvalidRequestError(f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids'; not supported: "
                                       f"{other or 'an empty dict'}", RequestErrorCode.INVALID_PROMPT, "prompt")

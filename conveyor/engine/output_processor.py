@@ -196,13 +196,13 @@ class OutputProcessor:
 
 
 def truncate_at_stop(request: Request, delta_len: int) -> bool:
-    """Cut the text before the earliest stop string that the new text completes, even across tokens; the
-    string becomes the request's `stop_reason`."""
+    """Cut the text before the earliest stop string that the new text completes, even across tokens (after
+    it with `include_stop_str_in_output`); the string becomes the request's `stop_reason`."""
     longest = max(len(s) for s in request.params.stop)
     start = max(len(request.text) - delta_len - longest + 1, 0)
     hits = [(at, s) for s in request.params.stop if (at := request.text.find(s, start)) >= 0]
     if not hits:
         return False
     at, request.stop_reason = min(hits, key=lambda hit: hit[0])  # the earliest; on a tie, the first listed
-    request.text = request.text[:at]
+    request.text = request.text[:at + len(request.stop_reason) if request.params.include_stop_str_in_output else at]
     return True

@@ -15,9 +15,10 @@ waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprob
 one copy: the step's only host sync (`start_copy` queues that copy early, so async batching can
 launch the next step before waiting for it).
 
-Structured outputs and logit_bias edit the logits before sampling: the bias added, then the
-constrained rows' grammar masks (`structured.masks`) applied in one pass, in place (a copy when
-the batch asks for logprobs, which stay those of the raw logits, as with penalties).
+Structured outputs, logit_bias, allowed_token_ids and bad_words edit the logits before sampling: the
+bias added, the tokens a row may not take set to -inf, then the constrained rows' grammar masks
+(`structured.masks`) applied in one pass, in place (a copy when the batch asks for logprobs, which
+stay those of the raw logits, as with penalties).
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Sampler:
         """Whether every row is the argmax of its raw logits (no sampling, penalties, min_tokens, bias,
         grammar or logprobs): then the LM head may fuse the argmax (`CausalLM.greedy_tokens`)."""
         return all(r.params.greedy and r.params.logprobs is None and not r.params.logit_bias and r.grammar is None
-                   and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
+                   and not r.restricts_tokens and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
                    and not r.params.frequency_penalty and len(r.output_token_ids) >= r.params.min_tokens
                    for r in requests)
 
@@ -102,15 +103,18 @@ class Sampler:
                     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
                     or len(r.output_token_ids) < p.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
+        restricted = [i for i, r in enumerate(requests) if r.restricts_tokens]
         grammars = [r.grammar for r in requests]
         constrained = any(g is not None for g in grammars)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
-        if adjusted or wanted and (biased or constrained):  # else bias and masks edit the logits in place
+        if adjusted or wanted and (biased or restricted or constrained):  # else they edit the logits in place
             logits = logits.clone()
         for i in adjusted:
             self._adjust_row(logits[i], requests[i])
         if biased:
             self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
+        for i in restricted:
+            self._restrict_row(logits[i], requests[i])
         if constrained:  # last: nothing after it may lift a masked token
             self._grammar_masks(logits.shape[1]).apply(logits, grammars)
         native = native_sampling(device)
@@ -148,6 +152,20 @@ class Sampler:
         device = logits.device
         logits.index_put_((to_device(index, torch.long, device), to_device(tokens, torch.long, device)),
                           to_device(values, logits.dtype, device), accumulate=True)
+
+    @staticmethod
+    def _restrict_row(row: torch.Tensor, request: Request) -> None:
+        """-inf for the tokens the request may not take now: those outside `allowed_token_ids`, and each bad
+        word's last token where its tokens before it end the output so far."""
+        allowed = request.params.allowed_token_ids
+        if allowed is not None:
+            keep = to_device(allowed, torch.long, row.device)
+            row.copy_(torch.full_like(row, float("-inf")).index_copy_(0, keep, row.index_select(0, keep)))
+        out = request.output_token_ids
+        banned = [word[-1] for word in request.bad_words_token_ids
+                  if len(word) <= len(out) + 1 and out[len(out) - len(word) + 1:] == word[:-1]]
+        if banned:
+            row.index_fill_(0, to_device(banned, torch.long, row.device), float("-inf"))
 
     @staticmethod
     def _adjust_row(row: torch.Tensor, request: Request) -> None:

@@ -44,8 +44,8 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   Responses API makes it a `reasoning` item, the Messages API a `thinking` block. An assistant
   message's `reasoning_content` reaches a template that renders it.
 - Not supported, answered 400 rather than ignored: suffix, best_of != n,
-  top_logprobs without logprobs, prompt_logprobs with stream, llama.cpp's samplers set on
-  (`request_fields`). At most 20 logprobs (and prompt_logprobs).
+  top_logprobs without logprobs, prompt_logprobs with stream, llama.cpp's samplers set on, vLLM's
+  beam search, right truncation, prompt embeddings and logprob_token_ids (`request_fields`). At most 20 logprobs (and prompt_logprobs).
 - Tools (`tools`): "none", "required" (a list of calls, constrained; `parallel_tool_calls: false`
   makes it one), a named function (its arguments, constrained), "auto" (the model's own format,
   read by the tool parser: `--tool-call-parser`, by default read off the chat template; refused with
@@ -58,6 +58,12 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   small thread pool, never on the event loop.
 - prompt_logprobs (completions, vLLM's extra field): each choice gets `prompt_logprobs`, vLLM's
   list of None (first token) or {token id: {logprob, rank, decoded_token}}; null when not asked.
+- vLLM's sampling fields on both endpoints: stop_token_ids, include_stop_str_in_output,
+  allowed_token_ids, bad_words, skip_special_tokens, add_special_tokens (completions: true, chat:
+  false, as vLLM), cache_salt; return_token_ids adds each choice's `token_ids` (a stream: each chunk's
+  new ones) and the prompt's `prompt_token_ids` (completions: in the choice, its first chunk when
+  streamed; chat: top level, not streamed); return_tokens_as_token_ids names logprobs' tokens
+  `token_id:N`. `stop_reason` is the stop string or stop token id that ended a choice, else null.
 - echo (completions, as vLLM): each choice's text begins with its prompt (as sent, or the text of the
   tokens kept by truncation or given as ids), and with `logprobs` its logprobs with the prompt tokens'
   (the first null); `max_tokens: 0` (only with echo) returns the prompt alone and counts no completion

@@ -4,6 +4,7 @@ decoded once per token id and kept (a vocabulary's worth of short strings at mos
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -18,17 +19,22 @@ class LogprobRenderer:
             text = self.texts[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def namer(self, as_ids: bool) -> Callable[[int], str]:
+        """How tokens are named: their text, or vLLM's `token_id:N` (`return_tokens_as_token_ids`)."""
+        return (lambda t: f"token_id:{t}") if as_ids else self.token_str
+
     def completion(self, token_ids: list[int], logprobs: list[dict[int, float] | None], n: int,
-                   offset: int) -> dict[str, Any]:
+                   offset: int, as_ids: bool = False) -> dict[str, Any]:
         """OpenAI's completion logprobs; a None entry (an echoed prompt's first token) has null ones."""
-        tokens = [self.token_str(t) for t in token_ids]
+        name = self.namer(as_ids)
+        tokens = [name(t) for t in token_ids]
         offsets = []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
         return {"tokens": tokens,
                 "token_logprobs": [None if lp is None else lp.get(t) for t, lp in zip(token_ids, logprobs)],
-                "top_logprobs": [None if lp is None else {self.token_str(i): v for i, v in list(lp.items())[:n]}
+                "top_logprobs": [None if lp is None else {name(i): v for i, v in list(lp.items())[:n]}
                                  for lp in logprobs],
                 "text_offset": offsets}
 
@@ -41,9 +47,12 @@ class LogprobRenderer:
 
         return [None if lp is None else entry(lp) for lp in entries]
 
-    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int) -> list[dict[str, Any]]:
+    def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], n: int,
+             as_ids: bool = False) -> list[dict[str, Any]]:
+        name = self.namer(as_ids)
+
         def entry(token_id: int, value: float | None) -> dict[str, Any]:
-            s = self.token_str(token_id)
+            s = name(token_id)
             return {"token": s, "logprob": value, "bytes": list(s.encode())}
 
         return [entry(t, lp.get(t)) | {"top_logprobs": [entry(i, v) for i, v in list(lp.items())[:n]]}

@@ -100,6 +100,14 @@ class SamplingFields(RequestBody):
     response_format: dict[str, Any] | None = None  # OpenAI's {"type": "text" | "json_object" | "json_schema"}
     structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
     skip_special_tokens: bool = True  # vLLM's extra field
+    # vLLM's extra fields: the stop string kept in the text; the only tokens allowed; words never generated;
+    # the prompt's and the choices' token ids returned; logprobs' tokens as "token_id:N"
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefix cache shared only within a salt
     # vLLM's: keep the prompt's last N tokens (-1: what fits beside max_tokens); null: all (too long: 400)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     request_timeout: RequestTimeout = None
@@ -119,6 +127,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
     echo: StrictBool = False  # the prompt before each choice's text (and its tokens before the logprobs)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) added to a text prompt
     suffix: None = None  # not supported
     best_of: int | None = Field(None, ge=1)  # only = n
 
@@ -151,6 +160,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the reply continues the last message (add_generation_prompt false)
     echo: bool = False  # the last message's content before the reply's, when the roles match
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS added over the template's own
     include_reasoning: bool = True
     # llama.cpp's: "none" leaves the reasoning in the content
     reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = None

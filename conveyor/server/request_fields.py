@@ -6,8 +6,9 @@ llama.cpp's `n_predict` is `max_tokens` (-1: the rest of the context), `grammar`
 prefix caching is always on. Its samplers that Conveyor does not have are refused with a 400 naming
 the field and what to use, unless they carry their off value (clients send llama.cpp's defaults);
 the fields that only matter with one of those on (`mirostat_tau`, `dry_base`, ...) or that change
-nothing here (`id_slot`, `n_keep`) are accepted. Any other unknown field is ignored, as vLLM does,
-with a warning the first time the server sees its name.
+nothing here (`id_slot`, `n_keep`) are accepted. vLLM's fields that Conveyor does not have (beam search,
+right truncation, prompt embeddings) are refused the same way when set. Any other unknown field is
+ignored, as vLLM does, with a warning the first time the server sees its name.
 """
 
 from __future__ import annotations
@@ -38,17 +39,26 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "t_max_predict_ms": ((0,), "there is no time limit: use max_tokens"),
     "lora": (([],), "merge the adapter into the weights and serve that"),
 }
+# vLLM fields that would change the result and that Conveyor does not have -> (values that change nothing,
+# what to use instead)
+VLLM_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False, None), "beam search is not supported: sample n choices, or use temperature 0"),
+    "truncation_side": (("left", None), "truncate_prompt_tokens keeps the prompt's last tokens (left truncation)"),
+    "prompt_embeds": ((None,), "prompts are text or token ids"),
+    "logprob_token_ids": ((None, []), "use logprobs (the top-n) or prompt_logprobs"),
+}
 INERT = {"mirostat_tau", "mirostat_eta", "dynatemp_exponent", "xtc_threshold", "dry_base", "dry_allowed_length",
-         "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "samplers", "min_keep", "n_keep", "id_slot"}
+         "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "samplers", "min_keep", "n_keep", "id_slot",
+         "length_penalty", "spaces_between_special_tokens"}  # vLLM's: beam search only; slow tokenizers only
 
 
 def check_fields(body: SamplingFields, endpoint: str, logged: set[str]) -> None:
     """A 400 for a llama.cpp sampler set on; a warning, once per name in `logged`, for a field ignored."""
     for name, value in (body.model_extra or {}).items():
-        if name in REFUSED:
-            off, instead = REFUSED[name]
+        if name in REFUSED or name in VLLM_REFUSED:
+            whose, (off, instead) = ("llama.cpp", REFUSED[name]) if name in REFUSED else ("vLLM", VLLM_REFUSED[name])
             if value not in off:
-                raise APIError(400, f"llama.cpp's {name} is not supported (got {value!r}): {instead}", param=name)
+                raise APIError(400, f"{whose}'s {name} is not supported (got {value!r}): {instead}", param=name)
         elif name not in INERT and name not in logged:
             logged.add(name)
             logger.warning("%s: request field %r is not supported and is ignored (logged once per field name)",

@@ -326,19 +326,20 @@ class Serving:
                     self.check_length(p, "prompt")
         return prompts
 
-    def tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+    def tokenize(self, prompts: list[str | list[int]], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each prompt (call it off the event loop: `prepare`)."""
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [self.tokenizer.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else list(p)
+                for p in prompts]
 
     def render_chat(self, messages: list[ChatMessage], tools: ToolPlan | None = None) -> list[int]:
         """The conversation's token ids (call it off the event loop: `prepare`)."""
         return self.render_chat_prompt(messages, tools).ids
 
     def render_chat_prompt(self, messages: list[ChatMessage], tools: ToolPlan | None = None, *,
-                           truncating: bool = False, **options: Any) -> ChatPrompt:
+                           truncating: bool = False, add_special_tokens: bool = False, **options: Any) -> ChatPrompt:
         """The conversation rendered, `options` as `LLM.render_chat_text`'s (`replies.template_options`);
-        `truncating`: its tail will be kept (`truncate_prompt_tokens`), however long. Call it off the event
-        loop (`prepare`)."""
+        `truncating`: its tail will be kept (`truncate_prompt_tokens`), however long; `add_special_tokens`: the
+        tokenizer's BOS over the template's own (vLLM's field). Call it off the event loop (`prepare`)."""
         turns, template_tools = conversation(messages, tools or ToolPlan(), self.chat_template, CHAT_ROLES)
         try:
             text = self.llm.render_chat_text(turns, tools=template_tools, **options)
@@ -348,7 +349,7 @@ class Serving:
             raise APIError(400, f"cannot apply the model's chat template: {exc}", param="messages") from exc
         if not truncating:
             self.check_length(text, "messages")
-        return ChatPrompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        return ChatPrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def build_requests(self, prefix: str, prompts: list[list[int]], body: SamplingFields, max_tokens: int | None,
                        logprobs: int | None, param: str, prompt_logprobs: int | None = None,
@@ -389,9 +390,12 @@ class Serving:
                         min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
                         stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
+                        allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
+                        include_stop_str_in_output=body.include_stop_str_in_output,
                         skip_special_tokens=body.skip_special_tokens and not keep_special,
                         request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
-                    requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", ids, params, lora_request))
+                    prompt = ids if body.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": body.cache_salt}
+                    requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", prompt, params, lora_request))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
                 except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed
@@ -433,4 +437,5 @@ def request_error(exc: InvalidRequestError, prompt_param: str, structured_param:
 
 
 # `SamplingParams` fields an engine error may name -> the request body's field (others: the prompt's).
-BODY_FIELDS = {"logit_bias": "logit_bias", "priority": "priority", "dimensions": "dimensions"}
+BODY_FIELDS = {"logit_bias": "logit_bias", "priority": "priority", "dimensions": "dimensions",
+               "allowed_token_ids": "allowed_token_ids"}

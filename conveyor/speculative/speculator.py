@@ -52,7 +52,8 @@ class Speculator:
     @staticmethod
     def serves(request: Request) -> bool:
         p = request.params
-        return (request.grammar is None and not p.logit_bias and p.repetition_penalty == 1.0
+        return (request.grammar is None and not p.logit_bias and not request.restricts_tokens
+                and p.repetition_penalty == 1.0
                 and not p.presence_penalty and not p.frequency_penalty
                 and len(request.output_token_ids) >= p.min_tokens and p.logprobs is None
                 and p.prompt_logprobs is None)

@@ -186,6 +186,41 @@ def test_completion_echo_as_lm_evaluation_harness_reads_it(url: str, http: httpx
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
+def test_vllm_request_fields_over_http(http: httpx.Client, tiny_llm: LLM) -> None:
+    """vLLM's extra fields: include_stop_str_in_output, allowed_token_ids, bad_words, return_token_ids,
+    return_tokens_as_token_ids and cache_salt, on both endpoints; stop_reason names the
+    stop; the fields Conveyor lacks (beam search, right truncation) are a 400 when set."""
+    prompt = random_prompts([7], seed=5)[0]
+    [free] = tiny_llm.generate([prompt], greedy(8), use_tqdm=False)
+    stop = free.text.split()[3]
+    base = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    kept = http.post("/v1/completions", json=base | {"stop": [stop], "include_stop_str_in_output": True,
+                                                      "return_token_ids": True}).json()["choices"][0]
+    assert kept["text"] == free.text[:free.text.index(stop) + len(stop)] and kept["stop_reason"] == stop
+    assert kept["prompt_token_ids"] == prompt and kept["token_ids"] == free.token_ids[:4]
+    allowed = [5, 6, 7]
+    restricted = http.post("/v1/completions", json=base | {"allowed_token_ids": allowed, "bad_words": ["w6"],
+                                                           "logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    tokens = restricted["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 8 and {int(t.removeprefix("token_id:")) for t in tokens} <= {5, 7}
+    chunks = [json.loads(line[6:]) for line in http.post("/v1/completions", json=base | {
+        "stream": True, "return_token_ids": True}).iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
+    assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == free.token_ids
+
+    conversation = [{"role": "user", "content": "w12 w13"}]
+    chat = http.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 4, "temperature": 0,
+                                                   "return_token_ids": True, "ignore_eos": True}).json()
+    assert chat["prompt_token_ids"] == tiny_llm.render_chat(conversation)
+    assert len(chat["choices"][0]["token_ids"]) == 4 and chat["choices"][0]["stop_reason"] is None
+    salted = http.post("/v1/completions", json=base | {"max_tokens": 2, "cache_salt": "tenant"})
+    assert salted.status_code == 200
+    for field, value in (("use_beam_search", True), ("truncation_side", "right")):
+        refused = http.post("/v1/completions", json=base | {field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+    assert http.post("/v1/completions", json=base | {"use_beam_search": False, "max_tokens": 1}).status_code == 200
+
+
 def test_builtin_model_with_openai_client() -> None:
     llm = LLM(config=ContinuousBatchingConfig(num_blocks=256))
     with BackgroundServer(llm) as url:

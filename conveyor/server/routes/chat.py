@@ -40,7 +40,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     options = template_options(body.chat_template_kwargs, serving.settings.default_chat_template_kwargs,
                                body.add_generation_prompt, body.continue_final_message)
     prompt = await serving.prepare(serving.render_chat_prompt, body.messages, plan,
-                                   truncating=body.truncate_prompt_tokens is not None, **options)
+                                   truncating=body.truncate_prompt_tokens is not None,
+                                   add_special_tokens=body.add_special_tokens, **options)
     limit = token_limit(body)
     ids = truncated(body, [prompt.ids], limit, serving.max_model_len, "messages")[0]  # the template applied first
     constraint = plan.constraint
@@ -57,16 +58,23 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.reply_model(adapter)}
     replies = [ChatReply(reasoning, plan, *role_and_echo(body)) for _ in requests]
 
+    as_ids = body.return_tokens_as_token_ids
+
+    def token_ids(ids: list[int]) -> dict[str, Any]:
+        """vLLM's return_token_ids: a choice's token ids (in a stream, each chunk's new ones)."""
+        return {"token_ids": ids} if body.return_token_ids else {}
+
     if body.stream:
         def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
             lp = None
             if n_lp is not None:
-                lp = {"content": serving.logprobs.chat(out.token_ids[start:], out.logprobs[start:], n_lp)}
+                lp = {"content": serving.logprobs.chat(out.token_ids[start:], out.logprobs[start:], n_lp, as_ids)}
             delta = replies[i].feed(out.text, out.finished)
             if not delta and not out.finished and lp is None:
-                return None
+                return None  # its tokens go with the next chunk (`start` stays)
             return {"index": i, "delta": delta, "logprobs": lp,
-                    "finish_reason": replies[i].finish_reason(out.finish_reason if out.finished else None)}
+                    "finish_reason": replies[i].finish_reason(out.finish_reason if out.finished else None),
+                    "stop_reason": out.stop_reason if out.finished else None} | token_ids(out.token_ids[start:])
 
         openings = [{"index": i, "delta": reply.opening(), "logprobs": None, "finish_reason": None}
                     for i, reply in enumerate(replies)]
@@ -76,7 +84,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     finals = await collect(sub, raw)
     choices = []
     for i, (out, reply) in enumerate(zip(finals, replies)):
-        lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp)}
+        lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp, as_ids)}
         choices.append({"index": i, "message": reply.message(out.text), "logprobs": lp,
-                        "finish_reason": reply.finish_reason(out.finish_reason)})
-    return JSONResponse(head | {"choices": choices, "usage": usage([ids], finals)})
+                        "finish_reason": reply.finish_reason(out.finish_reason), "stop_reason": out.stop_reason}
+                       | token_ids(out.token_ids))
+    prompt_ids = {"prompt_token_ids": ids} if body.return_token_ids else {}
+    return JSONResponse(head | {"choices": choices, "usage": usage([ids], finals)} | prompt_ids)

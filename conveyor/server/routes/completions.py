@@ -36,7 +36,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     if not generates and not body.echo:
         raise APIError(400, "max_tokens 0 returns nothing without echo: true", param="max_tokens")
     engine_limit = limit if generates else 1
-    tokenized = await serving.prepare(serving.tokenize, texts)
+    tokenized = await serving.prepare(serving.tokenize, texts, body.add_special_tokens)
     prompts = truncated(body, tokenized, engine_limit, serving.max_model_len, "prompt")
     prompt_lp = body.prompt_logprobs
     if prompt_lp is None and body.echo:
@@ -51,41 +51,45 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     echoes = [text if isinstance(text, str) and len(kept) == len(ids) else serving.tokenizer.decode(kept)
               for text, ids, kept in zip(texts, tokenized, prompts)] if body.echo else []
 
-    def rendered(i: int, out: RequestOutput, text: str, start: int, echo: bool,
-                 offset: int) -> tuple[str, dict[str, Any] | None]:
-        """Choice i's `text` and the logprobs of its tokens from `start` on (neither with max_tokens 0), the
-        prompt's before them if `echo`."""
+    def choice(i: int, out: RequestOutput, text: str, start: int, first: bool, offset: int) -> dict[str, Any]:
+        """Choice i: `text` and the tokens from `start` on (neither with max_tokens 0), the prompt's before them
+        in a choice's `first` chunk with echo, and with return_token_ids the token ids (the prompt's too in the
+        first chunk). `offset`: the characters sent before, for the logprobs' text offsets."""
+        p = i // body.n
         ids = out.token_ids[start:] if generates else []
         entries: list[dict[int, float] | None] = out.logprobs[start:] if generates and n_lp is not None else []
-        text = text if generates else ""
-        if echo:
-            p = i // body.n
-            text, ids = echoes[p] + text, prompts[p] + ids
+        text, shown = (text if generates else ""), ids
+        if first and body.echo:
+            text, shown = echoes[p] + text, prompts[p] + ids
             if n_lp is not None:
                 assert out.prompt_logprobs is not None  # echo with logprobs asks for them
                 entries = [*out.prompt_logprobs, *entries]
-        return text, None if n_lp is None else serving.logprobs.completion(ids, entries, n_lp, offset)
+        lp = None if n_lp is None else serving.logprobs.completion(shown, entries, n_lp, offset,
+                                                                   body.return_tokens_as_token_ids)
+        end = out.finished
+        fields = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason if end else None,
+                  "stop_reason": out.stop_reason if end else None}
+        if body.return_token_ids:
+            fields |= {"prompt_token_ids": prompts[p] if first else None, "token_ids": ids}
+        return fields
 
     if body.stream:
         offsets = [0] * len(requests)  # characters of text sent per choice, for logprob text offsets
-        echoed = [not body.echo] * len(requests)
+        started = [False] * len(requests)
 
         def completion_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any]:
-            text, lp = rendered(i, out, out.delta_text, start, not echoed[i], offsets[i])
-            echoed[i] = True
-            offsets[i] += len(text)
-            return {"index": i, "text": text, "logprobs": lp,
-                    "finish_reason": out.finish_reason if out.finished else None, "stop_reason": None}
+            fields = choice(i, out, out.delta_text, start, not started[i], offsets[i])
+            started[i] = True
+            offsets[i] += len(fields["text"])
+            return fields
 
         return stream_response(sub, head, prompts, body, n_lp, completion_choice, counts_output=generates)
 
     finals = await collect(sub, raw)
     choices = []
     for i, out in enumerate(finals):
-        text, lp = rendered(i, out, out.text, 0, body.echo, 0)
         plp = None if body.prompt_logprobs is None else serving.logprobs.prompt(out.prompt_logprobs or [],
                                                                                  body.prompt_logprobs)
-        choices.append({"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason,
-                        "stop_reason": None, "prompt_logprobs": plp})
+        choices.append(choice(i, out, out.text, 0, True, 0) | {"prompt_logprobs": plp})
     counted = finals if generates else [0] * len(finals)
     return JSONResponse(head | {"choices": choices, "usage": usage(prompts, counted)})
