@@ -394,7 +394,8 @@ class Serving:
                         include_stop_str_in_output=body.include_stop_str_in_output,
                         skip_special_tokens=body.skip_special_tokens and not keep_special,
                         request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
-                    prompt = ids if body.cache_salt is None else {"prompt_token_ids": ids, "cache_salt": body.cache_salt}
+                    salt = body.cache_salt
+                    prompt = ids if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
                     requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", prompt, params, lora_request))
                 except InvalidRequestError as exc:
                     raise request_error(exc, param, structured_param) from exc
