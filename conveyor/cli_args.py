@@ -132,6 +132,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument("--swap-space", type=float, default=None, metavar="GIB", help="--cpu-offload-space")
     vllm.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: --no-use-cuda-graph")
     vllm.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N", help="--num-blocks")
+    vllm.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                      help="--use-async-batching")
     vllm.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=None,
                       help="fcfs (first come, first served: --scheduler-type fifo or prefill_first) or priority "
                       "(--scheduler-type priority: each request's priority field, lower first, preempting)")
@@ -153,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> ContinuousBatchingConfig:
                                  enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                                  swap_space=args.swap_space, enforce_eager=args.enforce_eager,
                                  num_gpu_blocks_override=args.num_gpu_blocks_override,
-                                 scheduling_policy=args.scheduling_policy)
+                                 scheduling_policy=args.scheduling_policy, async_scheduling=args.async_scheduling)
 
 
 def model_from_args(args: argparse.Namespace) -> str | None:
@@ -213,6 +215,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="HTTPS: CA certificates to check client certificates against")
     group.add_argument("--ssl-cert-reqs", type=int, default=0, metavar="N",
                        help="HTTPS: client certificates 0 not asked for (default), 1 optional, 2 required")
+    group.add_argument("--root-path", default="", metavar="PATH",
+                       help="the path prefix a proxy serves the API under (FastAPI's root_path)")
+    group.add_argument("--disable-fastapi-docs", action="store_true", help="no /docs, /redoc or /openapi.json")
+    group.add_argument("--enable-request-id-headers", action="store_true",
+                       help="answer with an X-Request-Id header (the request's own, else a new id)")
+    group.add_argument("--response-role", default="assistant", metavar="ROLE",
+                       help="the role of chat replies to a conversation with a generation prompt (default assistant)")
+    group.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name tokens token_id:N unless a request says otherwise")
+    group.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with a usage chunk, asked for or not")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage has prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
     group.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
                        help="answer GET /tokenizer_info: the tokenizer's settings and chat template (vLLM's flag; "
                        "lm-evaluation-harness's remote tokenizer reads it)")

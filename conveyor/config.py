@@ -186,6 +186,7 @@ VLLM_ENGINE_ARGS: dict[str, str] = {
     "tensor_parallel_size": "tensor_parallel_size",
     "kv_cache_dtype": "kv_cache_dtype",
     "scheduling_policy": "scheduler_type",
+    "async_scheduling": "use_async_batching",
 }
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's: fcfs is fifo or prefill_first, priority is "priority"
 

@@ -98,8 +98,8 @@ class LLM(PoolingMethods, LoRAMethods):
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
     seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split
     over that many ranks: docs/scale-out.md), kv_cache_dtype ("auto", "int8", "fp8": docs/configuration.md),
-    scheduling_policy ("fcfs" or "priority": `generate(priority=...)`, docs/configuration.md):
-    vLLM's engine arguments, mapped onto `config`
+    scheduling_policy ("fcfs" or "priority": `generate(priority=...)`, docs/configuration.md),
+    async_scheduling (`config.use_async_batching`): vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
     runner, convert, task, pooler_config: vLLM's pooling model options (docs/python-api.md): `runner="pooling"`
@@ -128,7 +128,8 @@ class LLM(PoolingMethods, LoRAMethods):
                  override_generation_config: dict[str, Any] | None = None,
                  num_gpu_blocks_override: int | None = None, tensor_parallel_size: int | None = None,
                  batch_invariant: bool | None = None, kv_cache_dtype: str | None = None,
-                 scheduling_policy: str | None = None, runner: str = "auto", convert: str = "auto",
+                 scheduling_policy: str | None = None, async_scheduling: bool | None = None,
+                 runner: str = "auto", convert: str = "auto",
                  task: str | None = None, pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
                  hf_overrides: dict[str, Any] | None = None, **vllm_kwargs: Any) -> None:
         exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
@@ -141,7 +142,7 @@ class LLM(PoolingMethods, LoRAMethods):
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
             num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size,
-            kv_cache_dtype=kv_cache_dtype, scheduling_policy=scheduling_policy)
+            kv_cache_dtype=kv_cache_dtype, scheduling_policy=scheduling_policy, async_scheduling=async_scheduling)
         if speculative_config is not None:
             config = replace(config, speculative_config=speculative_config)  # validated there
         if batch_invariant is not None and batch_invariant != config.batch_invariant:

@@ -93,6 +93,7 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
     pooled: list[float] | None = None  # a pooling request's result: the embedding, or the classifier's scores
+    num_cached_tokens: int = 0  # vLLM's: prompt tokens found in the prefix cache when it was first scheduled
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -177,6 +178,7 @@ class Request:
         self.state = RequestState.PENDING
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held at its first admission
         # The length RoPE rotates every token for at least, where the rotation depends on it (LongRoPE, dynamic
         # NTK: `layers.rotary`): the prompt's; the whole sequence's once a LongRoPE switch recomputed it.
         self.rope_length = len(self.prompt_token_ids)
@@ -262,7 +264,7 @@ class Request:
             finish_reason=self.finish_reason, stop_reason=self.stop_reason, delta_text=delta_text, delta_token_ids=list(delta_ids),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs), error=self.error,
-            metrics=self.metrics, pooled=self.pooled)
+            metrics=self.metrics, pooled=self.pooled, num_cached_tokens=self.num_cached_tokens)
 
     def _sendable_text_len(self) -> int:
         hold = max((len(s) for s in self.params.stop), default=1) - 1

@@ -29,6 +29,9 @@ UNSUPPORTED: dict[str, str] = {
     "--guided-decoding-backend": "structured outputs always run on llguidance: drop the flag",
     "--structured-outputs-config": "structured outputs always run on llguidance: drop the flag",
     "--limit-mm-per-prompt": "Conveyor serves text-only models; multimodal inputs are not supported",
+    "--allowed-local-media-path": "Conveyor serves text-only models; multimodal inputs are not supported",
+    "--middleware": "middleware is not loaded from import paths: put it in a proxy in front, or wrap "
+                    "conveyor.server.build_app(...) in your own ASGI app",
     "--compilation-config": "there is no torch.compile step; CUDA graphs of decode steps are on by default on CUDA "
                             "(--enforce-eager turns them off)",
     "--kv-transfer-config": "disaggregated prefill (KV transfer between instances) is not supported",

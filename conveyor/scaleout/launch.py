@@ -107,7 +107,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         return 1
     front = Front(supervisor)
     config = uvicorn.Config(build_front(front), host=args.host, port=args.port, log_level=args.log_level,
-                            lifespan="on", timeout_graceful_shutdown=5, **uvicorn_tls(tls))
+                            lifespan="on", timeout_graceful_shutdown=5, **uvicorn_tls(tls), root_path=args.root_path)
 
     def drain(then: Callable[[], None]) -> bool:
         front.stopping = True

@@ -193,6 +193,7 @@ class Scheduler:
         request.state = RequestState.PREFILLING
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = hit
         budget.take(n, pages)
         out.chunks.append(ScheduledChunk(request, n))
         return True

@@ -190,7 +190,7 @@ def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5,  # after the app's own drain
                             **uvicorn_logging(settings.log_format, not settings.disable_uvicorn_access_log),
-                            **uvicorn_tls(settings.tls))
+                            **uvicorn_tls(settings.tls), root_path=settings.root_path)
     serving = app.state.serving
     server = GracefulServer(config, serving.request_shutdown)
     serving.on_engine_death = server.drained
@@ -213,7 +213,7 @@ class BackgroundServer:
         self.app = build_app(llm, settings)
         config = uvicorn.Config(self.app, log_level=log_level, lifespan="on", access_log=False,
                                 timeout_graceful_shutdown=int(settings.shutdown_timeout) + 5,
-                                **uvicorn_tls(settings.tls))
+                                **uvicorn_tls(settings.tls), root_path=settings.root_path)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="conveyor-server", daemon=True)

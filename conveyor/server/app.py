@@ -12,6 +12,7 @@ from .cors import add_cors
 from .errors import add_error_handlers
 from .limits import BodyLimit
 from .openapi import instance_schema
+from .request_id import add_request_id_headers
 from .responses.store import ResponseStore
 from .routes import include_routes
 from .serving import Serving
@@ -31,9 +32,12 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
         finally:
             await serving.shutdown()
 
-    app = FastAPI(title="Conveyor", lifespan=lifespan)
+    settings = serving.settings
+    docs = {} if not settings.disable_fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="Conveyor", lifespan=lifespan, **docs)
     app.add_middleware(BodyLimit, max_bytes=serving.max_request_bytes)
-    add_trace_headers(app, serving.settings.tracing)
+    add_trace_headers(app, settings.tracing)
+    add_request_id_headers(app, settings.enable_request_id_headers)
     add_cors(app, serving.settings.cors)  # outermost: preflights answered first, errors get its headers
     app.state.serving = serving
     app.state.responses = ResponseStore(serving.settings.max_stored_responses)

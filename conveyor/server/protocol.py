@@ -106,7 +106,7 @@ class SamplingFields(RequestBody):
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     return_token_ids: bool = False
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefix cache shared only within a salt
     # vLLM's: keep the prompt's last N tokens (-1: what fits beside max_tokens); null: all (too long: 400)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)

@@ -65,11 +65,12 @@ def switch_kwargs(template: str, thinking: bool | None) -> dict[str, Any]:
     return {key: thinking for key in SWITCHES if key in template_variables(template)}
 
 
-def role_and_echo(body: ChatCompletionRequest) -> tuple[str, str]:
-    """The reply's role (vLLM's: the last message's, continued, when no generation prompt is added) and
-    the text `echo` puts before its content (the last message's, when it has the reply's role)."""
+def role_and_echo(body: ChatCompletionRequest, response_role: str = "assistant") -> tuple[str, str]:
+    """The reply's role (`response_role`, vLLM's --response-role; the last message's, continued, when no
+    generation prompt is added) and the text `echo` puts before its content (the last message's, when it
+    has the reply's role)."""
     last = body.messages[-1]
-    role = "assistant" if body.add_generation_prompt else last.role
+    role = response_role if body.add_generation_prompt else last.role
     if not body.echo or last.role != role:
         return role, ""
     content = last.content

@@ -298,6 +298,21 @@ class Serving:
         assert self.loop is not None, "the server's lifespan has not started"
         return await self.loop.run_in_executor(self.workers, functools.partial(fn, *args, **kwargs))
 
+    def tokens_as_ids(self, body: SamplingFields) -> bool:
+        """Whether logprobs name tokens `token_id:N`: the request's say, else the server's."""
+        own = body.return_tokens_as_token_ids
+        return self.settings.return_tokens_as_token_ids if own is None else own
+
+    def stream_usage(self) -> dict[str, bool]:
+        """`stream_response`'s usage options as the server's flags set them."""
+        return {"usage_details": self.settings.enable_prompt_tokens_details,
+                "force_usage": self.settings.enable_force_include_usage}
+
+    def cached_tokens(self, finals: list[RequestOutput], n: int) -> int | None:
+        """The prompt tokens the prefix cache held (each prompt's first choice's), with
+        --enable-prompt-tokens-details; else None (the usage leaves them out)."""
+        return sum(out.num_cached_tokens for out in finals[::n]) if self.settings.enable_prompt_tokens_details else None
+
     def check_length(self, text: str, param: str) -> None:
         """A prompt text too long to fit the context whatever its tokens (limits.prompt_char_limit): a 400
         without tokenizing it."""
@@ -419,10 +434,16 @@ def new_id(kind: str) -> str:
     return f"{kind}-{uuid.uuid4().hex}"
 
 
-def usage(prompts: Iterable[list[int]], finals: Iterable[RequestOutput | int]) -> dict[str, int]:
+def usage(prompts: Iterable[list[int]], finals: Iterable[RequestOutput | int],
+          cached: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached` (--enable-prompt-tokens-details): the prompt tokens the prefix cache held."""
     prompt_tokens = sum(len(p) for p in prompts)
     completion = sum(f if isinstance(f, int) else f.num_output_tokens for f in finals)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    counts: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                              "total_tokens": prompt_tokens + completion}
+    if cached is not None:
+        counts["prompt_tokens_details"] = {"cached_tokens": cached}
+    return counts
 
 
 def request_error(exc: InvalidRequestError, prompt_param: str, structured_param: str | None) -> APIError:

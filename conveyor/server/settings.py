@@ -37,7 +37,11 @@ class ServerSettings:
     (`--lora-modules`); allow_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default).
     enable_tokenizer_info_endpoint: GET /tokenizer_info answers (vLLM's flag). log_stats_interval:
-    seconds between the periodic stats lines (`stats_log`); None = none. tls: HTTPS (`tls`); None = off."""
+    seconds between the periodic stats lines (`stats_log`); None = none. tls: HTTPS (`tls`); None = off.
+    vLLM's: return_tokens_as_token_ids (every request's default), enable_force_include_usage (a usage
+    chunk closes every stream), enable_prompt_tokens_details (usage counts the cached prompt tokens),
+    response_role (a chat reply's role), root_path (the prefix a proxy serves the app under),
+    disable_fastapi_docs (no /docs, /redoc, /openapi.json), enable_request_id_headers (X-Request-Id)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -64,6 +68,13 @@ class ServerSettings:
     enable_tokenizer_info_endpoint: bool = False
     log_stats_interval: float | None = None
     tls: TLSSettings | None = None
+    return_tokens_as_token_ids: bool = False
+    enable_force_include_usage: bool = False
+    enable_prompt_tokens_details: bool = False
+    response_role: str = "assistant"
+    root_path: str = ""
+    disable_fastapi_docs: bool = False
+    enable_request_id_headers: bool = False
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -104,7 +115,11 @@ class ServerSettings:
                    lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)),
                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
                    log_stats_interval=None if args.disable_log_stats else args.log_stats_interval,
-                   tls=TLSSettings.from_args(args))
+                   tls=TLSSettings.from_args(args), return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                   enable_force_include_usage=args.enable_force_include_usage,
+                   enable_prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
+                   root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
+                   enable_request_id_headers=args.enable_request_id_headers)
 
 
 def runtime_lora_updating(environ: Any) -> bool:

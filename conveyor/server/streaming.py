@@ -96,21 +96,24 @@ async def unless_disconnected(receive: Receive, work: Awaitable[T]) -> T:
 
 def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[int]], body: Any, n_lp: int | None,
                     render: Callable[[int, RequestOutput, int], dict[str, Any] | None],
-                    first_choices: Sequence[dict[str, Any]] = (), counts_output: bool = True) -> SSEResponse:
+                    first_choices: Sequence[dict[str, Any]] = (), counts_output: bool = True,
+                    usage_details: bool = False, force_usage: bool = False) -> SSEResponse:
     """Server-sent events for a streaming completion or chat completion: one chunk per output that
     carries text (or logprobs, or the end), `render(i, output, first_new_token)` shaping the choice;
     an error event if a request fails; a usage chunk when asked; then [DONE]. A render that returns
     None has nothing to send yet (a tool call still being parsed). `counts_output` False: the usage
-    counts no completion tokens (an echo's, whose one token is not sent)."""
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    counts no completion tokens (an echo's, whose one token is not sent). `usage_details`: the usage has
+    the cached prompt tokens (each prompt's first choice's); `force_usage`: a usage chunk even unasked."""
+    include_usage = force_usage or bool(body.stream_options and body.stream_options.include_usage)
     chunk = ChunkTemplate(head, include_usage)
 
     async def events() -> AsyncIterator[str]:
-        sent_tokens, counts = [0] * len(sub.requests), [0] * len(sub.requests)
+        sent_tokens, counts, cached = [0] * len(sub.requests), [0] * len(sub.requests), [0] * len(sub.requests)
         for choice in first_choices:
             yield chunk(choice)
         async for i, out in sub.outputs():
             counts[i] = len(out.token_ids) if counts_output else 0
+            cached[i] = out.num_cached_tokens
             if (err := failure(out)) is not None:
                 yield sse(err.body())
                 break
@@ -123,7 +126,8 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
             yield chunk(choice)
         else:
             if include_usage:
-                yield sse(head | {"choices": [], "usage": usage(prompts, counts)})
+                details = sum(cached[::body.n]) if usage_details else None
+                yield sse(head | {"choices": [], "usage": usage(prompts, counts, details)})
         yield DONE
 
     return SSEResponse(events(), sub)

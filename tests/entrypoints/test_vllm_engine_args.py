@@ -26,7 +26,8 @@ def test_each_vllm_name_sets_its_field_and_a_disagreement_is_an_error() -> None:
     given = {"max_model_len": 100, "seed": 3, "max_num_seqs": 5, "max_num_batched_tokens": 48,
              "gpu_memory_utilization": 0.25, "enable_prefix_caching": False, "block_size": 8, "swap_space": 1.5,
              "enforce_eager": True, "num_gpu_blocks_override": 40}
-    assert set(given) | {"tensor_parallel_size", "kv_cache_dtype", "scheduling_policy"} == set(VLLM_ENGINE_ARGS)
+    assert set(given) | {"tensor_parallel_size", "kv_cache_dtype", "scheduling_policy",
+                         "async_scheduling"} == set(VLLM_ENGINE_ARGS)
     config = with_vllm_engine_args(None, **given)
     assert (config.max_model_len, config.seed, config.max_requests_per_batch, config.max_batch_tokens,
             config.max_memory_percent, config.allow_block_sharing, config.page_size, config.cpu_offload_space,
@@ -34,6 +35,7 @@ def test_each_vllm_name_sets_its_field_and_a_disagreement_is_an_error() -> None:
     assert with_vllm_engine_args(None, tensor_parallel_size=2).tensor_parallel_size == 2
     assert with_vllm_engine_args(None, kv_cache_dtype="int8").kv_cache_dtype == "int8"
     assert with_vllm_engine_args(None, scheduling_policy="priority").scheduler_type == "priority"  # more: tests/sched
+    assert with_vllm_engine_args(None, async_scheduling=True).use_async_batching is True
     assert with_vllm_engine_args(None, enforce_eager=False).use_cuda_graph is None  # vLLM's default: automatic
     same = ContinuousBatchingConfig(max_requests_per_batch=5)
     assert with_vllm_engine_args(same, max_num_seqs=5).max_requests_per_batch == 5  # agreeing twice is fine

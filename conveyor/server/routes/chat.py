@@ -56,9 +56,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
                                      lora_request=adapter)
     sub = serving.submit(requests)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.reply_model(adapter)}
-    replies = [ChatReply(reasoning, plan, *role_and_echo(body)) for _ in requests]
+    replies = [ChatReply(reasoning, plan, *role_and_echo(body, serving.settings.response_role)) for _ in requests]
 
-    as_ids = body.return_tokens_as_token_ids
+    as_ids = serving.tokens_as_ids(body)
 
     def token_ids(ids: list[int]) -> dict[str, Any]:
         """vLLM's return_token_ids: a choice's token ids (in a stream, each chunk's new ones)."""
@@ -79,7 +79,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         openings = [{"index": i, "delta": reply.opening(), "logprobs": None, "finish_reason": None}
                     for i, reply in enumerate(replies)]
         return stream_response(sub, head | {"object": "chat.completion.chunk"}, [ids], body, n_lp,
-                               chat_choice, first_choices=openings)
+                               chat_choice, first_choices=openings, **serving.stream_usage())
 
     finals = await collect(sub, raw)
     choices = []
@@ -89,4 +89,5 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
                         "finish_reason": reply.finish_reason(out.finish_reason), "stop_reason": out.stop_reason}
                        | token_ids(out.token_ids))
     prompt_ids = {"prompt_token_ids": ids} if body.return_token_ids else {}
-    return JSONResponse(head | {"choices": choices, "usage": usage([ids], finals)} | prompt_ids)
+    return JSONResponse(head | {"choices": choices, "usage": usage([ids], finals, serving.cached_tokens(finals, 1))}
+                        | prompt_ids)

@@ -51,6 +51,8 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     echoes = [text if isinstance(text, str) and len(kept) == len(ids) else serving.tokenizer.decode(kept)
               for text, ids, kept in zip(texts, tokenized, prompts)] if body.echo else []
 
+    as_ids = serving.tokens_as_ids(body)
+
     def choice(i: int, out: RequestOutput, text: str, start: int, first: bool, offset: int) -> dict[str, Any]:
         """Choice i: `text` and the tokens from `start` on (neither with max_tokens 0), the prompt's before them
         in a choice's `first` chunk with echo, and with return_token_ids the token ids (the prompt's too in the
@@ -64,8 +66,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
             if n_lp is not None:
                 assert out.prompt_logprobs is not None  # echo with logprobs asks for them
                 entries = [*out.prompt_logprobs, *entries]
-        lp = None if n_lp is None else serving.logprobs.completion(shown, entries, n_lp, offset,
-                                                                   body.return_tokens_as_token_ids)
+        lp = None if n_lp is None else serving.logprobs.completion(shown, entries, n_lp, offset, as_ids)
         end = out.finished
         fields = {"index": i, "text": text, "logprobs": lp, "finish_reason": out.finish_reason if end else None,
                   "stop_reason": out.stop_reason if end else None}
@@ -83,7 +84,8 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
             offsets[i] += len(fields["text"])
             return fields
 
-        return stream_response(sub, head, prompts, body, n_lp, completion_choice, counts_output=generates)
+        return stream_response(sub, head, prompts, body, n_lp, completion_choice, counts_output=generates,
+                               **serving.stream_usage())
 
     finals = await collect(sub, raw)
     choices = []
@@ -92,4 +94,5 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
                                                                                  body.prompt_logprobs)
         choices.append(choice(i, out, out.text, 0, True, 0) | {"prompt_logprobs": plp})
     counted = finals if generates else [0] * len(finals)
-    return JSONResponse(head | {"choices": choices, "usage": usage(prompts, counted)})
+    return JSONResponse(head | {"choices": choices, "usage": usage(prompts, counted,
+                                                                   serving.cached_tokens(finals, body.n))})

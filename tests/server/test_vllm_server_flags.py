@@ -1,0 +1,78 @@
+"""vLLM's server flags a copied `vllm serve` command line carries: --return-tokens-as-token-ids,
+--enable-force-include-usage, --enable-prompt-tokens-details, --response-role, --root-path,
+--disable-fastapi-docs, --enable-request-id-headers (and the engine's --async-scheduling)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from conveyor import LLM
+from conveyor.cli_args import config_from_args
+from conveyor.server import BackgroundServer, ServerSettings, build_app
+
+from tests.serving_helpers import CHAT_TEMPLATE, serve_parser
+from tests.utils import TinyModel, idle, random_prompts
+
+FLAGS = ["--return-tokens-as-token-ids", "--enable-force-include-usage", "--enable-prompt-tokens-details",
+         "--response-role", "bot", "--root-path", "/llm", "--enable-request-id-headers", "--async-scheduling"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LLM]:
+    llm = tiny_llama.llm(page_size=4, num_blocks=128, allow_block_sharing=True)
+    llm.tokenizer.chat_template = CHAT_TEMPLATE
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def http(llm: LLM) -> Iterator[httpx.Client]:
+    settings = ServerSettings.from_args(serve_parser().parse_args(FLAGS))
+    with BackgroundServer(llm, settings) as url, httpx.Client(base_url=url, timeout=60) as client:
+        yield client
+
+
+def test_the_flags_parse_into_settings_and_config() -> None:
+    args = serve_parser().parse_args(FLAGS)
+    settings = ServerSettings.from_args(args)
+    assert (settings.return_tokens_as_token_ids, settings.enable_force_include_usage,
+            settings.enable_prompt_tokens_details, settings.enable_request_id_headers) == (True,) * 4
+    assert (settings.response_role, settings.root_path) == ("bot", "/llm")
+    assert config_from_args(args).use_async_batching is True
+    assert config_from_args(serve_parser().parse_args([])).use_async_batching is None
+
+
+def test_usage_tokens_and_roles_as_the_flags_say(http: httpx.Client, llm: LLM) -> None:
+    prompt = random_prompts([20], seed=40)[0]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    first = http.post("/v1/completions", json=body).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert all(t.startswith("token_id:") for t in first["choices"][0]["logprobs"]["tokens"])
+    again = http.post("/v1/completions", json=body | {"return_tokens_as_token_ids": False}).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 16  # four full pages of 4 cached
+    assert not any(t.startswith("token_id:") for t in again["choices"][0]["logprobs"]["tokens"])
+    lines = [line for line in http.post("/v1/completions", json=body | {"stream": True}).iter_lines()
+             if line.startswith("data: {")]
+    assert json.loads(lines[-1][6:])["usage"]["completion_tokens"] == 3  # usage though the stream did not ask
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5 w6"}],
+                                                   "max_tokens": 2}).json()
+    assert chat["choices"][0]["message"]["role"] == "bot"
+    assert idle(llm)
+
+
+def test_docs_root_path_and_request_ids(http: httpx.Client, llm: LLM) -> None:
+    assert http.get("/v1/models").status_code == 200  # as a proxy that strips the root path forwards it
+    assert http.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]  # the docs' links go through it
+    assert http.get("/docs").status_code == 200
+    closed = build_app(llm, ServerSettings.from_args(serve_parser().parse_args(["--disable-fastapi-docs"])))
+    assert closed.docs_url is None and closed.redoc_url is None and closed.openapi_url is None
+    mine = http.get("/health", headers={"X-Request-Id": "abc-123"})
+    assert mine.headers["x-request-id"] == "abc-123"
+    ids = {http.get("/health").headers["x-request-id"] for _ in range(2)}
+    assert len(ids) == 2 and all(len(i) == 32 for i in ids)
+    with http.stream("POST", "/v1/completions", json={"prompt": "w5", "max_tokens": 2, "stream": True}) as r:
+        assert r.headers["x-request-id"] and list(r.iter_lines())
