@@ -124,6 +124,8 @@ def test_a_call_result_continues_by_previous_id_or_by_explicit_items(client: ope
         result])
     assert chained.previous_response_id == first.id and chained.output_text
     assert (chained.output_text, chained.usage.input_tokens) == (explicit.output_text, explicit.usage.input_tokens)
+    # the same conversation again: its full pages came from the prefix cache
+    assert explicit.usage.input_tokens_details.cached_tokens >= chained.usage.input_tokens - 16 > 0
     # The first response's whole output goes back as items too (ids and statuses ignored).
     echoed = client.responses.create(model="smol", store=False, max_output_tokens=16, temperature=0, input=[
         {"role": "user", "content": [{"type": "input_text", "text": ASK}]},

@@ -59,10 +59,11 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, params
     }
 
 
-def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; no tokens are counted as cached. `reasoning_tokens`: the reasoning items'
-    text encoded again (the markers and the whitespace around them are not counted)."""
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+def usage(prompt_tokens: int, output_tokens: int, reasoning_tokens: int = 0, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object. `reasoning_tokens`: the reasoning items' text encoded again (the markers and
+    the whitespace around them are not counted); `cached_tokens`: the input tokens the prefix cache held."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": prompt_tokens + output_tokens}
 
@@ -148,7 +149,7 @@ class ResponseRun:
         item_status = "completed" if status == "completed" else "incomplete"
         self.builder.close(item_status)
         self.response.update(status=status, usage=usage(self.prompt_tokens, out.num_output_tokens if out else 0,
-                                                        self.reasoning_tokens))
+                                                        self.reasoning_tokens, out.num_cached_tokens if out else 0))
         if status == "completed":
             self.response["completed_at"] = int(time.time())
         elif status == "incomplete":
