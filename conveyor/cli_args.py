@@ -222,6 +222,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="answer with an X-Request-Id header (the request's own, else a new id)")
     group.add_argument("--response-role", default="assistant", metavar="ROLE",
                        help="the role of chat replies to a conversation with a generation prompt (default assistant)")
+    group.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                       help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for (default 20; "
+                       "-1: the vocabulary)")
     group.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens token_id:N unless a request says otherwise")
     group.add_argument("--enable-force-include-usage", action="store_true",

@@ -45,5 +45,5 @@ def build_app(llm: LLM, settings: ServerSettings | None = None) -> FastAPI:
     include_routes(app, pooling=llm.pooling_task is not None)
     names = None if llm.lora_enabled else serving.names  # (adapters come and go: then any name)
     app.openapi = lambda: instance_schema(app, names, llm.vocab_size,  # type: ignore[method-assign]
-                                          serving.max_model_len, llm.priority_scheduling)
+                                          serving.max_model_len, llm.priority_scheduling, serving.max_logprobs)
     return app

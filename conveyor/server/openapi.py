@@ -46,7 +46,7 @@ STREAMED = {200: {"content": {"text/event-stream": {"schema": {"type": "string"}
 
 
 def instance_schema(app: FastAPI, names: list[str] | None, vocab_size: int, max_model_len: int,
-                    priority_scheduling: bool) -> dict[str, Any]:
+                    priority_scheduling: bool, max_logprobs: int) -> dict[str, Any]:
     """The schema with this server's bounds filled in (built once, then cached on the app): without priority
     scheduling, `priority` is 0 only; `names` None (LoRA adapters served, loaded at run time): any model name."""
     if app.openapi_schema is None:
@@ -59,7 +59,8 @@ def instance_schema(app: FastAPI, names: list[str] | None, vocab_size: int, max_
         bounds = {"served_name": {"enum": [*names, ""]} if names is not None else {},
                   "token_id": {"maximum": vocab_size - 1},
                   "max_new_tokens": {"maximum": max_model_len - 1},
-                  "priority": {} if priority_scheduling else {"minimum": 0, "maximum": 0}}
+                  "priority": {} if priority_scheduling else {"minimum": 0, "maximum": 0},
+                  "max_logprobs": {"maximum": max_logprobs}}
         _fill(schema, bounds)
         app.openapi_schema = schema
     return app.openapi_schema

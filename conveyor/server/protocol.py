@@ -14,13 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-MAX_LOGPROBS = 20  # as vLLM's default --max-logprobs
+MAX_LOGPROBS = 20  # the default --max-logprobs, as vLLM's
 MAX_N = 128  # OpenAI's limit on choices per request (the server's max queue may be lower: a 400 then)
 # Bounds only the running server knows (served names, vocabulary, context): marked here, filled into its
 # OpenAPI schema by `openapi.instance_schema`.
 SERVED_NAME = {"x-conveyor-bound": "served_name"}
 TOKEN_ID = {"x-conveyor-bound": "token_id"}
 MAX_NEW = {"x-conveyor-bound": "max_new_tokens"}
+LOGPROBS = {"x-conveyor-bound": "max_logprobs"}  # --max-logprobs (checked by `Serving.check_logprobs`)
 
 
 def _integral(value: Any) -> Any:
@@ -124,8 +125,8 @@ class CompletionRequest(SamplingFields):
                                                                                       Field(min_length=1)]
     # OpenAI's and vLLM's default; null = the rest of the context; 0 (with echo): the prompt's logprobs only
     max_tokens: int | None = Field(16, ge=0, json_schema_extra=MAX_NEW)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extra field
+    logprobs: int | None = Field(None, ge=0, json_schema_extra=LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, json_schema_extra=LOGPROBS)  # vLLM's extra field
     echo: StrictBool = False  # the prompt before each choice's text (and its tokens before the logprobs)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS (and the like) added to a text prompt
     suffix: None = None  # not supported
@@ -151,7 +152,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(None, ge=1, json_schema_extra=MAX_NEW)  # None: the rest of the context (vLLM)
     max_completion_tokens: int | None = Field(None, ge=1, json_schema_extra=MAX_NEW)  # wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, json_schema_extra=LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # OpenAI's default: true

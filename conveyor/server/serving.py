@@ -152,6 +152,7 @@ class Serving:
                                                                                            self.reasoning_parser)
         self.ignored_fields: set[str] = set()  # request fields logged as ignored (once per name)
         self.max_model_len = llm.max_model_len
+        self.max_logprobs = llm.vocab_size if settings.max_logprobs == -1 else settings.max_logprobs
         self.logprobs = LogprobRenderer(self.tokenizer)
         self.max_request_bytes = settings.max_request_bytes or default_max_request_bytes(self.max_model_len)
         self.max_prompt_chars = prompt_char_limit(self.tokenizer, self.max_model_len)  # None: no bound
@@ -297,6 +298,13 @@ class Serving:
         """`fn(*args, **kwargs)` on the preparing threads (tokenizing, templates, constraints), not the loop."""
         assert self.loop is not None, "the server's lifespan has not started"
         return await self.loop.run_in_executor(self.workers, functools.partial(fn, *args, **kwargs))
+
+    def check_logprobs(self, **asked: int | None) -> None:
+        """A 400 naming the field that asks for more logprobs than --max-logprobs allows."""
+        for name, n in asked.items():
+            if n is not None and n > self.max_logprobs:
+                raise APIError(400, f"{name} must be at most {self.max_logprobs} (the server's --max-logprobs), "
+                               f"got {n}", param=name)
 
     def tokens_as_ids(self, body: SamplingFields) -> bool:
         """Whether logprobs name tokens `token_id:N`: the request's say, else the server's."""

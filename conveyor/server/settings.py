@@ -11,6 +11,7 @@ from typing import Any
 
 from ..lora_request import LoRARequest
 from .cors import CORSSettings
+from .protocol import MAX_LOGPROBS
 from .responses.store import DEFAULT_CAPACITY
 from .tls import TLSSettings
 from .tracing import TracingSettings
@@ -41,7 +42,8 @@ class ServerSettings:
     vLLM's: return_tokens_as_token_ids (every request's default), enable_force_include_usage (a usage
     chunk closes every stream), enable_prompt_tokens_details (usage counts the cached prompt tokens),
     response_role (a chat reply's role), root_path (the prefix a proxy serves the app under),
-    disable_fastapi_docs (no /docs, /redoc, /openapi.json), enable_request_id_headers (X-Request-Id)."""
+    disable_fastapi_docs (no /docs, /redoc, /openapi.json), enable_request_id_headers (X-Request-Id),
+    max_logprobs (the most logprobs a request may ask for; -1: the vocabulary)."""
 
     served_model_names: list[str] | None = None
     api_key: str | None = None
@@ -75,6 +77,7 @@ class ServerSettings:
     root_path: str = ""
     disable_fastapi_docs: bool = False
     enable_request_id_headers: bool = False
+    max_logprobs: int = MAX_LOGPROBS
 
     @classmethod
     def from_args(cls, args: Any) -> ServerSettings:
@@ -93,6 +96,8 @@ class ServerSettings:
             raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
         if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
             raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
+        if args.max_logprobs < -1:
+            raise ValueError(f"--max-logprobs must be -1 (the vocabulary) or >= 0, got {args.max_logprobs}")
         if not 0 < args.log_stats_interval < float("inf"):
             raise ValueError(f"--log-stats-interval must be a number of seconds > 0, got {args.log_stats_interval}")
         kwargs = args.default_chat_template_kwargs
@@ -119,7 +124,7 @@ class ServerSettings:
                    enable_force_include_usage=args.enable_force_include_usage,
                    enable_prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
                    root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
-                   enable_request_id_headers=args.enable_request_id_headers)
+                   enable_request_id_headers=args.enable_request_id_headers, max_logprobs=args.max_logprobs)
 
 
 def runtime_lora_updating(environ: Any) -> bool:

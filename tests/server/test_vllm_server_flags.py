@@ -18,7 +18,8 @@ from tests.serving_helpers import CHAT_TEMPLATE, serve_parser
 from tests.utils import TinyModel, idle, random_prompts
 
 FLAGS = ["--return-tokens-as-token-ids", "--enable-force-include-usage", "--enable-prompt-tokens-details",
-         "--response-role", "bot", "--root-path", "/llm", "--enable-request-id-headers", "--async-scheduling"]
+         "--response-role", "bot", "--root-path", "/llm", "--enable-request-id-headers", "--async-scheduling",
+         "--max-logprobs", "3"]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,9 @@ def test_the_flags_parse_into_settings_and_config() -> None:
     settings = ServerSettings.from_args(args)
     assert (settings.return_tokens_as_token_ids, settings.enable_force_include_usage,
             settings.enable_prompt_tokens_details, settings.enable_request_id_headers) == (True,) * 4
-    assert (settings.response_role, settings.root_path) == ("bot", "/llm")
+    assert (settings.response_role, settings.root_path, settings.max_logprobs) == ("bot", "/llm", 3)
+    with pytest.raises(ValueError, match="--max-logprobs"):
+        ServerSettings.from_args(serve_parser().parse_args(["--max-logprobs", "-2"]))
     assert config_from_args(args).use_async_batching is True
     assert config_from_args(serve_parser().parse_args([])).use_async_batching is None
 
@@ -61,12 +64,21 @@ def test_usage_tokens_and_roles_as_the_flags_say(http: httpx.Client, llm: LLM) -
     chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5 w6"}],
                                                    "max_tokens": 2}).json()
     assert chat["choices"][0]["message"]["role"] == "bot"
+    chat_body = {"messages": [{"role": "user", "content": "w5"}], "logprobs": True}
+    for url, request, field in (("/v1/completions", body, "logprobs"), ("/v1/completions", body, "prompt_logprobs"),
+                                ("/v1/chat/completions", chat_body, "top_logprobs")):
+        refused = http.post(url, json=request | {field: 4})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field
+        assert "at most 3" in refused.json()["error"]["message"]
     assert idle(llm)
 
 
 def test_docs_root_path_and_request_ids(http: httpx.Client, llm: LLM) -> None:
     assert http.get("/v1/models").status_code == 200  # as a proxy that strips the root path forwards it
-    assert http.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]  # the docs' links go through it
+    schema = http.get("/openapi.json").json()
+    assert schema["servers"] == [{"url": "/llm"}]  # the docs' links go through it
+    logprobs = schema["components"]["schemas"]["CompletionRequest"]["properties"]["logprobs"]
+    assert {"type": "integer", "minimum": 0, "maximum": 3} in logprobs["anyOf"]
     assert http.get("/docs").status_code == 200
     closed = build_app(llm, ServerSettings.from_args(serve_parser().parse_args(["--disable-fastapi-docs"])))
     assert closed.docs_url is None and closed.redoc_url is None and closed.openapi_url is None

@@ -32,6 +32,7 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     adapter = serving.check_model(body.model)
     check_fields(body, "/v1/chat/completions", serving.ignored_fields)
+    serving.check_logprobs(top_logprobs=body.top_logprobs)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None

@@ -28,6 +28,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     check_fields(body, "/v1/completions", serving.ignored_fields)
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of is not supported (other than = n)", param="best_of")
+    serving.check_logprobs(logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     texts = serving.completion_prompts(body)  # a prompt too long to fit is refused here, untokenized
