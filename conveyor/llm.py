@@ -382,10 +382,12 @@ class LLM(PoolingMethods, LoRAMethods):
     def render_chat_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                          chat_template: str | None = None, add_generation_prompt: bool = True,
                          continue_final_message: bool = False,
-                         chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                         chat_template_kwargs: dict[str, Any] | None = None,
+                         documents: list[dict[str, Any]] | None = None) -> str:
         """The conversation through the chat template, as the text `render_chat` tokenizes (a server
-        checks its length before it spends time tokenizing it). `InvalidRequestError` naming the
-        parameter for options that cannot go together or a template variable the renderer owns."""
+        checks its length before it spends time tokenizing it); `documents` go to a RAG template (vLLM's).
+        `InvalidRequestError` naming the parameter for options that cannot go together or a template
+        variable the renderer owns."""
         if not conversation:
             raise ValueError("conversation is empty: it needs at least one message")
         if add_generation_prompt and continue_final_message:
@@ -396,8 +398,9 @@ class LLM(PoolingMethods, LoRAMethods):
         if owned:
             raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(owned)}: the renderer's own "
                                       "parameters are set by the request's fields", param="chat_template_kwargs")
-        return self.tokenizer.apply_chat_template(conversation, tools=tools, chat_template=chat_template,
-                                                  tokenize=False, add_generation_prompt=add_generation_prompt,
+        return self.tokenizer.apply_chat_template(conversation, tools=tools, documents=documents,
+                                                  chat_template=chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, **kwargs)
 
 

@@ -162,6 +162,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # the reply continues the last message (add_generation_prompt false)
     echo: bool = False  # the last message's content before the reply's, when the roles match
     add_special_tokens: bool = False  # vLLM's: the tokenizer's BOS added over the template's own
+    # OpenAI's: the template's thinking switch (and gpt-oss's effort); vLLM's: documents for a RAG template
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    documents: list[dict[str, Any]] | None = None
     include_reasoning: bool = True
     # llama.cpp's: "none" leaves the reasoning in the content
     reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = None

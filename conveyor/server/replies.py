@@ -65,6 +65,17 @@ def switch_kwargs(template: str, thinking: bool | None) -> dict[str, Any]:
     return {key: thinking for key in SWITCHES if key in template_variables(template)}
 
 
+def effort_kwargs(template: str, effort: str | None) -> dict[str, Any]:
+    """A reasoning effort (chat's `reasoning_effort`, the Responses API's `reasoning.effort`) as template
+    variables, as vLLM reads it: "none" turns the template's thinking switch off, any other effort on
+    (`switch_kwargs`: none set where the template reads none); a template that reads `reasoning_effort`
+    (gpt-oss's) gets the effort itself."""
+    kwargs = switch_kwargs(template, None if effort is None else effort != "none")
+    if effort is not None and "reasoning_effort" in template_variables(template):
+        kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
 def role_and_echo(body: ChatCompletionRequest, response_role: str = "assistant") -> tuple[str, str]:
     """The reply's role (`response_role`, vLLM's --response-role; the last message's, continued, when no
     generation prompt is added) and the text `echo` puts before its content (the last message's, when it

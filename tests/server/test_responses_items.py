@@ -11,8 +11,8 @@ import pytest
 from conveyor.reasoning import get_reasoning_parser
 from conveyor.server import ServerSettings
 from conveyor.server.protocol import APIError
-from conveyor.server.replies import ReasoningPlan
-from conveyor.server.responses.items import OutputBuilder, effort_kwargs, item_turns, output_turns, reasoning_text
+from conveyor.server.replies import ReasoningPlan, effort_kwargs
+from conveyor.server.responses.items import OutputBuilder, item_turns, output_turns, reasoning_text
 from conveyor.server.responses.protocol import ResponsesRequest
 from conveyor.server.responses.store import ResponseStore, StoredResponse
 from conveyor.server.tools import plan_tools

@@ -213,6 +213,11 @@ def test_vllm_request_fields_over_http(http: httpx.Client, tiny_llm: LLM) -> Non
                                                    "return_token_ids": True, "ignore_eos": True}).json()
     assert chat["prompt_token_ids"] == tiny_llm.render_chat(conversation)
     assert len(chat["choices"][0]["token_ids"]) == 4 and chat["choices"][0]["stop_reason"] is None
+    rag = "{% for d in documents %}[{{ d.title }}: {{ d.text }}] {% endfor %}" + CHAT_TEMPLATE
+    text = tiny_llm.render_chat_text(conversation, chat_template=rag, documents=[{"title": "w7", "text": "w8 w9"}])
+    assert text.startswith("[w7: w8 w9] ")  # vLLM's documents, for templates that read them
+    assert http.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 1,
+                                                   "documents": [{"text": "w8"}]}).status_code == 200
     salted = http.post("/v1/completions", json=base | {"max_tokens": 2, "cache_salt": "tenant"})
     assert salted.status_code == 200
     for field, value in (("use_beam_search", True), ("truncation_side", "right")):

@@ -110,6 +110,22 @@ def test_effort_none_turns_thinking_off(client: openai.OpenAI, llm: LLM) -> None
     settles(llm)
 
 
+def test_chat_reasoning_effort_none_turns_thinking_off(client: openai.OpenAI, llm: LLM) -> None:
+    """OpenAI's chat `reasoning_effort`, read as the Responses API's (vLLM's rule); the request's own
+    chat_template_kwargs win over it."""
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    _, answer, ref = reference(llm, question, OFF, 16)
+    reply = client.chat.completions.create(model="smol", messages=question, max_tokens=16, temperature=0,
+                                           reasoning_effort="none")
+    assert reply.choices[0].message.content == answer and reply.usage.prompt_tokens == ref.num_prompt_tokens
+    thinking = client.chat.completions.create(model="smol", messages=question, max_tokens=16, temperature=0,
+                                              reasoning_effort="none",
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    assert thinking.usage.prompt_tokens == len(llm.render_chat(question, chat_template_kwargs=NOTE))
+    assert thinking.usage.prompt_tokens != ref.num_prompt_tokens
+    settles(llm)
+
+
 def test_earlier_reasoning_goes_back_to_the_template(client: openai.OpenAI, llm: LLM) -> None:
     first = client.responses.create(model="smol", input=ECHO, max_output_tokens=40, temperature=0)
     item, message = first.output

@@ -22,7 +22,7 @@ from pydantic import TypeAdapter
 from ...sampling_params import StructuredOutputsParams
 from ...tool_parsers import ToolParser
 from ..protocol import APIError, ChatMessage, SamplingFields
-from ..replies import ChatReply, ReasoningPlan, switch_kwargs, template_variables
+from ..replies import ChatReply, ReasoningPlan
 from ..response_format import body_constraint
 from ..tools import ToolPlan, plan_tools
 from .protocol import (ContentPart, FunctionCallItem, FunctionCallOutputItem, InputItem, JSONObjectFormat,
@@ -97,16 +97,6 @@ def tool_plan(body: ResponsesRequest, parser: type[ToolParser], auto_enabled: bo
     if isinstance(choice, NamedFunction):
         choice = {"type": "function", "function": {"name": choice.name}}
     return plan_tools(tools, choice, parser, auto_enabled, body.parallel_tool_calls)
-
-
-def effort_kwargs(template: str, effort: str | None) -> dict[str, Any]:
-    """`reasoning.effort` as template variables, as vLLM reads it: "none" turns the template's thinking
-    switch off, any other effort on (`replies.switch_kwargs`: none set where the template reads none);
-    a template that reads `reasoning_effort` (gpt-oss's) gets the effort itself."""
-    kwargs = switch_kwargs(template, None if effort is None else effort != "none")
-    if effort is not None and "reasoning_effort" in template_variables(template):
-        kwargs["reasoning_effort"] = effort
-    return kwargs
 
 
 def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:

@@ -114,7 +114,7 @@ class TextConfig(Strict):
 
 class Reasoning(Strict):
     """As vLLM reads it: "none" turns the chat template's thinking switch off, any other effort on
-    (`items.effort_kwargs`); echoed in the response."""
+    (`replies.effort_kwargs`); echoed in the response."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
-from ..replies import ChatReply, plan_reasoning, role_and_echo, template_options
+from ..replies import ChatReply, effort_kwargs, plan_reasoning, role_and_echo, template_options
 from ..request_fields import check_fields, token_limit, truncated
 from ..response_format import body_constraint
 from ..serving import new_id, usage
@@ -38,11 +38,12 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     plan = plan_tools(body.tools, body.tool_choice, serving.tool_parser, serving.settings.enable_auto_tool_choice,
                       body.parallel_tool_calls)
-    options = template_options(body.chat_template_kwargs, serving.settings.default_chat_template_kwargs,
-                               body.add_generation_prompt, body.continue_final_message)
+    own = effort_kwargs(serving.chat_template, body.reasoning_effort) | (body.chat_template_kwargs or {})
+    options = template_options(own, serving.settings.default_chat_template_kwargs, body.add_generation_prompt,
+                               body.continue_final_message)
     prompt = await serving.prepare(serving.render_chat_prompt, body.messages, plan,
                                    truncating=body.truncate_prompt_tokens is not None,
-                                   add_special_tokens=body.add_special_tokens, **options)
+                                   add_special_tokens=body.add_special_tokens, documents=body.documents, **options)
     limit = token_limit(body)
     ids = truncated(body, [prompt.ids], limit, serving.max_model_len, "messages")[0]  # the template applied first
     constraint = plan.constraint

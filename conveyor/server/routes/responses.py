@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ..openapi import STREAMED, ErrorResponse, error_responses
 from ..protocol import APIError, ChatMessage, SamplingFields
-from ..replies import plan_reasoning, template_options
-from ..responses.items import effort_kwargs, input_turns, text_constraint, tool_plan
+from ..replies import effort_kwargs, plan_reasoning, template_options
+from ..responses.items import input_turns, text_constraint, tool_plan
 from ..responses.protocol import ResponsesRequest
 from ..responses.run import ResponseRun, response_object
 from ..responses.store import ResponseStore, StoredResponse
