@@ -150,8 +150,9 @@ class InputProcessor:
         for word in words:
             alone = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            sequences.append(alone)
-            if spaced[0] != alone[0] and len(spaced) == len(alone):
+            if alone:
+                sequences.append(alone)
+            if spaced and (not alone or spaced[0] != alone[0]) and len(spaced) == len(alone):
                 sequences.append(spaced)
         return sequences
 

@@ -51,7 +51,6 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     # echo: the prompt as sent where it was kept whole, else the text of the tokens the model saw
     echoes = [text if isinstance(text, str) and len(kept) == len(ids) else serving.tokenizer.decode(kept)
               for text, ids, kept in zip(texts, tokenized, prompts)] if body.echo else []
-
     as_ids = serving.tokens_as_ids(body)
 
     def choice(i: int, out: RequestOutput, text: str, start: int, first: bool, offset: int) -> dict[str, Any]:
