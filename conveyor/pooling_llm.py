@@ -82,6 +82,14 @@ class PoolingMethods:
         return [ScoringRequestOutput(o.request_id, ScoringOutput((o.pooled or [math.nan])[0]), o.prompt_token_ids)
                 for o in outs]
 
+    @property
+    def class_labels(self) -> list[str]:
+        """A classifier's label names by class index: its config's `id2label`, `LABEL_i` where that has none."""
+        self._need_task("classify", "class_labels")
+        names = getattr(self.engine.model.config, "id2label", None) or {}
+        count = self.engine.pooler.num_labels or 0  # type: ignore[union-attr]
+        return [str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count)]
+
     def check_scores(self) -> None:
         """A model that scores pairs: an embedding model, or a classifier with one label."""
         self._need_task("classify", "score")

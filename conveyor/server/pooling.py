@@ -19,12 +19,15 @@ from ..errors import InvalidRequestError
 from ..pooling_params import PoolingParams, PoolingParamsError
 from ..request import Request as EngineRequest
 from ..request import RequestOutput
-from .pooling_protocol import EmbeddingRequest, PoolingFields
+from .pooling_protocol import InputFields, PoolingFields
 from .protocol import APIError
 from .serving import Serving, new_id, request_error
 from .streaming import collect
 
-ROUTES = "/v1/embeddings (embedding models), /v1/score and /v1/rerank"
+ROUTES = "/v1/embeddings (embedding models), /classify (classifiers), /v1/score, /v1/rerank and /pooling"
+TASK_ROUTES = {"embed": "/v1/embeddings, /v1/score, /v1/rerank and /pooling",
+               "classify": "/classify, /v1/score, /v1/rerank and /pooling"}
+MODELS = {"embed": "an embedding model (--convert embed)", "classify": "a classifier (--convert classify)"}
 
 
 def require_task(serving: Serving, path: str, *tasks: str) -> str:
@@ -35,8 +38,8 @@ def require_task(serving: Serving, path: str, *tasks: str) -> str:
         raise APIError(404, f"{path} needs a pooling model; this server generates: start it with --runner pooling "
                        "(and --convert embed or classify) to serve embeddings and scores")
     if task not in tasks:
-        raise APIError(400, f"{path} needs an embedding model; this server's model classifies (it serves /v1/score "
-                       "and /v1/rerank): start it with --convert embed for embeddings")
+        raise APIError(400, f"{path} needs {' or '.join(MODELS[t] for t in tasks)}; this server's model "
+                       f"{'embeds' if task == 'embed' else 'classifies'} (it serves {TASK_ROUTES[task]})")
     return task
 
 
@@ -48,7 +51,7 @@ def pooling_params(body: PoolingFields, activation: bool | None = None, dimensio
         raise APIError(400, str(exc), param="truncate_prompt_tokens" if "truncate" in str(exc) else None) from exc
 
 
-def embedding_inputs(serving: Serving, body: EmbeddingRequest) -> list[str | list[int]]:
+def embedding_inputs(serving: Serving, body: InputFields) -> list[str | list[int]]:
     """The body's inputs (a text, texts, token ids, lists of them); a text too long for the context is
     refused untokenized unless it will be truncated."""
     given = body.input

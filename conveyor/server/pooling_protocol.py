@@ -1,6 +1,6 @@
 """Request bodies of the pooling routes, vLLM's shapes: /v1/embeddings (OpenAI's, with vLLM's extra fields),
-/v1/score and /v1/rerank (Jina's and Cohere's rerank shape, as vLLM serves it). Unknown fields are ignored,
-as on the other routes."""
+/v1/score and /v1/rerank (Jina's and Cohere's rerank shape, as vLLM serves it), /classify and /pooling.
+Unknown fields are ignored, as on the other routes."""
 
 from __future__ import annotations
 
@@ -21,13 +21,18 @@ class PoolingFields(RequestBody):
     user: str | None = None
 
 
-class EmbeddingRequest(PoolingFields):
+class InputFields(PoolingFields):
+    """The inputs of the routes that pool each one alone: a text, texts, token ids or lists of them."""
+
     input: Text | Texts | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text
+
+
+class EmbeddingRequest(InputFields):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)  # Matryoshka models only
     normalize: bool | None = None  # vLLM's; null: the server's pooler config (normalized by default)
     use_activation: bool | None = None  # vLLM's newer name for normalize
-    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text
 
 
 class ActivationFields(PoolingFields):
@@ -84,3 +89,14 @@ class RerankRequest(ActivationFields):
     query: Text
     documents: Texts
     top_n: int = Field(0, ge=0)
+
+
+class ClassifyRequest(InputFields, ActivationFields):
+    """vLLM's /classify: each input's label and class probabilities."""
+
+
+class PoolRequest(InputFields, ActivationFields):
+    """vLLM's /pooling: each input's pooled vector as the model's head leaves it (an embedding, a classifier's
+    scores), as floats or base64."""
+
+    encoding_format: Literal["float", "base64"] = "float"

@@ -76,6 +76,6 @@ def test_rerank_orders_documents_as_vllm(http: httpx.Client, llm: LLM) -> None:
 
 def test_embeddings_need_an_embedding_model(http: httpx.Client, llm: LLM) -> None:
     reply = http.post("/v1/embeddings", json={"input": "w5"})
-    assert reply.status_code == 400 and "start it with --convert embed" in reply.json()["error"]["message"]
+    assert reply.status_code == 400 and "--convert embed" in reply.json()["error"]["message"]
     assert http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w5"}]}).status_code == 404
     settles(llm)
