@@ -57,8 +57,9 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   bytes per context token, at least 16 MiB); a prompt text longer than the longest token x the
   context is a 400 before it is tokenized. Tokenizing, chat templates and constraints run on a
   small thread pool, never on the event loop.
-- prompt_logprobs (completions, vLLM's extra field): each choice gets `prompt_logprobs`, vLLM's
-  list of None (first token) or {token id: {logprob, rank, decoded_token}}; null when not asked.
+- prompt_logprobs (vLLM's extra field): each completion choice gets `prompt_logprobs` (a chat
+  completion once, at the top level), vLLM's list of None (first token) or {token id: {logprob, rank,
+  decoded_token}}; null when not asked.
 - vLLM's sampling fields on both endpoints: stop_token_ids, include_stop_str_in_output,
   allowed_token_ids, bad_words, skip_special_tokens, add_special_tokens (completions: true, chat:
   false, as vLLM), cache_salt; return_token_ids adds each choice's `token_ids` (a stream: each chunk's

@@ -153,6 +153,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, json_schema_extra=MAX_NEW)  # wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, json_schema_extra=LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, json_schema_extra=LOGPROBS)  # vLLM's extra field
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # OpenAI's default: true

@@ -131,6 +131,15 @@ def test_completion_prompt_logprobs_as_vllm(http: httpx.Client, tiny_llm: LLM) -
         assert [e["rank"] for e in entry.values()][:2] == [1, 2] and entry[str(token)]["decoded_token"] == f"w{token}"
     plain = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
     assert plain["choices"][0]["prompt_logprobs"] is None
+    conversation = [{"role": "user", "content": words(prompt)}]
+    rendered = tiny_llm.render_chat(conversation)
+    [chat_expected] = tiny_llm.generate([rendered], SamplingParams(max_new_tokens=1, prompt_logprobs=0),
+                                        use_tqdm=False)
+    chat = http.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 1,
+                                                   "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == len(rendered) and chat["prompt_logprobs"][0] is None
+    assert [e[str(t)]["logprob"] for t, e in zip(rendered[1:], chat["prompt_logprobs"][1:])] == pytest.approx(
+        [e[t] for t, e in zip(rendered[1:], chat_expected.prompt_logprobs[1:])], abs=1e-5)
     for bad in ({"prompt_logprobs": 21}, {"prompt_logprobs": 1, "stream": True}):
         response = http.post("/v1/completions", json={"prompt": prompt} | bad)
         assert response.status_code == 400 and "prompt_logprobs" in response.text

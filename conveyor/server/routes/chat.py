@@ -32,7 +32,9 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     adapter = serving.check_model(body.model)
     check_fields(body, "/v1/chat/completions", serving.ignored_fields)
-    serving.check_logprobs(top_logprobs=body.top_logprobs)
+    serving.check_logprobs(top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
+    if body.stream and body.prompt_logprobs is not None:  # as vLLM
+        raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -52,7 +54,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
                                options["chat_template_kwargs"], constrained, body.include_reasoning)
     rid, created = new_id("chatcmpl"), int(time.time())
     requests = await serving.prepare(serving.build_requests, rid, [ids], body, limit, n_lp,
-                                     "messages", constraint=(constraint, "tools"),
+                                     "messages", prompt_logprobs=body.prompt_logprobs, constraint=(constraint, "tools"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)
                                      or (reasoning.parser is not None and serving.keep_reasoning_special),
                                      lora_request=adapter)
@@ -90,6 +92,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         choices.append({"index": i, "message": reply.message(out.text), "logprobs": lp,
                         "finish_reason": reply.finish_reason(out.finish_reason), "stop_reason": out.stop_reason}
                        | token_ids(out.token_ids))
-    prompt_ids = {"prompt_token_ids": ids} if body.return_token_ids else {}
+    extra = {"prompt_token_ids": ids} if body.return_token_ids else {}
+    if body.prompt_logprobs is not None:  # vLLM's: the conversation's, once for all choices
+        extra["prompt_logprobs"] = serving.logprobs.prompt(finals[0].prompt_logprobs or [], body.prompt_logprobs)
     return JSONResponse(head | {"choices": choices, "usage": usage([ids], finals, serving.cached_tokens(finals, 1))}
-                        | prompt_ids)
+                        | extra)
