@@ -17,6 +17,7 @@ import logging
 from typing import Any
 
 from .protocol import APIError, SamplingFields
+from .response_format import GUIDED
 
 logger = logging.getLogger("conveyor.server")
 
@@ -59,7 +60,7 @@ def check_fields(body: SamplingFields, endpoint: str, logged: set[str]) -> None:
             whose, (off, instead) = ("llama.cpp", REFUSED[name]) if name in REFUSED else ("vLLM", VLLM_REFUSED[name])
             if value not in off:
                 raise APIError(400, f"{whose}'s {name} is not supported (got {value!r}): {instead}", param=name)
-        elif name not in INERT and name not in logged:
+        elif name not in INERT and name not in GUIDED and name not in logged:
             logged.add(name)
             logger.warning("%s: request field %r is not supported and is ignored (logged once per field name)",
                            endpoint, name)

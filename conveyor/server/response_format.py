@@ -1,8 +1,10 @@
 """The output constraint and logit bias a request body asks for, checked into engine parameters.
 
 OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's extra body field
-`structured_outputs` (json, regex, choice, grammar, json_object) and llama.cpp's `grammar` (GBNF),
-`json_schema` and `json_object` with a `schema` all become a `StructuredOutputsParams`; a
+`structured_outputs` (json, regex, choice, grammar, json_object), its earlier `guided_json`,
+`guided_regex`, `guided_choice` and `guided_grammar` (which vLLM has since dropped, so that their
+requests silently lose the constraint there) and llama.cpp's `grammar` (GBNF), `json_schema` and
+`json_object` with a `schema` all become a `StructuredOutputsParams`; a
 `json_schema` with `strict: true` is closed first (no properties or items beyond those it lists,
 `structured.strict`), as OpenAI reads it. `logit_bias` arrives with string keys (JSON objects have
 no others).
@@ -19,25 +21,32 @@ from ..structured.strict import close_schema
 from .protocol import APIError, SamplingFields
 
 FORMATS = ("text", "json_object", "json_schema")
+# vLLM's earlier fields -> the `structured_outputs` key each one is
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the constraint, the field it came from) or (None, None)."""
     fmt, extra = body.response_format, body.structured_outputs
+    guided = {name: value for name, value in (body.model_extra or {}).items() if name in GUIDED and value is not None}
     given = [name for name, on in (("response_format", fmt is not None and fmt.get("type", "text") != "text"),
                                    ("structured_outputs", bool(extra)), ("grammar", body.grammar is not None),
-                                   ("json_schema", body.json_schema is not None)) if on]
+                                   ("json_schema", body.json_schema is not None)) if on] + list(guided)
     if len(given) > 1:
         raise APIError(400, f"give one constraint, not {' and '.join(given)}", param=given[-1])
+    if guided:
+        [(name, value)] = guided.items()
+        extra = {GUIDED[name]: value}
     if body.grammar is not None:
         return StructuredOutputsParams(grammar=body.grammar), "grammar"
     if body.json_schema is not None:
         return StructuredOutputsParams(json=body.json_schema), "json_schema"
     if extra:
+        field = next(iter(guided), "structured_outputs")
         try:
-            return StructuredOutputsParams(**extra), "structured_outputs"
+            return StructuredOutputsParams(**extra), field
         except (TypeError, ValueError) as exc:
-            raise APIError(400, f"invalid structured_outputs: {exc}", param="structured_outputs") from exc
+            raise APIError(400, f"invalid {field}: {exc}", param=field) from exc
     if fmt is None:
         return None, None
     kind = fmt.get("type", "text")

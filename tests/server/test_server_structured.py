@@ -88,6 +88,10 @@ def test_structured_outputs_extra_field_and_logit_bias(client: openai.OpenAI, ll
     assert complete(structured_outputs={"grammar": 'root ::= "yes" | "no"'}) in ("yes", "no")
     zone = CLOCK["function"]["parameters"]
     check(json.loads(complete(structured_outputs={"json": zone})), zone)
+    # vLLM's earlier names, which it now drops (unconstrained output there): honoured here
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", complete(guided_regex=r"[A-Z]{2}-[0-9]{3}"))
+    assert complete(guided_choice=["alpha", "beta"]) in ("alpha", "beta")
+    check(json.loads(complete(guided_json=zone)), zone)
     token = llm.tokenizer.encode(" banana")[0]
     biased = client.completions.create(model="smol", prompt="Answer:", max_tokens=3, temperature=0,
                                        logit_bias={str(token): 100})
@@ -148,6 +152,8 @@ def test_tool_results_render_through_the_template(client: openai.OpenAI, url: st
     ({"structured_outputs": {"grammar": "root ::= ( "}}, "structured_outputs", "grammar"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"structured_outputs": {"regex": "a", "json": {}}}, "structured_outputs", "exactly one"),
+    ({"guided_regex": "[0-9"}, "guided_regex", "regex"),
+    ({"guided_choice": ["a"], "structured_outputs": {"regex": "a"}}, "guided_choice", "give one constraint"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
     ({"logit_bias": {"5": 300}}, "logit_bias", "-100, 100"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias", "token ids"),
