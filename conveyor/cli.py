@@ -14,7 +14,7 @@ from .cli_args import add_engine_args, add_serve_args, llm_kwargs_from_args, mod
 from .errors import MissingDependencyError
 from .models.hub import HUB_ID, resolve_model_path
 from .scaleout import add_data_parallel_args, launch_module, serve_data_parallel
-from .vllm_flags import ALREADY_SO, UNSUPPORTED, UnsupportedFlagError, check_vllm_flags
+from .vllm_flags import ALREADY_SO, UNSUPPORTED, check_vllm_flags, expand_config_file
 
 logger = logging.getLogger("conveyor")
 SAMPLING_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty")
@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.commands import main as bench_main
         return bench_main(argv[1:], prog="conveyor bench")
     try:
-        argv, notes = check_vllm_flags(argv)
-    except UnsupportedFlagError as exc:
+        known = {option for command in (gen, serve) for action in command._actions for option in action.option_strings}
+        argv, notes = check_vllm_flags(expand_config_file(argv, known))
+    except ValueError as exc:  # UnsupportedFlagError, or a --config file that cannot be read
         print(f"error: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)

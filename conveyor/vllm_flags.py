@@ -2,10 +2,14 @@
 do instead, so that a vLLM deployment script fails with a sentence rather than argparse's
 "unrecognized arguments"; and the few whose vLLM meaning is what Conveyor always does, taken and
 ignored with a log line. The same for `LLM(...)`'s keyword arguments of those names (vLLM's `LLM`
-takes every engine argument). (The flags Conveyor takes under vLLM's names are in `cli_args`.)"""
+takes every engine argument). vLLM's `--config FILE` (a YAML file of options) is read into the command
+line (`expand_config_file`). (The flags Conveyor takes under vLLM's names are in `cli_args`.)"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Container
+from pathlib import Path
 from typing import Any
 
 TOKENIZER = ("the tokenizer is the model's own (its directory, Hub repo or GGUF file); to use another, copy its "
@@ -55,6 +59,62 @@ KWARGS_ALREADY_SO: dict[str, str] = ALREADY_SO | {
 
 class UnsupportedFlagError(ValueError):
     """A vLLM flag Conveyor does not take; the message says what to use instead."""
+
+
+def expand_config_file(argv: list[str], known: Container[str] = ()) -> list[str]:
+    """`argv` with vLLM's `--config FILE` replaced by the options the YAML file holds (`port: 8000`,
+    `served-model-name: [a, b]`, `enable-prefix-caching: false`; underscores or dashes; a mapping value as
+    JSON; false as `--no-...` where `known` has that option, else left out), placed after the subcommand and
+    its MODEL, if it comes first, so that the command line's own options win, as in vLLM. ValueError
+    naming the file when it is not a mapping of option names."""
+    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+        return argv
+    rest, files = list(argv), []
+    while True:
+        at = next((i for i, a in enumerate(rest) if a == "--config" or a.startswith("--config=")), None)
+        if at is None:
+            break
+        if rest[at] == "--config":
+            if at + 1 >= len(rest):
+                raise ValueError("--config needs a file: --config FILE.yaml")
+            files.append(rest[at + 1])
+            del rest[at:at + 2]
+        else:
+            files.append(rest.pop(at).split("=", 1)[1])
+    options = [option for name in files for option in config_file_options(Path(name), known)]
+    at = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1  # not between a list option and MODEL
+    return rest[:at] + options + rest[at:]
+
+
+def config_file_options(path: Path, known: Container[str] = ()) -> list[str]:
+    """The command-line options of one vLLM config file (`expand_config_file`)."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path} is not valid YAML: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path} must map option names to values, e.g. 'port: 8000'")
+    options: list[str] = []
+    for key, value in values.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            options.append(flag)
+        elif value is False:
+            negated = "--no-" + flag[2:]
+            options += [negated] if negated in known else []  # else off is the flag's default
+        elif value is None:
+            continue
+        elif isinstance(value, list):
+            options += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            options += [flag, json.dumps(value)]
+        else:
+            options += [flag, str(value)]
+    return options
 
 
 def check_vllm_flags(argv: list[str]) -> tuple[list[str], list[str]]:

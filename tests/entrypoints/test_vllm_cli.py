@@ -18,7 +18,7 @@ from conveyor.cli_args import (SERVE_MAX_BATCH_TOKENS, add_engine_args, config_f
 from conveyor.errors import ConfigError
 from conveyor.scaleout.launch import forwarded_options
 from conveyor.server import BackgroundServer, ServerSettings
-from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED, check_vllm_flags
+from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED, check_vllm_flags, expand_config_file
 
 from tests.serving_helpers import serve_parser
 from tests.utils import USER_CHAT_TEMPLATE, TinyModel, random_prompts
@@ -73,6 +73,25 @@ def test_max_model_len_takes_vllms_suffixes(capsys: pytest.CaptureFixture[str]) 
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-model-len", bad])
         assert f"{bad!r} is not a token count (e.g. 2048, 32k = 32000, 32K = 32768)" in capsys.readouterr().err
+
+
+def test_a_vllm_config_file_gives_options_the_command_line_overrides(tmp_path, capsys) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 8100\nserved_model_name: [a, b]\nenable-prefix-caching: false\nmax-num-seqs: 7\n"
+                      "speculative-config: {method: ngram, num_speculative_tokens: 3}\nenforce-eager: true\n")
+    parser = serve_parser()
+    known = {option for action in parser._actions for option in action.option_strings}
+    argv = expand_config_file(["serve", "org/m", "--config", str(config), "--port", "9000"], known)
+    args = parser.parse_args(argv[1:])
+    assert (args.port, args.served_model_name, args.max_num_seqs, args.enforce_eager) == (9000, ["a", "b"], 7, True)
+    assert model_from_args(args) == "org/m" and args.enable_prefix_caching is False
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 3}
+    assert expand_config_file(["serve", "--port", "1"]) == ["serve", "--port", "1"]
+    config.write_text("- a list\n")
+    assert main(["serve", f"--config={config}"]) == 2
+    assert "must map option names to values" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml" in capsys.readouterr().err
 
 
 def test_flags_asking_for_what_we_always_do_are_taken() -> None:
