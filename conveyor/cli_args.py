@@ -284,6 +284,8 @@ def add_operations_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-log-requests", action="store_true",
                        help="log one line per request when it ends: id, prompt length, parameters, outcome, timings")
     group.add_argument("--log-prompts", action="store_true", help="the request log includes each prompt")
+    group.add_argument("--enable-log-outputs", action="store_true",
+                       help="the request log includes each output text (vLLM's flag)")
     group.add_argument("--max-log-len", type=int, default=None, metavar="N",
                        help="most prompt characters (or token ids) the request log shows (default: all)")
     group.add_argument("--log-format", choices=["text", "json"], default="text",

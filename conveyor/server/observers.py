@@ -36,7 +36,7 @@ class RequestObservers:
         observers: list[RequestObserver] = []
         if settings.enable_log_requests:
             observers.append(RequestLog(settings.log_prompts, settings.max_log_len,
-                                        lambda ids: tokenizer.decode(ids)))
+                                        lambda ids: tokenizer.decode(ids), settings.enable_log_outputs))
         if settings.tracing is not None:
             observers.append(RequestTracer(settings.tracing, model_name))
         return cls(observers)

@@ -1,8 +1,9 @@
 """The request log (`--enable-log-requests`, vLLM's flag): one line per engine request when it ends, on
 the event loop: its id, prompt length, the sampling parameters it set, its outcome (finish reason,
 tokens out, error) and its timings (queue, time to first token, end to end). The prompt itself is
-logged only with `--log-prompts`, cut to `--max-log-len` characters or token ids (vLLM's). The line is
-text, or with `--log-format json` a JSON object whose fields are these values (`log_format`)."""
+logged only with `--log-prompts`, the output text only with `--enable-log-outputs` (vLLM's), each cut
+to `--max-log-len` characters or token ids (vLLM's). The line is text, or with `--log-format json` a
+JSON object whose fields are these values (`log_format`)."""
 
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def seconds(value: float | None) -> float | None:
 
 class RequestLog:
     """Logs each finished request; `log_prompts` adds its prompt (text, else token ids decoded by
-    `decode`), at most `max_log_len` characters or ids (None: all)."""
+    `decode`), `log_outputs` its output text, each at most `max_log_len` characters or ids (None: all)."""
 
-    def __init__(self, log_prompts: bool = False, max_log_len: int | None = None, decode: Any = None) -> None:
+    def __init__(self, log_prompts: bool = False, max_log_len: int | None = None, decode: Any = None,
+                 log_outputs: bool = False) -> None:
         self.log_prompts, self.max_log_len, self.decode = log_prompts, max_log_len, decode
+        self.log_outputs = log_outputs
 
     def fields(self, request: Request, out: RequestOutput) -> dict[str, Any]:
         m = out.metrics
@@ -58,6 +61,8 @@ class RequestLog:
             values["error"] = out.error
         if self.log_prompts:
             values["prompt"] = self.prompt(out)
+        if self.log_outputs:
+            values["output"] = out.text[:self.max_log_len]
         return values
 
     def prompt(self, out: RequestOutput) -> str:
@@ -82,4 +87,6 @@ class RequestLog:
             text += f"; error: {values['error']}"
         if "prompt" in values:
             text += f"; prompt: {values['prompt']!r}"
+        if "output" in values:
+            text += f"; output: {values['output']!r}"
         logger.info("%s", text, extra={"fields": {"event": "request"} | values})

@@ -31,7 +31,7 @@ class ServerSettings:
     reasoning_parser: the format of the model's reasoning (`reasoning.REASONING_PARSERS`), split from
     the answer; None = not split. default_chat_template_kwargs: template variables every chat request
     gets under its own. cors: cross-origin requests (`cors`); None = off. enable_log_requests,
-    log_prompts, max_log_len: the request log (`request_log`); log_format: "text" or "json"
+    log_prompts, enable_log_outputs, max_log_len: the request log (`request_log`); log_format: "text" or "json"
     (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn. request_timeout:
     the deadline of requests that set none (`SamplingParams.request_timeout`); None = none. tracing:
     OpenTelemetry spans (`tracing`); None = off. lora_modules: LoRA adapters served by name from the start
@@ -60,6 +60,7 @@ class ServerSettings:
     cors: CORSSettings | None = None
     enable_log_requests: bool = False
     log_prompts: bool = False
+    enable_log_outputs: bool = False
     max_log_len: int | None = None
     log_format: str = "text"
     disable_uvicorn_access_log: bool = False
@@ -90,8 +91,9 @@ class ServerSettings:
             raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
         if args.max_stored_responses < 0:
             raise ValueError(f"--max-stored-responses must be >= 0, got {args.max_stored_responses}")
-        if args.log_prompts and not args.enable_log_requests:
-            raise ValueError("--log-prompts takes effect only with --enable-log-requests (the request log)")
+        for flag, on in (("--log-prompts", args.log_prompts), ("--enable-log-outputs", args.enable_log_outputs)):
+            if on and not args.enable_log_requests:
+                raise ValueError(f"{flag} takes effect only with --enable-log-requests (the request log)")
         if args.max_log_len is not None and args.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
         if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
@@ -114,6 +116,7 @@ class ServerSettings:
                    max_stored_responses=args.max_stored_responses, reasoning_parser=args.reasoning_parser,
                    default_chat_template_kwargs=kwargs, cors=CORSSettings.from_args(args),
                    enable_log_requests=args.enable_log_requests, log_prompts=args.log_prompts,
+                   enable_log_outputs=args.enable_log_outputs,
                    max_log_len=args.max_log_len, log_format=args.log_format,
                    disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
                    tracing=TracingSettings.from_args(args),

@@ -79,6 +79,19 @@ def test_prompts_only_with_log_prompts_and_nothing_when_off(llm: LLM, request_li
     assert "prompt" not in line and line["prompt_tokens"] == 3
     with pytest.raises(ValueError, match="--log-prompts takes effect only with --enable-log-requests"):
         ServerSettings.from_args(serve_parser().parse_args(["--log-prompts"]))
+    with pytest.raises(ValueError, match="--enable-log-outputs takes effect only with --enable-log-requests"):
+        ServerSettings.from_args(serve_parser().parse_args(["--enable-log-outputs"]))
+    assert all_free(llm)
+
+
+def test_outputs_with_enable_log_outputs_cut_to_max_log_len(llm: LLM, request_lines: io.StringIO) -> None:
+    settings = ServerSettings.from_args(serve_parser().parse_args(["--enable-log-requests", "--enable-log-outputs"]))
+    with BackgroundServer(llm, settings) as url:
+        text = complete(url, max_tokens=4, ignore_eos=True).json()["choices"][0]["text"]
+    with BackgroundServer(llm, ServerSettings(enable_log_requests=True, enable_log_outputs=True, max_log_len=3)) as url:
+        complete(url, max_tokens=4, ignore_eos=True)
+    whole, cut = [json.loads(line) for line in request_lines.getvalue().splitlines()]
+    assert whole["output"] == text and len(cut["output"]) == 3 and "prompt" not in whole
     assert all_free(llm)
 
 
