@@ -1,5 +1,6 @@
 """Request fields beyond OpenAI's: vLLM's `truncate_prompt_tokens`, llama.cpp's server fields, and the ones
-nobody here reads.
+nobody here reads; and the server flags that bound or shape fields (--max-logprobs,
+--return-tokens-as-token-ids, the usage flags).
 
 llama.cpp's `n_predict` is `max_tokens` (-1: the rest of the context), `grammar` (GBNF) and
 `json_schema` are constraints (`response_format.body_constraint`), and `cache_prompt` is accepted:
@@ -16,8 +17,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ..request import RequestOutput
 from .protocol import APIError, SamplingFields
 from .response_format import GUIDED
+from .settings import ServerSettings
 
 logger = logging.getLogger("conveyor.server")
 
@@ -102,3 +105,28 @@ def truncated(body: SamplingFields, prompts: list[list[int]], limit: int | None,
             raise APIError(400, f"max_tokens ({limit}) fills the context length of {max_model_len} tokens: no room "
                            "for the prompt", param=param, code="context_length_exceeded")
     return [ids[-keep:] for ids in prompts]
+
+
+def check_logprobs(limit: int, **asked: int | None) -> None:
+    """A 400 naming the field that asks for more logprobs than `limit` (--max-logprobs) allows."""
+    for name, n in asked.items():
+        if n is not None and n > limit:
+            raise APIError(400, f"{name} must be at most {limit} (the server's --max-logprobs), got {n}", param=name)
+
+
+def tokens_as_ids(body: SamplingFields, settings: ServerSettings) -> bool:
+    """Whether logprobs name tokens `token_id:N` (vLLM's): the request's say, else the server's."""
+    own = body.return_tokens_as_token_ids
+    return settings.return_tokens_as_token_ids if own is None else own
+
+
+def stream_usage(settings: ServerSettings) -> dict[str, bool]:
+    """`streaming.stream_response`'s usage options as the server's flags set them."""
+    return {"usage_details": settings.enable_prompt_tokens_details,
+            "force_usage": settings.enable_force_include_usage}
+
+
+def cached_tokens(finals: list[RequestOutput], n: int, settings: ServerSettings) -> int | None:
+    """The prompt tokens the prefix cache held (each prompt's first choice's), with
+    --enable-prompt-tokens-details; else None (the usage leaves them out)."""
+    return sum(out.num_cached_tokens for out in finals[::n]) if settings.enable_prompt_tokens_details else None

@@ -299,28 +299,6 @@ class Serving:
         assert self.loop is not None, "the server's lifespan has not started"
         return await self.loop.run_in_executor(self.workers, functools.partial(fn, *args, **kwargs))
 
-    def check_logprobs(self, **asked: int | None) -> None:
-        """A 400 naming the field that asks for more logprobs than --max-logprobs allows."""
-        for name, n in asked.items():
-            if n is not None and n > self.max_logprobs:
-                raise APIError(400, f"{name} must be at most {self.max_logprobs} (the server's --max-logprobs), "
-                               f"got {n}", param=name)
-
-    def tokens_as_ids(self, body: SamplingFields) -> bool:
-        """Whether logprobs name tokens `token_id:N`: the request's say, else the server's."""
-        own = body.return_tokens_as_token_ids
-        return self.settings.return_tokens_as_token_ids if own is None else own
-
-    def stream_usage(self) -> dict[str, bool]:
-        """`stream_response`'s usage options as the server's flags set them."""
-        return {"usage_details": self.settings.enable_prompt_tokens_details,
-                "force_usage": self.settings.enable_force_include_usage}
-
-    def cached_tokens(self, finals: list[RequestOutput], n: int) -> int | None:
-        """The prompt tokens the prefix cache held (each prompt's first choice's), with
-        --enable-prompt-tokens-details; else None (the usage leaves them out)."""
-        return sum(out.num_cached_tokens for out in finals[::n]) if self.settings.enable_prompt_tokens_details else None
-
     def check_length(self, text: str, param: str) -> None:
         """A prompt text too long to fit the context whatever its tokens (limits.prompt_char_limit): a 400
         without tokenizing it."""

@@ -17,7 +17,8 @@ from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
 from ..replies import ChatReply, effort_kwargs, plan_reasoning, role_and_echo, template_options
-from ..request_fields import check_fields, token_limit, truncated
+from ..request_fields import (cached_tokens, check_fields, check_logprobs, stream_usage, token_limit, tokens_as_ids,
+                              truncated)
 from ..response_format import body_constraint
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
@@ -32,7 +33,7 @@ router = APIRouter()
 async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: ServingDep) -> Response:
     adapter = serving.check_model(body.model)
     check_fields(body, "/v1/chat/completions", serving.ignored_fields)
-    serving.check_logprobs(top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
+    check_logprobs(serving.max_logprobs, top_logprobs=body.top_logprobs, prompt_logprobs=body.prompt_logprobs)
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     if body.top_logprobs is not None and not body.logprobs:
@@ -62,7 +63,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.reply_model(adapter)}
     replies = [ChatReply(reasoning, plan, *role_and_echo(body, serving.settings.response_role)) for _ in requests]
 
-    as_ids = serving.tokens_as_ids(body)
+    as_ids = tokens_as_ids(body, serving.settings)
 
     def token_ids(ids: list[int]) -> dict[str, Any]:
         """vLLM's return_token_ids: a choice's token ids (in a stream, each chunk's new ones)."""
@@ -83,7 +84,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         openings = [{"index": i, "delta": reply.opening(), "logprobs": None, "finish_reason": None}
                     for i, reply in enumerate(replies)]
         return stream_response(sub, head | {"object": "chat.completion.chunk"}, [ids], body, n_lp,
-                               chat_choice, first_choices=openings, **serving.stream_usage())
+                               chat_choice, first_choices=openings, **stream_usage(serving.settings))
 
     finals = await collect(sub, raw)
     choices = []
@@ -95,5 +96,5 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     extra = {"prompt_token_ids": ids} if body.return_token_ids else {}
     if body.prompt_logprobs is not None:  # vLLM's: the conversation's, once for all choices
         extra["prompt_logprobs"] = serving.logprobs.prompt(finals[0].prompt_logprobs or [], body.prompt_logprobs)
-    return JSONResponse(head | {"choices": choices, "usage": usage([ids], finals, serving.cached_tokens(finals, 1))}
-                        | extra)
+    used = usage([ids], finals, cached_tokens(finals, 1, serving.settings))
+    return JSONResponse(head | {"choices": choices, "usage": used} | extra)

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response
 from ...request import RequestOutput
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, CompletionRequest
-from ..request_fields import check_fields, token_limit, truncated
+from ..request_fields import (cached_tokens, check_fields, check_logprobs, stream_usage, token_limit, tokens_as_ids,
+                              truncated)
 from ..serving import new_id, usage
 from ..streaming import collect, stream_response
 from .deps import AUTH, ServingDep
@@ -28,7 +29,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     check_fields(body, "/v1/completions", serving.ignored_fields)
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of is not supported (other than = n)", param="best_of")
-    serving.check_logprobs(logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+    check_logprobs(serving.max_logprobs, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     texts = serving.completion_prompts(body)  # a prompt too long to fit is refused here, untokenized
@@ -51,7 +52,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     # echo: the prompt as sent where it was kept whole, else the text of the tokens the model saw
     echoes = [text if isinstance(text, str) and len(kept) == len(ids) else serving.tokenizer.decode(kept)
               for text, ids, kept in zip(texts, tokenized, prompts)] if body.echo else []
-    as_ids = serving.tokens_as_ids(body)
+    as_ids = tokens_as_ids(body, serving.settings)
 
     def choice(i: int, out: RequestOutput, text: str, start: int, first: bool, offset: int) -> dict[str, Any]:
         """Choice i: `text` and the tokens from `start` on (neither with max_tokens 0), the prompt's before them
@@ -85,7 +86,7 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
             return fields
 
         return stream_response(sub, head, prompts, body, n_lp, completion_choice, counts_output=generates,
-                               **serving.stream_usage())
+                               **stream_usage(serving.settings))
 
     finals = await collect(sub, raw)
     choices = []
@@ -95,4 +96,4 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
         choices.append(choice(i, out, out.text, 0, True, 0) | {"prompt_logprobs": plp})
     counted = finals if generates else [0] * len(finals)
     return JSONResponse(head | {"choices": choices, "usage": usage(prompts, counted,
-                                                                   serving.cached_tokens(finals, body.n))})
+                                                                   cached_tokens(finals, body.n, serving.settings))})
