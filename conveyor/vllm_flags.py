@@ -62,12 +62,12 @@ class UnsupportedFlagError(ValueError):
 
 
 def expand_config_file(argv: list[str], known: Container[str] = ()) -> list[str]:
-    """`argv` with vLLM's `--config FILE` replaced by the options the YAML file holds (`port: 8000`,
-    `served-model-name: [a, b]`, `enable-prefix-caching: false`; underscores or dashes; a mapping value as
-    JSON; false as `--no-...` where `known` has that option, else left out), placed after the subcommand and
-    its MODEL, if it comes first, so that the command line's own options win, as in vLLM. ValueError
-    naming the file when it is not a mapping of option names."""
-    if "--config" not in argv and not any(a.startswith("--config=") for a in argv):
+    """`argv` (`serve ...`) with vLLM's `--config FILE` replaced by the options the YAML file holds
+    (`port: 8000`, `served-model-name: [a, b]`, `enable-prefix-caching: false`; underscores or dashes; a
+    mapping value as JSON; false as `--no-...` where `known` has that option, else left out), placed
+    after the subcommand and its MODEL, if it comes first, so that the command line's own options win,
+    as in vLLM. ValueError naming the file when it is not a mapping of option names."""
+    if argv[:1] != ["serve"] or not any(a == "--config" or a.startswith("--config=") for a in argv):
         return argv
     rest, files = list(argv), []
     while True:

@@ -21,7 +21,7 @@ MAX_N = 128  # OpenAI's limit on choices per request (the server's max queue may
 SERVED_NAME = {"x-conveyor-bound": "served_name"}
 TOKEN_ID = {"x-conveyor-bound": "token_id"}
 MAX_NEW = {"x-conveyor-bound": "max_new_tokens"}
-LOGPROBS = {"x-conveyor-bound": "max_logprobs"}  # --max-logprobs (checked by `Serving.check_logprobs`)
+LOGPROBS = {"x-conveyor-bound": "max_logprobs"}  # --max-logprobs (checked by `request_fields.check_logprobs`)
 
 
 def _integral(value: Any) -> Any:
