@@ -72,6 +72,7 @@ class RequestBody(BaseModel):
 
 class StreamOptions(RequestBody):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class SamplingFields(RequestBody):

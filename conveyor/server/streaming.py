@@ -34,16 +34,19 @@ def dumps(obj: Any) -> str:
 
 class ChunkTemplate:
     """A stream's chunk event with its constant part serialized once: `data: {head..., "choices":
-    [CHOICE]}` (and `"usage": null` when the stream reports usage), so that a token costs the
-    serialization of its choice only."""
+    [CHOICE]}` (and `"usage": null` when the stream reports usage, or the usage so far: vLLM's
+    `continuous_usage_stats`), so that a token costs the serialization of its choice only."""
 
     def __init__(self, head: dict[str, Any], include_usage: bool) -> None:
         whole = dumps(head | {"choices": [None]} | ({"usage": None} if include_usage else {}))
         self.prefix, self.suffix = whole.split('"choices":[null]', 1)
         self.prefix = f'data: {self.prefix}"choices":['
         self.suffix = f"]{self.suffix}\n\n"
+        self.before_usage = self.suffix.removesuffix("null}\n\n")  # usage is the last key
 
-    def __call__(self, choice: dict[str, Any]) -> str:
+    def __call__(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> str:
+        if usage is not None:
+            return self.prefix + dumps(choice) + self.before_usage + dumps(usage) + "}\n\n"
         return self.prefix + dumps(choice) + self.suffix
 
 
@@ -101,10 +104,13 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
     """Server-sent events for a streaming completion or chat completion: one chunk per output that
     carries text (or logprobs, or the end), `render(i, output, first_new_token)` shaping the choice;
     an error event if a request fails; a usage chunk when asked; then [DONE]. A render that returns
-    None has nothing to send yet (a tool call still being parsed). `counts_output` False: the usage
-    counts no completion tokens (an echo's, whose one token is not sent). `usage_details`: the usage has
-    the cached prompt tokens (each prompt's first choice's); `force_usage`: a usage chunk even unasked."""
+    None has nothing to send yet (a tool call still being parsed). With vLLM's
+    `stream_options.continuous_usage_stats` every chunk carries the usage so far. `counts_output` False:
+    the usage counts no completion tokens (an echo's, whose one token is not sent). `usage_details`: the
+    usage has the cached prompt tokens (each prompt's first choice's); `force_usage`: a usage chunk even
+    unasked."""
     include_usage = force_usage or bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and bool(body.stream_options and body.stream_options.continuous_usage_stats)
     chunk = ChunkTemplate(head, include_usage)
 
     async def events() -> AsyncIterator[str]:
@@ -123,7 +129,7 @@ def stream_response(sub: Submission, head: dict[str, Any], prompts: list[list[in
             if choice is None:
                 continue
             sent_tokens[i] = len(out.token_ids)
-            yield chunk(choice)
+            yield chunk(choice, usage(prompts, counts) if continuous else None)
         else:
             if include_usage:
                 details = sum(cached[::body.n]) if usage_details else None

@@ -216,6 +216,12 @@ def test_vllm_request_fields_over_http(http: httpx.Client, tiny_llm: LLM) -> Non
         "stream": True, "return_token_ids": True}).iter_lines() if line.startswith("data: {")]
     assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt
     assert sum((c["choices"][0]["token_ids"] for c in chunks if c["choices"]), []) == free.token_ids
+    continuous = [json.loads(line[6:]) for line in http.post("/v1/completions", json=base | {
+        "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).iter_lines()
+        if line.startswith("data: {")]
+    sent = [c["usage"]["completion_tokens"] for c in continuous]  # vLLM's: the usage so far in every chunk
+    assert sent == sorted(sent) and sent[0] >= 1 and sent[-1] == 8 and len(sent) > 2
+    assert all(c["usage"]["prompt_tokens"] == len(prompt) for c in continuous)
 
     conversation = [{"role": "user", "content": "w12 w13"}]
     chat = http.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 4, "temperature": 0,
