@@ -260,6 +260,9 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                        help="chat template variables every chat request gets under its own chat_template_kwargs, "
                        "e.g. '{\"enable_thinking\": false}'")
+    group.add_argument("--chat-template-content-format", choices=["auto", "string", "openai"], default="auto",
+                       help="how message content reaches the template: auto / string (vLLM's names; the text parts "
+                       "joined into one string, what Conveyor does); openai (a list of parts) is not supported")
     group.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                        help="largest request body, answered 413 past it before it is parsed (default: "
                        "256 bytes per token of the context, at least 16 MiB)")

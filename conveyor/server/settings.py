@@ -98,6 +98,9 @@ class ServerSettings:
             raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
         if args.request_timeout is not None and not 0 < args.request_timeout < float("inf"):
             raise ValueError(f"--request-timeout must be a number of seconds > 0, got {args.request_timeout}")
+        if args.chat_template_content_format == "openai":
+            raise ValueError("--chat-template-content-format openai is not supported: a message's text parts reach "
+                             "the chat template joined into one string (vLLM's 'string'; 'auto' takes that too)")
         if args.max_logprobs < -1:
             raise ValueError(f"--max-logprobs must be -1 (the vocabulary) or >= 0, got {args.max_logprobs}")
         if not 0 < args.log_stats_interval < float("inf"):

@@ -45,6 +45,9 @@ def test_the_flags_parse_into_settings_and_config() -> None:
     assert (settings.response_role, settings.root_path, settings.max_logprobs) == ("bot", "/llm", 3)
     with pytest.raises(ValueError, match="--max-logprobs"):
         ServerSettings.from_args(serve_parser().parse_args(["--max-logprobs", "-2"]))
+    ServerSettings.from_args(serve_parser().parse_args(["--chat-template-content-format", "string"]))
+    with pytest.raises(ValueError, match="joined into one string"):
+        ServerSettings.from_args(serve_parser().parse_args(["--chat-template-content-format", "openai"]))
     assert config_from_args(args).use_async_batching is True
     assert config_from_args(serve_parser().parse_args([])).use_async_batching is None
 
