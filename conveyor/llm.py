@@ -38,7 +38,7 @@ from .lora_llm import LoRAMethods, per_prompt
 from .lora_request import LoRAConfig, LoRARequest
 from .pooling_llm import PoolingMethods
 from .pooling_params import PoolerConfig
-from .request import Prompt, Request, RequestOutput
+from .request import Prompt, Request, RequestOutput, per_prompt_samples
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
 from .vllm_flags import check_vllm_kwargs
@@ -330,9 +330,12 @@ class LLM(PoolingMethods, LoRAMethods):
                 raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
             params = [replace(p, priority=q) for p, q in zip(params, priorities)]
         adapters = per_prompt(lora_request, len(prompts))
-        requests = [self.make_request(self.manager.new_request_id(), prompt, p, lora)
-                    for prompt, p, lora in zip(prompts, params, adapters)]
-        return self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
+        # vLLM's n: one request per sample, sample j seeded seed + j
+        requests = [self.make_request(self.manager.new_request_id(), prompt,
+                                      replace(p, n=1, seed=None if p.seed is None else p.seed + j), lora)
+                    for prompt, p, lora in zip(prompts, params, adapters) for j in range(p.n)]
+        outputs = self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
+        return per_prompt_samples(outputs, [p.n for p in params])
 
     def _collect(self, ids: list[str], use_tqdm: bool, pooling: bool = False) -> list[RequestOutput]:
         """The final outputs of `ids`, in order, with a progress bar of output tokens (pooling: prompt tokens)/s."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,6 +94,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     pooled: list[float] | None = None  # a pooling request's result: the embedding, or the classifier's scores
     num_cached_tokens: int = 0  # vLLM's: prompt tokens found in the prefix cache when it was first scheduled
+    samples: list[CompletionOutput] | None = None  # `SamplingParams.n` > 1: all n (the first is the one above)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -105,8 +106,22 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape of the same result, so `out.outputs[0].text` works as it does there."""
+        """vLLM's shape of the same result, so `out.outputs[0].text` works as it does there (n of them for a
+        prompt sampled n times)."""
+        if self.samples is not None:
+            return self.samples
         return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)]
+
+
+def per_prompt_samples(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:
+    """The outputs of consecutive requests, `counts[i]` samples of prompt i, as one output per prompt: the
+    first sample's, with every sample in `outputs` (vLLM's `SamplingParams.n`)."""
+    merged, at = [], 0
+    for n in counts:
+        group, at = outputs[at:at + n], at + n
+        merged.append(group[0] if n == 1 else replace(
+            group[0], samples=[replace(o.outputs[0], index=j) for j, o in enumerate(group)]))
+    return merged
 
 
 @dataclass(frozen=True)

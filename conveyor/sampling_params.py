@@ -90,11 +90,16 @@ class SamplingParams:
     back (the server's `--request-timeout` default); None: no deadline. priority (vLLM's): with priority
     scheduling, lower runs first, ties by arrival (any value but 0 needs it).
 
+    n (vLLM's): samples per prompt, for `LLM.generate` and `LLM.chat`, each its own request (with a seed,
+    sample j uses seed + j), returned as one `RequestOutput` whose `outputs` holds the n; a request given to
+    the manager or the engine directly is one sample (n=1).
+
     `max_tokens` is vLLM's name for `max_new_tokens`: `SamplingParams(max_tokens=32)` and `params.max_tokens`
     work as in vLLM (the default stays 64, not vLLM's 16).
     """
 
     max_new_tokens: int = 64
+    n: int = 1
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -126,6 +131,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise SamplingParamsError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise SamplingParamsError(f"n must be an integer >= 1 (samples per prompt), got {self.n!r}")
         if self.temperature < 0:
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

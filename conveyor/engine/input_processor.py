@@ -56,6 +56,9 @@ class InputProcessor:
         if self.pooler is not None:
             raise InvalidRequestError("this is a pooling model (runner 'pooling'): it embeds or scores prompts "
                                       "(LLM.embed, LLM.score), it does not generate")
+        if params.n != 1:
+            raise InvalidRequestError(f"n={params.n}: a request is one sample; LLM.generate and LLM.chat make one "
+                                      "request per sample (the server: its body's n)", param="n")
         token_ids, text = self.prompt_ids(prompt)
         token_ids = self.truncated(token_ids, params.truncate_prompt_tokens, params.max_new_tokens)
         self.check_fits(token_ids, params.max_new_tokens)

@@ -132,3 +132,27 @@ def test_vllm_arguments_we_do_not_take_say_what_to_use(tiny_llama: TinyModel, ca
         tiny(tiny_llama, enable_chunked_prefill=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'max_num_sequences'"):
         tiny(tiny_llama, max_num_sequences=2)
+
+
+def test_n_samples_per_prompt_as_vllm(tiny_llama: TinyModel) -> None:
+    """vLLM's `SamplingParams(n=...)`: one output per prompt, its `outputs` the n samples; sample j is the
+    request seeded seed + j; greedy samples agree; a request handed to the manager is one sample."""
+    llm = tiny(tiny_llama)
+    prompts = random_prompts([6, 9], seed=50)
+    sampled = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
+    outs = llm.generate(prompts, sampled, use_tqdm=False)
+    assert len(outs) == 2 and all([c.index for c in o.outputs] == [0, 1, 2] for o in outs)
+    for out, prompt in zip(outs, prompts):
+        alone = [llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=11 + j, ignore_eos=True),
+                              use_tqdm=False)[0].token_ids for j in range(3)]
+        assert [c.token_ids for c in out.outputs] == alone and out.token_ids == alone[0]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1  # three samples, not one
+    greedy = llm.generate([prompts[0]], SamplingParams(n=2, max_tokens=8, temperature=0), use_tqdm=False)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    mixed = llm.generate(prompts, [SamplingParams(max_tokens=4), SamplingParams(n=2, max_tokens=4)], use_tqdm=False)
+    assert [len(o.outputs) for o in mixed] == [1, 2]
+    with pytest.raises(InvalidRequestError, match="n=2: a request is one sample"):
+        llm.manager.add_request(prompts[0], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n must be an integer >= 1"):
+        SamplingParams(n=0)
+    assert llm.stats().free_blocks == llm.stats().total_blocks
