@@ -1,9 +1,9 @@
 """The bridge between HTTP requests and the shared engine: admission, request building, results.
 
 One HTTP request becomes one engine request per (prompt, choice); they are submitted to the
-shared `ContinuousBatchingManager` with an `on_output` callback that hands every output to the
-event loop (`handoff`: one wake-up per engine step, off the engine's critical path), where a
-request's outputs not yet sent are coalesced into one. Tokenizing, chat templates and constraint
+shared `ContinuousBatchingManager` as one `Submission` (submission.py), whose `on_output` callback
+hands every output to the event loop (`handoff`: one wake-up per engine step, off the engine's
+critical path), where a request's outputs not yet sent are coalesced into one. Tokenizing, chat templates and constraint
 compilation run on a small thread pool (`prepare`), never on the event loop. The server
 counts accepted engine requests until their final output arrives; past `max_queue` it answers
 503. Whatever ends the HTTP exchange (response sent, client gone, shutdown timeout) cancels the
@@ -17,13 +17,12 @@ an error event in a stream), new requests and /health get 503, and the server dr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -44,6 +43,7 @@ from .protocol import APIError, ChatMessage, CompletionRequest, SamplingFields
 from .response_format import body_constraint, logit_bias
 from .settings import ServerSettings
 from .stats_log import StatsLog
+from .submission import Submission
 from ..reasoning import ReasoningParser, get_reasoning_parser
 from ..tool_parsers import ToolParser, detect_parser, get_parser
 from .tools import ToolPlan, conversation
@@ -61,79 +61,6 @@ class ChatPrompt:
 
     text: str
     ids: list[int]
-
-
-class Submission:
-    """The engine requests of one HTTP request, their outputs merged for one consumer: outputs of a request
-    that arrive before the consumer takes them are coalesced into one (one SSE event for the tokens ready
-    since the last send)."""
-
-    def __init__(self, serving: Serving, requests: list[Request]) -> None:
-        self.serving = serving
-        self.requests = requests
-        self.index = {r.request_id: i for i, r in enumerate(requests)}
-        self.unfinished = set(self.index)
-        self.ready: dict[int, RequestOutput] = {}  # choice index -> output not yet taken (coalesced)
-        self.arrived = asyncio.Event()
-        self.started = asyncio.Event()  # set by the first output
-
-    def start(self) -> None:
-        serving, handoff = self.serving, self.serving.handoff
-        assert handoff is not None, "the server's lifespan has not started"
-
-        def deliver(out: RequestOutput) -> None:  # on the engine thread
-            if out.finished:
-                serving.metrics.observe_finished(out)
-            handoff.put(self._arrive, out)
-
-        serving.in_flight += len(self.requests)
-        serving.active.add(self)
-        serving.observers.submitted(self.requests)
-        for k, request in enumerate(self.requests):
-            try:
-                serving.llm.manager.submit(request, on_output=deliver)
-            except EngineDeadError:  # died since the admission check: the unsent ones will never finish
-                for unsent in self.requests[k:]:
-                    self._finished(unsent.request_id)
-                raise
-
-    def _finished(self, request_id: str) -> None:
-        self.unfinished.discard(request_id)
-        self.serving.in_flight -= 1
-        if not self.unfinished:
-            self.serving.active.discard(self)
-
-    def _arrive(self, out: RequestOutput) -> None:
-        i = self.index[out.request_id]
-        if out.finished and out.request_id in self.unfinished:
-            self._finished(out.request_id)
-            self.serving.observers.finished(self.requests[i], out)
-        earlier = self.ready.get(i)
-        self.ready[i] = out if earlier is None else coalesce(earlier, out)
-        self.arrived.set()
-        self.started.set()
-
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, output) as they arrive, until every request has finished."""
-        remaining = len(self.requests)
-        while remaining:
-            await self.arrived.wait()
-            self.arrived.clear()
-            taken, self.ready = self.ready, {}
-            for i, out in taken.items():
-                remaining -= out.finished
-                yield i, out
-
-    def cancel(self) -> None:
-        """Cancel the requests still running (idempotent; their final "abort" outputs follow)."""
-        for request_id in self.unfinished:
-            self.serving.llm.manager.cancel_request(request_id)
-
-
-def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """Two outputs of one request as one: the later snapshot with both deltas."""
-    return dataclasses.replace(later, delta_text=earlier.delta_text + later.delta_text,
-                               delta_token_ids=earlier.delta_token_ids + later.delta_token_ids)
 
 
 class Serving:

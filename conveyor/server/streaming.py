@@ -18,7 +18,8 @@ from starlette.types import Receive, Scope, Send
 
 from ..request import RequestOutput
 from .outcomes import failure
-from .serving import Submission, usage
+from .serving import usage
+from .submission import Submission
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"

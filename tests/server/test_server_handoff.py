@@ -18,7 +18,7 @@ from conveyor.request import RequestOutput
 from conveyor.server import BackgroundServer, ServerSettings
 from conveyor.server.handoff import Handoff
 from conveyor.server.observers import RequestObservers
-from conveyor.server.serving import Submission, coalesce
+from conveyor.server.submission import Submission, coalesce
 from conveyor.server.streaming import ChunkTemplate, sse
 
 from tests.utils import TinyModel

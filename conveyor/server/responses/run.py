@@ -25,7 +25,7 @@ from ...sampling_params import SamplingParams
 from ..outcomes import failure
 from ..protocol import APIError, ChatMessage
 from ..replies import ReasoningPlan
-from ..serving import Submission
+from ..submission import Submission
 from ..streaming import dumps
 from ..tools import ToolPlan
 from .items import OutputBuilder, output_turns, reasoning_text

@@ -20,8 +20,9 @@ from ..anthropic_messages import (MessageReply, chat_messages, new_id, sampling_
 from ..anthropic_protocol import AnthropicErrorResponse, CountTokensRequest, MessagesRequest, anthropic_error
 from ..outcomes import failure
 from ..replies import plan_reasoning, template_options
-from ..serving import ChatPrompt, Serving, Submission
+from ..serving import ChatPrompt, Serving
 from ..streaming import SSEResponse, collect, dumps
+from ..submission import Submission
 from ..tools import ToolPlan
 from .deps import ANTHROPIC_AUTH, ServingDep
 
