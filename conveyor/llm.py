@@ -300,6 +300,11 @@ class LLM(PoolingMethods, LoRAMethods):
         `InvalidRequestError` with a code and the parameter at fault. Safe from any thread."""
         return self.engine.make_request(request_id, prompt, params, lora_request)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix, so the next prompts are computed in full (fair benchmarks and
+        evaluations); False, changing nothing, while the manager runs or requests are unfinished."""
+        return not self.manager.is_running() and self.engine.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         """Engine counters (tokens, preemptions, prefix cache) and cache/queue gauges now."""
         return self.engine.stats()

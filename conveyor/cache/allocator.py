@@ -56,6 +56,10 @@ class CacheAllocator:
     def num_total_blocks(self) -> int:
         return self.pool.num_usable
 
+    def reset_prefix_cache(self) -> int:
+        """Cached blocks back to the free pool; how many (none where blocks are not shared)."""
+        return 0
+
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Chunks a sequence of `num_tokens` tokens occupies (and a pass over it reads)."""
         raise NotImplementedError
@@ -242,6 +246,13 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
     @property
     def num_cached_blocks(self) -> int:
         return self.prefix_cache.num_cached
+
+    def reset_prefix_cache(self) -> int:
+        """Every cached (unheld) block back to the free pool, its digest dropped; how many."""
+        count = self.prefix_cache.num_cached
+        for _ in range(count):
+            self.pool.free([self.prefix_cache.evict()])
+        return count
 
     # -- prefix matching --------------------------------------------------------------------
     def match_prefix(self, request: Request) -> list[int]:

@@ -194,6 +194,14 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.busy)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prefix block (back to the free pool); False, changing nothing, while any
+        request holds blocks."""
+        if self.has_unfinished_requests():
+            return False
+        self.allocator.reset_prefix_cache()
+        return True
+
     def drain(self) -> list[Request]:
         """Finish the step in flight (async batching); the requests it updated."""
         return self.pipeline.drain() if self.pipeline is not None else []

@@ -1,5 +1,6 @@
 """vLLM's sampling fields that restrict or keep text: `allowed_token_ids`, `bad_words`,
-`include_stop_str_in_output`, and the prompt's `cache_salt` (prefix cache shared only within a salt)."""
+`include_stop_str_in_output`; and the prefix cache's vLLM controls: the prompt's `cache_salt` (shared only
+within a salt) and `LLM.reset_prefix_cache()`."""
 
 from __future__ import annotations
 
@@ -92,3 +93,20 @@ def test_cache_salt_keeps_prefixes_apart(tiny_llama: TinyModel) -> None:
     with pytest.raises(InvalidRequestError, match="cache_salt"):
         llm.generate([{"prompt_token_ids": prompt, "cache_salt": ""}], greedy(2), use_tqdm=False)
     assert idle(llm)
+
+
+def test_reset_prefix_cache_forgets_every_cached_block(tiny_llama: TinyModel) -> None:
+    """vLLM's `LLM.reset_prefix_cache()`: the next prompts are computed in full; refused (False) while the
+    manager runs."""
+    llm = tiny_llama.llm(page_size=4, num_blocks=128, allow_block_sharing=True)
+    prompt = random_prompts([24], seed=35)[0]
+    llm.generate([prompt], greedy(2), use_tqdm=False)
+    assert llm.engine.allocator.num_cached_blocks > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.allocator.num_cached_blocks == 0 and idle(llm)
+    before = llm.stats().prefix_cache_hit_tokens
+    llm.generate([prompt], greedy(2), use_tqdm=False)
+    assert llm.stats().prefix_cache_hit_tokens == before  # computed again, nothing found
+    with llm.manager:
+        assert llm.reset_prefix_cache() is False
+    assert llm.engine.allocator.num_cached_blocks > 0
