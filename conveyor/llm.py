@@ -335,9 +335,7 @@ class LLM(PoolingMethods, LoRAMethods):
                 raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
             params = [replace(p, priority=q) for p, q in zip(params, priorities)]
         adapters = per_prompt(lora_request, len(prompts))
-        # vLLM's n: one request per sample, sample j seeded seed + j
-        requests = [self.make_request(self.manager.new_request_id(), prompt,
-                                      replace(p, n=1, seed=None if p.seed is None else p.seed + j), lora)
+        requests = [self.make_request(self.manager.new_request_id(), prompt, p.for_sample(j), lora)  # vLLM's n
                     for prompt, p, lora in zip(prompts, params, adapters) for j in range(p.n)]
         outputs = self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
         return per_prompt_samples(outputs, [p.n for p in params])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -55,6 +55,11 @@ class StructuredOutputsParams:
 
 class SamplingParamsError(ValueError):
     """A sampling parameter is outside its allowed range."""
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer >= 0 (not a bool): what a token id field takes."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (vLLM's _SAMPLING_EPS)
@@ -153,7 +158,7 @@ class SamplingParams:
             raise SamplingParamsError(f"logprobs must be an integer >= 0, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise SamplingParamsError(f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}")
-        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+        if not all(map(is_token_id, self.stop_token_ids)):
             raise SamplingParamsError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids[:5]!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
@@ -173,8 +178,7 @@ class SamplingParams:
             raise SamplingParamsError(f"request_timeout must be a number of seconds > 0, got {timeout!r}")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
-            if not self.allowed_token_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0
-                                                 for t in self.allowed_token_ids):
+            if not self.allowed_token_ids or not all(map(is_token_id, self.allowed_token_ids)):
                 raise SamplingParamsError("allowed_token_ids must be a non-empty list of token ids (integers >= 0), "
                                           f"got {self.allowed_token_ids[:5]!r}")
         self.bad_words = list(self.bad_words or [])
@@ -182,10 +186,14 @@ class SamplingParams:
             raise SamplingParamsError("bad_words must be non-empty strings")
         self.logit_bias = dict(self.logit_bias or {})
         for token, bias in self.logit_bias.items():
-            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            if not is_token_id(token):
                 raise SamplingParamsError(f"logit_bias keys must be token ids (integers >= 0), got {token!r}")
             if not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
                 raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
+
+    def for_sample(self, j: int) -> SamplingParams:
+        """The parameters of sample j of `n`: one request (n=1), seeded seed + j where a seed is given."""
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + j)
 
     @property
     def greedy(self) -> bool:

@@ -310,25 +310,26 @@ class Serving:
                     raise APIError(400, f"prompt ({len(ids)} tokens) leaves no room to generate within the model's "
                                    f"context length of {self.max_model_len} tokens", param=param,
                                    code="context_length_exceeded")
-            for j in range(body.n):
-                try:
-                    params = SamplingParams(
-                        max_new_tokens=limit, **unset,
-                        presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                        min_tokens=body.min_tokens, seed=None if body.seed is None else body.seed + j, stop=stop,
-                        stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
-                        prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
-                        allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
-                        include_stop_str_in_output=body.include_stop_str_in_output,
-                        skip_special_tokens=body.skip_special_tokens and not keep_special,
-                        request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
-                    salt = body.cache_salt
-                    prompt = ids if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
-                    requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", prompt, params, lora_request))
-                except InvalidRequestError as exc:
-                    raise request_error(exc, param, structured_param) from exc
-                except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed
-                    raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from exc
+            salt = body.cache_salt
+            prompt = ids if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+            try:
+                params = SamplingParams(
+                    max_new_tokens=limit, n=body.n, **unset,
+                    presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                    min_tokens=body.min_tokens, seed=body.seed, stop=stop,
+                    stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos, logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs, structured_outputs=structured, logit_bias=bias,
+                    allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
+                    include_stop_str_in_output=body.include_stop_str_in_output,
+                    skip_special_tokens=body.skip_special_tokens and not keep_special,
+                    request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
+                for j in range(body.n):  # choice j: its own request, seeded seed + j
+                    requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", prompt, params.for_sample(j),
+                                                          lora_request))
+            except InvalidRequestError as exc:
+                raise request_error(exc, param, structured_param) from exc
+            except (ValueError, OverflowError, RuntimeError) as exc:  # SamplingParams; torch for a bad seed
+                raise APIError(400, str(exc), param="logit_bias" if "logit_bias" in str(exc) else None) from exc
         return requests
 
 
