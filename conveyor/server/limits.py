@@ -21,6 +21,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .anthropic_protocol import anthropic_error, anthropic_path
+from .asgi import HTTPMiddleware
 
 MIN_BODY_BYTES = 16 * 2**20
 BODY_BYTES_PER_TOKEN = 256  # a full-context prompt as JSON: the longest tokens, escaped (\uXXXX), with room
@@ -84,19 +85,16 @@ def prompt_char_limit(tokenizer: Any, max_model_len: int) -> int | None:
     return int(longest * factor * max_model_len)
 
 
-class BodyLimit:
+class BodyLimit(HTTPMiddleware):
     """ASGI middleware: a request body over `max_bytes` is answered 413 (OpenAI's error object; Anthropic's on
     the Messages routes) before the app reads it: by its Content-Length, or, for a chunked body, as soon as
     the bytes received pass it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_bytes = max_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None:

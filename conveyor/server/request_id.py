@@ -1,25 +1,21 @@
 """vLLM's `--enable-request-id-headers`: every answer carries an `X-Request-Id` header, the request's own
-when it sent one (so a gateway's id follows the request through), else a new one. Pure ASGI, so streams
-pass through untouched."""
+when it sent one (so a gateway's id follows the request through), else a new one (`asgi.HTTPMiddleware`:
+streams pass through untouched)."""
 
 from __future__ import annotations
 
 import uuid
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
+
+from .asgi import HTTPMiddleware
 
 HEADER = b"x-request-id"
 
 
-class RequestIdHeaders:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+class RequestIdHeaders(HTTPMiddleware):
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = dict(scope.get("headers") or []).get(HEADER)
         value = given or uuid.uuid4().hex.encode()
 

@@ -27,10 +27,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from ..errors import MissingDependencyError, install_command
 from ..request import Request, RequestOutput
+from .asgi import HTTPMiddleware
 
 PROTOCOL_VARIABLE = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 EXPORTERS = {"grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
@@ -80,16 +81,10 @@ def otel_modules(protocol: str) -> tuple[Any, Any]:
             f"'conveyor[otel]' (for this checkout: {install_command('otel')})", name=exc.name) from None
 
 
-class TraceHeaders:
+class TraceHeaders(HTTPMiddleware):
     """ASGI middleware: the request's W3C trace headers into `trace_headers` while it is handled."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         found = {k.decode(): v.decode("latin-1") for k, v in scope["headers"] if k in TRACE_HEADERS}
         token = trace_headers.set(found or None)
         try:
