@@ -259,7 +259,7 @@ class CausalLM(nn.Module):
                 metas: Sequence[AttentionMetadata], attention: AttentionBackend,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm, `[num_tokens, hidden]`, or only those of `rows` (long indices,
-        in their order: the rows the step reads, `select_rows`); `kv_caches` and `metas` per layer."""
+        in their order: the rows the step reads, `selects_rows`); `kv_caches` and `metas` per layer."""
         if self.mirror is not None:  # (every rank computes every row: the layers' collectives see one shape)
             with self.mirror.forward(input_ids, positions, kv_caches, metas):
                 hidden = self.run_layers(input_ids, positions, kv_caches, metas, attention)

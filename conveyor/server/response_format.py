@@ -34,15 +34,15 @@ def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | Non
                                    ("json_schema", body.json_schema is not None)) if on] + list(guided)
     if len(given) > 1:
         raise APIError(400, f"give one constraint, not {' and '.join(given)}", param=given[-1])
-    if guided:
-        [(name, value)] = guided.items()
-        extra = {GUIDED[name]: value}
+    field = "structured_outputs"
+    if guided:  # as structured_outputs, the field named in its errors
+        [(field, value)] = guided.items()
+        extra = {GUIDED[field]: value}
     if body.grammar is not None:
         return StructuredOutputsParams(grammar=body.grammar), "grammar"
     if body.json_schema is not None:
         return StructuredOutputsParams(json=body.json_schema), "json_schema"
     if extra:
-        field = next(iter(guided), "structured_outputs")
         try:
             return StructuredOutputsParams(**extra), field
         except (TypeError, ValueError) as exc:

@@ -28,7 +28,8 @@ def test_allowed_token_ids_are_the_only_tokens_generated(llm: LLM) -> None:
         assert len(out.token_ids) == 10 and set(out.token_ids) <= set(allowed)
     # the logprobs stay the model's own: the top one is a token the filter ruled out
     assert max(out.logprobs[0], key=out.logprobs[0].get) not in allowed
-    assert llm.generate([prompt], greedy(10, allowed_token_ids=[free[0]]), use_tqdm=False)[0].token_ids == [free[0]] * 10
+    only = llm.generate([prompt], greedy(10, allowed_token_ids=[free[0]]), use_tqdm=False)[0]
+    assert only.token_ids == [free[0]] * 10
     with pytest.raises(InvalidRequestError, match="allowed_token_ids token ids"):
         llm.engine.make_request("x", prompt, greedy(2, allowed_token_ids=[llm.engine.vocab_size]))
     with pytest.raises(SamplingParamsError, match="allowed_token_ids"):
