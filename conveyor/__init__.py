@@ -31,11 +31,11 @@ from .request import (
     RequestState,
     ScoringRequestOutput,
 )
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 from .sched.scheduler import FIFOScheduler, PrefillFirstScheduler
 
 __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatchingManager", "Engine", "EngineStats",
            "InvalidRequestError", "CompletionOutput", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
            "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator",
            "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "ClassificationRequestOutput",
-           "ScoringRequestOutput", "LoRARequest"]
+           "ScoringRequestOutput", "LoRARequest", "BeamSearchParams"]

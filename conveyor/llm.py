@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from .beam_search import BeamSearchMethods
 from .chat_template import load_chat_template
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
 from .errors import ConfigError, InvalidRequestError
@@ -84,7 +85,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolve_precision(dtype, None, device, None).dtype
 
 
-class LLM(PoolingMethods, LoRAMethods):
+class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
 
     model: a Hugging Face model directory, a .gguf file, or a Hub id (`org/name`, `org/name:QUANT` for a

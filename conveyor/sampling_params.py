@@ -225,3 +225,34 @@ def _accept_vllm_max_tokens(init: Any) -> Any:
 
 
 SamplingParams.__init__ = _accept_vllm_max_tokens(SamplingParams.__init__)  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam search settings (`LLM.beam_search`, the server's `use_beam_search`): keep the
+    `beam_width` sequences of highest score, score = cumulative log-probability / length ** length_penalty
+    (the length counts the prompt and not a final EOS, as vLLM's), for up to `max_tokens` tokens; a beam
+    that reaches an EOS is complete unless `ignore_eos`. `temperature` only picks the one sampled token each
+    step adds to a beam's 2 x beam_width most likely candidates (0, the default: none beyond them)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False  # vLLM's field; beam search has no stop strings to keep
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SamplingParamsError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
+            raise SamplingParamsError(f"length_penalty must be a number, got {self.length_penalty!r}")
+
+    def step_params(self) -> SamplingParams:
+        """One step of every beam: a token, with the 2 x beam_width most likely next tokens' log-probabilities."""
+        return SamplingParams(max_new_tokens=1, temperature=self.temperature, ignore_eos=True,
+                              logprobs=2 * self.beam_width)

@@ -7,8 +7,8 @@ llama.cpp's `n_predict` is `max_tokens` (-1: the rest of the context), `grammar`
 prefix caching is always on. Its samplers that Conveyor does not have are refused with a 400 naming
 the field and what to use, unless they carry their off value (clients send llama.cpp's defaults);
 the fields that only matter with one of those on (`mirostat_tau`, `dry_base`, ...) or that change
-nothing here (`id_slot`, `n_keep`) are accepted. vLLM's fields that Conveyor does not have (beam search,
-right truncation, prompt embeddings) are refused the same way when set. Any other unknown field is
+nothing here (`id_slot`, `n_keep`) are accepted. vLLM's fields that Conveyor does not have (right
+truncation, prompt embeddings) are refused the same way when set. Any other unknown field is
 ignored, as vLLM does, with a warning the first time the server sees its name.
 """
 
@@ -46,14 +46,13 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 # vLLM fields that would change the result and that Conveyor does not have -> (values that change nothing,
 # what to use instead)
 VLLM_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_beam_search": ((False, None), "beam search is not supported: sample n choices, or use temperature 0"),
     "truncation_side": (("left", None), "truncate_prompt_tokens keeps the prompt's last tokens (left truncation)"),
     "prompt_embeds": ((None,), "prompts are text or token ids"),
     "logprob_token_ids": ((None, []), "use logprobs (the top-n) or prompt_logprobs"),
 }
 INERT = {"mirostat_tau", "mirostat_eta", "dynatemp_exponent", "xtc_threshold", "dry_base", "dry_allowed_length",
          "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "samplers", "min_keep", "n_keep", "id_slot",
-         "length_penalty", "spaces_between_special_tokens"}  # vLLM's: beam search only; slow tokenizers only
+         "spaces_between_special_tokens"}  # vLLM's: slow tokenizers only
 
 
 def check_fields(body: SamplingFields, endpoint: str, logged: set[str]) -> None:

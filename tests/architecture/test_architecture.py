@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("conveyor.config",)),
     ("engine", ("conveyor.engine",)),
     ("distributed", ("conveyor.distributed",)),
-    ("api", ("conveyor.manager", "conveyor.pooling_llm", "conveyor.lora_llm", "conveyor.llm", "conveyor.cli_args", "conveyor.chat_template",
+    ("api", ("conveyor.manager", "conveyor.pooling_llm", "conveyor.lora_llm", "conveyor.beam_search", "conveyor.llm", "conveyor.cli_args", "conveyor.chat_template",
              "conveyor.generation_config", "conveyor.vllm_flags")),
     ("server", ("conveyor.server",)),
     ("scaleout", ("conveyor.scaleout",)),

@@ -14,6 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ...request import RequestOutput
+from ..beam_search import beam_search, check_beam_search
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, ChatCompletionRequest
 from ..replies import ChatReply, effort_kwargs, plan_reasoning, role_and_echo, template_options
@@ -39,6 +40,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
+    if body.use_beam_search:
+        check_beam_search(body, n_lp)
     plan = plan_tools(body.tools, body.tool_choice, serving.tool_parser, serving.settings.enable_auto_tool_choice,
                       body.parallel_tool_calls)
     own = effort_kwargs(serving.chat_template, body.reasoning_effort) | (body.chat_template_kwargs or {})
@@ -54,14 +57,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     reasoning = plan_reasoning(None if body.reasoning_format == "none" else serving.reasoning_parser, prompt.text,
                                options["chat_template_kwargs"], constrained, body.include_reasoning)
     rid, created = new_id("chatcmpl"), int(time.time())
-    requests = await serving.prepare(serving.build_requests, rid, [ids], body, limit, n_lp,
-                                     "messages", prompt_logprobs=body.prompt_logprobs, constraint=(constraint, "tools"),
-                                     keep_special=(plan.mode == "auto" and serving.keep_special)
-                                     or (reasoning.parser is not None and serving.keep_reasoning_special),
-                                     lora_request=adapter)
-    sub = serving.submit(requests)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.reply_model(adapter)}
-    replies = [ChatReply(reasoning, plan, *role_and_echo(body, serving.settings.response_role)) for _ in requests]
+    replies = [ChatReply(reasoning, plan, *role_and_echo(body, serving.settings.response_role)) for _ in range(body.n)]
 
     as_ids = tokens_as_ids(body, serving.settings)
 
@@ -69,6 +66,32 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         """vLLM's return_token_ids: a choice's token ids (in a stream, each chunk's new ones)."""
         return {"token_ids": ids} if body.return_token_ids else {}
 
+    def whole(finals: list[RequestOutput]) -> JSONResponse:
+        """The response of the final outputs, the choices in order."""
+        choices = []
+        for i, (out, reply) in enumerate(zip(finals, replies)):
+            lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp,
+                                                                             as_ids)}
+            choices.append({"index": i, "message": reply.message(out.text), "logprobs": lp,
+                            "finish_reason": reply.finish_reason(out.finish_reason), "stop_reason": out.stop_reason}
+                           | token_ids(out.token_ids))
+        extra = {"prompt_token_ids": ids} if body.return_token_ids else {}
+        if body.prompt_logprobs is not None:  # vLLM's: the conversation's, once for all choices
+            extra["prompt_logprobs"] = serving.logprobs.prompt(finals[0].prompt_logprobs or [], body.prompt_logprobs)
+        used = usage([ids], finals, cached_tokens(finals, 1, serving.settings))
+        return JSONResponse(head | {"choices": choices, "usage": used} | extra)
+
+    keep_special = (plan.mode == "auto" and serving.keep_special) or (reasoning.parser is not None
+                                                                      and serving.keep_reasoning_special)
+    if body.use_beam_search:
+        if constraint is not None:
+            raise APIError(400, "a tool_choice that forces a call is not available with use_beam_search",
+                           param="tool_choice")
+        return whole(await beam_search(serving, rid, [ids], body, limit, adapter, raw, "messages", keep_special))
+    requests = await serving.prepare(serving.build_requests, rid, [ids], body, limit, n_lp, "messages",
+                                     prompt_logprobs=body.prompt_logprobs, constraint=(constraint, "tools"),
+                                     keep_special=keep_special, lora_request=adapter)
+    sub = serving.submit(requests)
     if body.stream:
         def chat_choice(i: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
             lp = None
@@ -86,15 +109,4 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
         return stream_response(sub, head | {"object": "chat.completion.chunk"}, [ids], body, n_lp,
                                chat_choice, first_choices=openings, **stream_usage(serving.settings))
 
-    finals = await collect(sub, raw)
-    choices = []
-    for i, (out, reply) in enumerate(zip(finals, replies)):
-        lp = None if n_lp is None else {"content": serving.logprobs.chat(out.token_ids, out.logprobs, n_lp, as_ids)}
-        choices.append({"index": i, "message": reply.message(out.text), "logprobs": lp,
-                        "finish_reason": reply.finish_reason(out.finish_reason), "stop_reason": out.stop_reason}
-                       | token_ids(out.token_ids))
-    extra = {"prompt_token_ids": ids} if body.return_token_ids else {}
-    if body.prompt_logprobs is not None:  # vLLM's: the conversation's, once for all choices
-        extra["prompt_logprobs"] = serving.logprobs.prompt(finals[0].prompt_logprobs or [], body.prompt_logprobs)
-    used = usage([ids], finals, cached_tokens(finals, 1, serving.settings))
-    return JSONResponse(head | {"choices": choices, "usage": used} | extra)
+    return whole(await collect(sub, raw))

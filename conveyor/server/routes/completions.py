@@ -1,6 +1,7 @@
 """POST /v1/completions: prompts (text or token ids) in, choices out, streamed or whole; with `echo`, each
 choice begins with its prompt (and its logprobs with the prompt's, as vLLM: what lm-evaluation-harness
-reads for log-likelihoods, `max_tokens` 0 for the prompt alone)."""
+reads for log-likelihoods, `max_tokens` 0 for the prompt alone); with vLLM's `use_beam_search`, the n best
+beams (beam_search.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ...request import RequestOutput
+from ..beam_search import beam_search, check_beam_search
 from ..openapi import STREAMED, error_responses
 from ..protocol import APIError, CompletionRequest
 from ..request_fields import (cached_tokens, check_fields, check_logprobs, stream_usage, token_limit, tokens_as_ids,
@@ -30,6 +32,8 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     if body.best_of not in (None, body.n):
         raise APIError(400, "best_of is not supported (other than = n)", param="best_of")
     check_logprobs(serving.max_logprobs, logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
+    if body.use_beam_search:
+        check_beam_search(body, body.logprobs)
     if body.stream and body.prompt_logprobs is not None:  # as vLLM
         raise APIError(400, "prompt_logprobs is not available with stream: true", param="prompt_logprobs")
     texts = serving.completion_prompts(body)  # a prompt too long to fit is refused here, untokenized
@@ -44,9 +48,6 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
     if prompt_lp is None and body.echo:
         prompt_lp = body.logprobs  # the echoed prompt's logprobs (vLLM's)
     rid, created = new_id("cmpl"), int(time.time())
-    requests = await serving.prepare(serving.build_requests, rid, prompts, body, engine_limit, body.logprobs,
-                                     "prompt", prompt_logprobs=prompt_lp, lora_request=adapter)
-    sub = serving.submit(requests)
     head = {"id": rid, "object": "text_completion", "created": created, "model": serving.reply_model(adapter)}
     n_lp = body.logprobs
     # echo: the prompt as sent where it was kept whole, else the text of the tokens the model saw
@@ -75,6 +76,22 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
             fields |= {"prompt_token_ids": prompts[p] if first else None, "token_ids": ids}
         return fields
 
+    def whole(finals: list[RequestOutput]) -> JSONResponse:
+        """The response of the final outputs, the choices in order."""
+        choices = []
+        for i, out in enumerate(finals):
+            plp = None if body.prompt_logprobs is None else serving.logprobs.prompt(out.prompt_logprobs or [],
+                                                                                     body.prompt_logprobs)
+            choices.append(choice(i, out, out.text, 0, True, 0) | {"prompt_logprobs": plp})
+        counted = finals if generates else [0] * len(finals)
+        used = usage(prompts, counted, cached_tokens(finals, body.n, serving.settings))
+        return JSONResponse(head | {"choices": choices, "usage": used})
+
+    if body.use_beam_search:
+        return whole(await beam_search(serving, rid, prompts, body, limit, adapter, raw, "prompt"))
+    requests = await serving.prepare(serving.build_requests, rid, prompts, body, engine_limit, body.logprobs,
+                                     "prompt", prompt_logprobs=prompt_lp, lora_request=adapter)
+    sub = serving.submit(requests)
     if body.stream:
         offsets = [0] * len(requests)  # characters of text sent per choice, for logprob text offsets
         started = [False] * len(requests)
@@ -88,12 +105,4 @@ async def completions(body: CompletionRequest, raw: Request, serving: ServingDep
         return stream_response(sub, head, prompts, body, n_lp, completion_choice, counts_output=generates,
                                **stream_usage(serving.settings))
 
-    finals = await collect(sub, raw)
-    choices = []
-    for i, out in enumerate(finals):
-        plp = None if body.prompt_logprobs is None else serving.logprobs.prompt(out.prompt_logprobs or [],
-                                                                                 body.prompt_logprobs)
-        choices.append(choice(i, out, out.text, 0, True, 0) | {"prompt_logprobs": plp})
-    counted = finals if generates else [0] * len(finals)
-    return JSONResponse(head | {"choices": choices, "usage": usage(prompts, counted,
-                                                                   cached_tokens(finals, body.n, serving.settings))})
+    return whole(await collect(sub, raw))
