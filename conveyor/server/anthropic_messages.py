@@ -121,8 +121,11 @@ def sampling_fields(body: MessagesRequest) -> SamplingFields:
                           priority=body.priority)
 
 
-def usage(prompt_tokens: int, output_tokens: int) -> dict[str, int]:
-    return {"input_tokens": prompt_tokens, "output_tokens": output_tokens}
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, int]:
+    """Anthropic's split of the prompt: `input_tokens` are those computed, `cache_read_input_tokens` those
+    the prefix cache held (automatic here, so nothing counts as a cache write)."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached_tokens, "output_tokens": output_tokens}
 
 
 class MessageReply:

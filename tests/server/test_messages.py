@@ -82,11 +82,19 @@ def create(sdk: anthropic.Anthropic, stream: bool, **kwargs: Any) -> anthropic.t
 
 
 def without_ids(message: anthropic.types.Message) -> dict[str, Any]:
+    """The message as data, its ids left out and its prompt's tokens counted whole (a second call of the same
+    prompt reads from the cache what the first computed)."""
     body = message.model_dump()
     body.pop("id")
     for block in body["content"]:
         block.pop("id", None)
+    body["usage"] = body["usage"] | {"input_tokens": prompt_tokens(message.usage), "cache_read_input_tokens": 0}
     return body
+
+
+def prompt_tokens(usage: anthropic.types.Usage) -> int:
+    """The prompt's tokens, computed or read from the prefix cache."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
 
 
 def sse(response: httpx.Response) -> list[tuple[str, dict[str, Any]]]:
@@ -108,7 +116,7 @@ def test_text_reply_is_the_chat_reply_and_streams_to_the_same_message(sdk: anthr
     assert [(b.type, b.text) for b in whole.content] == [("text", ref.text)]
     assert whole.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[ref.finish_reason]
     assert whole.stop_sequence is None
-    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (ref.num_prompt_tokens, ref.num_output_tokens)
+    assert (prompt_tokens(whole.usage), whole.usage.output_tokens) == (ref.num_prompt_tokens, ref.num_output_tokens)
     streamed = create(sdk, True, system=[{"type": "text", "text": SYSTEM}])  # one system block = the string
     assert without_ids(streamed) == without_ids(whole)
     thinking = create(sdk, False, system=SYSTEM, thinking={"type": "enabled", "budget_tokens": 1024})
@@ -118,7 +126,10 @@ def test_text_reply_is_the_chat_reply_and_streams_to_the_same_message(sdk: anthr
                                           "temperature": 0}, headers={"anthropic-version": "2023-06-01"}).json()
     assert list(raw) == ["id", "type", "role", "model", "content", "stop_reason", "stop_sequence", "usage"]
     assert raw["content"] == [{"type": "text", "text": ref.text}]
-    assert raw["usage"] == {"input_tokens": ref.num_prompt_tokens, "output_tokens": ref.num_output_tokens}
+    cached = raw["usage"]["cache_read_input_tokens"]  # the same prompt as `whole`'s: its full pages are cached
+    assert raw["usage"] == {"input_tokens": ref.num_prompt_tokens - cached, "cache_creation_input_tokens": 0,
+                            "cache_read_input_tokens": cached, "output_tokens": ref.num_output_tokens}
+    assert ref.num_prompt_tokens - cached < llm.engine.config.page_size <= cached
 
 
 def test_streams_are_anthropics_event_sequence(http: httpx.Client) -> None:
@@ -132,7 +143,9 @@ def test_streams_are_anthropics_event_sequence(http: httpx.Client) -> None:
     assert set(names[2:-3]) == {"content_block_delta"}
     start, block, delta = events[0][1]["message"], events[1][1], events[-2][1]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 0
-    assert start["usage"]["input_tokens"] == whole["usage"]["input_tokens"]
+    assert start["usage"]["input_tokens"] + start["usage"]["cache_read_input_tokens"] == (
+        whole["usage"]["input_tokens"] + whole["usage"]["cache_read_input_tokens"])
+    assert start["usage"]["cache_read_input_tokens"] > 0  # the prompt of `whole`, just before
     assert block == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert "".join(d["delta"]["text"] for _, d in events[2:-3]) == whole["content"][0]["text"]
     assert delta == {"type": "message_delta", "delta": {"stop_reason": whole["stop_reason"], "stop_sequence": None},
@@ -174,14 +187,14 @@ def test_a_tool_result_goes_back_as_chat_completions_sends_it(sdk: anthropic.Ant
                                           "parameters": t["input_schema"]}} for t in TOOLS],
         "tool_choice": "none", "max_tokens": 12, "temperature": 0}).json()
     assert reply.content[0].text == chat["choices"][0]["message"]["content"]  # the same prompt, greedy
-    assert reply.usage.input_tokens == chat["usage"]["prompt_tokens"]
+    assert prompt_tokens(reply.usage) == chat["usage"]["prompt_tokens"]
     tokens = http.post("/tokenize", json={"messages": CHAT_ROUND_TRIP}).json()["tokens"]
     counted = sdk.messages.count_tokens(model="smol", messages=ROUND_TRIP, tools=TOOLS, tool_choice={"type": "none"})
     assert counted.input_tokens == len(tokens)  # tools are not rendered under "none"
     auto = create(sdk, False, messages=ROUND_TRIP, tools=TOOLS, max_tokens=12)  # no tool_choice: "auto"
     assert auto.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert auto.usage.input_tokens == sdk.messages.count_tokens(model="smol", messages=ROUND_TRIP,
-                                                                tools=TOOLS).input_tokens
+    assert prompt_tokens(auto.usage) == sdk.messages.count_tokens(model="smol", messages=ROUND_TRIP,
+                                                                  tools=TOOLS).input_tokens
 
 
 def test_stop_sequences_and_max_tokens(sdk: anthropic.Anthropic) -> None:
@@ -201,9 +214,9 @@ def test_count_tokens_is_the_requests_input_tokens(sdk: anthropic.Anthropic) -> 
     system = [{"type": "text", "text": SYSTEM}, {"type": "text", "text": "Use the tools."}]
     kwargs = {"model": "smol", "messages": conversation, "system": system, "tools": TOOLS}
     reply = create(sdk, False, max_tokens=4, tool_choice={"type": "any"}, **kwargs)
-    assert sdk.messages.count_tokens(**kwargs).input_tokens == reply.usage.input_tokens
+    assert sdk.messages.count_tokens(**kwargs).input_tokens == prompt_tokens(reply.usage)
     joined = kwargs | {"system": f"{SYSTEM}\nUse the tools."}  # text blocks are joined with newlines
-    assert sdk.messages.count_tokens(**joined).input_tokens == reply.usage.input_tokens
+    assert sdk.messages.count_tokens(**joined).input_tokens == prompt_tokens(reply.usage)
 
 
 def test_a_final_assistant_message_is_continued(sdk: anthropic.Anthropic, http: httpx.Client, llm: LLM) -> None:
@@ -212,7 +225,7 @@ def test_a_final_assistant_message_is_continued(sdk: anthropic.Anthropic, http: 
     ids = http.post("/tokenize", json={"messages": MOON}).json()["tokens"] + llm.tokenizer.encode(
         prefill, add_special_tokens=False)
     [ref] = llm.generate([ids], greedy(8, ignore_eos=False), use_tqdm=False)
-    assert reply.content[0].text == ref.text and reply.usage.input_tokens == len(ids)
+    assert reply.content[0].text == ref.text and prompt_tokens(reply.usage) == len(ids)
 
 
 # -- errors and lifecycle --------------------------------------------------------------------------

@@ -62,6 +62,9 @@ def without_ids(value: Any) -> Any:
     if isinstance(value, list):
         return [without_ids(v) for v in value]
     if isinstance(value, dict):
+        if value.get("cache_read_input_tokens"):  # Anthropic's usage: the prompt counted whole
+            value = value | {"input_tokens": value["input_tokens"] + value["cache_read_input_tokens"],
+                             "cache_read_input_tokens": 0}
         return {k: without_ids(v) for k, v in value.items() if k not in ("id", "created_at", "completed_at", "parsed")}
     return without_ids(value.model_dump()) if hasattr(value, "model_dump") else value
 
@@ -168,7 +171,8 @@ def test_a_message_is_its_thinking_block_then_the_text(sdk: anthropic.Anthropic,
     whole, _ = create(sdk, False, thinking=enabled)
     assert [b.type for b in whole.content] == ["thinking", "text"] and whole.stop_reason == "end_turn"
     assert (whole.content[0].thinking, whole.content[0].signature, whole.content[1].text) == (thought, "", answer)
-    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (ref.num_prompt_tokens, ref.num_output_tokens)
+    assert (whole.usage.input_tokens + whole.usage.cache_read_input_tokens, whole.usage.output_tokens) == (
+        ref.num_prompt_tokens, ref.num_output_tokens)
     streamed, events = create(sdk, True, thinking=enabled)
     assert without_ids(streamed) == without_ids(whole)
     assert "".join(e.thinking for e in events if e.type == "thinking") == thought
@@ -183,7 +187,7 @@ def test_thinking_disabled_is_text_only(sdk: anthropic.Anthropic, llm: LLM) -> N
     for stream in (False, True):
         message, _ = create(sdk, stream, messages=ask, max_tokens=16, thinking={"type": "disabled"})
         assert [(b.type, b.text) for b in message.content] == [("text", answer)]
-        assert message.usage.input_tokens == ref.num_prompt_tokens
+        assert message.usage.input_tokens + message.usage.cache_read_input_tokens == ref.num_prompt_tokens
     counted = sdk.messages.count_tokens(model="smol", messages=ask, thinking={"type": "disabled"})
     assert counted.input_tokens == ref.num_prompt_tokens
     settles(llm)

@@ -82,7 +82,7 @@ async def messages(body: MessagesRequest, raw: Request, serving: ServingDep) -> 
     reply.feed(out.text, True)
     reason, sequence = reply.stop_reason(out)
     return JSONResponse(head | {"content": reply.content(), "stop_reason": reason, "stop_sequence": sequence,
-                                "usage": usage(len(prompt.ids), out.num_output_tokens)})
+                                "usage": usage(len(prompt.ids), out.num_output_tokens, out.num_cached_tokens)})
 
 
 def event(data: dict[str, Any]) -> str:
@@ -90,10 +90,15 @@ def event(data: dict[str, Any]) -> str:
 
 
 async def events(sub: Submission, head: dict[str, Any], prompt_tokens: int, reply: MessageReply) -> AsyncIterator[str]:
-    """Anthropic's event sequence for one streamed reply (see the module docstring)."""
-    yield event({"type": "message_start", "message": head | {"content": [], "stop_reason": None, "stop_sequence": None,
-                                                               "usage": usage(prompt_tokens, 0)}})
+    """Anthropic's event sequence for one streamed reply (see the module docstring); it starts with the first
+    output, which knows the prompt tokens the cache held (the response sends nothing before it anyway)."""
+    started = False
     async for _, out in sub.outputs():
+        if not started:
+            started = True
+            yield event({"type": "message_start", "message": head | {
+                "content": [], "stop_reason": None, "stop_sequence": None,
+                "usage": usage(prompt_tokens, 0, out.num_cached_tokens)}})
         if (err := failure(out)) is not None:
             yield event(anthropic_error(err.status, err.message)[1])
             return
@@ -108,8 +113,8 @@ async def events(sub: Submission, head: dict[str, Any], prompt_tokens: int, repl
 
 @router.post("/v1/messages/count_tokens", dependencies=ANTHROPIC_AUTH, responses=error_responses(400, 401, 404, 413))
 async def count_tokens(body: CountTokensRequest, serving: ServingDep) -> dict[str, int]:
-    """The prompt's tokens: `usage.input_tokens` of the same request (tools count whether or not the
-    server takes `tool_choice` "auto")."""
+    """The prompt's tokens: `usage.input_tokens` + `cache_read_input_tokens` of the same request (tools count
+    whether or not the server takes `tool_choice` "auto")."""
     serving.check_model(body.model)
     plan = tool_plan(body, serving.tool_parser, auto_enabled=True)
     prompt, _ = await serving.prepare(render, serving, body, plan)
