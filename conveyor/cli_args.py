@@ -30,12 +30,32 @@ SHORT_FLAGS = {"tensor_parallel_size": ["-tp"]}  # vLLM's short forms of config 
 SERVE_MAX_BATCH_TOKENS = 2048
 
 
+def human_int(value: str, letters: str = "kmgt") -> int | None:
+    """vLLM's human-readable integers: a lower-case letter of `letters` multiplies by a power of 1000 (a
+    fraction allowed: 25.6k), an upper-case one (or with an i: Ki) by a power of 1024; None if malformed."""
+    match = re.fullmatch(rf"(\d+(?:\.\d+)?)(?:([{letters}])|([{letters.upper()}])i?)?", value.strip())
+    if match is None or ("." in match[1] and not match[2]):
+        return None
+    if match[2]:
+        return int(float(match[1]) * 1000 ** (letters.index(match[2]) + 1))
+    return int(match[1]) * (1024 ** (letters.index(match[3].lower()) + 1) if match[3] else 1)
+
+
 def token_count(value: str) -> int:
     """A token count as vLLM's `--max-model-len` takes it: 2048, 32k (32000), 25.6k, 32K or 32Ki (32768)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)(k|K|Ki)?", value.strip())
-    if match is None or (match[2] in ("K", "Ki") and "." in match[1]) or (match[2] is None and "." in match[1]):
+    count = human_int(value, "k")
+    if count is None:
         raise argparse.ArgumentTypeError(f"{value!r} is not a token count (e.g. 2048, 32k = 32000, 32K = 32768)")
-    return int(float(match[1]) * {None: 1, "k": 1000, "K": 1024, "Ki": 1024}[match[2]])
+    return count
+
+
+def byte_count(value: str) -> int:
+    """A size as vLLM's `--kv-cache-memory-bytes` takes it: 4294967296, 4g (4 x 10^9), 4G or 4Gi (4 x 2^30)."""
+    count = human_int(value)
+    if count is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of bytes (e.g. 4294967296, 4g = 4 x 10^9, "
+                                         "4G = 4 x 2^30)")
+    return count
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -103,7 +123,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         flags = [f"--{f.name.replace('_', '-')}", *SHORT_FLAGS.get(f.name, [])]
         if f.name in MODEL_FIELDS:
             continue
-        if f.type in ("int", "int | None"):
+        if f.name == "kv_cache_memory_bytes":
+            group.add_argument(*flags, type=byte_count, default=None, metavar="BYTES",
+                               help="the KV cache's size (vLLM's; 4G = 4 GiB), over --max-memory-percent")
+        elif f.type in ("int", "int | None"):
             group.add_argument(*flags, type=int, default=None)
         elif f.type in ("float", "float | None"):
             group.add_argument(*flags, type=float, default=None)

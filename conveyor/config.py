@@ -29,6 +29,9 @@ class ContinuousBatchingConfig:
     max_batch_tokens: token budget of one forward pass (query tokens of all requests).
     max_memory_percent: share of free memory the KV pool may take when `num_blocks` is None;
         None = 0.9 on CUDA, 0.5 on CPU (which shares its memory with everything else).
+    kv_cache_memory_bytes: the KV pool's size in bytes (vLLM's name), in place of `max_memory_percent`
+        (with `num_blocks`, an error); None = `max_memory_percent`, or on CPU vLLM's VLLM_CPU_KVCACHE_SPACE
+        (GiB) when it is set above 0.
     max_requests_per_batch: most requests in one forward pass (bounds the logits tensor).
     max_batch_pages: cache budget, the most KV pages read in one pass; None = the pool's size.
     scheduler_type: "fifo" (decodes first), "prefill_first", or "priority" (each request's
@@ -72,6 +75,7 @@ class ContinuousBatchingConfig:
     num_blocks: int | None = None
     max_batch_tokens: int = 512
     max_memory_percent: float | None = None
+    kv_cache_memory_bytes: int | None = None
     max_requests_per_batch: int = 64
     max_batch_pages: int | None = None
     scheduler_type: str = "fifo"
@@ -104,9 +108,11 @@ class ContinuousBatchingConfig:
             positive(name)
         if self.num_blocks is not None:
             positive("num_blocks")
-        for name in ("max_batch_pages", "max_model_len"):
+        for name in ("max_batch_pages", "max_model_len", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 positive(name)
+        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ConfigError("num_blocks and kv_cache_memory_bytes both size the KV pool: give one")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**64):
             raise ConfigError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
         if self.max_memory_percent is not None and not 0.0 < self.max_memory_percent <= 1.0:
@@ -178,6 +184,7 @@ VLLM_ENGINE_ARGS: dict[str, str] = {
     "max_num_seqs": "max_requests_per_batch",
     "max_num_batched_tokens": "max_batch_tokens",
     "gpu_memory_utilization": "max_memory_percent",
+    "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "enable_prefix_caching": "allow_block_sharing",
     "block_size": "page_size",
     "swap_space": "cpu_offload_space",

@@ -96,8 +96,9 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
         come in `config.speculative_config`.
     batch_invariant: guarantee that a request's output does not depend on its batch or on how its prompt
         is chunked (`config.batch_invariant`; None: VLLM_BATCH_INVARIANT=1 turns it on, as in vLLM).
-    max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, enable_prefix_caching,
-    seed, enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split
+    max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, kv_cache_memory_bytes (the
+    KV cache's size in bytes; on CPU also VLLM_CPU_KVCACHE_SPACE, in GiB), enable_prefix_caching, seed,
+    enforce_eager, block_size, swap_space, num_gpu_blocks_override, tensor_parallel_size (the model split
     over that many ranks: docs/scale-out.md), kv_cache_dtype ("auto", "int8", "fp8": docs/configuration.md),
     scheduling_policy ("fcfs" or "priority": `generate(priority=...)`, docs/configuration.md),
     async_scheduling (`config.use_async_batching`): vLLM's engine arguments, mapped onto `config`
@@ -123,7 +124,7 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                  gguf_file: str | None = None, hf_token: str | bool | None = None,
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                 enable_prefix_caching: bool | None = None, seed: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool | None = None, seed: int | None = None,
                  enforce_eager: bool | None = None, block_size: int | None = None, swap_space: float | None = None,
                  chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
                  override_generation_config: dict[str, Any] | None = None,
@@ -141,7 +142,7 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
         config = with_vllm_engine_args(
             config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
             num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size,
             kv_cache_dtype=kv_cache_dtype, scheduling_policy=scheduling_policy, async_scheduling=async_scheduling)
         if speculative_config is not None:

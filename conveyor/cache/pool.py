@@ -20,10 +20,13 @@ import ctypes.util
 import functools
 import math
 import mmap
+import os
 from typing import Any
 
 import numpy as np
 import torch
+
+from ..errors import ConfigError
 
 NUM_RESERVED_CHUNKS = 2
 
@@ -151,17 +154,37 @@ def working_memory_bytes(model: Any, config: Any, dtype: torch.dtype, dense_scor
 
 
 def plan_num_chunks(*, num_blocks: int | None, max_memory_percent: float | None, bytes_per_chunk: int,
-                    activation_bytes: int, max_useful_chunks: int, device: torch.device) -> int:
-    """Chunks for the pool (reserved ones included): `num_blocks` when given, else `max_memory_percent`
-    of the memory left after one full-size pass's working memory (`working_memory_bytes`), capped at
-    what `max_requests_per_batch` requests of the longest length could ever use."""
+                    activation_bytes: int, max_useful_chunks: int, device: torch.device,
+                    memory_bytes: int | None = None) -> int:
+    """Chunks for the pool (reserved ones included): `num_blocks` when given, else those `memory_bytes` hold
+    (`kv_cache_memory_bytes`), else `max_memory_percent` of the memory left after one full-size pass's
+    working memory (`working_memory_bytes`); the last two capped at what `max_requests_per_batch` requests
+    of the longest length could ever use."""
     if num_blocks is not None:
         return num_blocks + NUM_RESERVED_CHUNKS
-    if max_memory_percent is None:
-        max_memory_percent = 0.9 if device.type == "cuda" else 0.5
-    budget = int((available_memory(device) - activation_bytes) * max_memory_percent)
+    free = available_memory(device) - activation_bytes
+    if memory_bytes is not None:
+        if memory_bytes > free:
+            raise MemoryError(f"a KV cache of {memory_bytes} bytes (kv_cache_memory_bytes) does not fit: {free} bytes "
+                              "are free beside the weights and one pass's working memory")
+        budget = memory_bytes
+    else:
+        budget = int(free * (max_memory_percent or (0.9 if device.type == "cuda" else 0.5)))
     fits = budget // bytes_per_chunk
     if fits <= NUM_RESERVED_CHUNKS:
-        raise MemoryError(f"not enough free memory for a KV cache: {budget} bytes budget, "
-                          f"{bytes_per_chunk} bytes per chunk")
+        what = "kv_cache_memory_bytes is too small" if memory_bytes is not None else "not enough free memory"
+        raise MemoryError(f"{what} for a KV cache: {budget} bytes budget, {bytes_per_chunk} bytes per chunk")
     return min(fits, max_useful_chunks + NUM_RESERVED_CHUNKS)
+
+
+def cpu_kv_cache_space() -> int | None:
+    """vLLM's CPU setting VLLM_CPU_KVCACHE_SPACE (GiB of KV cache) in bytes; None where unset or 0 (vLLM's
+    "size it automatically")."""
+    value = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+    try:
+        gib = float(value or 0)
+    except ValueError:
+        raise ConfigError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {value!r}") from None
+    if gib < 0:
+        raise ConfigError(f"VLLM_CPU_KVCACHE_SPACE must be >= 0 GiB, got {value!r}")
+    return int(gib * 2**30) or None

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from ..cache.allocator import build_allocators, table_length
 from ..cache.kv_format import kv_format
 from ..cache.offload import SwapPool, choose_victims
-from ..cache.pool import CachePool, layer_groups, plan_num_chunks
+from ..cache.pool import CachePool, cpu_kv_cache_space, layer_groups, plan_num_chunks
 from ..config import ContinuousBatchingConfig
 from ..errors import DistributedError, InvalidRequestError, RequestErrorCode
 from ..layers.attention import make_attention_backend
@@ -88,6 +88,7 @@ class Engine:
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.kv_format.dtype, **shape)
         num_chunks = plan_num_chunks(
             num_blocks=config.num_blocks, max_memory_percent=config.max_memory_percent,
+            memory_bytes=config.kv_cache_memory_bytes or (cpu_kv_cache_space() if device.type == "cpu" else None),
             bytes_per_chunk=bytes_per_chunk + (draft_bytes_per_chunk(draft_model, page) if draft_model else 0),
             activation_bytes=working,
             max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)

@@ -65,7 +65,7 @@ def test_a_vllm_flag_we_do_not_take_says_what_to_use(flag: str, capsys: pytest.C
     assert capsys.readouterr().err == f"error: {name} (vLLM's) is not supported: {UNSUPPORTED[name]}\n"
 
 
-def test_max_model_len_takes_vllms_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_sizes_take_vllms_suffixes(capsys: pytest.CaptureFixture[str]) -> None:
     parser = serve_parser()
     for given, tokens in (("2048", 2048), ("32k", 32000), ("25.6k", 25600), ("32K", 32768), ("8Ki", 8192)):
         assert parser.parse_args(["--max-model-len", given]).max_model_len == tokens, given
@@ -73,6 +73,13 @@ def test_max_model_len_takes_vllms_suffixes(capsys: pytest.CaptureFixture[str]) 
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-model-len", bad])
         assert f"{bad!r} is not a token count (e.g. 2048, 32k = 32000, 32K = 32768)" in capsys.readouterr().err
+    for given, size in (("4294967296", 2**32), ("4G", 4 * 2**30), ("4Gi", 4 * 2**30), ("4g", 4 * 10**9),
+                        ("1.5g", 15 * 10**8), ("512M", 2**29)):
+        assert config_from_args(parser.parse_args(["--kv-cache-memory-bytes", given])).kv_cache_memory_bytes == size
+    for bad in ("1.5G", "4x", "-1"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--kv-cache-memory-bytes", bad])
+        assert f"{bad!r} is not a number of bytes" in capsys.readouterr().err
 
 
 def test_a_vllm_config_file_gives_options_the_command_line_overrides(tmp_path, capsys) -> None:

@@ -26,8 +26,8 @@ def test_each_vllm_name_sets_its_field_and_a_disagreement_is_an_error() -> None:
     given = {"max_model_len": 100, "seed": 3, "max_num_seqs": 5, "max_num_batched_tokens": 48,
              "gpu_memory_utilization": 0.25, "enable_prefix_caching": False, "block_size": 8, "swap_space": 1.5,
              "enforce_eager": True, "num_gpu_blocks_override": 40}
-    assert set(given) | {"tensor_parallel_size", "kv_cache_dtype", "scheduling_policy",
-                         "async_scheduling"} == set(VLLM_ENGINE_ARGS)
+    assert set(given) | {"tensor_parallel_size", "kv_cache_dtype", "scheduling_policy", "async_scheduling",
+                         "kv_cache_memory_bytes"} == set(VLLM_ENGINE_ARGS)
     config = with_vllm_engine_args(None, **given)
     assert (config.max_model_len, config.seed, config.max_requests_per_batch, config.max_batch_tokens,
             config.max_memory_percent, config.allow_block_sharing, config.page_size, config.cpu_offload_space,
@@ -115,6 +115,30 @@ def test_gpu_memory_utilization_is_the_pools_share_of_free_memory(tiny_llama: Ti
                                               head_dim=16)
         assert chunks[share] == int(free * share) // per_chunk
     assert chunks[0.1] in (2 * chunks[0.05], 2 * chunks[0.05] + 1)
+
+
+def test_kv_cache_memory_bytes_and_vllm_cpu_kvcache_space_size_the_pool(tiny_llama: TinyModel,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's byte budget, and its CPU variable in GiB (the budget wins; 0 = automatic, as vLLM): the pool holds
+    the chunks that fit; more than is free, or a byte budget beside num_blocks, is an error naming it."""
+    monkeypatch.setattr("conveyor.cache.pool.available_memory", lambda device: 16 * 2**20)
+    monkeypatch.setattr("conveyor.engine.engine.working_memory", lambda *args: 0)
+    per_chunk = CachePool.bytes_per_chunk(dtype=torch.float32, page_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
+    llm = LLM(tiny_llama.path, dtype="float32", kv_cache_memory_bytes=300 * per_chunk + 5)
+    assert llm.engine.pool.num_chunks == 300 and llm.engine.config.kv_cache_memory_bytes == 300 * per_chunk + 5
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.01")  # GiB
+    assert LLM(tiny_llama.path, dtype="float32").engine.pool.num_chunks == int(0.01 * 2**30) // per_chunk
+    assert LLM(tiny_llama.path, dtype="float32", kv_cache_memory_bytes=100 * per_chunk).engine.pool.num_chunks == 100
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0")
+    assert LLM(tiny_llama.path, dtype="float32").engine.pool.num_chunks == 8 * 2**20 // per_chunk  # half the free
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+    with pytest.raises(ConfigError, match="VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got 'lots'"):
+        LLM(tiny_llama.path, dtype="float32")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    with pytest.raises(MemoryError, match=r"a KV cache of 33554432 bytes \(kv_cache_memory_bytes\) does not fit"):
+        LLM(tiny_llama.path, dtype="float32", kv_cache_memory_bytes=32 * 2**20)
+    with pytest.raises(ConfigError, match="num_blocks and kv_cache_memory_bytes both size the KV pool"):
+        ContinuousBatchingConfig(num_blocks=8, kv_cache_memory_bytes=2**20)
 
 
 def test_vllm_arguments_we_do_not_take_say_what_to_use(tiny_llama: TinyModel, caplog: pytest.LogCaptureFixture) -> None:
