@@ -67,6 +67,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--download-dir", default=None, metavar="DIR",
                        help="the Hugging Face cache to download into and load from (default: HF_HUB_CACHE, "
                        "~/.cache/huggingface/hub); HF_HUB_OFFLINE=1 uses the cache only")
+    group.add_argument("--tokenizer", default=None, metavar="DIR|ORG/NAME",
+                       help="a tokenizer used in place of the model's, with its chat template (vLLM's; for a GGUF "
+                       "file, the original model's tokenizer)")
     group.add_argument("--gguf-file", default=None, metavar="NAME", help="the GGUF file of a Hub repo or directory")
     group.add_argument("--hf-token", default=None, help="Hugging Face token for gated or private repos (default: "
                        "HF_TOKEN, else the one `hf auth login` saved)")
@@ -208,7 +211,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     hf_overrides = json_object(args.hf_overrides, "--hf-overrides", '{"is_matryoshka": true}')
     return dict(model=model_from_args(args), dtype=args.dtype, quantization=args.quantization, device=args.device,
                 config=config_from_args(args), revision=args.revision, download_dir=args.download_dir,
-                gguf_file=args.gguf_file, hf_token=args.hf_token, chat_template=args.chat_template,
+                gguf_file=args.gguf_file, hf_token=args.hf_token, tokenizer=args.tokenizer,
+                chat_template=args.chat_template,
                 generation_config=args.generation_config, override_generation_config=overrides,
                 runner=args.runner, convert=args.convert, task=args.task, pooler_config=args.pooler_config,
                 hf_overrides=hf_overrides, enable_lora=args.enable_lora, max_loras=args.max_loras,

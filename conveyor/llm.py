@@ -32,8 +32,8 @@ from .layers.precision import keeps_stored, resolve_precision, resolve_quantizat
 from .layers.quantization.linear import describe_weights, prompts_take_onednn
 from .manager import ContinuousBatchingManager
 from .models import build_model
-from .models.hub import resolve_model_path
-from .models.loader import load_checkpoint
+from .models.hub import resolve_model_path, resolve_tokenizer_path
+from .models.loader import load_checkpoint, load_tokenizer
 from .models.pooling import apply_hf_overrides, build_pooler, matryoshka_dimensions, pooling_task
 from .lora_llm import LoRAMethods, per_prompt
 from .lora_request import LoRAConfig, LoRARequest
@@ -103,6 +103,8 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
     scheduling_policy ("fcfs" or "priority": `generate(priority=...)`, docs/configuration.md),
     async_scheduling (`config.use_async_batching`): vLLM's engine arguments, mapped onto `config`
     (`config.VLLM_ENGINE_ARGS`); one that disagrees with a value `config` sets is an error.
+    tokenizer: vLLM's: a tokenizer directory or Hub id used in place of the model's (a GGUF file's then is not
+        converted); its chat template with it.
     chat_template: a Jinja file or template text used instead of the model's (`chat`, the server).
     runner, convert, task, pooler_config: vLLM's pooling model options (docs/python-api.md): `runner="pooling"`
         embeds (`embed`) or classifies and scores (`classify`, `score`) instead of generating; "auto" reads
@@ -122,7 +124,7 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  revision: str | None = None, download_dir: str | os.PathLike | None = None,
                  gguf_file: str | None = None, hf_token: str | bool | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 tokenizer: str | os.PathLike | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
                  kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool | None = None, seed: int | None = None,
                  enforce_eager: bool | None = None, block_size: int | None = None, swap_space: float | None = None,
@@ -163,6 +165,8 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                                       token=hf_token)
         self.generation_defaults = GenerationDefaults.load(generation_config, location.path,
                                                            override_generation_config)
+        own_tokenizer = None if tokenizer is None else load_tokenizer(resolve_tokenizer_path(
+            tokenizer, download_dir=download_dir, token=hf_token))
         precision = resolve_precision(dtype, quantization, self.device, location.path)
         self.dtype = precision.dtype
         started = time.monotonic()
@@ -177,7 +181,7 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                 self.quantization = self.sharded.quantization
                 engine_config = self.sharded.engine_config(config)
             else:
-                checkpoint = load_checkpoint(location.path, dtype=self.dtype,
+                checkpoint = load_checkpoint(location.path, dtype=self.dtype, tokenizer=own_tokenizer is None,
                                              keep_quantized=keeps_stored(precision.quantization, self.device))
                 self.quantization = resolve_quantization(precision, checkpoint.stored_format)
                 apply_hf_overrides(checkpoint.config, hf_overrides)
@@ -185,7 +189,8 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                 if task_name is not None:
                     if given_config is None and max_num_batched_tokens is None:  # prompts only: larger steps
                         engine_config = replace(config, max_batch_tokens=POOLING_MAX_BATCH_TOKENS)
-                    pooler = build_pooler(task_name, checkpoint.config, checkpoint.state_dict, checkpoint.tokenizer,
+                    pooler = build_pooler(task_name, checkpoint.config, checkpoint.state_dict,
+                                          own_tokenizer or checkpoint.tokenizer,
                                           pooler_settings, checkpoint.pooler_config, self.device)
                 net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization,
                                   lm_head=task_name is None)
@@ -195,7 +200,10 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                     engine_config = replace(config, max_batch_tokens=ONEDNN_MAX_BATCH_TOKENS)
             self.model_path = checkpoint.path
             self.model_name = location.hub_id or self.model_path.name  # what the server answers to by default
-            self.tokenizer = checkpoint.tokenizer
+            self.tokenizer = own_tokenizer or checkpoint.tokenizer
+            if own_tokenizer is not None and len(own_tokenizer) > checkpoint.config.vocab_size:
+                raise ConfigError(f"the tokenizer {tokenizer} has {len(own_tokenizer)} tokens, more than the model's "
+                                  f"vocabulary of {checkpoint.config.vocab_size}: it is not this model's tokenizer")
             del checkpoint  # what the model did not keep of the loaded tensors is garbage now
             release_freed_memory()
             if self.device.type == "cpu":

@@ -12,8 +12,7 @@ from collections.abc import Container
 from pathlib import Path
 from typing import Any
 
-TOKENIZER = ("the tokenizer is the model's own (its directory, Hub repo or GGUF file); to use another, copy its "
-             "files into the model directory")
+TOKENIZER = "tokenizers load through transformers' AutoTokenizer (vLLM's mode auto); --tokenizer names another one"
 PIPELINE = "pipeline parallelism is not supported: --tensor-parallel-size N splits the model over N devices, " \
            "--data-parallel-size N runs N replicas behind a router"
 UNSUPPORTED: dict[str, str] = {
@@ -21,9 +20,8 @@ UNSUPPORTED: dict[str, str] = {
     "-pp": PIPELINE,
     "--distributed-executor-backend": "there is no distributed executor: --data-parallel-size N starts the replicas "
                                       "itself, and conveyor.scaleout.ray_serve runs them on Ray Serve",
-    "--tokenizer": TOKENIZER,
     "--tokenizer-mode": TOKENIZER,
-    "--tokenizer-revision": "--revision applies to the model and its tokenizer together",
+    "--tokenizer-revision": "--tokenizer takes a directory or a Hub id at its default revision",
     "--load-format": "the format follows the files: a directory of *.safetensors, or a .gguf file "
                      "(--gguf-file NAME or org/name:QUANT for a Hub repo)",
     "--cpu-offload-gb": "weights are not offloaded; --swap-space GIB (--cpu-offload-space) keeps preempted "

@@ -65,6 +65,20 @@ def resolve_model_path(model: str | os.PathLike[str] | None, *, revision: str | 
                          str(model))
 
 
+def resolve_tokenizer_path(tokenizer: str | os.PathLike[str], *, revision: str | None = None,
+                           download_dir: str | os.PathLike[str] | None = None,
+                           token: str | bool | None = None) -> Path:
+    """Where vLLM's `tokenizer` (a tokenizer other than the model's) is: a directory as it is, or an `org/name`
+    repo's small files (tokenizer and chat template, no weights) from the Hub."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path
+    match = HUB_ID.fullmatch(str(tokenizer))
+    if path.exists() or match is None or match["quant"]:
+        raise FileNotFoundError(f"tokenizer {tokenizer}: not a directory (nor a Hugging Face Hub id, org/name)")
+    return HubRepo(match["repo"], revision, download_dir, token).snapshot(METADATA_PATTERNS)
+
+
 class HubRepo:
     """One repo at one revision in one cache; `fetch` brings what the loader needs into the cache."""
 

@@ -221,6 +221,11 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
+def load_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
+    """A tokenizer directory's tokenizer (vLLM's `tokenizer`, used in place of the model's)."""
+    return _load_tokenizer(directory, directory)
+
+
 def _load_tokenizer(path: Path, directory: Path, **kwargs: Any) -> transformers.PreTrainedTokenizerBase:
     try:
         return transformers.AutoTokenizer.from_pretrained(directory, **kwargs)

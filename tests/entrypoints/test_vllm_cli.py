@@ -58,7 +58,7 @@ def test_generate_takes_a_chat_template(tiny_llama: TinyModel, tmp_path, capsys:
     assert "chat template file not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--tokenizer", "--pipeline-parallel-size", "-pp", "--enable-sleep-mode"])
+@pytest.mark.parametrize("flag", ["--tokenizer-mode", "--pipeline-parallel-size", "-pp", "--enable-sleep-mode"])
 def test_a_vllm_flag_we_do_not_take_says_what_to_use(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "org/m", flag, "x"]) == 2
     name = flag.split("=")[0]
@@ -106,7 +106,7 @@ def test_flags_asking_for_what_we_always_do_are_taken() -> None:
     assert argv == ["org/m", "--port", "1"]
     assert notes == [f"--trust-remote-code: no effect, {ALREADY_SO['--trust-remote-code']}",
                      f"--disable-log-requests: no effect, {ALREADY_SO['--disable-log-requests']}"]
-    assert check_vllm_flags(["x", "--", "--tokenizer"]) == (["x", "--", "--tokenizer"], [])  # after --: not flags
+    assert check_vllm_flags(["x", "--", "--tokenizer-mode"]) == (["x", "--", "--tokenizer-mode"], [])  # after --: kept
 
 
 def test_a_server_takes_a_larger_token_budget_unless_told() -> None:
@@ -180,7 +180,7 @@ def test_serve_help_is_grouped(capsys: pytest.CaptureFixture[str]) -> None:
     groups = ["model:", "engine and scheduling", "vLLM's names for the options above:", "server:", "data parallel"]
     positions = [text.index("\n" + g) for g in groups]
     assert positions == sorted(positions)
-    assert "--max-num-seqs N      --max-requests-per-batch" in text and "--tokenizer" in text  # refused, listed
+    assert "--max-num-seqs N      --max-requests-per-batch" in text and "--tokenizer-mode" in text  # refused, listed
 
 
 def test_replicas_get_the_new_options_as_given() -> None:

@@ -3,15 +3,18 @@ prefix caching, memory share), and a clear error where one disagrees with the co
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 
 from conveyor import LLM, CachePool, ContinuousBatchingConfig, InvalidRequestError, SamplingParams
+from conveyor.cli import main
 from conveyor.config import VLLM_ENGINE_ARGS, with_vllm_engine_args
 from conveyor.errors import ConfigError
 from conveyor.vllm_flags import ALREADY_SO
 
-from tests.utils import TinyModel, random_prompts
+from tests.gguf_writer import write_gguf
+from tests.utils import USER_CHAT_TEMPLATE, VOCAB, TinyModel, greedy_ids, random_prompts, tiny_tokenizer
 
 
 def tiny(model: TinyModel, **kwargs: object) -> LLM:
@@ -180,3 +183,31 @@ def test_n_samples_per_prompt_as_vllm(tiny_llama: TinyModel) -> None:
     with pytest.raises(ValueError, match="n must be an integer >= 1"):
         SamplingParams(n=0)
     assert llm.stats().free_blocks == llm.stats().total_blocks
+
+
+def test_tokenizer_is_used_in_place_of_the_models_own(tiny_llama: TinyModel, tmp_path, monkeypatch) -> None:
+    """vLLM's `tokenizer`: a GGUF file whose toy vocabulary transformers cannot convert runs with the original
+    model's tokenizer (the file's is never converted): the same greedy tokens as the model's directory, text
+    tokenized and chats rendered by that tokenizer; one with more tokens than the model has is refused."""
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, tiny_llama.reference, "llama", gguf.GGMLQuantizationType.F32)
+
+    def never(path: object) -> None:
+        raise AssertionError("the file's own tokenizer was converted")
+
+    monkeypatch.setattr("conveyor.models.loader._gguf_tokenizer", never)
+    own = tiny_tokenizer()
+    own.chat_template = USER_CHAT_TEMPLATE
+    own.save_pretrained(tmp_path / "tokenizer")
+    llm = LLM(path, dtype="float32", tokenizer=tmp_path / "tokenizer", config=ContinuousBatchingConfig(num_blocks=64))
+    prompts = random_prompts([6, 9], seed=8)
+    assert greedy_ids(llm, prompts) == greedy_ids(tiny(tiny_llama), prompts)
+    assert llm.generate(["w5 w6"], sampled(1), use_tqdm=False)[0].prompt_token_ids == own.encode("w5 w6")
+    assert llm.render_chat_text([{"role": "user", "content": "w5"}]) == "w7 w5 w8 w9"
+    assert main(["generate", str(path), "w5 w6", "--tokenizer", str(tmp_path / "tokenizer"), "--dtype", "float32",
+                 "--num-blocks", "64", "--max-new-tokens", "3", "--temperature", "0"]) == 0  # through its template
+    tiny_tokenizer(VOCAB + 8).save_pretrained(tmp_path / "larger")
+    with pytest.raises(ConfigError, match=f"has {VOCAB + 8} tokens, more than the model's vocabulary of {VOCAB}"):
+        LLM(path, dtype="float32", tokenizer=tmp_path / "larger", config=ContinuousBatchingConfig(num_blocks=64))
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        LLM(path, dtype="float32", tokenizer=path)
