@@ -68,7 +68,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.model is not None and HUB_ID.fullmatch(args.model) and not Path(args.model).exists():
         resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
                            gguf_file=args.gguf_file, token=args.hf_token)  # one download, into the cache they read
-    check_address(args.host, args.port)  # in use? Said now, not after the model's load (the front's, with replicas)
+    if args.uds and data_parallel:
+        raise ValueError("--uds serves one engine: with replicas the router listens on --host and --port")
+    if not args.uds:  # in use? Said now, not after the model's load (the front's, with replicas)
+        check_address(args.host, args.port)
     if data_parallel:
         return serve_data_parallel(args)
     if args.threads is not None:
@@ -76,7 +79,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     llm = LLM(**llm_kwargs_from_args(args))
     try:
-        run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level)
+        run_server(llm, settings, host=args.host, port=args.port, log_level=args.log_level, uds=args.uds)
     except EngineDeadError as exc:  # exit non-zero so that a supervisor restarts the server
         print(f"error: {exc}", file=sys.stderr)
         return 1

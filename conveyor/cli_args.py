@@ -227,6 +227,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--uds", default=None, metavar="PATH",
+                       help="listen on this Unix domain socket instead of --host/--port (vLLM's)")
     group.add_argument("--api-key", default=os.environ.get("CONVEYOR_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
                        "(default: $CONVEYOR_API_KEY, else no key)")
@@ -328,6 +330,8 @@ def add_operations_args(parser: argparse.ArgumentParser) -> None:
                        "$VLLM_LOG_STATS_INTERVAL, else 10)")
     group.add_argument("--disable-uvicorn-access-log", action="store_true",
                        help="no access log line per HTTP request")
+    group.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                       help="no access log line for these paths, comma-separated, e.g. /health,/metrics (vLLM's)")
     group.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                        help="a request still waiting or running this long after it arrived ends with a 504 and "
                        "finish reason timeout (a request's own request_timeout field wins; default: none)")

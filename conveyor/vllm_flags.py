@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 TOKENIZER = "tokenizers load through transformers' AutoTokenizer (vLLM's mode auto); --tokenizer names another one"
+MULTI_NODE = "one machine per conveyor serve: run one on each machine behind a router (docs/scale-out.md)"
 PIPELINE = "pipeline parallelism is not supported: --tensor-parallel-size N splits the model over N devices, " \
            "--data-parallel-size N runs N replicas behind a router"
 UNSUPPORTED: dict[str, str] = {
@@ -40,6 +41,20 @@ UNSUPPORTED: dict[str, str] = {
     "--enable-sleep-mode": "sleep mode is not supported: stop the server and start it again",
     "--enable-expert-parallel": "experts are not split over ranks: a mixture-of-experts model runs whole on one "
                                 "rank (--tensor-parallel-size 1); --data-parallel-size N runs N replicas",
+    "--api-server-count": "one HTTP front end per engine; --data-parallel-size N runs N replicas behind one front",
+    **dict.fromkeys(("--headless", "--data-parallel-size-local", "--data-parallel-rank", "--data-parallel-start-rank",
+                     "--data-parallel-rpc-port", "--nnodes", "--node-rank", "--master-addr", "--master-port"),
+                    MULTI_NODE),
+    "--model-impl": "Conveyor runs its own implementation of each supported architecture (docs/models.md)",
+    "--disable-sliding-window": "sliding-window layers always attend within their window",
+    "--logits-processors": "logits processors are not loaded from import paths: logit_bias, allowed_token_ids, "
+                           "bad_words and structured outputs are request fields",
+    "--tool-parser-plugin": "parsers are not loaded from files: --tool-call-parser names a built-in one",
+    "--reasoning-parser-plugin": "parsers are not loaded from files: --reasoning-parser names a built-in one",
+    "--skip-tokenizer-init": "prompts and outputs are always tokenized: send token ids as the prompt to skip that",
+    "--logprobs-mode": "logprobs are always the model's raw log-probabilities (vLLM's default, raw_logprobs)",
+    **dict.fromkeys(("--numa-bind", "--numa-bind-nodes", "--numa-bind-cpus"),
+                    "bind the process with numactl or taskset; --threads N sets its threads"),
 }
 # vLLM flags whose effect is what Conveyor always does: taken, with a log line saying so.
 ALREADY_SO: dict[str, str] = {
@@ -48,6 +63,18 @@ ALREADY_SO: dict[str, str] = {
     "--disable-log-requests": "requests are logged only with --enable-log-requests",
     "--disable-custom-all-reduce": "tensor parallelism all-reduces through torch.distributed, never a custom kernel",
     "--disable-frontend-multiprocessing": "the HTTP front end runs in the engine's process",
+}
+# Of those, the ones that take a value: the flag and its value are taken.
+ALREADY_SO_WITH_VALUE: dict[str, str] = {
+    "--stream-interval": "a stream sends each engine step's new tokens as one chunk",
+    "--max-parallel-loading-workers": "weights are memory-mapped and read once",
+    "--safetensors-load-strategy": "weights are memory-mapped and read once",
+    "--ignore-patterns": "a Hub repo's download is only the files the loader reads",
+}
+ALREADY_SO |= ALREADY_SO_WITH_VALUE | {
+    "--use-tqdm-on-load": "loading logs one line, with its time",
+    "--disable-cascade-attn": "there is no cascade attention",
+    "--disable-hybrid-kv-cache-manager": "the KV pool serves every attention type of a model from one set of chunks",
 }
 # `LLM(...)` arguments of the same kind; `conveyor serve` takes these flags for what they say.
 KWARGS_ALREADY_SO: dict[str, str] = ALREADY_SO | {
@@ -116,16 +143,25 @@ def config_file_options(path: Path, known: Container[str] = ()) -> list[str]:
 
 
 def check_vllm_flags(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(argv without the `ALREADY_SO` flags, a note for each of those); `UnsupportedFlagError` for the first
+    """(argv without the `ALREADY_SO` flags (and the values of those that take one), a note for each of those);
+    `UnsupportedFlagError` for the first
     `UNSUPPORTED` flag, naming what to use. Arguments after `--` are left alone."""
     kept: list[str] = []
     notes: list[str] = []
+    skip = False
     for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
         if arg == "--":
             return kept + argv[i:], notes
         flag = arg.split("=", 1)[0]
         if flag in UNSUPPORTED:
             raise UnsupportedFlagError(f"{flag} (vLLM's) is not supported: {UNSUPPORTED[flag]}")
+        if flag in ALREADY_SO_WITH_VALUE:
+            notes.append(f"{arg if '=' in arg else ' '.join(argv[i:i + 2])}: no effect, {ALREADY_SO[flag]}")
+            skip = "=" not in arg  # its value is the next argument
+            continue
         if flag in ALREADY_SO and "=" not in arg:
             notes.append(f"{flag}: no effect, {ALREADY_SO[flag]}")
             continue

@@ -110,6 +110,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
@@ -183,15 +184,18 @@ class GracefulServer(uvicorn.Server):
 
 
 def run_server(llm: LLM, settings: ServerSettings, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info") -> None:
+               log_level: str = "info", uds: str | None = None) -> None:
     """Serve until SIGINT/SIGTERM: then new requests get 503, in-flight ones get `shutdown_timeout`
     seconds to finish before they are aborted, and this returns (a second signal: at once). If the
-    engine loop dies, the same drain follows and this raises `EngineDeadError`."""
-    settings.url = settings.url or f"{scheme(settings.tls)}://{host}:{port}"
+    engine loop dies, the same drain follows and this raises `EngineDeadError`. `uds`: listen on that Unix
+    domain socket instead of `host`:`port`."""
+    settings.url = settings.url or (f"unix:{uds}" if uds else f"{scheme(settings.tls)}://{host}:{port}")
     app = build_app(llm, settings)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+    address: dict[str, Any] = {"uds": uds} if uds else {"host": host, "port": port}
+    config = uvicorn.Config(app, **address, log_level=log_level, lifespan="on",
                             timeout_graceful_shutdown=5,  # after the app's own drain
-                            **uvicorn_logging(settings.log_format, not settings.disable_uvicorn_access_log),
+                            **uvicorn_logging(settings.log_format, not settings.disable_uvicorn_access_log,
+                                              settings.disable_access_log_for_endpoints),
                             **uvicorn_tls(settings.tls), root_path=settings.root_path)
     serving = app.state.serving
     server = GracefulServer(config, serving.request_shutdown)

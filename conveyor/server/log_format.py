@@ -2,7 +2,8 @@
 for log shippers (Loki, Elasticsearch, Cloud Logging): `time` (ISO 8601, UTC), `level`, `logger`,
 `message`, plus the structured fields a line carries (a request log line's `request_id`, timings, ...;
 an access log line's `client`, `method`, `path`, `status`). uvicorn's own loggers get the same format,
-and `--disable-uvicorn-access-log` drops its line per HTTP request (vLLM's flag)."""
+`--disable-uvicorn-access-log` drops its line per HTTP request, and `--disable-access-log-for-endpoints
+/health,/metrics` those of the paths named (a load balancer's probes; both vLLM's flags)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,25 @@ def use_json_logs() -> None:
         handler.setFormatter(JSONFormatter())
 
 
-def uvicorn_logging(log_format: str, access_log: bool) -> dict[str, Any]:
-    """uvicorn.Config's logging arguments: its own configuration, with JSON formatters for "json"."""
+class SkipPaths(logging.Filter):
+    """Drops uvicorn's access lines of the `paths` named (their query strings aside)."""
+
+    def __init__(self, paths: tuple[str, ...]) -> None:
+        super().__init__()
+        self.paths = frozenset(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) == 5 and str(args[2]).split("?", 1)[0] in self.paths)
+
+
+def uvicorn_logging(log_format: str, access_log: bool, skip_paths: tuple[str, ...] = ()) -> dict[str, Any]:
+    """uvicorn.Config's logging arguments: its own configuration, with JSON formatters for "json", and no
+    access lines for `skip_paths`."""
     config: dict[str, Any] = json.loads(json.dumps(LOGGING_CONFIG))  # a copy: uvicorn's stays as it is
     if log_format == "json":
         config["formatters"] = {name: {"()": f"{__name__}.JSONFormatter"} for name in config["formatters"]}
+    if skip_paths:
+        config["filters"] = {"skip_paths": {"()": f"{__name__}.SkipPaths", "paths": tuple(skip_paths)}}
+        config["handlers"]["access"]["filters"] = ["skip_paths"]
     return {"log_config": config, "access_log": access_log}

@@ -32,7 +32,8 @@ class ServerSettings:
     the answer; None = not split. default_chat_template_kwargs: template variables every chat request
     gets under its own. cors: cross-origin requests (`cors`); None = off. enable_log_requests,
     log_prompts, enable_log_outputs, max_log_len: the request log (`request_log`); log_format: "text" or "json"
-    (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn. request_timeout:
+    (`log_format`); disable_uvicorn_access_log: no line per HTTP request from uvicorn;
+    disable_access_log_for_endpoints: none for these paths (vLLM's: a load balancer's probes). request_timeout:
     the deadline of requests that set none (`SamplingParams.request_timeout`); None = none. tracing:
     OpenTelemetry spans (`tracing`); None = off. lora_modules: LoRA adapters served by name from the start
     (`--lora-modules`); allow_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
@@ -64,6 +65,7 @@ class ServerSettings:
     max_log_len: int | None = None
     log_format: str = "text"
     disable_uvicorn_access_log: bool = False
+    disable_access_log_for_endpoints: tuple[str, ...] = ()
     request_timeout: float | None = None
     tracing: TracingSettings | None = None
     lora_modules: list[LoRARequest] = field(default_factory=list)
@@ -122,6 +124,8 @@ class ServerSettings:
                    enable_log_outputs=args.enable_log_outputs,
                    max_log_len=args.max_log_len, log_format=args.log_format,
                    disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
+                   disable_access_log_for_endpoints=tuple(
+                       p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()),
                    tracing=TracingSettings.from_args(args),
                    lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)),
                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,

@@ -1,10 +1,14 @@
 """vLLM's server flags a copied `vllm serve` command line carries: --return-tokens-as-token-ids,
 --enable-force-include-usage, --enable-prompt-tokens-details, --response-role, --root-path,
---disable-fastapi-docs, --enable-request-id-headers (and the engine's --async-scheduling)."""
+--disable-fastapi-docs, --enable-request-id-headers (and the engine's --async-scheduling), --uds,
+--disable-access-log-for-endpoints, and those taken without effect or refused with what to do."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -91,3 +95,32 @@ def test_docs_root_path_and_request_ids(http: httpx.Client, llm: LLM) -> None:
     assert len(ids) == 2 and all(len(i) == 32 for i in ids)
     with http.stream("POST", "/v1/completions", json={"prompt": "w5", "max_tokens": 2, "stream": True}) as r:
         assert r.headers["x-request-id"] and list(r.iter_lines())
+
+
+def test_a_unix_socket_and_an_access_log_without_probes(tiny_llama: TinyModel, tmp_path) -> None:
+    """`conveyor serve MODEL --uds PATH --disable-access-log-for-endpoints /health,/metrics`: it answers on the
+    socket, logs no access line for the probes and one for the rest; vLLM's flags that change nothing here
+    (with a value or without) are taken with a note, a multi-node one is refused naming what to do."""
+    sock, log = tmp_path / "conveyor.sock", tmp_path / "serve.log"
+    argv = [sys.executable, "-m", "conveyor.cli", "serve", str(tiny_llama.path), "--uds", str(sock), "--dtype",
+            "float32", "--num-blocks", "64", "--disable-access-log-for-endpoints", "/health,/metrics",
+            "--stream-interval", "4", "--use-tqdm-on-load"]
+    with log.open("w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://conveyor", timeout=5) as c:
+            deadline = time.monotonic() + 90
+            while not sock.exists() or c.get("/health").status_code != 200:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            assert c.get("/metrics?x=1").status_code == 200
+            assert c.get("/v1/models").json()["data"][0]["id"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    text = log.read_text()
+    assert '"GET /v1/models HTTP/1.1" 200' in text and "/health" not in text and "/metrics" not in text, text
+    assert "--stream-interval 4: no effect" in text and "--use-tqdm-on-load: no effect" in text
+    refused = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "--headless"], capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and "--headless (vLLM's) is not supported: one machine per" in refused.stderr
