@@ -27,6 +27,7 @@ from .request import (
     ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingRequestOutput,
+    Logprob,
     RequestOutput,
     RequestState,
     ScoringRequestOutput,
@@ -38,4 +39,4 @@ __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatch
            "InvalidRequestError", "CompletionOutput", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
            "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator",
            "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "ClassificationRequestOutput",
-           "ScoringRequestOutput", "LoRARequest", "BeamSearchParams"]
+           "ScoringRequestOutput", "LoRARequest", "BeamSearchParams", "Logprob"]

@@ -39,7 +39,7 @@ from .lora_llm import LoRAMethods, per_prompt
 from .lora_request import LoRAConfig, LoRARequest
 from .pooling_llm import PoolingMethods
 from .pooling_params import PoolerConfig
-from .request import Prompt, Request, RequestOutput, per_prompt_samples
+from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_prompt_samples
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
 from .vllm_flags import check_vllm_kwargs
@@ -348,6 +348,7 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
         requests = [self.make_request(self.manager.new_request_id(), prompt, p.for_sample(j), lora)  # vLLM's n
                     for prompt, p, lora in zip(prompts, params, adapters) for j in range(p.n)]
         outputs = self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
+        decode_logprob_tokens(outputs, self.tokenizer.decode)
         return per_prompt_samples(outputs, [p.n for p in params])
 
     def _collect(self, ids: list[str], use_tqdm: bool, pooling: bool = False) -> list[RequestOutput]:

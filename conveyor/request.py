@@ -11,7 +11,9 @@ last generated token is missing from the cache) a single decode token. A soft re
 from __future__ import annotations
 
 import enum
+import itertools
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -60,10 +62,42 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
+class Logprob(float):
+    """A token's log-probability as vLLM's `Logprob` (`.logprob`, `.rank`: its 1-based place among the
+    vocabulary's, `.decoded_token`: its text, which `LLM`'s results fill in) that is also the float itself,
+    so that `{token id: logprob}` entries add, compare and serialize as numbers."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        value = super().__new__(cls, logprob)
+        value.rank, value.decoded_token = rank, decoded_token
+        return value
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple[type, tuple[float, int | None, str | None]]:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+
+def ranked_entry(top_ids: list[int], top_values: list[float], token: int, value: float,
+                 rank: int) -> dict[int, float]:
+    """A token's logprobs entry: the top-n alternatives (ranked 1..n), then `token` (ranked `rank`) where it is
+    not among them."""
+    entry: dict[int, float] = {t: Logprob(v, i + 1) for i, (t, v) in enumerate(zip(top_ids, top_values))}
+    entry[token] = Logprob(value, rank)
+    return entry
+
+
 @dataclass(frozen=True)
 class CompletionOutput:
-    """vLLM's per-sequence view of a result (`out.outputs[0].text`); this engine makes one sequence per request,
-    and its logprobs are plain floats, not vLLM's `Logprob` objects."""
+    """vLLM's per-sequence view of a result (`out.outputs[0].text`); this engine makes one sequence per
+    request. Its logprobs' values are `Logprob`s: floats with vLLM's `.logprob`, `.rank`, `.decoded_token`."""
 
     index: int
     text: str
@@ -111,6 +145,19 @@ class RequestOutput:
         if self.samples is not None:
             return self.samples
         return [CompletionOutput(0, self.text, self.token_ids, self.logprobs, self.finish_reason, self.stop_reason)]
+
+
+def decode_logprob_tokens(outputs: Sequence[RequestOutput], decode: Callable[[list[int]], str]) -> None:
+    """Each `Logprob` of the outputs' logprobs and prompt logprobs gets its `decoded_token` (vLLM's), every
+    token id decoded once."""
+    texts: dict[int, str] = {}
+    for out in outputs:
+        for entry in itertools.chain(out.logprobs or (), out.prompt_logprobs or ()):
+            for token, value in (entry or {}).items():
+                if isinstance(value, Logprob) and value.decoded_token is None:
+                    if token not in texts:
+                        texts[token] = decode([token])
+                    value.decoded_token = texts[token]
 
 
 def per_prompt_samples(outputs: list[RequestOutput], counts: list[int]) -> list[RequestOutput]:

@@ -26,7 +26,7 @@ from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan,
 from ..layers.lora import LoRABatch
 from ..layers.rotary import with_lengths
 from ..layers.sampler import SampledBatch, Sampler
-from ..request import Request
+from ..request import Request, ranked_entry
 from ..sched.output import ScheduledChunk
 from .step_buffers import LogitsBuffer, PaddedShape, StepBuffers
 
@@ -370,14 +370,13 @@ class ModelRunner:
         for s in range(0, len(rows), self.max_logit_rows):
             part = slice(s, s + self.max_logit_rows)
             lp = torch.log_softmax(self.model.compute_logits(hidden[row_index[part]]), dim=-1)
-            chosen = lp.gather(1, target_ids[part].unsqueeze(1)).squeeze(1).tolist()
+            chosen = lp.gather(1, target_ids[part].unsqueeze(1))
+            ranks = (lp >= chosen).sum(dim=1).tolist()
             k = max(tops[part])
             top_vals, top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-            for n, ids, vals, token, value in zip(tops[part], top_ids.tolist(), top_vals.tolist(), targets[part],
-                                                  chosen):
-                entry = dict(zip(ids[:n], vals[:n]))
-                entry[token] = value
-                entries.append(entry)
+            for n, ids, vals, token, value, rank in zip(tops[part], top_ids.tolist(), top_vals.tolist(),
+                                                        targets[part], chosen.squeeze(1).tolist(), ranks):
+                entries.append(ranked_entry(ids[:n], vals[:n], token, value, rank))
         result, at = [], 0
         for request, first, n in plan.spans:
             result.append((request, first, entries[at:at + n]))

@@ -32,7 +32,7 @@ import torch
 from ..cache.transfer import HostCopy, to_device
 from ..kernels import cpu_sampling_ops, native_kernels_enabled
 from ..kernels.sampling_ops import SamplingOps
-from ..request import Request
+from ..request import Request, ranked_entry
 
 if TYPE_CHECKING:
     from ..structured.masks import GrammarMasks
@@ -52,6 +52,7 @@ class SampledBatch:
     wanted: list[int]
     top_n: list[int]
     chosen: torch.Tensor | None = None
+    ranks: torch.Tensor | None = None  # the sampled tokens' ranks among the vocabulary (vLLM's: ties counted)
     top_ids: torch.Tensor | None = None
     top_vals: torch.Tensor | None = None
 
@@ -60,7 +61,7 @@ class SampledBatch:
     def start_copy(self) -> SampledBatch:
         """Queue the copies to the host now (behind the sampling kernels); `to_host` waits for them."""
         if self.copy is None:
-            extra = (self.chosen, self.top_ids, self.top_vals) if self.wanted else ()
+            extra = (self.chosen, self.ranks, self.top_ids, self.top_vals) if self.wanted else ()
             self.copy = HostCopy((self.tokens, *extra))  # type: ignore[arg-type]  # set when wanted
         return self
 
@@ -69,12 +70,10 @@ class SampledBatch:
         copies = self.start_copy().copy.wait()  # type: ignore[union-attr]
         if not self.wanted:
             return copies[0].tolist(), [None] * self.tokens.shape[0]
-        tokens, chosen, top_ids, top_vals = (t.tolist() for t in copies)
+        tokens, chosen, ranks, top_ids, top_vals = (t.tolist() for t in copies)
         logprobs: list[dict[int, float] | None] = [None] * len(tokens)
         for j, (i, n) in enumerate(zip(self.wanted, self.top_n)):
-            entry = dict(zip(top_ids[j][:n], top_vals[j][:n]))
-            entry[tokens[i]] = chosen[j]
-            logprobs[i] = entry
+            logprobs[i] = ranked_entry(top_ids[j][:n], top_vals[j][:n], tokens[i], chosen[j], ranks[j])
         return tokens, logprobs
 
 
@@ -134,6 +133,7 @@ class Sampler:
             k = max(top_n)
             batch.top_vals, batch.top_ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             batch.chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
+            batch.ranks = (lp >= batch.chosen.unsqueeze(1)).sum(dim=1)
         return batch
 
     def _grammar_masks(self, vocab_size: int) -> GrammarMasks:

@@ -1,14 +1,18 @@
 """Prompt logprobs (`SamplingParams(prompt_logprobs=n)`): transformers' log-softmax of its fp32 logits
 over the prompt, in one chunk or many, mixed with other requests, past a cached prefix and a soft
-reset; the blocks all come back."""
+reset; the blocks all come back. Logprobs' values as vLLM's `Logprob` objects."""
 
 from __future__ import annotations
+
+import json
+import pickle
 
 import pytest
 import torch
 
 from conveyor import LLM, InvalidRequestError, SamplingParams
 from conveyor.engine.engine import Engine
+from conveyor.request import Logprob
 
 from tests.utils import TinyModel, assert_greedy_match, greedy, hf_greedy, random_prompts
 
@@ -118,3 +122,29 @@ def test_more_prompt_logprobs_than_the_vocabulary_raise(tiny_llama: TinyModel) -
     out = llm.generate([[5, 6, 7]], greedy(1, prompt_logprobs=300), use_tqdm=False)[0]
     assert len(out.prompt_logprobs[1]) == 300
     assert_all_free(llm.engine)
+
+
+def test_logprobs_are_vllms_logprob_objects(tiny_llama: TinyModel) -> None:
+    """Each value of a logprobs entry (sampled tokens' and the prompt's) is vLLM's `Logprob` and still the float:
+    `.logprob`, `.rank` (the token's place among transformers' log-probabilities of the whole vocabulary, ties
+    counted as vLLM counts them) and `.decoded_token` (its text); it pickles and serializes as a number."""
+    llm, tokenizer = tiny_llama.llm(), tiny_llama.llm().get_tokenizer()
+    prompt = random_prompts([9], seed=21)[0]
+    params = SamplingParams(max_new_tokens=6, temperature=1.5, seed=4, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    [out] = llm.generate([prompt], params, use_tqdm=False)
+    sequence = prompt + out.token_ids
+    ref = reference_log_softmax(tiny_llama, sequence)
+    entries = out.prompt_logprobs[1:] + out.outputs[0].logprobs
+    assert len(entries) == len(sequence) - 1
+    outside = 0
+    for i, entry in enumerate(entries):
+        row, token = ref[i], sequence[i + 1]
+        for t, value in entry.items():
+            assert isinstance(value, Logprob) and value.logprob == value and value.decoded_token == tokenizer.decode([t])
+            assert value.logprob == pytest.approx(row[t].item(), abs=1e-4)
+            above, tied = int((row > row[t] + 1e-4).sum()), int((row >= row[t] - 1e-4).sum())
+            assert above < value.rank <= tied, (i, t, value.rank)  # within a tie, any place
+        outside += entry[token].rank > 2
+    assert outside > 0  # some sampled or prompt tokens ranked past the top-2: ranks were counted, not listed
+    value = out.outputs[0].logprobs[0][out.token_ids[0]]
+    assert pickle.loads(pickle.dumps(value)).rank == value.rank and json.loads(json.dumps(value)) == float(value)
