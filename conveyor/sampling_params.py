@@ -249,8 +249,9 @@ class BeamSearchParams:
                 raise SamplingParamsError(f"{name} must be an integer >= 1, got {value!r}")
         if self.temperature < 0:
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
-        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
-            raise SamplingParamsError(f"length_penalty must be a number, got {self.length_penalty!r}")
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not -10 <= penalty <= 10:
+            raise SamplingParamsError(f"length_penalty must be a number in [-10, 10], got {penalty!r}")
 
     def step_params(self) -> SamplingParams:
         """One step of every beam: a token, with the 2 x beam_width most likely next tokens' log-probabilities."""

@@ -72,7 +72,8 @@ def test_eos_beams_complete_and_rank_by_normalized_score(length_penalty: float, 
 
 
 def test_bad_settings_and_prompts_that_cannot_fit_are_refused(llm: LLM) -> None:
-    for bad in ({"beam_width": 0}, {"max_tokens": 0}, {"temperature": -1.0}, {"length_penalty": "long"}):
+    for bad in ({"beam_width": 0}, {"max_tokens": 0}, {"temperature": -1.0}, {"length_penalty": "long"},
+                {"length_penalty": 1e300}):
         with pytest.raises(SamplingParamsError, match=next(iter(bad))):
             BeamSearchParams(**({"beam_width": 2, "max_tokens": 4} | bad))
     too_long = random_prompts([llm.max_model_len - 3], seed=6)
