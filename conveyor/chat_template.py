@@ -1,10 +1,12 @@
 """A chat template given by the user (`--chat-template`, `LLM(chat_template=...)`), as vLLM takes it: a
-Jinja file, or the template itself inline."""
+Jinja file, or the template itself inline; and messages whose content is OpenAI's list of parts, as
+templates read them (one string)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 JINJA_CHARACTERS = "{}\n"
 
@@ -28,3 +30,23 @@ def load_chat_template(template: str | os.PathLike[str]) -> str:
                          "{{ }} or {% %})")
     # backslashreplace carries characters beyond Latin-1 through unicode_escape unchanged
     return template.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
+def string_contents(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with OpenAI's content parts (`[{"type": "text", "text": ...}]`) as one string, the text
+    parts joined by newlines (vLLM's "string" content format, as the server does); ValueError for a part
+    that is not text."""
+    out = []
+    for message in conversation:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            kinds = sorted({str(part.get("type")) for part in content if not _is_text(part)})
+            if kinds:
+                raise ValueError(f"only text content parts are supported, got {', '.join(kinds)}")
+            message = message | {"content": "\n".join(part.get("text") or "" for part in content)}
+        out.append(message)
+    return out
+
+
+def _is_text(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import time
@@ -15,9 +14,10 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from .beam_search import BeamSearchMethods
+from .chat_llm import ChatMethods
 from .chat_template import load_chat_template
 from .config import ContinuousBatchingConfig, with_vllm_engine_args
-from .errors import ConfigError, InvalidRequestError
+from .errors import ConfigError
 from .distributed.driver import ShardedModel, load_tensor_parallel
 from .distributed.launch import exit_if_spawned_rank
 from .engine.draft_runner import load_draft_model
@@ -85,7 +85,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolve_precision(dtype, None, device, None).dtype
 
 
-class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
+class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
 
     model: a Hugging Face model directory, a .gguf file, or a Hub id (`org/name`, `org/name:QUANT` for a
@@ -124,9 +124,10 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                  speculative_config: dict[str, Any] | SpeculativeConfig | None = None,
                  revision: str | None = None, download_dir: str | os.PathLike | None = None,
                  gguf_file: str | None = None, hf_token: str | bool | None = None,
-                 tokenizer: str | os.PathLike | None = None, max_model_len: int | None = None, max_num_seqs: int | None = None,
-                 max_num_batched_tokens: int | None = None, gpu_memory_utilization: float | None = None,
-                 kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool | None = None, seed: int | None = None,
+                 tokenizer: str | os.PathLike | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 gpu_memory_utilization: float | None = None, kv_cache_memory_bytes: int | None = None,
+                 enable_prefix_caching: bool | None = None, seed: int | None = None,
                  enforce_eager: bool | None = None, block_size: int | None = None, swap_space: float | None = None,
                  chat_template: str | os.PathLike | None = None, generation_config: str | os.PathLike = "auto",
                  override_generation_config: dict[str, Any] | None = None,
@@ -144,7 +145,8 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
         config = with_vllm_engine_args(
             config, max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed, block_size=block_size,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, swap_space=swap_space,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager, swap_space=swap_space,
             num_gpu_blocks_override=num_gpu_blocks_override, tensor_parallel_size=tensor_parallel_size,
             kv_cache_dtype=kv_cache_dtype, scheduling_policy=scheduling_policy, async_scheduling=async_scheduling)
         if speculative_config is not None:
@@ -368,61 +370,3 @@ class LLM(PoolingMethods, LoRAMethods, BeamSearchMethods):
                                     f"{'input' if pooling else 'output'} tok/s")
                 bar.update(1)
         return [results[i] for i in ids]
-
-    def chat(self, conversations: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | os.PathLike | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the chat template: the model's (or `LLM`'s
-        `chat_template`), or this call's `chat_template` (a file or the template text, as vLLM's).
-        chat_template_kwargs: variables for the template (`{"enable_thinking": False}`);
-        continue_final_message: the reply continues the last message (with add_generation_prompt=False);
-        tools: OpenAI tool definitions, for templates that render them. The text is the model's whole
-        reply, reasoning included (`conveyor.reasoning` splits it)."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        template = load_chat_template(chat_template) if chat_template is not None else None
-        prompts = [self.render_chat(c, tools=tools, chat_template=template, add_generation_prompt=add_generation_prompt,
-                                    continue_final_message=continue_final_message,
-                                    chat_template_kwargs=chat_template_kwargs)
-                   for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
-
-    def render_chat(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                    chat_template: str | None = None, **options: Any) -> list[int]:
-        """Token ids of the conversation through the chat template (with `tools`, as transformers'), or
-        through `chat_template` (the template text); `options` as `render_chat_text`'s."""
-        text = self.render_chat_text(conversation, tools, chat_template, **options)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def render_chat_text(self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                         chat_template: str | None = None, add_generation_prompt: bool = True,
-                         continue_final_message: bool = False,
-                         chat_template_kwargs: dict[str, Any] | None = None,
-                         documents: list[dict[str, Any]] | None = None) -> str:
-        """The conversation through the chat template, as the text `render_chat` tokenizes (a server
-        checks its length before it spends time tokenizing it); `documents` go to a RAG template (vLLM's).
-        `InvalidRequestError` naming the parameter for options that cannot go together or a template
-        variable the renderer owns."""
-        if not conversation:
-            raise ValueError("conversation is empty: it needs at least one message")
-        if add_generation_prompt and continue_final_message:
-            raise InvalidRequestError("continue_final_message continues the last message, add_generation_prompt starts "
-                                      "a new one: set add_generation_prompt to false", param="continue_final_message")
-        kwargs = dict(chat_template_kwargs or {})
-        owned = sorted(set(kwargs) & renderer_parameters(self.tokenizer))
-        if owned:
-            raise InvalidRequestError(f"chat_template_kwargs cannot set {', '.join(owned)}: the renderer's own "
-                                      "parameters are set by the request's fields", param="chat_template_kwargs")
-        return self.tokenizer.apply_chat_template(conversation, tools=tools, documents=documents,
-                                                  chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, **kwargs)
-
-
-def renderer_parameters(tokenizer: PreTrainedTokenizerBase) -> set[str]:
-    """The named parameters of the tokenizer's `apply_chat_template` (not template variables)."""
-    signature = inspect.signature(tokenizer.apply_chat_template)
-    return {name for name, p in signature.parameters.items()
-            if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)}

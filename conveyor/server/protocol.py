@@ -115,7 +115,8 @@ class SamplingFields(RequestBody):
     request_timeout: RequestTimeout = None
     priority: Priority = 0
     use_beam_search: bool | None = False  # vLLM's: the n choices are the n best beams (server/beam_search.py)
-    length_penalty: float = Field(1.0, ge=-10, le=10)  # vLLM's: a beam's score is its log-probability / length ** length_penalty
+    # vLLM's: a beam's score is its log-probability / length ** length_penalty
+    length_penalty: float = Field(1.0, ge=-10, le=10)
     # llama.cpp's server fields (request_fields): max_tokens, a GBNF grammar, a JSON schema; prompt caching
     n_predict: int | None = Field(None, ge=-1)  # -1: the rest of the context
     grammar: Text | None = None

@@ -140,7 +140,8 @@ def test_logprobs_are_vllms_logprob_objects(tiny_llama: TinyModel) -> None:
     for i, entry in enumerate(entries):
         row, token = ref[i], sequence[i + 1]
         for t, value in entry.items():
-            assert isinstance(value, Logprob) and value.logprob == value and value.decoded_token == tokenizer.decode([t])
+            assert isinstance(value, Logprob) and value.logprob == value
+            assert value.decoded_token == tokenizer.decode([t])
             assert value.logprob == pytest.approx(row[t].item(), abs=1e-4)
             above, tied = int((row > row[t] + 1e-4).sum()), int((row >= row[t] - 1e-4).sum())
             assert above < value.rank <= tied, (i, t, value.rank)  # within a tie, any place

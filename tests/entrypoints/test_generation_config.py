@@ -1,6 +1,7 @@
 """The model's generation config as vLLM applies it (`auto`: the defaults of what a request leaves unset,
 offline and on the server; `vllm`: ignored; a directory: that file), a chat template given as a file or
-inline (`LLM(chat_template=)`, `llm.chat(chat_template=)`, the server) and its options offline, and
+inline (`LLM(chat_template=)`, `llm.chat(chat_template=)`, the server) and its options offline (OpenAI's
+content parts too), and
 `--max-model-len` on the server: over it, a 400 naming it."""
 
 from __future__ import annotations
@@ -107,6 +108,21 @@ def test_chat_template_kwargs_and_a_continued_message_offline(tiny_llama: TinyMo
         model.chat(hello, one, continue_final_message=True)
     with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
         model.chat(hello, one, chat_template_kwargs={"tokenize": True})
+
+
+def test_openai_content_parts_offline(tiny_llama: TinyModel) -> None:
+    """vLLM's `llm.chat` takes OpenAI's content parts: text parts joined by newlines into the one string the
+    template reads (the word-level tokenizer splits on the newline too); other parts are a ValueError, and so
+    is the "openai" content format (templates here read strings)."""
+    model = llm(tiny_llama.path, chat_template=USER_CHAT_TEMPLATE)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "w5"}, {"type": "text", "text": "w6"}]}]
+    assert model.render_chat_text(parts) == "w7 w5\nw6 w8 w9"
+    [out] = model.chat(parts, SamplingParams(max_new_tokens=1), use_tqdm=False, chat_template_content_format="string")
+    assert out.prompt_token_ids == [7, 5, 6, 8, 9]
+    with pytest.raises(ValueError, match="only text content parts are supported, got image_url"):
+        model.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    with pytest.raises(ValueError, match="'openai': message contents reach the template as one string"):
+        model.chat(parts, use_tqdm=False, chat_template_content_format="openai")
 
 def test_the_server_fills_unset_fields_and_caps_the_context(model_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "t.jinja").write_text(USER_CHAT_TEMPLATE)

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conveyor import LLM, ContinuousBatchingConfig, LoRARequest, SamplingParams
+from conveyor import LLM, BeamSearchParams, ContinuousBatchingConfig, LoRARequest, SamplingParams
 from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.models.decode_stack import DecodeStack
 from tests.utils import (
     INVARIANT,
     ROPE_BY_LENGTH_CONFIGS,
+    USER_CHAT_TEMPLATE,
     VOCAB,
     TinyModel,
     all_free,
@@ -242,3 +243,19 @@ def test_padded_steps_keep_each_row_on_its_adapter(lora_llm: LLM, tiny_llama: Ti
     assert ours == [o.token_ids for o in lora_llm.generate(prompts, params, use_tqdm=False, lora_request=lora)]
     assert all_free(padded)
     padded.shutdown()
+
+
+def test_chat_and_beam_search_take_an_adapter(lora_llm: LLM, adapters: dict) -> None:
+    """`llm.chat(..., lora_request=)` and `llm.beam_search(..., lora_request=)` (vLLM's): a width-1 beam search is
+    the greedy search, so both equal peft's greedy tokens under adapter a."""
+    conversation = [{"role": "user", "content": "w5 w6 w7"}]
+    ids = lora_llm.render_chat(conversation, chat_template=USER_CHAT_TEMPLATE)
+    ref, logits = hf_greedy(adapters["a"][1], ids, 6)
+    [out] = lora_llm.chat(conversation, greedy(6), use_tqdm=False, chat_template=USER_CHAT_TEMPLATE,
+                          lora_request=adapters["a"][0])
+    assert out.prompt_token_ids == ids
+    assert_greedy_match(out.token_ids, ref, logits, "chat under adapter a")
+    [beams] = lora_llm.beam_search([ids], BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True),
+                                   lora_request=adapters["a"][0])
+    assert_greedy_match(beams.sequences[0].tokens[len(ids):], ref, logits, "beam search under adapter a")
+    assert all_free(lora_llm)
