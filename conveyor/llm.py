@@ -314,8 +314,8 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every cached prefix, so the next prompts are computed in full (fair benchmarks and
-        evaluations); False, changing nothing, while the manager runs or requests are unfinished."""
-        return not self.manager.is_running() and self.engine.reset_prefix_cache()
+        evaluations); False, changing nothing, while requests are unfinished (a server's too)."""
+        return self.manager.call(Engine.reset_prefix_cache)
 
     def stats(self) -> EngineStats:
         """Engine counters (tokens, preemptions, prefix cache) and cache/queue gauges now."""

@@ -3,7 +3,8 @@
 Callers on any thread `add_request` (validated at once, so bad input raises in the caller),
 `cancel_request`, and collect results with `get_result` (finished requests) or
 `request_id_iter` (streamed outputs of a request added with `streaming=True`). Only the loop
-thread touches the engine; everything else reaches it through an inbox queue.
+thread touches the engine; everything else reaches it through an inbox queue (`call` runs a function
+of the engine there, between two steps).
 
 Engine death: an exception escaping the loop (out of `engine.step`, not a request's own failure,
 which the engine reports as that request's "error") leaves the engine in an unknown state, so the
@@ -14,6 +15,7 @@ exits non-zero so that a supervisor restarts it), and `submit`/`start` raise `En
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import queue
@@ -133,6 +135,24 @@ class ContinuousBatchingManager:
             if started_here:
                 self.stop()
 
+    def call(self, fn: Callable[[Engine], T]) -> T:
+        """`fn(engine)` on the loop's thread between two steps (only that thread touches the engine), its
+        result or its exception raised here; at once on this thread when the loop is not running."""
+        if not self.is_running():
+            self._raise_if_dead()
+            return fn(self.engine)
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._death_lock:
+            self._raise_if_dead()
+            self._inbox.put(("call", (fn, done)))
+        while True:
+            try:
+                return done.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if not self.is_running() and done.cancel():  # the loop ended with the call unread: ours now
+                    self._raise_if_dead()
+                    return fn(self.engine)
+
     def new_request_id(self) -> str:
         return f"req-{next(self._ids)}"
 
@@ -246,6 +266,14 @@ class ContinuousBatchingManager:
             request = self.engine.cancel_request(payload)  # type: ignore[arg-type]
             if request is not None:
                 self._publish([request])
+        elif kind == "call":
+            fn, done = payload  # type: ignore[misc]
+            if not done.set_running_or_notify_cancel():
+                return
+            try:
+                done.set_result(fn(self.engine))
+            except Exception as exc:  # the caller's to handle, not the loop's
+                done.set_exception(exc)
 
     def _abort_all(self, reason: str) -> list[Request]:
         aborted = list(self.engine.requests.values())

@@ -40,10 +40,10 @@ class LogprobRenderer:
 
     def prompt(self, entries: list[dict[int, float] | None], n: int) -> list[dict[str, Any] | None]:
         """vLLM's shape: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}, the
-        top-n first (ranked 1..n), then the prompt token if it is not among them (rank unknown: null)."""
+        top-n first, then the prompt token if it is not among them, each with its rank in the vocabulary."""
         def entry(lp: dict[int, float]) -> dict[str, Any]:
-            return {str(t): {"logprob": v, "rank": i + 1 if i < n else None, "decoded_token": self.token_str(t)}
-                    for i, (t, v) in enumerate(lp.items())}
+            return {str(t): {"logprob": float(v), "rank": getattr(v, "rank", None), "decoded_token": self.token_str(t)}
+                    for t, v in lp.items()}
 
         return [None if lp is None else entry(lp) for lp in entries]
 

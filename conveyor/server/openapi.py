@@ -20,6 +20,7 @@ from pydantic import BaseModel
 
 ERRORS = {400: "invalid request (validation, context length, unsupported field)",
           401: "missing or wrong API key (when the server has one)", 404: "model not served",
+          409: "the server is busy with what the request would change (requests in flight)",
           413: "request body over the server's --max-request-bytes",
           500: "the request failed inside the engine", 503: "queue full, shutting down, or the engine is dead",
           504: "the request was still waiting or running at its request_timeout (or the server's --request-timeout)"}

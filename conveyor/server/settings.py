@@ -37,7 +37,8 @@ class ServerSettings:
     the deadline of requests that set none (`SamplingParams.request_timeout`); None = none. tracing:
     OpenTelemetry spans (`tracing`); None = off. lora_modules: LoRA adapters served by name from the start
     (`--lora-modules`); allow_runtime_lora_updating: POST /v1/load_lora_adapter and /v1/unload_lora_adapter
-    answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default).
+    answer (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING, read from the environment by default). dev_mode: vLLM's
+    development endpoints answer (VLLM_SERVER_DEV_MODE, from the environment by default).
     enable_tokenizer_info_endpoint: GET /tokenizer_info answers (vLLM's flag). log_stats_interval:
     seconds between the periodic stats lines (`stats_log`); None = none. tls: HTTPS (`tls`); None = off.
     vLLM's: return_tokens_as_token_ids (every request's default), enable_force_include_usage (a usage
@@ -70,6 +71,7 @@ class ServerSettings:
     tracing: TracingSettings | None = None
     lora_modules: list[LoRARequest] = field(default_factory=list)
     allow_runtime_lora_updating: bool = field(default_factory=lambda: runtime_lora_updating(os.environ))
+    dev_mode: bool = field(default_factory=lambda: dev_mode(os.environ))
     enable_tokenizer_info_endpoint: bool = False
     log_stats_interval: float | None = None
     tls: TLSSettings | None = None
@@ -135,6 +137,11 @@ class ServerSettings:
                    enable_prompt_tokens_details=args.enable_prompt_tokens_details, response_role=args.response_role,
                    root_path=args.root_path, disable_fastapi_docs=args.disable_fastapi_docs,
                    enable_request_id_headers=args.enable_request_id_headers, max_logprobs=args.max_logprobs)
+
+
+def dev_mode(environ: Any) -> bool:
+    """vLLM's switch for its development endpoints (here /reset_prefix_cache): VLLM_SERVER_DEV_MODE=1 or true."""
+    return environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
 
 
 def runtime_lora_updating(environ: Any) -> bool:

@@ -97,8 +97,8 @@ def test_cache_salt_keeps_prefixes_apart(tiny_llama: TinyModel) -> None:
 
 
 def test_reset_prefix_cache_forgets_every_cached_block(tiny_llama: TinyModel) -> None:
-    """vLLM's `LLM.reset_prefix_cache()`: the next prompts are computed in full; refused (False) while the
-    manager runs."""
+    """vLLM's `LLM.reset_prefix_cache()`: the next prompts are computed in full; with the manager's loop
+    running it resets between two steps (`manager.call`), and refuses (False) while a request is unfinished."""
     llm = tiny_llama.llm(page_size=4, num_blocks=128, allow_block_sharing=True)
     prompt = random_prompts([24], seed=35)[0]
     llm.generate([prompt], greedy(2), use_tqdm=False)
@@ -108,6 +108,17 @@ def test_reset_prefix_cache_forgets_every_cached_block(tiny_llama: TinyModel) ->
     before = llm.stats().prefix_cache_hit_tokens
     llm.generate([prompt], greedy(2), use_tqdm=False)
     assert llm.stats().prefix_cache_hit_tokens == before  # computed again, nothing found
-    with llm.manager:
-        assert llm.reset_prefix_cache() is False
     assert llm.engine.allocator.num_cached_blocks > 0
+    with llm.manager:
+        assert llm.reset_prefix_cache() is True and llm.engine.allocator.num_cached_blocks == 0
+        llm.generate([prompt], greedy(2), use_tqdm=False)
+    held = llm.make_request("held", prompt, greedy(2))
+    llm.engine.add_request(held)  # unfinished (no loop steps it)
+    assert llm.reset_prefix_cache() is False and llm.engine.allocator.num_cached_blocks > 0
+    llm.engine.cancel_request("held")
+    assert llm.reset_prefix_cache() is True
+    assert llm.engine.allocator.num_cached_blocks == 0 and idle(llm)
+    with pytest.raises(ZeroDivisionError):  # a call's exception reaches its caller; the loop goes on
+        llm.manager.start().call(lambda engine: 1 / 0)
+    assert llm.manager.call(lambda engine: engine.has_unfinished_requests()) is False
+    llm.manager.stop()

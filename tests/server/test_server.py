@@ -128,6 +128,7 @@ def test_completion_prompt_logprobs_as_vllm(http: httpx.Client, tiny_llm: LLM) -
     assert len(entries) == len(prompt) and entries[0] is None
     for token, entry, ours in zip(prompt[1:], entries[1:], expected.prompt_logprobs[1:]):
         assert {int(t): e["logprob"] for t, e in entry.items()} == pytest.approx(ours)
+        assert [e["rank"] for e in entry.values()] == [v.rank for v in ours.values()]  # the prompt token's too
         assert [e["rank"] for e in entry.values()][:2] == [1, 2] and entry[str(token)]["decoded_token"] == f"w{token}"
     plain = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()
     assert plain["choices"][0]["prompt_logprobs"] is None

@@ -124,3 +124,29 @@ def test_a_unix_socket_and_an_access_log_without_probes(tiny_llama: TinyModel, t
     refused = subprocess.run([sys.executable, "-m", "conveyor.cli", "serve", "--headless"], capture_output=True,
                              text=True)
     assert refused.returncode == 2 and "--headless (vLLM's) is not supported: one machine per" in refused.stderr
+
+
+def test_reset_prefix_cache_in_dev_mode(tiny_llama: TinyModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's POST /reset_prefix_cache: a 404 unless VLLM_SERVER_DEV_MODE=1; then the cached prefixes are gone
+    (the loop resets between two steps), or a 409 while a request is in flight; behind the API key."""
+    llm = tiny_llama.llm(page_size=4, num_blocks=128)
+    body = {"prompt": random_prompts([24], seed=41)[0], "max_tokens": 2}
+    with BackgroundServer(llm) as url, httpx.Client(base_url=url, timeout=60) as client:
+        assert client.post("/reset_prefix_cache").status_code == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with BackgroundServer(llm, ServerSettings(api_key="k")) as url, httpx.Client(
+            base_url=url, timeout=60, headers={"Authorization": "Bearer k"}) as client:
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert llm.engine.allocator.num_cached_blocks > 0
+        assert httpx.post(f"{url}/reset_prefix_cache").status_code == 401
+        assert client.post("/reset_prefix_cache").status_code == 200
+        assert llm.engine.allocator.num_cached_blocks == 0
+        step = llm.engine.step
+        monkeypatch.setattr(llm.engine, "step", lambda: time.sleep(0.01) or step())  # steps that last
+        long = body | {"max_tokens": 200, "ignore_eos": True, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long) as stream:
+            lines = stream.iter_lines()  # kept: a generator dropped closes the stream, which cancels the request
+            next(lines)  # the request is running
+            busy = client.post("/reset_prefix_cache")
+        assert busy.status_code == 409 and busy.json()["error"]["code"] == "requests_in_flight"
+    assert idle(llm)

@@ -1,9 +1,11 @@
 """Operations routes, open without the API key except /v1/models: health (and vLLM's /ping, as SageMaker
 probes it), the version, Prometheus metrics, models (the base model's names, then the LoRA adapters, each
-with the base as its `parent`, as vLLM lists them)."""
+with the base as its `parent`, as vLLM lists them); and vLLM's development endpoint /reset_prefix_cache
+(VLLM_SERVER_DEV_MODE=1), behind the key."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from typing import Any
 
@@ -56,3 +58,18 @@ async def models(serving: ServingDep) -> dict[str, Any]:
                  "root": a.lora_path, "parent": a.base_model_name or serving.model_name,
                  "max_model_len": serving.max_model_len} for a in serving.llm.list_loras()]
     return {"object": "list", "data": base + adapters}
+
+
+@router.post("/reset_prefix_cache", response_class=Response, dependencies=AUTH,
+             responses={200: {"description": "reset", "content": {}}} | error_responses(401, 404, 409))
+async def reset_prefix_cache(serving: ServingDep) -> Response:
+    """vLLM's development endpoint: forget every cached prefix, so that the next prompts are computed in full
+    (a benchmark's rounds that must not hit the cache); on only with VLLM_SERVER_DEV_MODE=1, and refused
+    (409) while requests are in flight, whose blocks it cannot take."""
+    if not serving.settings.dev_mode:
+        raise APIError(404, "/reset_prefix_cache is a development endpoint: start the server with "
+                       "VLLM_SERVER_DEV_MODE=1")
+    if not await asyncio.to_thread(serving.llm.reset_prefix_cache):
+        raise APIError(409, "requests in flight hold cached blocks: reset when the server is idle",
+                       code="requests_in_flight")
+    return Response(status_code=200)
