@@ -9,6 +9,8 @@ streaming, stop conditions, constraints, token restrictions and penalties.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import Request as HTTPRequest
 
 from ..beam_search import BeamSearch
@@ -61,7 +63,8 @@ async def beam_search(serving: Serving, rid: str, prompts: list[list[int]], body
         raise request_error(exc, param, None) from exc
     except ValueError as exc:
         raise APIError(400, str(exc), param="max_tokens" if "max_tokens" in str(exc) else "n") from exc
-    search, step = BeamSearch(prompts, params, llm.eos_token_ids), params.step_params()
+    search = BeamSearch(prompts, params, llm.eos_token_ids)
+    step = replace(params.step_params(), priority=body.priority)  # each step's requests rank as the request
 
     def step_requests(k: int, batch: list[tuple[int, list[int]]]) -> list[Request]:
         try:
