@@ -367,6 +367,9 @@ def test_bad_requests_get_openai_errors(url: str, http: httpx.Client) -> None:
     assert chat_tokens == [3, 7, 4, 5]
     assert http.post("/detokenize", json={"tokens": [5, 6]}).json() == {"prompt": "w5 w6"}
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "tiny-alias"]
+    assert http.get("/v1/models/tiny-alias").json() == http.get("/v1/models").json()["data"][1]  # models.retrieve
+    missing = error(http.get("/v1/models/org/other"), 404)
+    assert missing["code"] == "model_not_found" and "Served: tiny, tiny-alias" in missing["message"]
     off = error(http.get("/tokenizer_info"), 404)  # vLLM's endpoint is off unless asked for
     assert "--enable-tokenizer-info-endpoint" in off["message"]
 

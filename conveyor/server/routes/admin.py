@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ...manager import death_message
 from ..openapi import error_responses
 from ..protocol import APIError
+from ..serving import Serving
 from .deps import AUTH, ServingDep
 
 router = APIRouter()
@@ -51,13 +52,28 @@ async def metrics(serving: ServingDep) -> PrometheusResponse:
 
 @router.get("/v1/models", dependencies=AUTH, responses=error_responses(401))
 async def models(serving: ServingDep) -> dict[str, Any]:
+    return {"object": "list", "data": model_cards(serving)}
+
+
+@router.get("/v1/models/{model:path}", dependencies=AUTH, responses=error_responses(401, 404))
+async def model(model: str, serving: ServingDep) -> dict[str, Any]:
+    """OpenAI's `client.models.retrieve(name)`: that name's card, as /v1/models lists it (a Hub id's slash
+    included)."""
+    card = next((c for c in model_cards(serving) if c["id"] == model), None)
+    if card is None:
+        serving.check_model(model)  # the 404 naming what is served
+    return card  # type: ignore[return-value]
+
+
+def model_cards(serving: Serving) -> list[dict[str, Any]]:
+    """The served names, then the LoRA adapters (each with the base as its `parent`)."""
     base = [{"id": name, "object": "model", "created": serving.created, "owned_by": "conveyor",
              "root": str(serving.llm.model_path), "parent": None, "max_model_len": serving.max_model_len}
             for name in serving.names]
     adapters = [{"id": a.lora_name, "object": "model", "created": serving.created, "owned_by": "conveyor",
                  "root": a.lora_path, "parent": a.base_model_name or serving.model_name,
                  "max_model_len": serving.max_model_len} for a in serving.llm.list_loras()]
-    return {"object": "list", "data": base + adapters}
+    return base + adapters
 
 
 @router.post("/reset_prefix_cache", response_class=Response, dependencies=AUTH,
