@@ -8,8 +8,10 @@ prefix caching is always on. Its samplers that Conveyor does not have are refuse
 the field and what to use, unless they carry their off value (clients send llama.cpp's defaults);
 the fields that only matter with one of those on (`mirostat_tau`, `dry_base`, ...) or that change
 nothing here (`id_slot`, `n_keep`) are accepted. vLLM's fields that Conveyor does not have (right
-truncation, prompt embeddings) are refused the same way when set. Any other unknown field is
-ignored, as vLLM does, with a warning the first time the server sees its name.
+truncation, prompt embeddings) and OpenAI's it cannot honour (the deprecated `functions`, audio output,
+web search) are refused the same way when set; OpenAI's bookkeeping fields (`metadata`, `store`,
+`service_tier`, ...) are accepted. Any other unknown field is ignored, as vLLM does, with a warning the
+first time the server sees its name.
 """
 
 from __future__ import annotations
@@ -50,18 +52,31 @@ VLLM_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_embeds": ((None,), "prompts are text or token ids"),
     "logprob_token_ids": ((None, []), "use logprobs (the top-n) or prompt_logprobs"),
 }
+# OpenAI fields whose ask cannot be met -> (values that ask nothing, what to do instead)
+OPENAI_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "functions": ((None, []), "send them as tools: [{\"type\": \"function\", \"function\": ...}]"),
+    "function_call": ((None, "none", "auto"), "use tool_choice (with the functions as tools)"),
+    "modalities": ((None, ["text"]), "the output is text only"),
+    "audio": ((None,), "the output is text only"),
+    "web_search_options": ((None,), "there is no built-in web search: give a search function as a tool"),
+}
 INERT = {"mirostat_tau", "mirostat_eta", "dynatemp_exponent", "xtc_threshold", "dry_base", "dry_allowed_length",
          "dry_penalty_last_n", "dry_sequence_breakers", "repeat_last_n", "samplers", "min_keep", "n_keep", "id_slot",
-         "spaces_between_special_tokens"}  # vLLM's: slow tokenizers only
+         "spaces_between_special_tokens",  # vLLM's: slow tokenizers only
+         "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}  # OpenAI's bookkeeping
 
 
 def check_fields(body: SamplingFields, endpoint: str, logged: set[str]) -> None:
-    """A 400 for a llama.cpp sampler set on; a warning, once per name in `logged`, for a field ignored."""
+    """A 400 for a field that asks for what Conveyor does not do (llama.cpp's samplers, vLLM's and OpenAI's
+    fields it lacks); a warning, once per name in `logged`, for a field ignored."""
     for name, value in (body.model_extra or {}).items():
-        if name in REFUSED or name in VLLM_REFUSED:
-            whose, (off, instead) = ("llama.cpp", REFUSED[name]) if name in REFUSED else ("vLLM", VLLM_REFUSED[name])
+        refused = [(whose, table[name]) for whose, table in (("llama.cpp", REFUSED), ("vLLM", VLLM_REFUSED),
+                                                              ("OpenAI", OPENAI_REFUSED)) if name in table]
+        if refused:
+            [(whose, (off, instead))] = refused
             if value not in off:
-                raise APIError(400, f"{whose}'s {name} is not supported (got {value!r}): {instead}", param=name)
+                raise APIError(400, f"{whose}'s {name} is not supported (got {repr(value)[:80]}): {instead}",
+                               param=name)
         elif name not in INERT and name not in GUIDED and name not in logged:
             logged.add(name)
             logger.warning("%s: request field %r is not supported and is ignored (logged once per field name)",

@@ -67,6 +67,14 @@ def test_llama_cpp_fields_are_mapped_or_refused_by_name(http: httpx.Client, llm:
             response = post(path, **body)
             assert response.status_code == 400 and response.json()["error"]["param"] == param, (path, response.text)
     assert "use repetition_penalty" in post(chat_path, repeat_penalty=1.1).json()["error"]["message"]
+    function = {"name": "f", "parameters": {"type": "object"}}
+    for body, param in (({"functions": [function]}, "functions"), ({"function_call": {"name": "f"}}, "function_call"),
+                        ({"modalities": ["text", "audio"]}, "modalities"),
+                        ({"web_search_options": {}}, "web_search_options")):
+        refused = post(chat_path, **body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    assert "send them as tools" in post(chat_path, functions=[function]).json()["error"]["message"]
+    assert post(chat_path, max_tokens=1, modalities=["text"], function_call="auto").status_code == 200
     assert idle(llm)
 
 
@@ -74,7 +82,8 @@ def test_an_unknown_field_is_logged_once_per_name(http: httpx.Client, caplog: py
     caplog.set_level(logging.WARNING, logger="conveyor.server")
     for _ in range(2):
         assert http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 1, "frobnicate": 1,
-                                                       "mirostat_eta": 0.1}).status_code == 200
+                                                       "mirostat_eta": 0.1, "metadata": {"k": "v"},
+                                                       "store": False}).status_code == 200  # OpenAI's: no warning
         assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "quux": "x"}).status_code == 200
     ignored = [r.getMessage() for r in caplog.records if "is not supported and is ignored" in r.getMessage()]
     assert sorted(ignored) == ["/v1/chat/completions: request field 'frobnicate' is not supported and is ignored "
