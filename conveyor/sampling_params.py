@@ -88,9 +88,10 @@ class SamplingParams:
     generated: each word's last token is banned where the tokens before it were just generated (the word
     tokenized alone and after a space).
     skip_special_tokens: special tokens are left out of the text (vLLM's default); a tool-call format
-    whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept. truncate_prompt_tokens
-    (vLLM's): keep only the prompt's last N tokens; -1 keeps the most that fit in the context beside
-    `max_new_tokens`; None: a prompt over the context is an error. request_timeout: seconds from arrival
+    whose markers are special tokens (Mistral's `[TOOL_CALLS]`) needs them kept. detokenize (vLLM's):
+    False leaves the text empty (token ids only, no decoding per token); stop strings then cannot apply.
+    truncate_prompt_tokens (vLLM's): keep only the prompt's last N tokens; -1 keeps the most that fit in the
+    context beside `max_new_tokens`; None: a prompt over the context is an error. request_timeout: seconds from arrival
     after which a request still waiting or running ends with finish reason "timeout" and its blocks go
     back (the server's `--request-timeout` default); None: no deadline. priority (vLLM's): with priority
     scheduling, lower runs first, ties by arrival (any value but 0 needs it).
@@ -125,6 +126,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
     truncate_prompt_tokens: int | None = None
     request_timeout: float | None = None
     priority: int = 0
@@ -162,6 +164,8 @@ class SamplingParams:
             raise SamplingParamsError(f"stop_token_ids must be integers >= 0, got {self.stop_token_ids[:5]!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError("stop strings are found in the text: they need detokenize=True")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise SamplingParamsError("structured_outputs must be a StructuredOutputsParams, got "
                                       f"{type(self.structured_outputs).__name__}")

@@ -132,7 +132,7 @@ class OutputProcessor:
             request.stop_reason = token if token in request.params.stop_token_ids else None
             self.finish(request, RequestState.FINISHED, "stop", None)
             return
-        delta = self.detokenize(request, token)
+        delta = self.detokenize(request, token) if request.params.detokenize else ""
         if delta and may_stop and request.params.stop and truncate_at_stop(request, len(delta)):
             self.finish(request, RequestState.FINISHED, "stop", None)
         elif request.grammar is not None and grammar_complete(request.grammar, token):

@@ -122,3 +122,15 @@ def test_reset_prefix_cache_forgets_every_cached_block(tiny_llama: TinyModel) ->
         llm.manager.start().call(lambda engine: 1 / 0)
     assert llm.manager.call(lambda engine: engine.has_unfinished_requests()) is False
     llm.manager.stop()
+
+
+def test_detokenize_false_gives_token_ids_only(llm: LLM) -> None:
+    """vLLM's `detokenize=False`: the same tokens, no text; stop strings, which are found in the text, refused."""
+    prompts = random_prompts([7, 12], seed=36)
+    with_text = llm.generate(prompts, greedy(8), use_tqdm=False)
+    ids_only = llm.generate(prompts, greedy(8, detokenize=False, logprobs=1), use_tqdm=False)
+    assert [o.token_ids for o in ids_only] == [o.token_ids for o in with_text]
+    assert all(o.text == "" and o.finish_reason == "length" for o in ids_only) and all(o.text for o in with_text)
+    with pytest.raises(SamplingParamsError, match="stop strings are found in the text: they need detokenize=True"):
+        SamplingParams(stop=["w5"], detokenize=False)
+    assert idle(llm)
