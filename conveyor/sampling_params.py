@@ -70,7 +70,7 @@ class SamplingParams:
     """How one request decodes. `temperature=0` is greedy (as is any below `GREEDY_BELOW`, vLLM's rule: dividing
     by it would overflow); the other filters then do nothing.
 
-    top_k: keep the k most likely tokens (0 = off). top_p: nucleus mass in (0, 1].
+    top_k: keep the k most likely tokens (0 = off; vLLM's -1 too). top_p: nucleus mass in (0, 1].
     min_p: drop tokens below min_p x the top probability. repetition_penalty: > 1 discourages
     tokens already in the prompt or output (as in transformers). presence_penalty /
     frequency_penalty: OpenAI's additive penalties on tokens already generated (once, and per
@@ -144,8 +144,9 @@ class SamplingParams:
             raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise SamplingParamsError(f"top_k must be an integer >= 0 (0 or vLLM's -1 disables it), got {self.top_k!r}")
+        self.top_k = max(self.top_k, 0)
         if not 0.0 <= self.min_p <= 1.0:
             raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:

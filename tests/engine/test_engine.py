@@ -37,7 +37,7 @@ def run_all(engine: Engine) -> None:
     ({"temperature": -0.5}, "temperature must be >= 0"),
     ({"top_p": 0.0}, "top_p must be in (0, 1]"),
     ({"top_p": 1.5}, "top_p must be in (0, 1]"),
-    ({"top_k": -1}, "top_k must be an integer >= 0"),
+    ({"top_k": -2}, "top_k must be an integer >= 0"),
     ({"min_p": 2.0}, "min_p must be in [0, 1]"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
     ({"max_tokens": 0}, "max_new_tokens must be an integer >= 1"),
@@ -53,6 +53,7 @@ def test_vllm_max_tokens_is_max_new_tokens(llm: LLM) -> None:
     sees one length setting."""
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     assert params.max_new_tokens == params.max_tokens == 5
+    assert SamplingParams(top_k=-1).top_k == 0  # vLLM's "off" is ours
     assert replace(params, max_new_tokens=3).max_tokens == 3
     out = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0]
     assert len(out.token_ids) == 5
