@@ -69,7 +69,8 @@ class BeamSearch:
             candidates = []
             for beam in beams:
                 out = next(given)
-                assert out.logprobs, "a beam search step asks for the candidates' log-probabilities"
+                if not out.logprobs:  # failed (the engine's error), or cancelled
+                    raise RuntimeError(f"a beam search step ended without its token: {out.error or out.finish_reason}")
                 step = out.logprobs[0]
                 for token, logprob in step.items():
                     seq = BeamSearchSequence(beam.tokens + [token], beam.logprobs + [step], beam.cum_logprob + logprob)

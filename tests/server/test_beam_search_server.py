@@ -42,6 +42,8 @@ def test_choices_are_the_best_beams(http: httpx.Client, llm: LLM) -> None:
     first = reply["choices"][0]["logprobs"]
     assert len(first["tokens"]) == 5 and all(len(top) == 2 for top in first["top_logprobs"])
     assert reply["usage"] == {"prompt_tokens": 9, "completion_tokens": 15, "total_tokens": 24}
+    salted = http.post("/v1/completions", json=body | {"cache_salt": "tenant"}).json()  # its own cache, same beams
+    assert [c["token_ids"] for c in salted["choices"]] == beams
 
     conversation = [{"role": "user", "content": "w12 w13 w14"}]
     chat = http.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 4, "n": 2,
