@@ -2,7 +2,8 @@
 
 Each choice's reply goes through a `ChatReply` (replies.py): the reasoning split off by the server's
 reasoning parser (`reasoning_content`), then, with `tools`, tool calls read from the answer as
-OpenAI's `tool_calls` (streamed as OpenAI's deltas) and `finish_reason: "tool_calls"`.
+OpenAI's `tool_calls` (streamed as OpenAI's deltas) and `finish_reason: "tool_calls"`. With vLLM's
+`use_beam_search`, the choices are the n best beams (beam_search.py), each read the same way.
 """
 
 from __future__ import annotations
