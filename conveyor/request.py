@@ -106,6 +106,16 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
 
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """vLLM's: the generated tokens' log-probabilities summed, where logprobs were asked for (else None)."""
+        if self.logprobs is None:
+            return None
+        return sum(float(entry[token]) for token, entry in zip(self.token_ids, self.logprobs))
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 @dataclass
 class RequestOutput:
@@ -323,7 +333,8 @@ class Request:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             text=visible, token_ids=list(self.output_token_ids), finished=self.is_finished,
-            finish_reason=self.finish_reason, stop_reason=self.stop_reason, delta_text=delta_text, delta_token_ids=list(delta_ids),
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason, delta_text=delta_text,
+            delta_token_ids=list(delta_ids),
             logprobs=None if self.logprobs is None else list(self.logprobs),
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs), error=self.error,
             metrics=self.metrics, pooled=self.pooled, num_cached_tokens=self.num_cached_tokens)

@@ -147,5 +147,9 @@ def test_logprobs_are_vllms_logprob_objects(tiny_llama: TinyModel) -> None:
             assert above < value.rank <= tied, (i, t, value.rank)  # within a tie, any place
         outside += entry[token].rank > 2
     assert outside > 0  # some sampled or prompt tokens ranked past the top-2: ranks were counted, not listed
+    assert out.outputs[0].cumulative_logprob == pytest.approx(  # vLLM's: the sampled tokens' sum
+        sum(ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.token_ids)), abs=1e-3)
+    [plain] = llm.generate([prompt], greedy(2), use_tqdm=False)
+    assert out.outputs[0].finished() and plain.outputs[0].cumulative_logprob is None
     value = out.outputs[0].logprobs[0][out.token_ids[0]]
     assert pickle.loads(pickle.dumps(value)).rank == value.rank and json.loads(json.dumps(value)) == float(value)
