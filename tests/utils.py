@@ -338,7 +338,8 @@ def make_pool(num_chunks: int, page_size: int = 4) -> CachePool:
 
 def check_allocator_invariants(alloc: FullAttentionCacheAllocator) -> None:
     """Every block is uninitialized, held or cached, exactly one of them; ref counts are the holders;
-    the hash index is one to one, over held and cached blocks only; reserved chunks are never used."""
+    the hash index is one to one, over held and cached blocks only; a cached block is indexed or a tail
+    (never held, never indexed); reserved chunks are never used."""
     pool, cache = alloc.pool, alloc.prefix_cache
     uninit = list(pool._free)
     cached = list(cache._cached)
@@ -355,7 +356,10 @@ def check_allocator_invariants(alloc: FullAttentionCacheAllocator) -> None:
     assert alloc.num_free_blocks == len(uninit) + len(cached)
     assert pool.num_free + alloc.num_cached_blocks + len(holders) == alloc.num_total_blocks
     assert {d: b for b, d in cache._digest_of.items()} == cache._block_of, "hash index not one to one"
-    assert set(cached) <= set(cache._digest_of), "a cached block without a digest"
+    tails = set(cache._tail_of)
+    assert set(cached) <= set(cache._digest_of) | tails, "a cached block neither indexed nor a tail"
+    assert tails <= set(cached) and not tails & set(cache._digest_of), "a tail held, lost, or with a digest"
+    assert {b for held in cache._tails.values() for b in held} == tails, "the tail index disagrees"
     assert set(cache._digest_of) <= set(holders) | set(cached), "an uninitialized block kept its digest"
     if not alloc.block_sharing:
         assert not cache._digest_of and not cached

@@ -68,7 +68,8 @@ class CacheAllocator:
         """New chunks a request needs so that its first `num_tokens` tokens have slots."""
         raise NotImplementedError
 
-    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = (),
+                 tail: tuple[int, int] | None = None) -> bool:
         raise NotImplementedError
 
     def free(self, request_id: str) -> int:
@@ -91,8 +92,17 @@ class CacheAllocator:
     def match_prefix(self, request: Request) -> list[int]:
         return []
 
+    def match_tail(self, request: Request, matched: int) -> tuple[int, int] | None:
+        """(a cached tail block, its tokens that continue the request's first `matched` blocks) to copy
+        instead of computing them; None if there is none (`prefix_cache`, tails)."""
+        return None
+
     def register_full_blocks(self, request: Request) -> None:
         """Index the blocks the request's `num_computed_tokens` has just completed (prefix caching)."""
+
+    def keep_tail(self, request: Request) -> None:
+        """A request that finished: its last block, partly filled, stays cached as a tail once the request
+        frees it (`prefix_cache`, tails); nothing where blocks are not shared."""
 
     def holds(self, request_id: str) -> bool:
         raise NotImplementedError
@@ -167,9 +177,10 @@ class AttentionTypeAllocator(CacheAllocator):
     def exclusive_blocks(self, request_id: str) -> int:
         return sum(1 for b in self.block_tables.get(request_id, ()) if self.ref_counts[b] == 1) * self.num_groups
 
-    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = (),
+                 tail: tuple[int, int] | None = None) -> bool:
         """Grow the request's table to cover `num_tokens` tokens; False (nothing changed) if no room."""
-        if shared:
+        if shared or tail:
             raise ValueError(f"{type(self).__name__} does not share blocks")
         needed = self.blocks_needed(request_id, num_tokens)
         if needed > self.num_free_blocks:
@@ -227,12 +238,14 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
     supports_sharing = True
 
     def __init__(self, pool: CachePool, block_sharing: bool = False, num_groups: int = 1,
-                 prefix_key: Callable[[int], bytes] | None = None) -> None:
-        """`prefix_key`: what besides the tokens decides a prompt's K/V, by `Request.rope_length` (the model's)."""
+                 prefix_key: Callable[[int], bytes] | None = None, keep_tails: bool = False) -> None:
+        """`prefix_key`: what besides the tokens decides a prompt's K/V, by `Request.rope_length` (the model's).
+        `keep_tails`: finished requests' last, partly filled blocks stay cached as tails (`prefix_cache`)."""
         super().__init__(pool, num_groups)
         if block_sharing and num_groups != 1:
             raise ValueError("block sharing needs a model with full attention only (one layer group)")
         self.block_sharing = block_sharing
+        self.keep_tails = block_sharing and keep_tails
         self.prefix_key = prefix_key
         self.prefix_cache = PrefixCache()
         self._hashes: dict[str, BlockHashes] = {}  # request -> digests of its leading completed blocks
@@ -270,6 +283,14 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
             matched.append(block)
         return matched
 
+    def match_tail(self, request: Request, matched: int) -> tuple[int, int] | None:
+        if not self.keep_tails:
+            return None
+        hashes = self._block_hashes(request)
+        start = matched * self.page_size
+        rest = request.token_slice(start, min(start + self.page_size - 1, request.num_tokens - 1))
+        return self.prefix_cache.match_tail(hashes.digest(matched - 1) if matched else hashes.root, rest)
+
     def register_full_blocks(self, request: Request) -> None:
         if not self.block_sharing:
             return
@@ -285,10 +306,21 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         self._num_registered[rid] = full
 
     # -- allocation -------------------------------------------------------------------------
-    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = (),
+                 tail: tuple[int, int] | None = None) -> bool:
         """Grow the request's table to cover `num_tokens` tokens; False (nothing changed) if no room.
         `shared` (from `match_prefix`) starts a new table with blocks already computed: each gains a
-        holder, and only the rest are taken from the free blocks."""
+        holder, and only the rest are taken from the free blocks. `tail` (from `match_tail`): its first
+        tokens' K/V are copied into the block after the shared ones (the tail pinned meanwhile)."""
+        if tail is not None:
+            kept = self.prefix_cache.pin(tail[0])
+            try:
+                if not self.allocate(request_id, num_tokens, shared):
+                    return False
+                self.pool.copy_slots(tail[0], self.block_tables[request_id][len(shared)], tail[1])
+                return True
+            finally:
+                self.prefix_cache.park_tail(tail[0], *kept)
         if not shared:
             return super().allocate(request_id, num_tokens)
         held = len(self.block_tables.get(request_id, ()))
@@ -305,10 +337,25 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         self._num_registered[request_id] = len(shared)
         return True
 
+    def keep_tail(self, request: Request) -> None:
+        hashes = self._hashes.get(request.request_id)
+        if not self.keep_tails or hashes is None or hashes.tokens is not request:
+            return
+        full, kept = divmod(request.num_computed_tokens, self.page_size)
+        table = self.block_tables.get(request.request_id, [])
+        if kept and len(table) > full:
+            tokens = request.token_slice(full * self.page_size, request.num_computed_tokens)
+            self.prefix_cache.expect_tail(table[full], hashes.digest(full - 1) if full else hashes.root, tuple(tokens))
+
     def free(self, request_id: str) -> int:
         self._hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
-        return super().free(request_id)
+        table = self.block_tables.get(request_id, [])
+        try:
+            return super().free(request_id)
+        finally:
+            for block in table:  # a tail still held by another request is not one (none is: never shared)
+                self.prefix_cache.forget_expected(block)
 
     def _release(self, block: int) -> bool:
         return self.prefix_cache.park(block)  # completed and indexed: stays cached
@@ -372,8 +419,9 @@ class HybridCacheAllocator(CacheAllocator):
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         return sum(a.blocks_needed(request_id, num_tokens) for a in self.allocators)
 
-    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = ()) -> bool:
-        if shared:
+    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = (),
+                 tail: tuple[int, int] | None = None) -> bool:
+        if shared or tail:
             raise ValueError("hybrid models do not share blocks")
         if self.blocks_needed(request_id, num_tokens) > self.pool.num_free:
             return False
@@ -401,12 +449,12 @@ LayerGroup = tuple[AttentionTypeAllocator, int, list[int]]  # (its allocator, in
 
 
 def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], window: int | None,
-                     block_sharing: bool, prefix_key: Callable[[int], bytes] | None = None
-                     ) -> tuple[CacheAllocator, list[LayerGroup]]:
+                     block_sharing: bool, prefix_key: Callable[[int], bytes] | None = None,
+                     keep_tails: bool = False) -> tuple[CacheAllocator, list[LayerGroup]]:
     """One allocator per attention type over `pool` for the model's layer `groups` (see
     `cache_pool.layer_groups`): the allocator the scheduler sees (the only one, or a
     `HybridCacheAllocator` over all), and per group its allocator and index within it. `prefix_key`
-    as `FullAttentionCacheAllocator` takes it."""
+    and `keep_tails` as `FullAttentionCacheAllocator` takes them."""
     allocators: dict[str, AttentionTypeAllocator] = {}
     out: list[LayerGroup] = []
     for attention_type, layers in groups:
@@ -414,7 +462,7 @@ def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], w
             k = sum(t == attention_type for t, _ in groups)
             if attention_type == "full_attention":
                 allocators[attention_type] = FullAttentionCacheAllocator(pool, block_sharing, num_groups=k,
-                                                                         prefix_key=prefix_key)
+                                                                         prefix_key=prefix_key, keep_tails=keep_tails)
             else:
                 assert window is not None, "sliding layers need a window"
                 allocators[attention_type] = SlidingAttentionCacheAllocator(pool, window, num_groups=k)

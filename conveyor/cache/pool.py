@@ -83,6 +83,13 @@ class CachePool:
     def free(self, chunks: list[int]) -> None:
         self._free.extend(reversed(chunks))  # the first of them is taken first
 
+    def copy_slots(self, src: int, dst: int, count: int) -> None:
+        """The first `count` token slots of chunk `src` (every layer's K and V rows, an int8 row's scale
+        with it) into chunk `dst`'s."""
+        a, b = src * self.page_size, dst * self.page_size
+        for layer in self.kv:
+            layer[:, b:b + count] = layer[:, a:a + count]
+
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.kv)

@@ -23,6 +23,12 @@ initialized* block, that is the one that most recently entered the cached state,
 uninitialized and loses its digest (LIFO over the cached blocks). A request's blocks enter the
 cached state in table order when it is freed, so the deepest block of a prefix goes first and the
 shorter prefix stays matchable the longest.
+
+Tails (docs/design/prefix-caching.md#tails): a finished request's last block, partly filled, is kept
+cached too, under its parent's digest with the tokens it holds, so that a request continuing those
+tokens (the next step of a beam search, the next turn of a chat) copies their K/V into a block of its
+own instead of computing them again. A tail is never held or shared: it is only read, while pinned
+(taken out of the cached blocks, so that no allocation evicts it), and evicted like any cached block.
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ class PrefixCache:
         self._block_of: dict[bytes, int] = {}
         self._digest_of: dict[int, bytes] = {}
         self._cached: dict[int, None] = {}  # an insertion-ordered set: oldest first, evicted from the end
+        self._tails: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent digest -> {tail block: its tokens}
+        self._tail_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # tail block -> (parent digest, tokens)
+        self._expected: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # blocks to keep as tails when released
 
     @property
     def num_cached(self) -> int:
@@ -96,19 +105,60 @@ class PrefixCache:
         return block in self._cached
 
     def park(self, block: int) -> bool:
-        """The last holder freed `block`: keep it cached if it has a digest (True); False means it has
-        none and goes back to the uninitialized pool."""
+        """The last holder freed `block`: keep it cached if it has a digest or is an expected tail (True);
+        False means it has neither and goes back to the uninitialized pool."""
+        tail = self._expected.pop(block, None)
+        if tail is not None:
+            self.park_tail(block, *tail)
+            return True
         if block not in self._digest_of:
             return False
         self._cached[block] = None
         return True
+
+    def expect_tail(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> None:
+        """Keep `block` as a tail (`parent`'s, holding `tokens`) when its holder releases it next."""
+        self._expected[block] = (parent, tokens)
+
+    def forget_expected(self, block: int) -> None:
+        """`block` is no expected tail any more (released as one already, or still held elsewhere)."""
+        self._expected.pop(block, None)
+
+    def park_tail(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> None:
+        self._tails.setdefault(parent, {})[block] = tokens
+        self._tail_of[block] = (parent, tokens)
+        self._cached[block] = None
+
+    def match_tail(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(tail block, how many of its tokens begin `tokens`) for the longest tail of `parent` whose tokens
+        all begin `tokens`; None if none does."""
+        best: tuple[int, int] | None = None
+        for block, held in self._tails.get(parent, {}).items():
+            if len(held) <= len(tokens) and tuple(tokens[:len(held)]) == held and (best is None or len(held) > best[1]):
+                best = (block, len(held))
+        return best
+
+    def pin(self, block: int) -> tuple[bytes, tuple[int, ...]]:
+        """Take a tail out of the cached blocks while it is read (no allocation can evict it); `park_tail`
+        with what this returns puts it back."""
+        del self._cached[block]
+        parent, tokens = self._tail_of.pop(block)
+        del self._tails[parent][block]
+        return parent, tokens
 
     def reuse(self, block: int) -> None:
         """A cached block was matched: it is held again."""
         del self._cached[block]
 
     def evict(self) -> int:
-        """Turn the most recently cached block back into an uninitialized one; its digest is dropped."""
+        """Turn the most recently cached block back into an uninitialized one; its digest (or its place as a
+        tail) is dropped."""
         block, _ = self._cached.popitem()
-        del self._block_of[self._digest_of.pop(block)]
+        if block in self._tail_of:
+            parent, _ = self._tail_of.pop(block)
+            del self._tails[parent][block]
+            if not self._tails[parent]:
+                del self._tails[parent]
+        else:
+            del self._block_of[self._digest_of.pop(block)]
         return block

@@ -95,8 +95,12 @@ class Engine:
         self.pool = CachePool(num_chunks, dtype=self.kv_format.dtype, device=device, **shape)
         # Prefix caching needs every allocator to share blocks: full-attention-only models.
         self.block_sharing = config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
+        # Tails (finished requests' partial last blocks, copied by the requests that continue them): not
+        # where another cache (a draft model's) or other ranks' pools would need the same copy.
+        keep_tails = draft_model is None and config.tensor_parallel_size == 1
         self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing,
-                                                         model.prefix_key if model.rope_by_length else None)
+                                                         model.prefix_key if model.rope_by_length else None,
+                                                         keep_tails)
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
         self.capacity_tokens = self.allocator.capacity_tokens(self.pool.num_usable * page)
         self.input_processor = InputProcessor(tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
@@ -380,6 +384,8 @@ class Engine:
         (after the step in flight that still holds them, with async batching)."""
         if request.is_finished:
             return
+        if state is RequestState.FINISHED:
+            self.allocator.keep_tail(request)  # its partial last block, for a request that continues it
         in_flight = self.pipeline is not None and self.pipeline.on_finish(request)
         self.scheduler.remove(request, free=not in_flight)
         if self.swap is not None:

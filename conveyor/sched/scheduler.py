@@ -179,12 +179,13 @@ class Scheduler:
         # Not a swapped request, nor one that needs every prompt position computed (prompt logprobs, pooling).
         looked_up = self.allocator.block_sharing and request.num_computed_tokens == 0 and request.reuses_prefix
         cached = self.allocator.match_prefix(request) if looked_up else []
-        hit = len(cached) * self.allocator.page_size
+        tail = self.allocator.match_tail(request, len(cached)) if looked_up else None  # copied, not computed
+        hit = len(cached) * self.allocator.page_size + (tail[1] if tail else 0)
         start = request.num_computed_tokens + hit
         n = min(request.num_tokens - start, budget.tokens)
         end = start + n
         pages = self.allocator.blocks_for_tokens(end)
-        if pages > budget.pages or not self.allocator.allocate(request.request_id, end, shared=cached):
+        if pages > budget.pages or not self.allocator.allocate(request.request_id, end, shared=cached, tail=tail):
             return False
         request.num_computed_tokens = start
         if looked_up:

@@ -135,15 +135,16 @@ def test_cached_blocks_are_evicted_for_new_requests(tiny_llama: TinyModel) -> No
     engine, alloc = llm.engine, llm.engine.allocator
     a, x = random_prompts([40, 40], seed=31)
     a_out = llm.generate([a], greedy(4), use_tqdm=False)[0].token_ids  # 43 tokens computed, 11 blocks
-    assert (alloc.num_cached_blocks, engine.pool.num_free) == (10, 6)  # the partial 11th is uninitialized
+    assert (alloc.num_cached_blocks, engine.pool.num_free) == (11, 5)  # 10 full ones and the partial 11th, a tail
     digests = chain(a, 10)
     a_blocks = [alloc.prefix_cache.lookup(d) for d in digests]
     assert None not in a_blocks
-    # x needs 12 blocks, 6 are uninitialized: 6 cached ones are reclaimed, the most recent (a's deepest) first.
+    # x needs 12 blocks, 5 are uninitialized: 7 cached ones are reclaimed, the most recent first (a's tail,
+    # then its deepest full blocks).
     out = llm.generate([x], greedy(8), use_tqdm=False)[0]
     assert out.finish_reason == "length" and out.num_output_tokens == 8
     assert [alloc.prefix_cache.lookup(d) for d in digests] == a_blocks[:4] + [None] * 6
-    assert (alloc.num_cached_blocks, engine.pool.num_free) == (4 + 11, 1)
+    assert (alloc.num_cached_blocks, engine.pool.num_free) == (4 + 12, 0)  # x's 11 full blocks and its tail
     # a again: its 4 surviving blocks are reused, the evicted ones are computed again; same output.
     before = llm.stats()
     assert llm.generate([a], greedy(4), use_tqdm=False)[0].token_ids == a_out
@@ -152,8 +153,8 @@ def test_cached_blocks_are_evicted_for_new_requests(tiny_llama: TinyModel) -> No
     assert after.prefill_tokens - before.prefill_tokens == 40 - 4 * PAGE
     now = [alloc.prefix_cache.lookup(d) for d in digests]
     assert now[:4] == a_blocks[:4] and None not in now  # the recomputed blocks are indexed again
-    assert (alloc.num_cached_blocks, engine.pool.num_free) == (15, 1)
-    # Two requests that need the whole pool between them, while 15 of its 16 blocks sit cached: both run
+    assert (alloc.num_cached_blocks, engine.pool.num_free) == (16, 0)
+    # Two requests that need the whole pool between them, while all its 16 blocks sit cached: both run
     # at once, nobody is refused or preempted.
     y, z = random_prompts([24, 24], seed=32)
     outs = llm.generate([y, z], greedy(9), use_tqdm=False)  # 32 tokens computed each: 8 blocks each
@@ -198,3 +199,34 @@ def test_sharing_turned_off_prefills_everything(tiny_llama: TinyModel) -> None:
     llm.generate([prompt], greedy(2), use_tqdm=False)
     stats = llm.stats()
     assert (stats.prefill_tokens, stats.prefix_cache_hit_tokens) == (60, 0)
+
+
+def test_a_finished_requests_tail_is_copied_not_computed(tiny_llama: TinyModel) -> None:
+    """A finished request's last, partly filled block stays cached as a tail: a request that continues its tokens
+    (a beam's next step, a chat's next turn) copies their K/V instead of computing them, and its greedy tokens
+    are still transformers' (fp32); a request that differs inside the tail computes it; tails are evicted
+    like any cached block (`reset_prefix_cache`) and nothing is lost."""
+    llm = tiny_llama.llm(page_size=PAGE, num_blocks=64)
+    engine, alloc = llm.engine, llm.engine.allocator
+    prompt = random_prompts([10], seed=33)[0]
+    first = llm.generate([prompt], greedy(2), use_tqdm=False)[0].token_ids  # 11 tokens computed: 2 blocks + 3
+    assert alloc.num_cached_blocks == 3 and len(alloc.prefix_cache._tail_of) == 1
+    check_allocator_invariants(alloc)
+
+    def run(tokens: list[int], new: int) -> tuple[int, int]:
+        """The prompt hit and prefill tokens of generating `new` greedy tokens after `tokens`, checked."""
+        before = llm.stats()
+        [out] = llm.generate([tokens], greedy(new), use_tqdm=False)
+        ref, logits = hf_greedy(tiny_llama.reference, tokens, new)
+        assert_greedy_match(out.token_ids, ref, logits, "after a tail")
+        after = llm.stats()
+        return (after.prefix_cache_hit_tokens - before.prefix_cache_hit_tokens,
+                after.prefill_tokens - before.prefill_tokens)
+
+    continued = prompt + first + [7]  # 13 tokens: 2 full blocks and the 3-token tail reused, 2 computed
+    assert run(continued, 4) == (11, 2)
+    assert run(prompt[:9] + [prompt[9] + 1] + first + [7], 4) == (8, 5)  # differs inside the tail: computed
+    check_allocator_invariants(alloc)
+    assert llm.reset_prefix_cache() and alloc.num_cached_blocks == 0 and not alloc.prefix_cache._tail_of
+    assert run(continued, 1) == (0, 13)
+    assert_all_free(engine)
