@@ -368,6 +368,7 @@ def test_bad_requests_get_openai_errors(url: str, http: httpx.Client) -> None:
     assert http.post("/detokenize", json={"tokens": [5, 6]}).json() == {"prompt": "w5 w6"}
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "tiny-alias"]
     assert http.get("/v1/models/tiny-alias").json() == http.get("/v1/models").json()["data"][1]  # models.retrieve
+    assert error(http.get("/v1/models/"), 404)["code"] == "model_not_found"  # an empty name too
     missing = error(http.get("/v1/models/org/other"), 404)
     assert missing["code"] == "model_not_found" and "Served: tiny, tiny-alias" in missing["message"]
     off = error(http.get("/tokenizer_info"), 404)  # vLLM's endpoint is off unless asked for

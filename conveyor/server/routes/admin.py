@@ -59,10 +59,12 @@ async def models(serving: ServingDep) -> dict[str, Any]:
 async def model(model: str, serving: ServingDep) -> dict[str, Any]:
     """OpenAI's `client.models.retrieve(name)`: that name's card, as /v1/models lists it (a Hub id's slash
     included)."""
-    card = next((c for c in model_cards(serving) if c["id"] == model), None)
+    cards = model_cards(serving)
+    card = next((c for c in cards if c["id"] == model), None)
     if card is None:
-        serving.check_model(model)  # the 404 naming what is served
-    return card  # type: ignore[return-value]
+        raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(c['id'] for c in cards)}.",
+                       param="model", code="model_not_found")
+    return card
 
 
 def model_cards(serving: Serving) -> list[dict[str, Any]]:
