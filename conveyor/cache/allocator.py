@@ -354,7 +354,7 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         try:
             return super().free(request_id)
         finally:
-            for block in table:  # a tail still held by another request is not one (none is: never shared)
+            for block in table:  # an expected tail not released here is none (a partial block is never shared)
                 self.prefix_cache.forget_expected(block)
 
     def _release(self, block: int) -> bool:

@@ -143,8 +143,13 @@ class PrefixCache:
         with what this returns puts it back."""
         del self._cached[block]
         parent, tokens = self._tail_of.pop(block)
-        del self._tails[parent][block]
+        self._drop_tail(parent, block)
         return parent, tokens
+
+    def _drop_tail(self, parent: bytes, block: int) -> None:
+        del self._tails[parent][block]
+        if not self._tails[parent]:
+            del self._tails[parent]
 
     def reuse(self, block: int) -> None:
         """A cached block was matched: it is held again."""
@@ -155,10 +160,7 @@ class PrefixCache:
         tail) is dropped."""
         block, _ = self._cached.popitem()
         if block in self._tail_of:
-            parent, _ = self._tail_of.pop(block)
-            del self._tails[parent][block]
-            if not self._tails[parent]:
-                del self._tails[parent]
+            self._drop_tail(self._tail_of.pop(block)[0], block)
         else:
             del self._block_of[self._digest_of.pop(block)]
         return block
