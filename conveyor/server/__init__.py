@@ -43,12 +43,11 @@ Behaviour where the OpenAI API leaves room (mostly as vLLM):
   `include_reasoning: false` leaves it out. A constrained reply is read from its first token. The
   Responses API makes it a `reasoning` item, the Messages API a `thinking` block. An assistant
   message's `reasoning_content` reaches a template that renders it.
-- Not supported, answered 400 rather than ignored: suffix, best_of != n,
-  top_logprobs without logprobs, prompt_logprobs with stream, llama.cpp's samplers set on, vLLM's
-  right truncation, prompt embeddings and logprob_token_ids, OpenAI's deprecated functions, audio output and
-  web_search_options (`request_fields`); with vLLM's use_beam_search, the fields a beam search does not read
-  (`beam_search`). At most
-  --max-logprobs (default 20) logprobs, top_logprobs and prompt_logprobs.
+- Not supported, answered 400 rather than ignored: suffix, best_of != n, top_logprobs without
+  logprobs, prompt_logprobs with stream, llama.cpp's samplers set on, vLLM's right truncation, prompt
+  embeddings and logprob_token_ids, OpenAI's deprecated functions, audio output and web_search_options
+  (`request_fields`); with vLLM's use_beam_search, the fields a beam search does not read
+  (`beam_search`). At most --max-logprobs (default 20) logprobs, top_logprobs and prompt_logprobs.
 - Tools (`tools`): "none", "required" (a list of calls, constrained; `parallel_tool_calls: false`
   makes it one), a named function (its arguments, constrained), "auto" (the model's own format,
   read by the tool parser: `--tool-call-parser`, by default read off the chat template; refused with
