@@ -40,7 +40,8 @@ def string_contents(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for message in conversation:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            kinds = sorted({str(part.get("type")) for part in content if not _is_text(part)})
+            kinds = sorted({str(part.get("type")) if isinstance(part, dict) else type(part).__name__
+                            for part in content if not _is_text(part)})
             if kinds:
                 raise ValueError(f"only text content parts are supported, got {', '.join(kinds)}")
             message = message | {"content": "\n".join(part.get("text") or "" for part in content)}
