@@ -13,11 +13,13 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
 from ..cli_args import add_serve_args
 from ..server import GracefulServer
+from ..server.log_format import endpoint_list, uvicorn_logging
 from ..server.tls import TLSSettings, scheme, uvicorn_tls
 from .front import Front, build_front
 from .net import free_port, replica_url
@@ -93,6 +95,15 @@ def build_supervisor(args: argparse.Namespace, placements: list[Placement], remo
     return Supervisor(replicas, router, shutdown_timeout_s=args.shutdown_timeout)
 
 
+def front_config(app: Any, args: argparse.Namespace, tls: TLSSettings | None) -> uvicorn.Config:
+    """The front's server, with a single server's address, TLS and log options (JSON lines, the access log
+    and the paths it leaves out)."""
+    logs = uvicorn_logging(args.log_format, not args.disable_uvicorn_access_log,
+                           endpoint_list(args.disable_access_log_for_endpoints))
+    return uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="on",
+                          timeout_graceful_shutdown=5, **logs, **uvicorn_tls(tls), root_path=args.root_path)
+
+
 def serve_data_parallel(args: argparse.Namespace) -> int:
     """Run the replicas, the router and the front until SIGINT/SIGTERM; 0 after a clean drain."""
     tls = TLSSettings.from_args(args)
@@ -106,8 +117,7 @@ def serve_data_parallel(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     front = Front(supervisor)
-    config = uvicorn.Config(build_front(front), host=args.host, port=args.port, log_level=args.log_level,
-                            lifespan="on", timeout_graceful_shutdown=5, **uvicorn_tls(tls), root_path=args.root_path)
+    config = front_config(build_front(front), args, tls)
 
     def drain(then: Callable[[], None]) -> bool:
         front.stopping = True

@@ -44,6 +44,11 @@ def use_json_logs() -> None:
         handler.setFormatter(JSONFormatter())
 
 
+def endpoint_list(text: str | None) -> tuple[str, ...]:
+    """`--disable-access-log-for-endpoints`' comma-separated paths."""
+    return tuple(path.strip() for path in (text or "").split(",") if path.strip())
+
+
 class SkipPaths(logging.Filter):
     """Drops uvicorn's access lines of the `paths` named (their query strings aside)."""
 

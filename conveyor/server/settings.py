@@ -11,6 +11,7 @@ from typing import Any
 
 from ..lora_request import LoRARequest
 from .cors import CORSSettings
+from .log_format import endpoint_list
 from .protocol import MAX_LOGPROBS
 from .responses.store import DEFAULT_CAPACITY
 from .tls import TLSSettings
@@ -126,8 +127,7 @@ class ServerSettings:
                    enable_log_outputs=args.enable_log_outputs,
                    max_log_len=args.max_log_len, log_format=args.log_format,
                    disable_uvicorn_access_log=args.disable_uvicorn_access_log, request_timeout=args.request_timeout,
-                   disable_access_log_for_endpoints=tuple(
-                       p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()),
+                   disable_access_log_for_endpoints=endpoint_list(args.disable_access_log_for_endpoints),
                    tracing=TracingSettings.from_args(args),
                    lora_modules=lora_modules(getattr(args, "lora_modules", None), getattr(args, "enable_lora", False)),
                    enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,

@@ -11,7 +11,7 @@ from conveyor.bench.serve_load import prefix_repetition_workload
 from conveyor.cli import main
 from conveyor.scaleout import routers
 from conveyor.scaleout.fleet_metrics import merge, render
-from conveyor.scaleout.launch import forwarded_options
+from conveyor.scaleout.launch import forwarded_options, front_config
 from conveyor.scaleout.net import replica_url
 from conveyor.scaleout.placement import plan_placement
 
@@ -184,3 +184,14 @@ def test_fault_report_sorts_requests_by_how_they_ended():
                RequestResult(4, error="the stream carried no tokens and no [DONE]", status=200)]
     assert classify(results) == {"answered": 1, "cut after output": 1, "5xx": 1, "hung (timed out)": 1,
                                  "other failure": 1}
+
+
+def test_the_front_logs_as_a_single_server_does() -> None:
+    """The front of replicas takes the log options a single server takes: JSON lines, no access log, or an
+    access log without the probes' lines."""
+    quiet = front_config(None, serve_parser().parse_args(["--log-format", "json", "--disable-access-log-for-endpoints",
+                                                          "/health, /metrics"]), None)
+    assert quiet.access_log and quiet.log_config["handlers"]["access"]["filters"] == ["skip_paths"]
+    assert quiet.log_config["filters"]["skip_paths"]["paths"] == ("/health", "/metrics")
+    assert all(f["()"].endswith("JSONFormatter") for f in quiet.log_config["formatters"].values())
+    assert not front_config(None, serve_parser().parse_args(["--disable-uvicorn-access-log"]), None).access_log
