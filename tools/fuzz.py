@@ -84,9 +84,10 @@ class FuzzReport:
 
 
 def clamp(body: Any, fill_max_tokens: bool = True) -> Any:
-    """Shorten what would only make generation long, keeping each value valid if it was, and drop a
-    deadline (`DROPPED`). fill_max_tokens: an absent max_tokens means the rest of the context (not where it
-    is required: Anthropic's)."""
+    """Shorten what would only make generation long, keeping each value valid if it was, drop a deadline
+    (`DROPPED`), and make "none" a tool_choice that asks for a tool the body does not give (a 400 the schema
+    cannot state). fill_max_tokens: an absent max_tokens means the rest of the context (not where it is
+    required: Anthropic's)."""
     if not isinstance(body, dict):
         return body
     for name in DROPPED:
@@ -105,7 +106,21 @@ def clamp(body: Any, fill_max_tokens: bool = True) -> Any:
         body["max_tokens"] = LIMITS["max_tokens"]  # absent or null = the rest of the context: minutes on a CPU
     if "input" in body and body.get("max_output_tokens") is None:
         body["max_output_tokens"] = LIMITS["max_output_tokens"]  # the Responses API's name for it
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    given = {_tool_name(t) for t in tools} if isinstance(tools, list) else set()
+    if isinstance(_tool_name(choice), str) and _tool_name(choice) not in given:  # a tool not given
+        body["tool_choice"] = {"type": "none"} if choice.get("type") == "tool" else "none"  # Anthropic's, or not
+    elif choice in ("auto", "required") and not given:  # a call asked for without tools
+        body["tool_choice"] = "none"
     return body
+
+
+def _tool_name(entry: Any) -> Any:
+    """The name in a tool or a named tool_choice, in chat's, the Responses API's or Anthropic's shape."""
+    if not isinstance(entry, dict):
+        return None
+    function = entry.get("function")
+    return function.get("name") if isinstance(function, dict) else entry.get("name")
 
 
 def fuzz(base_url: str, examples: int, *, api_key: str | None = None, seed: int | None = 0,

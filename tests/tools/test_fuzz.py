@@ -55,6 +55,17 @@ def test_clamp_keeps_values_valid_and_short() -> None:
     assert clamp({"input": "hi"}) == {"input": "hi", "max_output_tokens": 8}  # the Responses API
     assert clamp({"input": "hi", "request_timeout": 1e-35}) == {"input": "hi", "max_output_tokens": 8}  # no 504
     assert clamp({"input": [{}] * 5, "max_output_tokens": 99}) == {"input": [{}] * 3, "max_output_tokens": 8}
+    tools = [{"type": "function", "name": "f"}]
+    named = {"input": "hi", "tools": tools, "tool_choice": {"type": "function", "name": "g"}}
+    assert clamp(named)["tool_choice"] == "none"  # names no tool given: a 400 the schema cannot foresee
+    kept = {"input": "hi", "tools": tools, "tool_choice": {"type": "function", "name": "f"}}
+    assert clamp(dict(kept))["tool_choice"] == kept["tool_choice"]
+    chat = {"messages": [], "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    assert clamp(chat)["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert clamp({"input": "hi", "tool_choice": "required"})["tool_choice"] == "none"
+    assert clamp({"messages": [], "max_tokens": 1, "tool_choice": {"type": "tool", "name": "g"}})["tool_choice"] == {
+        "type": "none"}  # Anthropic's shape
 
 
 def test_fuzz_every_operation(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
