@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from .engine.engine import Engine
 from .lora_llm import per_prompt
 from .lora_request import LoRARequest
-from .request import Prompt, RequestOutput
+from .request import Prompt, RequestOutput, prompt_list
 from .sampling_params import BeamSearchParams
 
 
@@ -108,10 +108,8 @@ class BeamSearchMethods:
         """vLLM's: the `params.beam_width` best sequences of each prompt (text, token ids or a prompt dict),
         in input order. A prompt that cannot hold `params.max_tokens` more tokens within the context raises
         `InvalidRequestError` before any step runs."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
         processor = self.engine.input_processor
-        ids = [processor.prompt_ids(p)[0] for p in prompts]  # type: ignore[union-attr]
+        ids = [processor.prompt_ids(p)[0] for p in prompt_list(prompts)]
         for token_ids in ids:
             processor.check_fits(token_ids, params.max_tokens)
         adapters = per_prompt(lora_request, len(ids))

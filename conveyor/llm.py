@@ -39,7 +39,7 @@ from .lora_llm import LoRAMethods, per_prompt
 from .lora_request import LoRAConfig, LoRARequest
 from .pooling_llm import PoolingMethods
 from .pooling_params import PoolerConfig
-from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_prompt_samples
+from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_prompt_samples, prompt_list
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
 from .vllm_flags import check_vllm_kwargs
@@ -332,9 +332,7 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
 
         All prompts are validated before any is queued, so one bad prompt raises and runs nothing.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:

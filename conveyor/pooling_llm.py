@@ -26,6 +26,7 @@ from .request import (
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
+    prompt_list,
 )
 
 ScoreData = str | Sequence[str]
@@ -117,8 +118,7 @@ class PoolingMethods:
     def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None,
               truncate_prompt_tokens: int | None, use_tqdm: bool) -> list[RequestOutput]:
         """Run pooling requests, all validated before any is queued; outputs in input order."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        prompts = prompt_list(prompts)
         params = pooling_params or PoolingParams()
         if truncate_prompt_tokens is not None:
             params = PoolingParams(params.dimensions, params.normalize, params.use_activation, truncate_prompt_tokens)

@@ -26,6 +26,13 @@ from .sampling_params import SamplingParams
 # Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
 Prompt = str | list[int] | dict[str, Any]
 
+
+def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt or several, as a list (a list of ints is one prompt of token ids)."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
 if TYPE_CHECKING:
     import llguidance
 
