@@ -143,9 +143,9 @@ def config_file_options(path: Path, known: Container[str] = ()) -> list[str]:
 
 
 def check_vllm_flags(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(argv without the `ALREADY_SO` flags (and the values of those that take one), a note for each of those);
-    `UnsupportedFlagError` for the first
-    `UNSUPPORTED` flag, naming what to use. Arguments after `--` are left alone."""
+    """(argv without the `ALREADY_SO` flags (and the values of those that take one), a note for each of
+    those); `UnsupportedFlagError` for the first `UNSUPPORTED` flag, naming what to use. Arguments after
+    `--` are left alone."""
     kept: list[str] = []
     notes: list[str] = []
     skip = False
