@@ -89,8 +89,9 @@ class BeamSearch:
             for beam in beams:
                 beam.finish_reason = "length"
             best = sorted(done + beams, key=self.score, reverse=True)[:self.params.beam_width]
-            for beam in best if decode is not None else ():
-                beam.text = decode(beam.tokens)
+            if decode is not None:
+                for beam in best:
+                    beam.text = decode(beam.tokens)
             outputs.append(BeamSearchOutput(best))
         return outputs
 
