@@ -75,15 +75,10 @@ class StreamOptions(RequestBody):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
-class SamplingFields(RequestBody):
-    """Fields shared by completions and chat completions; the others a client sends are kept in
-    `model_extra` (refused or logged by `request_fields`)."""
+class SamplerFields(RequestBody):
+    """The sampling fields every generating body takes beyond temperature and top_p (OpenAI's and vLLM's
+    extra ones): chat and completions (`SamplingFields`) and the Responses API."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    model: str | None = Field(None, json_schema_extra=SERVED_NAME)  # null or "" = the served model
-    temperature: float | None = Field(None, ge=0)  # None: OpenAI's default, 1.0
-    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # None, 0 or -1: off
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
@@ -92,28 +87,39 @@ class SamplingFields(RequestBody):
     seed: int | None = Field(None, ge=-2**63, le=2**64 - MAX_N)  # choice i uses seed + i
     stop: Text | list[Text] | None = None
     stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
+    skip_special_tokens: bool = True  # vLLM's extra field
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string kept in the text
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefix cache shared only within a salt
+    request_timeout: RequestTimeout = None
+    priority: Priority = 0
+
+
+class SamplingFields(SamplerFields):
+    """Fields shared by completions and chat completions; the others a client sends are kept in
+    `model_extra` (refused or logged by `request_fields`)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = Field(None, json_schema_extra=SERVED_NAME)  # null or "" = the served model
+    temperature: float | None = Field(None, ge=0)  # None: OpenAI's default, 1.0
+    top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)  # at most max_tokens
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
     response_format: dict[str, Any] | None = None  # OpenAI's {"type": "text" | "json_object" | "json_schema"}
-    structured_outputs: dict[str, Any] | None = None  # vLLM's extra field: json, regex, choice, grammar
-    skip_special_tokens: bool = True  # vLLM's extra field
-    # vLLM's extra fields: the stop string kept in the text; the only tokens allowed; words never generated;
-    # the prompt's and the choices' token ids returned; logprobs' tokens as "token_id:N"
-    include_stop_str_in_output: bool = False
+    # vLLM's extra fields: the only tokens allowed; words never generated; the prompt's and the choices' token
+    # ids returned; logprobs' tokens as "token_id:N"
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
-    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefix cache shared only within a salt
     # vLLM's: keep the prompt's last N tokens (-1: what fits beside max_tokens); null: all (too long: 400)
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    request_timeout: RequestTimeout = None
-    priority: Priority = 0
     use_beam_search: bool | None = False  # vLLM's: the n choices are the n best beams (server/beam_search.py)
     # vLLM's: a beam's score is its log-probability / length ** length_penalty
     length_penalty: float = Field(1.0, ge=-10, le=10)

@@ -15,7 +15,7 @@ import pytest
 from conveyor import LLM
 from conveyor.server import BackgroundServer, ServerSettings
 
-from tests.serving_helpers import long_tiny_llm, save_long_tiny
+from tests.serving_helpers import long_tiny_llm, random_words, save_long_tiny
 from tests.structured_check import check
 from tests.utils import idle
 
@@ -164,6 +164,65 @@ def test_a_server_that_stores_nothing_answers_but_keeps_nothing(tmp_path_factory
     assert idle(tiny)
 
 
+def test_output_logprobs_are_chats_and_stream_in_the_deltas(client: openai.OpenAI, llm: LLM) -> None:
+    ask = "Name three colours."
+    kwargs = {"model": "smol", "input": ask, "max_output_tokens": 12, "temperature": 0}
+    reply = client.responses.create(**kwargs, include=["message.output_text.logprobs"], top_logprobs=2)
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": ask}], max_tokens=12,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    [part] = reply.output[0].content
+    assert part.text == chat.choices[0].message.content and reply.top_logprobs == 2
+    assert [lp.model_dump() for lp in part.logprobs] == [lp.model_dump() for lp in chat.choices[0].logprobs.content]
+    assert len(part.logprobs) == reply.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in part.logprobs)
+    events = list(client.responses.create(**kwargs, include=["message.output_text.logprobs"], top_logprobs=2,
+                                          stream=True))
+    deltas = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    final = events[-1].response
+    assert [lp.model_dump() for lp in deltas] == [lp.model_dump() for lp in part.logprobs]
+    assert final.output[0].content[0].logprobs == part.logprobs
+    plain = client.responses.create(**kwargs, top_logprobs=2)  # no include: none, as OpenAI's
+    assert plain.output[0].content[0].logprobs == [] and plain.output_text == reply.output_text
+    assert idle(llm)
+
+
+def test_vllms_sampling_fields_are_chats(client: openai.OpenAI, llm: LLM) -> None:
+    ask = "Write a short poem about rivers."
+    extra = {"seed": 7, "top_k": 20, "min_p": 0.02, "repetition_penalty": 1.1, "presence_penalty": 0.4, "stop": [","]}
+    reply = client.responses.create(model="smol", input=ask, max_output_tokens=32, temperature=1.0,
+                                    extra_body=extra)
+    chat = client.chat.completions.create(model="smol", messages=[{"role": "user", "content": ask}],
+                                          max_tokens=32, temperature=1.0, extra_body=extra)
+    assert reply.output_text == chat.choices[0].message.content and "," not in reply.output_text
+    kept = client.responses.create(model="smol", input=ask, max_output_tokens=32, temperature=1.0,
+                                   extra_body=extra | {"include_stop_str_in_output": True})
+    assert kept.output_text.startswith(reply.output_text) and kept.output_text.endswith(",")
+    chosen = client.responses.create(model="smol", input="Pick a colour.", max_output_tokens=8,
+                                     extra_body={"structured_outputs": {"choice": ["crimson", "teal"]}})
+    assert chosen.output_text in ("crimson", "teal")
+    assert idle(llm)
+
+
+def test_truncation_auto_drops_the_oldest_turns_until_the_input_fits(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    tiny = long_tiny_llm(save_long_tiny(tmp_path_factory.mktemp("truncation"), context=256), num_blocks=64)
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": random_words(i, 50)} for i in range(7)]
+    with BackgroundServer(tiny, ServerSettings()) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        kwargs = {"model": "", "max_output_tokens": 8, "temperature": 0}
+        with pytest.raises(openai.BadRequestError, match="context length") as refused:
+            client.responses.create(input=turns, **kwargs)
+        assert refused.value.body["code"] == "context_length_exceeded"
+        cut = client.responses.create(input=turns, truncation="auto", **kwargs)
+        tail = client.responses.create(input=turns[4:], **kwargs)  # 3 turns of 52 tokens and w5 fit; 5 do not
+        assert cut.truncation == "auto" and cut.usage.input_tokens == tail.usage.input_tokens == 3 * 52 + 1
+        assert cut.output_text == tail.output_text
+        again = client.responses.create(input="w9", previous_response_id=cut.id, truncation="auto", **kwargs)
+        assert again.usage.input_tokens <= 256 - 8 and again.status != "failed"  # the stored turns are all of them
+        with pytest.raises(openai.BadRequestError, match="context length"):  # one turn too long: nothing to drop
+            client.responses.create(input=random_words(0, 300), truncation="auto", **kwargs)
+    assert idle(tiny)
+
+
 def test_text_format_json_schema_and_json_object_parse(client: openai.OpenAI, llm: LLM) -> None:
     schema = {"type": "json_schema", "name": "forecast", "schema": FORECAST, "strict": True}
     reply = client.responses.create(model="smol", input="Describe the weather in Lima as JSON.", temperature=0,
@@ -258,6 +317,10 @@ def test_an_engine_failure_is_a_500_or_a_failed_stream(client: openai.OpenAI, ll
      400, "tool_choice", "text.format"),
     ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "objecto"}}}}, 400,
      "text", "objecto"),
+    ({"input": "Hi", "text": {"format": {"type": "json_object"}}, "structured_outputs": {"choice": ["a"]}}, 400,
+     "structured_outputs", "give one"),
+    ({"input": "Hi", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, 400, "top_logprobs",
+     "--max-logprobs"),
     ({"input": "Hi", "tools": [{"type": "web_search"}]}, 400, "tools", "function"),
     ({"input": "Hi", "model": "gpt-5"}, 404, "model", "gpt-5"),
     ({"input": []}, 400, "input", "empty"),

@@ -84,13 +84,13 @@ def test_auto_reply_content_then_a_call_and_plain_text() -> None:
     text = 'Checking. <tool_call>\n{"name": "b", "arguments": {"zone": "CET"}}\n</tool_call>'
     events, built = events_of((TOOLS, "auto"), text, 3)
     assert [i["type"] for i in built] == ["message", "function_call"]
-    assert built[0]["content"] == [{"type": "output_text", "text": "Checking.", "annotations": []}]
+    assert built[0]["content"] == [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]
     assert json.loads(built[1]["arguments"]) == {"zone": "CET"}
     kinds = [e["type"] for e in events]
     assert kinds.index("response.output_item.done") < kinds.index("response.output_item.added", 1)  # one at a time
     events, built = events_of(([], None), "Hello there", 2)
     assert built == [{"id": built[0]["id"], "type": "message", "role": "assistant", "status": "completed",
-                      "content": [{"type": "output_text", "text": "Hello there", "annotations": []}]}]
+                      "content": [{"type": "output_text", "text": "Hello there", "annotations": [], "logprobs": []}]}]
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Hello there"
     assert [e["type"] for e in events][-3:] == ["response.output_text.done", "response.content_part.done",
                                                 "response.output_item.done"]
@@ -121,6 +121,31 @@ def test_reasoning_is_an_item_first_and_calls_come_from_the_answer_only(step: in
     assert mine[-3]["text"] == THOUGHT and all(e["item_id"] == thought["id"] for e in mine if "item_id" in e)
     _, cut = events_of(([], None), "still thinking", step, reasoning)  # the block open at the end
     assert [(i["type"], i["content"][0]["text"]) for i in cut] == [("reasoning", "still thinking")]
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_logprobs_go_to_the_message_text_their_tokens_made(step: int) -> None:
+    """Each feed's entries (one per piece here) go to the message text it adds, or wait for it while the
+    parser holds text back; a feed of reasoning only drops them; deltas, part and done event agree."""
+    reasoning = ReasoningPlan(get_reasoning_parser("qwen3"), "<|im_start|>assistant\n<think>\n")
+    text = "Hmm, so.\n</think>\n\nYes, it is."
+    events: list[dict] = []
+    builder = OutputBuilder(plan_tools([], None), reasoning, lambda e: events.append(json.loads(json.dumps(e))))
+    ends = list(range(step, len(text) + step, step))
+    pieces = [{"token": text[end - step:end], "logprob": -0.5} for end in ends]
+    for end, piece in zip(ends, pieces):
+        builder.feed(text[:end], end >= len(text), [piece])
+    builder.close("completed")
+    thought, message = builder.items
+    assert message["content"][0]["text"] == "Yes, it is."
+    kept = message["content"][0]["logprobs"]
+    assert [lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]] == kept
+    assert [e["logprobs"] for e in events if e["type"] == "response.output_text.done"] == [kept]
+    assert kept == pieces[len(pieces) - len(kept):]  # the last ones, in order
+    answer_start = text.index("Yes")
+    assert all(p in kept for p, end in zip(pieces, ends) if end - step >= answer_start)  # the answer's own
+    if step < len(text):
+        assert pieces[0] not in kept and "logprobs" not in thought["content"][0]
 
 
 def test_reasoning_items_are_the_next_assistant_turns_reasoning() -> None:

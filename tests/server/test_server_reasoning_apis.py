@@ -94,6 +94,8 @@ def test_a_response_is_its_reasoning_item_then_the_message(client: openai.OpenAI
     assert kinds[-3:] == ["response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == answer
+    hidden = client.responses.create(**kwargs, reasoning={"effort": "medium"}, extra_body={"include_reasoning": False})
+    assert [i.type for i in hidden.output] == ["message"] and hidden.output_text == answer  # vLLM's field
     settles(llm)
 
 

@@ -21,7 +21,7 @@ from pydantic import TypeAdapter
 
 from ...sampling_params import StructuredOutputsParams
 from ...tool_parsers import ToolParser
-from ..protocol import APIError, ChatMessage, SamplingFields
+from ..protocol import APIError, ChatMessage, SamplerFields, SamplingFields
 from ..replies import ChatReply, ReasoningPlan
 from ..response_format import body_constraint
 from ..tools import ToolPlan, plan_tools
@@ -34,6 +34,7 @@ TEXT_ITEMS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "message": ("output_text", "msg", {"annotations": []}), "reasoning": ("reasoning_text", "rs", {})}
 ITEMS = TypeAdapter(list[InputItem])
 Event = dict[str, Any]
+Logprob = dict[str, Any]  # a token's entry: token, logprob, bytes, top_logprobs (as chat's)
 
 
 # -- the request, as chat turns and a tool plan ---------------------------------------------------
@@ -99,6 +100,12 @@ def tool_plan(body: ResponsesRequest, parser: type[ToolParser], auto_enabled: bo
     return plan_tools(tools, choice, parser, auto_enabled, body.parallel_tool_calls)
 
 
+def sampling_fields(body: ResponsesRequest) -> SamplingFields:
+    """The request's sampling fields as chat's (`Serving.build_requests` reads them)."""
+    return SamplingFields(**body.model_dump(include={"temperature", "top_p", *SamplerFields.model_fields},
+                                            exclude_unset=True))
+
+
 def text_constraint(body: ResponsesRequest) -> StructuredOutputsParams | None:
     """`text.format`'s constraint, built as chat's `response_format` (a strict schema closed first)."""
     fmt = body.text.format if body.text is not None else None
@@ -119,7 +126,11 @@ def reasoning_text(items: list[dict[str, Any]]) -> str:
 
 class OutputBuilder:
     """The output items of one reply, built as its text grows, each change announced to `emit` as a
-    stream event. The events hold the live items: `emit` serializes each one before returning."""
+    stream event. The events hold the live items: `emit` serializes each one before returning.
+
+    Logprobs (the request's `include`) go to the message text that a feed adds: the entries of every
+    token since the last text, reasoning and calls made in the same feed included (as vLLM, whose
+    message carries all the reply's tokens); a feed that adds only reasoning or calls drops them."""
 
     def __init__(self, plan: ToolPlan, reasoning: ReasoningPlan | None = None,
                  emit: Callable[[Event], None] = lambda event: None) -> None:
@@ -128,14 +139,19 @@ class OutputBuilder:
         self.items: list[dict[str, Any]] = []
         self.calls: dict[int, dict[str, Any]] = {}  # the reply's call index -> its item
         self.open: dict[str, Any] | None = None  # the item the next change extends (the last one)
+        self.pending: list[Logprob] = []  # the logprobs of tokens no message text has taken yet
 
-    def feed(self, text: str, finished: bool) -> None:
-        """The reply so far: its reasoning, content and calls since the last feed, as chat's deltas."""
+    def feed(self, text: str, finished: bool, logprobs: Sequence[Logprob] = ()) -> None:
+        """The reply so far: its reasoning, content and calls since the last feed, as chat's deltas;
+        `logprobs`: the entries of the tokens since the last feed."""
+        self.pending += logprobs
         change = self.reply.feed(text, finished)
         if change.get("reasoning_content"):
             self.add_text("reasoning", change["reasoning_content"])
         if change.get("content"):
             self.add_text("message", change["content"])
+        elif change.get("reasoning_content") or change.get("tool_calls"):
+            self.pending = []
         for piece in change.get("tool_calls", []):
             self.add_call(piece)
 
@@ -149,7 +165,7 @@ class OutputBuilder:
         where = self.where(item)
         if item["type"] in TEXT_ITEMS:
             part = item["content"][0]
-            logprobs = {"logprobs": []} if item["type"] == "message" else {}
+            logprobs = {"logprobs": part["logprobs"]} if item["type"] == "message" else {}
             self.emit({"type": f"response.{part['type']}.done", **where, "content_index": 0, "text": part["text"]}
                       | logprobs)
             self.emit({"type": "response.content_part.done", **where, "content_index": 0, "part": part})
@@ -164,12 +180,17 @@ class OutputBuilder:
         if item is None or item["type"] != kind:
             item = self.start({"id": f"{prefix}_{uuid.uuid4().hex}", "type": kind, "status": "in_progress"}
                               | ({"role": "assistant"} if kind == "message" else {"summary": []}) | {"content": []})
-            part = {"type": part_type, "text": ""} | fields
+            part = {"type": part_type, "text": ""} | fields | ({"logprobs": []} if kind == "message" else {})
             item["content"].append(part)
             self.emit({"type": "response.content_part.added", **self.where(item), "content_index": 0, "part": part})
-        item["content"][0]["text"] += delta
+        part = item["content"][0]
+        part["text"] += delta
+        logprobs = {}
+        if kind == "message":
+            logprobs, self.pending = {"logprobs": self.pending}, []
+            part["logprobs"] += logprobs["logprobs"]
         self.emit({"type": f"response.{part_type}.delta", **self.where(item), "content_index": 0, "delta": delta}
-                  | ({"logprobs": []} if kind == "message" else {}))
+                  | logprobs)
 
     def add_call(self, piece: dict[str, Any]) -> None:
         """One call's change, as `ToolReply.feed` gives it: a new call carries its id and name."""

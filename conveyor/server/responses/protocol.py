@@ -14,40 +14,23 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field
 
-from ..protocol import MAX_NEW, SERVED_NAME, Priority, RequestTimeout
-
-def _integral(value: Any) -> Any:
-    """Integral floats (5.0, which JSON Schema counts as an integer) as ints, also inside lists."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return [_integral(v) for v in value] if isinstance(value, list) else value
+from ..protocol import LOGPROBS, MAX_NEW, SERVED_NAME, RequestBody, SamplerFields
 
 
-class Strict(BaseModel):
-    """Strict as the other request bodies: no `"5"` or `true` for an integer; 5.0 is one."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _integral_floats(cls, value: Any) -> Any:
-        return _integral(value)
-
-
-class ContentPart(Strict):
+class ContentPart(RequestBody):
     type: Literal["input_text", "output_text", "input_image", "input_file", "input_audio"]  # text ones served
     text: str = ""
 
 
-class MessageItem(Strict):
+class MessageItem(RequestBody):
     type: Literal["message"] | None = None  # OpenAI's "easy" input message leaves it out
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ContentPart]
 
 
-class FunctionCallItem(Strict):
+class FunctionCallItem(RequestBody):
     """A call the model made (an earlier output item, sent back)."""
 
     type: Literal["function_call"]
@@ -56,7 +39,7 @@ class FunctionCallItem(Strict):
     arguments: str
 
 
-class FunctionCallOutputItem(Strict):
+class FunctionCallOutputItem(RequestBody):
     """The result of a call, for the model's next turn."""
 
     type: Literal["function_call_output"]
@@ -64,12 +47,12 @@ class FunctionCallOutputItem(Strict):
     output: str | list[ContentPart]
 
 
-class ReasoningText(Strict):
+class ReasoningText(RequestBody):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(Strict):
+class ReasoningItem(RequestBody):
     """An earlier reasoning item; its summary and encrypted content are ignored (this server writes neither)."""
 
     type: Literal["reasoning"]
@@ -79,7 +62,7 @@ class ReasoningItem(Strict):
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
-class FunctionTool(Strict):
+class FunctionTool(RequestBody):
     type: Literal["function"]
     name: str
     description: str | None = None
@@ -87,20 +70,20 @@ class FunctionTool(Strict):
     strict: bool | None = None  # forced calls are always strict (`server/tools.py`)
 
 
-class NamedFunction(Strict):
+class NamedFunction(RequestBody):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(Strict):
+class TextFormat(RequestBody):
     type: Literal["text"]
 
 
-class JSONObjectFormat(Strict):
+class JSONObjectFormat(RequestBody):
     type: Literal["json_object"]
 
 
-class JSONSchemaFormat(Strict):
+class JSONSchemaFormat(RequestBody):
     type: Literal["json_schema"]
     name: str
     schema_: dict[str, Any] = Field(alias="schema")
@@ -108,11 +91,11 @@ class JSONSchemaFormat(Strict):
     strict: bool | None = None
 
 
-class TextConfig(Strict):
+class TextConfig(RequestBody):
     format: TextFormat | JSONObjectFormat | JSONSchemaFormat | None = None
 
 
-class Reasoning(Strict):
+class Reasoning(RequestBody):
     """As vLLM reads it: "none" turns the chat template's thinking switch off, any other effort on
     (`replies.effort_kwargs`); echoed in the response."""
 
@@ -123,7 +106,17 @@ MetadataKey = Annotated[str, Field(max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 
 
-class ResponsesRequest(Strict):
+# OpenAI's `include` values: only the messages' logprobs change what this server answers (it runs no
+# built-in tools and keeps reasoning in plain text, so there is nothing else to include)
+Include = Literal["message.output_text.logprobs", "reasoning.encrypted_content", "code_interpreter_call.outputs",
+                  "computer_call_output.output.image_url", "file_search_call.results",
+                  "message.input_image.image_url", "web_search_call.action.sources", "web_search_call.results"]
+
+
+class ResponsesRequest(SamplerFields):
+    """OpenAI's fields, then vLLM's extra sampling fields (`SamplerFields`, as chat's) and its
+    `chat_template_kwargs` and `include_reasoning`."""
+
     model: str | None = Field(None, json_schema_extra=SERVED_NAME)  # null or "" = the served model
     input: Annotated[str, Field(min_length=1)] | list[InputItem]
     instructions: str | None = None  # a system turn first; not carried over by previous_response_id
@@ -136,12 +129,24 @@ class ResponsesRequest(Strict):
     parallel_tool_calls: bool | None = None  # OpenAI's default: true
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
+    include: list[Include] | None = None
+    top_logprobs: int | None = Field(None, ge=0, json_schema_extra=LOGPROBS)  # with include's output_text.logprobs
+    truncation: Literal["auto", "disabled"] | None = None  # "auto": the oldest turns dropped until the input fits
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     store: bool = True
     stream: bool = False
     background: bool = False  # needs store; not with stream
     user: str | None = None
-    request_timeout: RequestTimeout = None
-    priority: Priority = 0  # vLLM's
+    # taken and echoed, changing nothing here: calls of built-in tools (there are none), OpenAI's billing tier,
+    # cache routing key (the prefix cache needs none) and abuse-monitoring id
+    max_tool_calls: int | None = Field(None, ge=1)
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: Annotated[str, Field(max_length=64)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: the template's variables
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning items out of the output
     conversation: None = None  # OpenAI's conversations: not supported
     prompt: None = None  # OpenAI's stored prompt templates: not supported
+
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or [])

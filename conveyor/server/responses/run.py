@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ...request import RequestOutput
@@ -28,7 +28,7 @@ from ..replies import ReasoningPlan
 from ..submission import Submission
 from ..streaming import dumps
 from ..tools import ToolPlan
-from .items import OutputBuilder, output_turns, reasoning_text
+from .items import Logprob, OutputBuilder, output_turns, reasoning_text
 from .protocol import NamedFunction, ResponsesRequest
 from .store import StoredResponse
 
@@ -55,7 +55,10 @@ def response_object(response_id: str, body: ResponsesRequest, model: str, params
         "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
         "tool_choice": choice.model_dump() if isinstance(choice, NamedFunction) else choice,
         "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
-        "truncation": "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {},
+        "truncation": body.truncation or "disabled", "usage": None, "user": body.user, "metadata": body.metadata or {},
+        "top_logprobs": body.top_logprobs or 0, "max_tool_calls": body.max_tool_calls,
+        "service_tier": body.service_tier or "auto", "prompt_cache_key": body.prompt_cache_key,
+        "safety_identifier": body.safety_identifier,
     }
 
 
@@ -75,11 +78,14 @@ def token_count(tokenizer: Any, text: str) -> int:
 class ResponseRun:
     """The generation of one response: `record` is what the store keeps; with `stream`, `events()`
     gives the server-sent events. `failure`: after the end, the error a waiting client answers with
-    (the engine failed, or the server aborted it), None otherwise."""
+    (the engine failed, or the server aborted it), None otherwise. `logprobs`: with the request's
+    include, the entries of new tokens from their ids and logprobs (`LogprobRenderer.chat`)."""
 
     def __init__(self, response: dict[str, Any], plan: ToolPlan, reasoning: ReasoningPlan, sub: Submission,
-                 prompt_tokens: int, conversation: list[ChatMessage], stream: bool) -> None:
+                 prompt_tokens: int, conversation: list[ChatMessage], stream: bool,
+                 logprobs: Callable[[list[int], list[dict[int, float]]], list[Logprob]] | None = None) -> None:
         self.sub, self.prompt_tokens, self.conversation = sub, prompt_tokens, conversation
+        self.logprobs = logprobs
         self.record = StoredResponse(response, cancel=self.cancel)
         self.response = response
         self.queue: asyncio.Queue[str | None] | None = asyncio.Queue() if stream else None
@@ -115,10 +121,13 @@ class ResponseRun:
 
     async def drive(self) -> None:
         final: RequestOutput | None = None
+        fed = 0  # the tokens whose logprobs the builder has
         try:
             async for _, out in self.sub.outputs():
                 if out.finished or (self.queue is not None and out.delta_text):
-                    self.builder.feed(out.text, out.finished)
+                    entries = self.logprobs(out.token_ids[fed:], out.logprobs[fed:]) if self.logprobs else []
+                    fed = len(out.token_ids)
+                    self.builder.feed(out.text, out.finished, entries)
                 final = out
             if thought := reasoning_text(self.builder.items):
                 self.reasoning_tokens = await self.count(thought)

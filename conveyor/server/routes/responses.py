@@ -14,6 +14,7 @@ its KV blocks return to the pool within a step.
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Annotated, Any
 
@@ -21,9 +22,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..openapi import STREAMED, ErrorResponse, error_responses
-from ..protocol import APIError, ChatMessage, SamplingFields
+from ..protocol import APIError, ChatMessage
 from ..replies import effort_kwargs, plan_reasoning, template_options
-from ..responses.items import input_turns, text_constraint, tool_plan
+from ..request_fields import check_logprobs
+from ..responses.items import input_turns, sampling_fields, text_constraint, tool_plan
 from ..responses.protocol import ResponsesRequest
 from ..responses.run import ResponseRun, response_object
 from ..responses.store import ResponseStore, StoredResponse
@@ -66,28 +68,34 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
     if forced is not None and text is not None:
         raise APIError(400, "tool_choice constrains the output; it cannot be combined with text.format",
                        param="tool_choice")
+    if text is not None and body.structured_outputs is not None:
+        raise APIError(400, "text.format and structured_outputs both constrain the output: give one",
+                       param="structured_outputs")
+    check_logprobs(serving.max_logprobs, top_logprobs=body.top_logprobs)
     conversation = history + input_turns(body)
     if not conversation:
         raise APIError(400, "input is empty: no message to answer", param="input")
     instructions = [ChatMessage(role="system", content=body.instructions)] if body.instructions else []
     effort = body.reasoning.effort if body.reasoning is not None else None
-    options = template_options(effort_kwargs(serving.chat_template, effort),
+    options = template_options(effort_kwargs(serving.chat_template, effort) | (body.chat_template_kwargs or {}),
                                serving.settings.default_chat_template_kwargs)
-    prompt = await serving.prepare(render, serving, instructions + conversation, plan, options)
+    prompt = await fitting_prompt(serving, body, instructions, conversation, plan, options)
     reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
-                               forced is not None or text is not None)
+                               forced is not None or text is not None or body.structured_outputs is not None,
+                               body.include_reasoning)
     response_id = f"resp_{uuid.uuid4().hex}"
-    sampling = SamplingFields(temperature=body.temperature, top_p=body.top_p, request_timeout=body.request_timeout,
-                              priority=body.priority)
-    requests = await serving.prepare(serving.build_requests, response_id, [prompt.ids], sampling,
-                                     body.max_output_tokens, None, "input",
+    logprobs = (body.top_logprobs or 0) if body.wants_logprobs() else None
+    requests = await serving.prepare(serving.build_requests, response_id, [prompt.ids], sampling_fields(body),
+                                     body.max_output_tokens, logprobs, "input",
                                      constraint=(forced, "tools") if forced else (text, "text"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)
                                      or (reasoning.parser is not None and serving.keep_reasoning_special),
                                      lora_request=adapter)
     sub = serving.submit(requests)
     run = ResponseRun(response_object(response_id, body, serving.reply_model(adapter), requests[0].params), plan,
-                      reasoning, sub, len(prompt.ids), conversation, body.stream)
+                      reasoning, sub, len(prompt.ids), conversation, body.stream,
+                      None if logprobs is None else functools.partial(
+                          serving.logprobs.chat, n=logprobs, as_ids=serving.settings.return_tokens_as_token_ids))
     if body.store:
         store.put(response_id, run.record)
     run.start()
@@ -104,13 +112,37 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
     return JSONResponse(run.response)
 
 
-def render(serving: Serving, messages: list[ChatMessage], plan: ToolPlan, options: dict[str, Any]) -> ChatPrompt:
+def render(serving: Serving, messages: list[ChatMessage], plan: ToolPlan, options: dict[str, Any],
+           truncating: bool = False) -> ChatPrompt:
     """The conversation rendered, its errors naming `input` (call it off the event loop)."""
     try:
-        return serving.render_chat_prompt(messages, plan, **options)
+        return serving.render_chat_prompt(messages, plan, truncating=truncating, **options)
     except APIError as exc:
         exc.param = "input"
         raise
+
+
+async def fitting_prompt(serving: Serving, body: ResponsesRequest, instructions: list[ChatMessage],
+                         conversation: list[ChatMessage], plan: ToolPlan, options: dict[str, Any]) -> ChatPrompt:
+    """The request rendered; with `truncation: "auto"`, where the whole conversation leaves no room for
+    max_output_tokens (or one token), without its oldest turns: it starts at the earliest user turn
+    from which it fits (OpenAI drops the first items; a cut before a user turn keeps the roles as
+    templates expect them). When no cut fits, the whole one, which is then refused as too long."""
+    auto = body.truncation == "auto"
+    prompt = await serving.prepare(render, serving, instructions + conversation, plan, options, auto)
+    room = serving.max_model_len - (body.max_output_tokens or 1)
+    if not auto or len(prompt.ids) <= room:
+        return prompt
+    cuts = [i for i, turn in enumerate(conversation) if i > 0 and turn.role == "user"]
+    lo, hi, best = 0, len(cuts) - 1, prompt  # the fewest turns dropped that fit: a shorter tail never grows
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        tail = await serving.prepare(render, serving, instructions + conversation[cuts[mid]:], plan, options, auto)
+        if len(tail.ids) <= room:
+            best, hi = tail, mid - 1
+        else:
+            lo = mid + 1
+    return best
 
 
 def stored(store: ResponseStore, response_id: str) -> StoredResponse:
