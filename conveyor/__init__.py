@@ -23,6 +23,7 @@ from .llm import LLM
 from .lora_request import LoRARequest
 from .manager import ContinuousBatchingManager
 from .pooling_params import PoolerConfig, PoolingParams
+from .reasoning.markers import ReasoningConfig
 from .request import (
     ClassificationRequestOutput,
     CompletionOutput,
@@ -39,4 +40,4 @@ __all__ = ["LLM", "SamplingParams", "ContinuousBatchingConfig", "ContinuousBatch
            "InvalidRequestError", "CompletionOutput", "RequestOutput", "RequestState", "FIFOScheduler", "PrefillFirstScheduler",
            "CachePool", "FullAttentionCacheAllocator", "SlidingAttentionCacheAllocator", "HybridCacheAllocator",
            "PoolingParams", "PoolerConfig", "EmbeddingRequestOutput", "ClassificationRequestOutput",
-           "ScoringRequestOutput", "LoRARequest", "BeamSearchParams", "Logprob"]
+           "ScoringRequestOutput", "LoRARequest", "BeamSearchParams", "Logprob", "ReasoningConfig"]

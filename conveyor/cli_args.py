@@ -209,6 +209,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(**kwargs)` for these options."""
     overrides = json_object(args.override_generation_config, "--override-generation-config", '{"temperature": 0.5}')
     hf_overrides = json_object(args.hf_overrides, "--hf-overrides", '{"is_matryoshka": true}')
+    reasoning = json_object(getattr(args, "reasoning_config", None), "--reasoning-config",
+                            '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}')
     return dict(model=model_from_args(args), dtype=args.dtype, quantization=args.quantization, device=args.device,
                 config=config_from_args(args), revision=args.revision, download_dir=args.download_dir,
                 gguf_file=args.gguf_file, hf_token=args.hf_token, tokenizer=args.tokenizer,
@@ -216,7 +218,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 generation_config=args.generation_config, override_generation_config=overrides,
                 runner=args.runner, convert=args.convert, task=args.task, pooler_config=args.pooler_config,
                 hf_overrides=hf_overrides, enable_lora=args.enable_lora, max_loras=args.max_loras,
-                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+                max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+                reasoning_parser=getattr(args, "reasoning_parser", None), reasoning_config=reasoning)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -285,7 +288,12 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
                        " (default: read off the chat template; hermes when it says nothing)")
     group.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS), metavar="NAME",
                        help="split the model's reasoning from its answer (message.reasoning_content): " +
-                       ", ".join(REASONING_PARSERS) + " (default: not split)")
+                       ", ".join(REASONING_PARSERS) + " (default: not split); its markers are what a "
+                       "request's thinking_token_budget counts and forces")
+    group.add_argument("--reasoning-config", default=None, metavar="JSON",
+                       help="vLLM's reasoning markers for thinking_token_budget, over the parser's: "
+                       "'{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": \"</think>\"}' (the end "
+                       "string is what a spent budget forces)")
     group.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                        help="chat template variables every chat request gets under its own chat_template_kwargs, "
                        "e.g. '{\"enable_thinking\": false}'")

@@ -40,8 +40,10 @@ from .lora_request import LoRAConfig, LoRARequest
 from .pooling_llm import PoolingMethods
 from .pooling_params import PoolerConfig
 from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_prompt_samples, prompt_list
+from .reasoning.markers import ReasoningConfig
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
+from .thinking_budget import ReasoningMarkers
 from .vllm_flags import check_vllm_kwargs
 
 logger = logging.getLogger("conveyor")
@@ -111,6 +113,8 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
         the config's architectures. hf_overrides: vLLM's dict of config fields set over the checkpoint's.
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
         leaves unset), "vllm" (ignore it) or a directory; `override_generation_config` goes over it.
+    reasoning_parser, reasoning_config: vLLM's: the model's reasoning markers (a parser's format, or
+        `ReasoningConfig` strings), which `SamplingParams.thinking_token_budget` counts and forces.
     enable_lora, max_loras, max_lora_rank, max_cpu_loras: vLLM's multi-LoRA serving (docs/lora.md):
         `generate(..., lora_request=LoRARequest(name, id, path))`, `add_lora`.
     vllm_kwargs: vLLM's other engine arguments: those that ask for what Conveyor always does
@@ -136,7 +140,8 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
                  scheduling_policy: str | None = None, async_scheduling: bool | None = None,
                  runner: str = "auto", convert: str = "auto",
                  task: str | None = None, pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
-                 hf_overrides: dict[str, Any] | None = None, **vllm_kwargs: Any) -> None:
+                 hf_overrides: dict[str, Any] | None = None, reasoning_parser: str | None = None,
+                 reasoning_config: ReasoningConfig | dict[str, Any] | None = None, **vllm_kwargs: Any) -> None:
         exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
         lora_config = LoRAConfig.pop_kwargs(vllm_kwargs)
         for note in check_vllm_kwargs(vllm_kwargs):
@@ -157,6 +162,7 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
                                   f"batch_invariant={config.batch_invariant!r}: give one of them")
             config = replace(config, batch_invariant=batch_invariant)
         template = load_chat_template(chat_template) if chat_template is not None else None
+        reasoning = ReasoningConfig.of(reasoning_config, reasoning_parser)
         pooler_settings = PoolerConfig.parse(pooler_config)
         if config.tensor_parallel_size > 1 and (hf_overrides or runner == "pooling" or task or convert != "auto"
                                                 or lora_config is not None):
@@ -229,6 +235,8 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
         net = run_on_fresh_thread(load) if self.device.type == "cpu" and config.tensor_parallel_size == 1 else load()
         if self.sharded is not None:  # a rank that dies while the loop is idle kills the engine at once
             self.sharded.on_failure(self.manager.kill)
+        if reasoning is not None:
+            self.set_reasoning_config(reasoning)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
                     " ".join(vector_flags()) or "unknown")
         logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
@@ -242,6 +250,17 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    @property
+    def reasoning_markers(self) -> ReasoningMarkers | None:
+        """The reasoning markers thinking budgets count between and force (None: budgets are refused)."""
+        return self.engine.reasoning_markers
+
+    def set_reasoning_config(self, config: ReasoningConfig | dict[str, Any]) -> None:
+        """As `LLM(reasoning_config=...)`, for requests made from now on (a server's --reasoning-parser)."""
+        reasoning = ReasoningConfig.of(config)
+        if reasoning is not None:
+            self.engine.set_reasoning_markers(reasoning.markers(self.tokenizer))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams' defaults with the model's generation config applied (vLLM's name): what

@@ -22,6 +22,7 @@ import torch
 from .lora_request import LoRARequest
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
+from .thinking_budget import ThinkingBudget
 
 # Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
 Prompt = str | list[int] | dict[str, Any]
@@ -276,6 +277,8 @@ class Request:
         # consumed exactly `output_token_ids`, which offloading never changes, so it stays valid across
         # soft resets and swaps (a reset recomputes K/V, it does not resample).
         self.grammar: llguidance.LLMatcher | None = None
+        # vLLM's thinking_token_budget: the reasoning counted and its end forced (set by the engine; None = none).
+        self.thinking: ThinkingBudget | None = None
         # `params.bad_words` as token sequences (set by the engine, which has the tokenizer).
         self.bad_words_token_ids: list[list[int]] = []
         self.cache_salt: str | None = None  # vLLM's: cached blocks are shared only between equal salts
@@ -319,6 +322,17 @@ class Request:
         """Whether cached blocks may stand in for its prompt's first tokens (prefix caching): not when every
         prompt position's output is needed (prompt logprobs; pooling over more than the last token)."""
         return not self.needs_prompt_logprobs and not self.pools_every_row
+
+    @property
+    def forced_token(self) -> int | None:
+        """The token this step must give (a thinking budget's forced end), or None."""
+        return self.thinking.forced_token if self.thinking is not None else None
+
+    @property
+    def runs_synchronously(self) -> bool:
+        """Whether its next step's sampling depends on the token just sampled (a grammar, a thinking budget):
+        its steps do not run ahead (async batching waits)."""
+        return self.grammar is not None or self.thinking is not None
 
     @property
     def restricts_tokens(self) -> bool:

@@ -94,7 +94,9 @@ class SamplingParams:
     context beside `max_new_tokens`; None: a prompt over the context is an error. request_timeout: seconds from arrival
     after which a request still waiting or running ends with finish reason "timeout" and its blocks go
     back (the server's `--request-timeout` default); None: no deadline. priority (vLLM's): with priority
-    scheduling, lower runs first, ties by arrival (any value but 0 needs it).
+    scheduling, lower runs first, ties by arrival (any value but 0 needs it). thinking_token_budget (vLLM's): at
+    most this many tokens of reasoning, then the end of the block is forced (`thinking_budget`; needs the
+    engine's reasoning markers: `LLM(reasoning_parser=...)`); -1 or None: no limit.
 
     n (vLLM's): samples per prompt, for `LLM.generate` and `LLM.chat`, each its own request (with a seed,
     sample j uses seed + j), returned as one `RequestOutput` whose `outputs` holds the n; a request given to
@@ -130,6 +132,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     request_timeout: float | None = None
     priority: int = 0
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -175,6 +178,12 @@ class SamplingParams:
                 or not (self.truncate_prompt_tokens == -1 or self.truncate_prompt_tokens >= 1)):
             raise SamplingParamsError("truncate_prompt_tokens must be -1 (the most that fit) or an integer >= 1, got "
                                       f"{self.truncate_prompt_tokens!r}")
+        budget = self.thinking_token_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < -1):
+            raise SamplingParamsError(f"thinking_token_budget must be an integer >= 0, or -1 for no limit, got "
+                                      f"{budget!r}")
+        if budget == -1:
+            self.thinking_token_budget = None
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise SamplingParamsError(f"priority must be an integer (lower runs first), got {self.priority!r}")
         timeout = self.request_timeout

@@ -33,6 +33,7 @@ from ..sampling_params import SamplingParams
 from ..sched.output import SchedulerOutput
 from ..sched.scheduler import make_scheduler
 from ..speculative import Speculator
+from ..thinking_budget import ReasoningMarkers
 from .async_batching import AsyncPipeline
 from .deadlines import Deadlines, timeout_message
 from .draft_runner import DraftProposer, draft_bytes_per_chunk
@@ -144,7 +145,7 @@ class Engine:
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self.deadlines = Deadlines()  # requests with a request_timeout
-        self._constrained = 0  # requests in `requests` with a grammar (they turn async batching off)
+        self._constrained = 0  # requests in `requests` with a grammar or a thinking budget (no async batching)
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache (%s): %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
                     "memory; prefix caching %s; swap pool %d chunks", config.kv_cache_dtype, self.pool.num_usable, page,
@@ -179,12 +180,20 @@ class Engine:
         """A pooling engine's request (`InputProcessor.make_pooling_request`); safe from any thread."""
         return self.input_processor.make_pooling_request(request_id, prompt, params)
 
+    @property
+    def reasoning_markers(self) -> ReasoningMarkers | None:
+        return self.input_processor.reasoning_markers
+
+    def set_reasoning_markers(self, markers: ReasoningMarkers | None) -> None:
+        """What a thinking_token_budget counts and forces (`LLM(reasoning_parser=...)`), for requests made next."""
+        self.input_processor.reasoning_markers = markers
+
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use",
                                       RequestErrorCode.DUPLICATE_REQUEST_ID)
         self.requests[request.request_id] = request
-        self._constrained += request.grammar is not None
+        self._constrained += request.runs_synchronously
         if self.lora is None or self.lora.admit(request):  # (else it waits for an adapter slot)
             self.scheduler.add_request(request)
         self.counters.prompt_tokens += len(request.prompt_token_ids)
@@ -256,7 +265,7 @@ class Engine:
         if self.pipeline is not None:
             if not self._constrained:
                 return self.pipeline.step()
-            if self.pipeline.busy:  # a grammar masks step N+1 only after consuming N's token: go synchronous
+            if self.pipeline.busy:  # a grammar masks (a budget forces) step N+1 after reading N's token: wait
                 return self.pipeline.drain()
         started = time.monotonic()
         out = self.schedule()
@@ -394,7 +403,7 @@ class Engine:
         request.state, request.finish_reason, request.error = state, reason, error
         request.metrics.finished_time = time.monotonic()
         if self.requests.pop(request.request_id, None) is not None:
-            self._constrained -= request.grammar is not None
+            self._constrained -= request.runs_synchronously
         if self.lora is not None:  # its adapter slot back: requests waiting for one start
             for ready in self.lora.release(request):
                 self.scheduler.add_request(ready)

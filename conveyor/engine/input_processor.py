@@ -20,6 +20,7 @@ from ..pooling_params import PoolingParams
 from ..request import Prompt, Request
 from ..sampling_params import SamplingParams
 from ..structured.constraints import Constraints
+from ..thinking_budget import ReasoningMarkers, ThinkingBudget
 
 
 # What a pooling request carries as sampling parameters: it never samples (its result is its pooled prompt).
@@ -50,6 +51,7 @@ class InputProcessor:
         self.pooler = pooler
         self.matryoshka = matryoshka
         self.unseeded = itertools.count()  # arrival numbers of sampled requests without a seed (atomic next)
+        self.reasoning_markers: ReasoningMarkers | None = None  # what a thinking_token_budget counts and forces
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Tokenize and validate; raises InvalidRequestError naming the limit."""
@@ -82,11 +84,25 @@ class InputProcessor:
                                       "structured_outputs") from exc
         request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
         request.grammar = grammar
+        if params.thinking_token_budget is not None:
+            request.thinking = self.thinking_budget(params, token_ids)
         request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         request.cache_salt = self.cache_salt(prompt)
         if not params.greedy and (params.seed is not None or self.seed is not None):
             request.generator = torch.Generator(device=self.device).manual_seed(self.request_seed(params))
         return request
+
+    def thinking_budget(self, params: SamplingParams, token_ids: list[int]) -> ThinkingBudget:
+        markers = self.reasoning_markers
+        if markers is None:
+            raise InvalidRequestError("thinking_token_budget needs the model's reasoning markers: start the engine "
+                                      "with reasoning_parser=NAME or reasoning_config (--reasoning-parser, "
+                                      "--reasoning-config)", param="thinking_token_budget")
+        if params.structured_outputs is not None:
+            raise InvalidRequestError("thinking_token_budget does not combine with structured_outputs: a constrained "
+                                      "output is matched from its first token, with no reasoning block",
+                                      param="thinking_token_budget")
+        return ThinkingBudget(markers, params.thinking_token_budget or 0, token_ids)
 
     def make_pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams) -> Request:
         """A pooling engine's request (prefill only: the prompt may fill the whole context); raises

@@ -127,6 +127,8 @@ class OutputProcessor:
             request.metrics.first_token_time = now
         if request.logprobs is not None:
             request.logprobs.append(logprob or {})
+        if request.thinking is not None:
+            request.thinking.advance(token)
         may_stop = len(request.output_token_ids) > request.params.min_tokens
         if token in request.stop_token_ids and may_stop:
             request.stop_reason = token if token in request.params.stop_token_ids else None

@@ -15,6 +15,8 @@ waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprob
 one copy: the step's only host sync (`start_copy` queues that copy early, so async batching can
 launch the next step before waiting for it).
 
+A row with a forced token (a thinking budget's end, `thinking_budget`) takes it whatever it drew.
+
 Structured outputs, logit_bias, allowed_token_ids and bad_words edit the logits before sampling: the
 bias added, the tokens a row may not take set to -inf, then the constrained rows' grammar masks
 (`structured.masks`) applied in one pass, in place (a copy when the batch asks for logprobs, which
@@ -88,10 +90,11 @@ class Sampler:
     @staticmethod
     def plain_greedy(requests: list[Request]) -> bool:
         """Whether every row is the argmax of its raw logits (no sampling, penalties, min_tokens, bias,
-        grammar or logprobs): then the LM head may fuse the argmax (`CausalLM.greedy_tokens`)."""
+        grammar, forced token or logprobs): then the LM head may fuse the argmax (`CausalLM.greedy_tokens`)."""
         return all(r.params.greedy and r.params.logprobs is None and not r.params.logit_bias and r.grammar is None
-                   and not r.restricts_tokens and r.params.repetition_penalty == 1.0 and not r.params.presence_penalty
-                   and not r.params.frequency_penalty and len(r.output_token_ids) >= r.params.min_tokens
+                   and r.forced_token is None and not r.restricts_tokens and r.params.repetition_penalty == 1.0
+                   and not r.params.presence_penalty and not r.params.frequency_penalty
+                   and len(r.output_token_ids) >= r.params.min_tokens
                    for r in requests)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
@@ -125,6 +128,10 @@ class Sampler:
             if sampled:
                 rows = to_device(sampled, torch.long, device)
                 tokens[rows] = self._sample(logits.index_select(0, rows), [requests[i] for i in sampled])
+        forced = [(i, r.forced_token) for i, r in enumerate(requests) if r.forced_token is not None]
+        if forced:  # a thinking budget's end, over whatever was drawn (its logprob is still the model's)
+            rows, ids = zip(*forced)
+            tokens[to_device(list(rows), torch.long, device)] = to_device(list(ids), tokens.dtype, device)
         top_n = [params[i].logprobs or 0 for i in wanted]
         batch = SampledBatch(tokens, wanted, top_n)
         if wanted:

@@ -114,11 +114,15 @@ def tool_plan(body: CountTokensRequest, parser: type[ToolParser], auto_enabled: 
     return plan_tools(tools, openai_choice, parser, auto_enabled, parallel)
 
 
-def sampling_fields(body: MessagesRequest) -> SamplingFields:
-    """The body's sampling options as the fields chat completions build requests from."""
+def sampling_fields(body: MessagesRequest, budgets: bool = False) -> SamplingFields:
+    """The body's sampling options as the fields chat completions build requests from; `budgets`: the
+    engine enforces thinking budgets for this reply (reasoning markers, an unforced reply), so that
+    `thinking.budget_tokens` caps its thinking (`thinking_token_budget`)."""
+    thinking = body.thinking
+    budget = thinking.budget_tokens if budgets and thinking is not None and thinking.type == "enabled" else None
     return SamplingFields(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           stop=body.stop_sequences or None, request_timeout=body.request_timeout,
-                          priority=body.priority)
+                          priority=body.priority, thinking_token_budget=budget)
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, int]:

@@ -145,9 +145,8 @@ ToolChoice = Annotated[ToolChoiceTool | ToolChoiceMode, Field(discriminator="typ
 
 class Thinking(AnthropicBody):
     """`enabled` / `disabled` set the chat template's thinking switch, `adaptive` leaves the template's
-    default (`anthropic_messages.thinking_kwargs`); `budget_tokens` is accepted and not enforced (the
-    reasoning ends where the model ends it, within `max_tokens`); `display: "omitted"` sends thinking
-    blocks without their text."""
+    default (`anthropic_messages.thinking_kwargs`); `budget_tokens` caps the thinking where the engine can
+    (`anthropic_messages.sampling_fields`); `display: "omitted"` sends thinking blocks without their text."""
 
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=1024)

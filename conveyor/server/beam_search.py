@@ -28,7 +28,7 @@ UNREAD: dict[str, tuple[object, ...]] = {
     "stream": (False,), "echo": (False,), "prompt_logprobs": (None,), "stop": (None, [], ""),
     "stop_token_ids": (None, []), "min_tokens": (0,), "logit_bias": (None, {}), "allowed_token_ids": (None,),
     "bad_words": (None, []), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-    "repetition_penalty": (None, 1.0)}
+    "repetition_penalty": (None, 1.0), "thinking_token_budget": (None, -1)}
 
 
 def check_beam_search(body: SamplingFields, logprobs: int | None) -> None:

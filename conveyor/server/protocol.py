@@ -93,6 +93,7 @@ class SamplerFields(RequestBody):
     skip_special_tokens: bool = True  # vLLM's extra field
     include_stop_str_in_output: bool = False  # vLLM's: the stop string kept in the text
     cache_salt: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: prefix cache shared only within a salt
+    thinking_token_budget: int | None = Field(None, ge=-1)  # vLLM's: reasoning tokens before its end is forced
     request_timeout: RequestTimeout = None
     priority: Priority = 0
 

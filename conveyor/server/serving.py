@@ -77,6 +77,11 @@ class Serving:
         self.reasoning_parser = get_reasoning_parser(name) if name else None
         self.keep_reasoning_special = self.reasoning_parser is not None and drops_a_marker(self.tokenizer,
                                                                                            self.reasoning_parser)
+        if name and llm.reasoning_markers is None:  # an LLM built without them: the parser's, for thinking budgets
+            try:
+                llm.set_reasoning_config({"reasoning_parser": name})
+            except ValueError as exc:
+                logger.info("thinking_token_budget is refused: %s", exc)
         self.ignored_fields: set[str] = set()  # request fields logged as ignored (once per name)
         self.max_model_len = llm.max_model_len
         self.max_logprobs = llm.vocab_size if settings.max_logprobs == -1 else settings.max_logprobs
@@ -220,6 +225,11 @@ class Serving:
         return self.unavailable(f"The engine is not serving: {death_message(self.dead_error)}; the server needs "
                                 "a restart.", "engine_dead")
 
+    @property
+    def thinking_budgets(self) -> bool:
+        """Whether requests' thinking_token_budget is enforced (the engine knows the reasoning markers)."""
+        return self.llm.reasoning_markers is not None
+
     # -- building requests ------------------------------------------------------------------
     async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the preparing threads (tokenizing, templates, constraints), not the loop."""
@@ -322,7 +332,8 @@ class Serving:
                     allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words or [],
                     include_stop_str_in_output=body.include_stop_str_in_output,
                     skip_special_tokens=body.skip_special_tokens and not keep_special,
-                    request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority)
+                    request_timeout=body.request_timeout or self.settings.request_timeout, priority=body.priority,
+                    thinking_token_budget=body.thinking_token_budget)
                 for j in range(body.n):  # choice j: its own request, seeded seed + j
                     requests.append(self.llm.make_request(f"{prefix}-{p * body.n + j}", prompt, params.for_sample(j),
                                                           lora_request))
@@ -374,4 +385,4 @@ def request_error(exc: InvalidRequestError, prompt_param: str, structured_param:
 
 # `SamplingParams` fields an engine error may name -> the request body's field (others: the prompt's).
 BODY_FIELDS = {"logit_bias": "logit_bias", "priority": "priority", "dimensions": "dimensions",
-               "allowed_token_ids": "allowed_token_ids"}
+               "allowed_token_ids": "allowed_token_ids", "thinking_token_budget": "thinking_token_budget"}

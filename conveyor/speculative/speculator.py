@@ -7,7 +7,8 @@ running, and for requests it cannot serve exactly here: penalties and `min_token
 each earlier token), logit_bias, logprobs, prompt logprobs, and models with sliding-window layers (a rejected
 position would already have overwritten a ring slot still in the window). Proposals never run past
 `max_new_tokens` or the context length, so an accepted run ends where plain decoding would.
-Requests under a grammar (structured outputs) do not speculate either: their tokens are masked.
+Requests under a grammar (structured outputs) or a thinking budget do not speculate either: their tokens
+are masked or forced.
 
 The `Speculator` is the scheduler's `Proposer`: n-gram proposals are made while scheduling; for a
 draft model it reserves their number (placeholders), and the engine's draft runner
@@ -52,7 +53,7 @@ class Speculator:
     @staticmethod
     def serves(request: Request) -> bool:
         p = request.params
-        return (request.grammar is None and not p.logit_bias and not request.restricts_tokens
+        return (not request.runs_synchronously and not p.logit_bias and not request.restricts_tokens
                 and p.repetition_penalty == 1.0
                 and not p.presence_penalty and not p.frequency_penalty
                 and len(request.output_token_ids) >= p.min_tokens and p.logprobs is None

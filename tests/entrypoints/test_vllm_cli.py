@@ -210,6 +210,9 @@ def test_reasoning_parser_and_default_template_kwargs_flags(capsys: pytest.Captu
     for bad, message in (("{", "--default-chat-template-kwargs is not valid JSON"), ("[1]", "must be a JSON object")):
         with pytest.raises(ValueError, match=message):
             ServerSettings.from_args(serve_parser().parse_args(["--default-chat-template-kwargs", bad]))
+    kwargs = llm_kwargs_from_args(serve_parser().parse_args(["--reasoning-parser", "qwen3", "--reasoning-config",
+                                                             '{"reasoning_end_str": "Done.</think>"}']))
+    assert (kwargs["reasoning_parser"], kwargs["reasoning_config"]) == ("qwen3", {"reasoning_end_str": "Done.</think>"})
 
 
 def test_pooling_flags_reach_the_llm(tiny_llama: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:

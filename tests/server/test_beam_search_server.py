@@ -59,7 +59,8 @@ def test_fields_a_beam_search_does_not_read_are_refused(http: httpx.Client, llm:
     for extra, param in (({"stream": True}, "stream"), ({"stop": ["w9"]}, "stop"), ({"min_tokens": 1}, "min_tokens"),
                          ({"response_format": {"type": "json_object"}}, "response_format"),
                          ({"logprobs": 5}, "logprobs"), ({"echo": True}, "echo"),
-                         ({"length_penalty": 1e300}, "length_penalty"),
+                         ({"length_penalty": 1e300}, "length_penalty"), ({"thinking_token_budget": 8},
+                                                                         "thinking_token_budget"),
                          ({"priority": 5}, "priority")):  # each step's requests carry it: no priority scheduling
         refused = http.post("/v1/completions", json=base | extra)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

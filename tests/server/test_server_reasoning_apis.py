@@ -210,3 +210,39 @@ def test_a_forced_tool_use_and_earlier_thinking(sdk: anthropic.Anthropic, llm: L
         {"role": "assistant", "content": [use.model_dump(exclude_none=True)]}] + turns[2:], tools=[tool])
     assert counted.input_tokens > unthought.input_tokens  # the template renders the turn's reasoning
     settles(llm)
+
+
+# -- thinking budgets -----------------------------------------------------------------------------
+def test_a_thinking_budget_cuts_the_reasoning_and_the_answer_follows(client: openai.OpenAI, llm: LLM) -> None:
+    """The server's qwen3 parser gives the engine its markers (the LLM was built without): vLLM's
+    thinking_token_budget on chat, Anthropic's budget_tokens mapped onto it."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    [free] = llm.chat([ask], greedy(40, ignore_eos=False), use_tqdm=False, chat_template_kwargs=NOTE)
+    reply = client.chat.completions.create(model="smol", messages=ask, max_tokens=40, temperature=0,
+                                           extra_body={"thinking_token_budget": 3})
+    message = reply.choices[0].message.model_dump()
+    assert message["reasoning_content"] == llm.tokenizer.decode(free.outputs[0].token_ids[:3]).strip()
+    assert message["content"] and "</think>" not in message["content"]
+    unbounded = client.chat.completions.create(model="smol", messages=ask, max_tokens=40, temperature=0,
+                                               extra_body={"thinking_token_budget": -1})
+    assert unbounded.choices[0].message.model_dump()["reasoning_content"] == Qwen3Parser(
+        llm.render_chat_text(ask, chat_template_kwargs=NOTE)).parse(free.outputs[0].text)[0]
+    with pytest.raises(openai.BadRequestError, match="structured_outputs") as refused:
+        client.chat.completions.create(model="smol", messages=ask, max_tokens=8, extra_body={
+            "thinking_token_budget": 3, "structured_outputs": {"choice": ["Paris"]}})
+    assert refused.value.body["param"] == "thinking_token_budget"
+    settles(llm)
+
+
+def test_anthropic_budget_tokens_is_the_engines_budget() -> None:
+    from conveyor.server.anthropic_messages import sampling_fields
+    from conveyor.server.anthropic_protocol import MessagesRequest
+
+    def budget(thinking: dict | None, budgets: bool = True) -> int | None:
+        body = MessagesRequest(model="", max_tokens=4096, messages=[{"role": "user", "content": "Hi"}],
+                               **({"thinking": thinking} if thinking else {}))
+        return sampling_fields(body, budgets).thinking_token_budget
+
+    assert budget({"type": "enabled", "budget_tokens": 2048}) == 2048
+    assert budget({"type": "enabled", "budget_tokens": 2048}, budgets=False) is None  # no markers, or a forced call
+    assert budget({"type": "adaptive"}) is None and budget(None) is None

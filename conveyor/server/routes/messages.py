@@ -68,7 +68,8 @@ async def messages(body: MessagesRequest, raw: Request, serving: ServingDep) -> 
     reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
                                plan.mode in ("named", "required"), include=shown)
     message_id = new_id("msg")
-    requests = await serving.prepare(serving.build_requests, message_id, [prompt.ids], sampling_fields(body),
+    budgets = reasoning.parser is not None and serving.thinking_budgets and plan.mode not in ("named", "required")
+    requests = await serving.prepare(serving.build_requests, message_id, [prompt.ids], sampling_fields(body, budgets),
                                      body.max_tokens, None, "messages", constraint=(plan.constraint, "tools"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)
                                      or (reasoning.parser is not None and serving.keep_reasoning_special),
