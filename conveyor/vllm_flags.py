@@ -63,6 +63,7 @@ ALREADY_SO: dict[str, str] = {
     "--disable-log-requests": "requests are logged only with --enable-log-requests",
     "--disable-custom-all-reduce": "tensor parallelism all-reduces through torch.distributed, never a custom kernel",
     "--disable-frontend-multiprocessing": "the HTTP front end runs in the engine's process",
+    "--enable-server-load-tracking": "GET /load always reports the requests in flight",
 }
 # Of those, the ones that take a value: the flag and its value are taken.
 ALREADY_SO_WITH_VALUE: dict[str, str] = {

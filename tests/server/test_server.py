@@ -294,9 +294,11 @@ def test_dropped_clients_are_cancelled_and_free_their_cache(url: str, http: http
     aborted = metric(before, "conveyor:request_success_total", finish_reason="abort")
     long = {"model": "tiny", "max_tokens": 480, "ignore_eos": True, "temperature": 0}
 
+    assert http.get("/load").json() == {"server_load": 0}
     with http.stream("POST", "/v1/completions", json=long | {"prompt": "w7 w8", "stream": True}) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
+        assert http.get("/load").json() == {"server_load": 1}  # vLLM's, for load-aware routers
     # A non-streaming client that gives up once its request runs: it is cancelled too.
     payload = json.dumps(long | {"prompt": "w9 w10"}).encode()
     host, port = url.removeprefix("http://").split(":")

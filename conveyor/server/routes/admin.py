@@ -1,5 +1,5 @@
 """Operations routes, open without the API key except /v1/models: health (and vLLM's /ping, as SageMaker
-probes it), the version, Prometheus metrics, models (the base model's names, then the LoRA adapters, each
+probes it), the version, vLLM's /load, Prometheus metrics, models (the base model's names, then the LoRA adapters, each
 with the base as its `parent`, as vLLM lists them); and vLLM's development endpoint /reset_prefix_cache
 (VLLM_SERVER_DEV_MODE=1), behind the key."""
 
@@ -43,6 +43,13 @@ async def health(serving: ServingDep) -> Response:
 @router.get("/version")
 async def version() -> dict[str, str]:
     return {"version": importlib.metadata.version("conveyor")}
+
+
+@router.get("/load")
+async def load(serving: ServingDep) -> dict[str, int]:
+    """vLLM's server load, for load-aware routers: the engine requests accepted and not yet finished (a
+    request with `n` choices counts n)."""
+    return {"server_load": serving.in_flight}
 
 
 @router.get("/metrics", response_class=PrometheusResponse)
