@@ -211,6 +211,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     hf_overrides = json_object(args.hf_overrides, "--hf-overrides", '{"is_matryoshka": true}')
     reasoning = json_object(getattr(args, "reasoning_config", None), "--reasoning-config",
                             '{"reasoning_start_str": "<think>", "reasoning_end_str": "</think>"}')
+    structured = json_object(getattr(args, "structured_outputs_config", None), "--structured-outputs-config",
+                             '{"enable_in_reasoning": true}')
     return dict(model=model_from_args(args), dtype=args.dtype, quantization=args.quantization, device=args.device,
                 config=config_from_args(args), revision=args.revision, download_dir=args.download_dir,
                 gguf_file=args.gguf_file, hf_token=args.hf_token, tokenizer=args.tokenizer,
@@ -219,7 +221,8 @@ def llm_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
                 runner=args.runner, convert=args.convert, task=args.task, pooler_config=args.pooler_config,
                 hf_overrides=hf_overrides, enable_lora=args.enable_lora, max_loras=args.max_loras,
                 max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                reasoning_parser=getattr(args, "reasoning_parser", None), reasoning_config=reasoning)
+                reasoning_parser=getattr(args, "reasoning_parser", None), reasoning_config=reasoning,
+                structured_outputs_config=structured)
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -294,6 +297,10 @@ def add_tool_and_body_args(parser: argparse.ArgumentParser) -> None:
                        help="vLLM's reasoning markers for thinking_token_budget, over the parser's: "
                        "'{\"reasoning_start_str\": \"<think>\", \"reasoning_end_str\": \"</think>\"}' (the end "
                        "string is what a spent budget forces)")
+    group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                       help="vLLM's: '{\"enable_in_reasoning\": true}' applies output constraints from the first "
+                       "token, reasoning included (default: after the reasoning, where the markers are known); the "
+                       "backend is llguidance")
     group.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
                        help="chat template variables every chat request gets under its own chat_template_kwargs, "
                        "e.g. '{\"enable_thinking\": false}'")

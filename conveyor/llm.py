@@ -43,7 +43,8 @@ from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_
 from .reasoning.markers import ReasoningConfig
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
-from .thinking_budget import ReasoningMarkers
+from .structured.config import StructuredOutputsConfig
+from .reasoning_state import ReasoningMarkers
 from .vllm_flags import check_vllm_kwargs
 
 logger = logging.getLogger("conveyor")
@@ -114,7 +115,9 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
     generation_config: "auto" (the model's generation_config.json gives the defaults of what a request
         leaves unset), "vllm" (ignore it) or a directory; `override_generation_config` goes over it.
     reasoning_parser, reasoning_config: vLLM's: the model's reasoning markers (a parser's format, or
-        `ReasoningConfig` strings), which `SamplingParams.thinking_token_budget` counts and forces.
+        `ReasoningConfig` strings), which `SamplingParams.thinking_token_budget` counts and forces, and
+        after which a request's output constraint applies (unless `structured_outputs_config`, vLLM's,
+        says `enable_in_reasoning`).
     enable_lora, max_loras, max_lora_rank, max_cpu_loras: vLLM's multi-LoRA serving (docs/lora.md):
         `generate(..., lora_request=LoRARequest(name, id, path))`, `add_lora`.
     vllm_kwargs: vLLM's other engine arguments: those that ask for what Conveyor always does
@@ -141,7 +144,9 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
                  runner: str = "auto", convert: str = "auto",
                  task: str | None = None, pooler_config: PoolerConfig | dict[str, Any] | str | None = None,
                  hf_overrides: dict[str, Any] | None = None, reasoning_parser: str | None = None,
-                 reasoning_config: ReasoningConfig | dict[str, Any] | None = None, **vllm_kwargs: Any) -> None:
+                 reasoning_config: ReasoningConfig | dict[str, Any] | None = None,
+                 structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | None = None,
+                 **vllm_kwargs: Any) -> None:
         exit_if_spawned_rank()  # a script without the __main__ guard, re-run in a tensor-parallel rank
         lora_config = LoRAConfig.pop_kwargs(vllm_kwargs)
         for note in check_vllm_kwargs(vllm_kwargs):
@@ -162,7 +167,8 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
                                   f"batch_invariant={config.batch_invariant!r}: give one of them")
             config = replace(config, batch_invariant=batch_invariant)
         template = load_chat_template(chat_template) if chat_template is not None else None
-        reasoning = ReasoningConfig.of(reasoning_config, reasoning_parser)
+        self.structured_outputs_config = structured = StructuredOutputsConfig.of(structured_outputs_config)
+        reasoning = ReasoningConfig.of(reasoning_config, reasoning_parser or structured.reasoning_parser)
         pooler_settings = PoolerConfig.parse(pooler_config)
         if config.tensor_parallel_size > 1 and (hf_overrides or runner == "pooling" or task or convert != "auto"
                                                 or lora_config is not None):
@@ -235,6 +241,7 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
         net = run_on_fresh_thread(load) if self.device.type == "cpu" and config.tensor_parallel_size == 1 else load()
         if self.sharded is not None:  # a rank that dies while the loop is idle kills the engine at once
             self.sharded.on_failure(self.manager.kill)
+        self.engine.constrain_reasoning(self.structured_outputs_config.enable_in_reasoning)
         if reasoning is not None:
             self.set_reasoning_config(reasoning)
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),

@@ -22,7 +22,7 @@ import torch
 from .lora_request import LoRARequest
 from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
-from .thinking_budget import ThinkingBudget
+from .reasoning_state import ReasoningState
 
 # Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
 Prompt = str | list[int] | dict[str, Any]
@@ -277,8 +277,9 @@ class Request:
         # consumed exactly `output_token_ids`, which offloading never changes, so it stays valid across
         # soft resets and swaps (a reset recomputes K/V, it does not resample).
         self.grammar: llguidance.LLMatcher | None = None
-        # vLLM's thinking_token_budget: the reasoning counted and its end forced (set by the engine; None = none).
-        self.thinking: ThinkingBudget | None = None
+        # Where its reply stands against its reasoning block (`reasoning_state`; set by the engine for a thinking
+        # budget, or a grammar that applies after the reasoning; None = neither).
+        self.reasoning: ReasoningState | None = None
         # `params.bad_words` as token sequences (set by the engine, which has the tokenizer).
         self.bad_words_token_ids: list[list[int]] = []
         self.cache_salt: str | None = None  # vLLM's: cached blocks are shared only between equal salts
@@ -325,14 +326,26 @@ class Request:
 
     @property
     def forced_token(self) -> int | None:
-        """The token this step must give (a thinking budget's forced end), or None."""
-        return self.thinking.forced_token if self.thinking is not None else None
+        """The token this step must give (a reasoning marker's, forced), or None."""
+        return self.reasoning.forced_token if self.reasoning is not None else None
+
+    @property
+    def active_grammar(self) -> llguidance.LLMatcher | None:
+        """The grammar that masks this step's token: None inside the reasoning and its markers."""
+        if self.grammar is None or (self.reasoning is not None and not self.reasoning.grammar_applies):
+            return None
+        return self.grammar
+
+    @property
+    def opening_token(self) -> int | None:
+        """A token this step may take besides its grammar's (the reasoning's start, at the reply's start)."""
+        return self.reasoning.opening_token if self.reasoning is not None else None
 
     @property
     def runs_synchronously(self) -> bool:
-        """Whether its next step's sampling depends on the token just sampled (a grammar, a thinking budget):
+        """Whether its next step's sampling depends on the token just sampled (a grammar, reasoning followed):
         its steps do not run ahead (async batching waits)."""
-        return self.grammar is not None or self.thinking is not None
+        return self.grammar is not None or self.reasoning is not None
 
     @property
     def restricts_tokens(self) -> bool:

@@ -95,7 +95,7 @@ class SamplingParams:
     after which a request still waiting or running ends with finish reason "timeout" and its blocks go
     back (the server's `--request-timeout` default); None: no deadline. priority (vLLM's): with priority
     scheduling, lower runs first, ties by arrival (any value but 0 needs it). thinking_token_budget (vLLM's): at
-    most this many tokens of reasoning, then the end of the block is forced (`thinking_budget`; needs the
+    most this many tokens of reasoning, then the end of the block is forced (`reasoning_state`; needs the
     engine's reasoning markers: `LLM(reasoning_parser=...)`); -1 or None: no limit.
 
     n (vLLM's): samples per prompt, for `LLM.generate` and `LLM.chat`, each its own request (with a seed,

@@ -30,7 +30,6 @@ UNSUPPORTED: dict[str, str] = {
     "--no-enable-chunked-prefill": "prefill is always chunked, --max-num-batched-tokens tokens a step: raise that "
                                    "to prefill longer prompts in one step",
     "--guided-decoding-backend": "structured outputs always run on llguidance: drop the flag",
-    "--structured-outputs-config": "structured outputs always run on llguidance: drop the flag",
     "--limit-mm-per-prompt": "Conveyor serves text-only models; multimodal inputs are not supported",
     "--allowed-local-media-path": "Conveyor serves text-only models; multimodal inputs are not supported",
     "--middleware": "middleware is not loaded from import paths: put it in a proxy in front, or wrap "

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conveyor.bench.launch import add_launch_arguments, launch_options, launched_server
+from conveyor.sampling_params import STRUCTURED_OUTPUT_KINDS
 from tools import has_requirements
 
 LIMITS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "min_tokens": 4, "n": 3}  # at most
@@ -85,8 +86,8 @@ class FuzzReport:
 
 def clamp(body: Any, fill_max_tokens: bool = True) -> Any:
     """Shorten what would only make generation long, keeping each value valid if it was, drop a deadline
-    (`DROPPED`), and make "none" a tool_choice that asks for a tool the body does not give (a 400 the schema
-    cannot state). fill_max_tokens: an absent max_tokens means the rest of the context (not where it is
+    (`DROPPED`) and a `structured_outputs` that is not one kind of constraint, and make "none" a tool_choice
+    that asks for a tool the body does not give (400s the schema cannot state). fill_max_tokens: an absent max_tokens means the rest of the context (not where it is
     required: Anthropic's)."""
     if not isinstance(body, dict):
         return body
@@ -106,6 +107,9 @@ def clamp(body: Any, fill_max_tokens: bool = True) -> Any:
         body["max_tokens"] = LIMITS["max_tokens"]  # absent or null = the rest of the context: minutes on a CPU
     if "input" in body and body.get("max_output_tokens") is None:
         body["max_output_tokens"] = LIMITS["max_output_tokens"]  # the Responses API's name for it
+    constraint = body.get("structured_outputs")
+    if isinstance(constraint, dict) and (len(constraint) != 1 or set(constraint) - set(STRUCTURED_OUTPUT_KINDS)):
+        del body["structured_outputs"]  # names no one kind of constraint: a 400 the schema cannot state
     choice, tools = body.get("tool_choice"), body.get("tools")
     given = {_tool_name(t) for t in tools} if isinstance(tools, list) else set()
     if isinstance(_tool_name(choice), str) and _tool_name(choice) not in given:  # a tool not given

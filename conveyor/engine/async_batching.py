@@ -45,13 +45,14 @@ PLACEHOLDER = -1  # a sampled token not read back yet
 class SamplingView:
     """What the sampler reads of a request, with its output history frozen when the step was prepared."""
 
-    __slots__ = ("bad_words_token_ids", "forced_token", "generator", "grammar", "output_token_ids", "params",
-                 "prompt_token_ids", "request_id", "restricts_tokens", "stop_token_ids")
+    __slots__ = ("active_grammar", "bad_words_token_ids", "forced_token", "generator", "grammar", "opening_token",
+                 "output_token_ids", "params", "prompt_token_ids", "request_id", "restricts_tokens", "stop_token_ids")
 
     def __init__(self, request: Request) -> None:
         self.request_id, self.params, self.generator = request.request_id, request.params, request.generator
-        # None: constrained and budgeted requests run synchronous steps (Engine.step)
-        self.grammar, self.forced_token = request.grammar, request.forced_token
+        # None: constrained requests and those whose reasoning is followed run synchronous steps (Engine.step)
+        self.grammar, self.active_grammar = request.grammar, request.active_grammar
+        self.forced_token, self.opening_token = request.forced_token, request.opening_token
         self.prompt_token_ids, self.stop_token_ids = request.prompt_token_ids, request.stop_token_ids
         self.bad_words_token_ids, self.restricts_tokens = request.bad_words_token_ids, request.restricts_tokens
         self.output_token_ids = list(request.output_token_ids)

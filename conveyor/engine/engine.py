@@ -33,7 +33,7 @@ from ..sampling_params import SamplingParams
 from ..sched.output import SchedulerOutput
 from ..sched.scheduler import make_scheduler
 from ..speculative import Speculator
-from ..thinking_budget import ReasoningMarkers
+from ..reasoning_state import ReasoningMarkers
 from .async_batching import AsyncPipeline
 from .deadlines import Deadlines, timeout_message
 from .draft_runner import DraftProposer, draft_bytes_per_chunk
@@ -184,8 +184,14 @@ class Engine:
     def reasoning_markers(self) -> ReasoningMarkers | None:
         return self.input_processor.reasoning_markers
 
+    def constrain_reasoning(self, on: bool) -> None:
+        """vLLM's `enable_in_reasoning`: output constraints apply from the first token, reasoning included,
+        rather than after the reasoning, for requests made next."""
+        self.input_processor.constraints_in_reasoning = on
+
     def set_reasoning_markers(self, markers: ReasoningMarkers | None) -> None:
-        """What a thinking_token_budget counts and forces (`LLM(reasoning_parser=...)`), for requests made next."""
+        """What a thinking_token_budget counts and forces, and after which a grammar applies
+        (`LLM(reasoning_parser=...)`), for requests made next."""
         self.input_processor.reasoning_markers = markers
 
     def add_request(self, request: Request) -> None:

@@ -20,7 +20,7 @@ from ..pooling_params import PoolingParams
 from ..request import Prompt, Request
 from ..sampling_params import SamplingParams
 from ..structured.constraints import Constraints
-from ..thinking_budget import ReasoningMarkers, ThinkingBudget
+from ..reasoning_state import ReasoningMarkers, ReasoningState
 
 
 # What a pooling request carries as sampling parameters: it never samples (its result is its pooled prompt).
@@ -51,7 +51,9 @@ class InputProcessor:
         self.pooler = pooler
         self.matryoshka = matryoshka
         self.unseeded = itertools.count()  # arrival numbers of sampled requests without a seed (atomic next)
-        self.reasoning_markers: ReasoningMarkers | None = None  # what a thinking_token_budget counts and forces
+        # What a thinking_token_budget counts and forces, and where a grammar starts (after the reasoning)
+        self.reasoning_markers: ReasoningMarkers | None = None
+        self.constraints_in_reasoning = False  # vLLM's enable_in_reasoning: a grammar masks the reasoning too
 
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
         """Tokenize and validate; raises InvalidRequestError naming the limit."""
@@ -84,25 +86,27 @@ class InputProcessor:
                                       "structured_outputs") from exc
         request = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids)
         request.grammar = grammar
-        if params.thinking_token_budget is not None:
-            request.thinking = self.thinking_budget(params, token_ids)
+        gated = grammar is not None and self.reasoning_markers is not None and not self.constraints_in_reasoning
+        if params.thinking_token_budget is not None or gated:
+            request.reasoning = self.reasoning_state(params, token_ids, gated)
         request.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         request.cache_salt = self.cache_salt(prompt)
         if not params.greedy and (params.seed is not None or self.seed is not None):
             request.generator = torch.Generator(device=self.device).manual_seed(self.request_seed(params))
         return request
 
-    def thinking_budget(self, params: SamplingParams, token_ids: list[int]) -> ThinkingBudget:
+    def reasoning_state(self, params: SamplingParams, token_ids: list[int], gated: bool) -> ReasoningState:
+        """A request's reasoning followed: for its thinking budget, and where its grammar starts (`gated`)."""
         markers = self.reasoning_markers
         if markers is None:
             raise InvalidRequestError("thinking_token_budget needs the model's reasoning markers: start the engine "
                                       "with reasoning_parser=NAME or reasoning_config (--reasoning-parser, "
                                       "--reasoning-config)", param="thinking_token_budget")
-        if params.structured_outputs is not None:
-            raise InvalidRequestError("thinking_token_budget does not combine with structured_outputs: a constrained "
-                                      "output is matched from its first token, with no reasoning block",
+        if params.structured_outputs is not None and not gated:
+            raise InvalidRequestError("thinking_token_budget with structured_outputs needs the constraint after the "
+                                      "reasoning, not in it (structured_outputs_config enable_in_reasoning is on)",
                                       param="thinking_token_budget")
-        return ThinkingBudget(markers, params.thinking_token_budget or 0, token_ids)
+        return ReasoningState(markers, token_ids, params.thinking_token_budget, gated)
 
     def make_pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams) -> Request:
         """A pooling engine's request (prefill only: the prompt may fill the whole context); raises

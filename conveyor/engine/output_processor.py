@@ -127,8 +127,7 @@ class OutputProcessor:
             request.metrics.first_token_time = now
         if request.logprobs is not None:
             request.logprobs.append(logprob or {})
-        if request.thinking is not None:
-            request.thinking.advance(token)
+        answer = request.reasoning.advance(token) if request.reasoning is not None else True
         may_stop = len(request.output_token_ids) > request.params.min_tokens
         if token in request.stop_token_ids and may_stop:
             request.stop_reason = token if token in request.params.stop_token_ids else None
@@ -137,7 +136,7 @@ class OutputProcessor:
         delta = self.detokenize(request, token) if request.params.detokenize else ""
         if delta and may_stop and request.params.stop and truncate_at_stop(request, len(delta)):
             self.finish(request, RequestState.FINISHED, "stop", None)
-        elif request.grammar is not None and grammar_complete(request.grammar, token):
+        elif answer and request.grammar is not None and grammar_complete(request.grammar, token):
             self.finish(request, RequestState.FINISHED, "stop", None)
         elif len(request.output_token_ids) >= request.params.max_new_tokens or request.num_tokens >= self.max_model_len:
             self.finish(request, RequestState.FINISHED, "length", None)

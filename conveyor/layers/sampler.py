@@ -15,7 +15,9 @@ waits for the GPU until `SampledBatch.to_host` reads the tokens (and the logprob
 one copy: the step's only host sync (`start_copy` queues that copy early, so async batching can
 launch the next step before waiting for it).
 
-A row with a forced token (a thinking budget's end, `thinking_budget`) takes it whatever it drew.
+A row with a forced token (a reasoning marker's, `reasoning_state`) takes it whatever it drew; a grammar
+masks a row only outside its reasoning, and a row that may open its reasoning keeps the start marker's
+first token beside the grammar's.
 
 Structured outputs, logit_bias, allowed_token_ids and bad_words edit the logits before sampling: the
 bias added, the tokens a row may not take set to -inf, then the constrained rows' grammar masks
@@ -106,7 +108,7 @@ class Sampler:
                     or len(r.output_token_ids) < p.min_tokens]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         restricted = [i for i, r in enumerate(requests) if r.restricts_tokens]
-        grammars = [r.grammar for r in requests]
+        grammars = [r.active_grammar for r in requests]
         constrained = any(g is not None for g in grammars)
         wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
         if adjusted or wanted and (biased or restricted or constrained):  # else they edit the logits in place
@@ -117,8 +119,11 @@ class Sampler:
             self._add_logit_bias(logits, [(i, params[i].logit_bias) for i in biased])
         for i in restricted:
             self._restrict_row(logits[i], requests[i])
-        if constrained:  # last: nothing after it may lift a masked token
+        if constrained:  # last: nothing after it may lift a masked token, but the reasoning's opening
+            opening = [(i, r.opening_token) for i, r in enumerate(requests) if r.opening_token is not None]
+            kept = self._opening_logits(logits, opening)
             self._grammar_masks(logits.shape[1]).apply(logits, grammars)
+            self._opening_logits(logits, opening, kept)
         native = native_sampling(device)
         if native is not None:  # greedy and sampled rows in one native pass
             tokens = Sampler.native_rows(native, logits, requests, Sampler.uniforms(requests, device))
@@ -142,6 +147,19 @@ class Sampler:
             batch.chosen = lp.gather(1, tokens.index_select(0, rows).unsqueeze(1)).squeeze(1)
             batch.ranks = (lp >= batch.chosen.unsqueeze(1)).sum(dim=1)
         return batch
+
+    @staticmethod
+    def _opening_logits(logits: torch.Tensor, opening: list[tuple[int, int]],
+                        kept: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The (row, token) logits of rows that may open their reasoning beside their grammar's tokens: read
+        before the masks (`kept` None), written back after them."""
+        if not opening:
+            return None
+        rows, tokens = (to_device(list(v), torch.long, logits.device) for v in zip(*opening))
+        if kept is None:
+            return logits[rows, tokens].clone()
+        logits[rows, tokens] = kept
+        return kept
 
     def _grammar_masks(self, vocab_size: int) -> GrammarMasks:
         """Made on the first constrained batch (llguidance is imported only when a grammar is used)."""

@@ -1,5 +1,5 @@
 """vLLM's `ReasoningConfig`: the reasoning markers a `thinking_token_budget` counts between and forces,
-as token ids of the model's tokenizer (`thinking_budget.ReasoningMarkers`).
+as token ids of the model's tokenizer (`reasoning_state.ReasoningMarkers`).
 
 The markers come from a reasoning parser's format (`reasoning_parser`: its first start marker, its end
 markers) or from the strings given (`reasoning_start_str`, `reasoning_end_str`; the end string is what
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..thinking_budget import Marker, ReasoningMarkers
+from ..reasoning_state import Marker, ReasoningMarkers
 from . import get_reasoning_parser
 from .base import BlockParser
 

@@ -116,7 +116,7 @@ def tool_plan(body: CountTokensRequest, parser: type[ToolParser], auto_enabled: 
 
 def sampling_fields(body: MessagesRequest, budgets: bool = False) -> SamplingFields:
     """The body's sampling options as the fields chat completions build requests from; `budgets`: the
-    engine enforces thinking budgets for this reply (reasoning markers, an unforced reply), so that
+    engine enforces thinking budgets (it knows the reasoning markers), so that
     `thinking.budget_tokens` caps its thinking (`thinking_token_budget`)."""
     thinking = body.thinking
     budget = thinking.budget_tokens if budgets and thinking is not None and thinking.type == "enabled" else None

@@ -9,7 +9,8 @@ use of them; the Responses API's `responses.items.OutputBuilder` and the Message
     options = template_options(kwargs, serving.settings.default_chat_template_kwargs)
     prompt = await serving.prepare(serving.render_chat_prompt, messages, tool_plan, **options)
     reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
-                               constrained)  # build_requests(keep_special=... or serving.keep_reasoning_special)
+                               constrained and not serving.constraints_after_reasoning)
+    # build_requests(keep_special=... or serving.keep_reasoning_special)
     split = reasoning.reply()  # per choice; None when the server splits nothing
     thought, answer = split.feed(out.text, out.finished)  # deltas; the answer so far goes to ToolReply.feed
 
@@ -17,10 +18,12 @@ The APIs without `chat_template_kwargs` turn thinking on or off with their own f
 API's `reasoning.effort`, the Messages API's `thinking`): `switch_kwargs` sets the switches the
 template reads, and none where it reads none, so that the template's default stands.
 
-A constrained reply (`response_format`, a grammar, a forced tool call) is read from its first
-token, which the constraint writes: its reasoning is split only where the constraint itself opens
-the block, never because the prompt left it open (vLLM starts the constraint after the reasoning;
-here it starts at once).
+A constrained reply (`response_format`, a grammar, a forced tool call) reasons first, as vLLM's, where
+the engine knows the parser's markers (`Serving.constraints_after_reasoning`): the constraint applies
+to the answer after the block (`reasoning_state`), and the reply is read as an unconstrained one.
+Elsewhere (gpt-oss's channels without `--reasoning-config`; vLLM's `enable_in_reasoning`) it is read
+from its first token, which the constraint writes: its reasoning is split only where the constraint
+itself opens the block.
 """
 
 from __future__ import annotations
@@ -106,7 +109,8 @@ class ReasoningPlan:
 def plan_reasoning(parser: type[ReasoningParser] | None, prompt: str, chat_template_kwargs: dict[str, Any] | None,
                    constrained: bool, include: bool = True) -> ReasoningPlan:
     """The plan for a request rendered to `prompt`, with its template kwargs; `constrained`: its output
-    is constrained from the first token (a reply that begins outside any block)."""
+    is constrained from the first token (a reply that begins outside any block; not where the engine
+    follows the reasoning, whose constraint starts after it)."""
     if parser is None:
         return ReasoningPlan()
     if constrained:

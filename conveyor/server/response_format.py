@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..sampling_params import StructuredOutputsParams
+from ..sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 from ..structured.strict import close_schema
 from .protocol import APIError, SamplingFields
 
@@ -43,6 +43,10 @@ def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | Non
     if body.json_schema is not None:
         return StructuredOutputsParams(json=body.json_schema), "json_schema"
     if extra:
+        unknown = sorted(set(extra) - set(STRUCTURED_OUTPUT_KINDS))
+        if unknown:
+            raise APIError(400, f"invalid {field}: unknown field(s) {unknown}; give one of "
+                           f"{', '.join(STRUCTURED_OUTPUT_KINDS)}", param=field)
         try:
             return StructuredOutputsParams(**extra), field
         except (TypeError, ValueError) as exc:

@@ -227,8 +227,14 @@ class Serving:
 
     @property
     def thinking_budgets(self) -> bool:
-        """Whether requests' thinking_token_budget is enforced (the engine knows the reasoning markers)."""
+        """Whether requests' thinking budgets are enforced (the engine knows the reasoning markers)."""
         return self.llm.reasoning_markers is not None
+
+    @property
+    def constraints_after_reasoning(self) -> bool:
+        """Whether an output constraint applies after the reply's reasoning (the markers known, and not vLLM's
+        enable_in_reasoning), so that a constrained reply is read as any other."""
+        return self.thinking_budgets and not self.llm.structured_outputs_config.enable_in_reasoning
 
     # -- building requests ------------------------------------------------------------------
     async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -23,7 +23,7 @@ TOOLS = REPO / "tools"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("kernels", ("conveyor.kernels",)),
     ("base", ("conveyor.errors", "conveyor.sampling_params", "conveyor.pooling_params", "conveyor.lora_request",
-              "conveyor.thinking_budget", "conveyor.request")),
+              "conveyor.reasoning_state", "conveyor.request")),
     ("cache", ("conveyor.cache",)),
     ("sched", ("conveyor.sched",)),
     ("structured", ("conveyor.structured",)),

@@ -18,6 +18,7 @@ from conveyor.cli_args import (SERVE_MAX_BATCH_TOKENS, add_engine_args, config_f
 from conveyor.errors import ConfigError
 from conveyor.scaleout.launch import forwarded_options
 from conveyor.server import BackgroundServer, ServerSettings
+from conveyor.structured.config import StructuredOutputsConfig
 from conveyor.vllm_flags import ALREADY_SO, UNSUPPORTED, check_vllm_flags, expand_config_file
 
 from tests.serving_helpers import serve_parser
@@ -213,6 +214,13 @@ def test_reasoning_parser_and_default_template_kwargs_flags(capsys: pytest.Captu
     kwargs = llm_kwargs_from_args(serve_parser().parse_args(["--reasoning-parser", "qwen3", "--reasoning-config",
                                                              '{"reasoning_end_str": "Done.</think>"}']))
     assert (kwargs["reasoning_parser"], kwargs["reasoning_config"]) == ("qwen3", {"reasoning_end_str": "Done.</think>"})
+    kwargs = llm_kwargs_from_args(serve_parser().parse_args(["--structured-outputs-config",
+                                                             '{"enable_in_reasoning": true, "backend": "guidance"}']))
+    assert StructuredOutputsConfig.of(kwargs["structured_outputs_config"]).enable_in_reasoning
+    for bad, words in (({"backend": "xgrammar"}, "llguidance"), ({"disable_any_whitespace": True}, "not supported"),
+                       ({"enable_in_reasoning": "yes"}, "boolean"), ({"in_reasoning": True}, "takes backend")):
+        with pytest.raises(ValueError, match=words):
+            StructuredOutputsConfig.of(bad)
 
 
 def test_pooling_flags_reach_the_llm(tiny_llama: TinyModel, capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,7 +28,9 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "ob
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(dtype="float32", chat_template=THINK_TEMPLATE)
+    """Constraints from the first token, reasoning included (vLLM's enable_in_reasoning): they script replies
+    whose blocks the parser reads (test_server_reasoning_apis has the default, a constraint after them)."""
+    return LLM(dtype="float32", chat_template=THINK_TEMPLATE, structured_outputs_config={"enable_in_reasoning": True})
 
 
 @pytest.fixture(scope="module")

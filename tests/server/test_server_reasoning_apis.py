@@ -146,12 +146,19 @@ def test_earlier_reasoning_goes_back_to_the_template(client: openai.OpenAI, llm:
     settles(llm)
 
 
-def test_a_forced_call_is_read_from_its_first_token(client: openai.OpenAI, llm: LLM) -> None:
+def test_a_forced_call_follows_the_reasoning(client: openai.OpenAI, llm: LLM) -> None:
+    """As vLLM's: the constraint applies after the block the prompt opened (here cut by a budget)."""
     tool = {"type": "function", "name": "get_weather", "parameters": WEATHER, "strict": True}
-    reply = client.responses.create(model="smol", input="Weather in Paris?", max_output_tokens=40, temperature=0,
-                                    tools=[tool], tool_choice={"type": "function", "name": "get_weather"})
-    [call] = reply.output  # the constraint writes the reply: no reasoning in it
+    ask = "Weather in Paris?"
+    kwargs = {"model": "smol", "input": ask, "max_output_tokens": 48, "temperature": 0, "tools": [tool],
+              "tool_choice": {"type": "function", "name": "get_weather"}}
+    reply = client.responses.create(**kwargs, extra_body={"thinking_token_budget": 4})
+    thought, call = reply.output
+    assert thought.type == "reasoning" and 0 < len(llm.tokenizer.encode(thought.content[0].text)) <= 4
     assert call.type == "function_call" and call.name == "get_weather" and set(json.loads(call.arguments)) == {"city"}
+    off = client.responses.create(**kwargs, reasoning={"effort": "none"})  # the template closes the block
+    [call] = off.output  # the constraint writes the whole reply
+    assert call.type == "function_call" and set(json.loads(call.arguments)) == {"city"}
     settles(llm)
 
 
@@ -198,8 +205,8 @@ def test_thinking_disabled_is_text_only(sdk: anthropic.Anthropic, llm: LLM) -> N
 def test_a_forced_tool_use_and_earlier_thinking(sdk: anthropic.Anthropic, llm: LLM) -> None:
     tool = {"name": "get_weather", "input_schema": WEATHER}
     message, _ = create(sdk, False, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[tool],
-                        tool_choice={"type": "tool", "name": "get_weather"})
-    [use] = message.content  # the constraint writes the reply: no thinking in it
+                        tool_choice={"type": "tool", "name": "get_weather"}, thinking={"type": "disabled"})
+    [use] = message.content  # thinking off (Anthropic's rule with a forced tool): the constraint writes the reply
     assert use.type == "tool_use" and set(use.input) == {"city"} and message.stop_reason == "tool_use"
     turns = [{"role": "user", "content": "Weather in Paris?"},
              {"role": "assistant", "content": [{"type": "thinking", "thinking": "Look it up.", "signature": ""},
@@ -227,10 +234,10 @@ def test_a_thinking_budget_cuts_the_reasoning_and_the_answer_follows(client: ope
                                                extra_body={"thinking_token_budget": -1})
     assert unbounded.choices[0].message.model_dump()["reasoning_content"] == Qwen3Parser(
         llm.render_chat_text(ask, chat_template_kwargs=NOTE)).parse(free.outputs[0].text)[0]
-    with pytest.raises(openai.BadRequestError, match="structured_outputs") as refused:
-        client.chat.completions.create(model="smol", messages=ask, max_tokens=8, extra_body={
-            "thinking_token_budget": 3, "structured_outputs": {"choice": ["Paris"]}})
-    assert refused.value.body["param"] == "thinking_token_budget"
+    chosen = client.chat.completions.create(model="smol", messages=ask, max_tokens=40, temperature=0, extra_body={
+        "thinking_token_budget": 3, "structured_outputs": {"choice": ["Paris", "Rome"]}}).choices[0].message
+    assert chosen.model_dump()["reasoning_content"] == message["reasoning_content"]  # the constraint after it
+    assert chosen.content in ("Paris", "Rome")
     settles(llm)
 
 

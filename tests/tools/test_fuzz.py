@@ -58,6 +58,8 @@ def test_clamp_keeps_values_valid_and_short() -> None:
     tools = [{"type": "function", "name": "f"}]
     named = {"input": "hi", "tools": tools, "tool_choice": {"type": "function", "name": "g"}}
     assert clamp(named)["tool_choice"] == "none"  # names no tool given: a 400 the schema cannot foresee
+    assert "structured_outputs" not in clamp({"input": "hi", "structured_outputs": {"x": 1}})
+    assert clamp({"input": "hi", "structured_outputs": {"regex": "a+"}})["structured_outputs"] == {"regex": "a+"}
     kept = {"input": "hi", "tools": tools, "tool_choice": {"type": "function", "name": "f"}}
     assert clamp(dict(kept))["tool_choice"] == kept["tool_choice"]
     chat = {"messages": [], "tools": [{"type": "function", "function": {"name": "f"}}],

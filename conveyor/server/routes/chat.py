@@ -56,7 +56,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, serving: S
     constraint = plan.constraint
     constrained = constraint is not None or body_constraint(body)[0] is not None
     reasoning = plan_reasoning(None if body.reasoning_format == "none" else serving.reasoning_parser, prompt.text,
-                               options["chat_template_kwargs"], constrained, body.include_reasoning)
+                               options["chat_template_kwargs"],
+                               constrained and not serving.constraints_after_reasoning, body.include_reasoning)
     rid, created = new_id("chatcmpl"), int(time.time())
     head = {"id": rid, "object": "chat.completion", "created": created, "model": serving.reply_model(adapter)}
     replies = [ChatReply(reasoning, plan, *role_and_echo(body, serving.settings.response_role)) for _ in range(body.n)]

@@ -66,9 +66,10 @@ async def messages(body: MessagesRequest, raw: Request, serving: ServingDep) -> 
     prompt, options = await serving.prepare(render, serving, body, plan)
     shown = body.thinking is None or body.thinking.display != "omitted"
     reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
-                               plan.mode in ("named", "required"), include=shown)
+                               plan.mode in ("named", "required") and not serving.constraints_after_reasoning,
+                               include=shown)
     message_id = new_id("msg")
-    budgets = reasoning.parser is not None and serving.thinking_budgets and plan.mode not in ("named", "required")
+    budgets = reasoning.parser is not None and serving.thinking_budgets
     requests = await serving.prepare(serving.build_requests, message_id, [prompt.ids], sampling_fields(body, budgets),
                                      body.max_tokens, None, "messages", constraint=(plan.constraint, "tools"),
                                      keep_special=(plan.mode == "auto" and serving.keep_special)

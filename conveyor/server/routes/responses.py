@@ -81,8 +81,8 @@ async def create_response(body: ResponsesRequest, raw: Request, serving: Serving
                                serving.settings.default_chat_template_kwargs)
     prompt = await fitting_prompt(serving, body, instructions, conversation, plan, options)
     reasoning = plan_reasoning(serving.reasoning_parser, prompt.text, options["chat_template_kwargs"],
-                               forced is not None or text is not None or body.structured_outputs is not None,
-                               body.include_reasoning)
+                               (forced is not None or text is not None or body.structured_outputs is not None)
+                               and not serving.constraints_after_reasoning, body.include_reasoning)
     response_id = f"resp_{uuid.uuid4().hex}"
     logprobs = (body.top_logprobs or 0) if body.wants_logprobs() else None
     requests = await serving.prepare(serving.build_requests, response_id, [prompt.ids], sampling_fields(body),
