@@ -39,12 +39,12 @@ from .lora_llm import LoRAMethods, per_prompt
 from .lora_request import LoRAConfig, LoRARequest
 from .pooling_llm import PoolingMethods
 from .pooling_params import PoolerConfig
-from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_prompt_samples, prompt_list
 from .reasoning.markers import ReasoningConfig
+from .reasoning_state import ReasoningMarkers
+from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_prompt_samples, prompt_list
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
 from .structured.config import StructuredOutputsConfig
-from .reasoning_state import ReasoningMarkers
 from .vllm_flags import check_vllm_kwargs
 
 logger = logging.getLogger("conveyor")

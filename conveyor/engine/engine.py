@@ -28,12 +28,12 @@ from ..lora_request import LoRAConfig, LoRARequest
 from ..models.base import CausalLM
 from ..models.batch_invariance import make_batch_invariant
 from ..pooling_params import PoolingParams
+from ..reasoning_state import ReasoningMarkers
 from ..request import Prompt, Request, RequestState
 from ..sampling_params import SamplingParams
 from ..sched.output import SchedulerOutput
 from ..sched.scheduler import make_scheduler
 from ..speculative import Speculator
-from ..reasoning_state import ReasoningMarkers
 from .async_batching import AsyncPipeline
 from .deadlines import Deadlines, timeout_message
 from .draft_runner import DraftProposer, draft_bytes_per_chunk
@@ -145,7 +145,7 @@ class Engine:
         self._resume_state: dict[str, RequestState] = {}  # swapped request -> its state when swapped out
         self.requests: dict[str, Request] = {}
         self.deadlines = Deadlines()  # requests with a request_timeout
-        self._constrained = 0  # requests in `requests` with a grammar or a thinking budget (no async batching)
+        self._constrained = 0  # requests in `requests` that run synchronously (they turn async batching off)
         kinds = ", ".join(f"{n} {t} group(s)" for t, n in Counter(t for t, _ in groups).items())
         logger.info("KV cache (%s): %d chunks of %d tokens x %d layers (%s) = %d tokens; %.0f MiB kept for working "
                     "memory; prefix caching %s; swap pool %d chunks", config.kv_cache_dtype, self.pool.num_usable, page,

@@ -17,10 +17,10 @@ from transformers import PreTrainedTokenizerBase
 from ..errors import InvalidRequestError, RequestErrorCode
 from ..layers.pooler import Pooler
 from ..pooling_params import PoolingParams
+from ..reasoning_state import ReasoningMarkers, ReasoningState
 from ..request import Prompt, Request
 from ..sampling_params import SamplingParams
 from ..structured.constraints import Constraints
-from ..reasoning_state import ReasoningMarkers, ReasoningState
 
 
 # What a pooling request carries as sampling parameters: it never samples (its result is its pooled prompt).

@@ -77,11 +77,12 @@ class Serving:
         self.reasoning_parser = get_reasoning_parser(name) if name else None
         self.keep_reasoning_special = self.reasoning_parser is not None and drops_a_marker(self.tokenizer,
                                                                                            self.reasoning_parser)
-        if name and llm.reasoning_markers is None:  # an LLM built without them: the parser's, for thinking budgets
+        if name and llm.reasoning_markers is None:  # an LLM built without them: the parser's (`reasoning_state`)
             try:
                 llm.set_reasoning_config({"reasoning_parser": name})
             except ValueError as exc:
-                logger.info("thinking_token_budget is refused: %s", exc)
+                logger.info("%s: thinking_token_budget is refused, and output constraints apply from the first "
+                            "token", exc)
         self.ignored_fields: set[str] = set()  # request fields logged as ignored (once per name)
         self.max_model_len = llm.max_model_len
         self.max_logprobs = llm.vocab_size if settings.max_logprobs == -1 else settings.max_logprobs
