@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                      "Hub id (org/name) is the model")
     sampling = gen.add_argument_group("sampling (default: the generation config's, else greedy, 128 tokens)")
     sampling.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
-    sampling.add_argument("--max-new-tokens", type=int, default=None)
+    sampling.add_argument("--max-new-tokens", "--max-tokens", type=int, default=None,
+                          help="tokens to generate at most (--max-tokens: vLLM's name)")
     sampling.add_argument("--temperature", type=float, default=None)
     sampling.add_argument("--top-k", type=int, default=None)
     sampling.add_argument("--top-p", type=float, default=None)

@@ -43,6 +43,9 @@ def test_generate_takes_the_model_first(tiny_llama: TinyModel, capsys: pytest.Ca
     assert "### w5 w6 w7\n" in first and "### w8\n" in first and "[3 tokens, finish_reason=length]" in first
     assert main(["generate", "--model", str(tiny_llama.path), "w5 w6 w7", "w8", *common]) == 0
     assert capsys.readouterr().out == first  # greedy: the same text either way
+    vllm_named = [a if a != "--max-new-tokens" else "--max-tokens" for a in common]  # vLLM's name
+    assert main(["generate", str(tiny_llama.path), "w5 w6 w7", "w8", *vllm_named]) == 0
+    assert capsys.readouterr().out == first
     assert main(["generate", str(tiny_llama.path), "w5", "--max-model-len", "100000", *common]) == 2
     assert "max_model_len=100000 is larger than the model's context length of 512" in capsys.readouterr().err
 
