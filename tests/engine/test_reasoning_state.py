@@ -67,6 +67,11 @@ def test_a_gated_grammar_sees_the_answer_only() -> None:
     assert closed.opening_token is None and closed.grammar_applies
     zero = ReasoningState(MARKERS, [1], 0, gated=True)  # opened at the start with nothing to spend: closed at once
     assert run(zero, [7, 20, 11, 12, 13]) == [7, 8, 5, 9, 13]
+    answer = []
+    special = ReasoningMarkers(starts=((7,),), ends=(END,), forced=END)  # Qwen3's: one special token each
+    qwen = ReasoningState(special, [1], 2, gated=True)
+    assert qwen.opening_token == 7 and run(qwen, [7, 11, 12, 13, 14], answer) == [7, 11, 12, 9, 14]
+    assert answer == [14]
 
 
 def test_markers_from_a_parser_or_strings() -> None:
