@@ -1,4 +1,4 @@
-"""`LLM`'s pooling entry points, vLLM's: `embed`, `classify` and `score` on a model loaded with
+"""`LLM`'s pooling entry points, vLLM's: `embed`, `classify`, `score` and `encode` on a model loaded with
 `runner="pooling"` (docs/python-api.md), and what a server reads of a pooling model (its task, the
 pair prompts scoring makes, cosine similarity). Requests go through the manager as generations do.
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from .engine.engine import Engine
@@ -21,6 +23,8 @@ from .request import (
     ClassificationRequestOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     Prompt,
     Request,
     RequestOutput,
@@ -62,6 +66,23 @@ class PoolingMethods:
         self._need_task("classify", "classify")
         outs = self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
         return [ClassificationRequestOutput(o.request_id, ClassificationOutput(o.pooled or []), o.prompt_token_ids)
+                for o in outs]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
+               pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: what `embed` or `classify` gives for the model's task, each output's
+        `outputs.data` a tensor. `pooling_task`, if given, must be that task; vLLM's per-token tasks
+        ("token_embed", "token_classify") are not served."""
+        task = self.pooling_task
+        if pooling_task in ("token_embed", "token_classify"):
+            raise ValueError(f"pooling_task {pooling_task!r}: per-token pooling is not supported; this model pools "
+                             f"each prompt to one vector ({task or 'embed or classify'})")
+        if pooling_task is not None and task is not None and pooling_task != task:
+            raise ValueError(f"pooling_task {pooling_task!r}: this pooling model's task is {task!r}")
+        self._need_task(task or "embed", "encode")
+        outs = self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
+        return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.pooled or [])), o.prompt_token_ids)
                 for o in outs]
 
     def score(self, data_1: ScoreData, data_2: ScoreData, *, truncate_prompt_tokens: int | None = None,

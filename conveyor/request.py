@@ -212,6 +212,13 @@ class ClassificationOutput:
 
 
 @dataclass(frozen=True)
+class PoolingOutput:
+    """vLLM's `outputs` of `LLM.encode`: the pooled values (an embedding, or a classifier's scores) as a tensor."""
+
+    data: torch.Tensor
+
+
+@dataclass(frozen=True)
 class ScoringOutput:
     """vLLM's `outputs` of a scoring request: the pair's relevance (classifier) or cosine similarity (embeddings)."""
 

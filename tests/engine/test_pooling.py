@@ -139,6 +139,14 @@ def test_generating_and_pooling_models_refuse_each_others_calls(tiny_models: dic
         pooling.generate("w5 w6", use_tqdm=False)
     with pytest.raises(ValueError, match="LLM.classify needs a classify model; this pooling model's task is 'embed'"):
         pooling.classify("w5 w6", use_tqdm=False)
+    [encoded] = pooling.encode("w5 w6", use_tqdm=False, pooling_task="embed")  # vLLM's generic call
+    [embedded] = pooling.embed("w5 w6", use_tqdm=False)
+    assert isinstance(encoded.outputs.data, torch.Tensor) and encoded.outputs.data.tolist() == embedded.outputs.embedding
+    for task, words in (("classify", "task is 'embed'"), ("token_embed", "per-token pooling is not supported")):
+        with pytest.raises(ValueError, match=words):
+            pooling.encode("w5 w6", use_tqdm=False, pooling_task=task)
+    with pytest.raises(ValueError, match="LLM.encode needs a pooling model"):
+        generating.encode("w5 w6", use_tqdm=False)
     with pytest.raises(ConfigError, match="runs prefills only: speculative_config"):
         pooling_llm(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ConfigError, match="run on one rank: tensor_parallel_size must be 1"):

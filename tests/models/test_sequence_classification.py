@@ -87,6 +87,8 @@ def test_a_classifier_with_several_labels(tmp_path: Path, one_thread: None) -> N
         torch.testing.assert_close(torch.tensor(out.outputs.probs), last_logits(reference, ids).softmax(-1),
                                    atol=1e-5, rtol=0)
         assert out.outputs.num_classes == 3
+    [encoded] = llm.encode(prompts[:1], use_tqdm=False)  # vLLM's generic call: the model's own task
+    torch.testing.assert_close(encoded.outputs.data, last_logits(reference, prompts[0]).softmax(-1), atol=1e-5, rtol=0)
     with pytest.raises(ValueError, match="scoring needs a classifier with one label .* this one has 3"):
         llm.score(QUERY, DOCS, use_tqdm=False)
     assert all_free(llm)
