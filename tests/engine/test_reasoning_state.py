@@ -11,7 +11,7 @@ import pytest
 from conveyor import LLM, ReasoningConfig, SamplingParams
 from conveyor.errors import InvalidRequestError
 from conveyor.sampling_params import SamplingParamsError
-from conveyor.reasoning_state import ReasoningMarkers, ReasoningState
+from conveyor.reasoning_state import ReasoningMarkers, ReasoningState, last_index
 
 from tests.utils import greedy, idle
 
@@ -32,6 +32,8 @@ def run(state: ReasoningState, wanted: list[int], answer: list[int] | None = Non
 
 
 def test_the_count_starts_where_a_block_opens_and_the_end_is_forced_at_the_budget() -> None:
+    assert last_index([1, 7, 8, 2, 8], (START,)) == 3 and last_index([8, 7], (START,)) == -1  # where a marker ends
+    assert last_index([7, 8, 1, 9, 7, 8], (START, END)) == 6 and last_index([7, 8, 1, 9, 2], (START, END)) == 4
     opened = ReasoningState(MARKERS, [1, *START, 2], 3)  # the prompt opened a block
     assert run(opened, [11, 12, 13, 14, 15, 16]) == [11, 12, 13, 5, 9, 16] and opened.used == 3
     closed = ReasoningState(MARKERS, [*START, 2, *END, 1], 3)  # ... and closed it: the reply is the answer
