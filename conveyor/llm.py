@@ -31,6 +31,7 @@ from .kernels.openmp import run_on_fresh_thread
 from .layers.precision import keeps_stored, resolve_precision, resolve_quantization
 from .layers.quantization.linear import describe_weights, prompts_take_onednn
 from .manager import ContinuousBatchingManager
+from .metrics import Metric, Metrics, snapshot
 from .models import build_model
 from .models.hub import resolve_model_path, resolve_tokenizer_path
 from .models.loader import load_checkpoint, load_tokenizer
@@ -244,6 +245,7 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
         self.engine.constrain_reasoning(self.structured_outputs_config.enable_in_reasoning)
         if reasoning is not None:
             self.set_reasoning_config(reasoning)
+        self.metrics = Metrics(self.stats, self.model_name, self.kv_cache_resident_bytes)  # `get_metrics`
         logger.info("precision: %s; weights %s; flags %s", precision.reason, describe_weights(net, self.quantization),
                     " ".join(vector_flags()) or "unknown")
         logger.info("loaded %s (%s, %s) in %.1f s; context %d tokens; generation defaults: %s", self.model_name,
@@ -347,6 +349,11 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
         """Engine counters (tokens, preemptions, prefix cache) and cache/queue gauges now."""
         return self.engine.stats()
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the `/metrics` families as its reader's `Counter`, `Gauge`, `Histogram` and `Vector`
+        (`conveyor:` names); the latency histograms and finish counts are this object's calls'."""
+        return snapshot(self.metrics.registry)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: int | Sequence[int] | None = None,
@@ -389,6 +396,8 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
                 output = self.manager.wait_any(pending)
                 pending.discard(output.request_id)
                 results[output.request_id] = output
+                if not pooling:
+                    self.metrics.observe_finished(output)
                 tokens += output.num_prompt_tokens if pooling else output.num_output_tokens
                 bar.set_postfix_str(f"{tokens / max(time.monotonic() - started, 1e-9):.1f} "
                                     f"{'input' if pooling else 'output'} tok/s")

@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("conveyor.config",)),
     ("engine", ("conveyor.engine",)),
     ("distributed", ("conveyor.distributed",)),
-    ("api", ("conveyor.manager", "conveyor.pooling_llm", "conveyor.lora_llm", "conveyor.beam_search",
+    ("api", ("conveyor.manager", "conveyor.metrics", "conveyor.pooling_llm", "conveyor.lora_llm", "conveyor.beam_search",
              "conveyor.chat_llm", "conveyor.llm", "conveyor.cli_args", "conveyor.chat_template",
              "conveyor.generation_config", "conveyor.vllm_flags")),
     ("server", ("conveyor.server",)),
@@ -44,9 +44,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("conveyor.cli",)),
 ]
 # What the server may import of the package: the facade and the types requests are made of.
-SERVER_ALLOWED = ("conveyor", "conveyor.llm", "conveyor.manager", "conveyor.errors", "conveyor.request",
-                  "conveyor.sampling_params", "conveyor.pooling_params", "conveyor.lora_request", "conveyor.structured", "conveyor.tool_parsers", "conveyor.reasoning",
-                  "conveyor.server")
+SERVER_ALLOWED = ("conveyor", "conveyor.llm", "conveyor.manager", "conveyor.metrics", "conveyor.errors",
+                  "conveyor.request", "conveyor.sampling_params", "conveyor.pooling_params", "conveyor.lora_request",
+                  "conveyor.structured", "conveyor.tool_parsers", "conveyor.reasoning", "conveyor.server")
 
 
 def module_name(path: Path) -> str:

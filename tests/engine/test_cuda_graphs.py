@@ -8,7 +8,7 @@ import torch
 from conveyor import ContinuousBatchingConfig, SamplingParams
 from conveyor.engine.graph_runner import graph_tokens, use_cuda_graphs
 from conveyor.engine.stats import EngineStats
-from conveyor.server.metrics import EngineStatsCollector
+from conveyor.metrics import EngineStatsCollector
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -177,6 +177,16 @@ def test_counters_in_stats_and_metrics_and_the_options(tiny_models: dict[str, Ti
     accepted = float(s.spec_decode_num_accepted_tokens)
     assert f'conveyor:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}' in text
     assert 'conveyor:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"}' in text
+    from conveyor.metrics import Counter, Histogram, Vector
+
+    metrics = {m.name: m for m in llm.get_metrics()}  # vLLM's offline reader, as its spec-decode example reads it
+    per_pos = metrics["conveyor:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and per_pos.values == s.spec_decode_num_accepted_tokens_per_pos
+    drafts = metrics["conveyor:spec_decode_num_drafts"]
+    assert isinstance(drafts, Counter) and drafts.value == s.spec_decode_num_drafts
+    ttft = metrics["conveyor:time_to_first_token_seconds"]
+    assert isinstance(ttft, Histogram) and ttft.count == 3 and ttft.buckets["+Inf"] == 3 and ttft.sum > 0
+    assert metrics["conveyor:num_requests_running"].value == 0
 
     import argparse
     parser = argparse.ArgumentParser()
