@@ -21,6 +21,7 @@ from .errors import ConfigError
 from .distributed.driver import ShardedModel, load_tensor_parallel
 from .distributed.launch import exit_if_spawned_rank
 from .engine.draft_runner import load_draft_model
+from .enqueue_llm import EnqueueMethods
 from .engine.engine import Engine
 from .engine.stats import EngineStats
 from .engine.step_history import StepHistory
@@ -89,7 +90,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolve_precision(dtype, None, device, None).dtype
 
 
-class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
+class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMethods):
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
 
     model: a Hugging Face model directory, a .gguf file, or a Hub id (`org/name`, `org/name:QUANT` for a
@@ -365,6 +366,17 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
 
         All prompts are validated before any is queued, so one bad prompt raises and runs nothing.
         """
+        requests, samples = self.sample_requests(prompts, sampling_params, priority, lora_request)
+        outputs = self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
+        decode_logprob_tokens(outputs, self.tokenizer.decode)
+        return per_prompt_samples(outputs, samples)
+
+    def sample_requests(self, prompts: Prompt | Sequence[Prompt],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        priority: int | Sequence[int] | None = None,
+                        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                        ) -> tuple[list[Request], list[int]]:
+        """`generate`'s validated requests, one per sample (vLLM's `n`), and each prompt's number of samples."""
         prompts = prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
@@ -378,11 +390,9 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods):
                 raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
             params = [replace(p, priority=q) for p, q in zip(params, priorities)]
         adapters = per_prompt(lora_request, len(prompts))
-        requests = [self.make_request(self.manager.new_request_id(), prompt, p.for_sample(j), lora)  # vLLM's n
+        requests = [self.make_request(self.manager.new_request_id(), prompt, p.for_sample(j), lora)
                     for prompt, p, lora in zip(prompts, params, adapters) for j in range(p.n)]
-        outputs = self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
-        decode_logprob_tokens(outputs, self.tokenizer.decode)
-        return per_prompt_samples(outputs, [p.n for p in params])
+        return requests, [p.n for p in params]
 
     def _collect(self, ids: list[str], use_tqdm: bool, pooling: bool = False) -> list[RequestOutput]:
         """The final outputs of `ids`, in order, with a progress bar of output tokens (pooling: prompt tokens)/s."""
