@@ -186,8 +186,9 @@ def test_n_samples_per_prompt_as_vllm(tiny_llama: TinyModel) -> None:
 
 
 def test_enqueue_then_wait_for_completion_as_vllm(tiny_llama: TinyModel) -> None:
-    """vLLM's offline queue: two `enqueue` calls (validated first; nothing runs), then one wait gives every
-    output in queueing order, each as `generate` gives it; a second wait has nothing left."""
+    """vLLM's offline queue: two `enqueue` calls (validated first; nothing runs, a `generate` between them
+    included), then one wait gives every output in queueing order, each as `generate` gives it; a second
+    wait has nothing left."""
     llm = tiny(tiny_llama)
     prompts = random_prompts([6, 9, 4], seed=51)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -195,10 +196,11 @@ def test_enqueue_then_wait_for_completion_as_vllm(tiny_llama: TinyModel) -> None
     with pytest.raises(InvalidRequestError):  # a bad prompt queues nothing
         llm.enqueue([prompts[0], [10**9]], greedy)
     first = llm.enqueue(prompts[:2], greedy)
+    expected = llm.generate(prompts[:2], greedy, use_tqdm=False)  # in between: neither runs nor cuts the queue
     second = llm.enqueue(prompts[2], sampled)
-    assert len(first) == 2 and len(second) == 2 and not llm.manager.is_running()  # queued, not run
+    assert len(first) == 2 and len(second) == 2 and llm.stats().prompt_tokens == 6 + 9  # generate's only
     outs = llm.wait_for_completion(use_tqdm=False)
-    expected = llm.generate(prompts[:2], greedy, use_tqdm=False) + llm.generate(prompts[2], sampled, use_tqdm=False)
+    expected += llm.generate(prompts[2], sampled, use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in expected]
     assert [o.request_id for o in outs] == [first[0], first[1], second[0]]
     assert llm.wait_for_completion(use_tqdm=False) == [] and llm.stats().free_blocks == llm.stats().total_blocks
