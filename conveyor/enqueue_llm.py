@@ -9,21 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
-
 from .lora_request import LoRARequest
-from .manager import ContinuousBatchingManager
-from .request import Prompt, Request, RequestOutput, decode_logprob_tokens, per_prompt_samples
+from .request import Prompt, Request, RequestOutput
 from .sampling_params import SamplingParams
 
 
 class EnqueueMethods:
-    """Mixed into `LLM`: the manager, tokenizer, `sample_requests` and `_collect` are `LLM`'s."""
+    """Mixed into `LLM`: `sample_requests` and `run_samples` are `LLM`'s (`generate`'s two halves)."""
 
-    manager: ContinuousBatchingManager
-    tokenizer: PreTrainedTokenizerBase
     sample_requests: Callable[..., tuple[list[Request], list[int]]]
-    _collect: Callable[..., list[RequestOutput]]
+    run_samples: Callable[..., list[RequestOutput]]
 
     def enqueue(self, prompts: Prompt | Sequence[Prompt],
                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -40,10 +35,8 @@ class EnqueueMethods:
         for vLLM's signature (these are all `RequestOutput`)."""
         batches = self._queued()[:]
         self._queued().clear()
-        requests = [r for batch, _ in batches for r in batch]
-        outputs = self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
-        decode_logprob_tokens(outputs, self.tokenizer.decode)
-        return per_prompt_samples(outputs, [n for _, samples in batches for n in samples])
+        return self.run_samples([r for batch, _ in batches for r in batch], [n for _, ns in batches for n in ns],
+                                use_tqdm)
 
     def _queued(self) -> list[tuple[list[Request], list[int]]]:
         """The batches `enqueue` kept since the last wait."""

@@ -367,6 +367,11 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMe
         All prompts are validated before any is queued, so one bad prompt raises and runs nothing.
         """
         requests, samples = self.sample_requests(prompts, sampling_params, priority, lora_request)
+        return self.run_samples(requests, samples, use_tqdm)
+
+    def run_samples(self, requests: list[Request], samples: list[int], use_tqdm: bool) -> list[RequestOutput]:
+        """Run validated requests (`sample_requests`') to the end: one output per prompt, its `samples[i]`
+        samples in `outputs`, logprobs' tokens decoded."""
         outputs = self.manager.run_batch(requests, lambda ids: self._collect(ids, use_tqdm))
         decode_logprob_tokens(outputs, self.tokenizer.decode)
         return per_prompt_samples(outputs, samples)

@@ -20,7 +20,7 @@ from ..request import Request, RequestOutput
 from ..sampling_params import BeamSearchParams
 from .protocol import APIError, SamplingFields
 from .response_format import body_constraint
-from .serving import Serving, request_error
+from .serving import Serving, request_error, salted
 from .streaming import collect
 
 # field -> its values that leave a beam search's result as it is
@@ -67,10 +67,8 @@ async def beam_search(serving: Serving, rid: str, prompts: list[list[int]], body
     step = replace(params.step_params(), priority=body.priority)  # each step's requests rank as the request
 
     def step_requests(k: int, batch: list[tuple[int, list[int]]]) -> list[Request]:
-        salt = body.cache_salt  # vLLM's: the prefix cache shared only within the salt
         try:
-            return [llm.make_request(f"{rid}-step{k}-{i}", tokens if salt is None else
-                                     {"prompt_token_ids": tokens, "cache_salt": salt}, step, lora_request)
+            return [llm.make_request(f"{rid}-step{k}-{i}", salted(tokens, body.cache_salt), step, lora_request)
                     for i, (_, tokens) in enumerate(batch)]
         except InvalidRequestError as exc:
             raise request_error(exc, param, None) from exc

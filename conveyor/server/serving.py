@@ -327,8 +327,7 @@ class Serving:
                     raise APIError(400, f"prompt ({len(ids)} tokens) leaves no room to generate within the model's "
                                    f"context length of {self.max_model_len} tokens", param=param,
                                    code="context_length_exceeded")
-            salt = body.cache_salt
-            prompt = ids if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
+            prompt = salted(ids, body.cache_salt)
             try:
                 params = SamplingParams(
                     max_new_tokens=limit, n=body.n, **unset,
@@ -376,6 +375,11 @@ def usage(prompts: Iterable[list[int]], finals: Iterable[RequestOutput | int],
     if cached is not None:
         counts["prompt_tokens_details"] = {"cached_tokens": cached}
     return counts
+
+
+def salted(ids: list[int], salt: str | None) -> list[int] | dict[str, Any]:
+    """A prompt of token ids with vLLM's `cache_salt` (its prefix cache shared only within the salt)."""
+    return ids if salt is None else {"prompt_token_ids": ids, "cache_salt": salt}
 
 
 def request_error(exc: InvalidRequestError, prompt_param: str, structured_param: str | None) -> APIError:
