@@ -74,8 +74,13 @@ def load_hf_model(model: str | Path | None, dtype: torch.dtype, device: torch.de
         how = f"from_pretrained({path})"
     else:
         try:
-            hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs)
-            how = f"from_pretrained({path.parent}, gguf_file={path.name!r})"
+            # Newer transformers keep a GGUF's blocks packed unless told (its kernels then cast every matmul
+            # outside fp32): the baseline is the dense model, as vLLM's and ours run it.
+            dense = ({"quantization_config": transformers.GgufConfig(dequantize=True)}
+                     if hasattr(transformers, "GgufConfig") else {})
+            hf = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, **kwargs,
+                                                                   **dense)
+            how = f"from_pretrained({path.parent}, gguf_file={path.name!r}{', dequantized' if dense else ''})"
         except ValueError as exc:
             if "accelerate" not in str(exc):
                 raise
