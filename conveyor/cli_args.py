@@ -115,7 +115,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                          "--convert classify; generate")
     pooling.add_argument("--pooler-config", "--override-pooler-config", default=None, metavar="JSON",
                          help='how to pool: \'{"pooling_type": "MEAN", "normalize": false}\' (LAST, MEAN or CLS; '
-                         "default: the checkpoint's sentence-transformers files, else LAST, normalized)")
+                         "default: the checkpoint's sentence-transformers files, else LAST, normalized); "
+                         '\'{"task": "token_embed"}\' (or token_classify): one output a token, on /pooling')
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

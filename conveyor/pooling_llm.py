@@ -1,6 +1,8 @@
 """`LLM`'s pooling entry points, vLLM's: `embed`, `classify`, `score` and `encode` on a model loaded with
 `runner="pooling"` (docs/python-api.md), and what a server reads of a pooling model (its task, the
 pair prompts scoring makes, cosine similarity). Requests go through the manager as generations do.
+A model loaded for a token task (`pooler_config={"task": "token_embed"}` or "token_classify") answers
+`encode` alone, with one row a token.
 
 Scoring, as vLLM: a classifier scores each (text_1, text_2) pair as one prompt, the two texts joined by
 the tokenizer's pair template (or simply concatenated for a converted LLM reranker, `use_pad_token`
@@ -46,7 +48,8 @@ class PoolingMethods:
 
     @property
     def pooling_task(self) -> str | None:
-        """"embed" or "classify" for a pooling model (`runner="pooling"`), None for a generating one."""
+        """"embed", "classify", "token_embed" or "token_classify" for a pooling model (`runner="pooling"`), None
+        for a generating one."""
         return None if self.engine.pooler is None else self.engine.pooler.task
 
     def make_pooling_request(self, request_id: str, prompt: Prompt, params: PoolingParams) -> Request:
@@ -71,15 +74,14 @@ class PoolingMethods:
     def encode(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None = None, *,
                pooling_task: str | None = None, truncate_prompt_tokens: int | None = None,
                use_tqdm: bool = True) -> list[PoolingRequestOutput]:
-        """vLLM's generic pooling call: what `embed` or `classify` gives for the model's task, each output's
-        `outputs.data` a tensor. `pooling_task`, if given, must be that task; vLLM's per-token tasks
-        ("token_embed", "token_classify") are not served."""
+        """vLLM's generic pooling call: what the model's task gives, each output's `outputs.data` a tensor
+        (`[tokens, values]` for the token tasks). `pooling_task`, if given, must be the model's task (the token
+        tasks are chosen when the model is loaded, as in vLLM: `pooler_config={"task": "token_embed"}`)."""
         task = self.pooling_task
-        if pooling_task in ("token_embed", "token_classify"):
-            raise ValueError(f"pooling_task {pooling_task!r}: per-token pooling is not supported; this model pools "
-                             f"each prompt to one vector ({task or 'embed or classify'})")
         if pooling_task is not None and task is not None and pooling_task != task:
-            raise ValueError(f"pooling_task {pooling_task!r}: this pooling model's task is {task!r}")
+            switch = (f"; load it with pooler_config={{'task': {pooling_task!r}}} for that"
+                      if pooling_task.removeprefix("token_") == task.removeprefix("token_") else "")
+            raise ValueError(f"pooling_task {pooling_task!r}: this pooling model's task is {task!r}{switch}")
         self._need_task(task or "embed", "encode")
         outs = self._pool(prompts, pooling_params, truncate_prompt_tokens, use_tqdm)
         return [PoolingRequestOutput(o.request_id, PoolingOutput(torch.tensor(o.pooled or [])), o.prompt_token_ids)
@@ -107,7 +109,7 @@ class PoolingMethods:
     @property
     def class_labels(self) -> list[str]:
         """A classifier's label names by class index: its config's `id2label`, `LABEL_i` where that has none."""
-        self._need_task("classify", "class_labels")
+        self._need_task("classify", "class_labels", "token_classify")
         names = getattr(self.engine.model.config, "id2label", None) or {}
         count = self.engine.pooler.num_labels or 0  # type: ignore[union-attr]
         return [str(names.get(i, names.get(str(i), f"LABEL_{i}"))) for i in range(count)]
@@ -129,12 +131,14 @@ class PoolingMethods:
             return list(self.tokenizer(text_1, text_pair=text_2)["input_ids"])
         return list(self.tokenizer(text_1 + text_2)["input_ids"])
 
-    def _need_task(self, task: str, method: str) -> None:
+    def _need_task(self, task: str, method: str, *others: str) -> None:
         if self.engine.pooler is None:
             raise ValueError(f"LLM.{method} needs a pooling model: LLM(model, runner='pooling') (this one generates)")
-        if self.engine.pooler.task != task and not (method == "score" and self.engine.pooler.task == "embed"):
-            raise ValueError(f"LLM.{method} needs a {task} model; this pooling model's task is "
-                             f"{self.engine.pooler.task!r}")
+        have = self.engine.pooler.task
+        if have not in (task, *others) and not (method == "score" and have == "embed"):
+            hint = " (the token tasks answer LLM.encode)" if have.startswith("token_") else ""
+            raise ValueError(f"LLM.{method} needs {'an' if task == 'embed' else 'a'} {task} model; this pooling "
+                             f"model's task is {have!r}{hint}")
 
     def _pool(self, prompts: Prompt | Sequence[Prompt], pooling_params: PoolingParams | None,
               truncate_prompt_tokens: int | None, use_tqdm: bool) -> list[RequestOutput]:

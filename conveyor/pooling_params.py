@@ -5,7 +5,9 @@ normalization or the classifier's activation on or off, prompt truncation).
 A pooling request is a prompt run through the model once (prefill only, no LM head and no sampler);
 its hidden states are pooled into one vector (the last token's, the first token's, or their mean) and
 turned into the output by the task's head: an embedding (L2-normalized by default) or a classifier's
-scores (sigmoid or softmax). docs/design/pooling.md has the engine's side.
+scores (sigmoid or softmax). vLLM's token tasks keep every token's row instead ("ALL"): one embedding
+per token (`token_embed`, multi-vector retrieval) or one classification per token (`token_classify`).
+docs/design/pooling.md has the engine's side.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")  # vLLM's sequence pooling types
+TOKEN_POOLING_TYPES = ("ALL",)  # vLLM's token pooling type we run (its "STEP" is not)
 POOLING_TASKS = ("embed", "classify")
+TOKEN_TASKS = ("token_embed", "token_classify")  # the same heads over every token's row
 
 
 class PoolingParamsError(ValueError):
@@ -28,17 +32,28 @@ class PoolerConfig:
     own (its sentence-transformers files or GGUF metadata), else vLLM's defaults for a decoder: the last
     token's hidden state, L2-normalized (embeddings) or through the activation (classifiers).
 
-    pooling_type: "LAST", "MEAN" or "CLS" (the first token); `seq_pooling_type` is vLLM's newer name.
+    pooling_type: "LAST", "MEAN" or "CLS" (the first token), or "ALL" (every token's row: the token
+    tasks); `seq_pooling_type` and `tok_pooling_type` are vLLM's newer names.
     normalize: L2-normalize embeddings; `use_activation` is vLLM's newer name (for classifiers: the
-    sigmoid or softmax over the scores)."""
+    sigmoid or softmax over the scores).
+    task: vLLM's `task`: "embed" or "classify" (the model's own), or "token_embed" / "token_classify" for
+    an embedding model / a classifier whose outputs are per token; None: the model's."""
 
     pooling_type: str | None = None
     normalize: bool | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
-        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
-            raise PoolingParamsError(f"pooler_config pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
-                                     f"{self.pooling_type!r}")
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES + TOKEN_POOLING_TYPES:
+            raise PoolingParamsError(f"pooler_config pooling_type must be one of "
+                                     f"{', '.join(POOLING_TYPES + TOKEN_POOLING_TYPES)}, got {self.pooling_type!r}")
+        if self.task is not None and self.task not in POOLING_TASKS + TOKEN_TASKS:
+            raise PoolingParamsError(f"pooler_config task must be one of {', '.join(POOLING_TASKS + TOKEN_TASKS)}, "
+                                     f"got {self.task!r}")
+        if self.task is not None and self.pooling_type is not None and (
+                (self.task in TOKEN_TASKS) != (self.pooling_type in TOKEN_POOLING_TYPES)):
+            raise PoolingParamsError(f"pooler_config task {self.task!r} does not pool with {self.pooling_type!r}: "
+                                     f"the token tasks pool ALL, the others {', '.join(POOLING_TYPES)}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise PoolingParamsError(f"pooler_config normalize must be true or false, got {self.normalize!r}")
 
@@ -56,7 +71,8 @@ class PoolerConfig:
             raise PoolingParamsError(f"pooler_config must be a JSON object, e.g. '{{\"pooling_type\": \"MEAN\"}}', "
                                      f"got {value!r}")
         given = dict(value)
-        for alias, name in (("seq_pooling_type", "pooling_type"), ("use_activation", "normalize")):
+        for alias, name in (("seq_pooling_type", "pooling_type"), ("tok_pooling_type", "pooling_type"),
+                            ("use_activation", "normalize")):
             if alias in given:
                 if given.get(name, given[alias]) != given[alias]:
                     raise PoolingParamsError(f"pooler_config sets {name} and {alias} (the same setting) differently")
@@ -65,13 +81,13 @@ class PoolerConfig:
         unknown = sorted(set(given) - known)
         if unknown:
             raise PoolingParamsError(f"pooler_config fields {unknown} are not supported (supported: pooling_type "
-                                     "(seq_pooling_type), normalize (use_activation))")
+                                     "(seq_pooling_type, tok_pooling_type), normalize (use_activation), task)")
         return cls(**given)
 
     def over(self, other: PoolerConfig) -> PoolerConfig:
         """These settings where given, `other`'s elsewhere."""
         return PoolerConfig(self.pooling_type or other.pooling_type,
-                            other.normalize if self.normalize is None else self.normalize)
+                            other.normalize if self.normalize is None else self.normalize, self.task or other.task)
 
 
 @dataclass

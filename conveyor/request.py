@@ -26,6 +26,7 @@ from .reasoning_state import ReasoningState
 
 # Text, token ids, or vLLM's prompt dicts ({"prompt": text} / {"prompt_token_ids": ids}).
 Prompt = str | list[int] | dict[str, Any]
+Pooled = list[float] | list[list[float]]  # a pooling result: one vector, or one a token (the token tasks)
 
 
 def prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -144,7 +145,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # [None, {id: logprob}, ...], one per prompt token
     error: str | None = None
     metrics: RequestMetrics | None = None
-    pooled: list[float] | None = None  # a pooling request's result: the embedding, or the classifier's scores
+    pooled: Pooled | None = None  # a pooling request's result: the embedding, or the classifier's scores
     num_cached_tokens: int = 0  # vLLM's: prompt tokens found in the prefix cache when it was first scheduled
     samples: list[CompletionOutput] | None = None  # `SamplingParams.n` > 1: all n (the first is the one above)
 
@@ -213,7 +214,8 @@ class ClassificationOutput:
 
 @dataclass(frozen=True)
 class PoolingOutput:
-    """vLLM's `outputs` of `LLM.encode`: the pooled values (an embedding, or a classifier's scores) as a tensor."""
+    """vLLM's `outputs` of `LLM.encode`: the pooled values (an embedding, or a classifier's scores) as a tensor;
+    `[tokens, values]` for the token tasks."""
 
     data: torch.Tensor
 
@@ -298,11 +300,11 @@ class Request:
         self.detok_prefix_offset = 0
         self.detok_read_offset = len(self.detok_ids)
         # A pooling request: prefill only, its hidden states pooled (`engine/pooling.py`). What its earlier
-        # chunks pooled (the mean's running sum, the first token's row), then its result.
+        # chunks pooled (the mean's running sum, the first token's row, the token tasks' rows), then its result.
         self.pooling = pooling
-        self.pools_every_row = False  # its pooling reads rows before the last (MEAN, CLS): no prefix reuse
+        self.pools_every_row = False  # its pooling reads rows before the last (MEAN, CLS, ALL): no prefix reuse
         self.pooling_state: torch.Tensor | None = None
-        self.pooled: list[float] | None = None
+        self.pooled: Pooled | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan,
 from ..layers.lora import LoRABatch
 from ..layers.rotary import with_lengths
 from ..layers.sampler import SampledBatch, Sampler
-from ..request import Request, ranked_entry
+from ..request import Pooled, Request, ranked_entry
 from ..sched.output import ScheduledChunk
 from .step_buffers import LogitsBuffer, PaddedShape, StepBuffers
 
@@ -39,7 +39,7 @@ class PooledStep:
     """A pooling pass's results (`engine.pooling`): the prompts it completed with their outputs, and the state
     the others carry on with."""
 
-    results: list[tuple[Request, list[float]]] = field(default_factory=list)
+    results: list[tuple[Request, Pooled]] = field(default_factory=list)
     states: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 

@@ -3,7 +3,7 @@ result is its pooled hidden states, as prompt logprobs are a prefill's by-produc
 
 A pass runs the scheduled chunks through the model as any pass does (`ModelRunner.prepare`, `forward`:
 chunked prefill and prefix caching work as for generation), then, instead of the LM head and the
-sampler, the pooler reduces each chunk's rows (`layers.pooler`): a chunk that completes its prompt
+sampler, the pooler reduces each chunk's rows (`layers.pooler`; the token tasks keep them all): a chunk that completes its prompt
 gives the request's output through the task's head, an earlier one the state its next chunk starts
 from. The results go back as a `StepResult`, so the engine's step is the generating one; the output
 processor records them and finishes the requests (`OutputProcessor.add_pooled`). A pooling engine
@@ -61,7 +61,7 @@ class PoolingModelRunner(ModelRunner):
         if done:
             requests = [r for r, _ in out.results]
             options = [head_options(r, self.pooler) for r in requests]
-            values = self.pooler.finish(torch.stack(done), [r.num_tokens for r in requests], options)
+            values = self.pooler.finish(done, [r.num_tokens for r in requests], options)
             out.results = list(zip(requests, values))
         return out
 

@@ -2,7 +2,9 @@
 pool, and its head (docs/design/pooling.md).
 
 - The task: vLLM's `--runner` and `--convert` (and the older `--task`) over the config's architectures:
-  `*ForSequenceClassification` classifies, a `*ForCausalLM` or a bare `*Model` embeds.
+  `*ForSequenceClassification` classifies, a `*ForCausalLM` or a bare `*Model` embeds; the pooler
+  config's `task` may ask for the token variant of either (`token_embed`, `token_classify`, every
+  token's row through the same head), which `*ForTokenClassification` checkpoints run by default.
 - How to pool: a sentence-transformers checkpoint says it in `modules.json` (its Pooling module's
   `config.json`: last token, mean or CLS; a Normalize module: L2-normalized), a GGUF file in
   `{arch}.pooling_type` (llama.cpp's converter writes it for embedding models).
@@ -28,7 +30,7 @@ from ..errors import ConfigError
 from ..layers.pooler import Pooler
 from ..layers.quantization.linear import Weight
 from ..layers.quantization.tensors import QuantizedTensor
-from ..pooling_params import POOLING_TASKS, PoolerConfig
+from ..pooling_params import POOLING_TASKS, TOKEN_TASKS, PoolerConfig
 
 logger = logging.getLogger("conveyor")
 
@@ -58,7 +60,7 @@ def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = 
                               f"disagrees with runner={runner!r}, convert={convert!r}: give one of them")
         runner, convert = implied_runner, implied_convert
     architectures = list(getattr(config, "architectures", None) or [])
-    classifier = any(a.endswith("ForSequenceClassification") for a in architectures)
+    classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
     if runner == "auto":  # vLLM: a pooling architecture, or a pooling conversion asked for, runs the pooler
         bare = any(a.endswith(("Model", "EmbeddingModel")) for a in architectures)
         runner = "pooling" if classifier or bare or convert in POOLING_TASKS else "generate"
@@ -99,14 +101,36 @@ def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weig
                  tokenizer: PreTrainedTokenizerBase | None, pooler_config: PoolerConfig, files: PoolerConfig,
                  device: torch.device) -> Pooler:
     """The pooler of a checkpoint: the classify head taken out of `state_dict` (and the LM head dropped
-    from it), on `device`. `pooler_config` (the user's) over what the checkpoint's `files` say (embeddings:
-    classifiers keep their activation) over vLLM's defaults: the last token, normalized."""
+    from it), on `device`. `task` "embed" or "classify" (`pooling_task`); `pooler_config` (the user's) over
+    what the checkpoint's `files` say (embeddings: classifiers keep their activation) over vLLM's defaults:
+    the last token, normalized; its `task` may ask for `task`'s token variant."""
+    run = pooler_task(task, config, pooler_config)
+    if run in TOKEN_TASKS:
+        files = PoolerConfig(normalize=files.normalize)  # (a sequence pooling type means nothing per token)
     resolved = pooler_config.over(files if task == "embed" else PoolerConfig(files.pooling_type))
-    resolved = resolved.over(PoolerConfig("LAST", True))
+    resolved = resolved.over(PoolerConfig("ALL" if run in TOKEN_TASKS else "LAST", True))
+    pooling_type = resolved.pooling_type or "LAST"
+    if (run in TOKEN_TASKS) != (pooling_type == "ALL"):
+        raise ConfigError(f"pooler_config pooling_type {pooling_type!r} does not go with the task {run!r}: the "
+                          "token tasks pool ALL, embed and classify LAST, MEAN or CLS")
     classifier = classifier_head(config, state_dict, tokenizer, device) if task == "classify" else None
     for unused in ("lm_head.weight", "score.weight", "score.bias"):  # (a classifier converted to embed: its head)
         state_dict.pop(unused, None)
-    return Pooler(task, resolved.pooling_type or "LAST", bool(resolved.normalize), classifier)
+    return Pooler(run, pooling_type, bool(resolved.normalize), classifier)
+
+
+def pooler_task(task: str, config: PretrainedConfig, pooler_config: PoolerConfig) -> str:
+    """What the pooler runs for a model of `task`: the pooler config's task (`task` or its token variant), or
+    an ALL pooling type's or a `*ForTokenClassification` checkpoint's token variant, else `task`."""
+    token = f"token_{task}"
+    if pooler_config.task is not None:
+        if pooler_config.task not in (task, token):
+            raise ConfigError(f"pooler_config task {pooler_config.task!r}: this model's task is {task!r}, so it "
+                              f"runs {task!r} or {token!r} (--convert sets the model's task)")
+        return pooler_config.task
+    architectures = list(getattr(config, "architectures", None) or [])
+    per_token = any(a.endswith("ForTokenClassification") for a in architectures) and task == "classify"
+    return token if per_token or pooler_config.pooling_type == "ALL" else task
 
 
 def classifier_head(config: PretrainedConfig, state_dict: dict[str, Weight], tokenizer: PreTrainedTokenizerBase | None,

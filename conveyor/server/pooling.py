@@ -18,7 +18,7 @@ from fastapi import Request
 from ..errors import InvalidRequestError
 from ..pooling_params import PoolingParams, PoolingParamsError
 from ..request import Request as EngineRequest
-from ..request import RequestOutput
+from ..request import Pooled, RequestOutput
 from .pooling_protocol import InputFields, PoolingFields
 from .protocol import APIError
 from .serving import Serving, new_id, request_error
@@ -26,8 +26,11 @@ from .streaming import collect
 
 ROUTES = "/v1/embeddings (embedding models), /classify (classifiers), /v1/score, /v1/rerank and /pooling"
 TASK_ROUTES = {"embed": "/v1/embeddings, /v1/score, /v1/rerank and /pooling",
-               "classify": "/classify, /v1/score, /v1/rerank and /pooling"}
+               "classify": "/classify, /v1/score, /v1/rerank and /pooling",
+               "token_embed": "/pooling", "token_classify": "/pooling"}
 MODELS = {"embed": "an embedding model (--convert embed)", "classify": "a classifier (--convert classify)"}
+DOES = {"embed": "embeds", "classify": "classifies", "token_embed": "embeds each token (--pooler-config task)",
+        "token_classify": "classifies each token"}
 
 
 def require_task(serving: Serving, path: str, *tasks: str) -> str:
@@ -39,7 +42,7 @@ def require_task(serving: Serving, path: str, *tasks: str) -> str:
                        "(and --convert embed or classify) to serve embeddings and scores")
     if task not in tasks:
         raise APIError(400, f"{path} needs {' or '.join(MODELS[t] for t in tasks)}; this server's model "
-                       f"{'embeds' if task == 'embed' else 'classifies'} (it serves {TASK_ROUTES[task]})")
+                       f"{DOES[task]} (it serves {TASK_ROUTES[task]})")
     return task
 
 
@@ -97,8 +100,9 @@ async def run(serving: Serving, raw: Request, prefix: str, prompts: list[list[in
     return await collect(serving.submit(requests), raw)
 
 
-def encode(values: list[float], encoding_format: str) -> list[float] | str:
-    """An embedding as JSON floats, or base64 of its float32 bytes, little-endian (what OpenAI's client reads)."""
+def encode(values: Pooled, encoding_format: str) -> Pooled | str:
+    """An embedding as JSON floats, or base64 of its float32 bytes, little-endian (what OpenAI's client reads);
+    a token task's rows one after the other (vLLM's)."""
     if encoding_format == "base64":
         return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
     return values

@@ -97,6 +97,7 @@ class ClassifyRequest(InputFields, ActivationFields):
 
 class PoolRequest(InputFields, ActivationFields):
     """vLLM's /pooling: each input's pooled vector as the model's head leaves it (an embedding, a classifier's
-    scores), as floats or base64."""
+    scores; one a token for the token tasks), as floats or base64. `task`, if given, must be the model's."""
 
     encoding_format: Literal["float", "base64"] = "float"
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None

@@ -142,7 +142,7 @@ def test_generating_and_pooling_models_refuse_each_others_calls(tiny_models: dic
     [encoded] = pooling.encode("w5 w6", use_tqdm=False, pooling_task="embed")  # vLLM's generic call
     [embedded] = pooling.embed("w5 w6", use_tqdm=False)
     assert isinstance(encoded.outputs.data, torch.Tensor) and encoded.outputs.data.tolist() == embedded.outputs.embedding
-    for task, words in (("classify", "task is 'embed'"), ("token_embed", "per-token pooling is not supported")):
+    for task, words in (("classify", "task is 'embed'$"), ("token_embed", "load it with pooler_config=.*token_embed")):
         with pytest.raises(ValueError, match=words):
             pooling.encode("w5 w6", use_tqdm=False, pooling_task=task)
     with pytest.raises(ValueError, match="LLM.encode needs a pooling model"):
@@ -152,6 +152,37 @@ def test_generating_and_pooling_models_refuse_each_others_calls(tiny_models: dic
     with pytest.raises(ConfigError, match="run on one rank: tensor_parallel_size must be 1"):
         pooling_llm(model, tensor_parallel_size=2)
     assert all_free(pooling) and all_free(generating)
+
+
+def test_token_embed_gives_every_tokens_embedding(tiny_models: dict[str, TinyModel], one_thread: None) -> None:
+    """vLLM's token_embed (`pooler_config={"task": "token_embed"}`): each token's final-norm hidden state,
+    L2-normalized, = transformers' in fp32; prompts of different lengths in one batch, in chunks of at most 32
+    tokens; nothing reused from the prefix cache (every row is needed); the sequence calls refused."""
+    model = tiny_models["llama"]
+    llm = pooling_llm(model, pooler_config={"task": "token_embed"})
+    assert llm.pooling_task == "token_embed"
+    prompts = random_prompts(LENGTHS, seed=6)
+    for _ in range(2):
+        outs = llm.encode(prompts, use_tqdm=False, pooling_task="token_embed")
+        for prompt, out in zip(prompts, outs):
+            assert out.prompt_token_ids == prompt and out.outputs.data.shape == (len(prompt), 64)
+            torch.testing.assert_close(out.outputs.data, F.normalize(hf_hidden(model, prompt), dim=-1),
+                                       atol=2e-5, rtol=1e-4)
+        assert all_free(llm)
+    assert llm.stats().prefix_cache_hit_tokens == 0
+    raw = llm.encode(prompts[2], PoolingParams(normalize=False), use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(raw, hf_hidden(model, prompts[2]), atol=2e-5, rtol=1e-4)
+    for call, words in ((llm.embed, "LLM.embed needs an embed model; this pooling model's task is 'token_embed' "
+                                    r"\(the token tasks answer LLM.encode\)"),
+                        (lambda p, **kw: llm.encode(p, pooling_task="embed", **kw), "pooling_task 'embed'")):
+        with pytest.raises(ValueError, match=words):
+            call("w5 w6", use_tqdm=False)
+    for pooler_config, words in (({"task": "token_classify"}, "this model's task is 'embed', so it runs 'embed' or "
+                                                              "'token_embed'"),
+                                 ({"task": "token_embed", "pooling_type": "MEAN"}, "does not pool with 'MEAN'")):
+        with pytest.raises((ConfigError, ValueError), match=words):
+            pooling_llm(model, pooler_config=pooler_config)
+    assert all_free(llm)
 
 
 def test_a_pooling_model_takes_larger_steps_unless_told(tiny_models: dict[str, TinyModel], one_thread: None) -> None:

@@ -51,8 +51,13 @@ def test_pooler_config_takes_vllms_forms() -> None:
     assert PoolerConfig.parse('{"pooling_type": "MEAN"}') == PoolerConfig("MEAN", None)
     assert PoolerConfig.parse({"seq_pooling_type": "CLS", "use_activation": False}) == PoolerConfig("CLS", False)
     assert PoolerConfig.parse(None) == PoolerConfig()
-    for bad, message in (('{"pooling_type": "MAX"}', "must be one of LAST, MEAN, CLS"), ("[1]", "a JSON object"),
-                         ('{"pool": 1}', r"fields \['pool'\] are not supported"), ("{", "not valid JSON")):
+    assert PoolerConfig.parse({"task": "token_embed", "tok_pooling_type": "ALL"}) == PoolerConfig("ALL", None,
+                                                                                                  "token_embed")
+    for bad, message in (('{"pooling_type": "MAX"}', "must be one of LAST, MEAN, CLS, ALL"), ("[1]", "a JSON object"),
+                         ('{"pool": 1}', r"fields \['pool'\] are not supported"), ("{", "not valid JSON"),
+                         ('{"task": "plugin"}', "task must be one of embed, classify, token_embed, token_classify"),
+                         ('{"task": "token_embed", "pooling_type": "LAST"}', "does not pool with 'LAST'"),
+                         ('{"task": "embed", "pooling_type": "ALL"}', "the token tasks pool ALL")):
         with pytest.raises(PoolingParamsError, match=message):
             PoolerConfig.parse(bad)
 

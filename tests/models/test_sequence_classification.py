@@ -100,6 +100,40 @@ def test_a_classifier_with_several_labels(tmp_path: Path, one_thread: None) -> N
     assert all_free(embedder)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_token_classifiers_match_transformers(tmp_path: Path, kind: str, one_thread: None) -> None:
+    """A `*ForTokenClassification` checkpoint runs vLLM's token_classify: every token's class probabilities (the
+    softmax of transformers' per-token logits), over chunks of 32 tokens, raw with use_activation=False; a
+    sequence classifier's head runs per token with `pooler_config={"task": "token_classify"}`."""
+    torch.manual_seed(2)
+    config = TINY_CONFIGS[kind]()
+    config.num_labels, config._attn_implementation = 3, "eager"
+    reference = transformers.AutoModelForTokenClassification.from_config(config).eval()
+    reference.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(tmp_path, dtype="float32", config=CONFIG)
+    assert llm.pooling_task == "token_classify" and len(llm.class_labels) == 3
+    prompts = [tiny_tokenizer().encode(QUERY + doc) for doc in DOCS]
+    raw = llm.encode(prompts, PoolingParams(use_activation=False), use_tqdm=False)
+    for ids, out, logits in zip(prompts, llm.encode(prompts, use_tqdm=False), raw):
+        with torch.inference_mode():
+            expected = reference(torch.tensor([ids])).logits[0].float()
+        assert out.outputs.data.shape == (len(ids), 3)
+        torch.testing.assert_close(out.outputs.data, expected.softmax(-1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits.outputs.data, expected, atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="LLM.classify needs a classify model; this pooling model's task is "
+                                         "'token_classify'"):
+        llm.classify(prompts, use_tqdm=False)
+    assert all_free(llm)
+    sequence = save_classifier(tmp_path / "seq", kind, num_labels=1)
+    per_token = LLM(tmp_path / "seq", dtype="float32", config=CONFIG, pooler_config={"task": "token_classify"})
+    [out] = per_token.encode(prompts[1], use_tqdm=False)
+    with torch.inference_mode():
+        expected = sequence.score(sequence.model(torch.tensor([prompts[1]])).last_hidden_state[0]).float().sigmoid()
+    torch.testing.assert_close(out.outputs.data, expected, atol=1e-5, rtol=0)
+    assert all_free(per_token)
+
+
 RERANKER = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["w20", "w21"]}
 
 

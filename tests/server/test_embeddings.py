@@ -128,3 +128,27 @@ def test_a_generating_server_refuses_embeddings(tiny_models: dict[str, TinyModel
         assert "start it with --runner pooling" in reply.json()["error"]["message"]
         assert httpx.post(f"{url}/v1/rerank", json={"query": "w5", "documents": ["w6"]}, timeout=60).status_code == 404
     assert idle(generating)
+
+
+def test_a_token_embed_server_answers_pooling_per_token(tiny_models: dict[str, TinyModel]) -> None:
+    """`--pooler-config '{"task": "token_embed"}'`: /pooling gives each input's rows, one a token, as
+    `LLM.encode` does (floats, or base64 of the rows one after the other); a task other than the server's is a
+    400 naming it, and /v1/embeddings says what the model does."""
+    token_llm = LLM(tiny_models["llama"].path, dtype="float32", runner="pooling", max_model_len=64,
+                    pooler_config={"task": "token_embed"},
+                    config=ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=16))
+    ids = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27]]
+    expected = [o.outputs.data.numpy() for o in token_llm.encode(ids, use_tqdm=False)]
+    with BackgroundServer(token_llm) as url, httpx.Client(base_url=url, timeout=60) as http:
+        reply = http.post("/pooling", json={"input": ids, "task": "token_embed"}).json()
+        assert [d["index"] for d in reply["data"]] == [0, 1] and reply["usage"]["prompt_tokens"] == 23
+        for data, rows in zip(reply["data"], expected):
+            np.testing.assert_allclose(np.asarray(data["data"]), rows, atol=1e-6)
+        packed = http.post("/pooling", json={"input": ids[1], "encoding_format": "base64"}).json()["data"][0]["data"]
+        np.testing.assert_array_equal(np.frombuffer(base64.b64decode(packed), dtype="<f4").reshape(20, 64),
+                                      expected[1].astype(np.float32))
+        wrong = http.post("/pooling", json={"input": ids[0], "task": "embed"})
+        assert wrong.status_code == 400 and "this server's model runs 'token_embed'" in wrong.json()["error"]["message"]
+        refused = http.post("/v1/embeddings", json={"input": ids[0]})
+        assert refused.status_code == 400 and "embeds each token" in refused.json()["error"]["message"]
+    assert idle(token_llm)

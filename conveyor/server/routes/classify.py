@@ -1,6 +1,6 @@
 """vLLM's POST /classify (each input's label and class probabilities, from a classifier) and POST /pooling
 (each input's pooled vector as the model's head leaves it: an embedding model's embedding, a classifier's
-scores; what reward models are read through)."""
+scores, one a token for the token tasks; what reward models are read through)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ...request import RequestOutput
 from .. import pooling
 from ..openapi import error_responses
 from ..pooling_protocol import ClassifyRequest, PoolRequest
+from ..protocol import APIError
 from ..serving import Serving, new_id
 from .deps import AUTH, ServingDep
 from .score import activation
@@ -34,7 +35,10 @@ async def classify(body: ClassifyRequest, raw: Request, serving: ServingDep) -> 
 @router.post("/pooling", dependencies=AUTH, responses=ERRORS)
 async def pool_route(body: PoolRequest, raw: Request, serving: ServingDep) -> dict[str, Any]:
     serving.check_model(body.model)
-    pooling.require_task(serving, "/pooling", "embed", "classify")
+    task = pooling.require_task(serving, "/pooling", "embed", "classify", "token_embed", "token_classify")
+    if body.task is not None and body.task != task:
+        raise APIError(400, f"task {body.task!r}: this server's model runs {task!r} (a server runs the task it was "
+                       "started with: --pooler-config '{\"task\": ...}')", param="task")
     outs = await pool(body, raw, serving, "pool")
     data = [{"index": i, "object": "pooling", "data": pooling.encode(o.pooled or [], body.encoding_format)}
             for i, o in enumerate(outs)]
