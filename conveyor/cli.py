@@ -1,5 +1,5 @@
-"""Command line: `conveyor generate "prompt" ...`, `conveyor serve ...`, `conveyor build-kernels` (and
-`conveyor bench ...`)."""
+"""Command line: `conveyor generate "prompt" ...`, `conveyor serve ...`, `conveyor run-batch ...`,
+`conveyor build-kernels` (and `conveyor bench ...`)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    """vLLM's run-batch: the input file checked whole before the model loads, then run in this process."""
+    import torch
+
+    from .llm import LLM
+    from .scaleout.placement import plan_placement
+    from .server import ServerSettings
+    from .server.run_batch import check_output, parse_batch, read_text, run_batch
+
+    lines = parse_batch(read_text(args.input_file))
+    check_output(args.output_file)
+    settings = replace(ServerSettings.from_args(args), api_key=None)  # (no HTTP client to ask a key of)
+    args.model = model_from_args(args)
+    if args.threads is not None:
+        plan_placement(1, args.threads)  # no more threads than cores, as for serve
+        torch.set_num_threads(args.threads)
+    llm = LLM(**llm_kwargs_from_args(args))
+    outputs = run_batch(llm, settings, lines, args.output_file, args.output_tmp_dir,
+                        (args.host, args.port) if args.enable_metrics else None)
+    failed = sum(o["error"] is not None for o in outputs)
+    print(f"{len(outputs)} requests, {failed} failed: {args.output_file}")
+    return 0
+
+
 def cmd_build_kernels(args: argparse.Namespace) -> int:
     """Build the native kernels now (scripts/setup.sh runs this) so that the first start does not wait for them."""
     from .kernels import build_all, native_kernels_enabled
@@ -131,6 +155,22 @@ def main(argv: list[str] | None = None) -> int:
                            f"{', '.join(ALREADY_SO)}.")
     add_serve_args(serve)
     add_data_parallel_args(serve)
+    batch = sub.add_parser("run-batch", help="run a file of OpenAI batch requests and write their results (vLLM's)",
+                           usage="conveyor run-batch -i INPUT.jsonl -o OUTPUT.jsonl [MODEL] [options]",
+                           description="vLLM's run-batch: each line of INPUT (OpenAI's batch format: custom_id, "
+                           "method POST, url, body) through the server's route in this process, the results in "
+                           "OUTPUT in input order; the server's options apply (--host/--port: the metrics endpoint).")
+    batch.add_argument("-i", "--input-file", required=True, metavar="PATH_OR_URL",
+                       help="the batch file: a local path or an http(s) URL")
+    batch.add_argument("-o", "--output-file", required=True, metavar="PATH_OR_URL",
+                       help="where the results go: a local path, or an http(s) URL they are PUT to")
+    batch.add_argument("--output-tmp-dir", default=None, metavar="DIR",
+                       help="write the results here first (kept if uploading them fails)")
+    batch.add_argument("--enable-metrics", action="store_true",
+                       help="serve Prometheus metrics on --host:--port while the batch runs")
+    batch.add_argument("--threads", type=int, default=None, help="torch threads (default: the cores this process "
+                       "may use)")
+    add_serve_args(batch)
     build = sub.add_parser("build-kernels", help="build the native CPU kernels now (once per compiler and CPU; setup "
                            "does it)")
     build.add_argument("--peaks", action="store_true", help="also the compute-peak loops the roofline diagnostics use")
@@ -140,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench.commands import main as bench_main
         return bench_main(argv[1:], prog="conveyor bench")
     try:
-        known = {option for command in (gen, serve) for action in command._actions for option in action.option_strings}
+        known = {option for command in (gen, serve, batch) for action in command._actions
+                 for option in action.option_strings}
         argv, notes = check_vllm_flags(expand_config_file(argv, known))
     except ValueError as exc:  # UnsupportedFlagError, or a --config file that cannot be read
         print(f"error: {exc}", file=sys.stderr)
@@ -153,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     for note in notes:
         logger.info("%s", note)
     try:
-        commands = {"serve": cmd_serve, "generate": cmd_generate, "build-kernels": cmd_build_kernels}
+        commands = {"serve": cmd_serve, "generate": cmd_generate, "run-batch": cmd_run_batch,
+                    "build-kernels": cmd_build_kernels}
         return commands[args.command](args)
-    except (ValueError, FileNotFoundError, MissingDependencyError) as exc:
+    except (ValueError, OSError, MissingDependencyError) as exc:  # (OSError: files and URLs that cannot be read)
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
