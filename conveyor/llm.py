@@ -256,7 +256,7 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMe
             pooler = self.engine.pooler
             logger.info("pooling model (runner 'pooling'): task %s, %s-token pooling, %s", pooler.task,
                         pooler.pooling_type, ("normalized" if pooler.normalize else "not normalized")
-                        if pooler.task == "embed" else f"{pooler.num_labels} label(s)")
+                        if pooler.task.endswith("embed") else f"{pooler.num_labels} label(s)")
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
