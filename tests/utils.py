@@ -40,6 +40,8 @@ TINY_CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**TINY_COMMON, tie_word_embeddings=False),
     "qwen3": lambda: transformers.Qwen3Config(**TINY_COMMON, head_dim=32, tie_word_embeddings=False),
     "mistral": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=None, tie_word_embeddings=False),
+    # SmolLM3: layer 2 of 2 without RoPE (the released models: every fourth)
+    "smollm3": lambda: transformers.SmolLM3Config(**TINY_COMMON, no_rope_layer_interval=2, tie_word_embeddings=False),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),

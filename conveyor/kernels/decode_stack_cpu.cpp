@@ -62,6 +62,7 @@ struct Layer {
     Linear qkv, o, gate_up, down;
     LoRAProjection lora[4];  // qkv, o, gate_up, down
     int64_t group = 0;  // which layer group's attention metadata this layer reads
+    bool rope = true;  // false: a NoPE layer (SmolLM3's every fourth), q and k as projected
 };
 
 // x[0:n] rounded to T where T is bf16 (what a bf16 tensor holds); fp32 keeps it.
@@ -123,13 +124,14 @@ class DecodeStack {
 
     // The next layer: its norms' weights (fp32, copied), per linear (qkv, o, gate_up, down) its row
     // segments (tiles of a quantized type or BF16, in output order) and bias (fp32 [N], copied, or
-    // nullptr), and which layer group's attention metadata it reads.
+    // nullptr), which layer group's attention metadata it reads, and whether it rotates q and k.
     void add_layer(const float* input_norm, const float* post_norm, const conveyor::SegmentSpec* const* segments,
-                   const int64_t* counts, const float* const* biases, int64_t group) {
+                   const int64_t* counts, const float* const* biases, int64_t group, bool rope) {
         Layer layer;
         layer.input_norm.assign(input_norm, input_norm + hidden_);
         layer.post_norm.assign(post_norm, post_norm + hidden_);
         layer.group = group;
+        layer.rope = rope;
         const int64_t K[4] = {hidden_, H_ * D_, hidden_, inter_};
         const int64_t N[4] = {(H_ + 2 * Hkv_) * D_, hidden_, 2 * inter_, hidden_};
         Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
@@ -291,7 +293,7 @@ class DecodeStack {
                         L.qkv.add_bias_row(row);
                         round_row<T>(row, qkv_n);
                     }
-                    for (int64_t h = 0; h < H_ + Hkv_; ++h)  // q heads, then k heads
+                    for (int64_t h = 0; L.rope && h < H_ + Hkv_; ++h)  // q heads, then k heads
                         conveyor::rope_head<T>(row + h * D_, cp + b * D_, sp + b * D_, D_);
                     store_kv_heads(kc + slot[b] * kv_row, row + qd, Hkv_, D_);
                     store_kv_heads(vc + slot[b] * kv_row, row + qd + kvd, Hkv_, D_);
@@ -401,9 +403,9 @@ CONVEYOR_API void conveyor_decode_stack_free(void* stack) { delete static_cast<D
 
 CONVEYOR_API int conveyor_decode_stack_add_layer(void* stack, const float* input_norm, const float* post_norm,
                                                  const conveyor::SegmentSpec* const* segments, const int64_t* counts,
-                                                 const float* const* biases, int64_t group) {
+                                                 const float* const* biases, int64_t group, int rope) {
     return conveyor::guarded(1, [&] {
-        static_cast<DecodeStack*>(stack)->add_layer(input_norm, post_norm, segments, counts, biases, group);
+        static_cast<DecodeStack*>(stack)->add_layer(input_norm, post_norm, segments, counts, biases, group, rope != 0);
     });
 }
 

@@ -124,7 +124,8 @@ class DecodeStack:
             linears = [getattr(layer, p) for p in PROJECTIONS]
             segments = [_segments(lin) for lin in linears]
             native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                             segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i)
+                             segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i,
+                             layer.rope)
         return cls(native, len(layers))
 
     def attach_lora(self, layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> None:

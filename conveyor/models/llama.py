@@ -1,5 +1,6 @@
-"""The Llama family (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over one flattened ragged batch, and the
+"""The Llama family (Llama, SmolLM2, SmolLM3, Mistral, Qwen2, Qwen3) over one flattened ragged batch, and the
 pieces other families reuse (the decoder layer, RMSNorm); `CausalLM` is in `base`, RoPE in `layers.rotary`.
+SmolLM3 is Llama with no RoPE in some layers (`no_rope_layers`: every fourth), whose q and k attend as projected.
 
 Input is every scheduled token of every request, concatenated: `[num_tokens]` ids and positions.
 Norms, projections and the MLP run on all tokens at once; attention goes through the backend,
@@ -61,6 +62,7 @@ class DecoderLayer(nn.Module):
         self.scale = head_dim ** -0.5
         self.softcap: float | None = None
         self.sinks: nn.Parameter | None = None  # gpt-oss's attention sinks, one logit per query head
+        self.rope = True  # False: a NoPE layer (SmolLM3's), q and k unrotated
         self.fused: FusedOps | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
@@ -76,13 +78,13 @@ class DecoderLayer(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.fused is not None and cos.shape[-1] == self.head_dim:  # in place, on the qkv (or norms') output
+        if self.rope and self.fused is not None and cos.shape[-1] == self.head_dim:  # in place, on the qkv output
             if self.q_norm is None:  # q's heads and then k's, side by side in each row: one pass over both
                 self.fused.rope_(qkv[:, :self.q_size + self.kv_size].view(t, -1, self.head_dim), cos, sin)
             else:
                 self.fused.rope_(q, cos, sin)
                 self.fused.rope_(k, cos, sin)
-        else:  # (partial rotary: only the first dimensions of each head)
+        elif self.rope:  # (partial rotary: only the first dimensions of each head)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         sinks = None if self.sinks is None else self.sinks.float()  # (the kernels take fp32)
         o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap, sinks).reshape(t, self.q_size)
@@ -106,7 +108,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """The Llama family; variants (biases, q/k norms, tying) come from the weights."""
 
-    model_types = ("llama", "mistral", "qwen2", "qwen3")
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
     partial_rotary = False  # whether the family honours `partial_rotary_factor` with the default RoPE
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
@@ -114,6 +116,8 @@ class LlamaForCausalLM(CausalLM):
         super().__init__(config)
         self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
+        for layer, rope in zip(self.layers, getattr(config, "no_rope_layers", None) or []):  # SmolLM3's: 0 = NoPE
+            layer.rope = bool(rope)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.head_dim, partial_rotary=self.partial_rotary)
 

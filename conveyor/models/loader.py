@@ -46,6 +46,7 @@ _GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "smollm3": transformers.SmolLM3Config,
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,
@@ -226,8 +227,12 @@ def load_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerBase:
     return _load_tokenizer(directory, directory)
 
 
-def _load_tokenizer(path: Path, directory: Path, **kwargs: Any) -> transformers.PreTrainedTokenizerBase:
+def _load_tokenizer(path: Path, directory: Path, generic: bool = False,
+                    **kwargs: Any) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer through AutoTokenizer, or `generic`: as transformers' fast tokenizer, with no config read."""
     try:
+        if generic:
+            return transformers.PreTrainedTokenizerFast.from_pretrained(directory, **kwargs)
         return transformers.AutoTokenizer.from_pretrained(directory, **kwargs)
     # Tokenizer loading fails in many library-specific ways; all mean "no usable tokenizer".
     except Exception as exc:
@@ -273,7 +278,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
         selection = select(hf_name, tuple(shape)) if select is not None else None
         part, kept_shape = _gguf_slice(tensor, shape, selection)
         permute_heads = None
-        if arch == "llama" and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+        if arch in gguf_families.PERMUTED_QK and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             permute_heads = heads * kept_shape[0] // shape[0]  # a slice of whole heads
         qtype = int(tensor.tensor_type)
@@ -353,7 +358,14 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
             return transformers.AutoTokenizer.from_pretrained(cache)
         except Exception:  # a damaged cache entry: convert again below
             logger.warning("ignoring unreadable tokenizer cache %s", cache)
-    tokenizer = _load_tokenizer(path, path.parent, gguf_file=path.name)
+    try:
+        tokenizer = _load_tokenizer(path, path.parent, gguf_file=path.name)
+    except ModelLoadError as exc:
+        # transformers converts any GGUF's tokenizer, but AutoTokenizer first reads the file as a config, for the
+        # architectures transformers models only (not smollm3): then the converted tokenizer in its generic class.
+        if "is not supported yet" not in str(exc):
+            raise
+        tokenizer = _load_tokenizer(path, path.parent, generic=True, gguf_file=path.name)
     try:
         tokenizer.save_pretrained(cache)
     except OSError as exc:  # a read-only home is no reason to fail

@@ -26,7 +26,7 @@ class Qwen3Parser(BlockParser):
     with `<think>` (Qwen3's first templates); a reply without it is the answer."""
 
     name = "qwen3"
-    families = "Qwen3, Qwen3-MoE, Qwen3 2507 thinking"
+    families = "Qwen3, Qwen3-MoE, Qwen3 2507 thinking, SmolLM3"
     example = "<think>\nreasoning\n</think>\n\nanswer"
     starts, ends, special = THINK, UNTHINK, THINK + UNTHINK
 

@@ -102,11 +102,11 @@ def test_big_decode_batches_stay_eager(tiny_models: dict[str, TinyModel], monkey
     assert not calls, f"{MAX_ROWS + 4} decode rows are over the stack's {MAX_ROWS}"
 
 
-@pytest.mark.parametrize("kind", ["mistral_sliding", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral_sliding", "qwen2", "smollm3"])
 def test_sliding_window_and_biases(tiny_models: dict[str, TinyModel], kind: str,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mistral with a window far shorter than the prompts (ring slots) and Qwen2's q/k/v biases: the same
-    bits as the eager layers."""
+    """Mistral with a window far shorter than the prompts (ring slots), Qwen2's q/k/v biases and SmolLM3's
+    layer without RoPE: the same bits as the eager layers."""
     monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     prompts = random_prompts([20, 13, 31], seed=53)
     model = tiny_models[kind]

@@ -30,10 +30,11 @@ CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 128}),
     "llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})}
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "smollm3_4": lambda: transformers.SmolLM3Config(**(TINY_COMMON | {"num_hidden_layers": 4}))}  # layer 4: NoPE
 FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
             ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma2", "gemma2"), ("gemma3", "gemma3"),
-            ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3")]
+            ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3"), ("smollm3_4", "smollm3")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 
@@ -133,9 +134,11 @@ def spm_vocab(writer: gguf.GGUFWriter) -> None:
     writer.add_chat_template("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")
 
 
-# "ab ba cab": Gemma's tokenizer adds no leading space, Phi-3's does ("\u2581a" is 30, "ab" 31, "\u2581" 3).
+# "ab ba cab": Gemma's tokenizer adds no leading space, Phi-3's does ("\u2581a" is 30, "ab" 31, "\u2581" 3), and so
+# does a plain sentencepiece vocabulary in SmolLM3's file (an architecture transformers reads no config of).
 @pytest.mark.parametrize(("kind", "arch", "ids"), [("gemma3", "gemma3", [31, 3, 5, 4, 3, 6, 31]),
-                                                   ("phi4", "phi3", [30, 5, 3, 5, 4, 3, 6, 31])])
+                                                   ("phi4", "phi3", [30, 5, 3, 5, 4, 3, 6, 31]),
+                                                   ("smollm3_4", "smollm3", [30, 5, 3, 5, 4, 3, 6, 31])])
 def test_gguf_tokenizer_and_chat_template(kind: str, arch: str, ids: list[int], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))
