@@ -99,6 +99,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     if arch == "gemma3":
         w.add_sliding_window(config.sliding_window)
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if arch == "granite":  # (the converter's names for the multipliers)
+        w.add_attention_scale(config.attention_multiplier)
+        w.add_embedding_scale(config.embedding_multiplier)
+        w.add_residual_scale(config.residual_multiplier)
+        w.add_logit_scale(config.logits_scaling)
     tensors = hf_state(model, head)
     if arch == "phi3":
         head_dim = config.hidden_size // config.num_attention_heads
@@ -122,7 +127,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         assert gguf_name is not None, f"{arch}: no GGUF name for {name}"
         if gguf_name in drop:
             continue
-        if arch in ("llama", "smollm3") and name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's RoPE
+        if arch in ("llama", "smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):  # (RoPE)
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             rows = data.shape[0] // heads // 2
             data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)

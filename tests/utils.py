@@ -42,6 +42,8 @@ TINY_CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=None, tie_word_embeddings=False),
     # SmolLM3: layer 2 of 2 without RoPE (the released models: every fourth)
     "smollm3": lambda: transformers.SmolLM3Config(**TINY_COMMON, no_rope_layer_interval=2, tie_word_embeddings=False),
+    "granite": lambda: transformers.GraniteConfig(**TINY_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
+                                                  attention_multiplier=0.1, logits_scaling=4.0),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),

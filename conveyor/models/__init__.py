@@ -9,12 +9,13 @@ from ..layers.quantization.linear import Weight
 from .base import CausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_oss import GptOssForCausalLM
+from .granite import GraniteForCausalLM
 from .llama import LlamaForCausalLM
 from .moe import MoeForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM,
-                                                                 GptOssForCausalLM, Phi3ForCausalLM)
+                                                                 GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM)
                                             for t in cls.model_types}
 
 

@@ -115,6 +115,7 @@ class CausalLM(nn.Module):
 
     model_types: tuple[str, ...] = ()
     final_softcap: float | None = None
+    logits_divisor: float | None = None  # Granite's `logits_scaling`: the logits divided by it
     cuda_graphs = True  # a forward pass can be captured in a CUDA graph (no host reads of device values)
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -314,4 +315,5 @@ class CausalLM(nn.Module):
                 logits = head(hidden) if head is not None else F.linear(hidden, self.lm_head_weight)
         if self.final_softcap is not None:  # in place: the logits are the head's own (or `out`)
             logits = logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
-        return logits.float()
+        logits = logits.float()
+        return logits if self.logits_divisor is None else logits.div_(self.logits_divisor)

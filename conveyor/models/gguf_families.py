@@ -12,8 +12,10 @@ into the Hugging Face form the loader gives everything downstream.
   their own RoPE base (`rope.freq_base_swa`, llama.cpp's 10000 where an older file lacks it), every sixth
   layer is global unless the file lists `attention.sliding_window_pattern`. The query scale is not stored:
   llama.cpp takes `hidden / heads` for the 27B models (46 and 62 layers) and `head_dim` otherwise.
-- Llama (`llama`) and SmolLM3 (`smollm3`): q and k rows permuted to llama.cpp's RoPE layout (the loader
-  undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth (`no_rope_layer_interval`).
+- Llama (`llama`), SmolLM3 (`smollm3`) and Granite (`granite`): q and k rows permuted to llama.cpp's RoPE
+  layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
+  (`no_rope_layer_interval`). Granite's multipliers are `attention.scale`, `embedding_scale`, `residual_scale`
+  and `logit_scale` (1 where absent, as transformers' defaults).
 - Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
   them; `rope.dimension_count` the rotated dimensions (partial rotary); LongRoPE's factors as the tensors
   `rope_factors_long`/`rope_factors_short` and its original length as `rope.scaling.original_context_length`
@@ -39,7 +41,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
-PERMUTED_QK = ("llama", "smollm3")  # architectures whose converter permutes q and k rows (LlamaModel's)
+PERMUTED_QK = ("llama", "smollm3", "granite")  # architectures whose converter permutes q and k rows (LlamaModel's)
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's `n_no_rope_layer_step` for smollm3
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
 
@@ -73,6 +75,11 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
         out |= _phi3(field, tensors, common)
     elif arch == "smollm3":
         out["no_rope_layer_interval"] = SMOLLM3_NOPE_INTERVAL
+    elif arch == "granite":
+        out |= {"attention_multiplier": field("granite.attention.scale", 1.0),
+                "embedding_multiplier": field("granite.embedding_scale", 1.0),
+                "residual_multiplier": field("granite.residual_scale", 1.0),
+                "logits_scaling": field("granite.logit_scale", 1.0)}
     return out
 
 

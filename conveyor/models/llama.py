@@ -110,11 +110,12 @@ class LlamaForCausalLM(CausalLM):
 
     model_types = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
     partial_rotary = False  # whether the family honours `partial_rotary_factor` with the default RoPE
+    layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  mlp_bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__(config)
-        self.layers = nn.ModuleList(DecoderLayer(config, self.head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
+        self.layers = nn.ModuleList(self.layer_class(config, self.head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
                                     for _ in range(config.num_hidden_layers))
         for layer, rope in zip(self.layers, getattr(config, "no_rope_layers", None) or []):  # SmolLM3's: 0 = NoPE
             layer.rope = bool(rope)

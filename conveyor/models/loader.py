@@ -47,6 +47,7 @@ _GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "smollm3": transformers.SmolLM3Config,
+    "granite": transformers.GraniteConfig,
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,

@@ -9,8 +9,8 @@ import transformers
 from conveyor import LLM, SamplingParams
 from conveyor.models.loader import load_checkpoint
 
-from tests.utils import (LENGTHS, MAX_NEW, TINY_CONFIGS, TinyModel, assert_greedy_match, hf_greedy, random_prompts,
-                         run_and_compare)
+from tests.utils import (LENGTHS, MAX_NEW, TINY_CONFIGS, TinyModel, assert_greedy_match, hf_greedy,
+                         next_token_logprobs, random_prompts, run_and_compare)
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -19,6 +19,17 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, TinyModel], kind:
     llm = model.llm(max_batch_tokens=64)
     run_and_compare(model, llm, random_prompts(LENGTHS), MAX_NEW, kind)
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
+
+
+def test_granite_log_probs_are_its_scaled_logits(tiny_models: dict[str, TinyModel]) -> None:
+    """Granite divides its logits by `logits_scaling` (4 here), which leaves the argmax alone: the next tokens'
+    log-probabilities equal transformers'."""
+    model = tiny_models["granite"]
+    prompts = random_prompts([5, 9, 14], seed=21)
+    with torch.inference_mode():
+        expected = torch.stack([torch.log_softmax(model.reference(torch.tensor([p])).logits[0, -1].float(), -1)
+                                for p in prompts])
+    torch.testing.assert_close(next_token_logprobs(model.llm(), prompts), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("max_batch_tokens", "max_requests_per_batch", "page_size"), [

@@ -1,0 +1,58 @@
+"""IBM Granite 3.x dense models (`granite`): the Llama layers with four scalars, as transformers applies them
+step by step: the embeddings times `embedding_multiplier`, attention scaled by `attention_multiplier` (instead of
+`head_dim ** -0.5`), each block's output times `residual_multiplier` before its residual add, and the logits
+divided by `logits_scaling`. The native decode stack has no residual multiplier, so small decode batches run the
+layers eagerly (`DecodeStack.build` takes Llama's own layer class only)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from ..kernels.fused_ops import FusedOps
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from .llama import DecoderLayer, LlamaForCausalLM
+
+
+class GraniteDecoderLayer(DecoderLayer):
+    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
+                 qk_norm: bool) -> None:
+        super().__init__(config, head_dim, qkv_bias, o_bias, mlp_bias, qk_norm)
+        self.scale = config.attention_multiplier
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention, rows)
+        h = h * self.residual_multiplier
+        if rows is not None:
+            x = x.index_select(0, rows)
+        if self.fused is not None:  # h (a fresh output) becomes x + h, normed in the same pass
+            norm = self.post_attention_layernorm
+            gate_up = self.gate_up_proj(self.fused.add_rms_norm_(h, x, norm.weight, norm.eps))
+            return h + self.down_proj(self.fused.silu_mul(gate_up)) * self.residual_multiplier
+        x = x + h
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up) * self.residual_multiplier
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """Granite 3.0-3.3 dense (`GraniteForCausalLM`)."""
+
+    model_types = ("granite",)
+    layer_class = GraniteDecoderLayer
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
+                 mlp_bias: bool = False, qk_norm: bool = False) -> None:
+        super().__init__(config, qkv_bias, o_bias, mlp_bias, qk_norm)
+        self.embedding_multiplier = config.embedding_multiplier
+        self.logits_divisor = config.logits_scaling
+
+    def use_fused_ops(self, ops: FusedOps | None) -> None:
+        super().use_fused_ops(ops)
+        for layer in self.layers:
+            layer.fused = ops
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
