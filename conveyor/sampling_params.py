@@ -7,20 +7,23 @@ import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """json: a JSON schema (dict or JSON text); regex: a regular expression the whole output matches;
     choice: one of these strings exactly; grammar: a grammar in GBNF/EBNF (`root ::= ...`) or Lark
-    syntax; json_object: any JSON object (OpenAI's `{"type": "json_object"}`)."""
+    syntax; json_object: any JSON object (OpenAI's `{"type": "json_object"}`); structural_tag: vLLM's
+    `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}` (dict or JSON text): free text, where
+    each trigger starts one of its structures, whose body between `begin` and `end` follows the schema."""
 
     json: dict[str, Any] | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
@@ -35,8 +38,9 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be a string")
         if self.json_object not in (None, True, False):
             raise ValueError("structured_outputs.json_object must be a boolean")
-        if self.json is not None and not isinstance(self.json, (dict, str)):
-            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        for name in ("json", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (dict, str)):
+                raise ValueError(f"structured_outputs.{name} must be a JSON object or its JSON text")
 
     @property
     def kind(self) -> str:
@@ -45,11 +49,11 @@ class StructuredOutputsParams:
     def key(self) -> str:
         """A canonical text of the constraint: the grammar cache's key."""
         value: Any = getattr(self, self.kind)
-        if self.kind == "json" and isinstance(value, str):
+        if self.kind in ("json", "structural_tag") and isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from exc
+                raise ValueError(f"structured_outputs.{self.kind} is not valid JSON: {exc}") from exc
         return f"{self.kind}:{json.dumps(value, sort_keys=True)}"
 
 

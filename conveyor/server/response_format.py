@@ -1,7 +1,7 @@
 """The output constraint and logit bias a request body asks for, checked into engine parameters.
 
-OpenAI's `response_format` (`json_object`, `json_schema`), vLLM's extra body field
-`structured_outputs` (json, regex, choice, grammar, json_object), its earlier `guided_json`,
+OpenAI's `response_format` (`json_object`, `json_schema`, and vLLM's `structural_tag`), vLLM's extra body field
+`structured_outputs` (json, regex, choice, grammar, json_object, structural_tag), its earlier `guided_json`,
 `guided_regex`, `guided_choice` and `guided_grammar` (which vLLM has since dropped, so that their
 requests silently lose the constraint there) and llama.cpp's `grammar` (GBNF), `json_schema` and
 `json_object` with a `schema` all become a `StructuredOutputsParams`; a
@@ -20,7 +20,7 @@ from ..sampling_params import STRUCTURED_OUTPUT_KINDS, StructuredOutputsParams
 from ..structured.strict import close_schema
 from .protocol import APIError, SamplingFields
 
-FORMATS = ("text", "json_object", "json_schema")
+FORMATS = ("text", "json_object", "json_schema", "structural_tag")
 # vLLM's earlier fields -> the `structured_outputs` key each one is
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
@@ -59,6 +59,8 @@ def body_constraint(body: SamplingFields) -> tuple[StructuredOutputsParams | Non
                        param="response_format")
     if kind == "text":
         return None, None
+    if kind == "structural_tag":  # vLLM's: {"type": "structural_tag", "structures": [...], "triggers": [...]}
+        return StructuredOutputsParams(structural_tag={k: v for k, v in fmt.items() if k != "type"}), "response_format"
     if kind == "json_object":  # llama.cpp takes a schema there too
         schema = fmt.get("schema")
         if schema is not None and not isinstance(schema, dict):

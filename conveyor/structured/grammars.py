@@ -58,12 +58,44 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     if kind == "choice":
         assert params.choice is not None
         return llguidance.grammar_from("lark", "start: " + " | ".join(_lark_string(c) for c in params.choice))
+    if kind == "structural_tag":
+        assert params.structural_tag is not None
+        return _structural_tag_grammar(params.structural_tag)
     assert params.grammar is not None
     try:
         lark = any_to_lark(params.grammar)
     except Exception as exc:  # the converter raises its own error types
         raise ValueError(f"structured_outputs.grammar could not be read: {exc}") from exc
     return llguidance.grammar_from("lark", lark)
+
+
+def _structural_tag_grammar(spec: dict | str) -> str:
+    """vLLM's structural tag (its form with `structures` and `triggers`, which its llguidance backend takes):
+    free text in which each trigger opens the structure whose `begin` starts with it."""
+    value = json.loads(spec) if isinstance(spec, str) else spec
+    name = "structured_outputs.structural_tag"
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object with structures and triggers")
+    if "format" in value and "structures" not in value:
+        raise ValueError(f"{name}: the `format` form (xgrammar's) is not supported; give `structures` "
+                         '([{"begin", "schema", "end"}]) and `triggers`')
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{name}.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{name}.structures must be a non-empty list of {{begin, schema, end}}")
+    tags = []
+    for i, item in enumerate(structures):
+        if not (isinstance(item, dict) and isinstance(item.get("begin"), str) and isinstance(item.get("end"), str)
+                and isinstance(item.get("schema"), dict)):
+            raise ValueError(f"{name}.structures[{i}] needs begin and end (strings) and schema (a JSON schema object)")
+        trigger = next((t for t in triggers if item["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"{name}.structures[{i}].begin {item['begin']!r} starts with none of the triggers "
+                             f"{triggers}")
+        schema = {"x-guidance": JSON_LAYOUT} | item["schema"]  # (the schema itself: StructTag embeds it as %json)
+        tags.append(llguidance.StructTag(trigger=trigger, begin=item["begin"], grammar=schema, end=item["end"]))
+    return llguidance.StructTag.to_grammar(tags)
 
 
 class GrammarCache:

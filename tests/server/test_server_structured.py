@@ -98,6 +98,27 @@ def test_structured_outputs_extra_field_and_logit_bias(client: openai.OpenAI, ll
     assert llm.tokenizer.encode(biased.choices[0].text) == [token] * 3
 
 
+def test_a_structural_tag_constrains_what_follows_its_trigger(client: openai.OpenAI, url: str) -> None:
+    """vLLM's structural tag, through `structured_outputs` and `response_format`: the trigger is the reply's own
+    first token (which free text leaves as the unconstrained greedy pick), so the structure's begin, a body
+    following the schema and its end come next."""
+    first = client.completions.create(model="smol", prompt="Answer:", max_tokens=1, temperature=0).choices[0].text
+    zone = CLOCK["function"]["parameters"]
+    tag = {"triggers": [first], "structures": [{"begin": first + " call ", "schema": zone, "end": "!"}]}
+    text = client.completions.create(model="smol", prompt="Answer:", max_tokens=40, temperature=0,
+                                     extra_body={"structured_outputs": {"structural_tag": tag}}).choices[0].text
+    head, _, rest = text.partition(first + " call ")
+    assert head == "" and "!" in rest, text
+    check(json.loads(rest[:rest.index("!")]), zone)
+    reply = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": "Answer:", "max_tokens": 40, "temperature": 0, "response_format": {"type": "structural_tag"} | tag})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == text
+    bad = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": "Answer:", "max_tokens": 4, "response_format": {"type": "structural_tag", "triggers": ["<x"],
+                                                                 "structures": tag["structures"]}})
+    assert bad.status_code == 400 and "starts with none of the triggers" in bad.json()["error"]["message"]
+
+
 def test_named_and_required_tool_calls_validate_and_stream_like_the_whole(client: openai.OpenAI) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
     # Sampled, "required" may repeat calls up to max_tokens (SmolLM2 does with some seeds): this seed stops.

@@ -111,3 +111,51 @@ def test_json_object_accepts_an_object_and_masks_what_breaks_it(built_in) -> Non
     assert allowed(cache, matcher).nonzero().flatten().tolist() == [eos]  # complete: only EOS may follow
     fresh = cache.matcher(StructuredOutputsParams(json_object=True))
     assert not allowed(cache, fresh)[tokenizer.encode("[", add_special_tokens=False)[0]]  # not an object
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+TAG = {"structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"}],
+       "triggers": ["<function="]}
+
+
+def walk(cache: GrammarCache, tokenizer, matcher, text: str) -> list[str]:
+    """Feed `text`'s tokens while the mask allows them; the tokens fed (all of them if the grammar takes it)."""
+    fed = []
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        if not allowed(cache, matcher)[token]:
+            break
+        GrammarMasks.advance(matcher, token)
+        fed.append(tokenizer.decode([token]))
+    return fed
+
+
+def test_a_structural_tag_constrains_only_what_follows_its_trigger(built_in) -> None:
+    """vLLM's structural tag: free text and EOS before and after; after the trigger, the structure's begin, a
+    body that follows its schema (a wrong key is masked) and its end; EOS not inside it."""
+    cache, tokenizer, eos = built_in
+    text = 'It is sunny. <function=get_weather>{"city": "Paris"}</function> Done.'
+    for spec in (TAG, json.dumps(TAG)):
+        matcher = cache.matcher(StructuredOutputsParams(structural_tag=spec))
+        assert allowed(cache, matcher)[eos]
+        assert "".join(walk(cache, tokenizer, matcher, text)) == text
+        assert allowed(cache, matcher)[eos]
+    matcher = cache.matcher(StructuredOutputsParams(structural_tag=TAG))
+    fed = walk(cache, tokenizer, matcher, 'Hi <function=get_weather>{"town": "Paris"}')
+    assert "".join(fed).endswith('{"') and not allowed(cache, matcher)[eos]  # "town" masked, and no EOS mid-call
+    free = cache.matcher(StructuredOutputsParams(structural_tag=TAG))
+    assert "".join(walk(cache, tokenizer, free, 'Any {"town": 1} text')) == 'Any {"town": 1} text'
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"structures": TAG["structures"]}, "triggers must be a non-empty list"),
+    ({"triggers": ["<f"], "structures": []}, "structures must be a non-empty list"),
+    ({"triggers": ["<tool>"], "structures": TAG["structures"]}, r"structures\[0\].begin '<function=get_weather>' "
+                                                                 "starts with none of the triggers"),
+    ({"triggers": ["<f"], "structures": [{"begin": "<f>", "end": "</f>"}]}, r"structures\[0\] needs begin and end"),
+    ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "the `format` form .* is not supported"),
+    ("[1]", "must be a JSON object with structures and triggers"),
+])
+def test_bad_structural_tags_are_value_errors_naming_the_part(built_in, bad, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        built_in[0].matcher(StructuredOutputsParams(structural_tag=bad))
