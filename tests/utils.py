@@ -42,6 +42,7 @@ TINY_CONFIGS = {
     "mistral": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=None, tie_word_embeddings=False),
     # SmolLM3: layer 2 of 2 without RoPE (the released models: every fourth)
     "smollm3": lambda: transformers.SmolLM3Config(**TINY_COMMON, no_rope_layer_interval=2, tie_word_embeddings=False),
+    "olmo2": lambda: transformers.Olmo2Config(**TINY_COMMON),
     "granite": lambda: transformers.GraniteConfig(**TINY_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   attention_multiplier=0.1, logits_scaling=4.0),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={

@@ -12,10 +12,12 @@ from .gpt_oss import GptOssForCausalLM
 from .granite import GraniteForCausalLM
 from .llama import LlamaForCausalLM
 from .moe import MoeForCausalLM
+from .olmo2 import Olmo2ForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM,
-                                                                 GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM)
+                                                                 GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
+                                                                 Olmo2ForCausalLM)
                                             for t in cls.model_types}
 
 

@@ -16,6 +16,7 @@ into the Hugging Face form the loader gives everything downstream.
   layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
   (`no_rope_layer_interval`). Granite's multipliers are `attention.scale`, `embedding_scale`, `residual_scale`
   and `logit_scale` (1 where absent, as transformers' defaults).
+- OLMo 2 (`olmo2`): norms after the blocks, named `post_attention_norm` and `post_ffw_norm`; q/k unpermuted.
 - Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
   them; `rope.dimension_count` the rotated dimensions (partial rotary); LongRoPE's factors as the tensors
   `rope_factors_long`/`rope_factors_short` and its original length as `rope.scaling.original_context_length`
@@ -39,6 +40,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
 }
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
 PERMUTED_QK = ("llama", "smollm3", "granite")  # architectures whose converter permutes q and k rows (LlamaModel's)

@@ -48,6 +48,7 @@ _GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "qwen3": transformers.Qwen3Config,
     "smollm3": transformers.SmolLM3Config,
     "granite": transformers.GraniteConfig,
+    "olmo2": transformers.Olmo2Config,
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,
