@@ -99,6 +99,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     if arch == "gemma3":
         w.add_sliding_window(config.sliding_window)
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    if arch == "olmo2" and getattr(config, "sliding_window", None):  # OLMo 3
+        w.add_sliding_window(config.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     if arch == "granite":  # (the converter's names for the multipliers)
         w.add_attention_scale(config.attention_multiplier)
         w.add_embedding_scale(config.embedding_multiplier)

@@ -43,6 +43,11 @@ TINY_CONFIGS = {
     # SmolLM3: layer 2 of 2 without RoPE (the released models: every fourth)
     "smollm3": lambda: transformers.SmolLM3Config(**TINY_COMMON, no_rope_layer_interval=2, tie_word_embeddings=False),
     "olmo2": lambda: transformers.Olmo2Config(**TINY_COMMON),
+    "olmo3": lambda: transformers.Olmo3Config(  # layers: sliding, sliding, sliding, full (YaRN)
+        **(TINY_COMMON | {"num_hidden_layers": 4}), sliding_window=WINDOW, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                               "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "granite": lambda: transformers.GraniteConfig(**TINY_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   attention_multiplier=0.1, logits_scaling=4.0),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={

@@ -233,8 +233,22 @@ class CausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def rope_per_layer_type(self, config: PretrainedConfig, partial_rotary: bool = False) -> None:
+        """RoPE settings per layer type (Gemma 3, OLMo 3: sliding layers with their own base or no scaling),
+        where the config's `rope_parameters` has one set per type; else one `rotary` for every layer. (By the
+        config's `layer_types`: they may call a window longer than the context full attention.)"""
+        per_type = "full_attention" in (getattr(config, "rope_parameters", None) or {})
+        self.rope_layer_types = list(config.layer_types) if per_type else []
+        self.rotaries = nn.ModuleDict({t: RotaryEmbedding(config, self.head_dim, t)
+                                       for t in set(self.rope_layer_types)})
+        self.rotary = None if per_type else RotaryEmbedding(config, self.head_dim, partial_rotary=partial_rotary)
+
     def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin `[num_tokens, head_dim]` for every layer (shared by all here)."""
+        """cos/sin `[num_tokens, head_dim]` for every layer: shared by all, or by layer type
+        (`rope_per_layer_type`)."""
+        if getattr(self, "rotary", None) is None and getattr(self, "rotaries", None):
+            by_type = {t: rotary(positions, dtype) for t, rotary in self.rotaries.items()}
+            return [by_type[t] for t in self.rope_layer_types]
         return [self.rotary(positions, dtype)] * self.num_layers
 
     @property

@@ -17,7 +17,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
-from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM
 from .llama import DecoderLayer
 
@@ -75,12 +74,7 @@ class GemmaForCausalLM(CausalLM):
                                     for _ in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        # Gemma 3 has RoPE settings per layer type; Gemma 2 one set for all layers.
-        # (by the config's layer types: `layer_types` may call a window longer than the context full attention)
-        per_type = gemma3 and "full_attention" in (getattr(config, "rope_parameters", None) or {})
-        self.rope_layer_types = list(config.layer_types) if per_type else []
-        self.rotaries = nn.ModuleDict({t: RotaryEmbedding(config, self.head_dim, t) for t in set(self.rope_layer_types)})
-        self.rotary = None if per_type else RotaryEmbedding(config, self.head_dim)
+        self.rope_per_layer_type(config)  # Gemma 3 has RoPE settings per layer type; Gemma 2 one set for all layers
         self.embed_scale = config.hidden_size ** 0.5
 
     @classmethod
@@ -90,9 +84,3 @@ class GemmaForCausalLM(CausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         return x * torch.tensor(self.embed_scale).to(x.dtype)
-
-    def rotary_for_layer(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if self.rotary is not None:
-            return super().rotary_for_layer(positions, dtype)
-        by_type = {t: rotary(positions, dtype) for t, rotary in self.rotaries.items()}
-        return [by_type[t] for t in self.rope_layer_types]

@@ -17,6 +17,9 @@ into the Hugging Face form the loader gives everything downstream.
   (`no_rope_layer_interval`). Granite's multipliers are `attention.scale`, `embedding_scale`, `residual_scale`
   and `logit_scale` (1 where absent, as transformers' defaults).
 - OLMo 2 (`olmo2`): norms after the blocks, named `post_attention_norm` and `post_ffw_norm`; q/k unpermuted.
+  OLMo 3 is written as `olmo2` with `attention.sliding_window` (and a `sliding_window_pattern`, else llama.cpp's
+  every fourth layer full): its sliding layers' RoPE is the file's base (`rope.freq_base_swa` where given)
+  without the scaling the full layers have.
 - Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
   them; `rope.dimension_count` the rotated dimensions (partial rotary); LongRoPE's factors as the tensors
   `rope_factors_long`/`rope_factors_short` and its original length as `rope.scaling.original_context_length`
@@ -77,6 +80,8 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
         out |= _phi3(field, tensors, common)
     elif arch == "smollm3":
         out["no_rope_layer_interval"] = SMOLLM3_NOPE_INTERVAL
+    elif arch == "olmo2":
+        out |= _olmo3(field, common)
     elif arch == "granite":
         out |= {"attention_multiplier": field("granite.attention.scale", 1.0),
                 "embedding_multiplier": field("granite.embedding_scale", 1.0),
@@ -102,6 +107,20 @@ def _gemma(arch: str, field: Field, common: dict[str, Any]) -> dict[str, Any]:
     if pattern is not None:  # one flag a layer (newer converters)
         out["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
     return out
+
+
+def _olmo3(field: Field, common: dict[str, Any]) -> dict[str, Any]:
+    """An OLMo 3 file's sliding layers (nothing for OLMo 2's, which have none)."""
+    window = field("olmo2.attention.sliding_window", 0)
+    if not window:
+        return {}
+    layers = common["num_hidden_layers"]
+    pattern = field("olmo2.attention.sliding_window_pattern", None) or [(i + 1) % 4 != 0 for i in range(layers)]
+    full = common["rope_parameters"]
+    return {"sliding_window": window,
+            "layer_types": ["sliding_attention" if swa else "full_attention" for swa in pattern],
+            "rope_parameters": {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": field("olmo2.rope.freq_base_swa", full["rope_theta"])}}}
 
 
 def _phi3(field: Field, tensors: Sequence[Any], common: dict[str, Any]) -> dict[str, Any]:

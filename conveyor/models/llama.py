@@ -19,7 +19,7 @@ from transformers import PretrainedConfig
 
 from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
-from ..layers.rotary import RotaryEmbedding, apply_rotary
+from ..layers.rotary import apply_rotary
 from .base import CausalLM
 from .decode_stack import DecodeStack
 
@@ -120,7 +120,7 @@ class LlamaForCausalLM(CausalLM):
         for layer, rope in zip(self.layers, getattr(config, "no_rope_layers", None) or []):  # SmolLM3's: 0 = NoPE
             layer.rope = bool(rope)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, self.head_dim, partial_rotary=self.partial_rotary)
+        self.rope_per_layer_type(config, self.partial_rotary)
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         """Run the Llama layers' norms, RoPE and SiLU * up through native fused ops (None: PyTorch)."""

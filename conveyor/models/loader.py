@@ -427,6 +427,8 @@ def _gguf_config(reader: GGUFFile, path: Path, arch: str) -> transformers.Pretra
                                              kwargs["num_hidden_layers"])
         if arch == "llama" and experts:  # llama.cpp writes Mixtral as llama with experts
             return transformers.MixtralConfig(**kwargs, **experts)
+        if arch == "olmo2" and "layer_types" in kwargs:  # and OLMo 3 as olmo2 with sliding layers
+            return transformers.Olmo3Config(**kwargs)
         return _GGUF_CONFIGS[arch](**kwargs, **experts)
     except ModelLoadError:
         raise

@@ -1,7 +1,9 @@
-"""AI2's OLMo 2 (`olmo2`), as transformers runs it step by step: the Llama layers with the norms after the blocks
-instead of before (`x + norm(attention(x))`, then `x + norm(mlp(x))`, no input norm), and q/k norms over the
-whole projection (all heads together) before RoPE. Its RMSNorm multiplies by the weight in fp32 before casting
-back. The native decode stack takes Llama's pre-norm layers only, so small decode batches run these eagerly."""
+"""AI2's OLMo 2 (`olmo2`) and OLMo 3 (`olmo3`), as transformers runs them step by step: the Llama layers with the
+norms after the blocks instead of before (`x + norm(attention(x))`, then `x + norm(mlp(x))`, no input norm), and
+q/k norms over the whole projection (all heads together) before RoPE. Their RMSNorm multiplies by the weight in
+fp32 before casting back. OLMo 3 adds sliding-window layers (three in four), whose RoPE has no scaling where the
+full layers' has (`rope_per_layer_type`). The native decode stack takes Llama's pre-norm layers only, so small
+decode batches run these eagerly."""
 
 from __future__ import annotations
 
@@ -58,9 +60,9 @@ class Olmo2DecoderLayer(DecoderLayer):
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):
-    """OLMo 2 (`Olmo2ForCausalLM`)."""
+    """OLMo 2 (`Olmo2ForCausalLM`) and OLMo 3 (`Olmo3ForCausalLM`)."""
 
-    model_types = ("olmo2",)
+    model_types = ("olmo2", "olmo3")
     layer_class = Olmo2DecoderLayer
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,

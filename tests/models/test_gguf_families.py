@@ -35,7 +35,7 @@ CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
 FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
             ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma2", "gemma2"), ("gemma3", "gemma3"),
             ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3"), ("smollm3_4", "smollm3"),
-            ("granite", "granite"), ("olmo2", "olmo2")]
+            ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 
