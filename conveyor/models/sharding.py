@@ -49,6 +49,7 @@ _DOWN = re.compile(r"\.mlp\.down_proj\.weight$")
 _ROW_PARALLEL_BIAS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.bias$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 FUSED_CHECKPOINTS = ("phi3",)  # q/k/v and gate/up stored fused: a shard would need three row ranges of one tensor
+NORMS_OVER_HEADS = ("olmo2", "olmo3")  # q/k norms over all heads together: a rank would need the others' squares
 
 
 def split(n: int, parts: int) -> list[Range]:
@@ -131,6 +132,10 @@ def plan_shards(config: PretrainedConfig, world_size: int) -> list[ShardPlan]:
     if world_size > 1 and config.model_type in FUSED_CHECKPOINTS:
         raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} checkpoints store q/k/v and "
                           "gate/up fused, which tensor parallelism does not split yet; use tensor_parallel_size=1")
+    if world_size > 1 and config.model_type in NORMS_OVER_HEADS:
+        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} normalizes q and k over all heads "
+                          "together, which tensor parallelism does not split yet; use tensor_parallel_size=1, or "
+                          "replicas with --data-parallel-size")
     inter = config.intermediate_size
     unit = next(u for u in MLP_UNITS if inter % u == 0)
     if inter // unit < world_size:

@@ -87,6 +87,14 @@ def test_bad_sizes_fail_before_anything_starts(tiny_llama: TinyModel) -> None:
     assert launch._CURRENT is before  # nothing was spawned
 
 
+def test_olmo_refuses_tensor_parallelism(tiny_models: dict[str, TinyModel]) -> None:
+    for kind in ("olmo2", "olmo3"):
+        config = tiny_models[kind].reference.config
+        assert len(plan_shards(config, 1)) == 1
+        with pytest.raises(ConfigError, match=f"{kind} normalizes q and k over all heads together"):
+            plan_shards(config, 2)
+
+
 # -- shards are slices of the file -----------------------------------------------------------------
 def test_safetensors_shards_are_the_slices(tiny_llama: TinyModel) -> None:
     full = load_checkpoint(tiny_llama.path, tokenizer=False).state_dict
@@ -131,7 +139,7 @@ def test_gguf_shards_keep_whole_blocks(quantized_gguf: Path) -> None:
 
 
 # -- TP=2 against transformers and against TP=1 ------------------------------------------------------
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3", "smollm3", "granite"])
 def test_tp2_greedy_matches_transformers(tiny_models: dict[str, TinyModel], kind: str) -> None:
     model = tiny_models[kind]
     llm = tp_llm(model.path)
