@@ -169,25 +169,59 @@ def read_config(path: str | os.PathLike[str] | None) -> transformers.PretrainedC
 
 
 def _hf_config(path: Path) -> transformers.PretrainedConfig:
+    """The directory's config; for an image-text checkpoint of `MULTIMODAL_TEXT`, its language model's."""
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"Not a Hugging Face model directory, config.json is missing: {path}")
     try:
-        return transformers.AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, StrictDataclassError) as exc:  # the last: a field transformers' validation rejects
         raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
+    return text_config(config)
+
+
+# Image-text checkpoints whose language model Conveyor runs alone (text in, text out; images are refused):
+# the wrapper's model type -> its language model's.
+MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "mistral3": "mistral"}
+# Their language model's tensor names (transformers' two layouts) -> a `*ForCausalLM`'s; the rest (vision tower,
+# projector) is not read.
+_LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                      ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+
+
+def text_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """An image-text checkpoint's language model config (`MULTIMODAL_TEXT`), else `config`."""
+    text = getattr(config, "text_config", None)
+    if text is None or text.model_type != MULTIMODAL_TEXT.get(config.model_type):
+        return config
+    text.multimodal_type = config.model_type  # (says where its tensors are)
+    logger.info("%s is an image-text checkpoint: running its language model (%s) alone; requests with images are "
+                "not supported", config.model_type, text.model_type)
+    return text
+
+
+def language_model_name(name: str) -> str | None:
+    """A `*ForCausalLM` name for an image-text checkpoint's tensor, None for the parts not read."""
+    for prefix, replacement in _LANGUAGE_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None
 
 
 def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = None,
                        tokenizer: bool = True) -> Checkpoint:
     config = _hf_config(path)
+    multimodal = getattr(config, "multimodal_type", None) is not None
     state_dict: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
         with safetensors.safe_open(shard, framework="pt") as f:
-            for name in f.keys():
-                part = f.get_slice(name)
+            for stored in f.keys():
+                name = language_model_name(stored) if multimodal else stored
+                if name is None:
+                    continue
+                part = f.get_slice(stored)
                 selection = select(name, tuple(part.get_shape())) if select is not None else None
                 if selection is None:
-                    t = f.get_tensor(name)
+                    t = f.get_tensor(stored)
                 else:
                     dim, start, stop = selection
                     t = part[start:stop] if dim == 0 else part[:, start:stop]
