@@ -180,12 +180,16 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
 
 
 # Image-text checkpoints whose language model Conveyor runs alone (text in, text out; images are refused):
-# the wrapper's model type -> its language model's.
-MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "mistral3": "mistral"}
-# Their language model's tensor names (transformers' two layouts) -> a `*ForCausalLM`'s; the rest (vision tower,
+# the wrapper's model type -> its language model's. (Qwen's multimodal RoPE gives text alone the positions of
+# plain RoPE: every section reads the same position.)
+MULTIMODAL_TEXT = {"gemma3": "gemma3_text", "mistral3": "mistral", "qwen2_vl": "qwen2_vl_text",
+                   "qwen2_5_vl": "qwen2_5_vl_text", "qwen3_vl": "qwen3_vl_text"}
+# Their language model's tensor names (transformers' layouts) -> a `*ForCausalLM`'s; the rest (vision tower,
 # projector) is not read.
 _LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                      ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."))
+                      ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head."),
+                      ("model.layers.", "model.layers."), ("model.embed_tokens.", "model.embed_tokens."),
+                      ("model.norm.", "model.norm."))
 
 
 def text_config(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
