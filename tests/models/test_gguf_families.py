@@ -33,6 +33,7 @@ CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "smollm3_4": lambda: transformers.SmolLM3Config(**(TINY_COMMON | {"num_hidden_layers": 4}))}  # layer 4: NoPE
 FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
+            ("qwen2", "qwen2vl"),  # (Qwen2.5-VL's language model as llama.cpp writes it)
             ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma2", "gemma2"), ("gemma3", "gemma3"),
             ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3"), ("smollm3_4", "smollm3"),
             ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2")]
