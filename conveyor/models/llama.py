@@ -109,7 +109,7 @@ class LlamaForCausalLM(CausalLM):
     """The Llama family; variants (biases, q/k norms, tying) come from the weights."""
 
     model_types = ("llama", "mistral", "qwen2", "qwen3", "smollm3",  # and the language models of Qwen's image-text
-                   "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")  # checkpoints (`loader.MULTIMODAL_TEXT`)
+                   "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")  # checkpoints (`multimodal_text`)
     partial_rotary = False  # whether the family honours `partial_rotary_factor` with the default RoPE
     layer_class: type[DecoderLayer] = DecoderLayer
 
