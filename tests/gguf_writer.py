@@ -256,3 +256,54 @@ def write_random_block_gguf(path: Path, qtype: QType) -> int:
     writer.write_tensors_to_file()
     writer.close()
     return matrix_bytes
+
+
+def write_gpt_oss_gguf(path: Path, model: transformers.PreTrainedModel, experts: QType) -> None:
+    """A gpt-oss model as llama.cpp's converter writes it: the experts' gate and up apart (the checkpoint
+    interleaves their columns) as `nn.Linear` rows, stacked, in `experts` (MXFP4 as the released files), with
+    their biases; the router with its bias; sinks; `post_attention_norm`; YaRN and the window as metadata."""
+    config = model.config
+    rope = dict(config.rope_parameters)
+    w = gguf_header(path, "gpt-oss", config)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_expert_count(config.num_local_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_expert_feed_forward_length(config.intermediate_size)
+    w.add_sliding_window(config.sliding_window)
+    toy_vocab(w)
+    state = hf_state(model, head=True)
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", state["model.norm.weight"])
+    w.add_tensor("output.weight", state["lm_head.weight"])
+    names = {"input_layernorm.weight": "attn_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias"}
+    for p in "qkvo":
+        for kind in ("weight", "bias"):
+            names[f"self_attn.{p}_proj.{kind}"] = f"attn_{'output' if p == 'o' else p}.{kind}"
+    for i in range(config.num_hidden_layers):
+        src = f"model.layers.{i}."
+        for hf, name in names.items():
+            w.add_tensor(f"blk.{i}.{name}", state[src + hf])
+        gate_up, gate_up_bias = state[src + "mlp.experts.gate_up_proj"], state[src + "mlp.experts.gate_up_proj_bias"]
+        stacked = {"ffn_gate_exps": gate_up[:, :, 0::2], "ffn_up_exps": gate_up[:, :, 1::2],
+                   "ffn_down_exps": state[src + "mlp.experts.down_proj"]}
+        biases = {"ffn_gate_exps": gate_up_bias[:, 0::2], "ffn_up_exps": gate_up_bias[:, 1::2],
+                  "ffn_down_exps": state[src + "mlp.experts.down_proj_bias"]}
+        for name, matrices in stacked.items():
+            rows = np.ascontiguousarray(matrices.transpose(0, 2, 1))  # x @ W -> nn.Linear rows
+            if experts == QType.F32:
+                w.add_tensor(f"blk.{i}.{name}.weight", rows)
+            else:
+                w.add_tensor(f"blk.{i}.{name}.weight", gguf.quants.quantize(rows, experts), raw_dtype=experts)
+            w.add_tensor(f"blk.{i}.{name}.bias", np.ascontiguousarray(biases[name]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

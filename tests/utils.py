@@ -162,9 +162,10 @@ GPT_OSS_LIMIT = 2.0
 def gpt_oss_config(**overrides: object) -> transformers.GptOssConfig:
     """4 layers, sliding and full alternating (transformers' default `layer_types`), YaRN (factor 4 over
     128 original positions), 8 experts, top-2."""
-    return transformers.GptOssConfig(**(MOE_COMMON | {"num_hidden_layers": 4, "intermediate_size": 32} | overrides),
+    return transformers.GptOssConfig(**(MOE_COMMON | {"num_hidden_layers": 4, "intermediate_size": 32,
+                                                      "swiglu_limit": GPT_OSS_LIMIT} | overrides),
                                      head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW,
-                                     swiglu_limit=GPT_OSS_LIMIT, rope_parameters={
+                                     rope_parameters={
                                          "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 32.0,
                                          "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128})
 

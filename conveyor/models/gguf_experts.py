@@ -1,7 +1,9 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them: `general.architecture` qwen2moe,
-qwen3moe, olmoe, and Mixtral as `llama` with `llama.expert_count`; the experts' matrices stacked in
+qwen3moe, olmoe, gpt-oss, and Mixtral as `llama` with `llama.expert_count`; the experts' matrices stacked in
 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router `ffn_gate_inp`, Qwen2-MoE's
 shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one row, often stored 1-D).
+gpt-oss adds biases to the router and the stacked experts, and ships the experts in MXFP4, which become the Q8_0
+blocks that hold them exactly (`layers.quantization.mxfp4`).
 
 The loader asks here for the config fields the expert keys give (`config_fields`) and for the Hugging
 Face names a tensor stands for (`hf_names`): one per expert for a stacked tensor, which the loader
@@ -10,6 +12,7 @@ splits into per-expert matrices (quantized blocks kept as stored where a kernel 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,14 +21,18 @@ import numpy as np
 import torch
 import transformers
 
+from ..layers.quantization.mxfp4 import dequantize_mxfp4, from_ggml, mxfp4_to_q8_0
 from ..layers.quantization.tensors import KERNEL_TYPES, QuantizedTensor
 from .moe import hf_expert_names
+
+logger = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> HF config class, for the architectures that only exist with experts.
 ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "qwen2moe": transformers.Qwen2MoeConfig,
     "qwen3moe": transformers.Qwen3MoeConfig,
     "olmoe": transformers.OlmoeConfig,
+    "gpt-oss": transformers.GptOssConfig,
 }
 # Whether the k routing weights are renormalized, where the file does not say (`expert_weights_norm`):
 # what llama.cpp's graph for each architecture does (Mixtral always renormalizes).
@@ -45,7 +52,7 @@ def config_fields(arch: str, field: Callable[..., Any], tensor_names: set[str], 
     if not experts:
         return {}
     fields: dict[str, Any] = {"num_experts_per_tok": field(f"{arch}.expert_used_count")}
-    if arch == "llama":
+    if arch in ("llama", "gpt-oss"):
         return fields | {"num_local_experts": experts}
     fields |= {"num_experts": experts,
                "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", _RENORMALIZE.get(arch, False)))}
@@ -84,8 +91,21 @@ def expert_matrices(tensor: Any, names: list[str], dtype: torch.dtype, keep_quan
     if names[0].endswith("shared_expert_gate.weight"):  # one row, which llama.cpp stores 1-D
         rows = [1, rows[-1]]
     qtype = int(tensor.tensor_type)
+    if keep_quantized and qtype == gguf.GGMLQuantizationType.MXFP4 and len(rows) == 2:
+        return {name: mxfp4_matrix(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), name)
+                for name, part in zip(names, parts)}, True
     if keep_quantized and qtype in KERNEL_TYPES and len(rows) == 2:
         return {name: QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, tuple(rows))
                 for name, part in zip(names, parts)}, True
     return {name: torch.tensor(gguf.quants.dequantize(part, tensor.tensor_type).reshape(rows), dtype=dtype)
             for name, part in zip(names, parts)}, False
+
+
+def mxfp4_matrix(data: torch.Tensor, name: str) -> QuantizedTensor | torch.Tensor:
+    """A GGUF MXFP4 matrix as the Q8_0 blocks holding its values, dense where a block's scale fits no fp16."""
+    blocks, scales = from_ggml(data)
+    try:
+        return mxfp4_to_q8_0(blocks, scales)
+    except ValueError as exc:
+        logger.warning("%s: %s; this matrix is kept dense", name, exc)
+        return dequantize_mxfp4(blocks, scales)

@@ -20,6 +20,9 @@ into the Hugging Face form the loader gives everything downstream.
   OLMo 3 is written as `olmo2` with `attention.sliding_window` (and a `sliding_window_pattern`, else llama.cpp's
   every fourth layer full): its sliding layers' RoPE is the file's base (`rope.freq_base_swa` where given)
   without the scaling the full layers have.
+- gpt-oss (`gpt-oss`): the experts' gate and up stacked apart (the checkpoints interleave them), with biases,
+  in MXFP4; the router `ffn_gate_inp` with a bias; `attn_sinks`; `post_attention_norm`; sliding layers on
+  the even indices (llama.cpp's pattern) with the file's window; YaRN without truncation, as gpt-oss's.
 - Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
   them; `rope.dimension_count` the rotated dimensions (partial rotary); LongRoPE's factors as the tensors
   `rope_factors_long`/`rope_factors_short` and its original length as `rope.scaling.original_context_length`
@@ -44,6 +47,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "gemma3": _GEMMA_NORMS,
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
 PERMUTED_QK = ("llama", "smollm3", "granite")  # architectures whose converter permutes q and k rows (LlamaModel's)
@@ -82,6 +86,15 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
         out["no_rope_layer_interval"] = SMOLLM3_NOPE_INTERVAL
     elif arch == "olmo2":
         out |= _olmo3(field, common)
+    elif arch == "gpt-oss":
+        rope = dict(common["rope_parameters"])
+        if rope.get("rope_type") == "yarn":
+            rope["truncate"] = False  # (gpt-oss's YaRN keeps the correction range unrounded)
+        out |= {"sliding_window": field("gpt-oss.attention.sliding_window"), "attention_bias": True,
+                "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(common["num_hidden_layers"])],
+                "intermediate_size": field("gpt-oss.expert_feed_forward_length", common["intermediate_size"]),
+                "rope_parameters": rope}
     elif arch == "granite":
         out |= {"attention_multiplier": field("granite.attention.scale", 1.0),
                 "embedding_multiplier": field("granite.embedding_scale", 1.0),

@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 
 from ..kernels.fused_ops import FusedOps
 from ..layers.moe import ClampedSwiglu, SparseMoe
-from ..layers.quantization.linear import Weight
+from ..layers.quantization.linear import Weight, fuse_rows
 from ..layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_to_q8_0
 from ..layers.quantization.tensors import QuantizedTensor
 from ..layers.rotary import RotaryEmbedding
@@ -127,6 +127,8 @@ class GptOssForCausalLM(CausalLM):
                     out.append(dequantize_mxfp4(blocks[e], scales[e]))
             return out
 
+        if f"{src}mlp.experts.0.gate_proj.weight" in state_dict:
+            return self.gguf_layer_weights(state_dict, layer)
         gate_up_bias = _dense(tensor("mlp.experts.gate_up_proj_bias", "the experts' gate/up biases",
                                      (experts, 2 * inter)))
         down_bias = _dense(tensor("mlp.experts.down_proj_bias", "the experts' down biases", (experts, hidden)))
@@ -146,6 +148,31 @@ class GptOssForCausalLM(CausalLM):
             weights[f"{dst}mlp.experts.{e}.down_proj.weight"] = (
                 down[e] if isinstance(down[e], QuantizedTensor) else down[e].contiguous())
             weights[f"{dst}mlp.experts.{e}.down_proj.bias"] = down_bias[e]
+        return weights
+
+
+    def gguf_layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
+        """A GGUF file's layer (`gguf_experts`): each expert's gate and up apart, rows as `nn.Linear`'s, biases
+        beside them, the router as `mlp.gate`, the sinks as `self_attn.sinks.weight`."""
+        src, dst = f"model.layers.{layer}.", f"layers.{layer}."
+
+        def tensor(name: str) -> Weight:
+            if src + name not in state_dict:
+                raise ValueError(f"the checkpoint has no tensor {src + name} (layer {layer} of a gpt-oss GGUF file)")
+            return state_dict[src + name]
+
+        weights: dict[str, Weight | list[Weight]] = {
+            f"{dst}sinks": _dense(tensor("self_attn.sinks.weight")),
+            f"{dst}mlp.router.weight": _dense(tensor("mlp.gate.weight")),
+            f"{dst}mlp.router.bias": _dense(tensor("mlp.gate.bias"))}
+        for e in range(self.layers[layer].mlp.num_experts):
+            expert = f"mlp.experts.{e}."
+            weights[f"{dst}{expert}gate_up_proj.weight"] = fuse_rows(
+                [tensor(f"{expert}gate_proj.weight"), tensor(f"{expert}up_proj.weight")])
+            weights[f"{dst}{expert}gate_up_proj.bias"] = torch.cat(
+                (_dense(tensor(f"{expert}gate_proj.bias")), _dense(tensor(f"{expert}up_proj.bias"))))
+            weights[f"{dst}{expert}down_proj.weight"] = tensor(f"{expert}down_proj.weight")
+            weights[f"{dst}{expert}down_proj.bias"] = _dense(tensor(f"{expert}down_proj.bias"))
         return weights
 
 

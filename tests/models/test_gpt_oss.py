@@ -10,10 +10,12 @@ configs and checkpoints as clear errors."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
 
+import gguf
 import pytest
 import safetensors.torch
 import torch
@@ -24,15 +26,19 @@ from conveyor.engine.graph_runner import use_cuda_graphs
 from conveyor.layers.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
 from conveyor.layers.moe import ClampedSwiglu, SparseMoe
 from conveyor.layers.quantization.linear import matmul_ops
+from conveyor.layers.quantization.mxfp4 import dequantize_mxfp4, from_ggml, mxfp4_to_q8_0
 from conveyor.layers.quantization.tensors import bf16_rows, f32_rows, quantize_int4, quantize_int8
 from conveyor.models import GptOssForCausalLM
 from conveyor.models.sharding import plan_shards
 
 from tests.attention_utils import interpreter_only, ragged_metadata
+from tests.gguf_writer import write_gpt_oss_gguf
 from tests.utils import (GPT_OSS_LIMIT, LENGTHS, MAX_NEW, PAGE, QUANT_MODES, WINDOW, TinyModel, all_free,
                          assert_greedy_match, assert_grouped_equals_loop, assert_mode_within_tolerance, gpt_oss_config,
-                         hf_greedy, make_gpt_oss, make_smooth_gpt_oss, random_prompts, run_and_compare,
-                         shared_prefix_scenario)
+                         hf_greedy, make_gpt_oss, make_smooth_gpt_oss, next_token_logprobs, random_prompts,
+                         run_and_compare, shared_prefix_scenario, tiny_tokenizer)
+
+MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -217,3 +223,62 @@ def test_tensor_parallel_and_cuda_graphs_refuse_gpt_oss(gpt_oss: TinyModel) -> N
     assert GptOssForCausalLM.cuda_graphs is False  # what the engine passes as `capturable`
     with pytest.raises(ConfigError, match="mixture-of-experts"):
         use_cuda_graphs(ContinuousBatchingConfig(use_cuda_graph=True), torch.device("cuda"), capturable=False)
+
+
+def mxfp4_rounded(model: TinyModel, path: Path) -> Path:
+    """A directory of `model` with its experts' matrices rounded to MXFP4 (what such a GGUF file holds)."""
+    rounded = copy.deepcopy(model.reference)
+    with torch.no_grad():
+        for layer in rounded.model.layers:
+            for weights in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                rows = weights.transpose(1, 2).contiguous().numpy()  # as the file's rows: blocks along the inputs
+                back = gguf.quants.dequantize(gguf.quants.quantize(rows, MXFP4), MXFP4).reshape(rows.shape)
+                weights.copy_(torch.from_numpy(back).transpose(1, 2))
+    rounded.save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_gguf_mxfp4_blocks_become_q8_0_blocks_of_the_same_values() -> None:
+    """llama.cpp's MXFP4 (17 bytes a block: the exponent, then values 0-15 in the low nibbles and 16-31 in the
+    high ones) read into the checkpoints' layout: the Q8_0 blocks hold what gguf dequantizes, exactly."""
+    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(4)).numpy() * 3
+    packed = gguf.quants.quantize(x, MXFP4)
+    expected = torch.from_numpy(gguf.quants.dequantize(packed, MXFP4).reshape(x.shape))
+    blocks, scales = from_ggml(torch.from_numpy(packed))
+    assert torch.equal(dequantize_mxfp4(blocks, scales), expected)
+    assert torch.equal(mxfp4_to_q8_0(blocks, scales).dequantize(torch.float32), expected)
+
+
+def test_gguf_files_load_like_the_directory(tmp_path: Path, gguf_tokenizer: None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss as llama.cpp's converter writes it (`gpt-oss`: gate and up apart, biases, sinks, YaRN): F32
+    experts give the directory's greedy ids; MXFP4 experts give those of the directory holding their rounded
+    values, exactly in fp32 (dequantized) and as the Q8_0 blocks that hold them (within int8's tolerance).
+    (llama.cpp fixes gpt-oss's SwiGLU limit at the released 7.0, which no metadata changes: so does the model,
+    at the smooth model's weight scale, which the int8 tolerance is measured on.)"""
+    gpt_oss = make_gpt_oss(tmp_path / "hf", embed_scale=20.0, initializer_range=0.05, swiglu_limit=7.0)
+    config = ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=64)
+    prompts = random_prompts([5, 17, 40], seed=23)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+
+    def ids(path: Path, **kwargs: object) -> list[list[int]]:
+        llm = LLM(path, config=config, **{"dtype": "float32"} | kwargs)
+        outs = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        assert all_free(llm)
+        return outs
+
+    write_gpt_oss_gguf(tmp_path / "f32.gguf", gpt_oss.reference, MXFP4.F32)
+    assert ids(tmp_path / "f32.gguf") == ids(gpt_oss.path)
+    write_gpt_oss_gguf(tmp_path / "mxfp4.gguf", gpt_oss.reference, MXFP4)
+    exact = mxfp4_rounded(gpt_oss, tmp_path / "rounded")
+    assert ids(tmp_path / "mxfp4.gguf") == ids(exact)
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))  # fp32 around the blocks
+    kept = LLM(tmp_path / "mxfp4.gguf", dtype="auto", config=config)
+    monkeypatch.undo()
+    expert = kept.engine.model.layers[0].mlp.experts[0].gate_up_proj
+    assert kept.quantization == "gguf" and "Q8_0" in repr(expert.kernel.segments)
+    tolerance, _ = QUANT_MODES["int8"][0]
+    reference = LLM(exact, dtype="float32", config=config)
+    err = (next_token_logprobs(kept, prompts) - next_token_logprobs(reference, prompts)).abs().max().item()
+    assert err < tolerance, f"MXFP4 experts as Q8_0: log-prob error {err:.3f}"

@@ -11,6 +11,10 @@ one fp16 holds (2^-24 to 2^15, subnormals included). The Q8_0 kernels then run i
 weight against MXFP4's 4.25, half of bf16's 16. A block whose exponent fits no fp16 (and is not all
 zeros, where the scale does not matter) is refused by `mxfp4_to_q8_0`; the loader then keeps that
 matrix dense (`dequantize_mxfp4`), saying so.
+
+A GGUF file's MXFP4 (llama.cpp's type 39, as its converter writes gpt-oss) stores a block as 17 bytes: the
+e8m0 exponent, then 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31 (`from_ggml`
+reorders them into the checkpoints' layout).
 """
 
 from __future__ import annotations
@@ -65,6 +69,16 @@ def mxfp4_to_q8_0(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor
     d = torch.where(used, torch.exp2(exponent.float()), 0.0).half()  # exact: a power of two in range
     data = torch.cat((d.unsqueeze(-1).view(torch.uint8), q.view(torch.uint8)), dim=-1)  # [rows, groups, 34]
     return QuantizedTensor(data.reshape(rows, -1).contiguous(), GGMLType.Q8_0, (rows, groups * BLOCK))
+
+
+def from_ggml(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF MXFP4 matrix `[rows, 17 * groups]` (uint8) as the checkpoints' `[rows, groups, 16]` blocks and
+    `[rows, groups]` scales."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 1 + BLOCK // 2)
+    scales, packed = blocks[..., 0].contiguous(), blocks[..., 1:]
+    codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1)  # [rows, groups, 32] in value order
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), scales
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
