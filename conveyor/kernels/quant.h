@@ -24,7 +24,7 @@ constexpr int64_t kTileRows = 16;  // output rows interleaved in one tile
 // mixture-of-experts model's fp32 experts).
 enum WeightType : int64_t {
     Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23,
-    I8 = 1000, BF16 = 1001, F32 = 1002
+    MXFP4 = 39, I8 = 1000, BF16 = 1001, F32 = 1002
 };
 
 struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };
@@ -37,13 +37,17 @@ struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };
 struct BlockIQ4_XS { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };
+struct BlockMXFP4 { uint8_t e; uint8_t qs[16]; };  // e8m0 exponent; nibbles as IQ4_NL's (0-15 low, 16-31 high)
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20 && sizeof(BlockQ8_0) == 34, "ggml block sizes");
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110 && sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 &&
                   sizeof(BlockQ6_K) == 210, "ggml K-quant block sizes");
-static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "ggml IQ4 block sizes");
+static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136 && sizeof(BlockMXFP4) == 17,
+              "ggml IQ4 and MXFP4 block sizes");
 
 // ggml's kvalues_iq4nl: the values IQ4_NL's and IQ4_XS's 4-bit indices stand for.
 constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// ggml's kvalues_mxfp4: twice the e2m1 values MXFP4's indices stand for (the scale is then 2^(e - 128)).
+constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -65,6 +69,12 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+// 2^k as fp16 bits (k from -24, a subnormal below -14, to 15); 0 for the exponents fp16 cannot hold.
+constexpr uint16_t pow2_half(int k) {
+    return k >= -14 && k <= 15 ? static_cast<uint16_t>((k + 15) << 10)
+                               : k >= -24 && k < -14 ? static_cast<uint16_t>(1 << (k + 24)) : 0;
+}
+
 #if defined(__AVX2__)
 inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -75,8 +85,9 @@ inline float hsum(__m256 v) {
 #endif
 
 inline bool is_kernel_type(int64_t type) {
-    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q2_K || type == Q3_K || type == Q4_K || type == Q5_K ||
-           type == Q6_K || type == IQ4_NL || type == IQ4_XS || type == I8 || type == BF16 || type == F32;
+    return type == Q4_0 || type == Q4_1 || type == Q8_0 || type == Q2_K || type == Q3_K || type == Q4_K ||
+           type == Q5_K || type == Q6_K || type == IQ4_NL || type == IQ4_XS || type == MXFP4 || type == I8 ||
+           type == BF16 || type == F32;
 }
 // The types stored in super-blocks of 256 weights (the K-quants and IQ4_XS).
 constexpr bool has_superblocks(int64_t type) {

@@ -40,14 +40,17 @@ inline int32_t word(const int8_t* p) {
     return w;
 }
 
-// kIQ4Values plus 128: the IQ4 values as unsigned bytes for vpdpbusd.
+// An IQ4-style table plus 128: its values as unsigned bytes for vpdpbusd.
 struct IQ4Unsigned {
     uint8_t v[16];
-    constexpr IQ4Unsigned() : v{} {
-        for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(kIQ4Values[i] + 128);
+    constexpr explicit IQ4Unsigned(const int8_t* values) : v{} {
+        for (int i = 0; i < 16; ++i) v[i] = static_cast<uint8_t>(values[i] + 128);
     }
 };
-alignas(16) constexpr IQ4Unsigned kIQ4Unsigned{};
+alignas(16) constexpr IQ4Unsigned kIQ4Unsigned{kIQ4Values};
+alignas(16) constexpr IQ4Unsigned kMXFP4Unsigned{kMXFP4Values};
+template <int64_t T>
+constexpr const uint8_t* unsigned_values() { return T == MXFP4 ? kMXFP4Unsigned.v : kIQ4Unsigned.v; }
 
 #if defined(__AVX2__)
 // How far ahead of the block being read the weight stream is prefetched.
@@ -117,6 +120,7 @@ void tiles_matmul(int64_t type, const uint8_t* w, const float* row_scales, const
         case Q6_K: return typed_tiles_matmul<Q6_K>(w, row_scales, a, t0, t1, N, out);
         case IQ4_NL: return typed_tiles_matmul<IQ4_NL>(w, row_scales, a, t0, t1, N, out);
         case IQ4_XS: return typed_tiles_matmul<IQ4_XS>(w, row_scales, a, t0, t1, N, out);
+        case MXFP4: return typed_tiles_matmul<MXFP4>(w, row_scales, a, t0, t1, N, out);
         case I8: return typed_tiles_matmul<I8>(w, row_scales, a, t0, t1, N, out);
         case BF16: return typed_tiles_matmul<BF16>(w, row_scales, a, t0, t1, N, out);
         case F32: return typed_tiles_matmul<F32>(w, row_scales, a, t0, t1, N, out);

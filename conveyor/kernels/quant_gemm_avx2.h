@@ -35,8 +35,8 @@ inline void expand_nibbles(const uint8_t* blk, int j, int half, __m256i& lo, __m
         hi = _mm256_or_si256(hi, high_bytes(blk + 256 + 32 + 8 * j + 4 * half, 16));
     }
     if constexpr (is_iq4(T)) {
-        const __m128i t = unsigned_iq4 ? _mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Unsigned.v))
-                                       : _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+        const __m128i t = unsigned_iq4 ? _mm_load_si128(reinterpret_cast<const __m128i*>(unsigned_values<T>()))
+                                       : _mm_loadu_si128(reinterpret_cast<const __m128i*>(iq4_values(T)));
         const __m256i table = _mm256_broadcastsi128_si256(t);
         lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
     }

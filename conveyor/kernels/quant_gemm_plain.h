@@ -48,7 +48,8 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
                             mn = -(half_to_float(fp16_scales(head)[16 + r]) * sc[16 + r]);
                             break;
                         case Q6_K: d = half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[16 * h + r]), mn = 0.f; break;
-                        case IQ4_NL: d = half_to_float(fp16_scales(sc)[r]), mn = 0.f; break;
+                        case IQ4_NL:
+                        case MXFP4: d = half_to_float(fp16_scales(sc)[r]), mn = 0.f; break;
                         case IQ4_XS: d = half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[r]), mn = 0.f; break;
                         default: d = 1.f, mn = 0.f;
                     }

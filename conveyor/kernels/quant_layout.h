@@ -12,7 +12,7 @@
 // values are a 4-bit block of their low bits followed by such planes of their high two bits. Q5_K's fifth bits and Q3_K's third bits follow the
 // quants as 64 bytes of bit masks, one 64-bit word per activation word j (weights 4j..4j+3; for Q5_K
 // the low nibbles of chunk j for j < 4, the high ones of chunk j - 4), bit i for byte i of the unpacked
-// chunk: a masked add (AVX-512) or a byte compare (AVX2) turns them into bytes. IQ4_NL's and IQ4_XS's nibbles index ggml's kvalues_iq4nl (`kIQ4Values`): a byte
+// chunk: a masked add (AVX-512) or a byte compare (AVX2) turns them into bytes. IQ4_NL's and IQ4_XS's nibbles index ggml's kvalues_iq4nl (`kIQ4Values`), MXFP4's its kvalues_mxfp4: a byte
 // shuffle turns them into values, plus 128 so that vpdpbusd takes them as unsigned. After the quants
 // come the block's own per-row scales (h: the half block):
 //   Q4_0    16 fp16 d                                   w = (q - 8) d
@@ -26,6 +26,7 @@
 //   Q6_K    16 i8 sc of weights 0-15, 16 of 16-31       w = (d sc) (q - 32), q of 6 bits
 //   IQ4_NL  16 fp16 d                                   w = d kvalues[q]
 //   IQ4_XS  16 i8 sc (ggml's 6-bit scale minus 32)      w = (d sc) kvalues[q]
+//   MXFP4   16 fp16 d = 2^(e - 128)                     w = d kvalues_mxfp4[q] (exponents fp16 holds only)
 // and the super-block types put a header before each super-block of 8 blocks (256 weights): 16
 // fp16 d and 16 fp16 dmin (Q2_K, Q4_K, Q5_K) or 16 fp16 d (Q3_K, Q6_K, IQ4_XS). The bits are the
 // file's: ggml's 6-bit scales and minimums unpacked to bytes, the K-quants' quants and high bits
@@ -41,8 +42,12 @@
 namespace conveyor {
 
 // Types whose quants are nibbles (Q5_K: plus its bit masks), and those whose nibbles index kIQ4Values.
-constexpr bool is4bit(int64_t t) { return t == Q4_0 || t == Q4_1 || t == Q4_K || t == Q5_K || t == IQ4_NL || t == IQ4_XS; }
-constexpr bool is_iq4(int64_t t) { return t == IQ4_NL || t == IQ4_XS; }
+constexpr bool is4bit(int64_t t) {
+    return t == Q4_0 || t == Q4_1 || t == Q4_K || t == Q5_K || t == IQ4_NL || t == IQ4_XS || t == MXFP4;
+}
+constexpr bool is_iq4(int64_t t) { return t == IQ4_NL || t == IQ4_XS || t == MXFP4; }
+// The values an IQ4-style type's nibbles index.
+constexpr const int8_t* iq4_values(int64_t t) { return t == MXFP4 ? kMXFP4Values : kIQ4Values; }
 constexpr bool is2bit(int64_t t) { return t == Q2_K || t == Q3_K; }
 // A scale per half block (16 weights).
 constexpr bool has_half_scales(int64_t t) { return t == Q2_K || t == Q3_K || t == Q6_K; }
@@ -56,7 +61,7 @@ constexpr int64_t block_bytes(int64_t t) {
         case Q4_1: return 256 + 64;
         case I8: return 512;
         case IQ4_XS: return 256 + 16;
-        default: return quant_bytes(t) + 32;  // Q4_0, Q8_0, IQ4_NL: 16 fp16; the K-quants: 32 bytes
+        default: return quant_bytes(t) + 32;  // Q4_0, Q8_0, IQ4_NL, MXFP4: 16 fp16; the K-quants: 32 bytes
     }
 }
 // The header before each group of blocks (a super-block), and the blocks in a group.
@@ -97,7 +102,7 @@ inline int tiled_weight(int64_t t, const uint8_t* blk, int r, int e) {
     if (is4bit(t)) {
         const int q = nibble(blk, r, e);
         if (t == Q5_K) return q | high_bit(blk + 256, r, e) << 4;
-        return is_iq4(t) ? kIQ4Values[q] : q;
+        return is_iq4(t) ? iq4_values(t)[q] : q;
     }
     return static_cast<int8_t>(blk[(e / 4) * 64 + r * 4 + e % 4]);
 }
@@ -135,7 +140,8 @@ inline float tiled_value(int64_t t, const uint8_t* tile, int64_t b, int r, int e
             return mul_rounded(d1, q) - m1;
         }
         case Q6_K: return half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[e / 16 * 16 + r]) * q;
-        case IQ4_NL: return half_to_float(fp16_scales(sc)[r]) * q;
+        case IQ4_NL:
+        case MXFP4: return half_to_float(fp16_scales(sc)[r]) * q;
         case IQ4_XS: return half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[r]) * q;
         default: return q * row_scale;
     }

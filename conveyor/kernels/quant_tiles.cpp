@@ -104,6 +104,11 @@ void repack_block(int64_t type, const uint8_t* row, int64_t b, int r, uint8_t* b
             std::memcpy(qs, s->qs, 16), sc16[r] = s->d;
             break;
         }
+        case MXFP4: {  // the scale 2^(e - 128) as an fp16 (the caller keeps exponents fp16 cannot hold out)
+            auto* s = reinterpret_cast<const BlockMXFP4*>(row) + b;
+            std::memcpy(qs, s->qs, 16), sc16[r] = pow2_half(static_cast<int>(s->e) - 128);
+            break;
+        }
         case IQ4_XS: {  // sub-block j's 16 bytes are already in tile order; its 6-bit scale minus 32 as a byte
             auto* s = reinterpret_cast<const BlockIQ4_XS*>(row) + b / 8;
             const int j = static_cast<int>(b % 8);
@@ -233,7 +238,7 @@ void dequantize_block_row_vec(int64_t type, const uint8_t* tile, int64_t b, int 
         return;
     }
     if (is_iq4(type)) {  // d kvalues[q] (IQ4_XS: d sc)
-        const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+        const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(iq4_values(type)));
         const float d = type == IQ4_XS ? half_to_float(fp16_scales(head)[r]) * static_cast<int8_t>(sc[r])
                                        : half_to_float(fp16_scales(sc)[r]);
         for (int h = 0; h < 2; ++h)
@@ -281,6 +286,7 @@ int64_t row_bytes(int64_t type, int64_t K) {
         case Q6_K: return K / QK_K * sizeof(BlockQ6_K);
         case IQ4_NL: return K / QK * sizeof(BlockIQ4_NL);
         case IQ4_XS: return K / QK_K * sizeof(BlockIQ4_XS);
+        case MXFP4: return K / QK * sizeof(BlockMXFP4);
         case I8: return K;
         case BF16: return 2 * K;
         case F32: return 4 * K;

@@ -7,7 +7,7 @@ identical to transformers' fp32 eager, so it takes no quantization.
 
 `quantization`: "none" (dense weights), "int8" (per-channel int8), "int4" (groups of 32, 4-bit),
 "gguf" (a GGUF file's own quantized tensors, kept as they are), "mxfp4" (an MXFP4 checkpoint's
-blocks, kept as the Q8_0 blocks that hold them exactly). None = the file's own format ("gguf" for a
+blocks, kept as they are). None = the file's own format ("gguf" for a
 GGUF file with quantized tensors, "mxfp4" for an MXFP4 checkpoint) unless the exact path was asked
 for, "none" otherwise. Quantized weights run on CPU only (their kernels are CPU kernels).
 """

@@ -2,8 +2,8 @@
 qwen3moe, olmoe, gpt-oss, and Mixtral as `llama` with `llama.expert_count`; the experts' matrices stacked in
 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router `ffn_gate_inp`, Qwen2-MoE's
 shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one row, often stored 1-D).
-gpt-oss adds biases to the router and the stacked experts, and ships the experts in MXFP4, which become the Q8_0
-blocks that hold them exactly (`layers.quantization.mxfp4`).
+gpt-oss adds biases to the router and the stacked experts, and ships the experts in MXFP4, kept as stored
+(`layers.quantization.mxfp4`).
 
 The loader asks here for the config fields the expert keys give (`config_fields`) and for the Hugging
 Face names a tensor stands for (`hf_names`): one per expert for a stacked tensor, which the loader
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import transformers
 
-from ..layers.quantization.mxfp4 import dequantize_mxfp4, from_ggml, mxfp4_to_q8_0
+from ..layers.quantization.mxfp4 import ggml_tensor
 from ..layers.quantization.tensors import KERNEL_TYPES, QuantizedTensor
 from .moe import hf_expert_names
 
@@ -92,8 +92,7 @@ def expert_matrices(tensor: Any, names: list[str], dtype: torch.dtype, keep_quan
         rows = [1, rows[-1]]
     qtype = int(tensor.tensor_type)
     if keep_quantized and qtype == gguf.GGMLQuantizationType.MXFP4 and len(rows) == 2:
-        return {name: mxfp4_matrix(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), name)
-                for name, part in zip(names, parts)}, True
+        return {name: mxfp4_matrix(part, name, rows, dtype) for name, part in zip(names, parts)}, True
     if keep_quantized and qtype in KERNEL_TYPES and len(rows) == 2:
         return {name: QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, tuple(rows))
                 for name, part in zip(names, parts)}, True
@@ -101,11 +100,11 @@ def expert_matrices(tensor: Any, names: list[str], dtype: torch.dtype, keep_quan
             for name, part in zip(names, parts)}, False
 
 
-def mxfp4_matrix(data: torch.Tensor, name: str) -> QuantizedTensor | torch.Tensor:
-    """A GGUF MXFP4 matrix as the Q8_0 blocks holding its values, dense where a block's scale fits no fp16."""
-    blocks, scales = from_ggml(data)
+def mxfp4_matrix(part: np.ndarray, name: str, rows: list[int], dtype: torch.dtype) -> QuantizedTensor | torch.Tensor:
+    """A GGUF MXFP4 matrix as stored, dense where a block's scale fits no fp16."""
     try:
-        return mxfp4_to_q8_0(blocks, scales)
+        return ggml_tensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), rows[1])
     except ValueError as exc:
         logger.warning("%s: %s; this matrix is kept dense", name, exc)
-        return dequantize_mxfp4(blocks, scales)
+        values = gguf.quants.dequantize(part, gguf.GGMLQuantizationType.MXFP4).reshape(rows)
+        return torch.tensor(values, dtype=dtype)

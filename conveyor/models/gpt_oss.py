@@ -13,9 +13,10 @@ Checkpoints store each layer's experts stacked and transposed against `nn.Linear
 (gate 2j, up 2j + 1), `down_proj [E, intermediate, hidden]`, each with a `_bias`. `layer_weights`
 cuts them into the layers' per-expert rows, gate rows first, as the other families hold them, so
 every weight format (fp32, bf16, int8, int4) runs them through the same grouped experts. MXFP4
-checkpoints (how gpt-oss ships: `*_blocks` and `*_scales`, rows already output features) become Q8_0
-blocks holding the same values (`layers.quantization.mxfp4`): kept so ("mxfp4", the default on CPU
-for such a checkpoint), or dequantized exactly for the other formats.
+checkpoints (how gpt-oss ships: `*_blocks` and `*_scales`, rows already output features) keep their
+blocks for the kernels' MXFP4 tiles (`layers.quantization.mxfp4`; "mxfp4", the default on CPU for such a
+checkpoint), or are dequantized exactly for the other formats. GGUF files (`gguf_layer_weights`) hold the
+experts' gate and up apart, their MXFP4 rows already in the kernels' source layout.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from transformers import PretrainedConfig
 from ..kernels.fused_ops import FusedOps
 from ..layers.moe import ClampedSwiglu, SparseMoe
 from ..layers.quantization.linear import Weight, fuse_rows
-from ..layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_to_q8_0
+from ..layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_tensor
 from ..layers.quantization.tensors import QuantizedTensor
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM
@@ -109,7 +110,7 @@ class GptOssForCausalLM(CausalLM):
             return value
 
         def expert_rows(name: str, what: str, rows: int, cols: int) -> list[Weight]:
-            """Each expert's `[rows, cols]` matrix (`nn.Linear`'s layout): Q8_0 from MXFP4 blocks, whose rows
+            """Each expert's `[rows, cols]` matrix (`nn.Linear`'s layout): MXFP4 blocks as they are, whose rows
             are already output features (dense where a block's scale fits no fp16), or the dense stack's
             `[cols, rows]` transposed."""
             if src + name + "_blocks" not in state_dict:
@@ -121,7 +122,7 @@ class GptOssForCausalLM(CausalLM):
             out: list[Weight] = []
             for e in range(experts):
                 try:
-                    out.append(mxfp4_to_q8_0(blocks[e], scales[e]))
+                    out.append(mxfp4_tensor(blocks[e], scales[e]))
                 except ValueError as exc:
                     logger.warning("%s%s, expert %d: %s; this matrix is kept dense", src, name, e, exc)
                     out.append(dequantize_mxfp4(blocks[e], scales[e]))

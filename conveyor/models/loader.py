@@ -29,7 +29,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 
 from ..layers.quantization.mxfp4 import is_mxfp4
-from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion, QuantizedTensor
+from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion, GGMLType, QuantizedTensor
 from ..pooling_params import PoolerConfig
 from . import gguf_experts, gguf_families
 from .gguf_file import GGUFFile
@@ -292,7 +292,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             permute_heads = heads * kept_shape[0] // shape[0]  # a slice of whole heads
         qtype = int(tensor.tensor_type)
-        if keep_quantized and qtype in KERNEL_TYPES and len(shape) == 2 and part is not None:
+        # (MXFP4 outside experts is dequantized: `gguf_experts` checks its scales, which only experts have)
+        if keep_quantized and qtype in KERNEL_TYPES and qtype != GGMLType.MXFP4 and len(shape) == 2 and part is not None:
             whole = selection is None and permute_heads is None  # the file's rows as they are
             weight = QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, kept_shape,
                                      source=FileRegion(str(path), tensor.offset) if whole else None)

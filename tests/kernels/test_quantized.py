@@ -42,7 +42,7 @@ from conveyor.layers.quantization.tensors import (
 from tests.gguf_writer import RANDOM_BLOCK_SCALES, random_blocks
 
 GGUF_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K,
-              GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS]
+              GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.IQ4_NL, GGMLType.IQ4_XS, GGMLType.MXFP4]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,18 @@ def test_dequantize_equals_gguf(ops, qtype: int) -> None:
     assert torch.equal(halves, ref.bfloat16())
     with pytest.raises(RuntimeError, match="out of range"):
         ops.dequantize_rows(kernel_w.data, w.qtype, torch.empty(0), torch.tensor([37]), 37, out[:1])
+
+
+def test_mxfp4_every_exponent_fp16_holds(ops) -> None:
+    """MXFP4 blocks with every e8m0 exponent whose scale 2^(e - 128) an fp16 holds (2^-24, subnormal, to 2^15)
+    and random nibbles: the tiles dequantize to gguf's values bit for bit."""
+    rng = np.random.default_rng(7)
+    raw = rng.integers(0, 256, size=(40, 16, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(104, 144, size=(40, 16))
+    raw[0, :, 0] = np.arange(104, 120)  # the subnormal scales and the smallest normal ones, in one row
+    w = QuantizedTensor(torch.from_numpy(raw.reshape(40, -1)), int(GGMLType.MXFP4), (40, 512))
+    ref = torch.from_numpy(gguf.quants.dequantize(raw.reshape(40, -1), GGMLType.MXFP4)).reshape(40, 512)
+    assert torch.equal(w.tiled(ops).dequantize(), ref)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 67, 600])

@@ -26,7 +26,6 @@ from conveyor.engine.graph_runner import use_cuda_graphs
 from conveyor.layers.attention import CpuPagedAttention, TorchPagedAttention, TritonPagedAttention
 from conveyor.layers.moe import ClampedSwiglu, SparseMoe
 from conveyor.layers.quantization.linear import matmul_ops
-from conveyor.layers.quantization.mxfp4 import dequantize_mxfp4, from_ggml, mxfp4_to_q8_0
 from conveyor.layers.quantization.tensors import bf16_rows, f32_rows, quantize_int4, quantize_int8
 from conveyor.models import GptOssForCausalLM
 from conveyor.models.sharding import plan_shards
@@ -239,22 +238,11 @@ def mxfp4_rounded(model: TinyModel, path: Path) -> Path:
     return path
 
 
-def test_gguf_mxfp4_blocks_become_q8_0_blocks_of_the_same_values() -> None:
-    """llama.cpp's MXFP4 (17 bytes a block: the exponent, then values 0-15 in the low nibbles and 16-31 in the
-    high ones) read into the checkpoints' layout: the Q8_0 blocks hold what gguf dequantizes, exactly."""
-    x = torch.randn(8, 96, generator=torch.Generator().manual_seed(4)).numpy() * 3
-    packed = gguf.quants.quantize(x, MXFP4)
-    expected = torch.from_numpy(gguf.quants.dequantize(packed, MXFP4).reshape(x.shape))
-    blocks, scales = from_ggml(torch.from_numpy(packed))
-    assert torch.equal(dequantize_mxfp4(blocks, scales), expected)
-    assert torch.equal(mxfp4_to_q8_0(blocks, scales).dequantize(torch.float32), expected)
-
-
 def test_gguf_files_load_like_the_directory(tmp_path: Path, gguf_tokenizer: None,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """gpt-oss as llama.cpp's converter writes it (`gpt-oss`: gate and up apart, biases, sinks, YaRN): F32
     experts give the directory's greedy ids; MXFP4 experts give those of the directory holding their rounded
-    values, exactly in fp32 (dequantized) and as the Q8_0 blocks that hold them (within int8's tolerance).
+    values, exactly in fp32 (dequantized) and kept as MXFP4 blocks (within int8's tolerance).
     (llama.cpp fixes gpt-oss's SwiGLU limit at the released 7.0, which no metadata changes: so does the model,
     at the smooth model's weight scale, which the int8 tolerance is measured on.)"""
     gpt_oss = make_gpt_oss(tmp_path / "hf", embed_scale=20.0, initializer_range=0.05, swiglu_limit=7.0)
@@ -277,8 +265,8 @@ def test_gguf_files_load_like_the_directory(tmp_path: Path, gguf_tokenizer: None
     kept = LLM(tmp_path / "mxfp4.gguf", dtype="auto", config=config)
     monkeypatch.undo()
     expert = kept.engine.model.layers[0].mlp.experts[0].gate_up_proj
-    assert kept.quantization == "gguf" and "Q8_0" in repr(expert.kernel.segments)
+    assert kept.quantization == "gguf" and [seg.type_name for seg in expert.kernel.segments] == ["MXFP4"]
     tolerance, _ = QUANT_MODES["int8"][0]
     reference = LLM(exact, dtype="float32", config=config)
     err = (next_token_logprobs(kept, prompts) - next_token_logprobs(reference, prompts)).abs().max().item()
-    assert err < tolerance, f"MXFP4 experts as Q8_0: log-prob error {err:.3f}"
+    assert err < tolerance, f"MXFP4 experts: log-prob error {err:.3f}"

@@ -1,8 +1,9 @@
-"""MXFP4 checkpoints (how gpt-oss ships its experts): blocks become Q8_0 blocks with the same values,
-bit for bit against transformers' dequantization; a tiny MXFP4 gpt-oss written here (random experts
-quantized to e2m1 with e8m0 scales) runs on the exact path with greedy ids identical to transformers
-on the dequantized weights, and by default as Q8_0 within the quantized modes' limits; scales no fp16
-holds fall back to dense, saying so; the format is refused where it does not apply."""
+"""MXFP4 checkpoints (how gpt-oss ships its experts): blocks reordered into llama.cpp's MXFP4 rows, whose
+values (gguf's dequantization, the kernels' tiles) are transformers' bit for bit; a tiny MXFP4 gpt-oss
+written here (random experts quantized to e2m1 with e8m0 scales) runs on the exact path with greedy ids
+identical to transformers on the dequantized weights, and by default on the kernels' MXFP4 tiles within the
+quantized modes' limits; scales no fp16 holds fall back to dense, saying so; the format is refused where it
+does not apply."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from conveyor import LLM, SamplingParams
 from conveyor.layers.quantization.linear import QuantLinear
-from conveyor.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4, mxfp4_to_q8_0
+from conveyor.kernels import cpu_matmul_ops
+from conveyor.layers.quantization.mxfp4 import FP4_VALUES, dequantize_mxfp4, mxfp4_tensor
 
 from tests.utils import (QUANT_MODES, TinyModel, agreement, assert_greedy_match, greedy_ids, hf_greedy,
                          make_smooth_gpt_oss, next_token_logprobs, random_prompts)
@@ -69,9 +71,9 @@ def mxfp4_model(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     return write_mxfp4(base, tmp_path_factory.mktemp("gpt_oss_mxfp4") / "model")
 
 
-def test_mxfp4_blocks_are_q8_0_blocks_bit_for_bit() -> None:
-    """Every code and every exponent fp16 holds: the Q8_0 tensor (its own dequantization, gguf's) and
-    `dequantize_mxfp4` equal transformers' dequantization exactly."""
+def test_mxfp4_blocks_become_ggml_rows_bit_for_bit() -> None:
+    """Every code and every exponent fp16 holds: the MXFP4 tensor (its own dequantization, gguf's, and the
+    kernels' tiles') and `dequantize_mxfp4` equal transformers' dequantization exactly."""
     g = torch.Generator().manual_seed(0)
     rows, groups = 48, 6
     blocks = torch.randint(0, 256, (1, rows, groups, 16), generator=g, dtype=torch.uint8)
@@ -79,9 +81,12 @@ def test_mxfp4_blocks_are_q8_0_blocks_bit_for_bit() -> None:
     scales[0, 0] = torch.arange(127 - 23, 127 + 17)[:groups]  # the range's ends
     scales[0, 1] = torch.arange(127 + 17 - groups, 127 + 17)
     expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)[0].T  # [rows, 32 * groups]
-    q8 = mxfp4_to_q8_0(blocks[0], scales[0])
-    assert q8.type_name == "Q8_0" and q8.shape == (rows, 32 * groups) and q8.nbytes == rows * groups * 34
-    assert torch.equal(q8.dequantize(), expected)
+    packed = mxfp4_tensor(blocks[0], scales[0])
+    assert packed.type_name == "MXFP4" and packed.shape == (rows, 32 * groups)
+    assert packed.nbytes == rows * groups * 17  # 4.25 bits a weight, as the file
+    assert torch.equal(packed.dequantize(), expected)
+    ops = cpu_matmul_ops()
+    assert ops is None or torch.equal(packed.tiled(ops).dequantize(), expected)
     assert torch.equal(dequantize_mxfp4(blocks[0], scales[0]), expected)
 
 
@@ -89,9 +94,9 @@ def test_mxfp4_scales_fp16_cannot_hold_are_refused_unless_the_block_is_zero() ->
     blocks = torch.full((2, 1, 16), 0x21, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"1 MXFP4 blocks have scales outside fp16's powers of two "
                                          r"\(2\^-24 to 2\^15\), first: row 1, block 0, e8m0 200"):
-        mxfp4_to_q8_0(blocks, torch.tensor([[127], [200]], dtype=torch.uint8))
+        mxfp4_tensor(blocks, torch.tensor([[127], [200]], dtype=torch.uint8))
     blocks[1] = 0x88  # -0 and -0: nothing for the scale to scale
-    assert torch.equal(mxfp4_to_q8_0(blocks, torch.tensor([[127], [200]], dtype=torch.uint8)).dequantize()[1],
+    assert torch.equal(mxfp4_tensor(blocks, torch.tensor([[127], [200]], dtype=torch.uint8)).dequantize()[1],
                        torch.zeros(32))
 
 
@@ -107,14 +112,14 @@ def test_mxfp4_checkpoint_exact_path_matches_transformers(mxfp4_model: TinyModel
         assert_greedy_match(out.token_ids, ref, logits, f"mxfp4 prompt {i}")
 
 
-def test_mxfp4_checkpoint_runs_as_q8_0_by_default(mxfp4_model: TinyModel) -> None:
-    """Without a quantization asked for, the experts stay quantized as Q8_0 (the values the file holds),
-    within the quantized modes' limits against the exact path on the same values."""
+def test_mxfp4_checkpoint_runs_as_mxfp4_by_default(mxfp4_model: TinyModel) -> None:
+    """Without a quantization asked for, the experts stay quantized as the file's MXFP4 blocks, within the
+    quantized modes' limits against the exact path on the same values."""
     prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7], seed=41)
     llm = mxfp4_model.llm(dtype="bfloat16")
     assert llm.quantization == "mxfp4"
     expert = llm.engine.model.layers[1].mlp.experts[3]
-    assert all(isinstance(m, QuantLinear) and [s.type_name for s in m.kernel.segments] == ["Q8_0"]
+    assert all(isinstance(m, QuantLinear) and [s.type_name for s in m.kernel.segments] == ["MXFP4"]
                for m in (expert.gate_up_proj, expert.down_proj))
     assert not isinstance(llm.engine.model.layers[1].qkv_proj, QuantLinear) or \
         llm.engine.model.layers[1].qkv_proj.kernel.segments[0].type_name == "BF16"  # attention stays dense
@@ -138,7 +143,7 @@ def test_mxfp4_blocks_out_of_fp16_range_load_dense(mxfp4_model: TinyModel, tmp_p
     assert "model.layers.0.mlp.experts.down_proj, expert 2: 1 MXFP4 blocks have scales outside" in caplog.text
     experts = llm.engine.model.layers[0].mlp.experts
     assert [s.type_name for s in experts[2].down_proj.kernel.segments] == ["BF16"]
-    assert [s.type_name for s in experts[1].down_proj.kernel.segments] == ["Q8_0"]
+    assert [s.type_name for s in experts[1].down_proj.kernel.segments] == ["MXFP4"]
 
 
 def test_mxfp4_is_refused_where_it_does_not_apply(mxfp4_model: TinyModel, tmp_path: Path) -> None:

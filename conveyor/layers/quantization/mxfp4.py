@@ -1,20 +1,19 @@
-"""MXFP4 weights (how gpt-oss ships its experts) as GGUF Q8_0 blocks, losslessly, without a float detour.
+"""MXFP4 weights (how gpt-oss ships its experts) kept as they are: 4.25 bits a weight, for the kernels' MXFP4 tiles.
 
 An MXFP4 checkpoint (`quantization_config.quant_method == "mxfp4"`) stores a matrix as `*_blocks`
 (uint8, two e2m1 values a byte: value 2j in the low nibble of byte j, 2j + 1 in the high one) and
 `*_scales` (one e8m0 exponent e per 32 values: the block's values are e2m1 * 2^(e - 127)), rows
 being output features as in `nn.Linear` (transformers' `convert_moe_packed_tensors` is the reference).
+A GGUF file stores the same values as llama.cpp's MXFP4 (type 39): per block of 32, the exponent byte,
+then 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31. That is the layout a
+`QuantizedTensor` of type MXFP4 holds (`to_ggml` reorders a checkpoint's blocks into it; a GGUF file's rows
+are taken as they are).
 
-Every e2m1 value times 2 is an integer in {0, 1, 2, 3, 4, 6, 8, 12} (signed), so a block is exactly a
-Q8_0 block: int8 values 2 * e2m1 and the fp16 scale 2^(e - 128), exact wherever that power of two is
-one fp16 holds (2^-24 to 2^15, subnormals included). The Q8_0 kernels then run it as it is: 8.5 bits a
-weight against MXFP4's 4.25, half of bf16's 16. A block whose exponent fits no fp16 (and is not all
-zeros, where the scale does not matter) is refused by `mxfp4_to_q8_0`; the loader then keeps that
-matrix dense (`dequantize_mxfp4`), saying so.
-
-A GGUF file's MXFP4 (llama.cpp's type 39, as its converter writes gpt-oss) stores a block as 17 bytes: the
-e8m0 exponent, then 16 bytes whose low nibbles are values 0-15 and high nibbles values 16-31 (`from_ggml`
-reorders them into the checkpoints' layout).
+The kernels multiply every e2m1 code by 2 (an integer in {0, 1, 2, 3, 4, 6, 8, 12}, signed: ggml's
+kvalues_mxfp4) and the block by the fp16 scale 2^(e - 128), exact wherever that power of two is one fp16
+holds (2^-24 to 2^15, subnormals included). A block whose exponent fits no fp16 (and is not all zeros, where
+the scale does not matter) is refused by `ggml_tensor`; the loader then keeps that matrix dense
+(`dequantize_mxfp4`), saying so.
 """
 
 from __future__ import annotations
@@ -52,33 +51,34 @@ def _check(blocks: torch.Tensor, scales: torch.Tensor) -> None:
                          f"{list(blocks.shape)} and {list(scales.shape)}")
 
 
-def mxfp4_to_q8_0(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
-    """`[rows, groups, 16]` blocks and `[rows, groups]` scales as a Q8_0 `[rows, 32 * groups]` tensor with
-    the same values; ValueError naming the first block whose scale fits no fp16."""
+def to_ggml(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`[rows, groups, 16]` checkpoint blocks and `[rows, groups]` scales as llama.cpp's MXFP4 rows
+    `[rows, 17 * groups]`: the exponent, then values 0-15 in the low nibbles and 16-31 in the high ones."""
     _check(blocks, scales)
-    rows, groups = scales.shape
-    q = torch.tensor([2 * v for v in FP4_VALUES], dtype=torch.int8)[_values(blocks)]
-    exponent = scales.to(torch.int32) - E8M0_BIAS - 1
-    used = q.ne(0).any(dim=-1)
-    bad = used & ((exponent < FP16_POWERS[0]) | (exponent > FP16_POWERS[1]) | (scales == 255))
+    codes = _values(blocks)  # [rows, groups, 32] in value order
+    packed = (codes[..., :BLOCK // 2] | (codes[..., BLOCK // 2:] << 4)).to(torch.uint8)
+    return torch.cat((scales.unsqueeze(-1), packed), dim=-1).reshape(scales.shape[0], -1).contiguous()
+
+
+def ggml_tensor(data: torch.Tensor, cols: int) -> QuantizedTensor:
+    """llama.cpp's MXFP4 rows `[rows, 17 * cols / 32]` (uint8) as a `QuantizedTensor`; ValueError naming the
+    first block whose scale fits no fp16."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, 1 + BLOCK // 2)
+    exponent = blocks[..., 0].to(torch.int32) - E8M0_BIAS - 1
+    used = (blocks[..., 1:] & 0x77).ne(0).any(dim=-1)  # a nonzero magnitude in either nibble (bit 3: the sign)
+    bad = used & ((exponent < FP16_POWERS[0]) | (exponent > FP16_POWERS[1]))
     if bad.any():
         row, group = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"{int(bad.sum())} MXFP4 blocks have scales outside fp16's powers of two "
                          f"(2^{FP16_POWERS[0]} to 2^{FP16_POWERS[1]}), first: row {row}, block {group}, e8m0 "
-                         f"{int(scales[row, group])}")
-    d = torch.where(used, torch.exp2(exponent.float()), 0.0).half()  # exact: a power of two in range
-    data = torch.cat((d.unsqueeze(-1).view(torch.uint8), q.view(torch.uint8)), dim=-1)  # [rows, groups, 34]
-    return QuantizedTensor(data.reshape(rows, -1).contiguous(), GGMLType.Q8_0, (rows, groups * BLOCK))
+                         f"{int(blocks[row, group, 0])}")
+    return QuantizedTensor(data.contiguous(), GGMLType.MXFP4, (rows, cols))
 
 
-def from_ggml(data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF MXFP4 matrix `[rows, 17 * groups]` (uint8) as the checkpoints' `[rows, groups, 16]` blocks and
-    `[rows, groups]` scales."""
-    rows = data.shape[0]
-    blocks = data.reshape(rows, -1, 1 + BLOCK // 2)
-    scales, packed = blocks[..., 0].contiguous(), blocks[..., 1:]
-    codes = torch.cat((packed & 0x0F, packed >> 4), dim=-1)  # [rows, groups, 32] in value order
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous(), scales
+def mxfp4_tensor(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
+    """A checkpoint's `[rows, groups, 16]` blocks and `[rows, groups]` scales as an MXFP4 `QuantizedTensor`."""
+    return ggml_tensor(to_ggml(blocks, scales), scales.shape[1] * BLOCK)
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

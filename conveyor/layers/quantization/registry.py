@@ -23,7 +23,7 @@ class QuantizationMethod:
     weight_types: tuple[str, ...]  # the `QuantizedTensor` types its layers hold (empty: dense weights)
     devices: tuple[str, ...]  # device types with kernels for it
     # a checkpoint's quantized tensors stay as stored (not dequantized): those of the stored format named as
-    # the method ("gguf": a GGUF file's; "mxfp4": an MXFP4 checkpoint's, as Q8_0 blocks)
+    # the method ("gguf": a GGUF file's; "mxfp4": an MXFP4 checkpoint's blocks)
     keeps_stored: bool = False
     self_draft: bool = False  # the target's own weights in this format can be speculative decoding's draft
 
@@ -43,8 +43,8 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
     # a GGUF file's own quantized tensors, kept as they are
     QuantizationMethod("gguf", None, tuple(type_name(t) for t in KERNEL_TYPES if t not in (I8, F32)), ("cpu",),
                        keeps_stored=True, self_draft=True),
-    # an MXFP4 checkpoint's blocks (gpt-oss's experts), as the Q8_0 blocks that hold them exactly (`mxfp4`)
-    QuantizationMethod("mxfp4", None, (type_name(GGMLType.Q8_0),), ("cpu",), keeps_stored=True),
+    # an MXFP4 checkpoint's blocks (gpt-oss's experts), kept as llama.cpp's MXFP4 rows (`mxfp4`)
+    QuantizationMethod("mxfp4", None, (type_name(GGMLType.MXFP4),), ("cpu",), keeps_stored=True),
 )}
 QUANTIZATIONS = tuple(QUANTIZATION_METHODS)
 

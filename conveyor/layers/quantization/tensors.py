@@ -2,7 +2,7 @@
 bf16 matrices in the same tiles (`bf16_rows`).
 
 A `QuantizedTensor` is a `[rows, cols]` matrix stored as `rows` byte rows in one block layout:
-GGUF's Q4_0, Q4_1, Q8_0, the K-quants Q2_K to Q6_K, and IQ4_NL and IQ4_XS (ggml's layouts, the
+GGUF's Q4_0, Q4_1, Q8_0, the K-quants Q2_K to Q6_K, IQ4_NL, IQ4_XS and MXFP4 (ggml's layouts, the
 file's bytes unchanged, so a GGUF model takes its file size in memory), or I8, per-channel int8 (int8 rows, one fp32 scale per row).
 `quantize_int8` and `quantize_int4` make them from float weights: "int8" is I8; "int4" is Q4_1
 (groups of 32 weights with an fp16 scale and minimum each: 5 bits per weight), so both run through
@@ -31,7 +31,7 @@ DENSE_BYTES = {I8: 1, BF16: 2, F32: 4}  # bytes a value of our own types (no blo
 # Types the native kernels take, with their block size (weights per block).
 KERNEL_TYPES: dict[int, int] = {GGMLType.Q4_0: 32, GGMLType.Q4_1: 32, GGMLType.Q8_0: 32, GGMLType.Q2_K: 256,
                                 GGMLType.Q3_K: 256, GGMLType.Q4_K: 256, GGMLType.Q5_K: 256, GGMLType.Q6_K: 256,
-                                GGMLType.IQ4_NL: 32, GGMLType.IQ4_XS: 256, I8: 32, BF16: 1, F32: 1}
+                                GGMLType.IQ4_NL: 32, GGMLType.IQ4_XS: 256, GGMLType.MXFP4: 32, I8: 32, BF16: 1, F32: 1}
 TILE_ROWS = 16  # rows of a tile of the kernels' layout
 # Float types GGUF files use for tensors that are not quantized.
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
