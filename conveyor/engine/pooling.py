@@ -3,9 +3,9 @@ result is its pooled hidden states, as prompt logprobs are a prefill's by-produc
 
 A pass runs the scheduled chunks through the model as any pass does (`ModelRunner.prepare`, `forward`:
 chunked prefill and prefix caching work as for generation), then, instead of the LM head and the
-sampler, the pooler reduces each chunk's rows (`layers.pooler`; the token tasks keep them all): a chunk that completes its prompt
-gives the request's output through the task's head, an earlier one the state its next chunk starts
-from. The results go back as a `StepResult`, so the engine's step is the generating one; the output
+sampler, the pooler reduces each chunk's rows (`layers.pooler`; the token tasks keep them all): a chunk
+that completes its prompt gives the request's output through the task's head, an earlier one the state
+its next chunk starts from. The results go back as a `StepResult`, so the engine's step is the generating one; the output
 processor records them and finishes the requests (`OutputProcessor.add_pooled`). A pooling engine
 runs only pooling requests: nothing in its batches decodes, so it has no CUDA graphs, async
 batching or speculation.

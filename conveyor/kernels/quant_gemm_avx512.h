@@ -113,7 +113,8 @@ void tile_pass(const uint8_t* tile, const Activations& a, int64_t m0, bool prefe
                     hi = _mm512_mask_add_epi8(hi, mask64(blk + 256 + 32 + 8 * j), hi, sixteen);
                 }
                 if constexpr (is_iq4(T)) {
-                    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(unsigned_values<T>())));
+                    const __m512i table =
+                        _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(unsigned_values<T>())));
                     lo = _mm512_shuffle_epi8(table, lo), hi = _mm512_shuffle_epi8(table, hi);
                 }
 #pragma GCC unroll 16

@@ -12,7 +12,8 @@
 // values are a 4-bit block of their low bits followed by such planes of their high two bits. Q5_K's fifth bits and Q3_K's third bits follow the
 // quants as 64 bytes of bit masks, one 64-bit word per activation word j (weights 4j..4j+3; for Q5_K
 // the low nibbles of chunk j for j < 4, the high ones of chunk j - 4), bit i for byte i of the unpacked
-// chunk: a masked add (AVX-512) or a byte compare (AVX2) turns them into bytes. IQ4_NL's and IQ4_XS's nibbles index ggml's kvalues_iq4nl (`kIQ4Values`), MXFP4's its kvalues_mxfp4: a byte
+// chunk: a masked add (AVX-512) or a byte compare (AVX2) turns them into bytes. IQ4_NL's and IQ4_XS's nibbles
+// index ggml's kvalues_iq4nl (`kIQ4Values`), MXFP4's its kvalues_mxfp4 (`kMXFP4Values`): a byte
 // shuffle turns them into values, plus 128 so that vpdpbusd takes them as unsigned. After the quants
 // come the block's own per-row scales (h: the half block):
 //   Q4_0    16 fp16 d                                   w = (q - 8) d

@@ -293,7 +293,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
             permute_heads = heads * kept_shape[0] // shape[0]  # a slice of whole heads
         qtype = int(tensor.tensor_type)
         # (MXFP4 outside experts is dequantized: `gguf_experts` checks its scales, which only experts have)
-        if keep_quantized and qtype in KERNEL_TYPES and qtype != GGMLType.MXFP4 and len(shape) == 2 and part is not None:
+        kept = keep_quantized and qtype in KERNEL_TYPES and qtype != GGMLType.MXFP4
+        if kept and len(shape) == 2 and part is not None:
             whole = selection is None and permute_heads is None  # the file's rows as they are
             weight = QuantizedTensor(torch.from_numpy(np.ascontiguousarray(part, dtype=np.uint8)), qtype, kept_shape,
                                      source=FileRegion(str(path), tensor.offset) if whole else None)
