@@ -104,7 +104,7 @@ class Checkpoint:
     @property
     def stored_format(self) -> str | None:
         """The quantized format of the tensors it holds as stored: "mxfp4" (an MXFP4 checkpoint's blocks,
-        which the model turns into Q8_0 or dequantizes), "gguf" (a GGUF file's, kept), None."""
+        which the model keeps or dequantizes), "gguf" (a GGUF file's, kept), None."""
         if is_mxfp4(getattr(self.config, "quantization_config", None)):
             return "mxfp4"
         return "gguf" if self.quantized else None
@@ -178,6 +178,13 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
         config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, StrictDataclassError) as exc:  # the last: a field transformers' validation rejects
         raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    if method is not None and not is_mxfp4(quantization):
+        raise ModelLoadError(f"{path} holds weights quantized with {str(method)!r} (its config's quantization_config), "
+                             "which Conveyor does not read: serve the model's unquantized checkpoint (with "
+                             "--quantization int8 or int4 for smaller weights) or a GGUF file of it")
     return text_config(config)
 
 
