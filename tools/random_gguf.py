@@ -1,7 +1,8 @@
 """`python -m tools.random_gguf --shape llama-3.2-1b --type q4_0 --out FILE`: a GGUF file of a real model's
 shape with random weights, for speed measurements at the sizes people run (speed needs no trained
 weights). Matrices in Q4_0, Q8_0 or F16 (gguf's own quantizer), the token embedding in Q8_0 (F16 with
---type f16), norms in F32; a tokenizer of placeholder tokens of the model's vocabulary size. The
+--type f16), norms in F32; a tokenizer of placeholder tokens of the model's vocabulary size. gpt-oss-20b's
+experts are random MXFP4 blocks, as the released file stores them (its other matrices in --type). The
 K-quant and IQ4 mixes people download (q4_k_m, q5_k_m, q6_k, iq4_xs, ...) come from llama.cpp's
 `llama-quantize` (--llama-quantize PATH) over a Q8_0 file written first. Tensors are written one at a
 time, so an 8B shape needs no more memory than its largest matrix. llama.cpp and Conveyor both load it.
@@ -40,6 +41,8 @@ class Shape:
     tied: bool
     rope_theta: float
     context: int = 32768
+    experts: int = 0  # gpt-oss: experts per layer (stacked, MXFP4), of which `experts_used` a token
+    experts_used: int = 0
 
 
 SHAPES = {
@@ -47,6 +50,7 @@ SHAPES = {
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 128, 8192, 128256, True, 500000.0),
     "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1000000.0),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0),
+    "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 150000.0, 131072, 32, 4),
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 10000.0, context=2048),  # for tests
 }
 
@@ -63,6 +67,14 @@ def header(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
+    if shape.experts:  # gpt-oss: YaRN over 4,096 positions, 128-token windows on the even layers
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.ffn)
+        writer.add_sliding_window(128)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(32.0)
+        writer.add_rope_scaling_orig_ctx_len(4096)
     writer.add_vocab_size(shape.vocab)
     writer.add_tokenizer_model("gpt2")
     # Placeholder tokens, and one merge (llama.cpp loads no BPE vocabulary without merges; transformers takes
@@ -83,6 +95,8 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
     out = [("token_embd.weight", (shape.vocab, h), True), ("output_norm.weight", (h,), False)]
     if not shape.tied:
         out.append(("output.weight", (shape.vocab, h), True))
+    if shape.experts:
+        return out + [t for i in range(shape.layers) for t in gpt_oss_layer(shape, i)]
     for i in range(shape.layers):
         out += [(f"blk.{i}.attn_norm.weight", (h,), False), (f"blk.{i}.attn_q.weight", (q, h), True),
                 (f"blk.{i}.attn_k.weight", (kv, h), True), (f"blk.{i}.attn_v.weight", (kv, h), True),
@@ -95,13 +109,38 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
     return out
 
 
+def gpt_oss_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
+    """gpt-oss's layer `i` as llama.cpp's converter names it: attention with biases and sinks, the router with
+    its bias, the stacked experts (3-D: MXFP4) with theirs."""
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    e, f, p = shape.experts, shape.ffn, f"blk.{i}."
+    return [(p + "attn_norm.weight", (h,), False), (p + "post_attention_norm.weight", (h,), False),
+            (p + "attn_q.weight", (q, h), True), (p + "attn_q.bias", (q,), False),
+            (p + "attn_k.weight", (kv, h), True), (p + "attn_k.bias", (kv,), False),
+            (p + "attn_v.weight", (kv, h), True), (p + "attn_v.bias", (kv,), False),
+            (p + "attn_output.weight", (h, q), True), (p + "attn_output.bias", (h,), False),
+            (p + "attn_sinks.weight", (shape.heads,), False),
+            (p + "ffn_gate_inp.weight", (e, h), False), (p + "ffn_gate_inp.bias", (e,), False),
+            (p + "ffn_gate_exps.weight", (e, f, h), True), (p + "ffn_gate_exps.bias", (e, f), False),
+            (p + "ffn_up_exps.weight", (e, f, h), True), (p + "ffn_up_exps.bias", (e, f), False),
+            (p + "ffn_down_exps.weight", (e, h, f), True), (p + "ffn_down_exps.bias", (e, h), False)]
+
+
+def random_mxfp4(rng: np.random.Generator, dims: tuple[int, ...]) -> np.ndarray:
+    """Random MXFP4 blocks of `dims` (the last one in weights): random nibbles, exponents giving weights up to
+    ~0.05."""
+    raw = rng.integers(0, 256, size=(*dims[:-1], dims[-1] // 32, 17), dtype=np.uint8)
+    raw[..., 0] = rng.integers(119, 122, size=raw.shape[:-1], dtype=np.uint8)
+    return raw.reshape(*dims[:-1], -1)
+
+
 def write(path: Path, shape: Shape, qtype: QType, seed: int = 0) -> int:
     """The file; returns its size in bytes. Weights ~ N(0, 0.02) (an embedding's 0.02 too), norms 1.
     Streamed: the tensor infos first, then each tensor made, written and dropped in turn."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, shape.arch)
     header(writer, shape)
-    plan = [(name, dims, QType.F32 if not matrix else
+    plan = [(name, dims, QType.F32 if not matrix else QType.MXFP4 if len(dims) == 3 else
              QType.Q8_0 if name == "token_embd.weight" and qtype != QType.F16 else qtype)
             for name, dims, matrix in tensors(shape)]
     for name, dims, kind in plan:
@@ -112,8 +151,13 @@ def write(path: Path, shape: Shape, qtype: QType, seed: int = 0) -> int:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims, kind in plan:
-        if kind == QType.F32:
-            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+        if kind == QType.MXFP4:
+            writer.write_tensor_data(random_mxfp4(rng, dims))
+            continue
+        if kind == QType.F32:  # norms 1; biases, sinks and routers small
+            values = np.ones(dims, dtype=np.float32) if name.endswith("norm.weight") else (
+                rng.standard_normal(dims, dtype=np.float32) * 0.02)
+            writer.write_tensor_data(values.astype(np.float32))
             continue
         values = (rng.standard_normal(dims, dtype=np.float32) * 0.02).astype(np.float32)
         writer.write_tensor_data(gguf.quants.quantize(values, kind))

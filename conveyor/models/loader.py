@@ -380,11 +380,13 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     try:
         tokenizer = _load_tokenizer(path, path.parent, gguf_file=path.name)
     except ModelLoadError as exc:
-        # transformers converts any GGUF's tokenizer, but AutoTokenizer first reads the file as a config, for the
-        # architectures transformers models only (not smollm3): then the converted tokenizer in its generic class.
-        if "is not supported yet" not in str(exc):
-            raise
-        tokenizer = _load_tokenizer(path, path.parent, generic=True, gguf_file=path.name)
+        # transformers converts any GGUF's tokenizer, but AutoTokenizer first reads the file as a config: only for
+        # the architectures transformers models (not smollm3), and by its own reading of their metadata (which
+        # fails on gpt-oss's YaRN keys). Then the converted tokenizer in its generic class.
+        try:
+            tokenizer = _load_tokenizer(path, path.parent, generic=True, gguf_file=path.name)
+        except ModelLoadError:
+            raise exc from None
     try:
         tokenizer.save_pretrained(cache)
     except OSError as exc:  # a read-only home is no reason to fail
