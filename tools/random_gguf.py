@@ -52,6 +52,7 @@ SHAPES = {
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 150000.0, 131072, 32, 4),
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 10000.0, context=2048),  # for tests
+    "tiny-gpt-oss": Shape("gpt-oss", 256, 2, 4, 2, 64, 256, 512, False, 10000.0, 8192, 4, 2),  # for tests
 }
 
 

@@ -13,8 +13,8 @@ from tools import random_gguf
 
 
 def test_shapes_have_their_models_parameter_counts() -> None:
-    """Llama 3.2 1B: 1.24B parameters (tied head); Llama 3.1 8B: 8.03B; Qwen3 4B: 4.02B."""
-    for name, billions in (("llama-3.2-1b", 1.24), ("llama-3.1-8b", 8.03), ("qwen3-4b", 4.02)):
+    """Llama 3.2 1B: 1.24B parameters (tied head); Llama 3.1 8B: 8.03B; Qwen3 4B: 4.02B; gpt-oss-20b: 20.91B."""
+    for name, billions in (("llama-3.2-1b", 1.24), ("llama-3.1-8b", 8.03), ("qwen3-4b", 4.02), ("gpt-oss-20b", 20.91)):
         count = sum(math.prod(dims) for _, dims, _ in random_gguf.tensors(random_gguf.SHAPES[name]))
         assert count / 1e9 == pytest.approx(billions, abs=0.01), name
 
@@ -30,6 +30,19 @@ def test_the_file_loads_and_runs(tmp_path: Path, kind: str) -> None:
                                           gguf.GGMLQuantizationType.Q8_0)
     llm = LLM(str(path))
     assert llm.vocab_size == random_gguf.SHAPES["tiny"].vocab
+    out = llm.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+
+
+def test_gpt_oss_experts_are_mxfp4_and_run_as_stored(tmp_path: Path) -> None:
+    path = tmp_path / "tiny-gpt-oss.gguf"
+    random_gguf.main(["--shape", "tiny-gpt-oss", "--type", "q8_0", "--out", str(path)])
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.MXFP4
+    assert types["blk.1.attn_q.weight"] == gguf.GGMLQuantizationType.Q8_0
+    llm = LLM(str(path), max_model_len=512)
+    expert = llm.engine.model.layers[1].mlp.experts[3]
+    assert [s.type_name for s in expert.down_proj.kernel.segments] == ["MXFP4"]
     out = llm.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
 
