@@ -4,8 +4,8 @@ template. Plain text in, calls out: nothing here depends on the engine or the se
 
 `base` holds the incremental reading every format shares (content streams as it comes; each call is
 sent whole once its text is complete; streamed deltas concatenate to the whole reply's); the
-formats are in `json_formats` (Hermes, Llama 3 JSON, Mistral, Granite, DeepSeek), `pythonic` and
-`qwen3_xml`.
+formats are in `json_formats` (Hermes, Llama 3 JSON, Mistral, Granite, DeepSeek), `pythonic` (and
+OLMo 3's lines of calls) and `qwen3_xml`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from .json_formats import (
     Llama3JsonParser,
     MistralParser,
 )
-from .pythonic import PythonicParser
+from .pythonic import Olmo3Parser, PythonicParser
 from .qwen3_xml import Qwen3XmlParser
 
 __all__ = ["ToolCall", "ToolParser", "TOOL_PARSERS", "PARSER_CLASSES", "detect_parser", "get_parser"]
 
 PARSER_CLASSES: list[type[ToolParser]] = [HermesParser, Llama3JsonParser, MistralParser, Qwen3XmlParser,
-                                          GraniteParser, PythonicParser, DeepSeekV3Parser, DeepSeekV31Parser]
+                                          GraniteParser, PythonicParser, Olmo3Parser, DeepSeekV3Parser,
+                                          DeepSeekV31Parser]
 # vLLM's names: each format's own, and the aliases vLLM registers for the same format.
 TOOL_PARSERS: dict[str, type[ToolParser]] = {cls.name: cls for cls in PARSER_CLASSES} | {
     "qwen3_json": HermesParser, "llama4_json": Llama3JsonParser, "qwen3_coder": Qwen3XmlParser,
@@ -40,6 +41,7 @@ TEMPLATE_SIGNS: list[tuple[tuple[str, ...], str]] = [
     (("<|tool_call|>",), "granite"),
     (("<|start_of_role|>",), "granite"),
     (("<|python_start|>",), "pythonic"),
+    (("<function_calls>",), "olmo3"),
     (("<|header_start|>",), "llama3_json"),
     (("<|start_header_id|>", "<|python_tag|>"), "llama3_json"),
     (("<|start_header_id|>", '"parameters"'), "llama3_json"),

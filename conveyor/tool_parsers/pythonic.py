@@ -1,7 +1,8 @@
 """Pythonic tool calls: the reply is a Python list of calls with keyword arguments,
-`[get_weather(city='Paris', days=3), get_time()]` (Llama 3.2 / 4, ToolACE, Olmo 3), Llama 4
-wrapping it in `<|python_start|>` ... `<|python_end|>`. Arguments are Python literals, read with
-`ast.literal_eval` (never evaluated) and sent as JSON."""
+`[get_weather(city='Paris', days=3), get_time()]` (Llama 3.2 / 4, ToolACE), Llama 4 wrapping it in
+`<|python_start|>` ... `<|python_end|>`; OLMo 3 writes one call a line inside `<function_calls>` ...
+`</function_calls>`, its literals JSON's (`true`, `null`) as often as Python's. Arguments are literals,
+read with `ast.literal_eval` (never evaluated) and sent as JSON."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def call_of(node: ast.expr) -> tuple[str, str] | None:
 
 class PythonicParser(ToolParser):
     name = "pythonic"
-    families = "Llama 3.2 (pythonic prompt), Llama 4 (`llama4_pythonic`), ToolACE, Olmo 3"
+    families = "Llama 3.2 (pythonic prompt), Llama 4 (`llama4_pythonic`), ToolACE"
     example = "[f(x=1), g(name='a')]"
     starts = ("<|python_start|>", "<|python_end|>")
     special = starts
@@ -103,3 +104,37 @@ class PythonicParser(ToolParser):
             logger.warning("pythonic tool call: dropped %d element(s) that are not calls with literal keyword "
                            "arguments", len(calls) - len(good))
         return Region(end, good or None)
+
+
+class JsonLiterals(ast.NodeTransformer):
+    """JSON's `true`, `false` and `null` as the Python constants they mean."""
+
+    VALUES = {"true": True, "false": False, "null": None}
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:  # noqa: N802 (ast's name)
+        return ast.Constant(self.VALUES[node.id]) if node.id in self.VALUES else node
+
+
+class Olmo3Parser(ToolParser):
+    name = "olmo3"
+    families = "OLMo 3"
+    example = "<function_calls>\nf(x=1)\ng(name='a', ok=true)\n</function_calls>"
+    starts = ("<function_calls>",)
+    end = "</function_calls>"
+
+    def region(self, text: str, at: int, marker: str, finished: bool) -> Region | None:
+        """One call a line up to the closing tag; a line that is no call makes the whole block content."""
+        close = text.find(self.end, at + len(marker))
+        if close < 0:
+            return incomplete(text, finished)
+        calls = []
+        for line in filter(str.strip, text[at + len(marker):close].splitlines()):
+            try:
+                tree = ast.parse(line.strip(), mode="eval").body
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
+                return Region(close + len(self.end), None)
+            call = call_of(JsonLiterals().visit(tree))
+            if call is None:
+                return Region(close + len(self.end), None)
+            calls.append(call)
+        return Region(close + len(self.end), calls or None)

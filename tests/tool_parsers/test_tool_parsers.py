@@ -109,6 +109,14 @@ RECORDED = [
      [("get_weather", {"city": "LA", "metric": "C"})]),
     ("pythonic", "How can I help you today? [1] is a footnote.", "How can I help you today? [1] is a footnote.", []),
     ("pythonic", "[1, 2]", "[1, 2]", []),
+    ("olmo3", "<function_calls>\nget_weather(city='San Francisco', metric='celsius')\nregister_user(name=\"John\", "
+     "age=37, role=null, passed_test=true, aliases=[\"J\"])\n</function_calls>", None,
+     [("get_weather", {"city": "San Francisco", "metric": "celsius"}),
+      ("register_user", {"name": "John", "age": 37, "role": None, "passed_test": True, "aliases": ["J"]})]),
+    ("olmo3", "Let me check.\n<function_calls>\nget_weather(city=\"LA\", metric=\"C\")\n</function_calls>",
+     "Let me check.", [("get_weather", {"city": "LA", "metric": "C"})]),
+    ("olmo3", "<function_calls>\nnot a call\n</function_calls>", "<function_calls>\nnot a call\n</function_calls>",
+     []),
     ("deepseek_v3", f"<｜tool▁calls▁begin｜>{DS_WEATHER}<｜tool▁calls▁end｜>", None,
      [("get_weather", {"city": "Tokyo", "unit": "celsius"})]),
     ("deepseek_v3", f"Let me check.<｜tool▁calls▁begin｜>{DS_WEATHER}{DS_HOTELS}<｜tool▁calls▁end｜>", "Let me check.",
@@ -190,6 +198,7 @@ def test_mistral_call_ids_are_nine_letters_or_digits() -> None:
      "llama3_json"),
     ("<|header_start|>assistant<|header_end|>", "llama3_json"),
     ("<|python_start|>", "pythonic"),
+    ("{{- '<function_calls>' + tool_calls + '</function_calls>' }}", "olmo3"),
     ("<|im_start|>{{- '<tool_call>\\n{\"name\": \"' }}", "hermes"),
     ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "hermes"), (None, "hermes"),
 ])
