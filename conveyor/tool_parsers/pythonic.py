@@ -120,11 +120,12 @@ class Olmo3Parser(ToolParser):
     families = "OLMo 3"
     example = "<function_calls>\nf(x=1)\ng(name='a', ok=true)\n</function_calls>"
     starts = ("<function_calls>",)
-    end = "</function_calls>"
+    closing = "</function_calls>"
+    special = (*starts, closing)  # (kept in the decoded reply where a tokenizer holds them as special tokens)
 
     def region(self, text: str, at: int, marker: str, finished: bool) -> Region | None:
         """One call a line up to the closing tag; a line that is no call makes the whole block content."""
-        close = text.find(self.end, at + len(marker))
+        close = text.find(self.closing, at + len(marker))
         if close < 0:
             return incomplete(text, finished)
         calls = []
@@ -132,9 +133,9 @@ class Olmo3Parser(ToolParser):
             try:
                 tree = ast.parse(line.strip(), mode="eval").body
             except (SyntaxError, ValueError, MemoryError, RecursionError):
-                return Region(close + len(self.end), None)
+                return Region(close + len(self.closing), None)
             call = call_of(JsonLiterals().visit(tree))
             if call is None:
-                return Region(close + len(self.end), None)
+                return Region(close + len(self.closing), None)
             calls.append(call)
-        return Region(close + len(self.end), calls or None)
+        return Region(close + len(self.closing), calls or None)
