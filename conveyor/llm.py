@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from .beam_search import BeamSearchMethods
 from .chat_llm import ChatMethods
@@ -21,10 +21,9 @@ from .errors import ConfigError
 from .distributed.driver import ShardedModel, load_tensor_parallel
 from .distributed.launch import exit_if_spawned_rank
 from .engine.draft_runner import load_draft_model
+from .engine_view import EngineViewMethods
 from .enqueue_llm import EnqueueMethods
 from .engine.engine import Engine
-from .engine.stats import EngineStats
-from .engine.step_history import StepHistory
 from .generation_config import GenerationDefaults
 from .kernels import vector_flags
 from .kernels.host_memory import keep_freed_memory, release_freed_memory
@@ -32,7 +31,7 @@ from .kernels.openmp import run_on_fresh_thread
 from .layers.precision import keeps_stored, resolve_precision, resolve_quantization
 from .layers.quantization.linear import describe_weights, prompts_take_onednn
 from .manager import ContinuousBatchingManager
-from .metrics import Metric, Metrics, snapshot
+from .metrics import Metrics
 from .models import build_model
 from .models.hub import resolve_model_path, resolve_tokenizer_path
 from .models.loader import load_checkpoint, load_tokenizer
@@ -90,7 +89,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return resolve_precision(dtype, None, device, None).dtype
 
 
-class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMethods):
+class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMethods, EngineViewMethods):
     """A model with its continuous-batching engine. `LLM()` loads the built-in SmolLM2-135M-Instruct.
 
     model: a Hugging Face model directory, a .gguf file, or a Hub id (`org/name`, `org/name:QUANT` for a
@@ -289,52 +288,6 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMe
         if self.sharded is not None:
             self.sharded.close()
 
-    # -- what a server or another client reads of the engine ---------------------------------
-    @property
-    def model_config(self) -> PretrainedConfig:
-        """The model's transformers config."""
-        return self.engine.model.config
-
-    @property
-    def max_model_len(self) -> int:
-        """The context length: prompt + generated tokens of one request."""
-        return self.engine.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engine.vocab_size
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        return self.engine.eos_token_ids
-
-    @property
-    def priority_scheduling(self) -> bool:
-        """Whether requests' `priority` counts (`scheduling_policy="priority"`); else only 0 is taken."""
-        return self.engine.config.scheduler_type == "priority"
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        """The longest sequence the whole KV pool holds."""
-        return self.engine.capacity_tokens
-
-    @property
-    def step_history(self) -> StepHistory | None:
-        """The engine's recent step records (the dashboard's), None when off."""
-        return self.engine.step_history
-
-    def enable_step_history(self, size: int) -> StepHistory:
-        """Switch the engine's step records on (`size` steps) unless `config.step_history` already did."""
-        return self.engine.enable_step_history(size)
-
-    def cache_usage(self) -> dict[str, Any]:
-        """The KV pool now (per attention type, prefix-cached blocks, bytes and resident bytes)."""
-        return self.engine.cache_usage()
-
-    def kv_cache_resident_bytes(self) -> int:
-        """Bytes of the KV pool in physical memory (on CPU the pool is committed as it is first written)."""
-        return self.engine.pool.resident_bytes()
-
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams,
                      lora_request: LoRARequest | None = None) -> Request:
         """A validated request for `manager.submit` (tokenized, constraint compiled, its adapter loaded); raises
@@ -345,15 +298,6 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMe
         """vLLM's: forget every cached prefix, so the next prompts are computed in full (fair benchmarks and
         evaluations); False, changing nothing, while requests are unfinished (a server's too)."""
         return self.manager.call(Engine.reset_prefix_cache)
-
-    def stats(self) -> EngineStats:
-        """Engine counters (tokens, preemptions, prefix cache) and cache/queue gauges now."""
-        return self.engine.stats()
-
-    def get_metrics(self) -> list[Metric]:
-        """vLLM's: the `/metrics` families as its reader's `Counter`, `Gauge`, `Histogram` and `Vector`
-        (`conveyor:` names); the latency histograms and finish counts are this object's calls'."""
-        return snapshot(self.metrics.registry)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
