@@ -92,6 +92,13 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(full["factor"])
         w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        if "beta_fast" in full:
+            w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        if "beta_slow" in full:
+            w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+    if arch == "mistral3" and "llama_4_scaling_beta" in full:  # (Ministral 3)
+        w.add_rope_scaling_yarn_log_mul(full["mscale_all_dim"])
+        w.add_attn_temperature_scale(full["llama_4_scaling_beta"])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(config.attn_logit_softcapping)
         w.add_final_logit_softcapping(config.final_logit_softcapping)
@@ -99,7 +106,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     if arch == "gemma3":
         w.add_sliding_window(config.sliding_window)
         w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
-    if arch == "olmo2" and getattr(config, "sliding_window", None):  # OLMo 3
+    if arch in ("olmo2", "exaone4") and getattr(config, "sliding_window", None):  # OLMo 3, EXAONE 4.0 32B
         w.add_sliding_window(config.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
     if arch == "granite":  # (the converter's names for the multipliers)
@@ -108,6 +115,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         w.add_residual_scale(config.residual_multiplier)
         w.add_logit_scale(config.logits_scaling)
     tensors = hf_state(model, head)
+    if arch == "glm4":  # (the rotated dimensions: half of each head)
+        w.add_rope_dimension_count(int(config.head_dim * full["partial_rotary_factor"]))
     if arch == "phi3":
         head_dim = config.hidden_size // config.num_attention_heads
         w.add_rope_dimension_count(int(head_dim * full.get("partial_rotary_factor", 1.0)))
@@ -130,7 +139,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         assert gguf_name is not None, f"{arch}: no GGUF name for {name}"
         if gguf_name in drop:
             continue
-        if arch in ("llama", "smollm3", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):  # (RoPE)
+        if arch in ("llama", "smollm3", "granite", "mistral3") and name.endswith(("q_proj.weight",
+                                                                                    "k_proj.weight")):  # (RoPE)
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             rows = data.shape[0] // heads // 2
             data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)

@@ -50,6 +50,27 @@ TINY_CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
     "granite": lambda: transformers.GraniteConfig(**TINY_COMMON, embedding_multiplier=3.0, residual_multiplier=0.5,
                                                   attention_multiplier=0.1, logits_scaling=4.0),
+    # RoPE over consecutive pairs (reordered at load): ERNIE 4.5 with biases on every projection; GLM-4 and
+    # GLM-4-0414 (norms after the blocks) rotating the first half of each head, q/k/v biases
+    "ernie4_5": lambda: transformers.Ernie4_5Config(**TINY_COMMON, head_dim=16, use_bias=True,
+                                                    tie_word_embeddings=False),
+    "glm": lambda: transformers.GlmConfig(**TINY_COMMON, head_dim=16),
+    "glm4": lambda: transformers.Glm4Config(**TINY_COMMON, head_dim=16),
+    # Ministral 3: YaRN, and the queries scaled by Llama 4's temperature past 16 tokens (the released: 16,384)
+    # Ministral 8B: sliding and full layers by `layer_types`; Seed-OSS: q/k/v biases, none on o
+    "ministral": lambda: transformers.MinistralConfig(**TINY_COMMON, head_dim=16, sliding_window=WINDOW,
+                                                      layer_types=["sliding_attention", "full_attention"],
+                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    "seed_oss": lambda: transformers.SeedOssConfig(**TINY_COMMON, head_dim=16),
+    "ministral3": lambda: transformers.Ministral3Config(**TINY_COMMON, head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),
+    # EXAONE 4.0: norms after the blocks, per-head q/k norms; the 32B's form: sliding layers, then a full NoPE one
+    "exaone4": lambda: transformers.Exaone4Config(**(TINY_COMMON | {"num_hidden_layers": 4}), head_dim=16,
+                                                  sliding_window=WINDOW, sliding_window_pattern=4,
+                                                  tie_word_embeddings=False),
+    "exaone4_global": lambda: transformers.Exaone4Config(**TINY_COMMON, head_dim=16, sliding_window=None,  # (1.2B)
+                                                         layer_types=["full_attention"] * 2),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),

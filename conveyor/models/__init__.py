@@ -7,17 +7,23 @@ from transformers import PretrainedConfig
 
 from ..layers.quantization.linear import Weight
 from .base import CausalLM
+from .ernie import Ernie45ForCausalLM
+from .exaone4 import Exaone4ForCausalLM
 from .gemma import GemmaForCausalLM
+from .glm import Glm4ForCausalLM, GlmForCausalLM
 from .gpt_oss import GptOssForCausalLM
 from .granite import GraniteForCausalLM
 from .llama import LlamaForCausalLM
+from .ministral3 import Ministral3ForCausalLM
 from .moe import MoeForCausalLM
 from .olmo2 import Olmo2ForCausalLM
 from .phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM,
                                                                  GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
-                                                                 Olmo2ForCausalLM)
+                                                                 Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM,
+                                                                 Glm4ForCausalLM, Ministral3ForCausalLM,
+                                                                 Exaone4ForCausalLM)
                                             for t in cls.model_types}
 
 

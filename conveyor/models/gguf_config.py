@@ -26,10 +26,15 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "qwen3": transformers.Qwen3Config,
     "smollm3": transformers.SmolLM3Config,
     "granite": transformers.GraniteConfig,
+    "seed_oss": transformers.SeedOssConfig,
+    "exaone4": transformers.Exaone4Config,
+    "mistral3": transformers.MistralConfig,  # Mistral Small 3.x; Ministral 3 where the file has its temperature
     "olmo2": transformers.Olmo2Config,
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,
+    "ernie4_5": transformers.Ernie4_5Config,
+    "glm4": transformers.Glm4Config,
     **gguf_experts.ARCHITECTURES,
 }
 
@@ -104,6 +109,8 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
         return transformers.MixtralConfig(**kwargs, **experts)
     if arch == "olmo2" and "layer_types" in kwargs:  # and OLMo 3 as olmo2 with sliding layers
         return transformers.Olmo3Config(**kwargs)
+    if arch == "mistral3" and "llama_4_scaling_beta" in kwargs["rope_parameters"]:
+        return transformers.Ministral3Config(**kwargs)
     return ARCHITECTURES[arch](**kwargs, **experts)
 
 

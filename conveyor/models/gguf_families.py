@@ -16,6 +16,13 @@ into the Hugging Face form the loader gives everything downstream.
   layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
   (`no_rope_layer_interval`). Granite's multipliers are `attention.scale`, `embedding_scale`, `residual_scale`
   and `logit_scale` (1 where absent, as transformers' defaults).
+- EXAONE 4.0 (`exaone4`): norms after the blocks, `post_attention_norm` and `post_ffw_norm`; q/k unpermuted;
+  `attention.sliding_window` with one flag a layer in `sliding_window_pattern` (the full layers NoPE).
+- Seed-OSS (`seed_oss`): the norm before the MLP is named `post_attention_norm`.
+- Mistral 3 (`mistral3`: Ministral 3, and Mistral Small 3.x from newer converters): Llama's layout. Ministral 3's
+  query temperature is `attention.temperature_scale` (Llama 4's beta; the original YaRN length is its floor), its
+  YaRN `mscale_all_dim` `rope.scaling.yarn_log_multiplier` (taken for `mscale` too: the released configs set
+  both, and they cancel).
 - OLMo 2 (`olmo2`): norms after the blocks, named `post_attention_norm` and `post_ffw_norm`; q/k unpermuted.
   OLMo 3 is written as `olmo2` with `attention.sliding_window` (and a `sliding_window_pattern`, else llama.cpp's
   every fourth layer full): its sliding layers' RoPE is the file's base (`rope.freq_base_swa` where given)
@@ -23,6 +30,10 @@ into the Hugging Face form the loader gives everything downstream.
 - gpt-oss (`gpt-oss`): the experts' gate and up stacked apart (the checkpoints interleave them), with biases,
   in MXFP4; the router `ffn_gate_inp` with a bias; `attn_sinks`; `post_attention_norm`; sliding layers on
   the even indices (llama.cpp's pattern) with the file's window; YaRN without truncation, as gpt-oss's.
+- ERNIE 4.5 (`ernie4_5`) and GLM-4-0414 (`glm4`): q and k as the checkpoint has them (RoPE over consecutive
+  pairs, which is llama.cpp's own layout; the model reorders them, `models.pair_rope`). GLM-4's gate and up
+  fused in `ffn_up`, its norms after the blocks `post_attention_norm` and `post_ffw_norm` (`ffn_norm` is the
+  one before the MLP), `rope.dimension_count` the rotated half of each head.
 - Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
   them; `rope.dimension_count` the rotated dimensions (partial rotary); LongRoPE's factors as the tensors
   `rope_factors_long`/`rope_factors_short` and its original length as `rope.scaling.original_context_length`
@@ -48,9 +59,14 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
+    "exaone4": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "seed_oss": {"post_attention_norm": "post_attention_layernorm"},  # (the norm before the MLP)
+    "glm4": {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
+             "post_ffw_norm": "post_mlp_layernorm"},
 }
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
-PERMUTED_QK = ("llama", "smollm3", "granite")  # architectures whose converter permutes q and k rows (LlamaModel's)
+# architectures whose converter permutes q and k rows (LlamaModel's)
+PERMUTED_QK = ("llama", "smollm3", "granite", "mistral3")
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's `n_no_rope_layer_step` for smollm3
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
 
@@ -95,6 +111,18 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
                                 for i in range(common["num_hidden_layers"])],
                 "intermediate_size": field("gpt-oss.expert_feed_forward_length", common["intermediate_size"]),
                 "rope_parameters": rope}
+    elif arch == "glm4":
+        head_dim = field("glm4.attention.key_length", common["hidden_size"] // common["num_attention_heads"])
+        rotated = field("glm4.rope.dimension_count", head_dim // 2)
+        out |= {"head_dim": head_dim, "rope_parameters": dict(common["rope_parameters"],
+                                                              partial_rotary_factor=rotated / head_dim)}
+    elif arch == "exaone4":
+        window = field("exaone4.attention.sliding_window", 0)
+        pattern = field("exaone4.attention.sliding_window_pattern", None) or [False] * common["num_hidden_layers"]
+        out |= {"sliding_window": window or None,
+                "layer_types": ["sliding_attention" if window and swa else "full_attention" for swa in pattern]}
+    elif arch == "mistral3":
+        out |= _mistral3(field, common)
     elif arch == "granite":
         out |= {"attention_multiplier": field("granite.attention.scale", 1.0),
                 "embedding_multiplier": field("granite.embedding_scale", 1.0),
@@ -120,6 +148,17 @@ def _gemma(arch: str, field: Field, common: dict[str, Any]) -> dict[str, Any]:
     if pattern is not None:  # one flag a layer (newer converters)
         out["layer_types"] = ["sliding_attention" if swa else "full_attention" for swa in pattern]
     return out
+
+
+def _mistral3(field: Field, common: dict[str, Any]) -> dict[str, Any]:
+    rope = dict(common["rope_parameters"])
+    log_mul = field("mistral3.rope.scaling.yarn_log_multiplier", None)
+    if log_mul is not None:
+        rope |= {"mscale": log_mul, "mscale_all_dim": log_mul}
+    beta = field("mistral3.attention.temperature_scale", None)
+    if beta:
+        rope["llama_4_scaling_beta"] = beta
+    return {"rope_parameters": rope}
 
 
 def _olmo3(field: Field, common: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""The Llama family (Llama, SmolLM2, SmolLM3, Mistral, Qwen2, Qwen3) over one flattened ragged batch, and the
-pieces other families reuse (the decoder layer, RMSNorm); `CausalLM` is in `base`, RoPE in `layers.rotary`.
+"""The Llama family (Llama, SmolLM2, SmolLM3, Mistral, Ministral, Qwen2, Qwen3, Seed-OSS) over one flattened
+ragged batch, and the pieces other families reuse (the decoder layer, RMSNorm); `CausalLM` is in `base`, RoPE in
+`layers.rotary`.
 SmolLM3 is Llama with no RoPE in some layers (`no_rope_layers`: every fourth), whose q and k attend as projected.
 
 Input is every scheduled token of every request, concatenated: `[num_tokens]` ids and positions.
@@ -62,6 +63,7 @@ class DecoderLayer(nn.Module):
         self.scale = head_dim ** -0.5
         self.softcap: float | None = None
         self.sinks: nn.Parameter | None = None  # gpt-oss's attention sinks, one logit per query head
+        self.q_scale: torch.Tensor | None = None  # `[tokens, 1, 1]` after RoPE: Ministral 3's, set each forward
         self.rope = True  # False: a NoPE layer (SmolLM3's), q and k unrotated
         self.fused: FusedOps | None = None  # native ops (kernels.cpu_fused_ops), set for fp32 on CPU
 
@@ -86,6 +88,8 @@ class DecoderLayer(nn.Module):
                 self.fused.rope_(k, cos, sin)
         elif self.rope:  # (partial rotary: only the first dimensions of each head)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         sinks = None if self.sinks is None else self.sinks.float()  # (the kernels take fp32)
         o = attention.forward(q, k, v, kv_cache, meta, self.scale, self.softcap, sinks).reshape(t, self.q_size)
         return self.o_proj(o if rows is None else o.index_select(0, rows))
@@ -108,8 +112,9 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """The Llama family; variants (biases, q/k norms, tying) come from the weights."""
 
-    model_types = ("llama", "mistral", "qwen2", "qwen3", "smollm3",  # and the language models of Qwen's image-text
-                   "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")  # checkpoints (`multimodal_text`)
+    model_types = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "seed_oss",
+                   # and the language models of Qwen's image-text checkpoints (`multimodal_text`)
+                   "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
     partial_rotary = False  # whether the family honours `partial_rotary_factor` with the default RoPE
     layer_class: type[DecoderLayer] = DecoderLayer
 

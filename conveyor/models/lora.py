@@ -6,7 +6,8 @@ PEFT names a module by the transformers model's path (`model.layers.3.self_attn.
 hold q/k/v and gate/up fused, so `q_proj` is the first slice of `qkv_proj`, and a checkpoint that is fused
 itself (Phi-3's `qkv_proj`, `gate_up_proj`) has one adapter over the whole projection. The scaling is
 PEFT's: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`, r the module's rank (its A's rows,
-so `rank_pattern` needs nothing more).
+so `rank_pattern` needs nothing more). Where the model reorders q's and k's rows at load (`models.pair_rope`),
+their B rows are reordered the same way.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ UNSUPPORTED_OPTIONS = (("use_dora", "DoRA"), ("alpha_pattern", "per-module lora_
 @dataclass(frozen=True)
 class Target:
     """Where a PEFT module's adapter goes: our `LoRALinear`'s name, its block, its first output row and
-    the shape its B and A must have."""
+    the shape its B and A must have; the order its B's rows take where the model reorders the base's."""
 
     module: str
     block: int
     row: int
     out_rows: int
     in_features: int
+    row_order: torch.Tensor | None = None
 
 
 @dataclass
@@ -95,17 +97,32 @@ def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
             ours = f"layers.{i}.{name}"
             targets.linears[ours] = wrapped
             prefix = f"model.layers.{i}."
-            targets.by_peft_name[prefix + fused] = Target(ours, 0, 0, out, base.in_features)
+            orders = _row_orders(model, slices) if name == "qkv_proj" else [None] * len(slices)
+            whole = None  # the fused projection's row order: each block's, after the blocks before it
+            if any(o is not None for o in orders):
+                starts = [sum(slices[:b]) for b in range(len(slices))]
+                whole = torch.cat([start + (torch.arange(n) if o is None else o)
+                                   for o, n, start in zip(orders, slices, starts)])
+            targets.by_peft_name[prefix + fused] = Target(ours, 0, 0, out, base.in_features, whole)
             if len(parts) > 1:
                 for block, part in enumerate(parts):
                     lo, hi = wrapped.slice_range(block)
-                    targets.by_peft_name[prefix + part] = Target(ours, block, lo, hi - lo, base.in_features)
+                    targets.by_peft_name[prefix + part] = Target(ours, block, lo, hi - lo, base.in_features,
+                                                                 orders[block])
     if not targets.linears:
         raise ConfigError(f"{type(model).__name__} has no decoder-layer linears LoRA can adapt")
     stack = getattr(model, "decode_stack", None)
     if stack is not None:  # decode steps with adapter rows stay on the native stack
         stack.attach_lora(model.layers, dtype)
     return targets
+
+
+def _row_orders(model: nn.Module, slices: list[int]) -> list[torch.Tensor | None]:
+    """The order of q's, k's and v's rows as the model holds them (`models.pair_rope`), None where stored."""
+    order = getattr(model, "qk_row_order", None)
+    if order is None:
+        return [None] * len(slices)
+    return [order(slices[0]), order(slices[1]), None]
 
 
 def read_adapter_config(path: Path) -> dict:
@@ -164,6 +181,8 @@ def load_adapter(request: LoRARequest, targets: LoRATargets, max_rank: int) -> L
                               f"{list(b.shape)}, the base takes A [r, {target.in_features}] and B "
                               f"[{target.out_rows}, r]")
         scale = alpha / math.sqrt(r) if rslora else alpha / r
+        if target.row_order is not None:
+            b = b.index_select(0, target.row_order)
         parts.setdefault(target.module, []).append(SlotPart(target.block, target.row, a, b, scale))
         largest = max(largest, r)
     if not parts:

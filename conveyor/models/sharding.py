@@ -48,7 +48,8 @@ _GATE_UP = re.compile(r"\.mlp\.(gate|up)_proj\.(weight|bias)$")
 _DOWN = re.compile(r"\.mlp\.down_proj\.weight$")
 _ROW_PARALLEL_BIAS = re.compile(r"\.(self_attn\.o_proj|mlp\.down_proj)\.bias$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
-FUSED_CHECKPOINTS = ("phi3",)  # q/k/v and gate/up stored fused: a shard would need three row ranges of one tensor
+# gate/up (Phi-3: q/k/v too) stored fused: a shard would need several row ranges of one tensor
+FUSED_CHECKPOINTS = ("phi3", "glm", "glm4")
 NORMS_OVER_HEADS = ("olmo2", "olmo3")  # q/k norms over all heads together: a rank would need the others' squares
 
 
@@ -130,8 +131,9 @@ def plan_shards(config: PretrainedConfig, world_size: int) -> list[ShardPlan]:
             f"groups): a rank holds whole KV groups, or one KV head replicated over ranks that split its "
             f"{heads // kv} query heads; sizes that work: {valid_sizes(heads, kv)}")
     if world_size > 1 and config.model_type in FUSED_CHECKPOINTS:
-        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} checkpoints store q/k/v and "
-                          "gate/up fused, which tensor parallelism does not split yet; use tensor_parallel_size=1")
+        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} checkpoints store gate/up "
+                          f"{'and q/k/v ' if config.model_type == 'phi3' else ''}fused, which tensor parallelism "
+                          "does not split yet; use tensor_parallel_size=1")
     if world_size > 1 and config.model_type in NORMS_OVER_HEADS:
         raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} normalizes q and k over all heads "
                           "together, which tensor parallelism does not split yet; use tensor_parallel_size=1, or "

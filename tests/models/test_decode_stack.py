@@ -138,3 +138,24 @@ def test_thread_chooser_follows_the_timings() -> None:
     assert picks[30:40].count(1) >= 7
     assert picks[44:60].count(2) == 12  # all but the probes of one thread, from the first probe on
     assert ThreadChooser(1).choose() == 1
+
+
+def test_ministral3_queries_past_the_original_length_leave_the_stack(tiny_models: dict[str, TinyModel],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ministral 3 scales its queries past `original_max_position_embeddings` (16 here), which the stack does not:
+    decode steps below it take the stack, those past it the eager layers; the same bits as eager throughout."""
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    prompts = random_prompts([5, 9, 3], seed=54)  # decoding from below 16 tokens to past it
+    model = tiny_models["ministral3"]
+    native = model.llm(dtype="auto", quantization="int8", page_size=4)
+    monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
+    eager = model.llm(dtype="auto", quantization="int8", page_size=4)
+    monkeypatch.undo()
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    assert native.engine.model.decode_stack is not None
+    calls = counting(monkeypatch)
+    ids, lps = run(native, prompts, n=16)
+    assert 0 < len(calls) < 16, "the steps below 16 tokens take the stack, the later ones not"
+    ref_ids, ref_lps = run(eager, prompts, n=16)
+    assert ids == ref_ids
+    assert torch.equal(lps, ref_lps)

@@ -31,12 +31,16 @@ CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
     "llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
-    "smollm3_4": lambda: transformers.SmolLM3Config(**(TINY_COMMON | {"num_hidden_layers": 4}))}  # layer 4: NoPE
+    "smollm3_4": lambda: transformers.SmolLM3Config(**(TINY_COMMON | {"num_hidden_layers": 4})),  # layer 4: NoPE
+    # ERNIE-4.5-0.3B's form: no biases, tied embeddings
+    "ernie4_5_tied": lambda: transformers.Ernie4_5Config(**TINY_COMMON, head_dim=16, tie_word_embeddings=True)}
 FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
             ("qwen2", "qwen2vl"),  # (Qwen2.5-VL's language model as llama.cpp writes it)
             ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma2", "gemma2"), ("gemma3", "gemma3"),
             ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3"), ("smollm3_4", "smollm3"),
-            ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2")]
+            ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2"), ("ernie4_5_tied", "ernie4_5"),
+            ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
+            ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 
@@ -140,7 +144,8 @@ def spm_vocab(writer: gguf.GGUFWriter) -> None:
 # does a plain sentencepiece vocabulary in SmolLM3's file (an architecture transformers reads no config of).
 @pytest.mark.parametrize(("kind", "arch", "ids"), [("gemma3", "gemma3", [31, 3, 5, 4, 3, 6, 31]),
                                                    ("phi4", "phi3", [30, 5, 3, 5, 4, 3, 6, 31]),
-                                                   ("smollm3_4", "smollm3", [30, 5, 3, 5, 4, 3, 6, 31])])
+                                                   ("smollm3_4", "smollm3", [30, 5, 3, 5, 4, 3, 6, 31]),
+                                                   ("ernie4_5_tied", "ernie4_5", [30, 5, 3, 5, 4, 3, 6, 31])])
 def test_gguf_tokenizer_and_chat_template(kind: str, arch: str, ids: list[int], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONVEYOR_CACHE", str(tmp_path / "cache"))

@@ -123,6 +123,25 @@ def test_phi3_fused_projections(tmp_path_factory: pytest.TempPathFactory) -> Non
     llm.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["ernie4_5", "glm4"])
+def test_pair_rope_families_reorder_the_adapters_q_and_k_rows(tiny_models: dict[str, TinyModel], kind: str,
+                                                                tmp_path: Path) -> None:
+    """ERNIE 4.5 and GLM-4 hold q's and k's rows reordered for RoPE (`models.pair_rope`): an adapter's B rows on
+    q_proj and k_proj move with them (GLM-4: gate/up stored fused, one adapter over both)."""
+    model = tiny_models[kind]
+    mlp = ["gate_up_proj"] if kind == "glm4" else ["gate_proj", "up_proj"]
+    reference = make_lora_adapter(model.reference, tmp_path, seed=7,
+                                  targets=["q_proj", "k_proj", "v_proj", "o_proj", *mlp, "down_proj"])
+    llm = LLM(model.path, dtype="float32", enable_lora=True, config=ContinuousBatchingConfig(num_blocks=128))
+    prompts = random_prompts([7, 20], seed=8)
+    outs = llm.generate(prompts, greedy(8), use_tqdm=False, lora_request=[LoRARequest(kind, 1, str(tmp_path)), None])
+    for out, prompt, ref_model in zip(outs, prompts, (reference, model.reference)):
+        ref, logits = hf_greedy(ref_model, prompt, 8)
+        assert_greedy_match(out.token_ids, ref, logits, kind)
+    assert all_free(llm)
+    llm.shutdown()
+
+
 def write_adapter(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> LoRARequest:
     from safetensors.torch import save_file
 

@@ -18,7 +18,8 @@ from conveyor.models.loader import load_checkpoint
 from tests.utils import TinyModel, all_free, assert_greedy_match, hf_greedy, random_prompts, tiny_tokenizer
 
 IMAGE_TOKEN = 299  # (never in the prompts below: no image features are asked for)
-TEXT_TYPES = {"gemma3": "gemma3_text", "mistral": "mistral", "qwen2": "qwen2_5_vl_text", "qwen3": "qwen3_vl_text"}
+TEXT_TYPES = {"gemma3": "gemma3_text", "mistral": "mistral", "ministral3": "ministral3", "qwen2": "qwen2_5_vl_text",
+              "qwen3": "qwen3_vl_text"}
 
 
 def image_text_model(text: transformers.PreTrainedModel, kind: str) -> transformers.PreTrainedModel:
@@ -57,7 +58,7 @@ def image_text_model(text: transformers.PreTrainedModel, kind: str) -> transform
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral", "ministral3", "qwen2", "qwen3"])
 def test_an_image_text_checkpoint_runs_its_language_model(tiny_models: dict[str, TinyModel], kind: str,
                                                           tmp_path: Path) -> None:
     reference = image_text_model(tiny_models[kind].reference, kind)
