@@ -32,6 +32,7 @@ from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion,
 from ..pooling_params import PoolerConfig
 from . import gguf_config, gguf_experts, gguf_families
 from .gguf_file import GGUFFile
+from .compressed_tensors import decompress, is_compressed_tensors
 from .fp8_checkpoint import FP8_DTYPES, block_size, dequantize_fp8, is_fp8
 from .multimodal_text import language_model_name, text_config
 from .pooling import checkpoint_pooler_config
@@ -69,9 +70,12 @@ class Checkpoint:
     @property
     def stored_format(self) -> str | None:
         """The quantized format of the tensors it holds as stored: "mxfp4" (an MXFP4 checkpoint's blocks,
-        which the model keeps or dequantizes), "gguf" (a GGUF file's, kept), None."""
+        which the model keeps or dequantizes), "compressed-tensors" (such a checkpoint's, kept), "gguf" (a GGUF
+        file's, kept), None."""
         if is_mxfp4(getattr(self.config, "quantization_config", None)):
             return "mxfp4"
+        if is_compressed_tensors(getattr(self.config, "quantization_config", None)):
+            return "compressed-tensors" if self.quantized else None
         return "gguf" if self.quantized else None
 
 
@@ -103,13 +107,14 @@ def load_checkpoint(
     """Load a HF model directory or a .gguf file; None loads the built-in model.
 
     Floating-point tensors are cast to `dtype`. With `keep_quantized`, a GGUF file's quantized
-    tensors stay quantized where a kernel takes their type; others are dequantized to `dtype`.
+    tensors stay quantized where a kernel takes their type (and a compressed-tensors checkpoint's, where one
+    holds its values: `compressed_tensors`); others are dequantized to `dtype`.
     `select` loads only a slice of each tensor it names (a tensor-parallel rank's shard): read from
     the file as that slice, never whole. `tokenizer=False` skips the tokenizer.
     """
     path = resolve_model_path(path)
     if path.is_dir():
-        return _load_hf_directory(path, dtype, select, tokenizer)
+        return _load_hf_directory(path, dtype, select, tokenizer, keep_quantized)
     return _load_gguf(path, dtype, keep_quantized, select, tokenizer)
 
 
@@ -146,7 +151,7 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
     quantization = getattr(config, "quantization_config", None)
     method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
         quantization, "quant_method", None)
-    if method is not None and not is_mxfp4(quantization) and not is_fp8(quantization):
+    if method is not None and not any(known(quantization) for known in (is_mxfp4, is_fp8, is_compressed_tensors)):
         raise ModelLoadError(f"{path} holds weights quantized with {str(method)!r} (its config's quantization_config), "
                              "which Conveyor does not read: serve the model's unquantized checkpoint (with "
                              "--quantization int8 or int4 for smaller weights) or a GGUF file of it")
@@ -154,13 +159,14 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
 
 
 def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = None,
-                       tokenizer: bool = True) -> Checkpoint:
+                       tokenizer: bool = True, keep_quantized: bool = False) -> Checkpoint:
     config = _hf_config(path)
     multimodal = getattr(config, "multimodal_type", None) is not None
     fp8 = is_fp8(getattr(config, "quantization_config", None))
-    if fp8 and select is not None:
-        raise ModelLoadError(f"{path} is an FP8 checkpoint, which tensor parallelism does not split yet: use "
-                             "tensor_parallel_size 1")
+    compressed = is_compressed_tensors(getattr(config, "quantization_config", None))
+    if (fp8 or compressed) and select is not None:
+        raise ModelLoadError(f"{path} is an {'FP8' if fp8 else 'compressed-tensors'} checkpoint, which tensor "
+                             "parallelism does not split yet: use tensor_parallel_size 1")
     state_dict: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
         with safetensors.safe_open(shard, framework="pt") as f:
@@ -175,13 +181,16 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = N
                 else:
                     dim, start, stop = selection
                     t = part[start:stop] if dim == 0 else part[:, start:stop]
-                kept = fp8 and (t.dtype in FP8_DTYPES or "_scale" in name)  # (dequantized below, in fp32)
+                # (dequantized below: fp8 in fp32, compressed-tensors in its scales' dtype)
+                kept = compressed or fp8 and (t.dtype in FP8_DTYPES or "_scale" in name)
                 state_dict[name] = t.to(dtype) if t.is_floating_point() and not kept else t
-    if fp8:
-        try:
+    try:
+        if fp8:
             state_dict = dequantize_fp8(state_dict, block_size(config.quantization_config), dtype)
-        except ValueError as exc:
-            raise ModelLoadError(f"{path}: {exc}") from exc
+        elif compressed:
+            state_dict = decompress(state_dict, dict(config.quantization_config), dtype, keep_quantized)
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
     return Checkpoint(config, with_model_prefix(state_dict), _load_tokenizer(path, path) if tokenizer else None,
                       path, checkpoint_pooler_config(path))
 
