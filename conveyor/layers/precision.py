@@ -7,10 +7,10 @@ identical to transformers' fp32 eager, so it takes no quantization.
 
 `quantization`: "none" (dense weights), "int8" (per-channel int8), "int4" (groups of 32, 4-bit),
 "gguf" (a GGUF file's own quantized tensors, kept as they are), "mxfp4" (an MXFP4 checkpoint's
-blocks, kept as they are), "compressed-tensors" (such a checkpoint's integer weights, kept where a kernel
-takes them). None = the file's own format ("gguf" for a GGUF file with quantized tensors, "mxfp4" for an
-MXFP4 checkpoint, "compressed-tensors" for one of those) unless the exact path was asked for, "none"
-otherwise. Quantized weights run on CPU only (their kernels are CPU kernels).
+blocks, kept as they are), "compressed-tensors", "gptq", "awq" (such a checkpoint's integer weights, kept
+where a kernel takes them). None = the file's own format ("gguf" for a GGUF file with quantized tensors,
+"mxfp4", "compressed-tensors", "gptq" or "awq" for such a checkpoint) unless the exact path was asked for,
+"none" otherwise. Quantized weights run on CPU only (their kernels are CPU kernels).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # What a checkpoint must be for a format that keeps its stored tensors (`QuantizationMethod.keeps_stored`).
-_STORED_IN = {"gguf": "a GGUF file", "mxfp4": "an MXFP4 checkpoint (quantization_config.quant_method 'mxfp4')",
-              "compressed-tensors": "a compressed-tensors checkpoint (quantization_config.quant_method "
-                                    "'compressed-tensors')"}
+_KEPT_CHECKPOINTS = ("compressed-tensors", "gptq", "awq")  # quant_methods whose integer weights may be kept
+_STORED_IN = {"gguf": "a GGUF file", "mxfp4": "an MXFP4 checkpoint (quantization_config.quant_method 'mxfp4')"} | {
+    m: f"a {m} checkpoint (quantization_config.quant_method {m!r})" for m in _KEPT_CHECKPOINTS}
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def cpu_native_bf16() -> list[str]:
 
 def stored_format(model_path: str | Path | None) -> str | None:
     """The quantized format a checkpoint stores, by its path: "gguf" for a GGUF file (None: the built-in
-    model, one), "mxfp4" or "compressed-tensors" for a Hugging Face directory whose config.json says so, else
-    None."""
+    model, one), "mxfp4", "compressed-tensors", "gptq" or "awq" for a Hugging Face directory whose config.json
+    says so, else None."""
     if model_path is None or Path(model_path).suffix.lower() == ".gguf":
         return "gguf"
     config = Path(model_path) / "config.json"
@@ -62,8 +62,8 @@ def stored_format(model_path: str | Path | None) -> str | None:
         return None  # (the loader reports an unreadable config)
     if is_mxfp4(quant):
         return "mxfp4"
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    return "compressed-tensors" if method == "compressed-tensors" else None
+    method = str(quant.get("quant_method")).lower() if isinstance(quant, dict) else None
+    return method if method in _KEPT_CHECKPOINTS else None
 
 
 def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device: torch.device,

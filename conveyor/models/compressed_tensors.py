@@ -7,11 +7,9 @@ int32 words, `pack-quantized`; or `weight` in int8, `int-quantized` / `naive-qua
 `weight_zero_point` (asymmetric) and `weight_g_idx` (activation ordering: each column's group). The weight is
 `(q - zero_point) * scale`, computed in the scale's dtype as compressed-tensors decompresses it.
 
-Where the kernels take the values as they are, they are kept (`keep`, the file's own format): symmetric
-4-bit in groups of a multiple of 32 (or per row) as Q4_0 blocks (the same unsigned nibbles; the scale as
-fp16, exact for bf16 and fp16 scales in fp16's range), asymmetric 4-bit as Q4_1 (its minimum
-`-(8 + zero_point) * scale` rounded to fp16: at most 1/128 of a step), symmetric 8-bit per row as our I8
-(fp32 row scales: exact) and in groups of 32 as Q8_0. Everything else (fp8, activation ordering, blocks,
+Where the kernels take the values as they are, they are kept (`keep`, the file's own format): 4-bit in
+groups of a multiple of 32 (or per row) as Q4_0 (symmetric) or Q4_1 blocks, symmetric 8-bit per row as our
+I8 and in groups as Q8_0 (`layers.quantization.packing`). Everything else (fp8, activation ordering, blocks,
 other widths), and every weight on the exact path, is dequantized. Activation quantization (`input_*`, the
 "A8" of W8A8) is not applied: activations are quantized by the kernels' own scheme, or not at all.
 """
@@ -22,10 +20,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..layers.quantization.tensors import I8, GGMLType, QuantizedTensor
+from ..layers.quantization.packing import kernel_weight, unpack_int32
+from ..layers.quantization.tensors import QuantizedTensor
 
 SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
@@ -89,19 +87,9 @@ def _args_for(module: str, schemes: list[tuple[list[str], WeightArgs]]) -> Weigh
 
 
 def unpack(packed: torch.Tensor, num_bits: int, cols: int) -> torch.Tensor:
-    """`pack-quantized` int32 words (values densely packed from bit 0 up, stored with an offset of
-    `2 ** (num_bits - 1)`) back to the signed values, `[rows, cols]` int16."""
-    rows = packed.shape[0]
-    data = packed.contiguous().view(torch.uint8).reshape(rows, -1)  # (little-endian words)
-    if num_bits == 4:
-        values = torch.stack((data & 0xF, data >> 4), dim=-1).reshape(rows, -1)
-    elif num_bits == 8:
-        values = data
-    else:
-        bits = np.unpackbits(data.numpy(), axis=1, bitorder="little")[:, :cols * num_bits]
-        weights = (1 << np.arange(num_bits, dtype=np.int32))
-        values = torch.from_numpy((bits.reshape(rows, cols, num_bits) * weights).sum(-1).astype(np.int16))
-    return values[:, :cols].to(torch.int16) - (1 << (num_bits - 1))
+    """`pack-quantized` int32 words back to the signed values (stored with an offset of `2 ** (num_bits - 1)`),
+    `[rows, cols]` int16."""
+    return unpack_int32(packed, num_bits, cols) - (1 << (num_bits - 1))
 
 
 def _expand(scale: torch.Tensor, args: WeightArgs, shape: tuple[int, int], g_idx: torch.Tensor | None) -> torch.Tensor:
@@ -127,45 +115,18 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
     return (w * _expand(scale, args, shape, g_idx)).to(dtype)
 
 
-def _blocks(scale: torch.Tensor, args: WeightArgs, rows: int, cols: int) -> torch.Tensor | None:
-    """Per 32-column block, its fp16 scale `[rows, cols / 32]`; None where the groups do not fall on blocks."""
-    if cols % 32:
-        return None
-    if args.strategy == "channel" or scale.numel() == 1:
-        groups = 1
-    elif args.strategy == "group" and args.group_size and args.group_size % 32 == 0:
-        groups = -(-cols // args.group_size)
+def _kept(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args: WeightArgs) -> QuantizedTensor | None:
+    """The weight in a kernel type as stored (`packing.kernel_weight`), None where no kernel type holds it."""
+    rows, cols = q.shape
+    if scale.numel() == 1 or args.strategy == "channel":
+        group_size, scale = cols, scale.reshape(-1, 1).expand(rows, 1)
+    elif args.strategy == "group" and args.group_size:
+        group_size, scale = args.group_size, scale.reshape(rows, -1)
     else:
         return None
-    per_block = scale.reshape(rows, -1) if scale.numel() > 1 else scale.reshape(1, 1).expand(rows, 1)
-    if per_block.shape[1] != groups:
-        return None
-    return per_block.repeat_interleave(cols // 32 // groups, 1).half()
-
-
-def _kept(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args: WeightArgs) -> QuantizedTensor | None:
-    """The weight in a kernel type as stored (module docstring), None where no kernel type holds it."""
-    rows, cols = q.shape
-    if args.num_bits == 8 and args.symmetric and (args.strategy == "channel" or scale.numel() == 1):
-        row_scales = scale.float().reshape(-1).expand(rows).contiguous()
-        return QuantizedTensor(q.to(torch.int8).view(torch.uint8), I8, (rows, cols), row_scales)
-    d = _blocks(scale, args, rows, cols)
-    if d is None or args.num_bits not in (4, 8) or not args.symmetric and args.num_bits == 8:
-        return None
-    if args.num_bits == 8:  # Q8_0: an fp16 scale, then 32 int8 values
-        values = q.to(torch.int8).view(torch.uint8).reshape(rows, cols // 32, 32)
-        blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), values], dim=-1)
-        return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLType.Q8_0, (rows, cols))
-    u = (q + 8).to(torch.uint8).reshape(rows, cols // 32, 32)
-    nibbles = u[..., :16] | (u[..., 16:] << 4)  # byte j: element j (low nibble) and j + 16 (high nibble)
-    if args.symmetric:  # Q4_0: d * (u - 8)
-        blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), nibbles], dim=-1)
-        return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLType.Q4_0, (rows, cols))
-    zp = zero.reshape(rows, -1).repeat_interleave(cols // 32 // zero.reshape(rows, -1).shape[1], 1)
-    m = (-(8 + zp.float()) * scale.reshape(rows, -1).float().repeat_interleave(
-        cols // 32 // scale.reshape(rows, -1).shape[1], 1)).half()
-    blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), m.unsqueeze(-1).view(torch.uint8), nibbles], dim=-1)
-    return QuantizedTensor(blocks.reshape(rows, -1).contiguous(), GGMLType.Q4_1, (rows, cols))
+    mid = 1 << (args.num_bits - 1)
+    zero = None if zero is None else zero.reshape(rows, -1).to(torch.int16) + mid
+    return kernel_weight(q + mid, scale, zero, args.num_bits, group_size)
 
 
 def decompress(state_dict: dict[str, torch.Tensor], config: dict, dtype: torch.dtype,

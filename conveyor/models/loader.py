@@ -27,15 +27,13 @@ import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 
-from ..layers.quantization.mxfp4 import is_mxfp4
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion, GGMLType, QuantizedTensor
 from ..pooling_params import PoolerConfig
 from . import gguf_config, gguf_experts, gguf_families
 from .gguf_file import GGUFFile
-from .compressed_tensors import decompress, is_compressed_tensors
-from .fp8_checkpoint import FP8_DTYPES, block_size, dequantize_fp8, is_fp8
 from .multimodal_text import language_model_name, text_config
 from .pooling import checkpoint_pooler_config
+from .quantized_checkpoints import KEPT, SPLIT_BY_RANKS, checkpoint_format, convert, stored_raw
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +68,11 @@ class Checkpoint:
     @property
     def stored_format(self) -> str | None:
         """The quantized format of the tensors it holds as stored: "mxfp4" (an MXFP4 checkpoint's blocks,
-        which the model keeps or dequantizes), "compressed-tensors" (such a checkpoint's, kept), "gguf" (a GGUF
-        file's, kept), None."""
-        if is_mxfp4(getattr(self.config, "quantization_config", None)):
-            return "mxfp4"
-        if is_compressed_tensors(getattr(self.config, "quantization_config", None)):
-            return "compressed-tensors" if self.quantized else None
+        which the model keeps or dequantizes), "compressed-tensors", "gptq" or "awq" (such a checkpoint's integer
+        weights, kept), "gguf" (a GGUF file's, kept), None."""
+        fmt = checkpoint_format(getattr(self.config, "quantization_config", None))
+        if fmt == "mxfp4" or fmt in KEPT:
+            return fmt if fmt == "mxfp4" or self.quantized else None
         return "gguf" if self.quantized else None
 
 
@@ -148,13 +145,10 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
         config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, StrictDataclassError) as exc:  # the last: a field transformers' validation rejects
         raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
-    quantization = getattr(config, "quantization_config", None)
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
-        quantization, "quant_method", None)
-    if method is not None and not any(known(quantization) for known in (is_mxfp4, is_fp8, is_compressed_tensors)):
-        raise ModelLoadError(f"{path} holds weights quantized with {str(method)!r} (its config's quantization_config), "
-                             "which Conveyor does not read: serve the model's unquantized checkpoint (with "
-                             "--quantization int8 or int4 for smaller weights) or a GGUF file of it")
+    try:
+        checkpoint_format(getattr(config, "quantization_config", None))
+    except ValueError as exc:
+        raise ModelLoadError(f"{path} holds {exc}") from None
     return text_config(config)
 
 
@@ -162,11 +156,10 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = N
                        tokenizer: bool = True, keep_quantized: bool = False) -> Checkpoint:
     config = _hf_config(path)
     multimodal = getattr(config, "multimodal_type", None) is not None
-    fp8 = is_fp8(getattr(config, "quantization_config", None))
-    compressed = is_compressed_tensors(getattr(config, "quantization_config", None))
-    if (fp8 or compressed) and select is not None:
-        raise ModelLoadError(f"{path} is an {'FP8' if fp8 else 'compressed-tensors'} checkpoint, which tensor "
-                             "parallelism does not split yet: use tensor_parallel_size 1")
+    fmt = checkpoint_format(getattr(config, "quantization_config", None))
+    if fmt is not None and fmt not in SPLIT_BY_RANKS and select is not None:
+        raise ModelLoadError(f"{path} is an {fmt} checkpoint, which tensor parallelism does not split yet: use "
+                             "tensor_parallel_size 1")
     state_dict: dict[str, torch.Tensor] = {}
     for shard in _safetensors_files(path):
         with safetensors.safe_open(shard, framework="pt") as f:
@@ -181,14 +174,10 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = N
                 else:
                     dim, start, stop = selection
                     t = part[start:stop] if dim == 0 else part[:, start:stop]
-                # (dequantized below: fp8 in fp32, compressed-tensors in its scales' dtype)
-                kept = compressed or fp8 and (t.dtype in FP8_DTYPES or "_scale" in name)
-                state_dict[name] = t.to(dtype) if t.is_floating_point() and not kept else t
+                raw = stored_raw(fmt, name, t)  # (converted below)
+                state_dict[name] = t.to(dtype) if t.is_floating_point() and not raw else t
     try:
-        if fp8:
-            state_dict = dequantize_fp8(state_dict, block_size(config.quantization_config), dtype)
-        elif compressed:
-            state_dict = decompress(state_dict, dict(config.quantization_config), dtype, keep_quantized)
+        state_dict = convert(fmt, state_dict, getattr(config, "quantization_config", None), dtype, keep_quantized)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     return Checkpoint(config, with_model_prefix(state_dict), _load_tokenizer(path, path) if tokenizer else None,

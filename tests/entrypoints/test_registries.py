@@ -34,7 +34,7 @@ def test_the_cli_offers_the_tables() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert list(choices(parser, "quantization")) == list(QUANTIZATIONS) == ["none", "int8", "int4", "gguf", "mxfp4",
-                                                                              "compressed-tensors"]
+                                                                              "compressed-tensors", "gptq", "awq"]
     assert list(choices(parser, "scheduler_type")) == list(SCHEDULERS) == ["fifo", "prefill_first", "priority"]
 
 
@@ -47,7 +47,8 @@ def test_each_format_quantizes_into_its_weight_types() -> None:
         else:
             assert [type_name(t.qtype) for t in planned] == list(method.weight_types), method.name
     assert [m.name for m in QUANTIZATION_METHODS.values() if m.dense] == ["none"]
-    assert [m.name for m in QUANTIZATION_METHODS.values() if m.keeps_stored] == ["gguf", "mxfp4", "compressed-tensors"]
+    assert [m.name for m in QUANTIZATION_METHODS.values() if m.keeps_stored] == ["gguf", "mxfp4", "compressed-tensors",
+                                                                                     "gptq", "awq"]
 
 
 def test_a_new_row_reaches_every_reader(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -210,10 +210,10 @@ def _dir_without_tokenizer(root: Path) -> Path:
     return root
 
 
-def _awq_dir(root: Path) -> Path:
+def _bitsandbytes_dir(root: Path) -> Path:
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2)
-    config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     config.save_pretrained(root)
     return root
 
@@ -250,8 +250,8 @@ def _unsupported_extension(root: Path) -> Path:
         (_dir_with_bad_config, "Invalid config.json"),
         (_dir_without_weights, "No *.safetensors"),
         (_dir_without_tokenizer, "Cannot load the tokenizer"),
-        (_awq_dir, "holds weights quantized with 'awq' (its config's quantization_config), which Conveyor does not "
-                   "read: serve the model's unquantized checkpoint"),
+        (_bitsandbytes_dir, "holds weights quantized with 'bitsandbytes' (its config's quantization_config), which "
+                            "Conveyor does not read: serve the model's unquantized checkpoint"),
         (_random_bytes_gguf, "Not a valid GGUF file"),
         (_text_gguf, "Not a valid GGUF file"),
         (_unsupported_arch_gguf, "Unsupported GGUF architecture 'gpt2'"),

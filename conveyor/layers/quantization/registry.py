@@ -23,8 +23,8 @@ class QuantizationMethod:
     weight_types: tuple[str, ...]  # the `QuantizedTensor` types its layers hold (empty: dense weights)
     devices: tuple[str, ...]  # device types with kernels for it
     # a checkpoint's quantized tensors stay as stored (not dequantized): those of the stored format named as
-    # the method ("gguf": a GGUF file's; "mxfp4": an MXFP4 checkpoint's blocks; "compressed-tensors": such a
-    # checkpoint's integer weights)
+    # the method ("gguf": a GGUF file's; "mxfp4": an MXFP4 checkpoint's blocks; "compressed-tensors", "gptq",
+    # "awq": such a checkpoint's integer weights)
     keeps_stored: bool = False
     self_draft: bool = False  # the target's own weights in this format can be speculative decoding's draft
 
@@ -34,6 +34,7 @@ class QuantizationMethod:
         return not self.weight_types
 
 
+_PACKED_TYPES = tuple(type_name(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, I8))
 QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
     # dense weights in the compute dtype (a GGUF file's tensors dequantized)
     QuantizationMethod("none", None, (), ("cpu", "cuda")),
@@ -46,11 +47,10 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
                        keeps_stored=True, self_draft=True),
     # an MXFP4 checkpoint's blocks (gpt-oss's experts), kept as llama.cpp's MXFP4 rows (`mxfp4`)
     QuantizationMethod("mxfp4", None, (type_name(GGMLType.MXFP4),), ("cpu",), keeps_stored=True),
-    # a compressed-tensors checkpoint's integer weights (llm-compressor's W4A16, W8A8), kept where a kernel type
-    # holds them (`models.compressed_tensors`)
-    QuantizationMethod("compressed-tensors", None, tuple(type_name(t) for t in (GGMLType.Q4_0, GGMLType.Q4_1,
-                                                                                 GGMLType.Q8_0, I8)),
-                       ("cpu",), keeps_stored=True),
+    # a compressed-tensors (llm-compressor's W4A16, W8A8), GPTQ or AWQ checkpoint's integer weights, kept where a
+    # kernel type holds them (`layers.quantization.packing`)
+    *(QuantizationMethod(name, None, _PACKED_TYPES, ("cpu",), keeps_stored=True)
+      for name in ("compressed-tensors", "gptq", "awq")),
 )}
 QUANTIZATIONS = tuple(QUANTIZATION_METHODS)
 
