@@ -151,8 +151,8 @@ def test_exact_path_runs_the_weights_the_integers_stand_for(checkpoints: dict, k
 @pytest.mark.parametrize("kind", [k for k, v in KINDS.items() if v[5] is not None])
 def test_kept_weights_run_as_stored(checkpoints: dict, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Kept in a kernel type, each weight is the one the integers stand for (up to fp16's rounding of the
-    product, which the kernels do not round, and of Q4_1's minimum); on the kernels (fp32 around them) the log-probs are within int8's
-    tolerance of the exact path's."""
+    product, which the kernels do not round, and of Q4_1's minimum); on the kernels (fp32 around them) the
+    log-probs are within int8's tolerance of the exact path's."""
     path, reference = checkpoints[kind]
     kept = load_checkpoint(path, tokenizer=False, keep_quantized=True).state_dict
     weights = {name: t for name, t in kept.items() if isinstance(t, QuantizedTensor)}
