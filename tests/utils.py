@@ -100,6 +100,10 @@ MOE_CONFIGS = {
     "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(
         **(MOE_COMMON | kw), moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
         num_experts_per_tok=3, mlp_only_layers=[1]),
+    # Granite's multipliers; the softmax over the top-k logits alone
+    "granitemoe": lambda **kw: transformers.GraniteMoeConfig(
+        **(MOE_COMMON | kw | {"intermediate_size": 64}), num_local_experts=4, num_experts_per_tok=2,
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0),
     # per-head q/k norms, 4 of 8 experts renormalized
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
         **(MOE_COMMON | kw), head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,

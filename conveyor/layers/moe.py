@@ -16,8 +16,8 @@ native sum add rows in index order), so fp32 outputs match it token for token. T
 the sum are fp32 whatever the compute dtype.
 
 gpt-oss (`GptOssMLP`) differs in three places, each a constructor argument: the router has a bias,
-the softmax comes after the top-k, over the k chosen logits (`route_topk_softmax`), and the experts
-have biases and a clamped SwiGLU (`ClampedSwiglu`).
+the softmax comes after the top-k, over the k chosen logits (`route_topk_softmax`; Granite MoE's too), and
+the experts have biases and a clamped SwiGLU (`ClampedSwiglu`).
 """
 
 from __future__ import annotations
@@ -123,19 +123,22 @@ class Expert(nn.Module):
 
 class SparseMoe(nn.Module):
     """Routed experts (top-k of `num_experts`), plus Qwen2-MoE's shared expert scaled by a sigmoid gate.
-    `activation` set: gpt-oss's block (router and experts with biases, top-k then softmax, its activation).
+    `activation` set: gpt-oss's block (router and experts with biases, top-k then softmax, its activation);
+    `topk_softmax`: the softmax after the top-k alone (Granite MoE's; None: where `activation` is set).
 
     `observer`, when set, is called with each forward's per-expert row counts (the bench's expert
     load); it costs nothing when unset, since the counts are read anyway."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 shared_intermediate_size: int = 0, activation: ClampedSwiglu | None = None) -> None:
+                 shared_intermediate_size: int = 0, activation: ClampedSwiglu | None = None,
+                 topk_softmax: bool | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
         self.top_k, self.renormalize, self.num_experts = top_k, renormalize, num_experts
         self.activation = activation
         gpt_oss = activation is not None
+        self.topk_softmax = gpt_oss if topk_softmax is None else topk_softmax
         self.router = Router(hidden_size, num_experts, bias=gpt_oss)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, bias=gpt_oss, activation=activation)
                                      for _ in range(num_experts))
@@ -183,8 +186,8 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
-        weights, ids = (route_softmax(logits, self.top_k, self.renormalize) if self.activation is None
-                        else route_topk_softmax(logits, self.top_k))
+        weights, ids = (route_topk_softmax(logits, self.top_k) if self.topk_softmax
+                        else route_softmax(logits, self.top_k, self.renormalize))
         groups = group_by_expert(ids, self.num_experts)
         if self.observer is not None:
             self.observer(groups.counts)

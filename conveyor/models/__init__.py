@@ -12,7 +12,7 @@ from .exaone4 import Exaone4ForCausalLM
 from .gemma import GemmaForCausalLM
 from .glm import Glm4ForCausalLM, GlmForCausalLM
 from .gpt_oss import GptOssForCausalLM
-from .granite import GraniteForCausalLM
+from .granite import GraniteForCausalLM, GraniteMoeForCausalLM
 from .llama import LlamaForCausalLM
 from .ministral3 import Ministral3ForCausalLM
 from .moe import MoeForCausalLM
@@ -23,7 +23,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM,
                                                                  GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
                                                                  Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM,
                                                                  Glm4ForCausalLM, Ministral3ForCausalLM,
-                                                                 Exaone4ForCausalLM)
+                                                                 Exaone4ForCausalLM, GraniteMoeForCausalLM)
                                             for t in cls.model_types}
 
 

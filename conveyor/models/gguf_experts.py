@@ -1,5 +1,6 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them: `general.architecture` qwen2moe,
-qwen3moe, olmoe, gpt-oss, and Mixtral as `llama` with `llama.expert_count`; the experts' matrices stacked in
+qwen3moe, olmoe, gpt-oss, granitemoe (its stacked gate/up split in two), and Mixtral as `llama` with
+`llama.expert_count`; the experts' matrices stacked in
 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router `ffn_gate_inp`, Qwen2-MoE's
 shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one row, often stored 1-D).
 gpt-oss adds biases to the router and the stacked experts, and ships the experts in MXFP4, kept as stored
@@ -33,6 +34,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "qwen3moe": transformers.Qwen3MoeConfig,
     "olmoe": transformers.OlmoeConfig,
     "gpt-oss": transformers.GptOssConfig,
+    "granitemoe": transformers.GraniteMoeConfig,
 }
 # Whether the k routing weights are renormalized, where the file does not say (`expert_weights_norm`):
 # what llama.cpp's graph for each architecture does (Mixtral always renormalizes).
@@ -52,7 +54,7 @@ def config_fields(arch: str, field: Callable[..., Any], tensor_names: set[str], 
     if not experts:
         return {}
     fields: dict[str, Any] = {"num_experts_per_tok": field(f"{arch}.expert_used_count")}
-    if arch in ("llama", "gpt-oss"):
+    if arch in ("llama", "gpt-oss", "granitemoe"):
         return fields | {"num_local_experts": experts}
     fields |= {"num_experts": experts,
                "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", _RENORMALIZE.get(arch, False)))}

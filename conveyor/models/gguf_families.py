@@ -12,8 +12,8 @@ into the Hugging Face form the loader gives everything downstream.
   their own RoPE base (`rope.freq_base_swa`, llama.cpp's 10000 where an older file lacks it), every sixth
   layer is global unless the file lists `attention.sliding_window_pattern`. The query scale is not stored:
   llama.cpp takes `hidden / heads` for the 27B models (46 and 62 layers) and `head_dim` otherwise.
-- Llama (`llama`), SmolLM3 (`smollm3`) and Granite (`granite`): q and k rows permuted to llama.cpp's RoPE
-  layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
+- Llama (`llama`), SmolLM3 (`smollm3`) and Granite (`granite`, `granitemoe`): q and k rows permuted to
+  llama.cpp's RoPE layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
   (`no_rope_layer_interval`). Granite's multipliers are `attention.scale`, `embedding_scale`, `residual_scale`
   and `logit_scale` (1 where absent, as transformers' defaults).
 - EXAONE 4.0 (`exaone4`): norms after the blocks, `post_attention_norm` and `post_ffw_norm`; q/k unpermuted;
@@ -66,7 +66,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
 }
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
 # architectures whose converter permutes q and k rows (LlamaModel's)
-PERMUTED_QK = ("llama", "smollm3", "granite", "mistral3")
+PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's `n_no_rope_layer_step` for smollm3
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
 
@@ -123,11 +123,11 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
                 "layer_types": ["sliding_attention" if window and swa else "full_attention" for swa in pattern]}
     elif arch == "mistral3":
         out |= _mistral3(field, common)
-    elif arch == "granite":
-        out |= {"attention_multiplier": field("granite.attention.scale", 1.0),
-                "embedding_multiplier": field("granite.embedding_scale", 1.0),
-                "residual_multiplier": field("granite.residual_scale", 1.0),
-                "logits_scaling": field("granite.logit_scale", 1.0)}
+    elif arch in ("granite", "granitemoe"):
+        out |= {"attention_multiplier": field(f"{arch}.attention.scale", 1.0),
+                "embedding_multiplier": field(f"{arch}.embedding_scale", 1.0),
+                "residual_multiplier": field(f"{arch}.residual_scale", 1.0),
+                "logits_scaling": field(f"{arch}.logit_scale", 1.0)}
     return out
 
 

@@ -1,8 +1,9 @@
-"""IBM Granite 3.x dense models (`granite`): the Llama layers with four scalars, as transformers applies them
-step by step: the embeddings times `embedding_multiplier`, attention scaled by `attention_multiplier` (instead of
-`head_dim ** -0.5`), each block's output times `residual_multiplier` before its residual add, and the logits
-divided by `logits_scaling`. The native decode stack has no residual multiplier, so small decode batches run the
-layers eagerly (`DecodeStack.build` takes Llama's own layer class only)."""
+"""IBM Granite 3.x dense models (`granite`) and their mixture-of-experts kin (`granitemoe`, below): the Llama
+(or Mixtral) layers with four scalars, as transformers applies them step by step: the embeddings times
+`embedding_multiplier`, attention scaled by `attention_multiplier` (instead of `head_dim ** -0.5`), each block's
+output times `residual_multiplier` before its residual add, and the logits divided by `logits_scaling`. The
+native decode stack has no residual multiplier, so small decode batches run the layers eagerly
+(`DecodeStack.build` takes Llama's own layer class only)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ from transformers import PretrainedConfig
 
 from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.moe import SparseMoe
+from ..layers.quantization.linear import Weight
 from .llama import DecoderLayer, LlamaForCausalLM
+from .moe import MoeDecoderLayer, MoeForCausalLM
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -56,3 +60,53 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+
+class GraniteMoeDecoderLayer(MoeDecoderLayer):
+    """Granite MoE's layer: Mixtral's, with Granite's attention scale and residual multiplier."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 moe: SparseMoe | None) -> None:
+        super().__init__(config, head_dim, qkv_bias, o_bias, qk_norm, moe)
+        self.scale = config.attention_multiplier
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
+        x = x + self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention) * self.residual_multiplier
+        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+
+
+class GraniteMoeForCausalLM(MoeForCausalLM):
+    """Granite 3.x MoE (`GraniteMoeForCausalLM`: granite-3.1-1b-a400m, 3b-a800m): Granite's four multipliers
+    around Mixtral's layers, routed by a softmax over the top-k logits alone. Checkpoints stack the experts:
+    `block_sparse_moe.input_linear` `[experts, 2 * intermediate, hidden]` (gate, then up),
+    `output_linear` `[experts, hidden, intermediate]`, the router `router.layer`."""
+
+    model_types = ("granitemoe",)
+    topk_softmax = True
+
+    def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
+                 qk_norm: bool = False) -> None:
+        super().__init__(config, qkv_bias, o_bias, qk_norm)
+        self.embedding_multiplier = config.embedding_multiplier
+        self.logits_divisor = config.logits_scaling
+
+    def make_layer(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                   moe: SparseMoe | None) -> MoeDecoderLayer:
+        return GraniteMoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm, moe)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+    def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
+        src = f"model.layers.{layer}.block_sparse_moe."
+        if f"{src}input_linear.weight" not in state_dict:  # (a GGUF file's experts, split as Mixtral's)
+            return super().layer_weights(state_dict, layer)
+        dst = f"layers.{layer}.mlp."
+        weights: dict[str, Weight | list[Weight]] = {f"{dst}router.weight": state_dict[f"{src}router.layer.weight"]}
+        gate_up, down = state_dict[f"{src}input_linear.weight"], state_dict[f"{src}output_linear.weight"]
+        for e in range(self.layers[layer].mlp.num_experts):
+            weights[f"{dst}experts.{e}.gate_up_proj.weight"] = gate_up[e]
+            weights[f"{dst}experts.{e}.down_proj.weight"] = down[e]
+        return weights

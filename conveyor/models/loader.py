@@ -31,6 +31,7 @@ from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion,
 from ..pooling_params import PoolerConfig
 from . import gguf_config, gguf_experts, gguf_families
 from .gguf_file import GGUFFile
+from .moe import expert_count
 from .multimodal_text import language_model_name, text_config
 from .pooling import checkpoint_pooler_config
 from .quantized_checkpoints import KEPT, SPLIT_BY_RANKS, checkpoint_format, convert, stored_raw
@@ -256,7 +257,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
 
     state_dict: dict[str, torch.Tensor | QuantizedTensor] = {}
     widened: set[str] = set()
-    num_experts = getattr(config, "num_experts", None) or 0
+    num_experts = expert_count(config)
     for tensor in reader.tensors:
         if num_experts and (experts := _gguf_expert_tensor(tensor, config, dtype, keep_quantized, widened)):
             state_dict.update(experts)
@@ -309,7 +310,7 @@ def _gguf_expert_tensor(tensor: Any, config: transformers.PretrainedConfig, dtyp
     """A mixture-of-experts tensor by its HF names (a stacked `ffn_*_exps` split per expert, see
     `gguf_experts`); None for any other tensor. Never sliced: tensor parallelism refuses these models."""
     match = gguf_config.LAYER_TENSOR.fullmatch(tensor.name)
-    names = match and gguf_experts.hf_names(int(match[1]), match[2], match[3], config.model_type, config.num_experts)
+    names = match and gguf_experts.hf_names(int(match[1]), match[2], match[3], config.model_type, expert_count(config))
     if not names:
         return None
     if len(names) > 1 and len(tensor.data) != len(names):

@@ -27,7 +27,8 @@ from .base import CausalLM
 from .llama import DecoderLayer, RMSNorm
 
 # Hugging Face names of a sparse block and its experts' gate, up and down projections, by model type.
-_HF_EXPERTS = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+_MIXTRAL_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
+_HF_EXPERTS = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _MIXTRAL_NAMES}  # (Granite MoE: a GGUF file's, split)
 _HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
@@ -111,6 +112,7 @@ class MoeForCausalLM(CausalLM):
 
     model_types = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
     cuda_graphs = False  # each expert's rows are counted on the host
+    topk_softmax = False  # routing weights: softmax over all experts, then the top-k (`layers.moe`)
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: bool = False) -> None:
@@ -125,14 +127,20 @@ class MoeForCausalLM(CausalLM):
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
 
         def layer(sparse: bool) -> MoeDecoderLayer:
-            moe = SparseMoe(config.hidden_size, inter, experts, top_k, renormalize, shared) if sparse else None
-            if config.model_type == "olmoe":
-                return OlmoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, moe)
-            return MoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm, moe)
+            moe = SparseMoe(config.hidden_size, inter, experts, top_k, renormalize, shared,
+                            topk_softmax=self.topk_softmax) if sparse else None
+            return self.make_layer(config, qkv_bias, o_bias, qk_norm, moe)
 
         self.layers = nn.ModuleList(layer(sparse) for sparse in sparse_layers(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    def make_layer(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                   moe: SparseMoe | None) -> MoeDecoderLayer:
+        """A decoder layer around `moe` (None: a dense layer)."""
+        if config.model_type == "olmoe":
+            return OlmoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, moe)
+        return MoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm, moe)
 
     @classmethod
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "MoeForCausalLM":

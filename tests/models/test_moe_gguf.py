@@ -19,7 +19,7 @@ from conveyor.config import ContinuousBatchingConfig
 from conveyor.layers.quantization.linear import QuantLinear
 from conveyor.layers.quantization.tensors import GGMLType, QuantizedTensor
 from conveyor.models.loader import load_checkpoint
-from conveyor.models.moe import hf_expert_names
+from conveyor.models.moe import expert_count, hf_expert_names
 
 from tests.gguf_writer import gguf_header
 from tests.utils import (MOE_CONFIGS, VOCAB, TinyModel, agreement, assert_greedy_match, greedy_ids, hf_greedy,
@@ -27,7 +27,22 @@ from tests.utils import (MOE_CONFIGS, VOCAB, TinyModel, agreement, assert_greedy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ARCHITECTURES = {"mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+ARCHITECTURES = {"mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+                 "granitemoe": "granitemoe"}
+
+
+def split_granite_experts(sd: dict, config: transformers.PretrainedConfig) -> dict:
+    """Granite MoE's stacked experts by Mixtral's names, as llama.cpp's converter splits them (gate/up in two)."""
+    sd = dict(sd)
+    for i in range(config.num_hidden_layers):
+        m = f"model.layers.{i}.block_sparse_moe."
+        inputs, outputs = sd.pop(m + "input_linear.weight"), sd.pop(m + "output_linear.weight")
+        sd[m + "gate.weight"] = sd.pop(m + "router.layer.weight")
+        half = inputs.shape[1] // 2
+        for e in range(config.num_local_experts):
+            sd[f"{m}experts.{e}.w1.weight"], sd[f"{m}experts.{e}.w3.weight"] = inputs[e][:half], inputs[e][half:]
+            sd[f"{m}experts.{e}.w2.weight"] = outputs[e]
+    return sd
 
 
 def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) -> None:
@@ -43,7 +58,7 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
     writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    writer.add_expert_count(config.num_experts)
+    writer.add_expert_count(expert_count(config))
     writer.add_expert_used_count(config.num_experts_per_tok)
     if kind in ("qwen2_moe", "qwen3_moe"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -51,13 +66,20 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if kind == "olmoe":
         writer.add_clamp_kqv(config.clip_qkv)
+    if kind == "granitemoe":  # (the converter's names for the multipliers)
+        writer.add_attention_scale(config.attention_multiplier)
+        writer.add_embedding_scale(config.embedding_multiplier)
+        writer.add_residual_scale(config.residual_multiplier)
+        writer.add_logit_scale(config.logits_scaling)
+    if kind == "granitemoe":
+        sd = split_granite_experts(sd, config)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list([f"w{i}" for i in range(VOCAB)])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
 
     def permute(w: np.ndarray, heads: int) -> np.ndarray:  # llama.cpp's Q/K row order for `llama`
-        if arch != "llama":
+        if arch not in ("llama", "granitemoe"):
             return w
         return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -92,7 +114,7 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
         add(b + "ffn_gate_inp.weight", sd[m + "gate.weight"], quantize=False)
         for n, hf in (("gate", gate), ("up", up), ("down", down)):
             add(f"{b}ffn_{n}_exps.weight", np.stack([sd[f"{m}experts.{e}.{hf}.weight"]
-                                                     for e in range(config.num_experts)]))
+                                                     for e in range(expert_count(config))]))
         if f"{m}shared_expert_gate.weight" in sd:
             for n in ("gate", "up", "down"):
                 add(f"{b}ffn_{n}_shexp.weight", sd[f"{m}shared_expert.{n}_proj.weight"])
@@ -125,8 +147,10 @@ def test_f32_gguf_equals_the_directory(moe_models: dict[str, TinyModel], kind: s
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
                 "norm_topk_prob", "mlp_only_layers", "clip_qkv"):
         assert getattr(ckpt.config, key, None) == getattr(directory.config, key, None), key
-    assert ckpt.state_dict.keys() == directory.state_dict.keys()
-    for name, tensor in directory.state_dict.items():
+    expected = directory.state_dict if kind != "granitemoe" else split_granite_experts(directory.state_dict,
+                                                                                       directory.config)
+    assert ckpt.state_dict.keys() == expected.keys()
+    for name, tensor in expected.items():
         assert torch.equal(ckpt.state_dict[name], tensor), name
     ours, _ = load_and_generate(path, dtype="float32")
     assert ours == load_and_generate(model.path, dtype="float32")[0]
