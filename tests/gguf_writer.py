@@ -78,7 +78,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     full = rope.get("full_attention", rope)
     w = gguf_header(path, arch, config)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    if arch != "gemma2":  # (the Gemma 2 converter writes no base: llama.cpp's default 10000)
+    if arch == "hunyuan-dense":  # (the converter's base stretched by the NTK alpha, no scaling)
+        dim = config.head_dim
+        w.add_rope_freq_base(full["rope_theta"] * full["alpha"] ** (dim / (dim - 2)))
+        full = {"rope_type": "default"}
+    elif arch != "gemma2":  # (the Gemma 2 converter writes no base: llama.cpp's default 10000)
         w.add_rope_freq_base(full["rope_theta"])
     if getattr(config, "head_dim", None) and arch != "phi3":
         w.add_key_length(config.head_dim)

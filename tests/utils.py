@@ -71,6 +71,9 @@ TINY_CONFIGS = {
                                                   tie_word_embeddings=False),
     "exaone4_global": lambda: transformers.Exaone4Config(**TINY_COMMON, head_dim=16, sliding_window=None,  # (1.2B)
                                                          layer_types=["full_attention"] * 2),
+    # Hunyuan: q/k norms per head after RoPE; RoPE's base stretched by a fixed NTK alpha
+    "hunyuan": lambda: transformers.HunYuanDenseV1Config(**TINY_COMMON, head_dim=16, rope_parameters={
+        "rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0}),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),

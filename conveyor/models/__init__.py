@@ -13,6 +13,7 @@ from .gemma import GemmaForCausalLM
 from .glm import Glm4ForCausalLM, GlmForCausalLM
 from .gpt_oss import GptOssForCausalLM
 from .granite import GraniteForCausalLM, GraniteMoeForCausalLM
+from .hunyuan import HunyuanForCausalLM
 from .llama import LlamaForCausalLM
 from .ministral3 import Ministral3ForCausalLM
 from .moe import MoeForCausalLM
@@ -23,7 +24,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM,
                                                                  GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
                                                                  Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM,
                                                                  Glm4ForCausalLM, Ministral3ForCausalLM,
-                                                                 Exaone4ForCausalLM, GraniteMoeForCausalLM)
+                                                                 Exaone4ForCausalLM, GraniteMoeForCausalLM,
+                                                                 HunyuanForCausalLM)
                                             for t in cls.model_types}
 
 

@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "granite": transformers.GraniteConfig,
     "seed_oss": transformers.SeedOssConfig,
     "exaone4": transformers.Exaone4Config,
+    "hunyuan-dense": transformers.HunYuanDenseV1Config,
     "mistral3": transformers.MistralConfig,  # Mistral Small 3.x; Ministral 3 where the file has its temperature
     "olmo2": transformers.Olmo2Config,
     "gemma2": transformers.Gemma2Config,

@@ -18,6 +18,8 @@ into the Hugging Face form the loader gives everything downstream.
   and `logit_scale` (1 where absent, as transformers' defaults).
 - EXAONE 4.0 (`exaone4`): norms after the blocks, `post_attention_norm` and `post_ffw_norm`; q/k unpermuted;
   `attention.sliding_window` with one flag a layer in `sliding_window_pattern` (the full layers NoPE).
+- Hunyuan dense (`hunyuan-dense`): q/k unpermuted; their norms (after RoPE) `attn_q_norm`, `attn_k_norm`; the
+  file's RoPE base is already stretched by the model's NTK alpha.
 - Seed-OSS (`seed_oss`): the norm before the MLP is named `post_attention_norm`.
 - Mistral 3 (`mistral3`: Ministral 3, and Mistral Small 3.x from newer converters): Llama's layout. Ministral 3's
   query temperature is `attention.temperature_scale` (Llama 4's beta; the original YaRN length is its floor), its
@@ -60,6 +62,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     "exaone4": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "hunyuan-dense": {"attn_q_norm": "self_attn.query_layernorm", "attn_k_norm": "self_attn.key_layernorm"},
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},  # (the norm before the MLP)
     "glm4": {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
              "post_ffw_norm": "post_mlp_layernorm"},

@@ -40,7 +40,8 @@ FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2
             ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3"), ("smollm3_4", "smollm3"),
             ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2"), ("ernie4_5_tied", "ernie4_5"),
             ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
-            ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4")]
+            ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4"),
+            ("hunyuan", "hunyuan-dense")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 

@@ -21,6 +21,20 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, TinyModel], kind:
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "olmo3", "glm4", "exaone4", "hunyuan"])
+def test_norms_in_place_match_transformers(kind: str, tmp_path) -> None:
+    """Norm weights drawn away from their initial ones (which would let a norm move across RoPE, or be
+    read into another norm's place, unseen): the families whose norms sit in unusual places."""
+    model = TinyModel(kind, tmp_path)
+    with torch.no_grad():
+        for name, param in model.reference.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.reference.save_pretrained(model.path)
+    llm = model.llm(max_batch_tokens=64)
+    run_and_compare(model, llm, random_prompts([5, 30, 64]), [8, 8, 8], kind)
+
+
 def test_granite_log_probs_are_its_scaled_logits(tiny_models: dict[str, TinyModel]) -> None:
     """Granite divides its logits by `logits_scaling` (4 here), which leaves the argmax alone: the next tokens'
     log-probabilities equal transformers'."""
