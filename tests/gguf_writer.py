@@ -77,7 +77,13 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     rope = dict(config.rope_parameters)
     full = rope.get("full_attention", rope)
     w = gguf_header(path, arch, config)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch in ("command-r", "cohere2"):  # (LayerNorms)
+        w.add_layer_norm_eps(config.layer_norm_eps)
+        w.add_logit_scale(config.logit_scale)
+    else:
+        w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    if arch == "cohere2":
+        w.add_sliding_window(config.sliding_window)
     if arch == "hunyuan-dense":  # (the converter's base stretched by the NTK alpha, no scaling)
         dim = config.head_dim
         w.add_rope_freq_base(full["rope_theta"] * full["alpha"] ** (dim / (dim - 2)))
@@ -151,7 +157,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
         qtype = types.get(gguf_name.split(".")[-2], QType.F32) if isinstance(types, dict) else types
-        if data.ndim == 2 and qtype != QType.F32:
+        if data.ndim == 2 and qtype != QType.F32 and not name.endswith("norm.weight"):  # (Command R+'s q/k norms)
             w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, data.astype(np.float32))

@@ -74,6 +74,11 @@ TINY_CONFIGS = {
     # Hunyuan: q/k norms per head after RoPE; RoPE's base stretched by a fixed NTK alpha
     "hunyuan": lambda: transformers.HunYuanDenseV1Config(**TINY_COMMON, head_dim=16, rope_parameters={
         "rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10000.0, "factor": 1.0}),
+    # Cohere: one LayerNorm feeding attention and the MLP side by side, RoPE over consecutive pairs, scaled
+    # logits; Command R+'s q/k norms per head; Command R7B's sliding layers beside full NoPE ones
+    "cohere": lambda: transformers.CohereConfig(**TINY_COMMON, logit_scale=0.25, use_qk_norm=True),
+    "cohere2": lambda: transformers.Cohere2Config(**(TINY_COMMON | {"num_hidden_layers": 4}), logit_scale=0.25,
+                                                  sliding_window=WINDOW),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),

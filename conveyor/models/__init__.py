@@ -7,6 +7,7 @@ from transformers import PretrainedConfig
 
 from ..layers.quantization.linear import Weight
 from .base import CausalLM
+from .cohere import CohereForCausalLM
 from .ernie import Ernie45ForCausalLM
 from .exaone4 import Exaone4ForCausalLM
 from .gemma import GemmaForCausalLM
@@ -25,7 +26,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM,
                                                                  Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM,
                                                                  Glm4ForCausalLM, Ministral3ForCausalLM,
                                                                  Exaone4ForCausalLM, GraniteMoeForCausalLM,
-                                                                 HunyuanForCausalLM)
+                                                                 HunyuanForCausalLM, CohereForCausalLM)
                                             for t in cls.model_types}
 
 

@@ -29,6 +29,8 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "seed_oss": transformers.SeedOssConfig,
     "exaone4": transformers.Exaone4Config,
     "hunyuan-dense": transformers.HunYuanDenseV1Config,
+    "command-r": transformers.CohereConfig,
+    "cohere2": transformers.Cohere2Config,
     "mistral3": transformers.MistralConfig,  # Mistral Small 3.x; Ministral 3 where the file has its temperature
     "olmo2": transformers.Olmo2Config,
     "gemma2": transformers.Gemma2Config,
@@ -92,7 +94,8 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
         num_key_value_heads=field(f"{arch}.attention.head_count_kv", n_head),
         head_dim=head_dim,
         max_position_embeddings=field(f"{arch}.context_length"),
-        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon"),
+        **({"layer_norm_eps": field(f"{arch}.attention.layer_norm_epsilon")} if arch in gguf_families.LAYER_NORM
+           else {"rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon")}),
         rope_parameters={"rope_type": "default", "rope_theta": field(f"{arch}.rope.freq_base", 10000.0)},
         bos_token_id=field("tokenizer.ggml.bos_token_id", None),
         eos_token_id=field("tokenizer.ggml.eos_token_id", None),

@@ -20,6 +20,10 @@ into the Hugging Face form the loader gives everything downstream.
   `attention.sliding_window` with one flag a layer in `sliding_window_pattern` (the full layers NoPE).
 - Hunyuan dense (`hunyuan-dense`): q/k unpermuted; their norms (after RoPE) `attn_q_norm`, `attn_k_norm`; the
   file's RoPE base is already stretched by the model's NTK alpha.
+- Cohere (`command-r`: Command R, Aya Expanse; `cohere2`: Command R7B): LayerNorms (`layer_norm_epsilon`); q and k
+  as the checkpoint has them (pairs, llama.cpp's own RoPE layout; the model reorders them); `logit_scale`;
+  Command R+'s q/k norms (`attn_q_norm`, one row a head); Command R7B's window with llama.cpp's pattern, every
+  fourth layer full.
 - Seed-OSS (`seed_oss`): the norm before the MLP is named `post_attention_norm`.
 - Mistral 3 (`mistral3`: Ministral 3, and Mistral Small 3.x from newer converters): Llama's layout. Ministral 3's
   query temperature is `attention.temperature_scale` (Llama 4's beta; the original YaRN length is its floor), its
@@ -69,6 +73,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
 }
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
 # architectures whose converter permutes q and k rows (LlamaModel's)
+LAYER_NORM = ("command-r", "cohere2")  # architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`)
 PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's `n_no_rope_layer_step` for smollm3
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
@@ -124,6 +129,13 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
         pattern = field("exaone4.attention.sliding_window_pattern", None) or [False] * common["num_hidden_layers"]
         out |= {"sliding_window": window or None,
                 "layer_types": ["sliding_attention" if window and swa else "full_attention" for swa in pattern]}
+    elif arch in LAYER_NORM:
+        out["logit_scale"] = field(f"{arch}.logit_scale", 1.0)
+        out["use_qk_norm"] = any(t.name.endswith(".attn_q_norm.weight") for t in tensors)  # (Command R+)
+        if arch == "cohere2":
+            layers = common["num_hidden_layers"]
+            out |= {"sliding_window": field("cohere2.attention.sliding_window"),
+                    "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]}
     elif arch == "mistral3":
         out |= _mistral3(field, common)
     elif arch in ("granite", "granitemoe"):

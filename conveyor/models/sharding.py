@@ -134,6 +134,10 @@ def plan_shards(config: PretrainedConfig, world_size: int) -> list[ShardPlan]:
         raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} checkpoints store gate/up "
                           f"{'and q/k/v ' if config.model_type == 'phi3' else ''}fused, which tensor parallelism "
                           "does not split yet; use tensor_parallel_size=1")
+    if world_size > 1 and getattr(config, "use_qk_norm", False):
+        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} with use_qk_norm (Command R+) holds "
+                          "q/k norm weights per head, which tensor parallelism does not split yet; use "
+                          "tensor_parallel_size=1")
     if world_size > 1 and config.model_type in NORMS_OVER_HEADS:
         raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} normalizes q and k over all heads "
                           "together, which tensor parallelism does not split yet; use tensor_parallel_size=1, or "

@@ -87,10 +87,11 @@ def test_bad_sizes_fail_before_anything_starts(tiny_llama: TinyModel) -> None:
     assert launch._CURRENT is before  # nothing was spawned
 
 
-def test_olmo_and_glm_refuse_tensor_parallelism(tiny_models: dict[str, TinyModel]) -> None:
+def test_olmo_glm_and_command_r_plus_refuse_tensor_parallelism(tiny_models: dict[str, TinyModel]) -> None:
     for kind, reason in (("olmo2", "normalizes q and k over all heads together"),
                          ("olmo3", "normalizes q and k over all heads together"),
-                         ("glm", "checkpoints store gate/up fused"), ("glm4", "checkpoints store gate/up fused")):
+                         ("glm", "checkpoints store gate/up fused"), ("glm4", "checkpoints store gate/up fused"),
+                         ("cohere", "with use_qk_norm")):
         config = tiny_models[kind].reference.config
         assert len(plan_shards(config, 1)) == 1
         with pytest.raises(ConfigError, match=f"{kind} {reason}"):
@@ -142,7 +143,7 @@ def test_gguf_shards_keep_whole_blocks(quantized_gguf: Path) -> None:
 
 # -- TP=2 against transformers and against TP=1 ------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "ernie4_5", "ministral3",
-                                  "exaone4", "seed_oss", "hunyuan"])
+                                  "exaone4", "seed_oss", "hunyuan", "cohere2"])
 def test_tp2_greedy_matches_transformers(tiny_models: dict[str, TinyModel], kind: str) -> None:
     model = tiny_models[kind]
     llm = tp_llm(model.path)

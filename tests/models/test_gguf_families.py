@@ -41,7 +41,7 @@ FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2
             ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2"), ("ernie4_5_tied", "ernie4_5"),
             ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
             ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4"),
-            ("hunyuan", "hunyuan-dense")]
+            ("hunyuan", "hunyuan-dense"), ("cohere", "command-r"), ("cohere2", "cohere2")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 
@@ -50,7 +50,7 @@ def rounded(model: transformers.PreTrainedModel, qtype: gguf.GGMLQuantizationTyp
     """Replace the model's matrices by their `qtype` rounding (what a file of that type holds)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 2:
+            if param.ndim == 2 and not name.endswith("norm.weight"):  # (Command R+'s q/k norms are 2-D)
                 data = gguf.quants.dequantize(gguf.quants.quantize(param.detach().float().numpy(), qtype), qtype)
                 param.copy_(torch.from_numpy(data.reshape(param.shape)))
 

@@ -21,10 +21,18 @@ def test_tiny_models_match_transformers(tiny_models: dict[str, TinyModel], kind:
     assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "olmo3", "glm4", "exaone4", "hunyuan"])
+def reference_logprobs(model: TinyModel, prompts: list[list[int]]) -> torch.Tensor:
+    """transformers' log-probabilities of each prompt's next token."""
+    with torch.inference_mode():
+        return torch.stack([torch.log_softmax(model.reference(torch.tensor([p])).logits[0, -1].float(), -1)
+                            for p in prompts])
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "olmo3", "glm4", "exaone4", "hunyuan", "cohere"])
 def test_norms_in_place_match_transformers(kind: str, tmp_path) -> None:
     """Norm weights drawn away from their initial ones (which would let a norm move across RoPE, or be
-    read into another norm's place, unseen): the families whose norms sit in unusual places."""
+    read into another norm's place, unseen): the families whose norms sit in unusual places, greedy and by
+    the next tokens' log-probabilities."""
     model = TinyModel(kind, tmp_path)
     with torch.no_grad():
         for name, param in model.reference.named_parameters():
@@ -32,18 +40,20 @@ def test_norms_in_place_match_transformers(kind: str, tmp_path) -> None:
                 param.uniform_(0.5, 1.5)
     model.reference.save_pretrained(model.path)
     llm = model.llm(max_batch_tokens=64)
-    run_and_compare(model, llm, random_prompts([5, 30, 64]), [8, 8, 8], kind)
+    prompts = random_prompts([5, 30, 64])
+    torch.testing.assert_close(next_token_logprobs(llm, prompts), reference_logprobs(model, prompts), atol=1e-4,
+                               rtol=1e-4)
+    run_and_compare(model, llm, prompts, [8, 8, 8], kind)
 
 
-def test_granite_log_probs_are_its_scaled_logits(tiny_models: dict[str, TinyModel]) -> None:
-    """Granite divides its logits by `logits_scaling` (4 here), which leaves the argmax alone: the next tokens'
-    log-probabilities equal transformers'."""
-    model = tiny_models["granite"]
+@pytest.mark.parametrize("kind", ["granite", "cohere"])
+def test_scaled_logits_give_transformers_log_probs(tiny_models: dict[str, TinyModel], kind: str) -> None:
+    """Granite divides its logits by `logits_scaling` (4 here), Cohere multiplies them by `logit_scale` (0.25),
+    which leaves the argmax alone: the next tokens' log-probabilities equal transformers'."""
+    model = tiny_models[kind]
     prompts = random_prompts([5, 9, 14], seed=21)
-    with torch.inference_mode():
-        expected = torch.stack([torch.log_softmax(model.reference(torch.tensor([p])).logits[0, -1].float(), -1)
-                                for p in prompts])
-    torch.testing.assert_close(next_token_logprobs(model.llm(), prompts), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(next_token_logprobs(model.llm(), prompts), reference_logprobs(model, prompts),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("max_batch_tokens", "max_requests_per_batch", "page_size"), [
