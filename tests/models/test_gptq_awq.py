@@ -7,13 +7,14 @@ read; what is not supported is named."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
 from conveyor.layers.quantization.tensors import QuantizedTensor
@@ -23,8 +24,7 @@ from tests.utils import (QUANT_MODES, TinyModel, all_free, assert_greedy_match, 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")
+PROJECTION = re.compile(r"model\.layers\.\d+\..*_proj\.weight")  # (not a mixture's router, `mlp.gate`)
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 # name -> (method, bits, group size, symmetric, activation order, the kernel type a kept weight takes)
 KINDS = {
@@ -88,38 +88,38 @@ def pack_awq(q: torch.Tensor, zeros: torch.Tensor) -> tuple[np.ndarray, np.ndarr
 
 
 def write_checkpoint(model: TinyModel, kind: str, path: Path) -> transformers.PreTrainedModel:
-    """The tiny model quantized as `kind` into `path`; the reference: the same model with the weights the
-    integers stand for."""
+    """The tiny model's checkpoint with every projection of its layers (experts' too, not routers) quantized as
+    `kind` into `path`; the reference: transformers on the weights the integers stand for."""
     method, bits, group, symmetric, desc_act, _ = KINDS[kind]
-    reference = transformers.AutoModelForCausalLM.from_pretrained(model.path, attn_implementation="eager").eval()
-    state = {k: v.detach().clone().contiguous() for k, v in reference.state_dict().items()}
+    stored = load_file(str(model.path / "model.safetensors"))
+    state, dense = dict(stored), dict(stored)
     generator = torch.Generator().manual_seed(5)
-    for layer in range(reference.config.num_hidden_layers):
-        for linear in LINEARS:
-            name = f"model.layers.{layer}.{linear}"
-            w = state.pop(f"{name}.weight")
-            cols = w.shape[1]
-            g_idx = torch.arange(cols) // (cols if group < 0 else group)
-            if desc_act:
-                g_idx = g_idx[torch.randperm(cols, generator=generator)]
-            q, scales, zeros, dense = quantize(w, bits, group, symmetric, g_idx)
-            packed = pack_awq(q, zeros) if method == "awq" else pack_gptq(q, zeros, bits)
-            state |= {f"{name}.qweight": torch.from_numpy(packed[0]), f"{name}.qzeros": torch.from_numpy(packed[1]),
-                      f"{name}.scales": scales}
-            if method == "gptq":
-                state[f"{name}.g_idx"] = g_idx.int()
-            reference.get_submodule(name).weight.data = dense
-    if reference.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+    for name in sorted(n for n in stored if PROJECTION.fullmatch(n)):
+        module, w = name.removesuffix(".weight"), state.pop(name)
+        cols = w.shape[1]
+        g_idx = torch.arange(cols) // (cols if group < 0 else group)
+        if desc_act:
+            g_idx = g_idx[torch.randperm(cols, generator=generator)]
+        q, scales, zeros, dense[name] = quantize(w, bits, group, symmetric, g_idx)
+        packed = pack_awq(q, zeros) if method == "awq" else pack_gptq(q, zeros, bits)
+        state |= {f"{module}.qweight": torch.from_numpy(packed[0]), f"{module}.qzeros": torch.from_numpy(packed[1]),
+                  f"{module}.scales": scales}
+        if method == "gptq":
+            state[f"{module}.g_idx"] = g_idx.int()
+    config = json.loads((model.path / "config.json").read_text())
+    (path / "dense").mkdir()
+    save_file(dense, str(path / "dense" / "model.safetensors"))
+    (path / "dense" / "config.json").write_text(json.dumps(config))
     save_file(state, str(path / "model.safetensors"))
-    config = reference.config.to_dict()
     config["quantization_config"] = (
         {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
         if method == "awq" else {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
                                  "sym": symmetric, "checkpoint_format": "gptq"})
     (path / "config.json").write_text(json.dumps(config))
     tiny_tokenizer().save_pretrained(path)
-    return reference
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path / "dense", attn_implementation="eager",
+                                                                  experts_implementation="eager")
+    return reference.eval()
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +135,16 @@ def llm(path: Path, dtype: str = "float32") -> LLM:
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_exact_path_runs_the_weights_the_integers_stand_for(checkpoints: dict, kind: str) -> None:
     path, reference = checkpoints[kind]
+    exact_path_equals_the_reference(path, reference, kind)
+
+
+def exact_path_equals_the_reference(path: Path, reference: transformers.PreTrainedModel, kind: str) -> None:
+    """Every quantized weight loaded (fp32 path) is the dense one the reference runs; greedy ids equal its."""
     ours = load_checkpoint(path, tokenizer=False).state_dict
-    for name, tensor in reference.state_dict().items():
-        if name in ours:
-            assert torch.equal(ours[name], tensor), name
-    assert all(f"model.layers.1.{linear}.weight" in ours for linear in LINEARS)
+    dense = load_file(str(path / "dense" / "model.safetensors"))
+    assert set(ours) == set(dense)
+    for name in filter(PROJECTION.fullmatch, dense):
+        assert torch.equal(ours[name], dense[name]), name
     engine = llm(path)
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, params, use_tqdm=False)):
@@ -153,14 +158,8 @@ def test_kept_weights_run_as_stored(checkpoints: dict, kind: str, monkeypatch: p
     """Kept in a kernel type, each weight is the one the integers stand for (up to fp16's rounding of the
     product, which the kernels do not round, and of Q4_1's minimum); on the kernels (fp32 around them) the
     log-probs are within int8's tolerance of the exact path's."""
-    path, reference = checkpoints[kind]
-    kept = load_checkpoint(path, tokenizer=False, keep_quantized=True).state_dict
-    weights = {name: t for name, t in kept.items() if isinstance(t, QuantizedTensor)}
-    assert len(weights) == 2 * len(LINEARS) and {t.type_name for t in weights.values()} == {KINDS[kind][5]}
-    atol = 1e-6 if KINDS[kind][3] else 5e-4  # (Q4_1's minimum -zero * scale rounded to fp16: <= 1/128 step)
-    for name, tensor in weights.items():
-        torch.testing.assert_close(tensor.dequantize(torch.float32), reference.state_dict()[name], rtol=2e-3,
-                                   atol=atol, msg=name)
+    path, _ = checkpoints[kind]
+    kept_weights_are_the_dense_ones(path, kind)
     monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     ours = llm(path, dtype="auto")
     monkeypatch.undo()
@@ -168,6 +167,26 @@ def test_kept_weights_run_as_stored(checkpoints: dict, kind: str, monkeypatch: p
     tolerance, _ = QUANT_MODES["int8"][0]
     err = (next_token_logprobs(ours, PROMPTS) - next_token_logprobs(llm(path), PROMPTS)).abs().max().item()
     assert err < tolerance, f"{kind}: kept weights' log-prob error {err:.3f}"
+
+
+def kept_weights_are_the_dense_ones(path: Path, kind: str) -> None:
+    kept = load_checkpoint(path, tokenizer=False, keep_quantized=True).state_dict
+    dense = load_file(str(path / "dense" / "model.safetensors"))
+    weights = {name: t for name, t in kept.items() if isinstance(t, QuantizedTensor)}
+    assert set(weights) == set(filter(PROJECTION.fullmatch, dense))
+    assert {t.type_name for t in weights.values()} == {KINDS[kind][5]}
+    atol = 1e-6 if KINDS[kind][3] else 5e-4  # (Q4_1's minimum -zero * scale rounded to fp16: <= 1/128 step)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor.dequantize(torch.float32), dense[name], rtol=2e-3, atol=atol, msg=name)
+
+
+def test_a_mixture_of_experts_checkpoint(moe_models: dict[str, TinyModel], tmp_path: Path) -> None:
+    """Qwen3-MoE with every expert's projections in GPTQ (the router dense, as GPTQ leaves it): the exact path
+    and the kept experts as above."""
+    reference = write_checkpoint(moe_models["qwen3_moe"], "gptq", tmp_path)
+    exact_path_equals_the_reference(tmp_path, reference, "gptq qwen3_moe")
+    kept_weights_are_the_dense_ones(tmp_path, "gptq")
+    assert llm(tmp_path, dtype="auto").quantization == "gptq"
 
 
 def test_activation_order_is_dequantized(checkpoints: dict) -> None:
