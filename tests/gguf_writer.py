@@ -80,6 +80,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     if arch in ("command-r", "cohere2"):  # (LayerNorms)
         w.add_layer_norm_eps(config.layer_norm_eps)
         w.add_logit_scale(config.logit_scale)
+    elif arch == "starcoder2":
+        w.add_layer_norm_eps(config.norm_epsilon)
     else:
         w.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch == "cohere2":

@@ -20,13 +20,15 @@ from .ministral3 import Ministral3ForCausalLM
 from .moe import MoeForCausalLM
 from .olmo2 import Olmo2ForCausalLM
 from .phi3 import Phi3ForCausalLM
+from .starcoder2 import Starcoder2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM,
                                                                  GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
                                                                  Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM,
                                                                  Glm4ForCausalLM, Ministral3ForCausalLM,
                                                                  Exaone4ForCausalLM, GraniteMoeForCausalLM,
-                                                                 HunyuanForCausalLM, CohereForCausalLM)
+                                                                 HunyuanForCausalLM, CohereForCausalLM,
+                                                                 Starcoder2ForCausalLM)
                                             for t in cls.model_types}
 
 

@@ -165,6 +165,8 @@ class CausalLM(nn.Module):
             "norm.weight": _tensor(state_dict, "model.norm.weight")}
         if model.lm_head is not None:
             fused["lm_head.weight"] = state_dict["lm_head.weight"]
+        if "model.norm.bias" in state_dict:  # (a final LayerNorm's: StarCoder2)
+            fused["norm.bias"] = state_dict["model.norm.bias"]
         for i in range(config.num_hidden_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             for kind in ("weight", "bias"):

@@ -31,6 +31,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "hunyuan-dense": transformers.HunYuanDenseV1Config,
     "command-r": transformers.CohereConfig,
     "cohere2": transformers.Cohere2Config,
+    "starcoder2": transformers.Starcoder2Config,
     "mistral3": transformers.MistralConfig,  # Mistral Small 3.x; Ministral 3 where the file has its temperature
     "olmo2": transformers.Olmo2Config,
     "gemma2": transformers.Gemma2Config,
@@ -44,6 +45,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
+    "output_norm.bias": "model.norm.bias",
     "output.weight": "lm_head.weight",
 }
 LAYER_MODULES = {
@@ -94,7 +96,8 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
         num_key_value_heads=field(f"{arch}.attention.head_count_kv", n_head),
         head_dim=head_dim,
         max_position_embeddings=field(f"{arch}.context_length"),
-        **({"layer_norm_eps": field(f"{arch}.attention.layer_norm_epsilon")} if arch in gguf_families.LAYER_NORM
+        **({gguf_families.LAYER_NORM[arch]: field(f"{arch}.attention.layer_norm_epsilon")}
+           if arch in gguf_families.LAYER_NORM
            else {"rms_norm_eps": field(f"{arch}.attention.layer_norm_rms_epsilon")}),
         rope_parameters={"rope_type": "default", "rope_theta": field(f"{arch}.rope.freq_base", 10000.0)},
         bos_token_id=field("tokenizer.ggml.bos_token_id", None),

@@ -24,6 +24,8 @@ into the Hugging Face form the loader gives everything downstream.
   as the checkpoint has them (pairs, llama.cpp's own RoPE layout; the model reorders them); `logit_scale`;
   Command R+'s q/k norms (`attn_q_norm`, one row a head); Command R7B's window with llama.cpp's pattern, every
   fourth layer full.
+- StarCoder2 (`starcoder2`): LayerNorms with biases (`output_norm.bias` too), the plain MLP's `c_fc` and `c_proj`
+  as `ffn_up` and `ffn_down`, q/k unpermuted; no window (llama.cpp runs every layer in full).
 - Seed-OSS (`seed_oss`): the norm before the MLP is named `post_attention_norm`.
 - Mistral 3 (`mistral3`: Ministral 3, and Mistral Small 3.x from newer converters): Llama's layout. Ministral 3's
   query temperature is `attention.temperature_scale` (Llama 4's beta; the original YaRN length is its floor), its
@@ -66,6 +68,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "olmo2": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
     "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
     "exaone4": {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+    "starcoder2": {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"},
     "hunyuan-dense": {"attn_q_norm": "self_attn.query_layernorm", "attn_k_norm": "self_attn.key_layernorm"},
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},  # (the norm before the MLP)
     "glm4": {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
@@ -73,7 +76,8 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
 }
 NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
 # architectures whose converter permutes q and k rows (LlamaModel's)
-LAYER_NORM = ("command-r", "cohere2")  # architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`)
+# Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their configs' name for its eps.
+LAYER_NORM = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon"}
 PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's `n_no_rope_layer_step` for smollm3
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
@@ -129,7 +133,7 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
         pattern = field("exaone4.attention.sliding_window_pattern", None) or [False] * common["num_hidden_layers"]
         out |= {"sliding_window": window or None,
                 "layer_types": ["sliding_attention" if window and swa else "full_attention" for swa in pattern]}
-    elif arch in LAYER_NORM:
+    elif arch in ("command-r", "cohere2"):
         out["logit_scale"] = field(f"{arch}.logit_scale", 1.0)
         out["use_qk_norm"] = any(t.name.endswith(".attn_q_norm.weight") for t in tensors)  # (Command R+)
         if arch == "cohere2":

@@ -51,6 +51,7 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 # gate/up (Phi-3: q/k/v too) stored fused: a shard would need several row ranges of one tensor
 FUSED_CHECKPOINTS = ("phi3", "glm", "glm4")
 NORMS_OVER_HEADS = ("olmo2", "olmo3")  # q/k norms over all heads together: a rank would need the others' squares
+PLAIN_MLP = ("starcoder2",)  # an MLP of c_fc and c_proj, not gate/up/down, which the plan does not split
 
 
 def split(n: int, parts: int) -> list[Range]:
@@ -138,6 +139,9 @@ def plan_shards(config: PretrainedConfig, world_size: int) -> list[ShardPlan]:
         raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} with use_qk_norm (Command R+) holds "
                           "q/k norm weights per head, which tensor parallelism does not split yet; use "
                           "tensor_parallel_size=1")
+    if world_size > 1 and config.model_type in PLAIN_MLP:
+        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} has an MLP of c_fc and c_proj, "
+                          "which tensor parallelism does not split yet; use tensor_parallel_size=1")
     if world_size > 1 and config.model_type in NORMS_OVER_HEADS:
         raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} normalizes q and k over all heads "
                           "together, which tensor parallelism does not split yet; use tensor_parallel_size=1, or "

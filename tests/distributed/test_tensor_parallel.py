@@ -87,11 +87,11 @@ def test_bad_sizes_fail_before_anything_starts(tiny_llama: TinyModel) -> None:
     assert launch._CURRENT is before  # nothing was spawned
 
 
-def test_olmo_glm_and_command_r_plus_refuse_tensor_parallelism(tiny_models: dict[str, TinyModel]) -> None:
+def test_families_not_split_yet_refuse_tensor_parallelism(tiny_models: dict[str, TinyModel]) -> None:
     for kind, reason in (("olmo2", "normalizes q and k over all heads together"),
                          ("olmo3", "normalizes q and k over all heads together"),
                          ("glm", "checkpoints store gate/up fused"), ("glm4", "checkpoints store gate/up fused"),
-                         ("cohere", "with use_qk_norm")):
+                         ("cohere", "with use_qk_norm"), ("starcoder2", "has an MLP of c_fc and c_proj")):
         config = tiny_models[kind].reference.config
         assert len(plan_shards(config, 1)) == 1
         with pytest.raises(ConfigError, match=f"{kind} {reason}"):

@@ -33,6 +33,8 @@ CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "smollm3_4": lambda: transformers.SmolLM3Config(**(TINY_COMMON | {"num_hidden_layers": 4})),  # layer 4: NoPE
     # ERNIE-4.5-0.3B's form: no biases, tied embeddings
+    "starcoder2_full": lambda: transformers.Starcoder2Config(  # (llama.cpp runs StarCoder2 without its window)
+        **TINY_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
     "ernie4_5_tied": lambda: transformers.Ernie4_5Config(**TINY_COMMON, head_dim=16, tie_word_embeddings=True)}
 FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
             ("qwen2", "qwen2vl"),  # (Qwen2.5-VL's language model as llama.cpp writes it)
@@ -41,7 +43,8 @@ FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2
             ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2"), ("ernie4_5_tied", "ernie4_5"),
             ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
             ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4"),
-            ("hunyuan", "hunyuan-dense"), ("cohere", "command-r"), ("cohere2", "cohere2")]
+            ("hunyuan", "hunyuan-dense"), ("cohere", "command-r"), ("cohere2", "cohere2"),
+            ("starcoder2_full", "starcoder2")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 
