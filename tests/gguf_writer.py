@@ -151,8 +151,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         assert gguf_name is not None, f"{arch}: no GGUF name for {name}"
         if gguf_name in drop:
             continue
-        if arch in ("llama", "smollm3", "granite", "mistral3") and name.endswith(("q_proj.weight",
-                                                                                    "k_proj.weight")):  # (RoPE)
+        permuted = ("llama", "smollm3", "granite", "mistral3", "arcee")  # (llama.cpp's RoPE layout)
+        if arch in permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             rows = data.shape[0] // heads // 2
             data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)

@@ -82,6 +82,9 @@ TINY_CONFIGS = {
     # StarCoder2: LayerNorms and every projection with biases, a plain GELU MLP, a sliding window
     "starcoder2": lambda: transformers.Starcoder2Config(**TINY_COMMON, sliding_window=WINDOW,
                                                         rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+    # Arcee's AFM: an MLP of no gate, relu(up(x)) squared
+    "arcee": lambda: transformers.ArceeConfig(**TINY_COMMON, rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 1e4}),
     "llama_rope_llama3": lambda: transformers.LlamaConfig(**TINY_COMMON, rope_parameters={
         "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),

@@ -6,6 +6,7 @@ import torch
 from transformers import PretrainedConfig
 
 from ..layers.quantization.linear import Weight
+from .arcee import ArceeForCausalLM
 from .base import CausalLM
 from .cohere import CohereForCausalLM
 from .ernie import Ernie45ForCausalLM
@@ -28,7 +29,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM,
                                                                  Glm4ForCausalLM, Ministral3ForCausalLM,
                                                                  Exaone4ForCausalLM, GraniteMoeForCausalLM,
                                                                  HunyuanForCausalLM, CohereForCausalLM,
-                                                                 Starcoder2ForCausalLM)
+                                                                 Starcoder2ForCausalLM, ArceeForCausalLM)
                                             for t in cls.model_types}
 
 

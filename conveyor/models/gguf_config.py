@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "command-r": transformers.CohereConfig,
     "cohere2": transformers.Cohere2Config,
     "starcoder2": transformers.Starcoder2Config,
+    "arcee": transformers.ArceeConfig,
     "mistral3": transformers.MistralConfig,  # Mistral Small 3.x; Ministral 3 where the file has its temperature
     "olmo2": transformers.Olmo2Config,
     "gemma2": transformers.Gemma2Config,

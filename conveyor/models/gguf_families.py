@@ -12,8 +12,8 @@ into the Hugging Face form the loader gives everything downstream.
   their own RoPE base (`rope.freq_base_swa`, llama.cpp's 10000 where an older file lacks it), every sixth
   layer is global unless the file lists `attention.sliding_window_pattern`. The query scale is not stored:
   llama.cpp takes `hidden / heads` for the 27B models (46 and 62 layers) and `head_dim` otherwise.
-- Llama (`llama`), SmolLM3 (`smollm3`) and Granite (`granite`, `granitemoe`): q and k rows permuted to
-  llama.cpp's RoPE layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
+- Llama (`llama`), SmolLM3 (`smollm3`), Granite (`granite`, `granitemoe`) and AFM (`arcee`, its MLP `ffn_up` and
+  `ffn_down` alone): q and k rows permuted to llama.cpp's RoPE layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
   (`no_rope_layer_interval`). Granite's multipliers are `attention.scale`, `embedding_scale`, `residual_scale`
   and `logit_scale` (1 where absent, as transformers' defaults).
 - EXAONE 4.0 (`exaone4`): norms after the blocks, `post_attention_norm` and `post_ffw_norm`; q/k unpermuted;
@@ -78,7 +78,7 @@ NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tenso
 # architectures whose converter permutes q and k rows (LlamaModel's)
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their configs' name for its eps.
 LAYER_NORM = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon"}
-PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "mistral3")
+PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee")
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's `n_no_rope_layer_step` for smollm3
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
 

@@ -143,7 +143,7 @@ def test_gguf_shards_keep_whole_blocks(quantized_gguf: Path) -> None:
 
 # -- TP=2 against transformers and against TP=1 ------------------------------------------------------
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "ernie4_5", "ministral3",
-                                  "exaone4", "seed_oss", "hunyuan", "cohere2"])
+                                  "exaone4", "seed_oss", "hunyuan", "cohere2", "arcee"])
 def test_tp2_greedy_matches_transformers(tiny_models: dict[str, TinyModel], kind: str) -> None:
     model = tiny_models[kind]
     llm = tp_llm(model.path)
