@@ -13,9 +13,10 @@ into the Hugging Face form the loader gives everything downstream.
   layer is global unless the file lists `attention.sliding_window_pattern`. The query scale is not stored:
   llama.cpp takes `hidden / heads` for the 27B models (46 and 62 layers) and `head_dim` otherwise.
 - Llama (`llama`), SmolLM3 (`smollm3`), Granite (`granite`, `granitemoe`) and AFM (`arcee`, its MLP `ffn_up` and
-  `ffn_down` alone): q and k rows permuted to llama.cpp's RoPE layout (the loader undoes it). SmolLM3's NoPE layers are no metadata: llama.cpp takes every fourth
-  (`no_rope_layer_interval`). Granite's multipliers are `attention.scale`, `embedding_scale`, `residual_scale`
-  and `logit_scale` (1 where absent, as transformers' defaults).
+  `ffn_down` alone): q and k rows permuted to llama.cpp's RoPE layout (the loader undoes it). SmolLM3's NoPE
+  layers are no metadata: llama.cpp takes every fourth (`no_rope_layer_interval`). Granite's multipliers are
+  `attention.scale`, `embedding_scale`, `residual_scale` and `logit_scale` (1 where absent, as transformers'
+  defaults).
 - EXAONE 4.0 (`exaone4`): norms after the blocks, `post_attention_norm` and `post_ffw_norm`; q/k unpermuted;
   `attention.sliding_window` with one flag a layer in `sliding_window_pattern` (the full layers NoPE).
 - Hunyuan dense (`hunyuan-dense`): q/k unpermuted; their norms (after RoPE) `attn_q_norm`, `attn_k_norm`; the
