@@ -118,6 +118,10 @@ MOE_CONFIGS = {
     "granitemoe": lambda **kw: transformers.GraniteMoeConfig(
         **(MOE_COMMON | kw | {"intermediate_size": 64}), num_local_experts=4, num_experts_per_tok=2,
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0),
+    # RoPE over consecutive pairs; layer 0 dense; experts chosen with a correction bias; two shared experts
+    "ernie4_5_moe": lambda **kw: transformers.Ernie4_5_MoeConfig(
+        **(MOE_COMMON | kw | {"num_hidden_layers": 3}), head_dim=16, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_interval=1),
     # per-head q/k norms, 4 of 8 experts renormalized
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
         **(MOE_COMMON | kw), head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,

@@ -58,6 +58,16 @@ def route_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[
     return weights, ids
 
 
+def route_biased(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_min: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ERNIE 4.5's routing (`Ernie4_5_MoeTopKRouter`): the softmax over all experts, the top-k of it plus a
+    per-expert correction bias chosen, their unbiased weights divided by their sum (at least `norm_min`)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ids = torch.topk(probs + bias, top_k, dim=-1).indices
+    weights = probs.gather(-1, ids)
+    return weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min), ids
+
+
 def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's routing (`GptOssTopKRouter`): the top-k logits, then a softmax over those k alone."""
     values, ids = torch.topk(logits, top_k, dim=-1)
@@ -125,13 +135,16 @@ class SparseMoe(nn.Module):
     """Routed experts (top-k of `num_experts`), plus Qwen2-MoE's shared expert scaled by a sigmoid gate.
     `activation` set: gpt-oss's block (router and experts with biases, top-k then softmax, its activation);
     `topk_softmax`: the softmax after the top-k alone (Granite MoE's; None: where `activation` is set).
+    `selection_bias`: a per-expert bias added to the softmax for choosing the experts only (`route_biased`, ERNIE
+    4.5's, with its `norm_min`); `shared_gate` False: the shared expert added as it is (ERNIE 4.5's).
 
     `observer`, when set, is called with each forward's per-expert row counts (the bench's expert
     load); it costs nothing when unset, since the counts are read anyway."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
                  shared_intermediate_size: int = 0, activation: ClampedSwiglu | None = None,
-                 topk_softmax: bool | None = None) -> None:
+                 topk_softmax: bool | None = None, selection_bias: bool = False, norm_min: float = 0.0,
+                 shared_gate: bool = True) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
@@ -145,7 +158,10 @@ class SparseMoe(nn.Module):
         self.shared_expert = Expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
         if self.shared_expert is not None:
             self.shared_expert.prepack = True  # it takes every row, as a dense MLP does
-        self.shared_expert_gate = Router(hidden_size, 1) if shared_intermediate_size else None
+        self.shared_expert_gate = Router(hidden_size, 1) if shared_intermediate_size and shared_gate else None
+        self.correction_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False) if selection_bias
+                                else None)
+        self.norm_min = norm_min
         self.observer: Callable[[list[int]], None] | None = None
         self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
         # On an AMX CPU, bf16 experts with more rows than this run faster through oneDNN's AMX matmul
@@ -186,8 +202,12 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
-        weights, ids = (route_topk_softmax(logits, self.top_k) if self.topk_softmax
-                        else route_softmax(logits, self.top_k, self.renormalize))
+        if self.correction_bias is not None:
+            weights, ids = route_biased(logits, self.correction_bias.float(), self.top_k, self.norm_min)
+        elif self.topk_softmax:
+            weights, ids = route_topk_softmax(logits, self.top_k)
+        else:
+            weights, ids = route_softmax(logits, self.top_k, self.renormalize)
         groups = group_by_expert(ids, self.num_experts)
         if self.observer is not None:
             self.observer(groups.counts)
@@ -200,7 +220,9 @@ class SparseMoe(nn.Module):
         else:
             self.run_experts(x, groups, row_weights.unsqueeze(1), combined)
         if self.shared_expert is not None:
-            combined += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            gate = self.shared_expert_gate
+            combined += shared if gate is None else torch.sigmoid(gate(x)) * shared
         return combined.to(x.dtype)
 
     def run_experts(self, x: torch.Tensor, groups: ExpertGroups, row_weights: torch.Tensor,

@@ -9,7 +9,7 @@ from ..layers.quantization.linear import Weight
 from .arcee import ArceeForCausalLM
 from .base import CausalLM
 from .cohere import CohereForCausalLM
-from .ernie import Ernie45ForCausalLM
+from .ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from .exaone4 import Exaone4ForCausalLM
 from .gemma import GemmaForCausalLM
 from .glm import Glm4ForCausalLM, GlmForCausalLM
@@ -29,7 +29,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM,
                                                                  Glm4ForCausalLM, Ministral3ForCausalLM,
                                                                  Exaone4ForCausalLM, GraniteMoeForCausalLM,
                                                                  HunyuanForCausalLM, CohereForCausalLM,
-                                                                 Starcoder2ForCausalLM, ArceeForCausalLM)
+                                                                 Starcoder2ForCausalLM, ArceeForCausalLM,
+                                                                 Ernie45MoeForCausalLM)
                                             for t in cls.model_types}
 
 

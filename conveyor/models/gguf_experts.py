@@ -1,10 +1,10 @@
-"""Mixture-of-experts GGUF files as llama.cpp's converter writes them: `general.architecture` qwen2moe,
-qwen3moe, olmoe, gpt-oss, granitemoe (its stacked gate/up split in two), and Mixtral as `llama` with
-`llama.expert_count`; the experts' matrices stacked in
-3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router `ffn_gate_inp`, Qwen2-MoE's
-shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one row, often stored 1-D).
-gpt-oss adds biases to the router and the stacked experts, and ships the experts in MXFP4, kept as stored
-(`layers.quantization.mxfp4`).
+"""Mixture-of-experts GGUF files as llama.cpp's converter writes them: `general.architecture` qwen2moe, qwen3moe,
+olmoe, gpt-oss, granitemoe (its stacked gate/up split in two), ernie4_5-moe (its shared experts' MLP
+`ffn_*_shexp`, the experts' choosing bias `exp_probs_b`), and Mixtral as `llama` with `llama.expert_count`; the
+experts' matrices stacked in 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router
+`ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one row,
+often stored 1-D). gpt-oss adds biases to the router and the stacked experts, and ships the experts in MXFP4,
+kept as stored (`layers.quantization.mxfp4`).
 
 The loader asks here for the config fields the expert keys give (`config_fields`) and for the Hugging
 Face names a tensor stands for (`hf_names`): one per expert for a stacked tensor, which the loader
@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "olmoe": transformers.OlmoeConfig,
     "gpt-oss": transformers.GptOssConfig,
     "granitemoe": transformers.GraniteMoeConfig,
+    "ernie4_5-moe": transformers.Ernie4_5_MoeConfig,
 }
 # Whether the k routing weights are renormalized, where the file does not say (`expert_weights_norm`):
 # what llama.cpp's graph for each architecture does (Mixtral always renormalizes).
@@ -44,6 +45,9 @@ _BLOCK_TENSORS = {"ffn_gate_inp": "gate", "ffn_gate_shexp": "shared_expert.gate_
                   "ffn_up_shexp": "shared_expert.up_proj", "ffn_down_shexp": "shared_expert.down_proj",
                   "ffn_gate_inp_shexp": "shared_expert_gate"}
 _STACKED = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+# ERNIE 4.5's names where they differ: its shared experts' MLP, and the bias that chooses the experts.
+_ERNIE_TENSORS = {"ffn_gate_shexp": "shared_experts.gate_proj", "ffn_up_shexp": "shared_experts.up_proj",
+                  "ffn_down_shexp": "shared_experts.down_proj", "exp_probs_b": "moe_statics.e_score_correction_bias"}
 
 
 def config_fields(arch: str, field: Callable[..., Any], tensor_names: set[str], num_layers: int) -> dict[str, Any]:
@@ -66,6 +70,13 @@ def config_fields(arch: str, field: Callable[..., Any], tensor_names: set[str], 
         fields["shared_expert_intermediate_size"] = field(f"{arch}.expert_shared_feed_forward_length", 0)
     if arch == "olmoe" and (clamp := field(f"{arch}.attention.clamp_kqv", None)) is not None:
         fields["clip_qkv"] = clamp
+    if arch == "ernie4_5-moe":  # (its renormalization is its own: no norm_topk_prob)
+        del fields["norm_topk_prob"]
+        fields |= {"moe_intermediate_size": field(f"{arch}.expert_feed_forward_length"),
+                   "moe_num_shared_experts": field(f"{arch}.expert_shared_count", 0),
+                   "moe_layer_start_index": field(f"{arch}.leading_dense_block_count", 0),
+                   "moe_layer_interval": field(f"{arch}.interleave_moe_layer_step", 1),
+                   "moe_layer_end_index": num_layers - 1}
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -77,6 +88,8 @@ def hf_names(layer: int, kind: str, suffix: str, model_type: str, num_experts: i
     if kind in _STACKED:
         projection = projections[_STACKED[kind]]
         return [f"{prefix}experts.{e}.{projection}.{suffix}" for e in range(num_experts)]
+    if model_type == "ernie4_5_moe" and kind in _ERNIE_TENSORS:
+        return [f"{prefix}{_ERNIE_TENSORS[kind]}" + ("" if kind == "exp_probs_b" else f".{suffix}")]
     if kind in _BLOCK_TENSORS:
         return [f"{prefix}{_BLOCK_TENSORS[kind]}.{suffix}"]
     return None
@@ -90,7 +103,7 @@ def expert_matrices(tensor: Any, names: list[str], dtype: torch.dtype, keep_quan
     stacked = len(names) > 1
     parts = list(tensor.data) if stacked else [tensor.data]
     rows = shape[1:] if stacked else shape
-    if names[0].endswith("shared_expert_gate.weight"):  # one row, which llama.cpp stores 1-D
+    if names[0].endswith(("shared_expert_gate.weight", "e_score_correction_bias")):  # one row, stored 1-D
         rows = [1, rows[-1]]
     qtype = int(tensor.tensor_type)
     if keep_quantized and qtype == gguf.GGMLQuantizationType.MXFP4 and len(rows) == 2:

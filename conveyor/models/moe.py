@@ -56,7 +56,12 @@ def routed_experts(config: PretrainedConfig) -> tuple[int, int]:
 
 def sparse_layers(config: PretrainedConfig) -> list[bool]:
     """Whether each layer's MLP is the sparse block (Qwen2/3-MoE: not in `mlp_only_layers`, and on every
-    `decoder_sparse_step`-th layer; the other families: every layer)."""
+    `decoder_sparse_step`-th layer; ERNIE 4.5: on every `moe_layer_interval`-th layer from
+    `moe_layer_start_index` to `moe_layer_end_index`; the other families: every layer)."""
+    if getattr(config, "moe_layer_start_index", None) is not None:
+        start, end = config.moe_layer_start_index, config.moe_layer_end_index
+        end = config.num_hidden_layers - 1 if end is None or end < 0 else end
+        return [(i + 1) % config.moe_layer_interval == 0 and start <= i <= end for i in range(config.num_hidden_layers)]
     skip = set(getattr(config, "mlp_only_layers", None) or [])
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return [i not in skip and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
@@ -112,28 +117,30 @@ class MoeForCausalLM(CausalLM):
 
     model_types = ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe")
     cuda_graphs = False  # each expert's rows are counted on the host
+    hf_shared_expert = "shared_expert"  # the checkpoint's name of the shared expert under the sparse block
     topk_softmax = False  # routing weights: softmax over all experts, then the top-k (`layers.moe`)
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: bool = False) -> None:
         super().__init__(config)
-        experts, top_k = routed_experts(config)
+        routed_experts(config)  # (checked before anything is built)
         activation = getattr(config, "hidden_act", "silu")
         if activation != "silu":
             raise ValueError(f"{config.model_type}: hidden_act {activation!r} is not supported (supported: silu)")
         self.hf_block, *self.hf_experts = hf_expert_names(config.model_type)
+        self.layers = nn.ModuleList(self.make_layer(config, qkv_bias, o_bias, qk_norm,
+                                                    self.make_moe(config) if sparse else None)
+                                    for sparse in sparse_layers(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+
+    def make_moe(self, config: PretrainedConfig) -> SparseMoe:
+        """A sparse layer's block: its routed experts, and the shared one where the config has it."""
+        experts, top_k = routed_experts(config)
         inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         renormalize = getattr(config, "norm_topk_prob", True)  # Mixtral has no such setting: always
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-
-        def layer(sparse: bool) -> MoeDecoderLayer:
-            moe = SparseMoe(config.hidden_size, inter, experts, top_k, renormalize, shared,
-                            topk_softmax=self.topk_softmax) if sparse else None
-            return self.make_layer(config, qkv_bias, o_bias, qk_norm, moe)
-
-        self.layers = nn.ModuleList(layer(sparse) for sparse in sparse_layers(config))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, self.head_dim)
+        return SparseMoe(config.hidden_size, inter, experts, top_k, renormalize, shared, topk_softmax=self.topk_softmax)
 
     def make_layer(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                    moe: SparseMoe | None) -> MoeDecoderLayer:
@@ -179,11 +186,11 @@ class MoeForCausalLM(CausalLM):
                 [tensor(f"{src}experts.{e}.{gate}.weight", what), tensor(f"{src}experts.{e}.{up}.weight", what)])
             weights[f"{dst}experts.{e}.down_proj.weight"] = tensor(f"{src}experts.{e}.{down}.weight", what)
         if moe.shared_expert is not None:
-            what = "the shared expert"
+            what, shared = "the shared expert", f"{src}{self.hf_shared_expert}."
             weights[f"{dst}shared_expert.gate_up_proj.weight"] = fuse_rows(
-                [tensor(f"{src}shared_expert.gate_proj.weight", what), tensor(f"{src}shared_expert.up_proj.weight",
-                                                                              what)])
-            weights[f"{dst}shared_expert.down_proj.weight"] = tensor(f"{src}shared_expert.down_proj.weight", what)
+                [tensor(f"{shared}gate_proj.weight", what), tensor(f"{shared}up_proj.weight", what)])
+            weights[f"{dst}shared_expert.down_proj.weight"] = tensor(f"{shared}down_proj.weight", what)
+        if moe.shared_expert_gate is not None:
             weights[f"{dst}shared_expert_gate.weight"] = _dense(tensor(f"{src}shared_expert_gate.weight",
                                                                        "the shared expert's gate"))
         return weights

@@ -56,6 +56,20 @@ def test_moe_prefix_caching_keeps_outputs(moe_models: dict[str, TinyModel]) -> N
     assert all_free(llm)
 
 
+def test_ernie_moe_chooses_experts_with_its_correction_bias(tmp_path: Path) -> None:
+    """ERNIE 4.5's per-expert bias moves which experts a token takes (not their weights): drawn large enough to
+    reorder them, outputs still equal transformers'."""
+    model = TinyModel("ernie4_5_moe", tmp_path, MOE_CONFIGS["ernie4_5_moe"]())
+    with torch.no_grad():
+        for name, param in model.reference.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                param.copy_(torch.linspace(0.3, -0.3, param.numel()).reshape(param.shape))
+    model.reference.save_pretrained(model.path)
+    llm = model.llm(max_batch_tokens=64)
+    run_and_compare(model, llm, random_prompts([5, 30, 64]), [8, 8, 8], "ernie4_5_moe")
+    assert all_free(llm)
+
+
 @pytest.fixture(scope="module")
 def smooth_moe(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """Qwen2-MoE at a trained model's weight scale (as the precision tests' `llama_smooth`), tied head."""

@@ -28,7 +28,7 @@ from tests.utils import (MOE_CONFIGS, VOCAB, TinyModel, agreement, assert_greedy
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ARCHITECTURES = {"mixtral": "llama", "olmoe": "olmoe", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
-                 "granitemoe": "granitemoe"}
+                 "granitemoe": "granitemoe", "ernie4_5_moe": "ernie4_5-moe"}
 
 
 def split_granite_experts(sd: dict, config: transformers.PretrainedConfig) -> dict:
@@ -60,8 +60,12 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
     writer.add_expert_count(expert_count(config))
     writer.add_expert_used_count(config.num_experts_per_tok)
-    if kind in ("qwen2_moe", "qwen3_moe"):
+    if kind in ("qwen2_moe", "qwen3_moe", "ernie4_5_moe"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if kind == "ernie4_5_moe":
+        writer.add_expert_shared_count(config.moe_num_shared_experts)
+        writer.add_leading_dense_block_count(config.moe_layer_start_index)
+        writer.add_interleave_moe_layer_step(config.moe_layer_interval)
     if kind == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if kind == "olmoe":
@@ -119,6 +123,10 @@ def write_moe_gguf(path: Path, model: TinyModel, qtype: GGMLType | None = None) 
             for n in ("gate", "up", "down"):
                 add(f"{b}ffn_{n}_shexp.weight", sd[f"{m}shared_expert.{n}_proj.weight"])
             add(b + "ffn_gate_inp_shexp.weight", sd[m + "shared_expert_gate.weight"].reshape(-1))
+        if kind == "ernie4_5_moe":  # its shared experts (ungated) and the bias that chooses the experts
+            for n in ("gate", "up", "down"):
+                add(f"{b}ffn_{n}_shexp.weight", sd[f"{m}shared_experts.{n}_proj.weight"])
+            add(b + "exp_probs_b.bias", sd[m + "moe_statics.e_score_correction_bias"].reshape(-1))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
