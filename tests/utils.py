@@ -62,6 +62,7 @@ TINY_CONFIGS = {
                                                       layer_types=["sliding_attention", "full_attention"],
                                                       rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
     "seed_oss": lambda: transformers.SeedOssConfig(**TINY_COMMON, head_dim=16),
+    "internlm3": lambda: transformers.InternLM3Config(**TINY_COMMON, head_dim=16),
     "ministral3": lambda: transformers.Ministral3Config(**TINY_COMMON, head_dim=16, rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 16,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}),

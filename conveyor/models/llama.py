@@ -1,6 +1,6 @@
-"""The Llama family (Llama, SmolLM2, SmolLM3, Mistral, Ministral, Qwen2, Qwen3, Seed-OSS) over one flattened
-ragged batch, and the pieces other families reuse (the decoder layer, RMSNorm); `CausalLM` is in `base`, RoPE in
-`layers.rotary`.
+"""The Llama family (Llama, SmolLM2, SmolLM3, Mistral, Ministral, Qwen2, Qwen3, Seed-OSS, InternLM3) over one
+flattened ragged batch, and the pieces other families reuse (the decoder layer, RMSNorm); `CausalLM` is in `base`,
+RoPE in `layers.rotary`.
 SmolLM3 is Llama with no RoPE in some layers (`no_rope_layers`: every fourth), whose q and k attend as projected.
 
 Input is every scheduled token of every request, concatenated: `[num_tokens]` ids and positions.
@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """The Llama family; variants (biases, q/k norms, tying) come from the weights."""
 
-    model_types = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "seed_oss",
+    model_types = ("llama", "mistral", "ministral", "qwen2", "qwen3", "smollm3", "seed_oss", "internlm3",
                    # and the language models of Qwen's image-text checkpoints (`multimodal_text`)
                    "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
     partial_rotary = False  # whether the family honours `partial_rotary_factor` with the default RoPE
