@@ -286,10 +286,16 @@ def assert_greedy_match(ours: list[int], ref: list[int], ref_logits: torch.Tenso
 
 def run_and_compare(model: TinyModel, llm: LLM, prompts: list[list[int]], max_new: list[int], label: str) -> None:
     """`llm`'s greedy outputs, all in one batch, against the model's transformers reference, prompt by prompt."""
+    compare_greedy(model.reference, llm, prompts, max_new, label)
+
+
+def compare_greedy(reference: transformers.PreTrainedModel, llm: LLM, prompts: list[list[int]], max_new: list[int],
+                   label: str) -> None:
+    """`llm`'s greedy outputs, all in one batch, against `reference`'s, prompt by prompt."""
     params = [greedy(n) for n in max_new]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for i, (prompt, n, out) in enumerate(zip(prompts, max_new, outputs)):
-        ref, logits = hf_greedy(model.reference, prompt, n)
+        ref, logits = hf_greedy(reference, prompt, n)
         assert out.finish_reason == "length"
         assert out.prompt_token_ids == prompt
         assert_greedy_match(out.token_ids, ref, logits, f"{label} prompt {i}")

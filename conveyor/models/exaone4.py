@@ -6,27 +6,18 @@ The native decode stack takes pre-norm layers only, so small decode batches run 
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from transformers import PretrainedConfig
 
-from ..layers.attention import AttentionBackend, AttentionMetadata
-from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm
+from .llama import LlamaForCausalLM, RMSNorm
+from .olmo2 import PostNorm
 
 
-class Exaone4DecoderLayer(DecoderLayer):
+class Exaone4DecoderLayer(PostNorm):
     def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
                  qk_norm: bool) -> None:
         super().__init__(config, head_dim, qkv_bias, o_bias, mlp_bias, qk_norm=True)
         self.input_layernorm = None  # (post-norm: the blocks' outputs are normed instead)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, attention: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.post_attention_layernorm(self.attention(x, cos, sin, kv_cache, meta, attention, rows))
-        x = (x if rows is None else x.index_select(0, rows)) + h
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return x + self.post_feedforward_layernorm(self.down_proj(F.silu(gate) * up))
 
 
 class Exaone4ForCausalLM(LlamaForCausalLM):

@@ -29,7 +29,19 @@ class Olmo2RMSNorm(nn.Module):
         return (self.weight * h).to(x.dtype)
 
 
-class Olmo2DecoderLayer(DecoderLayer):
+class PostNorm(DecoderLayer):
+    """A layer whose norms come after its blocks (OLMo 2 and 3, EXAONE 4.0): `x + norm(attention(x))`, then
+    `x + norm(mlp(x))`; no input norm."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.post_attention_layernorm(self.attention(x, cos, sin, kv_cache, meta, attention, rows))
+        x = (x if rows is None else x.index_select(0, rows)) + h
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return x + self.post_feedforward_layernorm(self.down_proj(F.silu(gate) * up))
+
+
+class Olmo2DecoderLayer(PostNorm):
     def __init__(self, config: PretrainedConfig, head_dim: int, qkv_bias: bool, o_bias: bool, mlp_bias: bool,
                  qk_norm: bool) -> None:
         super().__init__(config, head_dim, qkv_bias, o_bias, mlp_bias, qk_norm=False)
@@ -50,13 +62,6 @@ class Olmo2DecoderLayer(DecoderLayer):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         o = attention.forward(q, k, v, kv_cache, meta, self.scale).reshape(t, self.q_size)
         return self.o_proj(o if rows is None else o.index_select(0, rows))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, attention: AttentionBackend, rows: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.post_attention_layernorm(self.attention(x, cos, sin, kv_cache, meta, attention, rows))
-        x = (x if rows is None else x.index_select(0, rows)) + h
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return x + self.post_feedforward_layernorm(self.down_proj(F.silu(gate) * up))
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

@@ -20,12 +20,12 @@ from compressed_tensors.quantization import (  # noqa: E402
     apply_quantization_config,
 )
 
-from conveyor import LLM, ContinuousBatchingConfig, SamplingParams  # noqa: E402
+from conveyor import LLM, ContinuousBatchingConfig  # noqa: E402
 from conveyor.layers.quantization.tensors import QuantizedTensor  # noqa: E402
 from conveyor.models.compressed_tensors import decompress, unpack  # noqa: E402
 from conveyor.models.loader import load_checkpoint  # noqa: E402
-from tests.utils import (QUANT_MODES, TinyModel, all_free, assert_greedy_match, hf_greedy,  # noqa: E402
-                         next_token_logprobs, random_prompts, tiny_tokenizer)
+from tests.utils import (QUANT_MODES, TinyModel, all_free, compare_greedy, next_token_logprobs,  # noqa: E402
+                         random_prompts, tiny_tokenizer)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -106,10 +106,7 @@ def test_exact_path_equals_transformers(checkpoints: dict, kind: str) -> None:
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name].float()), name
     engine = llm(path)
-    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, params, use_tqdm=False)):
-        ref, logits = hf_greedy(reference, prompt, 8)
-        assert_greedy_match(out.token_ids, ref, logits, kind)
+    compare_greedy(reference, engine, PROMPTS, [8] * len(PROMPTS), kind)
     assert all_free(engine)
 
 

@@ -16,11 +16,11 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from conveyor import LLM, ContinuousBatchingConfig, SamplingParams
+from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.layers.quantization.tensors import QuantizedTensor
 from conveyor.models.loader import ModelLoadError, load_checkpoint
-from tests.utils import (QUANT_MODES, TinyModel, all_free, assert_greedy_match, hf_greedy, next_token_logprobs,
-                         random_prompts, tiny_tokenizer)
+from tests.utils import (QUANT_MODES, TinyModel, all_free, compare_greedy, next_token_logprobs, random_prompts,
+                         tiny_tokenizer)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -146,10 +146,7 @@ def exact_path_equals_the_reference(path: Path, reference: transformers.PreTrain
     for name in filter(PROJECTION.fullmatch, dense):
         assert torch.equal(ours[name], dense[name]), name
     engine = llm(path)
-    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-    for prompt, out in zip(PROMPTS, engine.generate(PROMPTS, params, use_tqdm=False)):
-        ref, logits = hf_greedy(reference, prompt, 8)
-        assert_greedy_match(out.token_ids, ref, logits, kind)
+    compare_greedy(reference, engine, PROMPTS, [8] * len(PROMPTS), kind)
     assert all_free(engine)
 
 
