@@ -16,7 +16,7 @@ from typing import Any
 from .cache.kv_format import KV_CACHE_DTYPES
 from .config import SCHEDULING_POLICIES, ContinuousBatchingConfig, with_vllm_engine_args
 from .layers.attention import ATTENTION_BACKENDS
-from .layers.quantization.registry import QUANTIZATIONS
+from .layers.quantization.registry import ALIASES, QUANTIZATIONS
 from .models.pooling import CONVERTS, RUNNERS, TASKS
 from .reasoning import REASONING_PARSERS
 from .sched.scheduler import SCHEDULERS
@@ -76,9 +76,10 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     group.add_argument("--dtype", default="auto", help="auto (default: bf16 on CUDA and on CPUs with native bf16, "
                        "else fp32), float32 (the exact path), bfloat16 or float16")
-    group.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
-                       help="weight format (default: gguf for a quantized GGUF file, mxfp4 for an MXFP4 checkpoint, "
-                       "unless --dtype float32; else none)")
+    group.add_argument("--quantization", "-q", default=None, choices=[*QUANTIZATIONS, *ALIASES],
+                       help="weight format (default: the file's own: gguf for a quantized GGUF file, mxfp4, "
+                       "compressed-tensors, gptq or awq for such a checkpoint, unless --dtype float32; else none; "
+                       "gptq_marlin and awq_marlin, vLLM's names, are gptq and awq)")
     group.add_argument("--max-model-len", type=token_count, default=None, metavar="TOKENS",
                        help="the context length served (prompt + generated tokens), at most the model's; "
                        "2048, 32k (32000) or 32K (32768) (default: the model's)")

@@ -23,7 +23,7 @@ import torch
 
 from ..kernels import cpu_flags
 from .quantization.mxfp4 import is_mxfp4
-from .quantization.registry import quantization_method
+from .quantization.registry import canonical_quantization, quantization_method
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -69,6 +69,7 @@ def stored_format(model_path: str | Path | None) -> str | None:
 def resolve_precision(dtype: str | torch.dtype, quantization: str | None, device: torch.device,
                       model_path: str | Path | None) -> Precision:
     """Validate `dtype` and `quantization` for this device and model file; ValueError names the choices."""
+    quantization = canonical_quantization(quantization)
     method = quantization_method(quantization) if quantization is not None else None
     if isinstance(dtype, str) and dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {dtype!r}")

@@ -33,8 +33,8 @@ def choices(parser: argparse.ArgumentParser, dest: str) -> list[str]:
 def test_the_cli_offers_the_tables() -> None:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert list(choices(parser, "quantization")) == list(QUANTIZATIONS) == ["none", "int8", "int4", "gguf", "mxfp4",
-                                                                              "compressed-tensors", "gptq", "awq"]
+    assert list(QUANTIZATIONS) == ["none", "int8", "int4", "gguf", "mxfp4", "compressed-tensors", "gptq", "awq"]
+    assert list(choices(parser, "quantization")) == [*QUANTIZATIONS, "gptq_marlin", "awq_marlin"]  # (vLLM's names)
     assert list(choices(parser, "scheduler_type")) == list(SCHEDULERS) == ["fifo", "prefill_first", "priority"]
 
 

@@ -184,6 +184,8 @@ def test_a_mixture_of_experts_checkpoint(moe_models: dict[str, TinyModel], tmp_p
     exact_path_equals_the_reference(tmp_path, reference, "gptq qwen3_moe")
     kept_weights_are_the_dense_ones(tmp_path, "gptq")
     assert llm(tmp_path, dtype="auto").quantization == "gptq"
+    marlin = LLM(tmp_path, quantization="gptq_marlin", config=ContinuousBatchingConfig(num_blocks=64))
+    assert marlin.quantization == "gptq"  # (vLLM's name for its kernel of the same checkpoints)
 
 
 def test_activation_order_is_dequantized(checkpoints: dict) -> None:

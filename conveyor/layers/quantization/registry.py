@@ -53,6 +53,8 @@ QUANTIZATION_METHODS: dict[str, QuantizationMethod] = {m.name: m for m in (
       for name in ("compressed-tensors", "gptq", "awq")),
 )}
 QUANTIZATIONS = tuple(QUANTIZATION_METHODS)
+# vLLM's names of its own kernels for the same checkpoints, taken as the format's.
+ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}
 
 
 def self_draft_quantizations() -> tuple[str, ...]:
@@ -60,9 +62,14 @@ def self_draft_quantizations() -> tuple[str, ...]:
     return tuple(name for name, m in QUANTIZATION_METHODS.items() if m.self_draft)
 
 
+def canonical_quantization(name: str | None) -> str | None:
+    """`name`, or the format a vLLM alias of it names (`ALIASES`)."""
+    return ALIASES.get(name, name) if name is not None else None
+
+
 def quantization_method(name: str) -> QuantizationMethod:
-    """The row for `name`; ValueError naming the choices."""
-    method = QUANTIZATION_METHODS.get(name)
+    """The row for `name` (or its alias); ValueError naming the choices."""
+    method = QUANTIZATION_METHODS.get(ALIASES.get(name, name))
     if method is None:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} or None (auto), got {name!r}")
     return method
