@@ -156,7 +156,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             rows = data.shape[0] // heads // 2
             data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
-        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
         qtype = types.get(gguf_name.split(".")[-2], QType.F32) if isinstance(types, dict) else types
         if data.ndim == 2 and qtype != QType.F32 and not name.endswith("norm.weight"):  # (Command R+'s q/k norms)

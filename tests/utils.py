@@ -94,6 +94,7 @@ TINY_CONFIGS = {
     # Sliding-window and hybrid models, windows far shorter than the test prompts.
     "mistral_sliding": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=WINDOW,
                                                           tie_word_embeddings=False),
+    "gemma": lambda: transformers.GemmaConfig(**TINY_COMMON, head_dim=16),  # (Gemma 1: Llama's layer, Gemma's norms)
     "gemma2": lambda: transformers.Gemma2Config(  # layers: sliding, full, sliding, full
         **(TINY_COMMON | {"num_hidden_layers": 4}), head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
         attn_logit_softcapping=3.0, final_logit_softcapping=5.0),

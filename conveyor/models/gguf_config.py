@@ -35,6 +35,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "arcee": transformers.ArceeConfig,
     "mistral3": transformers.MistralConfig,  # Mistral Small 3.x; Ministral 3 where the file has its temperature
     "olmo2": transformers.Olmo2Config,
+    "gemma": transformers.GemmaConfig,
     "gemma2": transformers.Gemma2Config,
     "gemma3": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,

@@ -6,8 +6,9 @@ into the Hugging Face form the loader gives everything downstream.
   Llama 3's scaling is no metadata: the converter computes its per-frequency factors and stores them as the
   tensor `rope_freqs`, which divide the inverse frequencies (`rope_freq_factors` in the config,
   `layers.rotary`).
-- Gemma 2/3 (`gemma2`, `gemma3`): the norm weights are stored plus one (llama.cpp's RMSNorm multiplies by
-  the weight, Gemma's by 1 + weight); layer norms named `ffn_norm` (before the MLP), `post_attention_norm`,
+- Gemma (`gemma`, its layer norms `attn_norm` and `ffn_norm` alone) and Gemma 2/3 (`gemma2`, `gemma3`): the
+  norm weights are stored plus one (llama.cpp's RMSNorm multiplies by the weight, Gemma's by 1 + weight);
+  Gemma 2/3's layer norms named `ffn_norm` (before the MLP), `post_attention_norm`,
   `post_ffw_norm`; soft-capping and the sliding window from the metadata. Gemma 3's sliding layers have
   their own RoPE base (`rope.freq_base_swa`, llama.cpp's 10000 where an older file lacks it), every sixth
   layer is global unless the file lists `attention.sliding_window_pattern`. The query scale is not stored:
@@ -75,7 +76,7 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "glm4": {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
              "post_ffw_norm": "post_mlp_layernorm"},
 }
-NORM_PLUS_ONE = ("gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
+NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
 # architectures whose converter permutes q and k rows (LlamaModel's)
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their configs' name for its eps.
 LAYER_NORM = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon"}

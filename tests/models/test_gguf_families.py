@@ -38,10 +38,10 @@ CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
     "ernie4_5_tied": lambda: transformers.Ernie4_5Config(**TINY_COMMON, head_dim=16, tie_word_embeddings=True)}
 FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
             ("qwen2", "qwen2vl"),  # (Qwen2.5-VL's language model as llama.cpp writes it)
-            ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma2", "gemma2"), ("gemma3", "gemma3"),
-            ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3"), ("smollm3_4", "smollm3"),
-            ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2"), ("ernie4_5_tied", "ernie4_5"),
-            ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
+            ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma", "gemma"), ("gemma2", "gemma2"),
+            ("gemma3", "gemma3"), ("phi3_longrope", "phi3"), ("phi4_mini", "phi3"), ("phi4", "phi3"),
+            ("smollm3_4", "smollm3"), ("granite", "granite"), ("olmo2", "olmo2"), ("olmo3", "olmo2"),
+            ("ernie4_5_tied", "ernie4_5"), ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
             ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4"),
             ("hunyuan", "hunyuan-dense"), ("cohere", "command-r"), ("cohere2", "cohere2"),
             ("starcoder2_full", "starcoder2"), ("arcee", "arcee")]
@@ -67,7 +67,7 @@ class Family:
         config.initializer_range = 0.05  # a trained model's scale, which the int8 tolerance is measured on
         model = TinyModel(kind, root / "hf", config)
         ref = model.reference
-        if arch in ("gemma2", "gemma3"):  # zero-initialised: give the +1 stored in the file something to undo
+        if arch in ("gemma", "gemma2", "gemma3"):  # zero-initialised: give the +1 stored in the file something to undo
             with torch.no_grad():
                 for name, param in ref.named_parameters():
                     if name.endswith("norm.weight"):
@@ -105,7 +105,7 @@ def test_gguf_loads_like_the_directory(kind: str, arch: str, tmp_path: Path, ggu
     assert set(checkpoint.state_dict) == set(directory.state_dict)
     for name, tensor in directory.state_dict.items():
         ours = checkpoint.state_dict[name]
-        if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):  # stored + 1: what Gemma multiplies by
+        if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):  # stored + 1: Gemma's factor
             ours, tensor = 1 + ours, 1 + tensor
         assert torch.equal(ours, tensor), name
     from_file, from_dir = llm(family.f32), llm(family.dir)

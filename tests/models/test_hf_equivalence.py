@@ -28,8 +28,8 @@ def reference_logprobs(model: TinyModel, prompts: list[list[int]]) -> torch.Tens
                             for p in prompts])
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "olmo2", "olmo3", "glm4", "exaone4", "hunyuan", "cohere",
-                                  "starcoder2"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma", "gemma3", "olmo2", "olmo3", "glm4", "exaone4", "hunyuan",
+                                  "cohere", "starcoder2"])
 def test_norms_in_place_match_transformers(kind: str, tmp_path) -> None:
     """Norm weights drawn away from their initial ones (which would let a norm move across RoPE, or be
     read into another norm's place, unseen): the families whose norms sit in unusual places, greedy and by
