@@ -126,7 +126,7 @@ def _kept(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, args:
         return None
     mid = 1 << (args.num_bits - 1)
     zero = None if zero is None else zero.reshape(rows, -1).to(torch.int16) + mid
-    return kernel_weight(q + mid, scale, zero, args.num_bits, group_size)
+    return kernel_weight(q.to(torch.int16) + mid, scale, zero, args.num_bits, group_size)  # (int8 q would wrap)
 
 
 def decompress(state_dict: dict[str, torch.Tensor], config: dict, dtype: torch.dtype,
