@@ -38,7 +38,7 @@ from .models.loader import load_checkpoint, load_tokenizer
 from .models.pooling import apply_hf_overrides, build_pooler, matryoshka_dimensions, pooling_task
 from .lora_llm import LoRAMethods, per_prompt
 from .lora_request import LoRAConfig, LoRARequest
-from .pooling_llm import PoolingMethods
+from .pooling_llm import PoolingMethods, pooling_engine_config
 from .pooling_params import PoolerConfig
 from .reasoning.markers import ReasoningConfig
 from .reasoning_state import ReasoningMarkers
@@ -52,9 +52,6 @@ logger = logging.getLogger("conveyor")
 
 
 DEVICES = "'auto', 'cpu', 'cuda' or 'cuda:N'"
-# A pooling model's token budget a step when no config is given: its steps are all prompt tokens, which run
-# faster in larger matmuls (and no decoding row waits behind them).
-POOLING_MAX_BATCH_TOKENS = 2048
 # The same where a model's prompts go to oneDNN's bf16 matmul over weights dequantized at each call (AMX
 # CPUs, `prompts_take_onednn`): larger steps amortize the dequantization (docs/configuration.md).
 ONEDNN_MAX_BATCH_TOKENS = 2048
@@ -202,13 +199,16 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMe
                 apply_hf_overrides(checkpoint.config, hf_overrides)
                 task_name = pooling_task(checkpoint.config, runner, convert, task)
                 if task_name is not None:
-                    if given_config is None and max_num_batched_tokens is None:  # prompts only: larger steps
-                        engine_config = replace(config, max_batch_tokens=POOLING_MAX_BATCH_TOKENS)
                     pooler = build_pooler(task_name, checkpoint.config, checkpoint.state_dict,
                                           own_tokenizer or checkpoint.tokenizer,
                                           pooler_settings, checkpoint.pooler_config, self.device)
                 net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization,
                                   lm_head=task_name is None)
+                if task_name is not None:
+                    engine_config = pooling_engine_config(config, net, checkpoint.path,
+                                                          own_tokenizer or checkpoint.tokenizer,
+                                                          sized=given_config is not None or max_num_batched_tokens
+                                                          is not None)
                 if (given_config is None and max_num_batched_tokens is None and task_name is None
                         and self.device.type == "cpu" and not config.batch_invariant
                         and prompts_take_onednn(net, self.dtype)):

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from .config import ContinuousBatchingConfig
 from .engine.engine import Engine
 from .manager import ContinuousBatchingManager
+from .models.pooling import sentence_max_length
 from .pooling_params import PoolingParams
 from .request import (
     ClassificationOutput,
@@ -36,6 +41,29 @@ from .request import (
 )
 
 ScoreData = str | Sequence[str]
+
+# A pooling model's token budget a step when no config is given: its steps are all prompt tokens, which run
+# faster in larger matmuls (and no decoding row waits behind them).
+POOLING_MAX_BATCH_TOKENS = 2048
+
+
+def pooling_engine_config(config: ContinuousBatchingConfig, model: nn.Module, path: Path,
+                          tokenizer: PreTrainedTokenizerBase, sized: bool) -> ContinuousBatchingConfig:
+    """A pooling model's engine config: unless `sized` (the user gave a config or the step's tokens), steps of
+    `POOLING_MAX_BATCH_TOKENS`, and for an encoder (`models.bert`, whose prompts go whole into one pass) at
+    least its context; the context is the sentence-transformers `max_seq_length` where the checkpoint has one
+    and `max_model_len` is not given (vLLM's rule). An encoder learns the tokenizer's separator here."""
+    limit = sentence_max_length(path)
+    if config.max_model_len is None and limit is not None and limit < model.max_model_len:
+        config = replace(config, max_model_len=limit)
+    if not getattr(model, "encoder_only", False):
+        return config if sized else replace(config, max_batch_tokens=POOLING_MAX_BATCH_TOKENS)
+    if tokenizer.sep_token_id is not None:
+        model.sep_token_id = tokenizer.sep_token_id  # where a pair's second text starts
+    if sized:
+        return config
+    longest = config.context_length(model.max_model_len)
+    return replace(config, max_batch_tokens=max(POOLING_MAX_BATCH_TOKENS, longest))
 
 
 class PoolingMethods:

@@ -303,6 +303,7 @@ class Request:
         # chunks pooled (the mean's running sum, the first token's row, the token tasks' rows), then its result.
         self.pooling = pooling
         self.pools_every_row = False  # its pooling reads rows before the last (MEAN, CLS, ALL): no prefix reuse
+        self.whole_prompt = False  # an encoder's: its prompt computed in one pass, never chunked nor reused
         self.pooling_state: torch.Tensor | None = None
         self.pooled: Pooled | None = None
 
@@ -330,8 +331,9 @@ class Request:
     @property
     def reuses_prefix(self) -> bool:
         """Whether cached blocks may stand in for its prompt's first tokens (prefix caching): not when every
-        prompt position's output is needed (prompt logprobs; pooling over more than the last token)."""
-        return not self.needs_prompt_logprobs and not self.pools_every_row
+        prompt position's output is needed (prompt logprobs; pooling over more than the last token), nor for
+        an encoder's prompt, whose every token attends to every other."""
+        return not self.needs_prompt_logprobs and not self.pools_every_row and not self.whole_prompt
 
     @property
     def forced_token(self) -> int | None:

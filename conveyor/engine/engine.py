@@ -20,7 +20,7 @@ from ..cache.allocator import build_allocators, table_length
 from ..cache.kv_format import kv_format
 from ..cache.offload import SwapPool, choose_victims
 from ..cache.pool import CachePool, cpu_kv_cache_space, layer_groups, plan_num_chunks
-from ..config import ContinuousBatchingConfig
+from ..config import ConfigError, ContinuousBatchingConfig
 from ..errors import DistributedError, InvalidRequestError, RequestErrorCode
 from ..layers.attention import make_attention_backend
 from ..layers.pooler import Pooler
@@ -61,6 +61,9 @@ class Engine:
         multi-LoRA serving on (`engine.lora_manager`)."""
         if pooler is not None:
             check_pooling_config(config)
+        encoder = getattr(model, "encoder_only", False)  # (`models.bert`: whole prompts, no KV cache)
+        if encoder and (pooler is None or config.batch_invariant):
+            raise ConfigError("an encoder-only model runs as a pooling model, without batch_invariant")
         self.pooler = pooler
         self.model = model
         self.tokenizer = tokenizer
@@ -108,7 +111,8 @@ class Engine:
                                               self.capacity_tokens, self.allocator.blocks_for_tokens,
                                               config.max_batch_pages, device, seed=config.seed,
                                               priority_scheduling=config.scheduler_type == "priority",
-                                              pooler=pooler, matryoshka=matryoshka)
+                                              pooler=pooler, matryoshka=matryoshka,
+                                              whole_prompts=config.max_batch_tokens if encoder else None)
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")

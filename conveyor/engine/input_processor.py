@@ -32,11 +32,12 @@ class InputProcessor:
                  eos_token_ids: tuple[int, ...], capacity_tokens: int, blocks_for_tokens: Callable[[int], int],
                  max_batch_pages: int | None, device: torch.device, seed: int | None = None,
                  priority_scheduling: bool = False, pooler: Pooler | None = None,
-                 matryoshka: list[int] | None = None) -> None:
+                 matryoshka: list[int] | None = None, whole_prompts: int | None = None) -> None:
         """`capacity_tokens`: the longest sequence the KV pool holds; `blocks_for_tokens`: the pages a
         sequence of that many tokens reads (the allocator's); `seed`: the engine's seed (config.seed);
         `priority_scheduling`: whether requests' priorities count (else only 0 is taken, as vLLM);
-        `pooler` and `matryoshka`: a pooling engine's (`Engine`)."""
+        `pooler` and `matryoshka`: a pooling engine's (`Engine`); `whole_prompts`: an encoder's pass size
+        (`max_batch_tokens`), which each of its prompts must fit whole."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -50,6 +51,7 @@ class InputProcessor:
         self.priority_scheduling = priority_scheduling
         self.pooler = pooler
         self.matryoshka = matryoshka
+        self.whole_prompts = whole_prompts
         self.unseeded = itertools.count()  # arrival numbers of sampled requests without a seed (atomic next)
         # What a thinking_token_budget counts and forces, and where a grammar starts (after the reasoning)
         self.reasoning_markers: ReasoningMarkers | None = None
@@ -117,10 +119,20 @@ class InputProcessor:
         if params.dimensions is not None:
             self.check_dimensions(params.dimensions)
         token_ids, text = self.prompt_ids(prompt)
-        token_ids = self.truncated(token_ids, params.truncate_prompt_tokens, 0)
+        keep = params.truncate_prompt_tokens
+        if self.whole_prompts is not None and keep is not None:  # an encoder keeps [CLS] ... [SEP], as its tokenizer
+            keep = self.max_model_len if keep == -1 else keep
+            token_ids = token_ids[:keep - 1] + token_ids[-1:] if len(token_ids) > keep else token_ids
+        else:
+            token_ids = self.truncated(token_ids, keep, 0)
         self.check_fits(token_ids, 0)
+        if self.whole_prompts is not None and len(token_ids) > self.whole_prompts:
+            raise InvalidRequestError(f"prompt ({len(token_ids)} tokens) exceeds the {self.whole_prompts} tokens an "
+                                      "encoder model computes in one pass (max_num_batched_tokens)",
+                                      RequestErrorCode.CONTEXT_LENGTH_EXCEEDED)
         request = Request(request_id, token_ids, POOLING_SAMPLING, prompt=text, pooling=params)
         request.pools_every_row = self.pooler.reads_every_row
+        request.whole_prompt = self.whole_prompts is not None
         return request
 
     def check_dimensions(self, dimensions: int) -> None:

@@ -90,8 +90,9 @@ def scratch_chunks(model: Any, config: Any) -> int:
 
 def working_memory(model: Any, config: Any, device: torch.device, dtype: torch.dtype, dense_scores: bool = True) -> int:
     """Bytes to keep free for one full-size pass: measured on CUDA when the pool is sized from free
-    memory (`num_blocks` None), the estimate otherwise (`dense_scores`: the attention backend's)."""
-    if device.type != "cuda" or config.num_blocks is not None:
+    memory (`num_blocks` None), the estimate otherwise (`dense_scores`: the attention backend's; and for an
+    encoder, whose passes the profiling pass, which samples, does not stand for)."""
+    if device.type != "cuda" or config.num_blocks is not None or getattr(model, "encoder_only", False):
         return working_memory_bytes(model, config, dtype, dense_scores)
     measured = measured_working_memory(model, config, device, dtype)
     logger.info("profiling pass of %d tokens: %.0f MiB working memory (estimate %.0f MiB)", config.max_batch_tokens,

@@ -28,9 +28,9 @@ Parts = torch.Tensor | list[torch.Tensor]
 class Pooler(nn.Module):
     """`task` "embed" or "classify", or "token_embed" / "token_classify" (every row through the same head);
     `pooling_type` "LAST", "MEAN" or "CLS", "ALL" for the token tasks; `classifier` the classify head
-    (`[num_labels, hidden]`, fp32)."""
+    (hidden -> num_labels, fp32: a linear layer, or layers ending in one)."""
 
-    def __init__(self, task: str, pooling_type: str, normalize: bool, classifier: nn.Linear | None = None) -> None:
+    def __init__(self, task: str, pooling_type: str, normalize: bool, classifier: nn.Module | None = None) -> None:
         super().__init__()
         if task.endswith("classify") != (classifier is not None):
             raise ValueError("a classify pooler needs its classifier head, an embed pooler none")
@@ -48,7 +48,9 @@ class Pooler(nn.Module):
 
     @property
     def num_labels(self) -> int | None:
-        return None if self.classifier is None else self.classifier.out_features
+        if self.classifier is None:
+            return None
+        return [m for m in self.classifier.modules() if isinstance(m, nn.Linear)][-1].out_features
 
     def read_rows(self, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor | None:
         """The one row of each chunk `chunk_parts` reads (the last or the first), in order; None where it reads

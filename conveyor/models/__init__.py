@@ -8,6 +8,7 @@ from transformers import PretrainedConfig
 from ..layers.quantization.linear import Weight
 from .arcee import ArceeForCausalLM
 from .base import CausalLM
+from .bert import EncoderModel
 from .cohere import CohereForCausalLM
 from .ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from .exaone4 import Exaone4ForCausalLM
@@ -23,19 +24,16 @@ from .olmo2 import Olmo2ForCausalLM
 from .phi3 import Phi3ForCausalLM
 from .starcoder2 import Starcoder2ForCausalLM
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {t: cls for cls in (LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM,
-                                                                 GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
-                                                                 Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM,
-                                                                 Glm4ForCausalLM, Ministral3ForCausalLM,
-                                                                 Exaone4ForCausalLM, GraniteMoeForCausalLM,
-                                                                 HunyuanForCausalLM, CohereForCausalLM,
-                                                                 Starcoder2ForCausalLM, ArceeForCausalLM,
-                                                                 Ernie45MoeForCausalLM)
-                                            for t in cls.model_types}
+FAMILIES: tuple[type[CausalLM] | type[EncoderModel], ...] = (
+    LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
+    Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM, Glm4ForCausalLM, Ministral3ForCausalLM, Exaone4ForCausalLM,
+    GraniteMoeForCausalLM, HunyuanForCausalLM, CohereForCausalLM, Starcoder2ForCausalLM, ArceeForCausalLM,
+    Ernie45MoeForCausalLM, EncoderModel)
+MODEL_CLASSES = {t: cls for cls in FAMILIES for t in cls.model_types}
 
 
 def build_model(config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
-                device: torch.device, quantization: str = "none", lm_head: bool = True) -> CausalLM:
+                device: torch.device, quantization: str = "none", lm_head: bool = True) -> CausalLM | EncoderModel:
     """The engine's model for a checkpoint, by its `model_type`; `quantization` as `LLM` resolved it;
     `lm_head=False` for a pooling model."""
     cls = MODEL_CLASSES.get(config.model_type)

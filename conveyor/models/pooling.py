@@ -28,9 +28,10 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from ..errors import ConfigError
 from ..layers.pooler import Pooler
-from ..layers.quantization.linear import Weight
+from ..layers.quantization.linear import Weight, dequantized
 from ..layers.quantization.tensors import QuantizedTensor
 from ..pooling_params import POOLING_TASKS, TOKEN_TASKS, PoolerConfig
+from .bert import EncoderModel, encoder_classifier
 
 logger = logging.getLogger("conveyor")
 
@@ -63,6 +64,7 @@ def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = 
     classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
     if runner == "auto":  # vLLM: a pooling architecture, or a pooling conversion asked for, runs the pooler
         bare = any(a.endswith(("Model", "EmbeddingModel")) for a in architectures)
+        bare |= config.model_type in EncoderModel.model_types  # (an encoder never generates: its MLM checkpoints embed)
         runner = "pooling" if classifier or bare or convert in POOLING_TASKS else "generate"
     if runner == "generate":
         if convert in POOLING_TASKS:
@@ -97,6 +99,19 @@ def checkpoint_pooler_config(path: Path, gguf_pooling_type: int | None = None) -
     return PoolerConfig(pooling_type=pooling_type, normalize=normalize)
 
 
+def sentence_max_length(path: Path) -> int | None:
+    """The longest input a sentence-transformers checkpoint was made for (`max_seq_length` in its
+    `sentence_bert_config.json`; vLLM serves that as the context), None where it has no such file."""
+    file = path / "sentence_bert_config.json" if path.is_dir() else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        value = json.loads(file.read_text()).get("max_seq_length")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"cannot read {file}: {exc}") from exc
+    return value if isinstance(value, int) and value > 0 else None
+
+
 def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weight],
                  tokenizer: PreTrainedTokenizerBase | None, pooler_config: PoolerConfig, files: PoolerConfig,
                  device: torch.device) -> Pooler:
@@ -108,8 +123,9 @@ def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weig
     if run in TOKEN_TASKS:
         files = PoolerConfig(normalize=files.normalize)  # (a sequence pooling type means nothing per token)
     resolved = pooler_config.over(files if task == "embed" else PoolerConfig(files.pooling_type))
-    resolved = resolved.over(PoolerConfig("ALL" if run in TOKEN_TASKS else "LAST", True))
-    pooling_type = resolved.pooling_type or "LAST"
+    default = "CLS" if config.model_type in EncoderModel.model_types else "LAST"  # (vLLM's defaults)
+    resolved = resolved.over(PoolerConfig("ALL" if run in TOKEN_TASKS else default, True))
+    pooling_type = resolved.pooling_type or default
     if (run in TOKEN_TASKS) != (pooling_type == "ALL"):
         raise ConfigError(f"pooler_config pooling_type {pooling_type!r} does not go with the task {run!r}: the "
                           "token tasks pool ALL, embed and classify LAST, MEAN or CLS")
@@ -134,9 +150,15 @@ def pooler_task(task: str, config: PretrainedConfig, pooler_config: PoolerConfig
 
 
 def classifier_head(config: PretrainedConfig, state_dict: dict[str, Weight], tokenizer: PreTrainedTokenizerBase | None,
-                    device: torch.device) -> nn.Linear:
-    """The classify head, fp32: the checkpoint's `score`, or rows of its LM head (`method` and
-    `classifier_from_token`, vLLM's conversion)."""
+                    device: torch.device) -> nn.Module:
+    """The classify head, fp32: the checkpoint's `score` (an encoder's classifier, `bert.encoder_classifier`),
+    or rows of its LM head (`method` and `classifier_from_token`, vLLM's conversion)."""
+    if config.model_type in EncoderModel.model_types:
+        head = encoder_classifier(config, state_dict)
+        if head is None:
+            raise ConfigError(f"a classify pooling model needs a classification head: this {config.model_type} "
+                              "checkpoint has none (a *ForSequenceClassification checkpoint has `classifier`)")
+        return head.to(device).eval().requires_grad_(False)
     if getattr(config, "is_original_qwen3_reranker", False):
         config.method = "from_2_way_softmax"  # vLLM's switch for the original Qwen3-Reranker checkpoints
     method = getattr(config, "method", None)
@@ -150,12 +172,12 @@ def classifier_head(config: PretrainedConfig, state_dict: dict[str, Weight], tok
                               "scores with tokens' logits is set up with hf_overrides, e.g. "
                               '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
                               '["no", "yes"], "is_original_qwen3_reranker": true}')
-        weight, bias = dense(state_dict.pop("score.weight")), state_dict.pop("score.bias", None)
+        weight, bias = dequantized(state_dict.pop("score.weight")), state_dict.pop("score.bias", None)
     head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
     with torch.no_grad():
         head.weight.copy_(weight.float())
         if bias is not None:
-            head.bias.copy_(dense(bias).float())
+            head.bias.copy_(dequantized(bias).float())
     return head.to(device).eval().requires_grad_(False)
 
 
@@ -186,10 +208,6 @@ def rows_of(weight: Weight, ids: list[int]) -> torch.Tensor:
     if isinstance(weight, QuantizedTensor):
         return weight.index_rows(torch.tensor(ids)).dequantize(torch.float32)
     return weight[ids].float()
-
-
-def dense(weight: Weight) -> torch.Tensor:
-    return weight.dequantize(torch.float32) if isinstance(weight, QuantizedTensor) else weight
 
 
 def matryoshka_dimensions(config: PretrainedConfig) -> list[int] | None:

@@ -4,16 +4,17 @@
 Every step fills one pass under three limits: the token budget (`max_batch_tokens` query tokens),
 the cache budget (`max_batch_pages` KV pages read) and `max_requests_per_batch`. Active requests
 (those holding cache blocks) come first, in the order the scheduler type prefers; then waiting
-requests in arrival order, unless free cache has fallen below `safety_margin`. A prompt that
-does not fit the remaining token budget is chunked: as many of its tokens as fit go now, the rest
-next step. Admission is all or nothing: a waiting request gets blocks for its whole chunk or
-nothing. With prefix caching, a waiting request first looks up the completed blocks that already
-hold the longest prefix of its sequence: it starts with them, their prefill skipped, and its chunk
-begins after them (the cache budget still counts them: shared pages are read too); a request that
-asks for prompt logprobs skips the lookup, since it needs every prompt position's logits (so does a
-pooling request that pools more than its last token's hidden state). An active
-request that cannot get the blocks it needs is reported as stalled, with the number of blocks it
-asked for, so the engine can offload others to make room.
+requests in arrival order, unless free cache has fallen below `safety_margin`. A prompt that does
+not fit the remaining token budget is chunked: as many of its tokens as fit go now, the rest next
+step (an encoder's prompt, `Request.whole_prompt`, waits for a pass it fits whole). Admission is all
+or nothing: a waiting request gets blocks for its whole chunk or nothing. With prefix caching, a
+waiting request first looks up the completed blocks that already hold the longest prefix of its
+sequence: it starts with them, their prefill skipped, and its chunk begins after them (the cache
+budget still counts them: shared pages are read too); a request that asks for prompt logprobs skips
+the lookup, since it needs every prompt position's logits (so does a pooling request that pools more
+than its last token's hidden state). An active request that cannot get the blocks it needs is
+reported as stalled, with the number of blocks it asked for, so the engine can offload others to
+make room.
 
 The scheduler decides and runs nothing: speculative proposals reach it through the narrow `Proposer`
 interface (the engine passes its `Speculator`), and it reads only the few fields of the
@@ -183,6 +184,8 @@ class Scheduler:
         hit = len(cached) * self.allocator.page_size + (tail[1] if tail else 0)
         start = request.num_computed_tokens + hit
         n = min(request.num_tokens - start, budget.tokens)
+        if request.whole_prompt and start + n < request.num_tokens:
+            return False  # an encoder's prompt goes in one pass (the input processor checked that it fits one)
         end = start + n
         pages = self.allocator.blocks_for_tokens(end)
         if pages > budget.pages or not self.allocator.allocate(request.request_id, end, shared=cached, tail=tail):

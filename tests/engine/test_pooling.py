@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conveyor import LLM, ContinuousBatchingConfig, InvalidRequestError, PoolingParams
 from conveyor.config import ConfigError
-from conveyor.llm import POOLING_MAX_BATCH_TOKENS
+from conveyor.pooling_llm import POOLING_MAX_BATCH_TOKENS
 
 from tests.utils import TinyModel, all_free, random_prompts
 

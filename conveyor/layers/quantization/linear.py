@@ -262,6 +262,11 @@ def tile_bf16_modules(model: nn.Module) -> int:
     return replaced
 
 
+def dequantized(weight: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A weight as a dense tensor: a quantized one widened to `dtype`, a dense one as it is."""
+    return weight.dequantize(dtype) if isinstance(weight, QuantizedTensor) else weight
+
+
 def fuse_rows(parts: list[Weight]) -> torch.Tensor | list[Weight]:
     """Fused q/k/v or gate/up: one dense tensor, or the parts as they are when some are quantized."""
     return torch.cat(parts) if all(isinstance(p, torch.Tensor) for p in parts) else list(parts)

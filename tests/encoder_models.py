@@ -1,0 +1,58 @@
+"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa) with a WordPiece tokenizer, for the encoder tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+WORDS = [f"w{i}" for i in range(200)]
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def bert_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """A WordPiece tokenizer whose words are "w0" ... "w199" (ids 5...): [CLS] text [SEP], pairs with types."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "vocab.txt").write_text("\n".join(SPECIAL + WORDS) + "\n")
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def encoder_config(kind: str, **overrides: object) -> transformers.PretrainedConfig:
+    common = dict(vocab_size=len(SPECIAL) + len(WORDS), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    if kind == "bert":
+        config = transformers.BertConfig(**(common | overrides))
+    else:  # XLM-RoBERTa's shape: pad 1, positions from 2, one token type
+        config = transformers.XLMRobertaConfig(**(common | dict(pad_token_id=1, type_vocab_size=1,
+                                                                max_position_embeddings=130) | overrides))
+    config._attn_implementation = "eager"
+    return config
+
+
+def save_encoder(path: Path, config: transformers.PretrainedConfig, head: str = "Model"
+                 ) -> transformers.PreTrainedModel:
+    """A random encoder (`head`: "Model", or "ForSequenceClassification") saved with its tokenizer; its norms'
+    weights drawn away from one and its token types and head larger than the init's, so that one read wrongly
+    shows."""
+    torch.manual_seed(0)
+    family = "Bert" if config.model_type == "bert" else "XLMRoberta"
+    model = getattr(transformers, f"{family}{head}")(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.2, 0.2)
+            elif "token_type_embeddings" in name or "classifier" in name:  # (their effect well above rounding)
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    bert_tokenizer(path)
+    return model
+
+
+def texts(n: int, seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(length),), generator=g))
+            for length in torch.randint(3, 60, (n,), generator=g)]

@@ -1,0 +1,152 @@
+"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa) as pooling models: embeddings equal to transformers'
+encoder pooled as the checkpoint's sentence-transformers files say, cross-encoders' scores equal to its
+`*ForSequenceClassification` (a pair's token types included), prompts computed whole and alone (a prompt's
+embedding does not depend on its neighbours in the pass), and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from conveyor import LLM, PoolingParams
+from conveyor.config import ConfigError
+from conveyor.errors import InvalidRequestError
+
+from tests.encoder_models import WORDS, bert_tokenizer, encoder_config, save_encoder, texts
+from tests.utils import all_free
+
+
+@torch.inference_mode()
+def reference_states(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
+                     text: str, pair: str | None = None) -> torch.Tensor:
+    encoded = tokenizer(text, text_pair=pair, return_tensors="pt")
+    return model(**encoded).last_hidden_state[0]
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_embeddings_equal_transformers_pooled(kind: str, tmp_path: Path, one_thread: None) -> None:
+    """fp32: CLS (the encoders' default) and mean pooling, normalized, against transformers' encoder; each
+    text's embedding the same alone as among seven others of other lengths."""
+    reference = save_encoder(tmp_path, encoder_config(kind))
+    tokenizer = bert_tokenizer(tmp_path)
+    batch = texts(8, seed=1)
+    for pooling in ("CLS", "MEAN"):
+        llm = LLM(tmp_path, dtype="float32", pooler_config={"pooling_type": pooling})
+        assert llm.pooling_task == "embed" and llm.engine.pooler.pooling_type == pooling
+        outs = llm.embed(batch, use_tqdm=False)
+        for text, out in zip(batch, outs):
+            states = reference_states(reference, tokenizer, text)
+            ref = F.normalize(states[0] if pooling == "CLS" else states.mean(0), dim=0)
+            torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-5, rtol=1e-4)
+        alone = llm.embed(batch[3], use_tqdm=False)[0].outputs.embedding
+        torch.testing.assert_close(torch.tensor(alone), torch.tensor(outs[3].outputs.embedding), atol=1e-6, rtol=0)
+        assert all_free(llm)
+
+
+def test_bf16_embeddings_are_close(tmp_path: Path, one_thread: None) -> None:
+    """The default mode (bf16 where the CPU has it) against the fp32 reference: cosine >= 0.99."""
+    reference = save_encoder(tmp_path, encoder_config("bert"))
+    tokenizer = bert_tokenizer(tmp_path)
+    llm = LLM(tmp_path, runner="pooling")
+    for text, out in zip(texts(6, seed=2), llm.embed(texts(6, seed=2), use_tqdm=False)):
+        ref = reference_states(reference, tokenizer, text)[0]
+        assert float(F.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0)) >= 0.99
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+def test_cross_encoder_scores_equal_transformers(kind: str, tmp_path: Path, one_thread: None) -> None:
+    """A `*ForSequenceClassification` cross-encoder (one label): each pair's score is the sigmoid of
+    transformers' logit for the tokenizer's pair encoding (BERT: the second text's token type 1)."""
+    reference = save_encoder(tmp_path, encoder_config(kind, num_labels=1), head="ForSequenceClassification")
+    tokenizer = bert_tokenizer(tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    assert llm.pooling_task == "classify" and llm.engine.pooler.pooling_type == "CLS"
+    query, documents = texts(1, seed=3)[0], texts(5, seed=4)
+    scores = [s.outputs.score for s in llm.score(query, documents, use_tqdm=False)]
+    encoded = [tokenizer(query, text_pair=d, return_tensors="pt") for d in documents]
+    if kind != "bert":  # (RoBERTa's tokenizers give no token types: one segment)
+        encoded = [{"input_ids": e["input_ids"]} for e in encoded]
+    with torch.inference_mode():
+        logits = [reference(**e).logits[0, 0] for e in encoded]
+    torch.testing.assert_close(torch.tensor(scores), torch.stack(logits).sigmoid(), atol=2e-6, rtol=1e-5)
+    assert all_free(llm)
+
+
+def test_a_bert_pair_reads_its_token_types(tmp_path: Path, one_thread: None) -> None:
+    """The token-type embedding of the second text matters: a pair's score differs from the same tokens read
+    as one segment (a model without the types would give the one-segment score)."""
+    reference = save_encoder(tmp_path, encoder_config("bert", num_labels=1), head="ForSequenceClassification")
+    tokenizer = bert_tokenizer(tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    query, document = texts(2, seed=5)
+    [score] = [s.outputs.score for s in llm.score(query, document, use_tqdm=False)]
+    encoded = tokenizer(query, text_pair=document, return_tensors="pt")
+    with torch.inference_mode():
+        one_segment = reference(input_ids=encoded["input_ids"]).logits[0, 0].sigmoid()
+        paired = reference(**encoded).logits[0, 0].sigmoid()
+    assert abs(float(paired - one_segment)) > 5e-4  # (250 times the tolerance below)
+    assert score == pytest.approx(float(paired), abs=2e-6)
+
+
+def test_prompts_go_whole_into_passes_and_the_limits_are_named(tmp_path: Path, one_thread: None) -> None:
+    """With passes of 64 tokens, prompts of up to 64 tokens are never chunked (their embeddings equal the
+    reference); a longer one is refused naming the pass size, one over the context naming max_model_len;
+    truncation keeps [CLS] ... [SEP]; the pool's blocks all return."""
+    reference = save_encoder(tmp_path, encoder_config("bert"))
+    tokenizer = bert_tokenizer(tmp_path)
+    llm = LLM(tmp_path, dtype="float32", max_num_batched_tokens=64)
+    batch = [t for t in texts(12, seed=6) if len(tokenizer(t)["input_ids"]) <= 64]
+    assert len(batch) >= 6
+    for text, out in zip(batch, llm.embed(batch, use_tqdm=False)):
+        ref = F.normalize(reference_states(reference, tokenizer, text)[0], dim=0)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-5, rtol=1e-4)
+    long_text = " ".join(WORDS[:70])
+    with pytest.raises(InvalidRequestError, match="exceeds the 64 tokens an encoder model computes in one pass"):
+        llm.embed(long_text, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="context length of 128 tokens"):
+        llm.embed(list(range(5, 135)), use_tqdm=False)
+    [cut] = llm.embed(long_text, PoolingParams(truncate_prompt_tokens=40), use_tqdm=False)
+    ref = reference_states(reference, tokenizer, " ".join(WORDS[:38]))[0]  # [CLS] + 38 words + [SEP]
+    torch.testing.assert_close(torch.tensor(cut.outputs.embedding), F.normalize(ref, dim=0), atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
+
+
+def test_an_encoder_does_not_generate(tmp_path: Path, one_thread: None) -> None:
+    save_encoder(tmp_path, encoder_config("bert"))
+    with pytest.raises(ConfigError, match="encoder-only model: it embeds or classifies"):
+        LLM(tmp_path, dtype="float32", runner="generate")
+    with pytest.raises(ConfigError, match="without batch_invariant"):
+        LLM(tmp_path, dtype="bfloat16", batch_invariant=True)
+    llm = LLM(tmp_path, dtype="float32")
+    with pytest.raises(InvalidRequestError, match="pooling model"):
+        llm.generate("w1 w2", use_tqdm=False)
+    assert len(llm.embed([[2, 9, 10, 3]], use_tqdm=False)[0].outputs.embedding) == 64  # token ids: [CLS] .. [SEP]
+
+
+def test_sentence_transformers_files_set_pooling_and_context(tmp_path: Path, one_thread: None) -> None:
+    """all-MiniLM's files: mean pooling, normalized (modules.json), a context of `max_seq_length` (vLLM's rule);
+    a one-token prompt (a decode row in the pass) pools that token's state."""
+    reference = save_encoder(tmp_path, encoder_config("bert"))
+    tokenizer = bert_tokenizer(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
+    llm = LLM(tmp_path, dtype="float32")
+    assert (llm.engine.pooler.pooling_type, llm.engine.pooler.normalize, llm.max_model_len) == ("MEAN", True, 48)
+    with pytest.raises(InvalidRequestError, match="context length of 48 tokens"):
+        llm.embed(" ".join(WORDS[:50]), use_tqdm=False)
+    batch = [[2], *(tokenizer(t)["input_ids"][:48] for t in texts(4, seed=7))]
+    with torch.inference_mode():
+        refs = [F.normalize(reference(torch.tensor([ids])).last_hidden_state[0].mean(0), dim=0) for ids in batch]
+    for ref, out in zip(refs, llm.embed(batch, use_tqdm=False)):
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-5, rtol=1e-4)
+    assert LLM(tmp_path, dtype="float32", max_model_len=100).max_model_len == 100  # the user's wins
