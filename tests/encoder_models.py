@@ -1,4 +1,5 @@
-"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa) with a WordPiece tokenizer, for the encoder tests."""
+"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, ModernBERT) with a WordPiece tokenizer, for the encoder
+tests."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def encoder_config(kind: str, **overrides: object) -> transformers.PretrainedCon
                   attention_probs_dropout_prob=0.0)
     if kind == "bert":
         config = transformers.BertConfig(**(common | overrides))
+    elif kind == "modernbert":  # four layers, the first and the last global; a window of 8 tokens either way
+        config = transformers.ModernBertConfig(**(common | dict(num_hidden_layers=4, local_attention=16, pad_token_id=0,
+                                                                cls_token_id=2, sep_token_id=3, bos_token_id=2,
+                                                                eos_token_id=3) | overrides))
     else:  # XLM-RoBERTa's shape: pad 1, positions from 2, one token type
         config = transformers.XLMRobertaConfig(**(common | dict(pad_token_id=1, type_vocab_size=1,
                                                                 max_position_embeddings=130) | overrides))
@@ -39,17 +44,24 @@ def save_encoder(path: Path, config: transformers.PretrainedConfig, head: str = 
     weights drawn away from one and its token types and head larger than the init's, so that one read wrongly
     shows."""
     torch.manual_seed(0)
-    family = "Bert" if config.model_type == "bert" else "XLMRoberta"
+    family = {"bert": "Bert", "modernbert": "ModernBert"}.get(config.model_type, "XLMRoberta")
     model = getattr(transformers, f"{family}{head}")(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "LayerNorm" in name:
+            if "LayerNorm" in name or "norm" in name:
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.2, 0.2)
             elif "token_type_embeddings" in name or "classifier" in name:  # (their effect well above rounding)
                 p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     bert_tokenizer(path)
     return model
+
+
+def encoded(tokenizer: transformers.PreTrainedTokenizerBase, config: transformers.PretrainedConfig, text: str,
+            pair: str | None = None) -> dict[str, torch.Tensor]:
+    """The tokenizer's inputs for the model: token types only for BERT (RoBERTa and ModernBERT take none)."""
+    inputs = dict(tokenizer(text, text_pair=pair, return_tensors="pt"))
+    return inputs if config.model_type == "bert" else {k: v for k, v in inputs.items() if k != "token_type_ids"}
 
 
 def texts(n: int, seed: int) -> list[str]:

@@ -8,8 +8,8 @@ from transformers import PretrainedConfig
 from ..layers.quantization.linear import Weight
 from .arcee import ArceeForCausalLM
 from .base import CausalLM
-from .bert import EncoderModel
 from .cohere import CohereForCausalLM
+from .encoder import EncoderModel
 from .ernie import Ernie45ForCausalLM, Ernie45MoeForCausalLM
 from .exaone4 import Exaone4ForCausalLM
 from .gemma import GemmaForCausalLM
@@ -22,13 +22,14 @@ from .ministral3 import Ministral3ForCausalLM
 from .moe import MoeForCausalLM
 from .olmo2 import Olmo2ForCausalLM
 from .phi3 import Phi3ForCausalLM
+from .pooling import ENCODERS
 from .starcoder2 import Starcoder2ForCausalLM
 
 FAMILIES: tuple[type[CausalLM] | type[EncoderModel], ...] = (
     LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
     Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM, Glm4ForCausalLM, Ministral3ForCausalLM, Exaone4ForCausalLM,
     GraniteMoeForCausalLM, HunyuanForCausalLM, CohereForCausalLM, Starcoder2ForCausalLM, ArceeForCausalLM,
-    Ernie45MoeForCausalLM, EncoderModel)
+    Ernie45MoeForCausalLM, *ENCODERS.values())
 MODEL_CLASSES = {t: cls for cls in FAMILIES for t in cls.model_types}
 
 

@@ -31,7 +31,9 @@ from ..layers.pooler import Pooler
 from ..layers.quantization.linear import Weight, dequantized
 from ..layers.quantization.tensors import QuantizedTensor
 from ..pooling_params import POOLING_TASKS, TOKEN_TASKS, PoolerConfig
-from .bert import EncoderModel, encoder_classifier
+from .bert import BertModel
+from .encoder import EncoderModel
+from .modernbert import ModernBertModel
 
 logger = logging.getLogger("conveyor")
 
@@ -43,6 +45,8 @@ ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens"
                     "pooling_mode_cls_token": "CLS"}
 GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}  # llama.cpp's enum (0: none, 4: rank)
 SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
+# The encoder families by `model_type` (`models.encoder`): pooling models only, with heads of their own
+ENCODERS: dict[str, type[EncoderModel]] = {t: cls for cls in (BertModel, ModernBertModel) for t in cls.model_types}
 
 
 def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = "auto",
@@ -64,7 +68,7 @@ def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = 
     classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
     if runner == "auto":  # vLLM: a pooling architecture, or a pooling conversion asked for, runs the pooler
         bare = any(a.endswith(("Model", "EmbeddingModel")) for a in architectures)
-        bare |= config.model_type in EncoderModel.model_types  # (an encoder never generates: its MLM checkpoints embed)
+        bare |= config.model_type in ENCODERS  # (an encoder never generates: its masked-LM checkpoints embed)
         runner = "pooling" if classifier or bare or convert in POOLING_TASKS else "generate"
     if runner == "generate":
         if convert in POOLING_TASKS:
@@ -123,7 +127,8 @@ def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weig
     if run in TOKEN_TASKS:
         files = PoolerConfig(normalize=files.normalize)  # (a sequence pooling type means nothing per token)
     resolved = pooler_config.over(files if task == "embed" else PoolerConfig(files.pooling_type))
-    default = "CLS" if config.model_type in EncoderModel.model_types else "LAST"  # (vLLM's defaults)
+    encoder = ENCODERS.get(config.model_type)
+    default = encoder.default_pooling(config) if encoder is not None else "LAST"  # (vLLM's defaults)
     resolved = resolved.over(PoolerConfig("ALL" if run in TOKEN_TASKS else default, True))
     pooling_type = resolved.pooling_type or default
     if (run in TOKEN_TASKS) != (pooling_type == "ALL"):
@@ -151,10 +156,10 @@ def pooler_task(task: str, config: PretrainedConfig, pooler_config: PoolerConfig
 
 def classifier_head(config: PretrainedConfig, state_dict: dict[str, Weight], tokenizer: PreTrainedTokenizerBase | None,
                     device: torch.device) -> nn.Module:
-    """The classify head, fp32: the checkpoint's `score` (an encoder's classifier, `bert.encoder_classifier`),
+    """The classify head, fp32: the checkpoint's `score` (an encoder's own, `EncoderModel.classifier`),
     or rows of its LM head (`method` and `classifier_from_token`, vLLM's conversion)."""
-    if config.model_type in EncoderModel.model_types:
-        head = encoder_classifier(config, state_dict)
+    if config.model_type in ENCODERS:
+        head = ENCODERS[config.model_type].classifier(config, state_dict)
         if head is None:
             raise ConfigError(f"a classify pooling model needs a classification head: this {config.model_type} "
                               "checkpoint has none (a *ForSequenceClassification checkpoint has `classifier`)")

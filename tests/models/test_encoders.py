@@ -1,7 +1,7 @@
-"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa) as pooling models: embeddings equal to transformers'
-encoder pooled as the checkpoint's sentence-transformers files say, cross-encoders' scores equal to its
-`*ForSequenceClassification` (a pair's token types included), prompts computed whole and alone (a prompt's
-embedding does not depend on its neighbours in the pass), and the refusals."""
+"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa, ModernBERT) as pooling models: embeddings equal to
+transformers' encoder pooled as the checkpoint's sentence-transformers files say, cross-encoders' scores equal
+to its `*ForSequenceClassification` (a pair's token types included), prompts computed whole and alone (a
+prompt's embedding does not depend on its neighbours in the pass), and the refusals."""
 
 from __future__ import annotations
 
@@ -17,21 +17,21 @@ from conveyor import LLM, PoolingParams
 from conveyor.config import ConfigError
 from conveyor.errors import InvalidRequestError
 
-from tests.encoder_models import WORDS, bert_tokenizer, encoder_config, save_encoder, texts
+from tests.encoder_models import WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts
 from tests.utils import all_free
 
 
 @torch.inference_mode()
 def reference_states(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
-                     text: str, pair: str | None = None) -> torch.Tensor:
-    encoded = tokenizer(text, text_pair=pair, return_tensors="pt")
-    return model(**encoded).last_hidden_state[0]
+                     text: str) -> torch.Tensor:
+    return model(**encoded(tokenizer, model.config, text)).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
 def test_embeddings_equal_transformers_pooled(kind: str, tmp_path: Path, one_thread: None) -> None:
     """fp32: CLS (the encoders' default) and mean pooling, normalized, against transformers' encoder; each
-    text's embedding the same alone as among seven others of other lengths."""
+    text's embedding the same alone as among seven others of other lengths (ModernBERT: texts longer than
+    its sliding layers' window too)."""
     reference = save_encoder(tmp_path, encoder_config(kind))
     tokenizer = bert_tokenizer(tmp_path)
     batch = texts(8, seed=1)
@@ -58,21 +58,22 @@ def test_bf16_embeddings_are_close(tmp_path: Path, one_thread: None) -> None:
         assert float(F.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0)) >= 0.99
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
-def test_cross_encoder_scores_equal_transformers(kind: str, tmp_path: Path, one_thread: None) -> None:
+@pytest.mark.parametrize(("kind", "pooling"), [("bert", "CLS"), ("xlm-roberta", "CLS"), ("modernbert", "CLS"),
+                                               ("modernbert", "MEAN")])
+def test_cross_encoder_scores_equal_transformers(kind: str, pooling: str, tmp_path: Path, one_thread: None) -> None:
     """A `*ForSequenceClassification` cross-encoder (one label): each pair's score is the sigmoid of
-    transformers' logit for the tokenizer's pair encoding (BERT: the second text's token type 1)."""
-    reference = save_encoder(tmp_path, encoder_config(kind, num_labels=1), head="ForSequenceClassification")
+    transformers' logit for the tokenizer's pair encoding (BERT: the second text's token type 1; ModernBERT:
+    its head over the first token or, `classifier_pooling` "mean", the mean)."""
+    extra = {"classifier_pooling": pooling.lower()} if kind == "modernbert" else {}
+    config = encoder_config(kind, num_labels=1, **extra)
+    reference = save_encoder(tmp_path, config, head="ForSequenceClassification")
     tokenizer = bert_tokenizer(tmp_path)
     llm = LLM(tmp_path, dtype="float32")
-    assert llm.pooling_task == "classify" and llm.engine.pooler.pooling_type == "CLS"
+    assert llm.pooling_task == "classify" and llm.engine.pooler.pooling_type == pooling
     query, documents = texts(1, seed=3)[0], texts(5, seed=4)
     scores = [s.outputs.score for s in llm.score(query, documents, use_tqdm=False)]
-    encoded = [tokenizer(query, text_pair=d, return_tensors="pt") for d in documents]
-    if kind != "bert":  # (RoBERTa's tokenizers give no token types: one segment)
-        encoded = [{"input_ids": e["input_ids"]} for e in encoded]
     with torch.inference_mode():
-        logits = [reference(**e).logits[0, 0] for e in encoded]
+        logits = [reference(**encoded(tokenizer, config, query, d)).logits[0, 0] for d in documents]
     torch.testing.assert_close(torch.tensor(scores), torch.stack(logits).sigmoid(), atol=2e-6, rtol=1e-5)
     assert all_free(llm)
 
@@ -85,10 +86,10 @@ def test_a_bert_pair_reads_its_token_types(tmp_path: Path, one_thread: None) -> 
     llm = LLM(tmp_path, dtype="float32")
     query, document = texts(2, seed=5)
     [score] = [s.outputs.score for s in llm.score(query, document, use_tqdm=False)]
-    encoded = tokenizer(query, text_pair=document, return_tensors="pt")
+    inputs = tokenizer(query, text_pair=document, return_tensors="pt")
     with torch.inference_mode():
-        one_segment = reference(input_ids=encoded["input_ids"]).logits[0, 0].sigmoid()
-        paired = reference(**encoded).logits[0, 0].sigmoid()
+        one_segment = reference(input_ids=inputs["input_ids"]).logits[0, 0].sigmoid()
+        paired = reference(**inputs).logits[0, 0].sigmoid()
     assert abs(float(paired - one_segment)) > 5e-4  # (250 times the tolerance below)
     assert score == pytest.approx(float(paired), abs=2e-6)
 

@@ -1,0 +1,163 @@
+"""Encoder-only models as pooling models: what BERT-style (`models.bert`) and ModernBERT (`models.modernbert`)
+encoders share (docs/design/pooling.md, "Encoder models").
+
+An encoder's attention is bidirectional: every token of a prompt attends to every other, so a prompt is
+computed whole in one pass (`Request.whole_prompt`: never chunked, never started from cached blocks) and
+nothing outlives the pass: each layer attends over the pass's own keys and values, prompt by prompt
+(`bidirectional_attention`), and writes no KV cache. The engine still keeps a pool for the scheduler's
+bookkeeping, of one nominal layer and one head: `num_layers`, `num_kv_heads` and `layer_types` below are
+that cache's view, not the network's (a family's `layers` hold the network's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from ..errors import ConfigError
+from ..layers.attention import AttentionBackend, AttentionMetadata
+from ..layers.linear import prepack_linears
+from ..layers.quantization.linear import (
+    QuantLinear,
+    Weight,
+    bf16_kernel_max_rows,
+    dequantized,
+    plan_weights,
+    tile_bf16_modules,
+)
+from .base import no_init_weights
+
+
+class EncoderModel(nn.Module):
+    """An encoder over the flattened batch of whole prompts: its last hidden states, the pooler's input. The
+    engine-facing attributes are `CausalLM`'s; a family fills `weights` (its checkpoint's tensors by the
+    model's names), `classifier` (a sequence classifier's head) and `encode`."""
+
+    model_types: tuple[str, ...] = ()
+    encoder_only = True
+    cuda_graphs = False
+    rope_by_length = False
+    rope_switch = None
+    sliding_window = None  # (of the nominal cache: an encoder's windows are its own, `bidirectional_attention`)
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.num_layers, self.num_kv_heads, self.layer_types = 1, 1, ["full_attention"]  # the nominal cache
+        self.dtype = torch.float32
+        self.mirror = self.lora_state = self.decode_stack = None
+        self.sep_token_id: int | None = None  # the tokenizer's [SEP] (`LLM` sets it): where a pair's second text starts
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    def prefix_key(self, rope_length: int) -> bytes:
+        return b""
+
+    @classmethod
+    def weights(cls, config: PretrainedConfig, state_dict: dict[str, Weight]) -> dict[str, Weight | list[Weight]]:
+        """The encoder's tensors by this model's names (ValueError naming one the checkpoint lacks)."""
+        raise NotImplementedError
+
+    @classmethod
+    def classifier(cls, config: PretrainedConfig, state_dict: dict[str, Weight]) -> nn.Module | None:
+        """A sequence classifier's head over the pooled state, fp32; None where the checkpoint has none."""
+        raise NotImplementedError
+
+    @classmethod
+    def default_pooling(cls, config: PretrainedConfig) -> str:
+        """How the family pools without other word: the first token (vLLM's default for encoders)."""
+        return "CLS"
+
+    @classmethod
+    def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
+                        device: torch.device, quantization: str = "none", lm_head: bool = True) -> "EncoderModel":
+        """The encoder with its weights loaded; linear weights quantized as `quantization` says. `lm_head` must
+        be False: an encoder embeds or classifies, it never generates."""
+        if lm_head:
+            raise ConfigError(f"{config.model_type} is an encoder-only model: it embeds or classifies prompts "
+                              "(runner='pooling', --runner pooling), it cannot generate text")
+        with no_init_weights():
+            model = cls(config)
+        linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        planned = plan_weights(cls.weights(config, state_dict), quantization, dtype, linears)
+        for name, parts in list(planned.items()):
+            if isinstance(parts, list):
+                old = model.get_submodule(name.removesuffix(".weight"))
+                model.set_submodule(name.removesuffix(".weight"), QuantLinear(parts, bias=old.bias is not None,
+                                                                              dtype=dtype))
+                del planned[name]
+        try:
+            model.load_state_dict(planned, strict=True, assign=True)
+        except RuntimeError as exc:
+            raise ValueError(f"the {config.model_type} checkpoint does not fit {cls.__name__}: {exc}") from None
+        model = model.to(device=device, dtype=dtype).eval()
+        model.dtype = dtype
+        prepack_linears(model)  # fp32
+        if bf16_kernel_max_rows() is None:  # bf16 without AMX: the native kernels' tiles; with AMX, an encoder's
+            tile_bf16_modules(model)        # passes are oneDNN's sizes, and its matmul takes the plain weight
+        return model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
+                metas: Sequence[AttentionMetadata], attention: AttentionBackend,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden states, `[num_tokens, hidden]` (or `rows` of them); the pass's prompts are read from
+        `metas[0]`, each whole from its first token. Nothing is read from or written to `kv_caches`."""
+        hidden = self.encode(input_ids, positions, prompt_lengths(metas[0]))
+        return hidden if rows is None else hidden.index_select(0, rows)
+
+    def encode(self, input_ids: torch.Tensor, positions: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The last hidden states of the pass's prompts, of `lengths` tokens each, in order."""
+        raise NotImplementedError
+
+
+def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                            window: int | None = None) -> torch.Tensor:
+    """Attention of each prompt over itself, both ways: `q`, `k`, `v` `[tokens, heads, head_dim]` views,
+    the result `[tokens, heads * head_dim]`. `window`: a token attends to those at most that far away."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    start = 0
+    for n in lengths:  # (host work O(prompts in the pass))
+        part = slice(start, start + n)
+        mask = None
+        if window is not None and n > window + 1:
+            index = torch.arange(n, device=q.device)
+            mask = (index[:, None] - index[None, :]).abs() <= window
+        # [1, heads, tokens, head_dim]: torch's fused CPU attention takes 4-D inputs (3-D ones go the slow way)
+        heads = [t[part].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        out[part] = F.scaled_dot_product_attention(*heads, attn_mask=mask)[0].transpose(0, 1)
+        start += n
+    return out.view(len(q), -1)
+
+
+def prompt_lengths(meta: AttentionMetadata) -> list[int]:
+    """The lengths of the pass's prompts (a one-token prompt is a decode row), each checked to be whole."""
+    partial = [p.start for p in meta.prefills if p.start != 0]
+    if partial:
+        raise RuntimeError(f"an encoder computes whole prompts: a chunk starting at token {partial[0]} was scheduled")
+    return [1] * meta.num_decodes + [p.q_len for p in meta.prefills]
+
+
+def segment_cumsum(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The running sum of `values` within each of the consecutive segments of `counts` rows."""
+    total = values.cumsum(0)
+    starts = counts.cumsum(0) - counts
+    return total - (total[starts] - values[starts]).repeat_interleave(counts)
+
+
+def linear_from(state_dict: dict[str, Weight], name: str) -> nn.Linear:
+    """The fp32 `nn.Linear` of checkpoint tensors `{name}.weight` (and `{name}.bias` where there is one)."""
+    weight = dequantized(state_dict[f"{name}.weight"]).float()
+    bias = state_dict.get(f"{name}.bias")
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(dequantized(bias).float())
+    return layer
