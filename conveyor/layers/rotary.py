@@ -109,6 +109,15 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("exponents", torch.arange(0, dim, 2, dtype=torch.int64).float() / dim,
                                  persistent=False)
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  (nn.Module's signature)
+        """Device moves only: the frequencies stay fp32 in a bf16 model, as transformers keeps them (rounded
+        to bf16, a far position's angle drifts by radians)."""
+        kept = {name: buffer for name, buffer in self._buffers.items() if buffer is not None}
+        super()._apply(fn, recurse)
+        for name, buffer in kept.items():
+            self._buffers[name] = buffer.to(self._buffers[name].device)
+        return self
+
     @property
     def by_length(self) -> bool:
         """Whether the frequencies depend on the sequence length (then positions should carry it)."""

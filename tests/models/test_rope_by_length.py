@@ -18,8 +18,9 @@ from conveyor.errors import ConfigError
 from conveyor.layers.rotary import RotaryEmbedding, with_lengths
 from conveyor.models.sharding import plan_shards
 
-from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, ROPE_BY_LENGTH_CONFIGS, ROPE_SWITCH, TinyModel,
-                         agreement, assert_greedy_match, greedy_ids, hf_greedy, next_token_logprobs, random_prompts)
+from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, ROPE_BY_LENGTH_CONFIGS, ROPE_SWITCH,
+                         TINY_CONFIGS, TinyModel, agreement, assert_greedy_match, greedy_ids, hf_greedy,
+                         next_token_logprobs, random_prompts)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # transformers' generate too: 40x faster on a busy 2-core box
 
@@ -206,3 +207,19 @@ def test_speculation_stops_at_the_longrope_switch(models: dict[str, Model]) -> N
     llm = model.llm(page_size=4, speculative_config=spec)
     run_and_compare(model, llm, prompts, [20, 12, 8], "self-drafted across the switch")
     assert llm.stats().spec_decode_num_accepted_tokens > 20
+
+
+def test_frequencies_stay_float32_in_a_bf16_model() -> None:
+    """A model cast to bf16 keeps its RoPE frequencies in fp32 (transformers' too): at position 100,000 the
+    angles equal the fp32 ones (frequencies rounded to bf16 turn some by radians there); LongRoPE's and dynamic
+    NTK's buffers stay fp32 too."""
+    config = TINY_CONFIGS["llama"]()
+    rotary = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads)
+    expected = rotary(torch.tensor([100_000]), torch.float32)
+    rotary.to(torch.bfloat16)
+    for ours, ref in zip(rotary(torch.tensor([100_000]), torch.float32), expected):
+        torch.testing.assert_close(ours, ref, atol=0, rtol=0)
+    for kind in ("phi3_longrope", "llama_dynamic"):
+        config = ROPE_BY_LENGTH_CONFIGS[kind]()
+        scaled = RotaryEmbedding(config, config.hidden_size // config.num_attention_heads).to(torch.bfloat16)
+        assert {b.dtype for b in [*rotary.buffers(), *scaled.buffers()]} == {torch.float32}
