@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import torch
 import transformers
 
@@ -15,8 +16,8 @@ SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 def bert_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
     """A WordPiece tokenizer whose words are "w0" ... "w199" (ids 5...): [CLS] text [SEP], pairs with types."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(SPECIAL + WORDS) + "\n")
-    tokenizer = transformers.BertTokenizerFast(vocab_file=str(path / "vocab.txt"))
+    tokenizer = transformers.BertTokenizerFast(vocab={t: i for i, t in enumerate(SPECIAL + WORDS)})
+    assert tokenizer("w0 w199")["input_ids"] == [2, 5, 204, 3]
     tokenizer.save_pretrained(path)
     return tokenizer
 
@@ -68,3 +69,46 @@ def texts(n: int, seed: int) -> list[str]:
     g = torch.Generator().manual_seed(seed)
     return [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (int(length),), generator=g))
             for length in torch.randint(3, 60, (n,), generator=g)]
+
+
+def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
+                    qtype: gguf.GGMLQuantizationType, pooling: gguf.PoolingType = gguf.PoolingType.MEAN) -> None:
+    """A BERT encoder as llama.cpp's converter writes it: `bert.*` keys, the vocabulary in phantom-space form
+    (a word-initial piece with a leading "▁", a continuation without its "##", control tokens as they are),
+    gguf's tensor names for BERT (the pooler dropped; a classifier's `classifier` renamed `classifier.out_proj`),
+    matrices in `qtype`, the rest F32."""
+    config = model.config
+    w = gguf.GGUFWriter(path, "bert")
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_layer_norm_eps(config.layer_norm_eps)
+    w.add_causal_attention(False)
+    w.add_pooling_type(pooling)
+    w.add_token_type_count(config.type_vocab_size)
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = set(tokenizer.all_special_tokens)
+    w.add_tokenizer_model("bert")
+    w.add_token_list([t if t in special else t[2:] if t.startswith("##") else "\u2581" + t for t, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+    for key, token in (("unk", "[UNK]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("bos", "[CLS]"), ("eos", "[SEP]"),
+                       ("mask", "[MASK]")):  # (the converter's [CLS] is its BOS)
+        getattr(w, f"add_{key}_token_id")(tokenizer.convert_tokens_to_ids(token))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        name = name.removeprefix("bert.")
+        if name.startswith("pooler.") or name.endswith("position_ids"):
+            continue
+        name = name.replace("classifier.", "classifier.out_proj.") if name.startswith("classifier.") else name
+        data = tensor.detach().float().numpy()
+        out = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and not name.startswith("embeddings.token_type"):
+            w.add_tensor(out, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(out, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

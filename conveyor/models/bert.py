@@ -124,6 +124,8 @@ class BertModel(EncoderModel):
         `classifier.dense` and `classifier.out_proj`."""
         if "classifier.out_proj.weight" in state_dict:
             first, last = "classifier.dense", "classifier.out_proj"
+            if f"{first}.weight" not in state_dict:  # a BERT cross-encoder's GGUF (its converter drops the pooler):
+                return nn.Sequential(linear_from(state_dict, last))  # the classifier alone, as llama.cpp runs it
         elif "classifier.weight" in state_dict:
             first = "bert.pooler.dense" if "bert.pooler.dense.weight" in state_dict else "pooler.dense"
             last = "classifier"

@@ -22,6 +22,7 @@ from ..errors import ConfigError
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import prepack_linears
 from ..layers.quantization.linear import (
+    QuantEmbedding,
     QuantLinear,
     Weight,
     bf16_kernel_max_rows,
@@ -88,10 +89,11 @@ class EncoderModel(nn.Module):
         linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
         planned = plan_weights(cls.weights(config, state_dict), quantization, dtype, linears)
         for name, parts in list(planned.items()):
-            if isinstance(parts, list):
+            if isinstance(parts, list):  # (a GGUF file's blocks kept, or int8 / int4)
                 old = model.get_submodule(name.removesuffix(".weight"))
-                model.set_submodule(name.removesuffix(".weight"), QuantLinear(parts, bias=old.bias is not None,
-                                                                              dtype=dtype))
+                model.set_submodule(name.removesuffix(".weight"),
+                                    QuantEmbedding(parts[0], dtype, tiled=False) if isinstance(old, nn.Embedding)
+                                    else QuantLinear(parts, bias=old.bias is not None, dtype=dtype))
                 del planned[name]
         try:
             model.load_state_dict(planned, strict=True, assign=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import transformers
 
-from . import gguf_experts, gguf_families
+from . import gguf_bert, gguf_experts, gguf_families
 
 
 class MissingMetadata(ValueError):
@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "phi3": transformers.Phi3Config,
     "ernie4_5": transformers.Ernie4_5Config,
     "glm4": transformers.Glm4Config,
+    "bert": transformers.BertConfig,  # an encoder (`gguf_bert`)
     **gguf_experts.ARCHITECTURES,
 }
 
@@ -81,6 +82,8 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
             return default
         return value
 
+    if arch == "bert":
+        return gguf_bert.hf_config(field, tensors)
     hidden = field(f"{arch}.embedding_length")
     n_head = field(f"{arch}.attention.head_count")
     head_dim = field(
@@ -126,6 +129,8 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
 def hf_name(name: str, arch: str) -> str | None:
     """The HF name a GGUF tensor of `arch` stands for; None for the tensors not read this way (experts:
     `gguf_experts`)."""
+    if arch == "bert":
+        return gguf_bert.hf_name(name)
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     match = LAYER_TENSOR.fullmatch(name)

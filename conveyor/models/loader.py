@@ -29,7 +29,7 @@ from huggingface_hub.errors import StrictDataclassError
 
 from ..layers.quantization.tensors import FLOAT_TYPES, KERNEL_TYPES, FileRegion, GGMLType, QuantizedTensor
 from ..pooling_params import PoolerConfig
-from . import gguf_config, gguf_experts, gguf_families
+from . import gguf_bert, gguf_config, gguf_experts, gguf_families
 from .gguf_file import GGUFFile
 from .moe import expert_count
 from .multimodal_text import language_model_name, text_config
@@ -342,8 +342,8 @@ def _gguf_slice(tensor: Any, shape: list[int], selection: tuple[int, int, int] |
 
 
 def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
-    """The GGUF's tokenizer, converted by transformers once and then kept in a cache directory
-    (`$CONVEYOR_CACHE`, else `~/.cache/conveyor`) keyed by the file's path, size and mtime: the
+    """The GGUF's tokenizer (BERT's WordPiece built by `gguf_bert`), converted by transformers once, then kept in a
+    cache directory (`$CONVEYOR_CACHE`, else `~/.cache/conveyor`) keyed by the file's path, size and mtime: the
     conversion re-parses the whole file and takes seconds, loading the saved tokenizer does not."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}".encode())
@@ -353,6 +353,18 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
             return transformers.AutoTokenizer.from_pretrained(cache)
         except Exception:  # a damaged cache entry: convert again below
             logger.warning("ignoring unreadable tokenizer cache %s", cache)
+    metadata = _gguf_reader(path).metadata
+    bert = metadata.get("tokenizer.ggml.model") == "bert"
+    tokenizer = gguf_bert.tokenizer(metadata) if bert else _gguf_transformers_tokenizer(path)
+    try:
+        tokenizer.save_pretrained(cache)
+    except OSError as exc:  # a read-only home is no reason to fail
+        logger.info("could not cache the tokenizer in %s: %s", cache, exc)
+    return tokenizer
+
+
+def _gguf_transformers_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer transformers converts from a GGUF file."""
     try:
         tokenizer = _load_tokenizer(path, path.parent, gguf_file=path.name)
     except ModelLoadError as exc:
@@ -363,10 +375,6 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
             tokenizer = _load_tokenizer(path, path.parent, generic=True, gguf_file=path.name)
         except ModelLoadError:
             raise exc from None
-    try:
-        tokenizer.save_pretrained(cache)
-    except OSError as exc:  # a read-only home is no reason to fail
-        logger.info("could not cache the tokenizer in %s: %s", cache, exc)
     return tokenizer
 
 

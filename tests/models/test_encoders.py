@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from conveyor import LLM, PoolingParams
 from conveyor.config import ConfigError
 from conveyor.errors import InvalidRequestError
 
-from tests.encoder_models import WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts
+from tests.encoder_models import WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts, write_bert_gguf
 from tests.utils import all_free
 
 
@@ -151,3 +152,42 @@ def test_sentence_transformers_files_set_pooling_and_context(tmp_path: Path, one
     for ref, out in zip(refs, llm.embed(batch, use_tqdm=False)):
         torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-5, rtol=1e-4)
     assert LLM(tmp_path, dtype="float32", max_model_len=100).max_model_len == 100  # the user's wins
+
+
+def test_a_bert_gguf_file_embeds_as_its_directory(tmp_path: Path, one_thread: None) -> None:
+    """llama.cpp's BERT GGUF form: its WordPiece tokenizer rebuilt from the phantom-space vocabulary (the same
+    ids as the directory's), its pooling type, F32 tensors = the directory's embeddings (fp32), Q8_0 ones kept
+    as stored in the default mode, close to them."""
+    reference = save_encoder(tmp_path / "dir", encoder_config("bert"))
+    tokenizer = bert_tokenizer(tmp_path / "dir")
+    directory = LLM(tmp_path / "dir", dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    batch = texts(5, seed=21)
+    expected = [o.outputs.embedding for o in directory.embed(batch, use_tqdm=False)]
+    write_bert_gguf(tmp_path / "f32.gguf", reference, tokenizer, gguf.GGMLQuantizationType.F32)
+    exact = LLM(tmp_path / "f32.gguf", dtype="float32")
+    assert (exact.engine.pooler.pooling_type, exact.engine.pooler.normalize) == ("MEAN", True)
+    assert [exact.tokenizer(t)["input_ids"] for t in batch] == [tokenizer(t)["input_ids"] for t in batch]
+    for ours, ref in zip(exact.embed(batch, use_tqdm=False), expected):
+        torch.testing.assert_close(torch.tensor(ours.outputs.embedding), torch.tensor(ref), atol=2e-5, rtol=1e-4)
+    write_bert_gguf(tmp_path / "q8.gguf", reference, tokenizer, gguf.GGMLQuantizationType.Q8_0)
+    kept = LLM(tmp_path / "q8.gguf")
+    assert kept.quantization == "gguf"
+    for ours, ref in zip(kept.embed(batch, use_tqdm=False), expected):
+        assert float(F.cosine_similarity(torch.tensor(ours.outputs.embedding), torch.tensor(ref), dim=0)) >= 0.999
+    assert all_free(kept)
+
+
+def test_a_bert_cross_encoder_gguf_scores_as_llama_cpp(tmp_path: Path, one_thread: None) -> None:
+    """llama.cpp's converter drops a BERT cross-encoder's pooler and keeps its classifier (`cls.output`): the score
+    is the classifier over the first token's state alone, then its sigmoid."""
+    reference = save_encoder(tmp_path, encoder_config("bert", num_labels=1), head="ForSequenceClassification")
+    tokenizer = bert_tokenizer(tmp_path)
+    write_bert_gguf(tmp_path / "rank.gguf", reference, tokenizer, gguf.GGMLQuantizationType.F32,
+                    pooling=gguf.PoolingType.RANK)
+    llm = LLM(tmp_path / "rank.gguf", dtype="float32", runner="pooling", convert="classify")
+    query, document = texts(2, seed=22)
+    [score] = [s.outputs.score for s in llm.score(query, document, use_tqdm=False)]
+    with torch.inference_mode():
+        state = reference.bert(**tokenizer(query, text_pair=document, return_tensors="pt")).last_hidden_state[0, 0]
+        expected = reference.classifier(state).sigmoid()
+    assert score == pytest.approx(float(expected), abs=2e-6)

@@ -1,0 +1,73 @@
+"""llama.cpp's BERT GGUF files (`general.architecture` "bert": bge, all-MiniLM, e5 and the other BERT embedding
+models as llama.cpp's converter writes them): their config, their tensors by the names `models.bert` reads,
+and their WordPiece tokenizer, which transformers' GGUF reader does not build.
+
+The converter writes the vocabulary in "phantom space" form: a word-initial piece gains a leading "▁", a
+continuation loses its "##", control tokens stay as they are (`[CLS]`, `[SEP]`, ...). Undone, that is BERT's
+vocab.txt again; `tokenizer.ggml.normalizer.lowercase` says whether to lowercase (llama.cpp lowercases when
+it is absent).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import transformers
+from gguf import TokenType
+
+GLOBAL_TENSORS = {"token_embd.weight": "embeddings.word_embeddings.weight",
+                  "position_embd.weight": "embeddings.position_embeddings.weight",
+                  "token_types.weight": "embeddings.token_type_embeddings.weight",
+                  "token_embd_norm.weight": "embeddings.LayerNorm.weight",
+                  "token_embd_norm.bias": "embeddings.LayerNorm.bias",
+                  # a sequence classifier's head (BertForSequenceClassification's pooler is dropped by the converter)
+                  "cls.weight": "classifier.dense.weight", "cls.bias": "classifier.dense.bias",
+                  "cls.output.weight": "classifier.out_proj.weight", "cls.output.bias": "classifier.out_proj.bias"}
+LAYER_MODULES = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
+                 "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
+                 "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(name: str) -> str | None:
+    """The Hugging Face name of a BERT GGUF tensor (None: not one the encoder reads)."""
+    if name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[name]
+    match = LAYER_TENSOR.fullmatch(name)
+    if match is None or match[2] not in LAYER_MODULES:
+        return None
+    return f"encoder.layer.{match[1]}.{LAYER_MODULES[match[2]]}.{match[3]}"
+
+
+def hf_config(field: Callable[..., Any], tensors: Sequence[Any]) -> transformers.BertConfig:
+    """The BertConfig of the file's metadata (`field(key[, default])` reads a key); the token types' count from
+    their table, which the converter keeps whole whatever `token_type_count` says."""
+    types = next((t for t in tensors if t.name == "token_types.weight"), None)
+    labels = field("bert.classifier.output_labels", None)
+    extra = {"id2label": dict(enumerate(labels))} if labels else {}
+    return transformers.BertConfig(
+        vocab_size=len(field("tokenizer.ggml.tokens")), hidden_size=field("bert.embedding_length"),
+        num_hidden_layers=field("bert.block_count"), num_attention_heads=field("bert.attention.head_count"),
+        intermediate_size=field("bert.feed_forward_length"), max_position_embeddings=field("bert.context_length"),
+        layer_norm_eps=field("bert.attention.layer_norm_epsilon"), hidden_act="gelu",
+        type_vocab_size=int(types.shape[1]) if types is not None else 1,
+        pad_token_id=field("tokenizer.ggml.padding_token_id", 0), **extra)
+
+
+def tokenizer(metadata: Mapping[str, Any]) -> transformers.PreTrainedTokenizerBase:
+    """BERT's fast tokenizer from the file's phantom-space vocabulary (the module docstring)."""
+    tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
+    vocab = [t if kind != TokenType.NORMAL else t[1:] if t.startswith("\u2581") else f"##{t}"
+             for t, kind in zip(tokens, types)]
+
+    def token(key: str, default: str) -> str:
+        index = metadata.get(f"tokenizer.ggml.{key}_token_id")
+        return vocab[index] if index is not None else default
+
+    return transformers.BertTokenizerFast(
+        vocab={t: i for i, t in enumerate(vocab)},
+        do_lower_case=bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True)),
+        unk_token=token("unknown", "[UNK]"), sep_token=token("seperator", "[SEP]"), pad_token=token("padding", "[PAD]"),
+        cls_token=token("cls", token("bos", "[CLS]")), mask_token=token("mask", "[MASK]"))
