@@ -97,8 +97,9 @@ class Engine:
             activation_bytes=working,
             max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)
         self.pool = CachePool(num_chunks, dtype=self.kv_format.dtype, device=device, **shape)
-        # Prefix caching needs every allocator to share blocks: full-attention-only models.
-        self.block_sharing = config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
+        # Prefix caching needs every allocator to share blocks: full-attention-only models (an encoder's hold nothing).
+        self.block_sharing = (config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
+                              and not encoder)
         # Tails (finished requests' partial last blocks, copied by the requests that continue them): not
         # where another cache (a draft model's) or other ranks' pools would need the same copy.
         keep_tails = draft_model is None and config.tensor_parallel_size == 1

@@ -102,6 +102,7 @@ def test_prompts_go_whole_into_passes_and_the_limits_are_named(tmp_path: Path, o
     reference = save_encoder(tmp_path, encoder_config("bert"))
     tokenizer = bert_tokenizer(tmp_path)
     llm = LLM(tmp_path, dtype="float32", max_num_batched_tokens=64)
+    assert not llm.engine.block_sharing  # (an encoder's blocks hold no K/V to share)
     batch = [t for t in texts(12, seed=6) if len(tokenizer(t)["input_ids"]) <= 64]
     assert len(batch) >= 6
     for text, out in zip(batch, llm.embed(batch, use_tqdm=False)):
