@@ -201,7 +201,7 @@ class LLM(ChatMethods, PoolingMethods, LoRAMethods, BeamSearchMethods, EnqueueMe
                 if task_name is not None:
                     pooler = build_pooler(task_name, checkpoint.config, checkpoint.state_dict,
                                           own_tokenizer or checkpoint.tokenizer,
-                                          pooler_settings, checkpoint.pooler_config, self.device)
+                                          pooler_settings, checkpoint.pooler_config, self.device, checkpoint.projector)
                 net = build_model(checkpoint.config, checkpoint.state_dict, self.dtype, self.device, self.quantization,
                                   lm_head=task_name is None)
                 if task_name is not None:

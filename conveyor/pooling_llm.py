@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from .config import ContinuousBatchingConfig
 from .engine.engine import Engine
 from .manager import ContinuousBatchingManager
-from .models.pooling import sentence_max_length
+from .models.sentence_transformers import max_length
 from .pooling_params import PoolingParams
 from .request import (
     ClassificationOutput,
@@ -53,7 +53,7 @@ def pooling_engine_config(config: ContinuousBatchingConfig, model: nn.Module, pa
     `POOLING_MAX_BATCH_TOKENS`, and for an encoder (`models.bert`, whose prompts go whole into one pass) at
     least its context; the context is the sentence-transformers `max_seq_length` where the checkpoint has one
     and `max_model_len` is not given (vLLM's rule). An encoder learns the tokenizer's separator here."""
-    limit = sentence_max_length(path)
+    limit = max_length(path)
     if config.max_model_len is None and limit is not None and limit < model.max_model_len:
         config = replace(config, max_model_len=limit)
     if not getattr(model, "encoder_only", False):

@@ -28,9 +28,11 @@ Parts = torch.Tensor | list[torch.Tensor]
 class Pooler(nn.Module):
     """`task` "embed" or "classify", or "token_embed" / "token_classify" (every row through the same head);
     `pooling_type` "LAST", "MEAN" or "CLS", "ALL" for the token tasks; `classifier` the classify head
-    (hidden -> num_labels, fp32: a linear layer, or layers ending in one)."""
+    (hidden -> num_labels, fp32: a linear layer, or layers ending in one); `projector` layers every pooled
+    embedding goes through before the head (a sentence-transformers checkpoint's Dense modules, fp32)."""
 
-    def __init__(self, task: str, pooling_type: str, normalize: bool, classifier: nn.Module | None = None) -> None:
+    def __init__(self, task: str, pooling_type: str, normalize: bool, classifier: nn.Module | None = None,
+                 projector: nn.Module | None = None) -> None:
         super().__init__()
         if task.endswith("classify") != (classifier is not None):
             raise ValueError("a classify pooler needs its classifier head, an embed pooler none")
@@ -40,6 +42,7 @@ class Pooler(nn.Module):
         self.pooling_type = pooling_type
         self.normalize = normalize  # the default of requests that do not say (`PoolingParams.activation`)
         self.classifier = classifier
+        self.projector = projector
 
     @property
     def reads_every_row(self) -> bool:
@@ -94,6 +97,8 @@ class Pooler(nn.Module):
         stacked = torch.stack(list(pooled))
         if self.pooling_type == "MEAN":
             stacked = stacked / torch.tensor(lengths, dtype=stacked.dtype, device=stacked.device).unsqueeze(1)
+        if self.projector is not None:
+            stacked = self.projector(stacked)
         results: list[list[float]] = [[] for _ in options]
         for (dimensions, activation), rows in groups(options).items():
             part = stacked if len(rows) == len(options) else stacked[torch.tensor(rows, device=stacked.device)]

@@ -35,6 +35,7 @@ from .moe import expert_count
 from .multimodal_text import language_model_name, text_config
 from .pooling import checkpoint_pooler_config
 from .quantized_checkpoints import KEPT, SPLIT_BY_RANKS, checkpoint_format, convert, stored_raw
+from .sentence_transformers import read_pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ class Checkpoint:
     tokenizer: transformers.PreTrainedTokenizerBase | None  # None when not asked for
     path: Path
     pooler_config: PoolerConfig = PoolerConfig()  # how its files say to pool (`models.pooling`), if they do
+    projector: torch.nn.Module | None = None  # their Dense layers after the pooling (`sentence_transformers`)
 
     @property
     def quantized(self) -> bool:
@@ -181,8 +183,9 @@ def _load_hf_directory(path: Path, dtype: torch.dtype, select: Select | None = N
         state_dict = convert(fmt, state_dict, getattr(config, "quantization_config", None), dtype, keep_quantized)
     except ValueError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
+    pipeline = read_pipeline(path)
     return Checkpoint(config, with_model_prefix(state_dict), _load_tokenizer(path, path) if tokenizer else None,
-                      path, checkpoint_pooler_config(path))
+                      path, pipeline.pooler_config, pipeline.projector)
 
 
 def with_model_prefix(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ pool, and its head (docs/design/pooling.md).
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from ..pooling_params import POOLING_TASKS, TOKEN_TASKS, PoolerConfig
 from .bert import BertModel
 from .encoder import EncoderModel
 from .modernbert import ModernBertModel
+from .sentence_transformers import read_pipeline
 
 logger = logging.getLogger("conveyor")
 
@@ -41,8 +41,6 @@ RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")
 TASKS = {"generate": ("generate", "none"), "embed": ("pooling", "embed"), "embedding": ("pooling", "embed"),
          "classify": ("pooling", "classify"), "score": ("pooling", "classify")}  # vLLM's older --task
-ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
-                    "pooling_mode_cls_token": "CLS"}
 GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}  # llama.cpp's enum (0: none, 4: rank)
 SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
 # The encoder families by `model_type` (`models.encoder`): pooling models only, with heads of their own
@@ -83,46 +81,21 @@ def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = 
 
 
 def checkpoint_pooler_config(path: Path, gguf_pooling_type: int | None = None) -> PoolerConfig:
-    """How the checkpoint says to pool: its sentence-transformers files (a directory), or the GGUF
-    metadata's pooling type; an empty config when it says nothing."""
+    """How the checkpoint says to pool: its sentence-transformers files (a directory, `sentence_transformers`),
+    or the GGUF metadata's pooling type; an empty config when it says nothing."""
     if gguf_pooling_type is not None:
         return PoolerConfig(pooling_type=GGUF_POOLING_TYPES.get(gguf_pooling_type))
-    modules_file = path / "modules.json" if path.is_dir() else None
-    if modules_file is None or not modules_file.is_file():
-        return PoolerConfig()
-    try:
-        modules = json.loads(modules_file.read_text())
-        pooling_type = None
-        for module in modules:
-            if module.get("type", "").endswith(".Pooling"):
-                settings = json.loads((path / module.get("path", "") / "config.json").read_text())
-                pooling_type = next((t for key, t in ST_POOLING_MODES.items() if settings.get(key)), None)
-        normalize = any(module.get("type", "").endswith(".Normalize") for module in modules)
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        raise ConfigError(f"cannot read the sentence-transformers files of {path}: {exc}") from exc
-    return PoolerConfig(pooling_type=pooling_type, normalize=normalize)
-
-
-def sentence_max_length(path: Path) -> int | None:
-    """The longest input a sentence-transformers checkpoint was made for (`max_seq_length` in its
-    `sentence_bert_config.json`; vLLM serves that as the context), None where it has no such file."""
-    file = path / "sentence_bert_config.json" if path.is_dir() else None
-    if file is None or not file.is_file():
-        return None
-    try:
-        value = json.loads(file.read_text()).get("max_seq_length")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise ConfigError(f"cannot read {file}: {exc}") from exc
-    return value if isinstance(value, int) and value > 0 else None
+    return read_pipeline(path).pooler_config if path.is_dir() else PoolerConfig()
 
 
 def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weight],
                  tokenizer: PreTrainedTokenizerBase | None, pooler_config: PoolerConfig, files: PoolerConfig,
-                 device: torch.device) -> Pooler:
+                 device: torch.device, projector: nn.Module | None = None) -> Pooler:
     """The pooler of a checkpoint: the classify head taken out of `state_dict` (and the LM head dropped
     from it), on `device`. `task` "embed" or "classify" (`pooling_task`); `pooler_config` (the user's) over
     what the checkpoint's `files` say (embeddings: classifiers keep their activation) over vLLM's defaults:
-    the last token, normalized; its `task` may ask for `task`'s token variant."""
+    the last token, normalized; its `task` may ask for `task`'s token variant. `projector`: the checkpoint's
+    sentence-transformers Dense layers, which embeddings (not the token tasks' rows) go through."""
     run = pooler_task(task, config, pooler_config)
     if run in TOKEN_TASKS:
         files = PoolerConfig(normalize=files.normalize)  # (a sequence pooling type means nothing per token)
@@ -137,7 +110,8 @@ def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weig
     classifier = classifier_head(config, state_dict, tokenizer, device) if task == "classify" else None
     for unused in ("lm_head.weight", "score.weight", "score.bias"):  # (a classifier converted to embed: its head)
         state_dict.pop(unused, None)
-    return Pooler(run, pooling_type, bool(resolved.normalize), classifier)
+    projector = projector.to(device) if projector is not None and run == "embed" else None
+    return Pooler(run, pooling_type, bool(resolved.normalize), classifier, projector)
 
 
 def pooler_task(task: str, config: PretrainedConfig, pooler_config: PoolerConfig) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
@@ -192,3 +193,48 @@ def test_a_bert_cross_encoder_gguf_scores_as_llama_cpp(tmp_path: Path, one_threa
         state = reference.bert(**tokenizer(query, text_pair=document, return_tensors="pt")).last_hidden_state[0, 0]
         expected = reference.classifier(state).sigmoid()
     assert score == pytest.approx(float(expected), abs=2e-6)
+
+
+def write_dense(path: Path, in_features: int, out_features: int, activation: str, seed: int) -> torch.nn.Linear:
+    """A sentence-transformers Dense module's files (its config and `linear.*` tensors); the layer itself."""
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(in_features, out_features)
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"in_features": in_features, "out_features": out_features,
+                                                  "bias": True, "activation_function": activation}))
+    safetensors.torch.save_file({f"linear.{k}": v.contiguous() for k, v in layer.state_dict().items()},
+                                path / "model.safetensors")
+    return layer
+
+
+def test_sentence_transformers_dense_modules_project_the_embedding(tmp_path: Path, one_thread: None) -> None:
+    """A pipeline of CLS pooling, a Dense layer with tanh (LaBSE's), a second one without activation, Normalize:
+    each embedding is the pooled state through the layers, then normalized, as sentence-transformers computes
+    it; modules this engine does not run are errors naming them."""
+    reference = save_encoder(tmp_path, encoder_config("bert"))
+    tokenizer = bert_tokenizer(tmp_path)
+    first = write_dense(tmp_path / "2_Dense", 64, 48, "torch.nn.modules.activation.Tanh", seed=1)
+    second = write_dense(tmp_path / "3_Dense", 48, 32, "torch.nn.modules.linear.Identity", seed=2)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 4, "name": "4", "path": "4_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    llm = LLM(tmp_path, dtype="float32")
+    batch = texts(4, seed=23)
+    for text, out in zip(batch, llm.embed(batch, use_tqdm=False)):
+        with torch.inference_mode():
+            ref = F.normalize(second(torch.tanh(first(reference_states(reference, tokenizer, text)[0]))), dim=0)
+        assert len(out.outputs.embedding) == 32
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), ref, atol=2e-5, rtol=1e-4)
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ConfigError, match="pooling mode 'max_tokens' is not supported"):
+        LLM(tmp_path, dtype="float32")
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_cls_token": True}))
+    modules[2]["type"] = "sentence_transformers.models.LayerNorm"
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(ConfigError, match="module 'sentence_transformers.models.LayerNorm' is not supported"):
+        LLM(tmp_path, dtype="float32")
