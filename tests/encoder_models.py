@@ -9,6 +9,8 @@ import gguf
 import torch
 import transformers
 
+from tests.gguf_writer import gguf_header
+
 WORDS = [f"w{i}" for i in range(200)]
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -78,12 +80,7 @@ def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: 
     gguf's tensor names for BERT (the pooler dropped; a classifier's `classifier` renamed `classifier.out_proj`),
     matrices in `qtype`, the rest F32."""
     config = model.config
-    w = gguf.GGUFWriter(path, "bert")
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
+    w = gguf_header(path, "bert", config)
     w.add_layer_norm_eps(config.layer_norm_eps)
     w.add_causal_attention(False)
     w.add_pooling_type(pooling)

@@ -55,14 +55,16 @@ def llama3_factors(config: transformers.PretrainedConfig, rope: dict) -> np.ndar
 
 
 def gguf_header(path: Path, arch: str, config: transformers.PretrainedConfig) -> gguf.GGUFWriter:
-    """A writer with the shape keys every architecture's converter writes."""
+    """A writer with the shape keys every architecture's converter writes (the KV heads' where there are
+    such: not an encoder's)."""
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
+    if getattr(config, "num_key_value_heads", None) is not None:
+        w.add_head_count_kv(config.num_key_value_heads)
     return w
 
 
