@@ -50,7 +50,7 @@ POOLING_MAX_BATCH_TOKENS = 2048
 def pooling_engine_config(config: ContinuousBatchingConfig, model: nn.Module, path: Path,
                           tokenizer: PreTrainedTokenizerBase, sized: bool) -> ContinuousBatchingConfig:
     """A pooling model's engine config: unless `sized` (the user gave a config or the step's tokens), steps of
-    `POOLING_MAX_BATCH_TOKENS`, and for an encoder (`models.bert`, whose prompts go whole into one pass) at
+    `POOLING_MAX_BATCH_TOKENS`, and for an encoder (`models.encoder`, whose prompts go whole into one pass) at
     least its context; the context is the sentence-transformers `max_seq_length` where the checkpoint has one
     and `max_model_len` is not given (vLLM's rule). An encoder learns the tokenizer's separator here."""
     limit = max_length(path)

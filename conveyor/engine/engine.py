@@ -61,7 +61,7 @@ class Engine:
         multi-LoRA serving on (`engine.lora_manager`)."""
         if pooler is not None:
             check_pooling_config(config)
-        encoder = getattr(model, "encoder_only", False)  # (`models.bert`: whole prompts, no KV cache)
+        encoder = getattr(model, "encoder_only", False)  # (`models.encoder`: whole prompts, no KV cache)
         if encoder and (pooler is None or config.batch_invariant):
             raise ConfigError("an encoder-only model runs as a pooling model, without batch_invariant")
         self.pooler = pooler
