@@ -22,7 +22,7 @@ from .ministral3 import Ministral3ForCausalLM
 from .moe import MoeForCausalLM
 from .olmo2 import Olmo2ForCausalLM
 from .phi3 import Phi3ForCausalLM
-from .pooling import ENCODERS
+from .pooling import ENCODERS, encoder_class
 from .starcoder2 import Starcoder2ForCausalLM
 
 FAMILIES: tuple[type[CausalLM] | type[EncoderModel], ...] = (
@@ -37,7 +37,7 @@ def build_model(config: PretrainedConfig, state_dict: dict[str, Weight], dtype: 
                 device: torch.device, quantization: str = "none", lm_head: bool = True) -> CausalLM | EncoderModel:
     """The engine's model for a checkpoint, by its `model_type`; `quantization` as `LLM` resolved it;
     `lm_head=False` for a pooling model."""
-    cls = MODEL_CLASSES.get(config.model_type)
+    cls = encoder_class(config) or MODEL_CLASSES.get(config.model_type)
     if cls is None:
         raise ValueError(f"model type {config.model_type!r} is not supported "
                          f"(supported: {', '.join(sorted(MODEL_CLASSES))})")

@@ -120,10 +120,12 @@ class EncoderModel(nn.Module):
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                            window: int | None = None) -> torch.Tensor:
-    """Attention of each prompt over itself, both ways: `q`, `k`, `v` `[tokens, heads, head_dim]` views,
-    the result `[tokens, heads * head_dim]`. `window`: a token attends to those at most that far away."""
+                            window: int | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of each prompt over itself, both ways: `q`, `k`, `v` `[tokens, heads, head_dim]` views (k and v
+    may have fewer heads, each shared by a group of q's), the result `[tokens, heads * head_dim]`. `window`: a
+    token attends to those at most that far away; `scale`: the scores' (None: `head_dim ** -0.5`)."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    grouped = k.shape[1] != q.shape[1]
     start = 0
     for n in lengths:  # (host work O(prompts in the pass))
         part = slice(start, start + n)
@@ -133,7 +135,8 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
             mask = (index[:, None] - index[None, :]).abs() <= window
         # [1, heads, tokens, head_dim]: torch's fused CPU attention takes 4-D inputs (3-D ones go the slow way)
         heads = [t[part].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-        out[part] = F.scaled_dot_product_attention(*heads, attn_mask=mask)[0].transpose(0, 1)
+        out[part] = F.scaled_dot_product_attention(*heads, attn_mask=mask, scale=scale,
+                                                   enable_gqa=grouped)[0].transpose(0, 1)
         start += n
     return out.view(len(q), -1)
 

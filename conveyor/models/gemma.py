@@ -52,7 +52,10 @@ class GemmaDecoderLayer(DecoderLayer):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, attention: AttentionBackend) -> torch.Tensor:
         h = self.attention(self.input_layernorm(x), cos, sin, kv_cache, meta, attention)
-        x = x + self.post_attention_layernorm(h)
+        return self.feed_forward(x + self.post_attention_layernorm(h))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP block with its norms before and after, added to `x` (shared with `gemma_encoder`)."""
         gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(x)).chunk(2, dim=-1)
         return x + self.post_feedforward_layernorm(self.down_proj(F.gelu(gate, approximate="tanh") * up))
 

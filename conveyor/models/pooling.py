@@ -32,6 +32,7 @@ from ..layers.quantization.tensors import QuantizedTensor
 from ..pooling_params import POOLING_TASKS, TOKEN_TASKS, PoolerConfig
 from .bert import BertModel
 from .encoder import EncoderModel
+from .gemma_encoder import Gemma3EncoderModel, is_bidirectional_gemma
 from .modernbert import ModernBertModel
 from .sentence_transformers import read_pipeline
 
@@ -45,6 +46,12 @@ GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}  # llama.cpp's enum (0: no
 SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
 # The encoder families by `model_type` (`models.encoder`): pooling models only, with heads of their own
 ENCODERS: dict[str, type[EncoderModel]] = {t: cls for cls in (BertModel, ModernBertModel) for t in cls.model_types}
+
+
+def encoder_class(config: PretrainedConfig) -> type[EncoderModel] | None:
+    """The encoder a checkpoint is: by its `model_type`, or a Gemma 3 with bidirectional attention; None for a
+    causal model."""
+    return Gemma3EncoderModel if is_bidirectional_gemma(config) else ENCODERS.get(config.model_type)
 
 
 def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = "auto",
@@ -66,7 +73,7 @@ def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = 
     classifier = any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures)
     if runner == "auto":  # vLLM: a pooling architecture, or a pooling conversion asked for, runs the pooler
         bare = any(a.endswith(("Model", "EmbeddingModel")) for a in architectures)
-        bare |= config.model_type in ENCODERS  # (an encoder never generates: its masked-LM checkpoints embed)
+        bare |= encoder_class(config) is not None  # (an encoder never generates: its masked-LM checkpoints embed)
         runner = "pooling" if classifier or bare or convert in POOLING_TASKS else "generate"
     if runner == "generate":
         if convert in POOLING_TASKS:
@@ -100,7 +107,7 @@ def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weig
     if run in TOKEN_TASKS:
         files = PoolerConfig(normalize=files.normalize)  # (a sequence pooling type means nothing per token)
     resolved = pooler_config.over(files if task == "embed" else PoolerConfig(files.pooling_type))
-    encoder = ENCODERS.get(config.model_type)
+    encoder = encoder_class(config)
     default = encoder.default_pooling(config) if encoder is not None else "LAST"  # (vLLM's defaults)
     resolved = resolved.over(PoolerConfig("ALL" if run in TOKEN_TASKS else default, True))
     pooling_type = resolved.pooling_type or default
@@ -132,8 +139,9 @@ def classifier_head(config: PretrainedConfig, state_dict: dict[str, Weight], tok
                     device: torch.device) -> nn.Module:
     """The classify head, fp32: the checkpoint's `score` (an encoder's own, `EncoderModel.classifier`),
     or rows of its LM head (`method` and `classifier_from_token`, vLLM's conversion)."""
-    if config.model_type in ENCODERS:
-        head = ENCODERS[config.model_type].classifier(config, state_dict)
+    encoder = encoder_class(config)
+    if encoder is not None:
+        head = encoder.classifier(config, state_dict)
         if head is None:
             raise ConfigError(f"a classify pooling model needs a classification head: this {config.model_type} "
                               "checkpoint has none (a *ForSequenceClassification checkpoint has `classifier`)")

@@ -1,6 +1,6 @@
 """A sentence-transformers checkpoint's own pipeline (`modules.json`): the model, then its Pooling module (the
-first token, the mean or the last token), Dense projections (LaBSE's tanh layer, the linear projections other
-models add) and Normalize, as sentence-transformers runs them; and the context it was made for
+first token, the mean or the last token), Dense projections (LaBSE's tanh layer, EmbeddingGemma's two linear
+layers) and Normalize, as sentence-transformers runs them; and the context it was made for
 (`sentence_bert_config.json`'s `max_seq_length`, which vLLM serves as the context). A module this engine does
 not run (another pooling mode, a LayerNorm, a custom module) is an error naming it, not a different vector.
 """

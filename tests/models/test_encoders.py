@@ -19,7 +19,8 @@ from conveyor import LLM, PoolingParams
 from conveyor.config import ConfigError
 from conveyor.errors import InvalidRequestError
 
-from tests.encoder_models import WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts, write_bert_gguf
+from tests.encoder_models import (SPECIAL, WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts,
+                                  write_bert_gguf)
 from tests.utils import all_free
 
 
@@ -238,3 +239,44 @@ def test_sentence_transformers_dense_modules_project_the_embedding(tmp_path: Pat
     (tmp_path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ConfigError, match="module 'sentence_transformers.models.LayerNorm' is not supported"):
         LLM(tmp_path, dtype="float32")
+
+
+def test_a_bidirectional_gemma_embeds_as_transformers(tmp_path: Path, one_thread: None) -> None:
+    """EmbeddingGemma's form: a Gemma 3 with `use_bidirectional_attention` (grouped K/V heads, q/k norms, RoPE per
+    layer type, sliding layers attending less than the halved window either way), saved from the bare model, mean
+    pooled and normalized by its sentence-transformers files: = transformers' Gemma3TextModel (fp32), for prompts
+    longer than the window; alone = among others; it does not generate."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=len(SPECIAL) + len(WORDS), hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8, max_position_embeddings=256,
+        query_pre_attn_scalar=24, use_bidirectional_attention=True, pad_token_id=0, bos_token_id=2, eos_token_id=3,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"])
+    config._attn_implementation = "eager"
+    reference = transformers.Gemma3TextModel(config).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)  # (Gemma's norms scale by 1 + weight)
+    reference.save_pretrained(tmp_path)
+    tokenizer = bert_tokenizer(tmp_path)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    llm = LLM(tmp_path, dtype="float32")
+    assert llm.pooling_task == "embed" and llm.engine.pooler.pooling_type == "MEAN"
+    batch = texts(6, seed=31)
+    outs = llm.embed(batch, use_tqdm=False)
+    for text, out in zip(batch, outs):
+        with torch.inference_mode():
+            states = reference(**encoded(tokenizer, reference.config, text)).last_hidden_state[0]
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), F.normalize(states.mean(0), dim=0),
+                                   atol=2e-5, rtol=1e-4)
+    alone = llm.embed(batch[2], use_tqdm=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(alone), torch.tensor(outs[2].outputs.embedding), atol=1e-6, rtol=0)
+    assert all_free(llm)
+    with pytest.raises(ConfigError, match="bidirectional Gemma .* cannot generate"):
+        LLM(tmp_path, dtype="float32", runner="generate")
