@@ -1,5 +1,5 @@
-"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, ModernBERT) with a WordPiece tokenizer, for the encoder
-tests."""
+"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, DistilBERT, ModernBERT) with a WordPiece tokenizer, for the
+encoder tests."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def encoder_config(kind: str, **overrides: object) -> transformers.PretrainedCon
                   attention_probs_dropout_prob=0.0)
     if kind == "bert":
         config = transformers.BertConfig(**(common | overrides))
+    elif kind == "distilbert":
+        config = transformers.DistilBertConfig(**(dict(vocab_size=common["vocab_size"], dim=64, n_layers=2, n_heads=4,
+                                                       hidden_dim=128, max_position_embeddings=128, dropout=0.0,
+                                                       attention_dropout=0.0) | overrides))
     elif kind == "modernbert":  # four layers, the first and the last global; a window of 8 tokens either way
         config = transformers.ModernBertConfig(**(common | dict(num_hidden_layers=4, local_attention=16, pad_token_id=0,
                                                                 cls_token_id=2, sep_token_id=3, bos_token_id=2,
@@ -47,7 +51,8 @@ def save_encoder(path: Path, config: transformers.PretrainedConfig, head: str = 
     weights drawn away from one and its token types and head larger than the init's, so that one read wrongly
     shows."""
     torch.manual_seed(0)
-    family = {"bert": "Bert", "modernbert": "ModernBert"}.get(config.model_type, "XLMRoberta")
+    family = {"bert": "Bert", "modernbert": "ModernBert", "distilbert": "DistilBert"}.get(config.model_type,
+                                                                                         "XLMRoberta")
     model = getattr(transformers, f"{family}{head}")(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -150,7 +150,8 @@ def working_memory_bytes(model: Any, config: Any, dtype: torch.dtype, dense_scor
     q, kv = c.num_attention_heads * model.head_dim, model.num_kv_heads * model.head_dim
     tokens, rows = config.max_batch_tokens, config.max_requests_per_batch
     context = config.max_model_len or model.max_model_len
-    activations = tokens * (4 * c.hidden_size + 3 * q + 4 * kv + 3 * c.intermediate_size) * elem
+    mlp = getattr(c, "intermediate_size", None) or getattr(c, "hidden_dim", 4 * c.hidden_size)  # (DistilBERT's name)
+    activations = tokens * (4 * c.hidden_size + 3 * q + 4 * kv + 3 * mlp) * elem
     logits = 3 * rows * c.vocab_size * 4
     groups = len(layer_groups(model.layer_types))
     if dense_scores:

@@ -1,13 +1,14 @@
-"""BERT, RoBERTa and XLM-RoBERTa encoders: the embedding and cross-encoder checkpoints most retrieval
-deployments run (bge, e5, gte, all-MiniLM, mxbai-embed, bge-m3, bge-reranker, the ms-marco cross-encoders),
-as pooling models (`models.encoder`; docs/design/pooling.md, "Encoder models").
+"""BERT, RoBERTa, XLM-RoBERTa and DistilBERT encoders: the embedding and cross-encoder checkpoints most
+retrieval deployments run (bge, e5, gte, all-MiniLM, mxbai-embed, bge-m3, bge-reranker, the ms-marco
+cross-encoders, the DistilBERT classifiers), as pooling models (`models.encoder`; docs/design/pooling.md,
+"Encoder models").
 
 The embeddings are the checkpoint's: word, absolute position (RoBERTa's counted from `pad_token_id + 1`,
 pad tokens kept at `pad_token_id`, as its embeddings count them) and token type. A prompt carries no token
 types: a pair made by the tokenizer's template (`[CLS] a [SEP] b [SEP]`) is type 0 through its first
 separator and type 1 after it, the types BERT's tokenizer gives a pair (RoBERTa's tokenizers give 0
-everywhere, and so does its model here). The layers are post-norm: attention, then the MLP, each added
-to its input and LayerNorm'd.
+everywhere, and so does its model here; DistilBERT has none). The layers are post-norm: attention, then the
+MLP, each added to its input and LayerNorm'd. DistilBERT is BERT's layer under other names and config fields.
 """
 
 from __future__ import annotations
@@ -23,7 +24,23 @@ from .encoder import EncoderModel, bidirectional_attention, linear_from, segment
 
 ROBERTA_TYPES = ("roberta", "xlm-roberta")
 # The prefixes a task head's checkpoint puts before the encoder's tensors (BertForSequenceClassification's `bert.`)
-ENCODER_PREFIXES = ("bert.", "roberta.")
+ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.")
+# Each layer's tensors by our names: BERT's names, DistilBERT's (q/k/v, then the rest)
+LAYER_NAMES = {"bert": ("encoder.layer.{}.", ("attention.self.query", "attention.self.key", "attention.self.value"),
+                        (("o_proj", "attention.output.dense"), ("attention_norm", "attention.output.LayerNorm"),
+                         ("up_proj", "intermediate.dense"), ("down_proj", "output.dense"),
+                         ("mlp_norm", "output.LayerNorm"))),
+               "distilbert": ("transformer.layer.{}.", ("attention.q_lin", "attention.k_lin", "attention.v_lin"),
+                              (("o_proj", "attention.out_lin"), ("attention_norm", "sa_layer_norm"),
+                               ("up_proj", "ffn.lin1"), ("down_proj", "ffn.lin2"),
+                               ("mlp_norm", "output_layer_norm")))}
+
+
+def shape(config: PretrainedConfig) -> tuple[int, float, str, int]:
+    """(intermediate size, LayerNorm eps, activation, token types) under BERT's or DistilBERT's field names."""
+    if config.model_type == "distilbert":
+        return config.hidden_dim, 1e-12, config.activation, 0
+    return config.intermediate_size, config.layer_norm_eps, config.hidden_act, config.type_vocab_size
 
 
 class BertLayer(nn.Module):
@@ -31,16 +48,16 @@ class BertLayer(nn.Module):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        hidden, eps = config.hidden_size, config.layer_norm_eps
+        hidden, (intermediate, eps, act, _) = config.hidden_size, shape(config)
         self.num_heads = config.num_attention_heads
         self.head_dim = hidden // self.num_heads
         self.qkv_proj = nn.Linear(hidden, 3 * hidden)
         self.o_proj = nn.Linear(hidden, hidden)
         self.attention_norm = nn.LayerNorm(hidden, eps=eps)
-        self.up_proj = nn.Linear(hidden, config.intermediate_size)
-        self.down_proj = nn.Linear(config.intermediate_size, hidden)
+        self.up_proj = nn.Linear(hidden, intermediate)
+        self.down_proj = nn.Linear(intermediate, hidden)
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = ACT2FN[act]
 
     def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).view(len(x), 3, self.num_heads, self.head_dim).unbind(1)
@@ -49,20 +66,20 @@ class BertLayer(nn.Module):
 
 
 class BertModel(EncoderModel):
-    """BERT / RoBERTa / XLM-RoBERTa."""
+    """BERT / RoBERTa / XLM-RoBERTa / DistilBERT."""
 
-    model_types = ("bert", *ROBERTA_TYPES)
+    model_types = ("bert", *ROBERTA_TYPES, "distilbert")
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
         if getattr(config, "position_embedding_type", "absolute") not in (None, "absolute"):
             raise ConfigError(f"{config.model_type} with position_embedding_type "
                               f"{config.position_embedding_type!r} is not supported (supported: absolute)")
-        hidden = config.hidden_size
+        hidden, (_, eps, _, types) = config.hidden_size, shape(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.embed_positions = nn.Embedding(config.max_position_embeddings, hidden)
-        self.embed_types = nn.Embedding(config.type_vocab_size, hidden)
-        self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.embed_types = nn.Embedding(types, hidden) if types else None
+        self.embed_norm = nn.LayerNorm(hidden, eps=eps)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         roberta = config.model_type in ROBERTA_TYPES
         self.position_offset = config.pad_token_id if roberta else None  # RoBERTa: positions from pad_token_id + 1
@@ -79,11 +96,13 @@ class BertModel(EncoderModel):
             real = (input_ids != self.position_offset).long()
             positions = segment_cumsum(real, counts) * real + self.position_offset
         x = self.embed_tokens(input_ids) + self.embed_positions(positions)
-        types = torch.zeros_like(input_ids)
-        if self.position_offset is None and self.config.type_vocab_size > 1 and self.sep_token_id is not None:
-            sep = (input_ids == self.sep_token_id).long()
-            types = (segment_cumsum(sep, counts) - sep > 0).long()  # after the first separator: the second text
-        x = self.embed_norm(x + self.embed_types(types))
+        if self.embed_types is not None:
+            types = torch.zeros_like(input_ids)
+            if self.position_offset is None and self.embed_types.num_embeddings > 1 and self.sep_token_id is not None:
+                sep = (input_ids == self.sep_token_id).long()
+                types = (segment_cumsum(sep, counts) - sep > 0).long()  # after the first separator: the second text
+            x = x + self.embed_types(types)
+        x = self.embed_norm(x)
         for layer in self.layers:
             x = layer(x, lengths)
         return x
@@ -103,25 +122,26 @@ class BertModel(EncoderModel):
         weights: dict[str, Weight | list[Weight]] = {
             "embed_tokens.weight": tensor("embeddings.word_embeddings.weight"),
             "embed_positions.weight": tensor("embeddings.position_embeddings.weight"),
-            "embed_types.weight": tensor("embeddings.token_type_embeddings.weight"),
             "embed_norm.weight": tensor("embeddings.LayerNorm.weight"),
             "embed_norm.bias": tensor("embeddings.LayerNorm.bias")}
+        if shape(config)[3]:
+            weights["embed_types.weight"] = tensor("embeddings.token_type_embeddings.weight")
+        layer, qkv, rest = LAYER_NAMES["distilbert" if config.model_type == "distilbert" else "bert"]
         for i in range(config.num_hidden_layers):
-            src, dst = f"encoder.layer.{i}.", f"layers.{i}."
+            src, dst = layer.format(i), f"layers.{i}."
             for kind in ("weight", "bias"):
-                parts = [tensor(f"{src}attention.self.{n}.{kind}") for n in ("query", "key", "value")]
-                weights[f"{dst}qkv_proj.{kind}"] = fuse_rows(parts)
-                for ours, theirs in (("o_proj", "attention.output.dense"),
-                                     ("attention_norm", "attention.output.LayerNorm"),
-                                     ("up_proj", "intermediate.dense"), ("down_proj", "output.dense"),
-                                     ("mlp_norm", "output.LayerNorm")):
+                weights[f"{dst}qkv_proj.{kind}"] = fuse_rows([tensor(f"{src}{n}.{kind}") for n in qkv])
+                for ours, theirs in rest:
                     weights[f"{dst}{ours}.{kind}"] = tensor(f"{src}{theirs}.{kind}")
         return weights
 
     @classmethod
     def classifier(cls, config: PretrainedConfig, state_dict: dict[str, Weight]) -> nn.Module | None:
         """`dense -> tanh -> out` over the first token: BERT's pooler and `classifier`, or RoBERTa's
-        `classifier.dense` and `classifier.out_proj`."""
+        `classifier.dense` and `classifier.out_proj`; DistilBERT's `pre_classifier -> relu -> classifier`."""
+        if "pre_classifier.weight" in state_dict:
+            return nn.Sequential(linear_from(state_dict, "pre_classifier"), nn.ReLU(),
+                                 linear_from(state_dict, "classifier"))
         if "classifier.out_proj.weight" in state_dict:
             first, last = "classifier.dense", "classifier.out_proj"
             if f"{first}.weight" not in state_dict:  # a BERT cross-encoder's GGUF (its converter drops the pooler):

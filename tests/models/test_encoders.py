@@ -1,7 +1,8 @@
-"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa, ModernBERT) as pooling models: embeddings equal to
-transformers' encoder pooled as the checkpoint's sentence-transformers files say, cross-encoders' scores equal
-to its `*ForSequenceClassification` (a pair's token types included), prompts computed whole and alone (a
-prompt's embedding does not depend on its neighbours in the pass), and the refusals."""
+"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT, bidirectional Gemma 3) as pooling
+models: embeddings equal to transformers' encoder pooled as the checkpoint's sentence-transformers files say,
+cross-encoders' scores equal to its `*ForSequenceClassification` (a pair's token types included), prompts
+computed whole and alone (a prompt's embedding does not depend on its neighbours in the pass), and the
+refusals."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def reference_states(model: transformers.PreTrainedModel, tokenizer: transformer
     return model(**encoded(tokenizer, model.config, text)).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "distilbert", "modernbert"])
 def test_embeddings_equal_transformers_pooled(kind: str, tmp_path: Path, one_thread: None) -> None:
     """fp32: CLS (the encoders' default) and mean pooling, normalized, against transformers' encoder; each
     text's embedding the same alone as among seven others of other lengths (ModernBERT: texts longer than
@@ -61,8 +62,8 @@ def test_bf16_embeddings_are_close(tmp_path: Path, one_thread: None) -> None:
         assert float(F.cosine_similarity(torch.tensor(out.outputs.embedding), ref, dim=0)) >= 0.99
 
 
-@pytest.mark.parametrize(("kind", "pooling"), [("bert", "CLS"), ("xlm-roberta", "CLS"), ("modernbert", "CLS"),
-                                               ("modernbert", "MEAN")])
+@pytest.mark.parametrize(("kind", "pooling"), [("bert", "CLS"), ("xlm-roberta", "CLS"), ("distilbert", "CLS"),
+                                               ("modernbert", "CLS"), ("modernbert", "MEAN")])
 def test_cross_encoder_scores_equal_transformers(kind: str, pooling: str, tmp_path: Path, one_thread: None) -> None:
     """A `*ForSequenceClassification` cross-encoder (one label): each pair's score is the sigmoid of
     transformers' logit for the tokenizer's pair encoding (BERT: the second text's token type 1; ModernBERT:
