@@ -119,15 +119,35 @@ class EncoderModel(nn.Module):
         raise NotImplementedError
 
 
+# Prompts up to this long attend in one padded call (each call costs more than a short prompt's arithmetic)
+BATCHED_PROMPT_LEN = 64
+
+
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
-                            window: int | None = None, scale: float | None = None) -> torch.Tensor:
+                            window: int | None = None, scale: float | None = None,
+                            batched_up_to: int = BATCHED_PROMPT_LEN) -> torch.Tensor:
     """Attention of each prompt over itself, both ways: `q`, `k`, `v` `[tokens, heads, head_dim]` views (k and v
     may have fewer heads, each shared by a group of q's), the result `[tokens, heads * head_dim]`. `window`: a
-    token attends to those at most that far away; `scale`: the scores' (None: `head_dim ** -0.5`)."""
+    token attends to those at most that far away; `scale`: the scores' (None: `head_dim ** -0.5`). Prompts of
+    up to `batched_up_to` tokens go in one call, padded to the longest of them (the padding masked out of the
+    keys and dropped from the result); longer ones one call each."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grouped = k.shape[1] != q.shape[1]
-    start = 0
-    for n in lengths:  # (host work O(prompts in the pass))
+    counts = torch.tensor(lengths, device=q.device)
+    starts = counts.cumsum(0) - counts
+    short = counts <= batched_up_to
+    if bool(short.any()):
+        n, first = counts[short], starts[short]
+        offsets = torch.arange(int(n.max()), device=q.device)
+        valid = offsets < n[:, None]  # [prompts, padded length]
+        rows = first[:, None] + torch.minimum(offsets, n[:, None] - 1)  # (padding repeats a prompt's last row)
+        mask = valid[:, None, None, :]
+        if window is not None:
+            mask = mask & ((offsets[:, None] - offsets[None, :]).abs() <= window)
+        heads = [t[rows].transpose(1, 2) for t in (q, k, v)]  # [prompts, heads, padded length, head_dim]
+        o = F.scaled_dot_product_attention(*heads, attn_mask=mask, scale=scale, enable_gqa=grouped)
+        out[rows[valid]] = o.transpose(1, 2)[valid]
+    for start, n in zip(starts[~short].tolist(), counts[~short].tolist()):  # (host work O(long prompts))
         part = slice(start, start + n)
         mask = None
         if window is not None and n > window + 1:
@@ -137,7 +157,6 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         heads = [t[part].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         out[part] = F.scaled_dot_product_attention(*heads, attn_mask=mask, scale=scale,
                                                    enable_gqa=grouped)[0].transpose(0, 1)
-        start += n
     return out.view(len(q), -1)
 
 

@@ -19,6 +19,7 @@ import transformers
 from conveyor import LLM, PoolingParams
 from conveyor.config import ConfigError
 from conveyor.errors import InvalidRequestError
+from conveyor.models.encoder import bidirectional_attention
 
 from tests.encoder_models import (SPECIAL, WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts,
                                   write_bert_gguf)
@@ -281,3 +282,16 @@ def test_a_bidirectional_gemma_embeds_as_transformers(tmp_path: Path, one_thread
     assert all_free(llm)
     with pytest.raises(ConfigError, match="bidirectional Gemma .* cannot generate"):
         LLM(tmp_path, dtype="float32", runner="generate")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(12, 12, None), (4, 2, 5), (4, 1, None)])
+def test_short_prompts_attend_in_one_padded_call_as_alone(heads: int, kv_heads: int, window: int | None) -> None:
+    """Prompts of 1-90 tokens: the padded call for the short ones (grouped K/V heads, a window) = each prompt in a
+    call of its own, as the long ones go."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 91, (20,), generator=g).tolist()
+    q, k, v = (torch.randn(sum(lengths), h, 32, generator=g) for h in (heads, kv_heads, kv_heads))
+    alone = bidirectional_attention(q, k, v, lengths, window, 0.2, batched_up_to=0)
+    for limit in (64, 1000):
+        torch.testing.assert_close(bidirectional_attention(q, k, v, lengths, window, 0.2, batched_up_to=limit), alone,
+                                   atol=2e-6, rtol=1e-5)
