@@ -1,5 +1,5 @@
-"""Encoder-only models as pooling models: what BERT-style (`models.bert`) and ModernBERT (`models.modernbert`)
-encoders share (docs/design/pooling.md, "Encoder models").
+"""Encoder-only models as pooling models: what the encoder families (`models.bert`, `models.modernbert`,
+`models.gemma_encoder`) share (docs/design/pooling.md, "Encoder models").
 
 An encoder's attention is bidirectional: every token of a prompt attends to every other, so a prompt is
 computed whole in one pass (`Request.whole_prompt`: never chunked, never started from cached blocks) and
