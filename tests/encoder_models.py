@@ -3,6 +3,7 @@ encoder tests."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import gguf
@@ -63,6 +64,17 @@ def save_encoder(path: Path, config: transformers.PretrainedConfig, head: str = 
     model.save_pretrained(path)
     bert_tokenizer(path)
     return model
+
+
+def write_mean_normalized(path: Path) -> None:
+    """sentence-transformers' files for mean pooling, then Normalize (all-MiniLM's and EmbeddingGemma's pipeline
+    without its Dense layers)."""
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
 
 
 def encoded(tokenizer: transformers.PreTrainedTokenizerBase, config: transformers.PretrainedConfig, text: str,

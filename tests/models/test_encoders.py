@@ -22,7 +22,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.models.encoder import bidirectional_attention
 
 from tests.encoder_models import (SPECIAL, WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts,
-                                  write_bert_gguf)
+                                  write_bert_gguf, write_mean_normalized)
 from tests.utils import all_free
 
 
@@ -140,12 +140,7 @@ def test_sentence_transformers_files_set_pooling_and_context(tmp_path: Path, one
     a one-token prompt (a decode row in the pass) pools that token's state."""
     reference = save_encoder(tmp_path, encoder_config("bert"))
     tokenizer = bert_tokenizer(tmp_path)
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    write_mean_normalized(tmp_path)
     (tmp_path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
     llm = LLM(tmp_path, dtype="float32")
     assert (llm.engine.pooler.pooling_type, llm.engine.pooler.normalize, llm.max_model_len) == ("MEAN", True, 48)
@@ -262,12 +257,7 @@ def test_a_bidirectional_gemma_embeds_as_transformers(tmp_path: Path, one_thread
                 p.uniform_(-0.5, 0.5)  # (Gemma's norms scale by 1 + weight)
     reference.save_pretrained(tmp_path)
     tokenizer = bert_tokenizer(tmp_path)
-    (tmp_path / "modules.json").write_text(json.dumps([
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
-    (tmp_path / "1_Pooling").mkdir()
-    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    write_mean_normalized(tmp_path)
     llm = LLM(tmp_path, dtype="float32")
     assert llm.pooling_task == "embed" and llm.engine.pooler.pooling_type == "MEAN"
     batch = texts(6, seed=31)
