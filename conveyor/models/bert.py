@@ -138,7 +138,10 @@ class BertModel(EncoderModel):
     @classmethod
     def classifier(cls, config: PretrainedConfig, state_dict: dict[str, Weight]) -> nn.Module | None:
         """`dense -> tanh -> out` over the first token: BERT's pooler and `classifier`, or RoBERTa's
-        `classifier.dense` and `classifier.out_proj`; DistilBERT's `pre_classifier -> relu -> classifier`."""
+        `classifier.dense` and `classifier.out_proj`; DistilBERT's `pre_classifier -> relu -> classifier`. A token
+        classifier's (NER taggers: `*ForTokenClassification`) is its `classifier` alone, over every token."""
+        if any(a.endswith("ForTokenClassification") for a in getattr(config, "architectures", None) or []):
+            return nn.Sequential(linear_from(state_dict, "classifier")) if "classifier.weight" in state_dict else None
         if "pre_classifier.weight" in state_dict:
             return nn.Sequential(linear_from(state_dict, "pre_classifier"), nn.ReLU(),
                                  linear_from(state_dict, "classifier"))

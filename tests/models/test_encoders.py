@@ -285,3 +285,21 @@ def test_short_prompts_attend_in_one_padded_call_as_alone(heads: int, kv_heads: 
     for limit in (64, 1000):
         torch.testing.assert_close(bidirectional_attention(q, k, v, lengths, window, 0.2, batched_up_to=limit), alone,
                                    atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "xlm-roberta", "modernbert"])
+def test_token_classifiers_tag_as_transformers(kind: str, tmp_path: Path, one_thread: None) -> None:
+    """A `*ForTokenClassification` encoder (an NER tagger) runs token_classify: every token's class probabilities =
+    the softmax of transformers' per-token logits (its classifier alone; ModernBERT's head first)."""
+    config = encoder_config(kind, num_labels=5)
+    reference = save_encoder(tmp_path, config, head="ForTokenClassification")
+    tokenizer = bert_tokenizer(tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    assert llm.pooling_task == "token_classify" and llm.engine.pooler.pooling_type == "ALL"
+    batch = texts(4, seed=41)
+    for text, out in zip(batch, llm.encode(batch, use_tqdm=False)):
+        with torch.inference_mode():
+            expected = reference(**encoded(tokenizer, config, text)).logits[0].softmax(-1)
+        assert out.outputs.data.shape == expected.shape
+        torch.testing.assert_close(out.outputs.data, expected, atol=1e-5, rtol=0)
+    assert all_free(llm)
