@@ -86,7 +86,8 @@ class Engine:
                                  for t, _ in groups)
         use_graphs = pooler is None and use_cuda_graphs(config, device, model.cuda_graphs)
         attention = make_attention_backend(device, self.dtype, config.attention_backend, config.kv_cache_dtype)
-        working = working_memory(model, config, device, self.dtype, attention.dense_scores)  # CUDA: measured
+        # (CUDA: measured; an encoder's attention is its own, over one prompt at a time: no dense scores of the pass)
+        working = working_memory(model, config, device, self.dtype, attention.dense_scores and not encoder)
         if use_graphs:  # the graphs' memory pool, besides the eager passes' working memory
             working += graph_memory_bytes(model, config, self.dtype)
         bytes_per_chunk = CachePool.bytes_per_chunk(dtype=self.kv_format.dtype, **shape)
