@@ -11,6 +11,7 @@ from transformers import PretrainedConfig
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.quantization.linear import Weight
+from .base import check_activation
 from .llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -36,9 +37,7 @@ class ArceeForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  mlp_bias: bool = False, qk_norm: bool = False) -> None:
-        activation = getattr(config, "hidden_act", "relu2")
-        if activation != "relu2":
-            raise ValueError(f"hidden_act {activation!r} is not supported for arcee (supported: relu2)")
+        check_activation(config, "relu2")
         super().__init__(config, qkv_bias, o_bias, mlp_bias, qk_norm)
 
     @classmethod

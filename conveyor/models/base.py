@@ -63,6 +63,14 @@ _LAYER_TENSORS = (("qkv_proj", "self_attn.qkv_proj"), ("gate_up_proj", "mlp.gate
                   ("q_norm", "self_attn.q_norm"), ("k_norm", "self_attn.k_norm"))
 
 
+def check_activation(config: PretrainedConfig, supported: str) -> None:
+    """The config's `hidden_act` is the one activation the family's layers compute (`supported`, also when the
+    config sets none); ValueError naming both otherwise."""
+    activation = getattr(config, "hidden_act", supported)
+    if activation != supported:
+        raise ValueError(f"hidden_act {activation!r} is not supported for {config.model_type} (supported: {supported})")
+
+
 def _tensor(state_dict: dict[str, Weight], name: str) -> Weight:
     if name not in state_dict:
         raise ValueError(f"the checkpoint has no tensor {name!r}")

@@ -12,6 +12,7 @@ from transformers import PretrainedConfig
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.quantization.linear import Weight
+from .base import check_activation
 from .llama import DecoderLayer, LlamaForCausalLM, RMSNorm
 from .pair_rope import PairRope
 
@@ -39,9 +40,7 @@ class GlmForCausalLM(PairRope, LlamaForCausalLM):
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  mlp_bias: bool = False, qk_norm: bool = False) -> None:
-        activation = getattr(config, "hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"hidden_act {activation!r} is not supported for {config.model_type} (supported: silu)")
+        check_activation(config, "silu")
         super().__init__(config, qkv_bias, o_bias, mlp_bias, qk_norm)
 
     @classmethod

@@ -23,7 +23,7 @@ from ..layers.moe import Expert, SparseMoe
 from ..layers.quantization.linear import Weight, fuse_rows
 from ..layers.quantization.tensors import QuantizedTensor
 from ..layers.rotary import RotaryEmbedding, apply_rotary
-from .base import CausalLM
+from .base import CausalLM, check_activation
 from .llama import DecoderLayer, RMSNorm
 
 # Hugging Face names of a sparse block and its experts' gate, up and down projections, by model type.
@@ -124,9 +124,7 @@ class MoeForCausalLM(CausalLM):
                  qk_norm: bool = False) -> None:
         super().__init__(config)
         routed_experts(config)  # (checked before anything is built)
-        activation = getattr(config, "hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"{config.model_type}: hidden_act {activation!r} is not supported (supported: silu)")
+        check_activation(config, "silu")
         self.hf_block, *self.hf_experts = hf_expert_names(config.model_type)
         self.layers = nn.ModuleList(self.make_layer(config, qkv_bias, o_bias, qk_norm,
                                                     self.make_moe(config) if sparse else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
+from .base import check_activation
 from .llama import LlamaForCausalLM
 
 
@@ -21,9 +22,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     partial_rotary = True
 
     def __init__(self, config: PretrainedConfig) -> None:
-        activation = getattr(config, "hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"hidden_act {activation!r} is not supported for phi3 (supported: silu)")
+        check_activation(config, "silu")
         super().__init__(config)
 
     @classmethod

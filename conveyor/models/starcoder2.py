@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.quantization.linear import Weight
+from .base import check_activation
 from .llama import DecoderLayer, LlamaForCausalLM
 
 
@@ -41,10 +42,7 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  mlp_bias: bool = False, qk_norm: bool = False) -> None:
-        activation = getattr(config, "hidden_act", "gelu_pytorch_tanh")
-        if activation != "gelu_pytorch_tanh":
-            raise ValueError(f"hidden_act {activation!r} is not supported for starcoder2 (supported: "
-                             "gelu_pytorch_tanh)")
+        check_activation(config, "gelu_pytorch_tanh")
         config = copy.copy(config)
         config.rms_norm_eps = config.norm_epsilon  # (what the shared layers read; every norm here is a LayerNorm)
         super().__init__(config, qkv_bias, o_bias, mlp_bias, qk_norm)

@@ -7,10 +7,11 @@ import torch
 import transformers
 
 from conveyor import LLM, SamplingParams
+from conveyor.models import build_model
 from conveyor.models.loader import load_checkpoint
 
-from tests.utils import (LENGTHS, MAX_NEW, MOE_CONFIGS, TINY_CONFIGS, TinyModel, assert_greedy_match, hf_greedy,
-                         next_token_logprobs, random_prompts, run_and_compare)
+from tests.utils import (LENGTHS, MAX_NEW, MOE_CONFIGS, ROPE_BY_LENGTH_CONFIGS, TINY_CONFIGS, TinyModel,
+                         assert_greedy_match, hf_greedy, next_token_logprobs, random_prompts, run_and_compare)
 
 
 @pytest.mark.parametrize("kind", list(TINY_CONFIGS))
@@ -41,6 +42,17 @@ def test_norms_in_place_match_transformers(kind: str, tmp_path) -> None:
     prompts = random_prompts([5, 30, 64])
     torch.testing.assert_close(next_token_logprobs(model.llm(max_batch_tokens=64), prompts),
                                reference_logprobs(model, prompts), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("kind", "supported"), [("arcee", "relu2"), ("glm", "silu"), ("phi4", "silu"),
+                                               ("starcoder2", "gelu_pytorch_tanh"), ("mixtral", "silu")])
+def test_an_activation_the_layers_do_not_compute_is_refused(kind: str, supported: str) -> None:
+    """A family whose layers compute one activation names the config's other one and its own."""
+    config = (TINY_CONFIGS.get(kind) or ROPE_BY_LENGTH_CONFIGS.get(kind) or MOE_CONFIGS[kind])()
+    config.hidden_act = "gelu_new"
+    with pytest.raises(ValueError, match=f"hidden_act 'gelu_new' is not supported for {config.model_type} "
+                                         rf"\(supported: {supported}\)"):
+        build_model(config, {}, torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("kind", ["granite", "cohere"])
