@@ -88,6 +88,23 @@ class Mirror(Protocol):
     def logits(self, hidden: torch.Tensor) -> AbstractContextManager[None]: ...
 
 
+def assign_weights(model: nn.Module, weights: dict[str, Weight | list[Weight]], quantization: str, dtype: torch.dtype,
+                   quantizable: set[str], quantized_module: Callable[[str, list[QuantizedTensor]], nn.Module]) -> None:
+    """`weights` (by the model's names) become `model`'s parameters, quantized or kept quantized as `quantization`
+    says (`plan_weights`: `quantizable` names the matrices it may quantize), each quantized one in the module
+    `quantized_module(name, parts)` makes for it; ValueError naming the tensors that do not fit."""
+    planned = plan_weights(weights, quantization, dtype, quantizable)
+    for name, parts in list(planned.items()):
+        if isinstance(parts, list):
+            model.set_submodule(name.removesuffix(".weight"), quantized_module(name, parts))
+            del planned[name]
+    try:  # the loaded tensors become the parameters (no copy: a bf16 checkpoint was copied into fp32 ones)
+        model.load_state_dict(planned, strict=True, assign=True)
+    except RuntimeError as exc:  # names the missing or unexpected tensors (by the model's names)
+        raise ValueError(f"the {model.config.model_type} checkpoint does not fit {type(model).__name__}: "
+                         f"{exc}") from None
+
+
 @cache
 def selects_rows(layer_type: type[nn.Module]) -> bool:
     """Whether a decoder layer's forward takes `rows`: then the last layer computes its attention's output
@@ -190,16 +207,9 @@ class CausalLM(nn.Module):
             fused.update(model.layer_weights(state_dict, i))
         matrices = {f"{name}.weight" for name, module in model.named_modules()
                     if isinstance(module, (nn.Linear, nn.Embedding))}
-        planned = plan_weights(fused, quantization, dtype, matrices)
-        for name, parts in list(planned.items()):
-            if isinstance(parts, list):
-                model.set_submodule(name.removesuffix(".weight"), model.quantized_module(name, parts, dtype))
-                del planned[name]
-        try:  # the loaded tensors become the parameters (no copy: a bf16 checkpoint was copied into fp32 ones)
-            model.load_state_dict(planned, strict=True, assign=True)
-        except RuntimeError as exc:  # names the missing or unexpected tensors (by the model's names)
-            raise ValueError(f"the {config.model_type} checkpoint does not fit {cls.__name__}: {exc}") from None
-        del fused, planned  # the fused copies then live only as long as the parameters made of them
+        assign_weights(model, fused, quantization, dtype, matrices,
+                       lambda name, parts: model.quantized_module(name, parts, dtype))
+        del fused  # the fused copies then live only as long as the parameters made of them
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)

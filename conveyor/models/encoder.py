@@ -27,10 +27,10 @@ from ..layers.quantization.linear import (
     Weight,
     bf16_kernel_max_rows,
     dequantized,
-    plan_weights,
     tile_bf16_modules,
 )
-from .base import no_init_weights
+from ..layers.quantization.tensors import QuantizedTensor
+from .base import assign_weights, no_init_weights
 
 
 class EncoderModel(nn.Module):
@@ -87,24 +87,22 @@ class EncoderModel(nn.Module):
         with no_init_weights():
             model = cls(config)
         linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-        planned = plan_weights(cls.weights(config, state_dict), quantization, dtype, linears)
-        for name, parts in list(planned.items()):
-            if isinstance(parts, list):  # (a GGUF file's blocks kept, or int8 / int4)
-                old = model.get_submodule(name.removesuffix(".weight"))
-                model.set_submodule(name.removesuffix(".weight"),
-                                    QuantEmbedding(parts[0], dtype, tiled=False) if isinstance(old, nn.Embedding)
-                                    else QuantLinear(parts, bias=old.bias is not None, dtype=dtype))
-                del planned[name]
-        try:
-            model.load_state_dict(planned, strict=True, assign=True)
-        except RuntimeError as exc:
-            raise ValueError(f"the {config.model_type} checkpoint does not fit {cls.__name__}: {exc}") from None
+        assign_weights(model, cls.weights(config, state_dict), quantization, dtype, linears,
+                       lambda name, parts: model.quantized_module(name, parts, dtype))
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32
         if bf16_kernel_max_rows() is None:  # bf16 without AMX: the native kernels' tiles; with AMX, an encoder's
             tile_bf16_modules(model)        # passes are oneDNN's sizes, and its matmul takes the plain weight
         return model
+
+    def quantized_module(self, name: str, parts: list[QuantizedTensor], dtype: torch.dtype) -> nn.Module:
+        """The module of weight `name` kept quantized (a GGUF file's blocks, or int8 / int4): an embedding read
+        row by row, or a linear layer."""
+        old = self.get_submodule(name.removesuffix(".weight"))
+        if isinstance(old, nn.Embedding):
+            return QuantEmbedding(parts[0], dtype, tiled=False)
+        return QuantLinear(parts, bias=old.bias is not None, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: Sequence[torch.Tensor],
                 metas: Sequence[AttentionMetadata], attention: AttentionBackend,
