@@ -26,7 +26,7 @@ from ..layers.quantization.linear import (
     QuantLinear,
     Weight,
     bf16_kernel_max_rows,
-    dequantized,
+    float_linear,
     tile_bf16_modules,
 )
 from ..layers.quantization.tensors import QuantizedTensor
@@ -175,11 +175,4 @@ def segment_cumsum(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 def linear_from(state_dict: dict[str, Weight], name: str) -> nn.Linear:
     """The fp32 `nn.Linear` of checkpoint tensors `{name}.weight` (and `{name}.bias` where there is one)."""
-    weight = dequantized(state_dict[f"{name}.weight"]).float()
-    bias = state_dict.get(f"{name}.bias")
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    with torch.no_grad():
-        layer.weight.copy_(weight)
-        if bias is not None:
-            layer.bias.copy_(dequantized(bias).float())
-    return layer
+    return float_linear(state_dict[f"{name}.weight"], state_dict.get(f"{name}.bias"))

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from ..errors import ConfigError
 from ..layers.pooler import Pooler
-from ..layers.quantization.linear import Weight, dequantized
+from ..layers.quantization.linear import Weight, float_linear
 from ..layers.quantization.tensors import QuantizedTensor
 from ..pooling_params import POOLING_TASKS, TOKEN_TASKS, PoolerConfig
 from .bert import BertModel
@@ -159,13 +159,8 @@ def classifier_head(config: PretrainedConfig, state_dict: dict[str, Weight], tok
                               "scores with tokens' logits is set up with hf_overrides, e.g. "
                               '{"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": '
                               '["no", "yes"], "is_original_qwen3_reranker": true}')
-        weight, bias = dequantized(state_dict.pop("score.weight")), state_dict.pop("score.bias", None)
-    head = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    with torch.no_grad():
-        head.weight.copy_(weight.float())
-        if bias is not None:
-            head.bias.copy_(dequantized(bias).float())
-    return head.to(device).eval().requires_grad_(False)
+        weight, bias = state_dict.pop("score.weight"), state_dict.pop("score.bias", None)
+    return float_linear(weight, bias).to(device).eval().requires_grad_(False)
 
 
 def token_rows_head(config: PretrainedConfig, state_dict: dict[str, Weight], tokenizer: PreTrainedTokenizerBase | None,

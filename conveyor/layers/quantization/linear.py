@@ -267,6 +267,17 @@ def dequantized(weight: Weight, dtype: torch.dtype = torch.float32) -> torch.Ten
     return weight.dequantize(dtype) if isinstance(weight, QuantizedTensor) else weight
 
 
+def float_linear(weight: Weight, bias: Weight | None = None) -> nn.Linear:
+    """An fp32 `nn.Linear` of these tensors (quantized ones widened): a small head kept in full precision."""
+    weight = dequantized(weight).float()
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(dequantized(bias).float())
+    return layer
+
+
 def fuse_rows(parts: list[Weight]) -> torch.Tensor | list[Weight]:
     """Fused q/k/v or gate/up: one dense tensor, or the parts as they are when some are quantized."""
     return torch.cat(parts) if all(isinstance(p, torch.Tensor) for p in parts) else list(parts)
