@@ -1,5 +1,5 @@
-"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, DistilBERT, ModernBERT) with a WordPiece tokenizer, for the
-encoder tests."""
+"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, DistilBERT, ModernBERT, NomicBERT, GTE) with a WordPiece
+tokenizer, for the encoder tests."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import gguf
+import safetensors.torch
 import torch
 import transformers
 
@@ -39,6 +40,10 @@ def encoder_config(kind: str, **overrides: object) -> transformers.PretrainedCon
         config = transformers.ModernBertConfig(**(common | dict(num_hidden_layers=4, local_attention=16, pad_token_id=0,
                                                                 cls_token_id=2, sep_token_id=3, bos_token_id=2,
                                                                 eos_token_id=3) | overrides))
+    elif kind == "nomic_bert":  # no biases, SwiGLU, two token types
+        config = transformers.NomicBertConfig(**(common | dict(pad_token_id=0) | overrides))
+    elif kind == "gte":  # biases but the MLP's input projections, GeGLU, one token type
+        config = transformers.GteConfig(**(common | dict(pad_token_id=0, type_vocab_size=1) | overrides))
     else:  # XLM-RoBERTa's shape: pad 1, positions from 2, one token type
         config = transformers.XLMRobertaConfig(**(common | dict(pad_token_id=1, type_vocab_size=1,
                                                                 max_position_embeddings=130) | overrides))
@@ -52,8 +57,8 @@ def save_encoder(path: Path, config: transformers.PretrainedConfig, head: str = 
     weights drawn away from one and its token types and head larger than the init's, so that one read wrongly
     shows."""
     torch.manual_seed(0)
-    family = {"bert": "Bert", "modernbert": "ModernBert", "distilbert": "DistilBert"}.get(config.model_type,
-                                                                                         "XLMRoberta")
+    family = {"bert": "Bert", "modernbert": "ModernBert", "distilbert": "DistilBert", "nomic_bert": "NomicBert",
+              "gte": "Gte"}.get(config.model_type, "XLMRoberta")
     model = getattr(transformers, f"{family}{head}")(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -61,6 +66,10 @@ def save_encoder(path: Path, config: transformers.PretrainedConfig, head: str = 
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.2, 0.2)
             elif "token_type_embeddings" in name or "classifier" in name:  # (their effect well above rounding)
                 p.normal_(0.0, 0.5)
+            elif config.model_type in ("nomic_bert", "gte") and "self_attn" in name and name.endswith("weight"):
+                p.normal_(0.0, 0.15)  # (scores far from uniform and an attention output the size of its input)
+            elif name.endswith("bias") and config.model_type in ("nomic_bert", "gte"):  # (zero at init)
+                p.normal_(0.0, 0.1)
     model.save_pretrained(path)
     bert_tokenizer(path)
     return model
@@ -79,9 +88,11 @@ def write_mean_normalized(path: Path) -> None:
 
 def encoded(tokenizer: transformers.PreTrainedTokenizerBase, config: transformers.PretrainedConfig, text: str,
             pair: str | None = None) -> dict[str, torch.Tensor]:
-    """The tokenizer's inputs for the model: token types only for BERT (RoBERTa and ModernBERT take none)."""
+    """The tokenizer's inputs for the model: token types only for BERT and NomicBERT (the others take none)."""
     inputs = dict(tokenizer(text, text_pair=pair, return_tensors="pt"))
-    return inputs if config.model_type == "bert" else {k: v for k, v in inputs.items() if k != "token_type_ids"}
+    if config.model_type in ("bert", "nomic_bert"):
+        return inputs
+    return {k: v for k, v in inputs.items() if k != "token_type_ids"}
 
 
 def texts(n: int, seed: int) -> list[str]:
@@ -91,13 +102,18 @@ def texts(n: int, seed: int) -> list[str]:
 
 
 def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
-                    qtype: gguf.GGMLQuantizationType, pooling: gguf.PoolingType = gguf.PoolingType.MEAN) -> None:
+                    qtype: gguf.GGMLQuantizationType, pooling: gguf.PoolingType = gguf.PoolingType.MEAN,
+                    directory: Path | None = None) -> None:
     """A BERT encoder as llama.cpp's converter writes it: `bert.*` keys, the vocabulary in phantom-space form
     (a word-initial piece with a leading "▁", a continuation without its "##", control tokens as they are),
     gguf's tensor names for BERT (the pooler dropped; a classifier's `classifier` renamed `classifier.out_proj`),
-    matrices in `qtype`, the rest F32."""
+    matrices in `qtype`, the rest F32. A NomicBERT (`nomic-bert.*`, its RoPE base) from the original names of its
+    saved `directory`."""
     config = model.config
-    w = gguf_header(path, "bert", config)
+    arch = "nomic-bert" if config.model_type == "nomic_bert" else "bert"
+    w = gguf_header(path, arch, config)
+    if arch == "nomic-bert":
+        w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_layer_norm_eps(config.layer_norm_eps)
     w.add_causal_attention(False)
     w.add_pooling_type(pooling)
@@ -110,8 +126,10 @@ def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: 
     for key, token in (("unk", "[UNK]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("bos", "[CLS]"), ("eos", "[SEP]"),
                        ("mask", "[MASK]")):  # (the converter's [CLS] is its BOS)
         getattr(w, f"add_{key}_token_id")(tokenizer.convert_tokens_to_ids(token))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.BERT, config.num_hidden_layers)
-    for name, tensor in model.state_dict().items():
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT if arch == "nomic-bert" else gguf.MODEL_ARCH.BERT,
+                                     config.num_hidden_layers)
+    tensors = safetensors.torch.load_file(directory / "model.safetensors") if directory else model.state_dict()
+    for name, tensor in tensors.items():
         name = name.removeprefix("bert.")
         if name.startswith("pooler.") or name.endswith("position_ids"):
             continue

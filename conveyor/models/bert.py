@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 
 from ..errors import ConfigError
 from ..layers.quantization.linear import Weight, fuse_rows
-from .encoder import EncoderModel, bidirectional_attention, linear_from, segment_cumsum
+from .encoder import EncoderModel, bidirectional_attention, linear_from, pair_token_types, segment_cumsum
 
 ROBERTA_TYPES = ("roberta", "xlm-roberta")
 # The prefixes a task head's checkpoint puts before the encoder's tensors (BertForSequenceClassification's `bert.`)
@@ -99,8 +99,7 @@ class BertModel(EncoderModel):
         if self.embed_types is not None:
             types = torch.zeros_like(input_ids)
             if self.position_offset is None and self.embed_types.num_embeddings > 1 and self.sep_token_id is not None:
-                sep = (input_ids == self.sep_token_id).long()
-                types = (segment_cumsum(sep, counts) - sep > 0).long()  # after the first separator: the second text
+                types = pair_token_types(input_ids, counts, self.sep_token_id)
             x = x + self.embed_types(types)
         x = self.embed_norm(x)
         for layer in self.layers:

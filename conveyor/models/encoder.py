@@ -19,6 +19,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from ..errors import ConfigError
+from ..kernels import cpu_fused_ops, native_kernels_enabled
+from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.linear import prepack_linears
 from ..layers.quantization.linear import (
@@ -53,6 +55,7 @@ class EncoderModel(nn.Module):
         self.dtype = torch.float32
         self.mirror = self.lora_state = self.decode_stack = None
         self.sep_token_id: int | None = None  # the tokenizer's [SEP] (`LLM` sets it): where a pair's second text starts
+        self.fused_ops: FusedOps | None = None  # native elementwise ops (CPU), for the families that use them
 
     @property
     def max_model_len(self) -> int:
@@ -92,6 +95,8 @@ class EncoderModel(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32
+        if device.type == "cpu" and native_kernels_enabled():
+            model.fused_ops = cpu_fused_ops()
         if bf16_kernel_max_rows() is None:  # bf16 without AMX: the native kernels' tiles; with AMX, an encoder's
             tile_bf16_modules(model)        # passes are oneDNN's sizes, and its matmul takes the plain weight
         return model
@@ -171,6 +176,13 @@ def segment_cumsum(values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     total = values.cumsum(0)
     starts = counts.cumsum(0) - counts
     return total - (total[starts] - values[starts]).repeat_interleave(counts)
+
+
+def pair_token_types(input_ids: torch.Tensor, counts: torch.Tensor, sep_token_id: int) -> torch.Tensor:
+    """BERT's token types of the pass's prompts (`counts` tokens each): 1 after a prompt's first separator (a
+    pair's second text, `[CLS] a [SEP] b [SEP]`), else 0."""
+    sep = (input_ids == sep_token_id).long()
+    return (segment_cumsum(sep, counts) - sep > 0).long()
 
 
 def linear_from(state_dict: dict[str, Weight], name: str) -> nn.Linear:

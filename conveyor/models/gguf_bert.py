@@ -1,6 +1,7 @@
 """llama.cpp's BERT GGUF files (`general.architecture` "bert": bge, all-MiniLM, e5 and the other BERT embedding
-models as llama.cpp's converter writes them): their config, their tensors by the names `models.bert` reads,
-and their WordPiece tokenizer, which transformers' GGUF reader does not build.
+models as llama.cpp's converter writes them; "nomic-bert": nomic-embed-text, Ollama's among them): their config,
+their tensors by the names `models.bert` and `models.rope_bert` read, and their WordPiece tokenizer, which
+transformers' GGUF reader does not build.
 
 The converter writes the vocabulary in "phantom space" form: a word-initial piece gains a leading "▁", a
 continuation loses its "##", control tokens stay as they are (`[CLS]`, `[SEP]`, ...). Undone, that is BERT's
@@ -28,32 +29,45 @@ GLOBAL_TENSORS = {"token_embd.weight": "embeddings.word_embeddings.weight",
 LAYER_MODULES = {"attn_q": "attention.self.query", "attn_k": "attention.self.key", "attn_v": "attention.self.value",
                  "attn_output": "attention.output.dense", "attn_output_norm": "attention.output.LayerNorm",
                  "ffn_up": "intermediate.dense", "ffn_down": "output.dense", "layer_output_norm": "output.LayerNorm"}
+# NomicBERT's original names (`models.rope_bert`): a fused QKV, a gated MLP (`fc11` up, `fc12` gate), no positions
+NOMIC_GLOBAL_TENSORS = {"token_embd.weight": "embeddings.word_embeddings.weight",
+                        "token_types.weight": "embeddings.token_type_embeddings.weight",
+                        "token_embd_norm.weight": "emb_ln.weight", "token_embd_norm.bias": "emb_ln.bias"}
+NOMIC_LAYER_MODULES = {"attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", "attn_output_norm": "norm1",
+                       "ffn_up": "mlp.fc11", "ffn_gate": "mlp.fc12", "ffn_down": "mlp.fc2",
+                       "layer_output_norm": "norm2"}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(name: str) -> str | None:
-    """The Hugging Face name of a BERT GGUF tensor (None: not one the encoder reads)."""
-    if name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[name]
+def hf_name(name: str, arch: str = "bert") -> str | None:
+    """The Hugging Face name of a BERT (or NomicBERT) GGUF tensor (None: not one the encoder reads)."""
+    nomic = arch == "nomic-bert"
+    globals_, modules = (NOMIC_GLOBAL_TENSORS, NOMIC_LAYER_MODULES) if nomic else (GLOBAL_TENSORS, LAYER_MODULES)
+    if name in globals_:
+        return globals_[name]
     match = LAYER_TENSOR.fullmatch(name)
-    if match is None or match[2] not in LAYER_MODULES:
+    if match is None or match[2] not in modules:
         return None
-    return f"encoder.layer.{match[1]}.{LAYER_MODULES[match[2]]}.{match[3]}"
+    return f"encoder.{'layers' if nomic else 'layer'}.{match[1]}.{modules[match[2]]}.{match[3]}"
 
 
-def hf_config(field: Callable[..., Any], tensors: Sequence[Any]) -> transformers.BertConfig:
-    """The BertConfig of the file's metadata (`field(key[, default])` reads a key); the token types' count from
-    their table, which the converter keeps whole whatever `token_type_count` says."""
+def hf_config(field: Callable[..., Any], tensors: Sequence[Any], arch: str = "bert") -> transformers.PretrainedConfig:
+    """The BertConfig (NomicBertConfig) of the file's metadata (`field(key[, default])` reads a key); the token
+    types' count from their table, which the converter keeps whole whatever `token_type_count` says."""
     types = next((t for t in tensors if t.name == "token_types.weight"), None)
-    labels = field("bert.classifier.output_labels", None)
+    labels = field(f"{arch}.classifier.output_labels", None)
     extra = {"id2label": dict(enumerate(labels))} if labels else {}
-    return transformers.BertConfig(
-        vocab_size=len(field("tokenizer.ggml.tokens")), hidden_size=field("bert.embedding_length"),
-        num_hidden_layers=field("bert.block_count"), num_attention_heads=field("bert.attention.head_count"),
-        intermediate_size=field("bert.feed_forward_length"), max_position_embeddings=field("bert.context_length"),
-        layer_norm_eps=field("bert.attention.layer_norm_epsilon"), hidden_act="gelu",
+    common = dict(
+        vocab_size=len(field("tokenizer.ggml.tokens")), hidden_size=field(f"{arch}.embedding_length"),
+        num_hidden_layers=field(f"{arch}.block_count"), num_attention_heads=field(f"{arch}.attention.head_count"),
+        intermediate_size=field(f"{arch}.feed_forward_length"), max_position_embeddings=field(f"{arch}.context_length"),
+        layer_norm_eps=field(f"{arch}.attention.layer_norm_epsilon"),
         type_vocab_size=int(types.shape[1]) if types is not None else 1,
         pad_token_id=field("tokenizer.ggml.padding_token_id", 0), **extra)
+    if arch == "nomic-bert":
+        return transformers.NomicBertConfig(**common, hidden_act="silu", rope_parameters={
+            "rope_type": "default", "rope_theta": float(field("nomic-bert.rope.freq_base", 1000.0))})
+    return transformers.BertConfig(**common, hidden_act="gelu")
 
 
 def tokenizer(metadata: Mapping[str, Any]) -> transformers.PreTrainedTokenizerBase:

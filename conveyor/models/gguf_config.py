@@ -41,7 +41,8 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "phi3": transformers.Phi3Config,
     "ernie4_5": transformers.Ernie4_5Config,
     "glm4": transformers.Glm4Config,
-    "bert": transformers.BertConfig,  # an encoder (`gguf_bert`)
+    "bert": transformers.BertConfig,  # encoders (`gguf_bert`)
+    "nomic-bert": transformers.NomicBertConfig,
     **gguf_experts.ARCHITECTURES,
 }
 
@@ -82,8 +83,8 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
             return default
         return value
 
-    if arch == "bert":
-        return gguf_bert.hf_config(field, tensors)
+    if arch in ("bert", "nomic-bert"):
+        return gguf_bert.hf_config(field, tensors, arch)
     hidden = field(f"{arch}.embedding_length")
     n_head = field(f"{arch}.attention.head_count")
     head_dim = field(
@@ -129,8 +130,8 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
 def hf_name(name: str, arch: str) -> str | None:
     """The HF name a GGUF tensor of `arch` stands for; None for the tensors not read this way (experts:
     `gguf_experts`)."""
-    if arch == "bert":
-        return gguf_bert.hf_name(name)
+    if arch in ("bert", "nomic-bert"):
+        return gguf_bert.hf_name(name, arch)
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]
     match = LAYER_TENSOR.fullmatch(name)

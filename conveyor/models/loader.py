@@ -34,6 +34,7 @@ from .gguf_file import GGUFFile
 from .moe import expert_count
 from .multimodal_text import language_model_name, text_config
 from .pooling import checkpoint_pooler_config
+from .rope_bert import RAW_CONFIG_TYPES
 from .quantized_checkpoints import KEPT, SPLIT_BY_RANKS, checkpoint_format, convert, stored_raw
 from .sentence_transformers import read_pipeline
 
@@ -145,7 +146,11 @@ def _hf_config(path: Path) -> transformers.PretrainedConfig:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"Not a Hugging Face model directory, config.json is missing: {path}")
     try:
-        config = transformers.AutoConfig.from_pretrained(path)
+        raw = json.loads((path / "config.json").read_text())
+        if raw.get("model_type") in RAW_CONFIG_TYPES:  # (a family transformers knows only through remote code)
+            config = transformers.PretrainedConfig.from_dict(raw)
+        else:
+            config = transformers.AutoConfig.from_pretrained(path)
     except (OSError, ValueError, StrictDataclassError) as exc:  # the last: a field transformers' validation rejects
         raise ModelLoadError(f"Invalid config.json in {path}: {exc}") from exc
     try:

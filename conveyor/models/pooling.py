@@ -34,6 +34,7 @@ from .bert import BertModel
 from .encoder import EncoderModel
 from .gemma_encoder import Gemma3EncoderModel, is_bidirectional_gemma
 from .modernbert import ModernBertModel
+from .rope_bert import RopeBertModel
 from .sentence_transformers import read_pipeline
 
 logger = logging.getLogger("conveyor")
@@ -45,7 +46,8 @@ TASKS = {"generate": ("generate", "none"), "embed": ("pooling", "embed"), "embed
 GGUF_POOLING_TYPES = {1: "MEAN", 2: "CLS", 3: "LAST"}  # llama.cpp's enum (0: none, 4: rank)
 SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
 # The encoder families by `model_type` (`models.encoder`): pooling models only, with heads of their own
-ENCODERS: dict[str, type[EncoderModel]] = {t: cls for cls in (BertModel, ModernBertModel) for t in cls.model_types}
+ENCODERS: dict[str, type[EncoderModel]] = {t: cls for cls in (BertModel, ModernBertModel, RopeBertModel)
+                                           for t in cls.model_types}
 
 
 def encoder_class(config: PretrainedConfig) -> type[EncoderModel] | None:

@@ -1,4 +1,5 @@
-"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT, bidirectional Gemma 3) as pooling
+"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT, NomicBERT, GTE, bidirectional
+Gemma 3) as pooling
 models: embeddings equal to transformers' encoder pooled as the checkpoint's sentence-transformers files say,
 cross-encoders' scores equal to its `*ForSequenceClassification` (a pair's token types included), prompts
 computed whole and alone (a prompt's embedding does not depend on its neighbours in the pass), and the
@@ -32,7 +33,7 @@ def reference_states(model: transformers.PreTrainedModel, tokenizer: transformer
     return model(**encoded(tokenizer, model.config, text)).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "distilbert", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "distilbert", "modernbert", "nomic_bert", "gte"])
 def test_embeddings_equal_transformers_pooled(kind: str, tmp_path: Path, one_thread: None) -> None:
     """fp32: CLS (the encoders' default) and mean pooling, normalized, against transformers' encoder; each
     text's embedding the same alone as among seven others of other lengths (ModernBERT: texts longer than
@@ -64,7 +65,8 @@ def test_bf16_embeddings_are_close(tmp_path: Path, one_thread: None) -> None:
 
 
 @pytest.mark.parametrize(("kind", "pooling"), [("bert", "CLS"), ("xlm-roberta", "CLS"), ("distilbert", "CLS"),
-                                               ("modernbert", "CLS"), ("modernbert", "MEAN")])
+                                               ("modernbert", "CLS"), ("modernbert", "MEAN"), ("nomic_bert", "CLS"),
+                                               ("gte", "CLS")])
 def test_cross_encoder_scores_equal_transformers(kind: str, pooling: str, tmp_path: Path, one_thread: None) -> None:
     """A `*ForSequenceClassification` cross-encoder (one label): each pair's score is the sigmoid of
     transformers' logit for the tokenizer's pair encoding (BERT: the second text's token type 1; ModernBERT:
@@ -287,7 +289,7 @@ def test_short_prompts_attend_in_one_padded_call_as_alone(heads: int, kv_heads: 
                                    atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "distilbert", "xlm-roberta", "modernbert"])
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "xlm-roberta", "modernbert", "gte"])
 def test_token_classifiers_tag_as_transformers(kind: str, tmp_path: Path, one_thread: None) -> None:
     """A `*ForTokenClassification` encoder (an NER tagger) runs token_classify: every token's class probabilities =
     the softmax of transformers' per-token logits (its classifier alone; ModernBERT's head first)."""

@@ -1,0 +1,132 @@
+"""NomicBERT and GTE (`models.rope_bert`) beyond what the shared encoder tests check: the original configs these
+checkpoints are published with (NomicBERT's GPT-2 style fields, GTE's `new` config that transformers reads only
+through remote code), their RoPE scalings, and llama.cpp's nomic-bert GGUF files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from conveyor import LLM
+from conveyor.errors import InvalidRequestError
+
+from tests.encoder_models import bert_tokenizer, encoded, encoder_config, save_encoder, texts, write_bert_gguf
+from tests.utils import all_free
+
+
+def nomic_original_config(config: transformers.PretrainedConfig, **extra: object) -> dict:
+    """`config` written as nomic-embed-text-v1.5's config.json is: GPT-2's field names, which transformers'
+    NomicBertConfig does not read (it would take its 768-wide defaults)."""
+    return {"model_type": "nomic_bert", "architectures": ["NomicBertModel"], "vocab_size": config.vocab_size,
+            "n_embd": config.hidden_size, "n_layer": config.num_hidden_layers, "n_head": config.num_attention_heads,
+            "n_inner": config.intermediate_size, "activation_function": "swiglu", "layer_norm_epsilon":
+            config.layer_norm_eps, "rotary_emb_base": config.rope_parameters["rope_theta"], "rotary_emb_fraction": 1.0,
+            "rotary_emb_interleaved": False, "rotary_emb_scale_base": None, "qkv_proj_bias": False,
+            "mlp_fc1_bias": False, "mlp_fc2_bias": False, "prenorm": False, "causal": False, "type_vocab_size": 2,
+            "max_trained_positions": config.max_position_embeddings, "n_positions": 8192, "pad_token_id": 0, **extra}
+
+
+def mean_embeddings(llm: LLM, batch: list[str]) -> torch.Tensor:
+    return torch.tensor([o.outputs.embedding for o in llm.embed(batch, use_tqdm=False)])
+
+
+@torch.inference_mode()
+def reference_means(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
+                    batch: list[str]) -> torch.Tensor:
+    return torch.stack([F.normalize(model(**encoded(tokenizer, model.config, t)).last_hidden_state[0].mean(0), dim=0)
+                        for t in batch])
+
+
+def test_nomic_original_config_is_read(tmp_path: Path, one_thread: None) -> None:
+    """The config as nomic publishes it gives transformers' embeddings of the same weights, and its context is the
+    trained length (`max_trained_positions`, not `n_positions`): a longer prompt is an error naming it."""
+    config = encoder_config("nomic_bert", max_position_embeddings=64)
+    reference = save_encoder(tmp_path, config)
+    tokenizer = bert_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(nomic_original_config(config)))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).hidden_size == 768  # (what transformers would build)
+    llm = LLM(tmp_path, dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    assert llm.max_model_len == 64
+    batch = texts(6, seed=11)
+    torch.testing.assert_close(mean_embeddings(llm, batch), reference_means(reference, tokenizer, batch),
+                               atol=2e-5, rtol=1e-4)
+    with pytest.raises(InvalidRequestError, match="64"):
+        llm.embed(" ".join(["w1"] * 70), use_tqdm=False)
+    assert all_free(llm)
+
+
+def test_nomic_rotary_scaling_factor_extends_the_context(tmp_path: Path, one_thread: None) -> None:
+    """`rotary_scaling_factor`: dynamic NTK past the trained length, each prompt rotated with its own length (as
+    transformers' dynamic RoPE rotates one text alone), up to `n_positions`; prompts past the trained 16 tokens."""
+    config = encoder_config("nomic_bert", max_position_embeddings=16,
+                            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1000.0})
+    save_encoder(tmp_path, config)
+    tokenizer = bert_tokenizer(tmp_path)
+    batch = texts(6, seed=12)
+    assert max(len(tokenizer(t)["input_ids"]) for t in batch) > 32
+    expected = []
+    for text in batch:  # (a fresh model each: transformers keeps the frequencies of the longest text it saw)
+        reference = transformers.NomicBertModel.from_pretrained(tmp_path).eval()
+        expected.append(reference_means(reference, tokenizer, [text])[0])
+    original = nomic_original_config(config, rotary_scaling_factor=2.0, max_trained_positions=16, n_positions=128)
+    (tmp_path / "config.json").write_text(json.dumps(original))
+    llm = LLM(tmp_path, dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    assert llm.max_model_len == 128
+    torch.testing.assert_close(mean_embeddings(llm, batch), torch.stack(expected), atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
+
+
+def test_gte_original_config_and_its_ntk_scaling(tmp_path: Path, one_thread: None) -> None:
+    """GTE's original `new` config (transformers reads it only through remote code) with `rope_scaling` of type
+    "ntk": the original's frequencies, `1 / (base * f) ** (2i / d) / f ** (2 / d)` for every position, put into
+    transformers' GteModel as the reference."""
+    config = encoder_config("gte", rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    reference = save_encoder(tmp_path, config)
+    tokenizer = bert_tokenizer(tmp_path)
+    original = {"model_type": "new", "architectures": ["NewModel"], "vocab_size": config.vocab_size,
+                "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+                "hidden_act": "gelu", "layer_norm_eps": config.layer_norm_eps, "max_position_embeddings": 128,
+                "position_embedding_type": "rope", "rope_theta": 500.0, "rope_scaling": {"type": "ntk", "factor": 2.0},
+                "type_vocab_size": 1, "layer_norm_type": "layer_norm", "logn_attention_scale": False,
+                "pack_qkv": True, "pad_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(original))
+    with pytest.raises(ValueError):  # (what loading it without remote code gives in transformers)
+        transformers.AutoConfig.from_pretrained(tmp_path)
+    d, f = 16, 2.0
+    inv_freq = 1.0 / (500.0 * f) ** (torch.arange(0, d, 2).float() / d) / f ** (2 / d)
+    reference.rotary_emb.inv_freq.copy_(inv_freq)
+    reference.rotary_emb.original_inv_freq.copy_(inv_freq)
+    llm = LLM(tmp_path, dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    batch = texts(6, seed=13)
+    torch.testing.assert_close(mean_embeddings(llm, batch), reference_means(reference, tokenizer, batch),
+                               atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0])
+def test_a_nomic_bert_gguf_file_embeds_as_its_directory(qtype: gguf.GGMLQuantizationType, tmp_path: Path,
+                                                        one_thread: None) -> None:
+    """llama.cpp's nomic-bert GGUF (fused QKV, `ffn_up` / `ffn_gate`, RoPE base, mean pooling in its metadata):
+    F32 equal to the directory, Q8_0 blocks kept as stored within their rounding."""
+    directory = tmp_path / "dir"
+    config = encoder_config("nomic_bert")
+    model = save_encoder(directory, config)
+    tokenizer = bert_tokenizer(directory)
+    file = tmp_path / "nomic.gguf"
+    write_bert_gguf(file, model, tokenizer, qtype, directory=directory)
+    batch = texts(6, seed=14)
+    expected = LLM(directory, dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    llm = LLM(file, dtype="float32")
+    assert llm.engine.pooler.pooling_type == "MEAN"
+    got, want = mean_embeddings(llm, batch), mean_embeddings(expected, batch)
+    if qtype == gguf.GGMLQuantizationType.F32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    else:
+        assert float(F.cosine_similarity(got, want).min()) >= 0.999
+    assert all_free(llm)
