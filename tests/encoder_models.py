@@ -1,5 +1,5 @@
-"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, DistilBERT, ModernBERT, NomicBERT, GTE) with a WordPiece
-tokenizer, for the encoder tests."""
+"""Tiny random encoder checkpoints (BERT, XLM-RoBERTa, DistilBERT, ModernBERT, MPNet, NomicBERT, GTE) with a
+WordPiece tokenizer, for the encoder tests."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ def encoder_config(kind: str, **overrides: object) -> transformers.PretrainedCon
         config = transformers.ModernBertConfig(**(common | dict(num_hidden_layers=4, local_attention=16, pad_token_id=0,
                                                                 cls_token_id=2, sep_token_id=3, bos_token_id=2,
                                                                 eos_token_id=3) | overrides))
+    elif kind == "mpnet":  # RoBERTa's positions (pad 1), relative position buckets of up to 128 tokens
+        config = transformers.MPNetConfig(**(common | dict(pad_token_id=1, max_position_embeddings=130) | overrides))
     elif kind == "nomic_bert":  # no biases, SwiGLU, two token types
         config = transformers.NomicBertConfig(**(common | dict(pad_token_id=0) | overrides))
     elif kind == "gte":  # biases but the MLP's input projections, GeGLU, one token type
@@ -58,13 +60,14 @@ def save_encoder(path: Path, config: transformers.PretrainedConfig, head: str = 
     shows."""
     torch.manual_seed(0)
     family = {"bert": "Bert", "modernbert": "ModernBert", "distilbert": "DistilBert", "nomic_bert": "NomicBert",
-              "gte": "Gte"}.get(config.model_type, "XLMRoberta")
+              "gte": "Gte", "mpnet": "MPNet"}.get(config.model_type, "XLMRoberta")
     model = getattr(transformers, f"{family}{head}")(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "LayerNorm" in name or "norm" in name:
                 p.uniform_(0.5, 1.5) if name.endswith("weight") else p.uniform_(-0.2, 0.2)
-            elif "token_type_embeddings" in name or "classifier" in name:  # (their effect well above rounding)
+            elif "token_type_embeddings" in name or "classifier" in name or "relative_attention_bias" in name:
+                # (their effect well above rounding)
                 p.normal_(0.0, 0.5)
             elif config.model_type in ("nomic_bert", "gte") and "self_attn" in name and name.endswith("weight"):
                 p.normal_(0.0, 0.15)  # (scores far from uniform and an attention output the size of its input)

@@ -1,5 +1,5 @@
-"""BERT, RoBERTa, XLM-RoBERTa and DistilBERT encoders: the embedding and cross-encoder checkpoints most
-retrieval deployments run (bge, e5, gte, all-MiniLM, mxbai-embed, bge-m3, bge-reranker, the ms-marco
+"""BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet encoders: the embedding and cross-encoder checkpoints most
+retrieval deployments run (bge, e5, gte, all-MiniLM, all-mpnet, mxbai-embed, bge-m3, bge-reranker, the ms-marco
 cross-encoders, the DistilBERT classifiers), as pooling models (`models.encoder`; docs/design/pooling.md,
 "Encoder models").
 
@@ -9,9 +9,13 @@ types: a pair made by the tokenizer's template (`[CLS] a [SEP] b [SEP]`) is type
 separator and type 1 after it, the types BERT's tokenizer gives a pair (RoBERTa's tokenizers give 0
 everywhere, and so does its model here; DistilBERT has none). The layers are post-norm: attention, then the
 MLP, each added to its input and LayerNorm'd. DistilBERT is BERT's layer under other names and config fields.
+MPNet is RoBERTa's embeddings (no token types) and BERT's layers under its own names, with one more term in
+every layer's attention scores: a learned bias per head by the key's bucketed position relative to the query.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -24,7 +28,7 @@ from .encoder import EncoderModel, bidirectional_attention, linear_from, pair_to
 
 ROBERTA_TYPES = ("roberta", "xlm-roberta")
 # The prefixes a task head's checkpoint puts before the encoder's tensors (BertForSequenceClassification's `bert.`)
-ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.")
+ENCODER_PREFIXES = ("bert.", "roberta.", "distilbert.", "mpnet.")
 # Each layer's tensors by our names: BERT's names, DistilBERT's (q/k/v, then the rest)
 LAYER_NAMES = {"bert": ("encoder.layer.{}.", ("attention.self.query", "attention.self.key", "attention.self.value"),
                         (("o_proj", "attention.output.dense"), ("attention_norm", "attention.output.LayerNorm"),
@@ -33,14 +37,32 @@ LAYER_NAMES = {"bert": ("encoder.layer.{}.", ("attention.self.query", "attention
                "distilbert": ("transformer.layer.{}.", ("attention.q_lin", "attention.k_lin", "attention.v_lin"),
                               (("o_proj", "attention.out_lin"), ("attention_norm", "sa_layer_norm"),
                                ("up_proj", "ffn.lin1"), ("down_proj", "ffn.lin2"),
-                               ("mlp_norm", "output_layer_norm")))}
+                               ("mlp_norm", "output_layer_norm"))),
+               "mpnet": ("encoder.layer.{}.", ("attention.attn.q", "attention.attn.k", "attention.attn.v"),
+                         (("o_proj", "attention.attn.o"), ("attention_norm", "attention.LayerNorm"),
+                          ("up_proj", "intermediate.dense"), ("down_proj", "output.dense"),
+                          ("mlp_norm", "output.LayerNorm")))}
+MPNET_PADDING_IDX = 1  # (fixed in MPNet's embeddings, whatever the config says)
 
 
 def shape(config: PretrainedConfig) -> tuple[int, float, str, int]:
     """(intermediate size, LayerNorm eps, activation, token types) under BERT's or DistilBERT's field names."""
     if config.model_type == "distilbert":
         return config.hidden_dim, 1e-12, config.activation, 0
-    return config.intermediate_size, config.layer_norm_eps, config.hidden_act, config.type_vocab_size
+    return (config.intermediate_size, config.layer_norm_eps, config.hidden_act,
+            0 if config.model_type == "mpnet" else config.type_vocab_size)
+
+
+def relative_position_bucket(relative: torch.Tensor, num_buckets: int, max_distance: int = 128) -> torch.Tensor:
+    """MPNet's (T5's bidirectional) bucket of each key's position relative to the query: half the buckets a
+    direction, exact up to a quarter of them, then logarithmic up to `max_distance`."""
+    half = num_buckets // 2
+    n = -relative
+    bucket = (n < 0).long() * half
+    n = n.abs()
+    exact = half // 2
+    large = exact + (torch.log(n.float() / exact) / math.log(max_distance / exact) * (half - exact)).long()
+    return bucket + torch.where(n < exact, n, large.clamp(max=half - 1))
 
 
 class BertLayer(nn.Module):
@@ -59,16 +81,16 @@ class BertLayer(nn.Module):
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
         self.act = ACT2FN[act]
 
-    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: list[int], bias: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).view(len(x), 3, self.num_heads, self.head_dim).unbind(1)
-        x = self.attention_norm(x + self.o_proj(bidirectional_attention(q, k, v, lengths)))
+        x = self.attention_norm(x + self.o_proj(bidirectional_attention(q, k, v, lengths, bias=bias)))
         return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
 
 
 class BertModel(EncoderModel):
-    """BERT / RoBERTa / XLM-RoBERTa / DistilBERT."""
+    """BERT / RoBERTa / XLM-RoBERTa / DistilBERT / MPNet."""
 
-    model_types = ("bert", *ROBERTA_TYPES, "distilbert")
+    model_types = ("bert", *ROBERTA_TYPES, "distilbert", "mpnet")
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
@@ -83,6 +105,10 @@ class BertModel(EncoderModel):
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         roberta = config.model_type in ROBERTA_TYPES
         self.position_offset = config.pad_token_id if roberta else None  # RoBERTa: positions from pad_token_id + 1
+        self.relative_bias = None  # MPNet's: a score bias per head by bucketed relative position, shared by layers
+        if config.model_type == "mpnet":
+            self.position_offset = MPNET_PADDING_IDX
+            self.relative_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
 
     @property
     def max_model_len(self) -> int:
@@ -102,8 +128,13 @@ class BertModel(EncoderModel):
                 types = pair_token_types(input_ids, counts, self.sep_token_id)
             x = x + self.embed_types(types)
         x = self.embed_norm(x)
+        bias = None
+        if self.relative_bias is not None:  # [heads, L, L] over the longest prompt; a shorter one takes its corner
+            index = torch.arange(max(lengths), device=input_ids.device)
+            buckets = relative_position_bucket(index[None, :] - index[:, None], self.relative_bias.num_embeddings)
+            bias = self.relative_bias(buckets).permute(2, 0, 1)
         for layer in self.layers:
-            x = layer(x, lengths)
+            x = layer(x, lengths, bias)
         return x
 
     @classmethod
@@ -125,7 +156,9 @@ class BertModel(EncoderModel):
             "embed_norm.bias": tensor("embeddings.LayerNorm.bias")}
         if shape(config)[3]:
             weights["embed_types.weight"] = tensor("embeddings.token_type_embeddings.weight")
-        layer, qkv, rest = LAYER_NAMES["distilbert" if config.model_type == "distilbert" else "bert"]
+        if config.model_type == "mpnet":
+            weights["relative_bias.weight"] = tensor("encoder.relative_attention_bias.weight")
+        layer, qkv, rest = LAYER_NAMES.get(config.model_type, LAYER_NAMES["bert"])
         for i in range(config.num_hidden_layers):
             src, dst = layer.format(i), f"layers.{i}."
             for kind in ("weight", "bias"):

@@ -128,12 +128,13 @@ BATCHED_PROMPT_LEN = 64
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
                             window: int | None = None, scale: float | None = None,
-                            batched_up_to: int = BATCHED_PROMPT_LEN) -> torch.Tensor:
+                            batched_up_to: int = BATCHED_PROMPT_LEN, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each prompt over itself, both ways: `q`, `k`, `v` `[tokens, heads, head_dim]` views (k and v
     may have fewer heads, each shared by a group of q's), the result `[tokens, heads * head_dim]`. `window`: a
-    token attends to those at most that far away; `scale`: the scores' (None: `head_dim ** -0.5`). Prompts of
-    up to `batched_up_to` tokens go in one call, padded to the longest of them (the padding masked out of the
-    keys and dropped from the result); longer ones one call each."""
+    token attends to those at most that far away; `scale`: the scores' (None: `head_dim ** -0.5`); `bias`: added
+    to the scores, `[heads, L, L]` by query and key position within the prompt, L at least the longest prompt
+    (MPNet's relative positions). Prompts of up to `batched_up_to` tokens go in one call, padded to the longest
+    of them (the padding masked out of the keys and dropped from the result); longer ones one call each."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grouped = k.shape[1] != q.shape[1]
     counts = torch.tensor(lengths, device=q.device)
@@ -147,6 +148,8 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         mask = valid[:, None, None, :]
         if window is not None:
             mask = mask & ((offsets[:, None] - offsets[None, :]).abs() <= window)
+        if bias is not None:
+            mask = with_bias(mask, bias, len(offsets))
         heads = [t[rows].transpose(1, 2) for t in (q, k, v)]  # [prompts, heads, padded length, head_dim]
         o = F.scaled_dot_product_attention(*heads, attn_mask=mask, scale=scale, enable_gqa=grouped)
         out[rows[valid]] = o.transpose(1, 2)[valid]
@@ -156,11 +159,18 @@ def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
         if window is not None and n > window + 1:
             index = torch.arange(n, device=q.device)
             mask = (index[:, None] - index[None, :]).abs() <= window
+        if bias is not None:
+            mask = (bias[:, :n, :n] if mask is None else with_bias(mask, bias, n))[None]
         # [1, heads, tokens, head_dim]: torch's fused CPU attention takes 4-D inputs (3-D ones go the slow way)
         heads = [t[part].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
         out[part] = F.scaled_dot_product_attention(*heads, attn_mask=mask, scale=scale,
                                                    enable_gqa=grouped)[0].transpose(0, 1)
     return out.view(len(q), -1)
+
+
+def with_bias(mask: torch.Tensor, bias: torch.Tensor, n: int) -> torch.Tensor:
+    """The additive mask of `bias`'s first `n` positions where the boolean `mask` allows, -inf elsewhere."""
+    return torch.where(mask, bias[:, :n, :n], torch.tensor(float("-inf"), dtype=bias.dtype))
 
 
 def prompt_lengths(meta: AttentionMetadata) -> list[int]:

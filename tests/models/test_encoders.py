@@ -1,9 +1,8 @@
-"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT, NomicBERT, GTE, bidirectional
-Gemma 3) as pooling
-models: embeddings equal to transformers' encoder pooled as the checkpoint's sentence-transformers files say,
-cross-encoders' scores equal to its `*ForSequenceClassification` (a pair's token types included), prompts
-computed whole and alone (a prompt's embedding does not depend on its neighbours in the pass), and the
-refusals."""
+"""Encoder-only checkpoints (BERT, RoBERTa, XLM-RoBERTa, DistilBERT, ModernBERT, MPNet, NomicBERT, GTE, bidirectional
+Gemma 3) as pooling models: embeddings equal to transformers' encoder pooled as the checkpoint's
+sentence-transformers files say, cross-encoders' scores equal to its `*ForSequenceClassification` (a pair's token
+types included), prompts computed whole and alone (a prompt's embedding does not depend on its neighbours in the
+pass), and the refusals."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ def reference_states(model: transformers.PreTrainedModel, tokenizer: transformer
     return model(**encoded(tokenizer, model.config, text)).last_hidden_state[0]
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "distilbert", "modernbert", "nomic_bert", "gte"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "distilbert", "modernbert", "mpnet", "nomic_bert", "gte"])
 def test_embeddings_equal_transformers_pooled(kind: str, tmp_path: Path, one_thread: None) -> None:
     """fp32: CLS (the encoders' default) and mean pooling, normalized, against transformers' encoder; each
     text's embedding the same alone as among seven others of other lengths (ModernBERT: texts longer than
@@ -65,8 +64,8 @@ def test_bf16_embeddings_are_close(tmp_path: Path, one_thread: None) -> None:
 
 
 @pytest.mark.parametrize(("kind", "pooling"), [("bert", "CLS"), ("xlm-roberta", "CLS"), ("distilbert", "CLS"),
-                                               ("modernbert", "CLS"), ("modernbert", "MEAN"), ("nomic_bert", "CLS"),
-                                               ("gte", "CLS")])
+                                               ("modernbert", "CLS"), ("modernbert", "MEAN"), ("mpnet", "CLS"),
+                                               ("nomic_bert", "CLS"), ("gte", "CLS")])
 def test_cross_encoder_scores_equal_transformers(kind: str, pooling: str, tmp_path: Path, one_thread: None) -> None:
     """A `*ForSequenceClassification` cross-encoder (one label): each pair's score is the sigmoid of
     transformers' logit for the tokenizer's pair encoding (BERT: the second text's token type 1; ModernBERT:
@@ -276,20 +275,33 @@ def test_a_bidirectional_gemma_embeds_as_transformers(tmp_path: Path, one_thread
         LLM(tmp_path, dtype="float32", runner="generate")
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "window"), [(12, 12, None), (4, 2, 5), (4, 1, None)])
-def test_short_prompts_attend_in_one_padded_call_as_alone(heads: int, kv_heads: int, window: int | None) -> None:
-    """Prompts of 1-90 tokens: the padded call for the short ones (grouped K/V heads, a window) = each prompt in a
-    call of its own, as the long ones go."""
+@pytest.mark.parametrize(("heads", "kv_heads", "window", "with_bias"),
+                         [(12, 12, None, False), (4, 2, 5, False), (4, 1, None, False), (4, 4, None, True),
+                          (4, 4, 5, True)])
+def test_short_prompts_attend_in_one_padded_call_as_alone(heads: int, kv_heads: int, window: int | None,
+                                                          with_bias: bool) -> None:
+    """Prompts of 1-90 tokens: the padded call for the short ones (grouped K/V heads, a window, a score bias by
+    position as MPNet's) = each prompt in a call of its own, as the long ones go; and the longest prompt alone =
+    the softmax written out."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 91, (20,), generator=g).tolist()
     q, k, v = (torch.randn(sum(lengths), h, 32, generator=g) for h in (heads, kv_heads, kv_heads))
-    alone = bidirectional_attention(q, k, v, lengths, window, 0.2, batched_up_to=0)
+    bias = torch.randn(heads, 100, 100, generator=g) if with_bias else None
+    alone = bidirectional_attention(q, k, v, lengths, window, 0.2, batched_up_to=0, bias=bias)
     for limit in (64, 1000):
-        torch.testing.assert_close(bidirectional_attention(q, k, v, lengths, window, 0.2, batched_up_to=limit), alone,
-                                   atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(bidirectional_attention(q, k, v, lengths, window, 0.2, batched_up_to=limit,
+                                                           bias=bias), alone, atol=2e-6, rtol=1e-5)
+    n, start = max(lengths), sum(lengths[:lengths.index(max(lengths))])
+    part = [t[start:start + n].transpose(0, 1).repeat_interleave(heads // t.shape[1], 0) for t in (q, k, v)]
+    scores = part[0] @ part[1].transpose(1, 2) * 0.2 + (bias[:, :n, :n] if with_bias else 0)
+    if window is not None:
+        index = torch.arange(n)
+        scores = scores.masked_fill((index[:, None] - index[None, :]).abs() > window, float("-inf"))
+    expected = (scores.softmax(-1) @ part[2]).transpose(0, 1).reshape(n, -1)
+    torch.testing.assert_close(alone[start:start + n], expected, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["bert", "distilbert", "xlm-roberta", "modernbert", "gte"])
+@pytest.mark.parametrize("kind", ["bert", "distilbert", "xlm-roberta", "modernbert", "mpnet", "gte"])
 def test_token_classifiers_tag_as_transformers(kind: str, tmp_path: Path, one_thread: None) -> None:
     """A `*ForTokenClassification` encoder (an NER tagger) runs token_classify: every token's class probabilities =
     the softmax of transformers' per-token logits (its classifier alone; ModernBERT's head first)."""
