@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 import transformers
@@ -129,4 +130,29 @@ def test_a_nomic_bert_gguf_file_embeds_as_its_directory(qtype: gguf.GGMLQuantiza
         torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
     else:
         assert float(F.cosine_similarity(got, want).min()) >= 0.999
+    assert all_free(llm)
+
+
+def test_gte_original_reranker_scores_as_transformers(tmp_path: Path, one_thread: None) -> None:
+    """gte-multilingual-reranker-base's form: a `new` config, `NewForSequenceClassification`, the encoder's tensors
+    under `new.` and BERT's pooler and classifier: each pair's score = the sigmoid of transformers' logit."""
+    config = encoder_config("gte", num_labels=1)
+    reference = save_encoder(tmp_path, config, head="ForSequenceClassification")
+    tokenizer = bert_tokenizer(tmp_path)
+    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    safetensors.torch.save_file({("new." + n.removeprefix("gte.")) if n.startswith("gte.") else n: t
+                                 for n, t in tensors.items()}, tmp_path / "model.safetensors")
+    original = {"model_type": "new", "architectures": ["NewForSequenceClassification"], "vocab_size": config.vocab_size,
+                "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+                "hidden_act": "gelu", "layer_norm_eps": config.layer_norm_eps, "max_position_embeddings": 128,
+                "position_embedding_type": "rope", "rope_theta": config.rope_parameters["rope_theta"],
+                "type_vocab_size": 1, "pad_token_id": 0, "id2label": {"0": "LABEL_0"}}
+    (tmp_path / "config.json").write_text(json.dumps(original))
+    llm = LLM(tmp_path, dtype="float32")
+    assert llm.pooling_task == "classify"
+    query, documents = texts(1, seed=15)[0], texts(4, seed=16)
+    scores = [s.outputs.score for s in llm.score(query, documents, use_tqdm=False)]
+    with torch.inference_mode():
+        logits = [reference(**encoded(tokenizer, config, query, d)).logits[0, 0] for d in documents]
+    torch.testing.assert_close(torch.tensor(scores), torch.stack(logits).sigmoid(), atol=2e-6, rtol=1e-5)
     assert all_free(llm)
