@@ -1,11 +1,12 @@
-"""BERT with rotary positions: NomicBERT (nomic-embed-text v1 / v1.5, nomic-bert-2048) and GTE
+"""BERT with rotary positions: NomicBERT (nomic-embed-text v1 / v1.5 / v2-moe, nomic-bert-2048) and GTE
 (gte-base-en-v1.5, gte-large-en-v1.5, gte-multilingual-base and its reranker: the `new` and `gte`
 checkpoints) as pooling models (`models.encoder`; docs/design/pooling.md, "Encoder models").
 
 BERT's post-norm layers (attention, then the MLP, each added to its input and LayerNorm'd) with RoPE on the
 queries and keys instead of a position table; word and token-type embeddings, LayerNorm'd; a gated MLP
 (NomicBERT: SiLU without biases, GTE: GELU, its down projection with a bias) or BERT's plain one (a
-NomicBERT config's `gelu`).
+NomicBERT config's `gelu`), every `moe_every_n_layers`-th from the second a mixture of experts in
+nomic-embed-text-v2-moe (`NomicExperts`).
 
 Both families are published with remote code, and transformers now runs them natively under its own
 names, so two namings of each are read: the original checkpoints' (NomicBERT's `encoder.layers.N.attn.Wqkv`,
@@ -36,7 +37,7 @@ from transformers.activations import ACT2FN
 
 from ..errors import ConfigError
 from ..kernels.fused_ops import FusedOps
-from ..layers.quantization.linear import Weight, fuse_rows
+from ..layers.quantization.linear import Weight, dequantized, fuse_rows
 from ..layers.rotary import RotaryEmbedding, apply_rotary, with_lengths
 from .encoder import EncoderModel, bidirectional_attention, linear_from, pair_token_types
 
@@ -64,6 +65,13 @@ class Shape:
     down_bias: bool
     rope: PretrainedConfig  # what `RotaryEmbedding` reads: `rope_parameters` and the length it scales past
     context: int
+    experts: int = 0  # NomicBERT's mixture-of-experts layers: every `moe_every`-th from the second
+    top_k: int = 0
+    moe_every: int = 0
+    renormalize: bool = False
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe_every > 0 and layer % self.moe_every == 1
 
 
 def nomic_shape(config: PretrainedConfig) -> Shape:
@@ -77,8 +85,6 @@ def nomic_shape(config: PretrainedConfig) -> Shape:
     if getattr(config, "rotary_emb_interleaved", False) or getattr(config, "rotary_emb_scale_base", None) is not None:
         raise ConfigError("NomicBERT with interleaved or xPos rotary embeddings is not supported (supported: "
                           "rotary_emb_interleaved=False, rotary_emb_scale_base=None)")
-    if getattr(config, "moe_every_n_layers", 0):
-        raise ConfigError("NomicBERT with mixture-of-experts layers (nomic-embed-text-v2-moe) is not supported yet")
     hidden, heads = int(field("n_embd", "hidden_size")), int(field("n_head", "num_attention_heads"))
     if getattr(config, "n_embd", None) is not None:  # the original config
         act = config.activation_function
@@ -99,11 +105,15 @@ def nomic_shape(config: PretrainedConfig) -> Shape:
         act, gated = config.hidden_act, True
         trained = context = int(config.max_position_embeddings)
         rope = {"rope_type": "default"} | dict(config.rope_parameters or {})
+    moe_every = int(getattr(config, "moe_every_n_layers", 0) or 0)
+    experts = int(getattr(config, "num_experts", 0) or 0) if moe_every else 0
     return Shape(hidden, int(field("n_layer", "num_hidden_layers")), heads, int(field("n_inner", "intermediate_size")),
                  GATED.get(act, act), gated, float(field("layer_norm_epsilon", "layer_norm_eps", 1e-12)),
                  int(getattr(config, "type_vocab_size", 2) or 0), bool(getattr(config, "qkv_proj_bias", False)),
                  bool(getattr(config, "mlp_fc1_bias", False)), bool(getattr(config, "mlp_fc2_bias", False)),
-                 rope_config(hidden, heads, hidden // heads, trained, rope), context)
+                 rope_config(hidden, heads, hidden // heads, trained, rope), context, experts,
+                 int(getattr(config, "moe_top_k", 0) or 0), moe_every,
+                 bool(getattr(config, "moe_normalize_expert_weights", False)))
 
 
 def gte_shape(config: PretrainedConfig) -> Shape:
@@ -141,18 +151,49 @@ def rope_config(hidden: int, heads: int, head_dim: int, trained: int, params: di
                             max_position_embeddings=trained, rope_parameters=params)
 
 
+class NomicExperts(nn.Module):
+    """NomicBERT's mixture-of-experts MLP (nomic-embed-text-v2-moe): the router's softmax (fp32) over the experts,
+    the top k kept with their probabilities (renormalized only where the config says so), each expert
+    `act(x W1^T) W2` (both `[intermediate, hidden]`), then one bias shared by all."""
+
+    def __init__(self, shape: Shape, act: nn.Module) -> None:
+        super().__init__()
+        self.router = nn.Linear(shape.hidden, shape.experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(shape.experts, shape.intermediate, shape.hidden))
+        self.w2 = nn.Parameter(torch.empty(shape.experts, shape.intermediate, shape.hidden))
+        self.bias = nn.Parameter(torch.empty(shape.hidden))
+        self.top_k, self.renormalize, self.act = shape.top_k, shape.renormalize, act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).float().softmax(-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        slots = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(chosen.flatten(), minlength=len(self.w1)).tolist()  # (host work O(experts))
+        tokens, weights = slots // self.top_k, weights.flatten()[slots].to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert, (rows, w) in enumerate(zip(tokens.split(counts), weights.split(counts))):
+            if len(rows):
+                h = self.act(x[rows] @ self.w1[expert].t()) @ self.w2[expert]
+                out.index_add_(0, rows, h * w[:, None])
+        return out + self.bias
+
+
 class RopeBertLayer(nn.Module):
-    def __init__(self, shape: Shape) -> None:
+    def __init__(self, shape: Shape, index: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = shape.heads, shape.hidden // shape.heads
         self.qkv_proj = nn.Linear(shape.hidden, 3 * shape.hidden, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(shape.hidden, shape.hidden, bias=shape.qkv_bias)
         self.attention_norm = nn.LayerNorm(shape.hidden, eps=shape.eps)
-        width = 2 * shape.intermediate if shape.gated else shape.intermediate
-        self.up_proj = nn.Linear(shape.hidden, width, bias=shape.up_bias)  # gated: [gate; up]
-        self.down_proj = nn.Linear(shape.intermediate, shape.hidden, bias=shape.down_bias)
-        self.mlp_norm = nn.LayerNorm(shape.hidden, eps=shape.eps)
         self.act = F.sigmoid if shape.act == "sigmoid" else ACT2FN[shape.act]
+        self.experts = NomicExperts(shape, self.act) if shape.is_moe(index) else None
+        if self.experts is None:
+            width = 2 * shape.intermediate if shape.gated else shape.intermediate
+            self.up_proj = nn.Linear(shape.hidden, width, bias=shape.up_bias)  # gated: [gate; up]
+            self.down_proj = nn.Linear(shape.intermediate, shape.hidden, bias=shape.down_bias)
+        self.mlp_norm = nn.LayerNorm(shape.hidden, eps=shape.eps)
         self.gated, self.silu = shape.gated, shape.act == "silu"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int],
@@ -167,6 +208,9 @@ class RopeBertLayer(nn.Module):
             q, k, v = qkv.view(t, 3, self.num_heads, self.head_dim).unbind(1)
             q, k = (apply_rotary(h, cos, sin) for h in (q, k))
         x = self.attention_norm(x + self.o_proj(bidirectional_attention(q, k, v, lengths)))
+        if self.experts is not None:
+            h = self.experts(x)
+            return self.mlp_norm(x + h)
         if not self.gated:
             h = self.act(self.up_proj(x))
         elif fused is not None and self.silu:
@@ -190,7 +234,7 @@ class RopeBertModel(EncoderModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, shape.hidden)
         self.embed_types = nn.Embedding(shape.types, shape.hidden) if shape.types else None
         self.embed_norm = nn.LayerNorm(shape.hidden, eps=shape.eps)
-        self.layers = nn.ModuleList(RopeBertLayer(shape) for _ in range(shape.layers))
+        self.layers = nn.ModuleList(RopeBertLayer(shape, i) for i in range(shape.layers))
         self.rotary = RotaryEmbedding(shape.rope, self.head_dim, partial_rotary=True)
 
     @property
@@ -250,9 +294,16 @@ class RopeBertModel(EncoderModel):
             put(f"{native}o_proj", shape.qkv_bias, f"{nomic}attn.out_proj", f"{gte}attention.o_proj",
                 f"{native}self_attn.o_proj")
             put(f"{native}attention_norm", True, f"{nomic}norm1", f"{gte}attn_ln", f"{native}post_attention_layernorm")
+            put(f"{native}mlp_norm", True, f"{nomic}norm2", f"{gte}mlp_ln", f"{native}post_mlp_layernorm")
+            if shape.is_moe(i):  # (the experts' matrices stored stacked, `[experts * intermediate, hidden]`)
+                experts = (shape.experts, shape.intermediate, shape.hidden)
+                weights[f"{native}experts.router.weight"] = tensor(f"{nomic}mlp.router.layer.weight")
+                for w in ("w1", "w2"):
+                    weights[f"{native}experts.{w}"] = dequantized(tensor(f"{nomic}mlp.experts.mlp.{w}")).view(experts)
+                weights[f"{native}experts.bias"] = tensor(f"{nomic}mlp.experts.bias")
+                continue
             put(f"{native}down_proj", shape.down_bias, f"{nomic}mlp.fc2", f"{gte}mlp.down_proj",
                 f"{native}mlp.down_proj")
-            put(f"{native}mlp_norm", True, f"{nomic}norm2", f"{gte}mlp_ln", f"{native}post_mlp_layernorm")
             for kind in ("weight", "bias") if shape.up_bias else ("weight",):
                 if not shape.gated:
                     weights[f"{native}up_proj.{kind}"] = tensor(f"{nomic}mlp.fc1.{kind}")

@@ -156,3 +156,81 @@ def test_gte_original_reranker_scores_as_transformers(tmp_path: Path, one_thread
         logits = [reference(**encoded(tokenizer, config, query, d)).logits[0, 0] for d in documents]
     torch.testing.assert_close(torch.tensor(scores), torch.stack(logits).sigmoid(), atol=2e-6, rtol=1e-5)
     assert all_free(llm)
+
+
+class ReferenceMLP(torch.nn.Module):
+    """nomic-embed-text-v2-moe's plain layers' MLP, `fc2(gelu(fc1(x)))` with biases."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, inner), torch.nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class ReferenceExperts(torch.nn.Module):
+    """Its experts' layer as nomic's code computes it: the router's fp32 softmax, the top k kept unrenormalized,
+    each expert `gelu(x @ w1[e].T) @ w2[e]` over its tokens added in, then the bias."""
+
+    def __init__(self, hidden: int, inner: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(7)
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.w1 = torch.nn.Parameter(torch.randn(experts * inner, hidden, generator=g) * 0.1)
+        self.w2 = torch.nn.Parameter(torch.randn(experts * inner, hidden, generator=g) * 0.1)
+        self.bias = torch.nn.Parameter(torch.randn(hidden, generator=g) * 0.1)
+        self.experts, self.inner, self.top_k = experts, inner, top_k
+        with torch.no_grad():
+            self.router.weight.normal_(0.0, 0.5, generator=g)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        top, chosen = self.router(flat).softmax(-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e in range(self.experts):
+            slot, token = torch.where(F.one_hot(chosen, self.experts).permute(2, 1, 0)[e])
+            w1 = self.w1.view(self.experts, self.inner, -1)[e]
+            w2 = self.w2.view(self.experts, self.inner, -1)[e]
+            out.index_add_(0, token, (F.gelu(flat[token] @ w1.t()) @ w2) * top[token, slot, None])
+        return (out + self.bias).reshape(x.shape)
+
+
+def test_nomic_moe_embeds_as_its_reference(tmp_path: Path, one_thread: None) -> None:
+    """nomic-embed-text-v2-moe's form (biases everywhere, plain GELU MLPs, every second layer four experts of which
+    each token takes two): transformers' GteModel (the same attention, embeddings and post-norm layers) with the
+    MLPs replaced by the experts as nomic computes them is the reference, its weights saved under nomic's names."""
+    config = encoder_config("gte", num_hidden_layers=4)
+    reference = save_encoder(tmp_path, config)
+    tokenizer = bert_tokenizer(tmp_path)
+    torch.manual_seed(3)
+    for i, layer in enumerate(reference.layers):
+        layer.mlp = ReferenceExperts(64, 128, 4, 2) if i % 2 == 1 else ReferenceMLP(64, 128)
+    embeddings = reference.embeddings
+    tensors = {"embeddings.word_embeddings.weight": embeddings.word_embeddings.weight,
+               "embeddings.token_type_embeddings.weight": embeddings.token_type_embeddings.weight,
+               "emb_ln.weight": embeddings.LayerNorm.weight, "emb_ln.bias": embeddings.LayerNorm.bias}
+    for i, layer in enumerate(reference.layers):
+        src, attn = f"encoder.layers.{i}.", layer.self_attn
+        for kind in ("weight", "bias"):
+            tensors[f"{src}attn.Wqkv.{kind}"] = torch.cat([getattr(getattr(attn, f"{p}_proj"), kind) for p in "qkv"])
+            tensors[f"{src}attn.out_proj.{kind}"] = getattr(attn.o_proj, kind)
+            tensors[f"{src}norm1.{kind}"] = getattr(layer.post_attention_layernorm, kind)
+            tensors[f"{src}norm2.{kind}"] = getattr(layer.post_mlp_layernorm, kind)
+        tensors.update({f"{src}mlp.{name}": t for name, t in layer.mlp.state_dict().items()})
+    renamed = {n.replace("mlp.router.weight", "mlp.router.layer.weight").replace("mlp.w1", "mlp.experts.mlp.w1")
+               .replace("mlp.w2", "mlp.experts.mlp.w2").replace("mlp.bias", "mlp.experts.bias"): t.detach().contiguous()
+               for n, t in tensors.items()}
+    safetensors.torch.save_file(renamed, tmp_path / "model.safetensors")
+    original = {"model_type": "nomic_bert", "architectures": ["NomicBertModel"], "vocab_size": config.vocab_size,
+                "n_embd": 64, "n_layer": 4, "n_head": 4, "n_inner": 128, "activation_function": "gelu",
+                "layer_norm_epsilon": config.layer_norm_eps, "rotary_emb_base": config.rope_parameters["rope_theta"],
+                "rotary_emb_fraction": 1.0, "qkv_proj_bias": True, "mlp_fc1_bias": True, "mlp_fc2_bias": True,
+                "type_vocab_size": 1, "max_trained_positions": 128, "n_positions": 128, "moe_every_n_layers": 2,
+                "num_experts": 4, "moe_top_k": 2, "pad_token_id": 0}
+    (tmp_path / "config.json").write_text(json.dumps(original))
+    llm = LLM(tmp_path, dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    batch = texts(6, seed=17)
+    torch.testing.assert_close(mean_embeddings(llm, batch), reference_means(reference, tokenizer, batch),
+                               atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
