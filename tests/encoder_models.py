@@ -114,21 +114,20 @@ def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: 
     saved `directory`."""
     config = model.config
     arch = "nomic-bert" if config.model_type == "nomic_bert" else "bert"
+    offset = config.pad_token_id + 1 if config.model_type == "xlm-roberta" else 0  # (the rows before it never used)
     w = gguf_header(path, arch, config)
+    if offset:
+        w.add_context_length(config.max_position_embeddings - offset)
     if arch == "nomic-bert":
         w.add_rope_freq_base(config.rope_parameters["rope_theta"])
     w.add_layer_norm_eps(config.layer_norm_eps)
     w.add_causal_attention(False)
     w.add_pooling_type(pooling)
     w.add_token_type_count(config.type_vocab_size)
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
-    special = set(tokenizer.all_special_tokens)
-    w.add_tokenizer_model("bert")
-    w.add_token_list([t if t in special else t[2:] if t.startswith("##") else "\u2581" + t for t, _ in vocab])
-    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
-    for key, token in (("unk", "[UNK]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("bos", "[CLS]"), ("eos", "[SEP]"),
-                       ("mask", "[MASK]")):  # (the converter's [CLS] is its BOS)
-        getattr(w, f"add_{key}_token_id")(tokenizer.convert_tokens_to_ids(token))
+    if offset:
+        write_unigram_vocab(w, tokenizer)
+    else:
+        write_wordpiece_vocab(w, tokenizer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT if arch == "nomic-bert" else gguf.MODEL_ARCH.BERT,
                                      config.num_hidden_layers)
     tensors = safetensors.torch.load_file(directory / "model.safetensors") if directory else model.state_dict()
@@ -138,6 +137,8 @@ def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: 
             continue
         name = name.replace("classifier.", "classifier.out_proj.") if name.startswith("classifier.") else name
         data = tensor.detach().float().numpy()
+        if name == "embeddings.position_embeddings.weight":
+            data = data[offset:]
         out = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if data.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32 and not name.startswith("embeddings.token_type"):
             w.add_tensor(out, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
@@ -147,3 +148,42 @@ def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: 
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_wordpiece_vocab(w: gguf.GGUFWriter, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = set(tokenizer.all_special_tokens)
+    w.add_tokenizer_model("bert")
+    w.add_token_list([t if t in special else t[2:] if t.startswith("##") else "\u2581" + t for t, _ in vocab])
+    w.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t, _ in vocab])
+    for key, token in (("unk", "[UNK]"), ("sep", "[SEP]"), ("pad", "[PAD]"), ("bos", "[CLS]"), ("eos", "[SEP]"),
+                       ("mask", "[MASK]")):  # (the converter's [CLS] is its BOS)
+        getattr(w, f"add_{key}_token_id")(tokenizer.convert_tokens_to_ids(token))
+
+
+def write_unigram_vocab(w: gguf.GGUFWriter, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """XLM-RoBERTa's sentencepiece vocabulary as the converter writes it: "t5", the pieces and their scores."""
+    pieces = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["vocab"]
+    special = set(tokenizer.all_special_tokens)
+    w.add_tokenizer_model("t5")
+    w.add_token_list([p for p, _ in pieces])
+    w.add_token_scores([float(score) for _, score in pieces])
+    w.add_token_types([gguf.TokenType.UNKNOWN if p == "<unk>" else gguf.TokenType.CONTROL if p in special
+                       else gguf.TokenType.NORMAL for p, _ in pieces])
+    w.add_add_space_prefix(True)
+    for key, token in (("unk", "<unk>"), ("sep", "</s>"), ("pad", "<pad>"), ("bos", "<s>"), ("eos", "</s>"),
+                       ("mask", "<mask>")):
+        getattr(w, f"add_{key}_token_id")(tokenizer.convert_tokens_to_ids(token))
+
+
+def xlm_roberta_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
+    """An XLM-RoBERTa unigram tokenizer over the same words ("▁w0" ... "▁w199" at ids 4..., `<mask>` last, a few
+    pieces to split unknown words into), saved to `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    pieces = [("<s>", 0.0), ("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]
+    pieces += [(f"\u2581{word}", -5.0 - i / 100) for i, word in enumerate(WORDS)]
+    pieces += [(c, -12.0) for c in "\u2581w0123456789"] + [("<mask>", 0.0)]
+    tokenizer = transformers.XLMRobertaTokenizer(vocab=pieces)
+    assert tokenizer("w0 w199")["input_ids"] == [0, 4, 203, 2]
+    tokenizer.save_pretrained(path)
+    return tokenizer

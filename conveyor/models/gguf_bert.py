@@ -1,7 +1,8 @@
 """llama.cpp's BERT GGUF files (`general.architecture` "bert": bge, all-MiniLM, e5 and the other BERT embedding
-models as llama.cpp's converter writes them; "nomic-bert": nomic-embed-text, Ollama's among them): their config,
-their tensors by the names `models.bert` and `models.rope_bert` read, and their WordPiece tokenizer, which
-transformers' GGUF reader does not build.
+models as llama.cpp's converter writes them, XLM-RoBERTa's too (bge-m3, multilingual-e5); "nomic-bert":
+nomic-embed-text, Ollama's among them): their config, their tensors by the names `models.bert` and
+`models.rope_bert` read, and their tokenizers, which transformers' GGUF reader does not build as these models
+use them (BERT's WordPiece, XLM-RoBERTa's unigram with its template).
 
 The converter writes the vocabulary in "phantom space" form: a word-initial piece gains a leading "▁", a
 continuation loses its "##", control tokens stay as they are (`[CLS]`, `[SEP]`, ...). Undone, that is BERT's
@@ -71,7 +72,11 @@ def hf_config(field: Callable[..., Any], tensors: Sequence[Any], arch: str = "be
 
 
 def tokenizer(metadata: Mapping[str, Any]) -> transformers.PreTrainedTokenizerBase:
-    """BERT's fast tokenizer from the file's phantom-space vocabulary (the module docstring)."""
+    """The file's tokenizer: BERT's WordPiece from its phantom-space vocabulary (the module docstring), or
+    XLM-RoBERTa's sentencepiece unigram (`tokenizer.ggml.model` "t5": bge-m3, multilingual-e5,
+    nomic-embed-text-v2-moe)."""
+    if metadata.get("tokenizer.ggml.model") == "t5":
+        return xlm_roberta_tokenizer(metadata)
     tokens, types = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.token_type"]
     vocab = [t if kind != TokenType.NORMAL else t[1:] if t.startswith("\u2581") else f"##{t}"
              for t, kind in zip(tokens, types)]
@@ -85,3 +90,20 @@ def tokenizer(metadata: Mapping[str, Any]) -> transformers.PreTrainedTokenizerBa
         do_lower_case=bool(metadata.get("tokenizer.ggml.normalizer.lowercase", True)),
         unk_token=token("unknown", "[UNK]"), sep_token=token("seperator", "[SEP]"), pad_token=token("padding", "[PAD]"),
         cls_token=token("cls", token("bos", "[CLS]")), mask_token=token("mask", "[MASK]"))
+
+
+def xlm_roberta_tokenizer(metadata: Mapping[str, Any]) -> transformers.PreTrainedTokenizerBase:
+    """XLM-RoBERTa's tokenizer from the file's pieces and scores in the original ids (`<s>` 0, `<pad>` 1, `</s>` 2,
+    `<unk>` 3, as llama.cpp's converter writes them), its normalization table where the file has one, and its
+    `<s> A </s>` (`<s> A </s></s> B </s>`) template."""
+    tokens = metadata["tokenizer.ggml.tokens"]
+    if tokens[:4] != ["<s>", "<pad>", "</s>", "<unk>"]:
+        raise ValueError(f"a sentencepiece vocabulary starting {tokens[:4]} is not XLM-RoBERTa's "
+                         "(<s> <pad> </s> <unk>)")
+    charsmap = metadata.get("tokenizer.ggml.precompiled_charsmap")
+    mask = metadata.get("tokenizer.ggml.mask_token_id")
+    return transformers.XLMRobertaTokenizer(
+        vocab=list(zip(tokens, map(float, metadata["tokenizer.ggml.scores"]))),
+        add_prefix_space=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
+        _spm_precompiled_charsmap=bytes(charsmap) if charsmap else None,
+        mask_token=tokens[mask] if mask is not None else "<mask>")

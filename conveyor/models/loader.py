@@ -362,8 +362,8 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
         except Exception:  # a damaged cache entry: convert again below
             logger.warning("ignoring unreadable tokenizer cache %s", cache)
     metadata = _gguf_reader(path).metadata
-    bert = metadata.get("tokenizer.ggml.model") == "bert"
-    tokenizer = gguf_bert.tokenizer(metadata) if bert else _gguf_transformers_tokenizer(path)
+    encoder = metadata.get("general.architecture") in ("bert", "nomic-bert")
+    tokenizer = gguf_bert.tokenizer(metadata) if encoder else _gguf_transformers_tokenizer(path)
     try:
         tokenizer.save_pretrained(cache)
     except OSError as exc:  # a read-only home is no reason to fail

@@ -22,7 +22,7 @@ from conveyor.errors import InvalidRequestError
 from conveyor.models.encoder import bidirectional_attention
 
 from tests.encoder_models import (SPECIAL, WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts,
-                                  write_bert_gguf, write_mean_normalized)
+                                  write_bert_gguf, write_mean_normalized, xlm_roberta_tokenizer)
 from tests.utils import all_free
 
 
@@ -176,6 +176,25 @@ def test_a_bert_gguf_file_embeds_as_its_directory(tmp_path: Path, one_thread: No
     for ours, ref in zip(kept.embed(batch, use_tqdm=False), expected):
         assert float(F.cosine_similarity(torch.tensor(ours.outputs.embedding), torch.tensor(ref), dim=0)) >= 0.999
     assert all_free(kept)
+
+
+def test_an_xlm_roberta_gguf_file_embeds_as_its_directory(tmp_path: Path, one_thread: None) -> None:
+    """XLM-RoBERTa's GGUF form (bge-m3's, multilingual-e5's): a "bert" file with the sentencepiece vocabulary
+    ("t5": pieces and scores) and the position table from `pad_token_id + 1` on; the unigram tokenizer rebuilt
+    with XLM-RoBERTa's template (the directory's ids, pairs included), the embeddings the directory's."""
+    reference = save_encoder(tmp_path / "dir", encoder_config("xlm-roberta", vocab_size=217))
+    tokenizer = xlm_roberta_tokenizer(tmp_path / "dir")
+    directory = LLM(tmp_path / "dir", dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    batch = texts(5, seed=22) + ["w3 w17w9 x"]  # (the last split into pieces, one unknown)
+    write_bert_gguf(tmp_path / "f32.gguf", reference, tokenizer, gguf.GGMLQuantizationType.F32)
+    llm = LLM(tmp_path / "f32.gguf", dtype="float32")
+    assert [llm.tokenizer(t)["input_ids"] for t in batch] == [tokenizer(t)["input_ids"] for t in batch]
+    assert llm.tokenizer(batch[0], batch[1])["input_ids"] == tokenizer(batch[0], batch[1])["input_ids"]
+    assert llm.max_model_len == directory.max_model_len
+    for ours, ref in zip(llm.embed(batch, use_tqdm=False), directory.embed(batch, use_tqdm=False)):
+        torch.testing.assert_close(torch.tensor(ours.outputs.embedding), torch.tensor(ref.outputs.embedding),
+                                   atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
 
 
 def test_a_bert_cross_encoder_gguf_scores_as_llama_cpp(tmp_path: Path, one_thread: None) -> None:
