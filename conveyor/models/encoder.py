@@ -95,7 +95,7 @@ class EncoderModel(nn.Module):
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
         prepack_linears(model)  # fp32
-        if device.type == "cpu" and native_kernels_enabled():
+        if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
             model.fused_ops = cpu_fused_ops()
         if bf16_kernel_max_rows() is None:  # bf16 without AMX: the native kernels' tiles; with AMX, an encoder's
             tile_bf16_modules(model)        # passes are oneDNN's sizes, and its matmul takes the plain weight

@@ -34,8 +34,8 @@ from .gguf_file import GGUFFile
 from .moe import expert_count
 from .multimodal_text import language_model_name, text_config
 from .pooling import checkpoint_pooler_config
-from .rope_bert import RAW_CONFIG_TYPES
 from .quantized_checkpoints import KEPT, SPLIT_BY_RANKS, checkpoint_format, convert, stored_raw
+from .rope_bert import RAW_CONFIG_TYPES
 from .sentence_transformers import read_pipeline
 
 logger = logging.getLogger(__name__)
