@@ -11,7 +11,9 @@ import safetensors.torch
 import torch
 import transformers
 
+from conveyor import LLM
 from tests.gguf_writer import gguf_header
+from tests.utils import all_free
 
 WORDS = [f"w{i}" for i in range(200)]
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -96,6 +98,18 @@ def encoded(tokenizer: transformers.PreTrainedTokenizerBase, config: transformer
     if config.model_type in ("bert", "nomic_bert"):
         return inputs
     return {k: v for k, v in inputs.items() if k != "token_type_ids"}
+
+
+def assert_scores_as_transformers(llm: LLM, reference: transformers.PreTrainedModel,
+                                  tokenizer: transformers.PreTrainedTokenizerBase, seed: int) -> None:
+    """A one-label cross-encoder: each (query, document) pair's score is the sigmoid of transformers' logit for
+    the tokenizer's pair encoding; every block is back in the pool afterwards."""
+    query, documents = texts(1, seed=seed)[0], texts(5, seed=seed + 1)
+    scores = [s.outputs.score for s in llm.score(query, documents, use_tqdm=False)]
+    with torch.inference_mode():
+        logits = [reference(**encoded(tokenizer, reference.config, query, d)).logits[0, 0] for d in documents]
+    torch.testing.assert_close(torch.tensor(scores), torch.stack(logits).sigmoid(), atol=2e-6, rtol=1e-5)
+    assert all_free(llm)
 
 
 def texts(n: int, seed: int) -> list[str]:

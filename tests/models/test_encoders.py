@@ -21,8 +21,9 @@ from conveyor.config import ConfigError
 from conveyor.errors import InvalidRequestError
 from conveyor.models.encoder import bidirectional_attention
 
-from tests.encoder_models import (SPECIAL, WORDS, bert_tokenizer, encoded, encoder_config, save_encoder, texts,
-                                  write_bert_gguf, write_mean_normalized, xlm_roberta_tokenizer)
+from tests.encoder_models import (SPECIAL, WORDS, assert_scores_as_transformers, bert_tokenizer, encoded,
+                                  encoder_config, save_encoder, texts, write_bert_gguf, write_mean_normalized,
+                                  xlm_roberta_tokenizer)
 from tests.utils import all_free
 
 
@@ -76,12 +77,7 @@ def test_cross_encoder_scores_equal_transformers(kind: str, pooling: str, tmp_pa
     tokenizer = bert_tokenizer(tmp_path)
     llm = LLM(tmp_path, dtype="float32")
     assert llm.pooling_task == "classify" and llm.engine.pooler.pooling_type == pooling
-    query, documents = texts(1, seed=3)[0], texts(5, seed=4)
-    scores = [s.outputs.score for s in llm.score(query, documents, use_tqdm=False)]
-    with torch.inference_mode():
-        logits = [reference(**encoded(tokenizer, config, query, d)).logits[0, 0] for d in documents]
-    torch.testing.assert_close(torch.tensor(scores), torch.stack(logits).sigmoid(), atol=2e-6, rtol=1e-5)
-    assert all_free(llm)
+    assert_scores_as_transformers(llm, reference, tokenizer, seed=3)
 
 
 def test_a_bert_pair_reads_its_token_types(tmp_path: Path, one_thread: None) -> None:

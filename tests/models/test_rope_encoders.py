@@ -17,7 +17,8 @@ import transformers
 from conveyor import LLM
 from conveyor.errors import InvalidRequestError
 
-from tests.encoder_models import bert_tokenizer, encoded, encoder_config, save_encoder, texts, write_bert_gguf
+from tests.encoder_models import (assert_scores_as_transformers, bert_tokenizer, encoded, encoder_config,
+                                  save_encoder, texts, write_bert_gguf)
 from tests.utils import all_free
 
 
@@ -150,12 +151,7 @@ def test_gte_original_reranker_scores_as_transformers(tmp_path: Path, one_thread
     (tmp_path / "config.json").write_text(json.dumps(original))
     llm = LLM(tmp_path, dtype="float32")
     assert llm.pooling_task == "classify"
-    query, documents = texts(1, seed=15)[0], texts(4, seed=16)
-    scores = [s.outputs.score for s in llm.score(query, documents, use_tqdm=False)]
-    with torch.inference_mode():
-        logits = [reference(**encoded(tokenizer, config, query, d)).logits[0, 0] for d in documents]
-    torch.testing.assert_close(torch.tensor(scores), torch.stack(logits).sigmoid(), atol=2e-6, rtol=1e-5)
-    assert all_free(llm)
+    assert_scores_as_transformers(llm, reference, tokenizer, seed=15)
 
 
 class ReferenceMLP(torch.nn.Module):
