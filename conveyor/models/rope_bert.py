@@ -228,7 +228,9 @@ class RopeBertModel(EncoderModel):
 
     def __init__(self, config: PretrainedConfig) -> None:
         shape = nomic_shape(config) if config.model_type == "nomic_bert" else gte_shape(config)
-        config.hidden_size, config.num_attention_heads = shape.hidden, shape.heads  # (what `EncoderModel` reads)
+        # (the shape under transformers' names, which the encoder and the engine's memory plan read)
+        config.hidden_size, config.num_attention_heads = shape.hidden, shape.heads
+        config.intermediate_size, config.num_hidden_layers = shape.intermediate, shape.layers
         super().__init__(config)
         self.shape = shape
         self.embed_tokens = nn.Embedding(config.vocab_size, shape.hidden)
