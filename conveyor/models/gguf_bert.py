@@ -1,8 +1,8 @@
 """llama.cpp's BERT GGUF files (`general.architecture` "bert": bge, all-MiniLM, e5 and the other BERT embedding
-models as llama.cpp's converter writes them, XLM-RoBERTa's too (bge-m3, multilingual-e5); "nomic-bert":
-nomic-embed-text, Ollama's among them): their config, their tensors by the names `models.bert` and
-`models.rope_bert` read, and their tokenizers, which transformers' GGUF reader does not build as these models
-use them (BERT's WordPiece, XLM-RoBERTa's unigram with its template).
+models as llama.cpp's converter writes them, XLM-RoBERTa's too (bge-m3, multilingual-e5); "nomic-bert" and
+"nomic-bert-moe": nomic-embed-text v1.5 and v2-moe, Ollama's among them): their config, their tensors by the
+names `models.bert` and `models.rope_bert` read, and their tokenizers, which transformers' GGUF reader does not
+build as these models use them (BERT's WordPiece, XLM-RoBERTa's unigram with its template).
 
 The converter writes the vocabulary in "phantom space" form: a word-initial piece gains a leading "▁", a
 continuation loses its "##", control tokens stay as they are (`[CLS]`, `[SEP]`, ...). Undone, that is BERT's
@@ -38,12 +38,16 @@ NOMIC_LAYER_MODULES = {"attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", 
                        "ffn_up": "mlp.fc11", "ffn_gate": "mlp.fc12", "ffn_down": "mlp.fc2",
                        "layer_output_norm": "norm2"}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")
 
 
 def hf_name(name: str, arch: str = "bert") -> str | None:
-    """The Hugging Face name of a BERT (or NomicBERT) GGUF tensor (None: not one the encoder reads)."""
-    nomic = arch == "nomic-bert"
+    """The Hugging Face name of a BERT (or NomicBERT) GGUF tensor (None: not one the encoder reads; a
+    mixture's experts and router go by `gguf_experts`' names)."""
+    nomic = arch.startswith("nomic-bert")
     globals_, modules = (NOMIC_GLOBAL_TENSORS, NOMIC_LAYER_MODULES) if nomic else (GLOBAL_TENSORS, LAYER_MODULES)
+    if arch == "nomic-bert-moe":  # (its dense layers' MLP is GELU's plain one)
+        modules = modules | {"ffn_up": "mlp.fc1"}
     if name in globals_:
         return globals_[name]
     match = LAYER_TENSOR.fullmatch(name)
@@ -68,6 +72,17 @@ def hf_config(field: Callable[..., Any], tensors: Sequence[Any], arch: str = "be
     if arch == "nomic-bert":
         return transformers.NomicBertConfig(**common, hidden_act="silu", rope_parameters={
             "rope_type": "default", "rope_theta": float(field("nomic-bert.rope.freq_base", 1000.0))})
+    if arch == "nomic-bert-moe":  # (nomic's own field names: GELU MLPs and experts with biases, `models.rope_bert`)
+        names = {t.name for t in tensors}
+        return transformers.NomicBertConfig(
+            vocab_size=common["vocab_size"], pad_token_id=common["pad_token_id"], n_embd=common["hidden_size"],
+            n_layer=common["num_hidden_layers"], n_head=common["num_attention_heads"],
+            n_inner=common["intermediate_size"], activation_function="gelu",
+            layer_norm_epsilon=common["layer_norm_eps"], rotary_emb_base=float(field(f"{arch}.rope.freq_base")),
+            max_trained_positions=common["max_position_embeddings"], type_vocab_size=common["type_vocab_size"],
+            qkv_proj_bias="blk.0.attn_qkv.bias" in names, mlp_fc1_bias="blk.0.ffn_up.bias" in names,
+            mlp_fc2_bias="blk.0.ffn_down.bias" in names, moe_every_n_layers=field(f"{arch}.moe_every_n_layers"),
+            num_experts=field(f"{arch}.expert_count"), moe_top_k=field(f"{arch}.expert_used_count"))
     return transformers.BertConfig(**common, hidden_act="gelu")
 
 

@@ -43,6 +43,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "glm4": transformers.Glm4Config,
     "bert": transformers.BertConfig,  # encoders (`gguf_bert`)
     "nomic-bert": transformers.NomicBertConfig,
+    "nomic-bert-moe": transformers.NomicBertConfig,
     **gguf_experts.ARCHITECTURES,
 }
 
@@ -83,7 +84,7 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
             return default
         return value
 
-    if arch in ("bert", "nomic-bert"):
+    if arch in gguf_bert.ARCHITECTURES:
         return gguf_bert.hf_config(field, tensors, arch)
     hidden = field(f"{arch}.embedding_length")
     n_head = field(f"{arch}.attention.head_count")
@@ -130,7 +131,7 @@ def hf_config(metadata: Mapping[str, Any], tensors: Sequence[Any], arch: str) ->
 def hf_name(name: str, arch: str) -> str | None:
     """The HF name a GGUF tensor of `arch` stands for; None for the tensors not read this way (experts:
     `gguf_experts`)."""
-    if arch in ("bert", "nomic-bert"):
+    if arch in gguf_bert.ARCHITECTURES:
         return gguf_bert.hf_name(name, arch)
     if name in GLOBAL_TENSORS:
         return GLOBAL_TENSORS[name]

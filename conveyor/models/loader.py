@@ -362,7 +362,7 @@ def _gguf_tokenizer(path: Path) -> transformers.PreTrainedTokenizerBase:
         except Exception:  # a damaged cache entry: convert again below
             logger.warning("ignoring unreadable tokenizer cache %s", cache)
     metadata = _gguf_reader(path).metadata
-    encoder = metadata.get("general.architecture") in ("bert", "nomic-bert")
+    encoder = metadata.get("general.architecture") in gguf_bert.ARCHITECTURES
     tokenizer = gguf_bert.tokenizer(metadata) if encoder else _gguf_transformers_tokenizer(path)
     try:
         tokenizer.save_pretrained(cache)

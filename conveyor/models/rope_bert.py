@@ -27,6 +27,7 @@ every frequency then divided by the factor to the power `2 / head_dim` (transfor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -221,6 +222,25 @@ class RopeBertLayer(nn.Module):
         return self.mlp_norm(x + self.down_proj(h))
 
 
+def expert_weights(shape: Shape, layer: int, find: Callable[[str], Weight | None],
+                   tensor: Callable[[str], Weight]) -> dict[str, Weight]:
+    """A mixture layer's router, experts and bias by `NomicExperts`' names: nomic's stacked matrices
+    (`[experts * intermediate, hidden]` each), or a GGUF file's experts one matrix each by `gguf_experts`' names
+    (W2 as `[hidden, intermediate]`; no bias, which llama.cpp's converter drops and llama.cpp runs without)."""
+    ours, nomic, block = f"layers.{layer}.experts.", f"encoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
+    experts = (shape.experts, shape.intermediate, shape.hidden)
+    if find(f"{nomic}experts.mlp.w1") is not None:
+        return {f"{ours}router.weight": tensor(f"{nomic}router.layer.weight"),
+                f"{ours}w1": dequantized(tensor(f"{nomic}experts.mlp.w1")).view(experts),
+                f"{ours}w2": dequantized(tensor(f"{nomic}experts.mlp.w2")).view(experts),
+                f"{ours}bias": tensor(f"{nomic}experts.bias")}
+    up, down = ([dequantized(tensor(f"{block}experts.{e}.{p}_proj.weight")) for e in range(shape.experts)]
+                for p in ("up", "down"))
+    return {f"{ours}router.weight": tensor(f"{block}gate.weight"), f"{ours}w1": torch.stack(up),
+            f"{ours}w2": torch.stack([w.t() for w in down]),
+            f"{ours}bias": torch.zeros(shape.hidden)}
+
+
 class RopeBertModel(EncoderModel):
     """NomicBERT and GTE (the module docstring)."""
 
@@ -297,12 +317,8 @@ class RopeBertModel(EncoderModel):
                 f"{native}self_attn.o_proj")
             put(f"{native}attention_norm", True, f"{nomic}norm1", f"{gte}attn_ln", f"{native}post_attention_layernorm")
             put(f"{native}mlp_norm", True, f"{nomic}norm2", f"{gte}mlp_ln", f"{native}post_mlp_layernorm")
-            if shape.is_moe(i):  # (the experts' matrices stored stacked, `[experts * intermediate, hidden]`)
-                experts = (shape.experts, shape.intermediate, shape.hidden)
-                weights[f"{native}experts.router.weight"] = tensor(f"{nomic}mlp.router.layer.weight")
-                for w in ("w1", "w2"):
-                    weights[f"{native}experts.{w}"] = dequantized(tensor(f"{nomic}mlp.experts.mlp.{w}")).view(experts)
-                weights[f"{native}experts.bias"] = tensor(f"{nomic}mlp.experts.bias")
+            if shape.is_moe(i):
+                weights.update(expert_weights(shape, i, find, tensor))
                 continue
             put(f"{native}down_proj", shape.down_bias, f"{nomic}mlp.fc2", f"{gte}mlp.down_proj",
                 f"{native}mlp.down_proj")

@@ -18,7 +18,7 @@ from conveyor import LLM
 from conveyor.errors import InvalidRequestError
 
 from tests.encoder_models import (assert_scores_as_transformers, bert_tokenizer, encoded, encoder_config,
-                                  save_encoder, texts, write_bert_gguf)
+                                  save_encoder, texts, write_bert_gguf, write_wordpiece_vocab)
 from tests.utils import all_free
 
 
@@ -192,16 +192,20 @@ class ReferenceExperts(torch.nn.Module):
         return (out + self.bias).reshape(x.shape)
 
 
-def test_nomic_moe_embeds_as_its_reference(tmp_path: Path, one_thread: None) -> None:
+def save_nomic_moe(path: Path, expert_bias: bool = True) -> tuple[transformers.PreTrainedModel,
+                                                                      transformers.PreTrainedTokenizerBase]:
     """nomic-embed-text-v2-moe's form (biases everywhere, plain GELU MLPs, every second layer four experts of which
-    each token takes two): transformers' GteModel (the same attention, embeddings and post-norm layers) with the
-    MLPs replaced by the experts as nomic computes them is the reference, its weights saved under nomic's names."""
+    each token takes two) saved under nomic's names and config; its reference: transformers' GteModel (the same
+    attention, embeddings and post-norm layers) with the MLPs replaced by nomic's (`ReferenceMLP`,
+    `ReferenceExperts`). `expert_bias` False: the experts' shared bias zero, as llama.cpp runs them."""
     config = encoder_config("gte", num_hidden_layers=4)
-    reference = save_encoder(tmp_path, config)
-    tokenizer = bert_tokenizer(tmp_path)
+    reference = save_encoder(path, config)
+    tokenizer = bert_tokenizer(path)
     torch.manual_seed(3)
     for i, layer in enumerate(reference.layers):
         layer.mlp = ReferenceExperts(64, 128, 4, 2) if i % 2 == 1 else ReferenceMLP(64, 128)
+        if i % 2 == 1 and not expert_bias:
+            torch.nn.init.zeros_(layer.mlp.bias)
     embeddings = reference.embeddings
     tensors = {"embeddings.word_embeddings.weight": embeddings.word_embeddings.weight,
                "embeddings.token_type_embeddings.weight": embeddings.token_type_embeddings.weight,
@@ -217,16 +221,57 @@ def test_nomic_moe_embeds_as_its_reference(tmp_path: Path, one_thread: None) -> 
     renamed = {n.replace("mlp.router.weight", "mlp.router.layer.weight").replace("mlp.w1", "mlp.experts.mlp.w1")
                .replace("mlp.w2", "mlp.experts.mlp.w2").replace("mlp.bias", "mlp.experts.bias"): t.detach().contiguous()
                for n, t in tensors.items()}
-    safetensors.torch.save_file(renamed, tmp_path / "model.safetensors")
+    safetensors.torch.save_file(renamed, path / "model.safetensors")
     original = {"model_type": "nomic_bert", "architectures": ["NomicBertModel"], "vocab_size": config.vocab_size,
                 "n_embd": 64, "n_layer": 4, "n_head": 4, "n_inner": 128, "activation_function": "gelu",
                 "layer_norm_epsilon": config.layer_norm_eps, "rotary_emb_base": config.rope_parameters["rope_theta"],
                 "rotary_emb_fraction": 1.0, "qkv_proj_bias": True, "mlp_fc1_bias": True, "mlp_fc2_bias": True,
                 "type_vocab_size": 1, "max_trained_positions": 128, "n_positions": 128, "moe_every_n_layers": 2,
                 "num_experts": 4, "moe_top_k": 2, "pad_token_id": 0}
-    (tmp_path / "config.json").write_text(json.dumps(original))
+    (path / "config.json").write_text(json.dumps(original))
+    return reference, tokenizer
+
+
+def test_nomic_moe_embeds_as_its_reference(tmp_path: Path, one_thread: None) -> None:
+    """nomic-embed-text-v2-moe (`save_nomic_moe`): its embeddings = the reference's."""
+    reference, tokenizer = save_nomic_moe(tmp_path)
     llm = LLM(tmp_path, dtype="float32", pooler_config={"pooling_type": "MEAN"})
     batch = texts(6, seed=17)
+    torch.testing.assert_close(mean_embeddings(llm, batch), reference_means(reference, tokenizer, batch),
+                               atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
+
+
+def test_a_nomic_moe_gguf_file_embeds_as_llama_cpp_runs_it(tmp_path: Path, one_thread: None) -> None:
+    """llama.cpp's nomic-bert-moe GGUF (the experts stacked, W2 transposed, their shared bias dropped by the
+    converter): the embeddings of the reference with that bias zero, F32 tensors."""
+    reference, tokenizer = save_nomic_moe(tmp_path / "dir", expert_bias=False)
+    tensors = safetensors.torch.load_file(tmp_path / "dir" / "model.safetensors")
+    w = gguf.GGUFWriter(tmp_path / "moe.gguf", "nomic-bert-moe")
+    for key, value in (("block_count", 4), ("context_length", 128), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("head_count", 4), ("layer_norm_eps", 1e-12),
+                       ("rope_freq_base", reference.config.rope_parameters["rope_theta"]),
+                       ("causal_attention", False), ("token_type_count", 1),
+                       ("moe_every_n_layers", 2), ("expert_count", 4), ("expert_used_count", 2)):
+        getattr(w, f"add_{key}")(value)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    write_wordpiece_vocab(w, tokenizer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT_MOE, 4)
+    for name, t in tensors.items():
+        if name.endswith("experts.bias"):
+            continue
+        if name.endswith(("mlp.w1", "mlp.w2")):
+            t = t.view(4, 128, 64)
+            t = t.transpose(1, 2) if name.endswith("w2") else t
+            name += ".weight"
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.contiguous().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    llm = LLM(tmp_path / "moe.gguf", dtype="float32")
+    assert llm.engine.pooler.pooling_type == "MEAN"
+    batch = texts(6, seed=18)
     torch.testing.assert_close(mean_embeddings(llm, batch), reference_means(reference, tokenizer, batch),
                                atol=2e-5, rtol=1e-4)
     assert all_free(llm)
