@@ -1,7 +1,7 @@
-"""BERT, RoBERTa, XLM-RoBERTa, DistilBERT and MPNet encoders: the embedding and cross-encoder checkpoints most
-retrieval deployments run (bge, e5, gte, all-MiniLM, all-mpnet, mxbai-embed, bge-m3, bge-reranker, the ms-marco
-cross-encoders, the DistilBERT classifiers), as pooling models (`models.encoder`; docs/design/pooling.md,
-"Encoder models").
+"""BERT, RoBERTa, XLM-RoBERTa, DistilBERT, MPNet and Jina v2 encoders: the embedding and cross-encoder checkpoints
+most retrieval deployments run (bge, e5, gte, all-MiniLM, all-mpnet, mxbai-embed, bge-m3, bge-reranker, the
+ms-marco cross-encoders, the DistilBERT classifiers, jina-embeddings-v2), as pooling models (`models.encoder`;
+docs/design/pooling.md, "Encoder models").
 
 The embeddings are the checkpoint's: word, absolute position (RoBERTa's counted from `pad_token_id + 1`,
 pad tokens kept at `pad_token_id`, as its embeddings count them) and token type. A prompt carries no token
@@ -11,6 +11,9 @@ everywhere, and so does its model here; DistilBERT has none). The layers are pos
 MLP, each added to its input and LayerNorm'd. DistilBERT is BERT's layer under other names and config fields.
 MPNet is RoBERTa's embeddings (no token types) and BERT's layers under its own names, with one more term in
 every layer's attention scores: a learned bias per head by the key's bucketed position relative to the query.
+Jina's BERT (`position_embedding_type` "alibi") has no position table: its scores take ALiBi's `-slope *
+distance` a head, both ways, and its MLP is gated (GeGLU or ReGLU, `feed_forward_type`) under `mlp.gated_layers`
+(the gated half first), `mlp.wo` and `mlp.layernorm`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from ..errors import ConfigError
-from ..layers.quantization.linear import Weight, fuse_rows
+from ..layers.quantization.linear import Weight, dequantized, fuse_rows
 from .encoder import EncoderModel, bidirectional_attention, linear_from, pair_token_types, segment_cumsum
 
 ROBERTA_TYPES = ("roberta", "xlm-roberta")
@@ -41,7 +44,11 @@ LAYER_NAMES = {"bert": ("encoder.layer.{}.", ("attention.self.query", "attention
                "mpnet": ("encoder.layer.{}.", ("attention.attn.q", "attention.attn.k", "attention.attn.v"),
                          (("o_proj", "attention.attn.o"), ("attention_norm", "attention.LayerNorm"),
                           ("up_proj", "intermediate.dense"), ("down_proj", "output.dense"),
-                          ("mlp_norm", "output.LayerNorm")))}
+                          ("mlp_norm", "output.LayerNorm"))),
+               "jina": ("encoder.layer.{}.", ("attention.self.query", "attention.self.key", "attention.self.value"),
+                        (("o_proj", "attention.output.dense"), ("attention_norm", "attention.output.LayerNorm"),
+                         ("down_proj", "mlp.wo"), ("mlp_norm", "mlp.layernorm")))}  # (+ `mlp.gated_layers`)
+GLU_TYPES = {"geglu": "gelu", "reglu": "relu"}  # Jina v2's gated MLPs (`feed_forward_type`) and their activations
 MPNET_PADDING_IDX = 1  # (fixed in MPNet's embeddings, whatever the config says)
 
 
@@ -51,6 +58,22 @@ def shape(config: PretrainedConfig) -> tuple[int, float, str, int]:
         return config.hidden_dim, 1e-12, config.activation, 0
     return (config.intermediate_size, config.layer_norm_eps, config.hidden_act,
             0 if config.model_type == "mpnet" else config.type_vocab_size)
+
+
+def is_jina(config: PretrainedConfig) -> bool:
+    """Jina's BERT (jina-embeddings-v2): `bert` with ALiBi positions and a gated MLP."""
+    return getattr(config, "position_embedding_type", None) == "alibi"
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's slope a head: 2^(-8i/n) for n heads a power of two; otherwise the nearest lower power's slopes, then
+    every other one of twice that power's."""
+    def powers(n: int) -> list[float]:
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+
+    base = 2 ** int(math.floor(math.log2(heads)))
+    return powers(base) + powers(2 * base)[0::2][:heads - base]
 
 
 def relative_position_bucket(relative: torch.Tensor, num_buckets: int, max_distance: int = 128) -> torch.Tensor:
@@ -76,14 +99,19 @@ class BertLayer(nn.Module):
         self.qkv_proj = nn.Linear(hidden, 3 * hidden)
         self.o_proj = nn.Linear(hidden, hidden)
         self.attention_norm = nn.LayerNorm(hidden, eps=eps)
-        self.up_proj = nn.Linear(hidden, intermediate)
+        self.glu = is_jina(config)  # (a gated MLP, its input projections without biases)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=not self.glu)
+        # (the gated half as a matmul of its own: two outputs of `intermediate` run faster than halves of one)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False) if self.glu else None
         self.down_proj = nn.Linear(intermediate, hidden)
         self.mlp_norm = nn.LayerNorm(hidden, eps=eps)
-        self.act = ACT2FN[act]
+        self.act = ACT2FN[GLU_TYPES[config.feed_forward_type] if self.glu else act]
 
     def forward(self, x: torch.Tensor, lengths: list[int], bias: torch.Tensor | None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).view(len(x), 3, self.num_heads, self.head_dim).unbind(1)
         x = self.attention_norm(x + self.o_proj(bidirectional_attention(q, k, v, lengths, bias=bias)))
+        if self.gate_proj is not None:
+            return self.mlp_norm(x + self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
         return self.mlp_norm(x + self.down_proj(self.act(self.up_proj(x))))
 
 
@@ -94,12 +122,17 @@ class BertModel(EncoderModel):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        if getattr(config, "position_embedding_type", "absolute") not in (None, "absolute"):
+        if getattr(config, "position_embedding_type", "absolute") not in (None, "absolute", "alibi"):
             raise ConfigError(f"{config.model_type} with position_embedding_type "
-                              f"{config.position_embedding_type!r} is not supported (supported: absolute)")
+                              f"{config.position_embedding_type!r} is not supported (supported: absolute, alibi)")
+        if is_jina(config) and getattr(config, "feed_forward_type", None) not in GLU_TYPES:
+            raise ConfigError(f"a Jina BERT with feed_forward_type {getattr(config, 'feed_forward_type', None)!r} is "
+                              f"not supported (supported: {', '.join(GLU_TYPES)})")
         hidden, (_, eps, _, types) = config.hidden_size, shape(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings, hidden)
+        # ALiBi (Jina v2): no position table, a score bias of -slope * distance a head instead
+        self.embed_positions = None if is_jina(config) else nn.Embedding(config.max_position_embeddings, hidden)
+        self.alibi_slopes = alibi_slopes(config.num_attention_heads) if is_jina(config) else None
         self.embed_types = nn.Embedding(types, hidden) if types else None
         self.embed_norm = nn.LayerNorm(hidden, eps=eps)
         self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
@@ -109,6 +142,11 @@ class BertModel(EncoderModel):
         if config.model_type == "mpnet":
             self.position_offset = MPNET_PADDING_IDX
             self.relative_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+
+    @classmethod
+    def default_pooling(cls, config: PretrainedConfig) -> str:
+        """The first token, or the mean where the config says so (Jina v2's `emb_pooler`)."""
+        return "MEAN" if getattr(config, "emb_pooler", None) == "mean" else "CLS"
 
     @property
     def max_model_len(self) -> int:
@@ -121,18 +159,23 @@ class BertModel(EncoderModel):
         if self.position_offset is not None:
             real = (input_ids != self.position_offset).long()
             positions = segment_cumsum(real, counts) * real + self.position_offset
-        x = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        x = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(positions)
         if self.embed_types is not None:
             types = torch.zeros_like(input_ids)
             if self.position_offset is None and self.embed_types.num_embeddings > 1 and self.sep_token_id is not None:
                 types = pair_token_types(input_ids, counts, self.sep_token_id)
             x = x + self.embed_types(types)
         x = self.embed_norm(x)
-        bias = None
-        if self.relative_bias is not None:  # [heads, L, L] over the longest prompt; a shorter one takes its corner
-            index = torch.arange(max(lengths), device=input_ids.device)
+        bias = None  # [heads, L, L] over the longest prompt; a shorter one takes its corner
+        index = torch.arange(max(lengths), device=input_ids.device)
+        if self.relative_bias is not None:
             buckets = relative_position_bucket(index[None, :] - index[:, None], self.relative_bias.num_embeddings)
             bias = self.relative_bias(buckets).permute(2, 0, 1)
+        elif self.alibi_slopes is not None:  # (in fp32, rounded once)
+            slopes = torch.tensor(self.alibi_slopes, device=input_ids.device)
+            bias = (-slopes[:, None, None] * (index[None, :] - index[:, None]).abs()).to(x.dtype)
         for layer in self.layers:
             x = layer(x, lengths, bias)
         return x
@@ -151,20 +194,25 @@ class BertModel(EncoderModel):
 
         weights: dict[str, Weight | list[Weight]] = {
             "embed_tokens.weight": tensor("embeddings.word_embeddings.weight"),
-            "embed_positions.weight": tensor("embeddings.position_embeddings.weight"),
             "embed_norm.weight": tensor("embeddings.LayerNorm.weight"),
             "embed_norm.bias": tensor("embeddings.LayerNorm.bias")}
+        if not is_jina(config):
+            weights["embed_positions.weight"] = tensor("embeddings.position_embeddings.weight")
         if shape(config)[3]:
             weights["embed_types.weight"] = tensor("embeddings.token_type_embeddings.weight")
         if config.model_type == "mpnet":
             weights["relative_bias.weight"] = tensor("encoder.relative_attention_bias.weight")
-        layer, qkv, rest = LAYER_NAMES.get(config.model_type, LAYER_NAMES["bert"])
+        layer, qkv, rest = LAYER_NAMES["jina" if is_jina(config) else config.model_type if config.model_type in
+                                       LAYER_NAMES else "bert"]
         for i in range(config.num_hidden_layers):
             src, dst = layer.format(i), f"layers.{i}."
             for kind in ("weight", "bias"):
                 weights[f"{dst}qkv_proj.{kind}"] = fuse_rows([tensor(f"{src}{n}.{kind}") for n in qkv])
                 for ours, theirs in rest:
                     weights[f"{dst}{ours}.{kind}"] = tensor(f"{src}{theirs}.{kind}")
+            if is_jina(config):  # [gated; plain] rows, no bias
+                weights[f"{dst}gate_proj.weight"], weights[f"{dst}up_proj.weight"] = dequantized(
+                    tensor(f"{src}mlp.gated_layers.weight")).chunk(2)
         return weights
 
     @classmethod

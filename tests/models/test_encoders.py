@@ -332,3 +332,74 @@ def test_token_classifiers_tag_as_transformers(kind: str, tmp_path: Path, one_th
         assert out.outputs.data.shape == expected.shape
         torch.testing.assert_close(out.outputs.data, expected, atol=1e-5, rtol=0)
     assert all_free(llm)
+
+
+def jina_reference(w: dict[str, torch.Tensor], ids: list[int], heads: int, slopes: list[float]) -> torch.Tensor:
+    """Jina's BERT (jina-embeddings-v2) written out in fp64 for one text: BERT's embeddings without positions,
+    each layer's scores biased by -slope * distance a head, a GeGLU MLP (gate: the first half), post-norm."""
+    w = {n: t.double() for n, t in w.items()}
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], w[f"{name}.weight"], w[f"{name}.bias"], eps=1e-12)
+
+    def linear(x: torch.Tensor, name: str) -> torch.Tensor:
+        return x @ w[f"{name}.weight"].T + (w[f"{name}.bias"] if f"{name}.bias" in w else 0)
+
+    x = norm(w["bert.embeddings.word_embeddings.weight"][ids] + w["bert.embeddings.token_type_embeddings.weight"][0],
+             "bert.embeddings.LayerNorm")
+    n, d = len(ids), x.shape[1] // heads
+    distance = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs().double()
+    for i in range(2):
+        p = f"bert.encoder.layer.{i}."
+        q, k, v = (linear(x, f"{p}attention.self.{m}").view(n, heads, d).transpose(0, 1)
+                   for m in ("query", "key", "value"))
+        scores = q @ k.transpose(1, 2) / d ** 0.5 - torch.tensor(slopes).double()[:, None, None] * distance
+        context = (scores.softmax(-1) @ v).transpose(0, 1).reshape(n, -1)
+        x = norm(x + linear(context, f"{p}attention.output.dense"), f"{p}attention.output.LayerNorm")
+        gated, plain = linear(x, f"{p}mlp.gated_layers").chunk(2, dim=-1)
+        x = norm(x + linear(F.gelu(gated) * plain, f"{p}mlp.wo"), f"{p}mlp.layernorm")
+    return x
+
+
+def test_jina_v2_embeds_as_written_out(tmp_path: Path, one_thread: None) -> None:
+    """jina-embeddings-v2's form (`bert` with ALiBi and a GeGLU MLP, its MaskedLM checkpoint's `bert.` names): fp32
+    mean-pooled embeddings = the fp64 model written out in the test, for four heads (ALiBi's slopes 2^-2 ... 2^-8);
+    the slopes for a head count off the powers of two as ALiBi's authors extend them."""
+    from conveyor.models.bert import BertModel, alibi_slopes
+    assert BertModel.default_pooling(transformers.BertConfig(emb_pooler="mean")) == "MEAN"  # (without its ST files)
+    assert alibi_slopes(4) == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
+    assert alibi_slopes(6) == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8, 2.0 ** -1, 2.0 ** -3]
+    g = torch.Generator().manual_seed(5)
+    hidden, inner, vocab = 64, 96, len(SPECIAL) + len(WORDS)
+    weights = {"bert.embeddings.word_embeddings.weight": torch.randn(vocab, hidden, generator=g),
+               "bert.embeddings.token_type_embeddings.weight": torch.randn(2, hidden, generator=g) * 0.5}
+    shapes = {"attention.self.query": (hidden, hidden, 0.15), "attention.self.key": (hidden, hidden, 0.15),
+              "attention.self.value": (hidden, hidden, 0.15), "attention.output.dense": (hidden, hidden, 0.15),
+              "mlp.gated_layers": (2 * inner, hidden, 0.1), "mlp.wo": (hidden, inner, 0.1)}
+    norms = ["bert.embeddings.LayerNorm"]
+    for i in range(2):
+        p = f"bert.encoder.layer.{i}."
+        for name, (rows, cols, std) in shapes.items():
+            weights[f"{p}{name}.weight"] = torch.randn(rows, cols, generator=g) * std
+            if name != "mlp.gated_layers":
+                weights[f"{p}{name}.bias"] = torch.randn(rows, generator=g) * 0.1
+        norms += [f"{p}attention.output.LayerNorm", f"{p}mlp.layernorm"]
+    for name in norms:
+        weights[f"{name}.weight"] = torch.rand(hidden, generator=g) + 0.5
+        weights[f"{name}.bias"] = torch.randn(hidden, generator=g) * 0.1
+    safetensors.torch.save_file(weights, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "bert", "architectures": ["JinaBertForMaskedLM"], "position_embedding_type": "alibi",
+        "feed_forward_type": "geglu", "hidden_act": "gelu", "hidden_size": hidden, "intermediate_size": inner,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": vocab, "type_vocab_size": 2,
+        "max_position_embeddings": 8192, "layer_norm_eps": 1e-12, "pad_token_id": 0}))
+    tokenizer = bert_tokenizer(tmp_path)
+    write_mean_normalized(tmp_path)
+    llm = LLM(tmp_path, dtype="float32")
+    assert llm.pooling_task == "embed" and llm.max_model_len == 8192
+    batch = texts(6, seed=23)
+    for text, out in zip(batch, llm.embed(batch, use_tqdm=False)):
+        states = jina_reference(weights, tokenizer(text)["input_ids"], 4, [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8])
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding).double(), F.normalize(states.mean(0), dim=0),
+                                   atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
