@@ -1,8 +1,9 @@
 """llama.cpp's BERT GGUF files (`general.architecture` "bert": bge, all-MiniLM, e5 and the other BERT embedding
 models as llama.cpp's converter writes them, XLM-RoBERTa's too (bge-m3, multilingual-e5); "nomic-bert" and
-"nomic-bert-moe": nomic-embed-text v1.5 and v2-moe, Ollama's among them): their config, their tensors by the
-names `models.bert` and `models.rope_bert` read, and their tokenizers, which transformers' GGUF reader does not
-build as these models use them (BERT's WordPiece, XLM-RoBERTa's unigram with its template).
+"nomic-bert-moe": nomic-embed-text v1.5 and v2-moe, Ollama's among them; "jina-bert-v2": jina-embeddings-v2):
+their config, their tensors by the names `models.bert` and `models.rope_bert` read, and their tokenizers, which
+transformers' GGUF reader does not build as these models use them (BERT's WordPiece, XLM-RoBERTa's unigram with
+its template).
 
 The converter writes the vocabulary in "phantom space" form: a word-initial piece gains a leading "▁", a
 continuation loses its "##", control tokens stay as they are (`[CLS]`, `[SEP]`, ...). Undone, that is BERT's
@@ -38,7 +39,10 @@ NOMIC_LAYER_MODULES = {"attn_qkv": "attn.Wqkv", "attn_output": "attn.out_proj", 
                        "ffn_up": "mlp.fc11", "ffn_gate": "mlp.fc12", "ffn_down": "mlp.fc2",
                        "layer_output_norm": "norm2"}
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-ARCHITECTURES = ("bert", "nomic-bert", "nomic-bert-moe")
+ARCHITECTURES = ("bert", "jina-bert-v2", "nomic-bert", "nomic-bert-moe")
+# Jina v2's gated MLP (`models.bert`): `ffn_up` holds both halves, the gated one first
+JINA_LAYER_MODULES = LAYER_MODULES | {"ffn_up": "mlp.gated_layers", "ffn_down": "mlp.wo",
+                                      "layer_output_norm": "mlp.layernorm"}
 
 
 def hf_name(name: str, arch: str = "bert") -> str | None:
@@ -48,6 +52,8 @@ def hf_name(name: str, arch: str = "bert") -> str | None:
     globals_, modules = (NOMIC_GLOBAL_TENSORS, NOMIC_LAYER_MODULES) if nomic else (GLOBAL_TENSORS, LAYER_MODULES)
     if arch == "nomic-bert-moe":  # (its dense layers' MLP is GELU's plain one)
         modules = modules | {"ffn_up": "mlp.fc1"}
+    elif arch == "jina-bert-v2":
+        modules = JINA_LAYER_MODULES
     if name in globals_:
         return globals_[name]
     match = LAYER_TENSOR.fullmatch(name)
@@ -83,6 +89,9 @@ def hf_config(field: Callable[..., Any], tensors: Sequence[Any], arch: str = "be
             qkv_proj_bias="blk.0.attn_qkv.bias" in names, mlp_fc1_bias="blk.0.ffn_up.bias" in names,
             mlp_fc2_bias="blk.0.ffn_down.bias" in names, moe_every_n_layers=field(f"{arch}.moe_every_n_layers"),
             num_experts=field(f"{arch}.expert_count"), moe_top_k=field(f"{arch}.expert_used_count"))
+    if arch == "jina-bert-v2":  # (ALiBi, GeGLU: llama.cpp's reading of a file with both halves in `ffn_up`)
+        return transformers.BertConfig(**common, hidden_act="gelu", position_embedding_type="alibi",
+                                       feed_forward_type="geglu")
     return transformers.BertConfig(**common, hidden_act="gelu")
 
 

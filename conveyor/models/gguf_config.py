@@ -42,6 +42,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "ernie4_5": transformers.Ernie4_5Config,
     "glm4": transformers.Glm4Config,
     "bert": transformers.BertConfig,  # encoders (`gguf_bert`)
+    "jina-bert-v2": transformers.BertConfig,
     "nomic-bert": transformers.NomicBertConfig,
     "nomic-bert-moe": transformers.NomicBertConfig,
     **gguf_experts.ARCHITECTURES,

@@ -23,7 +23,7 @@ from conveyor.models.encoder import bidirectional_attention
 
 from tests.encoder_models import (SPECIAL, WORDS, assert_scores_as_transformers, bert_tokenizer, encoded,
                                   encoder_config, save_encoder, texts, write_bert_gguf, write_mean_normalized,
-                                  xlm_roberta_tokenizer)
+                                  write_wordpiece_vocab, xlm_roberta_tokenizer)
 from tests.utils import all_free
 
 
@@ -364,7 +364,8 @@ def jina_reference(w: dict[str, torch.Tensor], ids: list[int], heads: int, slope
 def test_jina_v2_embeds_as_written_out(tmp_path: Path, one_thread: None) -> None:
     """jina-embeddings-v2's form (`bert` with ALiBi and a GeGLU MLP, its MaskedLM checkpoint's `bert.` names): fp32
     mean-pooled embeddings = the fp64 model written out in the test, for four heads (ALiBi's slopes 2^-2 ... 2^-8);
-    the slopes for a head count off the powers of two as ALiBi's authors extend them."""
+    the slopes for a head count off the powers of two as ALiBi's authors extend them; llama.cpp's GGUF of it
+    embeds the same."""
     from conveyor.models.bert import BertModel, alibi_slopes
     assert BertModel.default_pooling(transformers.BertConfig(emb_pooler="mean")) == "MEAN"  # (without its ST files)
     assert alibi_slopes(4) == [2.0 ** -2, 2.0 ** -4, 2.0 ** -6, 2.0 ** -8]
@@ -403,3 +404,23 @@ def test_jina_v2_embeds_as_written_out(tmp_path: Path, one_thread: None) -> None
         torch.testing.assert_close(torch.tensor(out.outputs.embedding).double(), F.normalize(states.mean(0), dim=0),
                                    atol=2e-5, rtol=1e-4)
     assert all_free(llm)
+    # llama.cpp's jina-bert-v2 GGUF of it (both halves of the gated MLP in `ffn_up`, no position table): the same
+    w = gguf.GGUFWriter(tmp_path / "jina.gguf", "jina-bert-v2")
+    for key, value in (("block_count", 2), ("context_length", 8192), ("embedding_length", hidden),
+                       ("feed_forward_length", inner), ("head_count", 4), ("layer_norm_eps", 1e-12),
+                       ("causal_attention", False), ("token_type_count", 2)):
+        getattr(w, f"add_{key}")(value)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    write_wordpiece_vocab(w, tokenizer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.JINA_BERT_V2, 2)
+    for name, tensor in weights.items():
+        w.add_tensor(names.get_name(name.removeprefix("bert."), try_suffixes=(".weight", ".bias")), tensor.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    file = LLM(tmp_path / "jina.gguf", dtype="float32")
+    assert file.engine.pooler.pooling_type == "MEAN"
+    torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in file.embed(batch, use_tqdm=False)]),
+                               torch.tensor([o.outputs.embedding for o in llm.embed(batch, use_tqdm=False)]),
+                               atol=2e-6, rtol=1e-5)
