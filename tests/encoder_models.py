@@ -164,6 +164,24 @@ def write_bert_gguf(path: Path, model: transformers.PreTrainedModel, tokenizer: 
     w.close()
 
 
+def write_encoder_gguf(path: Path, arch: str, keys: dict[str, object], tokenizer: transformers.PreTrainedTokenizerBase,
+                       tensors: dict[str, torch.Tensor]) -> None:
+    """An encoder GGUF as llama.cpp's converter writes one: `arch`'s metadata `keys` (by the writer's `add_*`
+    names), mean pooling, the WordPiece vocabulary, `tensors` by their GGUF names, F32."""
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in keys.items():
+        getattr(w, f"add_{key}")(value)
+    w.add_causal_attention(False)
+    w.add_pooling_type(gguf.PoolingType.MEAN)
+    write_wordpiece_vocab(w, tokenizer)
+    for name, tensor in tensors.items():
+        w.add_tensor(name, tensor.contiguous().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def write_wordpiece_vocab(w: gguf.GGUFWriter, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     special = set(tokenizer.all_special_tokens)

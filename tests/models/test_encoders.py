@@ -22,8 +22,8 @@ from conveyor.errors import InvalidRequestError
 from conveyor.models.encoder import bidirectional_attention
 
 from tests.encoder_models import (SPECIAL, WORDS, assert_scores_as_transformers, bert_tokenizer, encoded,
-                                  encoder_config, save_encoder, texts, write_bert_gguf, write_mean_normalized,
-                                  write_wordpiece_vocab, xlm_roberta_tokenizer)
+                                  encoder_config, save_encoder, texts, write_bert_gguf, write_encoder_gguf,
+                                  write_mean_normalized, xlm_roberta_tokenizer)
 from tests.utils import all_free
 
 
@@ -405,20 +405,13 @@ def test_jina_v2_embeds_as_written_out(tmp_path: Path, one_thread: None) -> None
                                    atol=2e-5, rtol=1e-4)
     assert all_free(llm)
     # llama.cpp's jina-bert-v2 GGUF of it (both halves of the gated MLP in `ffn_up`, no position table): the same
-    w = gguf.GGUFWriter(tmp_path / "jina.gguf", "jina-bert-v2")
-    for key, value in (("block_count", 2), ("context_length", 8192), ("embedding_length", hidden),
-                       ("feed_forward_length", inner), ("head_count", 4), ("layer_norm_eps", 1e-12),
-                       ("causal_attention", False), ("token_type_count", 2)):
-        getattr(w, f"add_{key}")(value)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
-    write_wordpiece_vocab(w, tokenizer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.JINA_BERT_V2, 2)
-    for name, tensor in weights.items():
-        w.add_tensor(names.get_name(name.removeprefix("bert."), try_suffixes=(".weight", ".bias")), tensor.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_encoder_gguf(tmp_path / "jina.gguf", "jina-bert-v2",
+                       {"block_count": 2, "context_length": 8192, "embedding_length": hidden,
+                        "feed_forward_length": inner, "head_count": 4, "layer_norm_eps": 1e-12, "token_type_count": 2},
+                       tokenizer,
+                       {names.get_name(n.removeprefix("bert."), try_suffixes=(".weight", ".bias")): t
+                        for n, t in weights.items()})
     file = LLM(tmp_path / "jina.gguf", dtype="float32")
     assert file.engine.pooler.pooling_type == "MEAN"
     torch.testing.assert_close(torch.tensor([o.outputs.embedding for o in file.embed(batch, use_tqdm=False)]),

@@ -18,7 +18,7 @@ from conveyor import LLM
 from conveyor.errors import InvalidRequestError
 
 from tests.encoder_models import (assert_scores_as_transformers, bert_tokenizer, encoded, encoder_config,
-                                  save_encoder, texts, write_bert_gguf, write_wordpiece_vocab)
+                                  save_encoder, texts, write_bert_gguf, write_encoder_gguf)
 from tests.utils import all_free
 
 
@@ -247,28 +247,19 @@ def test_a_nomic_moe_gguf_file_embeds_as_llama_cpp_runs_it(tmp_path: Path, one_t
     converter): the embeddings of the reference with that bias zero, F32 tensors."""
     reference, tokenizer = save_nomic_moe(tmp_path / "dir", expert_bias=False)
     tensors = safetensors.torch.load_file(tmp_path / "dir" / "model.safetensors")
-    w = gguf.GGUFWriter(tmp_path / "moe.gguf", "nomic-bert-moe")
-    for key, value in (("block_count", 4), ("context_length", 128), ("embedding_length", 64),
-                       ("feed_forward_length", 128), ("head_count", 4), ("layer_norm_eps", 1e-12),
-                       ("rope_freq_base", reference.config.rope_parameters["rope_theta"]),
-                       ("causal_attention", False), ("token_type_count", 1),
-                       ("moe_every_n_layers", 2), ("expert_count", 4), ("expert_used_count", 2)):
-        getattr(w, f"add_{key}")(value)
-    w.add_pooling_type(gguf.PoolingType.MEAN)
-    write_wordpiece_vocab(w, tokenizer)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NOMIC_BERT_MOE, 4)
+    stacked = {}  # (the experts as the converter stacks them: W1 `[experts, intermediate, hidden]`, W2 transposed)
     for name, t in tensors.items():
-        if name.endswith("experts.bias"):
-            continue
         if name.endswith(("mlp.w1", "mlp.w2")):
             t = t.view(4, 128, 64)
-            t = t.transpose(1, 2) if name.endswith("w2") else t
-            name += ".weight"
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), t.contiguous().float().numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            t, name = (t.transpose(1, 2) if name.endswith("w2") else t), name + ".weight"
+        if not name.endswith("experts.bias"):
+            stacked[names.get_name(name, try_suffixes=(".weight", ".bias"))] = t
+    write_encoder_gguf(tmp_path / "moe.gguf", "nomic-bert-moe",
+                       {"block_count": 4, "context_length": 128, "embedding_length": 64, "feed_forward_length": 128,
+                        "head_count": 4, "layer_norm_eps": 1e-12,
+                        "rope_freq_base": reference.config.rope_parameters["rope_theta"], "token_type_count": 1,
+                        "moe_every_n_layers": 2, "expert_count": 4, "expert_used_count": 2}, tokenizer, stacked)
     llm = LLM(tmp_path / "moe.gguf", dtype="float32")
     assert llm.engine.pooler.pooling_type == "MEAN"
     batch = texts(6, seed=18)
