@@ -1,6 +1,7 @@
 """NomicBERT and GTE (`models.rope_bert`) beyond what the shared encoder tests check: the original configs these
 checkpoints are published with (NomicBERT's GPT-2 style fields, GTE's `new` config that transformers reads only
-through remote code), their RoPE scalings, and llama.cpp's nomic-bert GGUF files."""
+through remote code), their RoPE scalings, GTE's reranker form, nomic-embed-text-v2-moe's experts, and llama.cpp's
+nomic-bert and nomic-bert-moe GGUF files."""
 
 from __future__ import annotations
 
