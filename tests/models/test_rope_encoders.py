@@ -46,6 +46,16 @@ def reference_means(model: transformers.PreTrainedModel, tokenizer: transformers
                         for t in batch])
 
 
+def assert_embeds_as(path: Path, reference: transformers.PreTrainedModel,
+                     tokenizer: transformers.PreTrainedTokenizerBase, seed: int) -> None:
+    """The checkpoint's fp32 mean-pooled embeddings of six texts = the reference's; every block returned."""
+    llm = LLM(path, dtype="float32", pooler_config={"pooling_type": "MEAN"})
+    batch = texts(6, seed=seed)
+    torch.testing.assert_close(mean_embeddings(llm, batch), reference_means(reference, tokenizer, batch),
+                               atol=2e-5, rtol=1e-4)
+    assert all_free(llm)
+
+
 def test_nomic_original_config_is_read(tmp_path: Path, one_thread: None) -> None:
     """The config as nomic publishes it gives transformers' embeddings of the same weights, and its context is the
     trained length (`max_trained_positions`, not `n_positions`): a longer prompt is an error naming it."""
@@ -133,6 +143,23 @@ def test_a_nomic_bert_gguf_file_embeds_as_its_directory(qtype: gguf.GGMLQuantiza
     else:
         assert float(F.cosine_similarity(got, want).min()) >= 0.999
     assert all_free(llm)
+
+
+def test_gte_remote_code_config_under_model_type_gte(tmp_path: Path, one_thread: None) -> None:
+    """Snowflake's arctic-embed-m-v2.0 form: the original GTE fields and `auto_map`, but `model_type` "gte" (which
+    transformers reads natively): the same embeddings as transformers' GteModel."""
+    config = encoder_config("gte")
+    reference = save_encoder(tmp_path, config)
+    tokenizer = bert_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gte", "architectures": ["GteModel"],
+        "auto_map": {"AutoConfig": "Alibaba-NLP/new-impl--configuration.NewConfig"}, "vocab_size": config.vocab_size,
+        "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+        "hidden_act": "gelu", "layer_norm_eps": config.layer_norm_eps, "layer_norm_type": "layer_norm",
+        "logn_attention_scale": False, "max_position_embeddings": 128, "pack_qkv": True,
+        "position_embedding_type": "rope", "rope_scaling": None, "rope_theta": config.rope_parameters["rope_theta"],
+        "type_vocab_size": 1, "unpad_inputs": True, "use_memory_efficient_attention": True, "pad_token_id": 0}))
+    assert_embeds_as(tmp_path, reference, tokenizer, seed=19)
 
 
 def test_gte_original_reranker_scores_as_transformers(tmp_path: Path, one_thread: None) -> None:
@@ -236,11 +263,7 @@ def save_nomic_moe(path: Path, expert_bias: bool = True) -> tuple[transformers.P
 def test_nomic_moe_embeds_as_its_reference(tmp_path: Path, one_thread: None) -> None:
     """nomic-embed-text-v2-moe (`save_nomic_moe`): its embeddings = the reference's."""
     reference, tokenizer = save_nomic_moe(tmp_path)
-    llm = LLM(tmp_path, dtype="float32", pooler_config={"pooling_type": "MEAN"})
-    batch = texts(6, seed=17)
-    torch.testing.assert_close(mean_embeddings(llm, batch), reference_means(reference, tokenizer, batch),
-                               atol=2e-5, rtol=1e-4)
-    assert all_free(llm)
+    assert_embeds_as(tmp_path, reference, tokenizer, seed=17)
 
 
 def test_a_nomic_moe_gguf_file_embeds_as_llama_cpp_runs_it(tmp_path: Path, one_thread: None) -> None:
