@@ -27,7 +27,8 @@ from transformers.activations import ACT2FN
 
 from ..errors import ConfigError
 from ..layers.quantization.linear import Weight, dequantized, fuse_rows
-from .encoder import EncoderModel, bidirectional_attention, linear_from, pair_token_types, segment_cumsum
+from .encoder import (CheckpointTensors, EncoderModel, bidirectional_attention, linear_from, pair_token_types,
+                      segment_cumsum)
 
 ROBERTA_TYPES = ("roberta", "xlm-roberta")
 # The prefixes a task head's checkpoint puts before the encoder's tensors (BertForSequenceClassification's `bert.`)
@@ -183,14 +184,11 @@ class BertModel(EncoderModel):
     @classmethod
     def weights(cls, config: PretrainedConfig, state_dict: dict[str, Weight]) -> dict[str, Weight | list[Weight]]:
         """From a checkpoint of the bare model or of a task model (`bert.`, `roberta.` before the names)."""
-        def tensor(name: str) -> Weight:
-            for stored in (name, *(p + name for p in ENCODER_PREFIXES)):
-                if stored in state_dict:
-                    return state_dict[stored]
-                old = stored.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
-                if old in state_dict:  # (checkpoints converted from TensorFlow)
-                    return state_dict[old]
-            raise ValueError(f"the {config.model_type} checkpoint has no tensor {name!r}")
+        tensors = CheckpointTensors(config, state_dict, ENCODER_PREFIXES)
+
+        def tensor(name: str) -> Weight:  # (or as checkpoints converted from TensorFlow name LayerNorm's tensors)
+            return tensors(name, name.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                                              "LayerNorm.beta"))
 
         weights: dict[str, Weight | list[Weight]] = {
             "embed_tokens.weight": tensor("embeddings.word_embeddings.weight"),

@@ -195,6 +195,24 @@ def pair_token_types(input_ids: torch.Tensor, counts: torch.Tensor, sep_token_id
     return (segment_cumsum(sep, counts) - sep > 0).long()
 
 
+class CheckpointTensors:
+    """A checkpoint's tensors by name, stored bare or under a task model's prefix (`bert.`, `model.`, ...)."""
+
+    def __init__(self, config: PretrainedConfig, state_dict: dict[str, Weight], prefixes: Sequence[str]) -> None:
+        self.model_type, self.state_dict, self.prefixes = config.model_type, state_dict, ("", *prefixes)
+
+    def find(self, *names: str) -> Weight | None:
+        """The first of `names` the checkpoint holds, bare or under a prefix; None where it holds none."""
+        return next((self.state_dict[p + n] for n in names for p in self.prefixes if p + n in self.state_dict), None)
+
+    def __call__(self, *names: str) -> Weight:
+        """As `find`, with a ValueError naming the first of `names` where the checkpoint holds none."""
+        found = self.find(*names)
+        if found is None:
+            raise ValueError(f"the {self.model_type} checkpoint has no tensor {names[0]!r}")
+        return found
+
+
 def linear_from(state_dict: dict[str, Weight], name: str) -> nn.Linear:
     """The fp32 `nn.Linear` of checkpoint tensors `{name}.weight` (and `{name}.bias` where there is one)."""
     return float_linear(state_dict[f"{name}.weight"], state_dict.get(f"{name}.bias"))

@@ -17,7 +17,7 @@ from transformers.activations import ACT2FN
 
 from ..layers.quantization.linear import Weight
 from ..layers.rotary import RotaryEmbedding, apply_rotary
-from .encoder import EncoderModel, bidirectional_attention, linear_from
+from .encoder import CheckpointTensors, EncoderModel, bidirectional_attention, linear_from
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -78,11 +78,7 @@ class ModernBertModel(EncoderModel):
     @classmethod
     def weights(cls, config: PretrainedConfig, state_dict: dict[str, Weight]) -> dict[str, Weight | list[Weight]]:
         """From a checkpoint of the bare model or of a task model (`model.` before the names)."""
-        def tensor(name: str) -> Weight:
-            for stored in (name, f"model.{name}"):
-                if stored in state_dict:
-                    return state_dict[stored]
-            raise ValueError(f"the modernbert checkpoint has no tensor {name!r}")
+        tensor = CheckpointTensors(config, state_dict, ("model.",))
 
         def module(ours: str, theirs: str, bias: bool) -> None:
             weights[f"{ours}.weight"] = tensor(f"{theirs}.weight")

@@ -27,7 +27,6 @@ every frequency then divided by the factor to the power `2 / head_dim` (transfor
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +39,7 @@ from ..errors import ConfigError
 from ..kernels.fused_ops import FusedOps
 from ..layers.quantization.linear import Weight, dequantized, fuse_rows
 from ..layers.rotary import RotaryEmbedding, apply_rotary, with_lengths
-from .encoder import EncoderModel, bidirectional_attention, linear_from, pair_token_types
+from .encoder import CheckpointTensors, EncoderModel, bidirectional_attention, linear_from, pair_token_types
 
 # GTE's original config: transformers reads it only through remote code, so it is read as written
 RAW_CONFIG_TYPES = ("new",)
@@ -147,6 +146,10 @@ def gte_shape(config: PretrainedConfig) -> Shape:
                  rope_config(hidden, heads, hidden // heads, context, rope), context)
 
 
+def model_shape(config: PretrainedConfig) -> Shape:
+    return nomic_shape(config) if config.model_type == "nomic_bert" else gte_shape(config)
+
+
 def rope_config(hidden: int, heads: int, head_dim: int, trained: int, params: dict) -> PretrainedConfig:
     return PretrainedConfig(hidden_size=hidden, num_attention_heads=heads, head_dim=head_dim,
                             max_position_embeddings=trained, rope_parameters=params)
@@ -222,14 +225,13 @@ class RopeBertLayer(nn.Module):
         return self.mlp_norm(x + self.down_proj(h))
 
 
-def expert_weights(shape: Shape, layer: int, find: Callable[[str], Weight | None],
-                   tensor: Callable[[str], Weight]) -> dict[str, Weight]:
+def expert_weights(shape: Shape, layer: int, tensor: CheckpointTensors) -> dict[str, Weight]:
     """A mixture layer's router, experts and bias by `NomicExperts`' names: nomic's stacked matrices
     (`[experts * intermediate, hidden]` each), or a GGUF file's experts one matrix each by `gguf_experts`' names
     (W2 as `[hidden, intermediate]`; no bias, which llama.cpp's converter drops and llama.cpp runs without)."""
     ours, nomic, block = f"layers.{layer}.experts.", f"encoder.layers.{layer}.mlp.", f"model.layers.{layer}.mlp."
     experts = (shape.experts, shape.intermediate, shape.hidden)
-    if find(f"{nomic}experts.mlp.w1") is not None:
+    if tensor.find(f"{nomic}experts.mlp.w1") is not None:
         return {f"{ours}router.weight": tensor(f"{nomic}router.layer.weight"),
                 f"{ours}w1": dequantized(tensor(f"{nomic}experts.mlp.w1")).view(experts),
                 f"{ours}w2": dequantized(tensor(f"{nomic}experts.mlp.w2")).view(experts),
@@ -247,7 +249,7 @@ class RopeBertModel(EncoderModel):
     model_types = ("nomic_bert", "gte", *RAW_CONFIG_TYPES)
 
     def __init__(self, config: PretrainedConfig) -> None:
-        shape = nomic_shape(config) if config.model_type == "nomic_bert" else gte_shape(config)
+        shape = model_shape(config)
         # (the shape under transformers' names, which the encoder and the engine's memory plan read)
         config.hidden_size, config.num_attention_heads = shape.hidden, shape.heads
         config.intermediate_size, config.num_hidden_layers = shape.intermediate, shape.layers
@@ -282,26 +284,14 @@ class RopeBertModel(EncoderModel):
     @classmethod
     def weights(cls, config: PretrainedConfig, state_dict: dict[str, Weight]) -> dict[str, Weight | list[Weight]]:
         """From either naming (the module docstring), of the bare model or a task model."""
-        def find(*names: str) -> Weight | None:
-            for name in names:
-                for stored in (name, *(p + name for p in PREFIXES)):
-                    if stored in state_dict:
-                        return state_dict[stored]
-            return None
-
-        def tensor(*names: str) -> Weight:
-            found = find(*names)
-            if found is None:
-                raise ValueError(f"the {config.model_type} checkpoint has no tensor {names[0]!r}")
-            return found
-
-        shape = nomic_shape(config) if config.model_type == "nomic_bert" else gte_shape(config)
+        tensor, shape = CheckpointTensors(config, state_dict, PREFIXES), model_shape(config)
         weights: dict[str, Weight | list[Weight]] = {
             "embed_tokens.weight": tensor("embeddings.word_embeddings.weight"),
             "embed_norm.weight": tensor("emb_ln.weight", "embeddings.LayerNorm.weight"),
             "embed_norm.bias": tensor("emb_ln.bias", "embeddings.LayerNorm.bias")}
         if shape.types:
             weights["embed_types.weight"] = tensor("embeddings.token_type_embeddings.weight")
+
         def put(ours: str, bias: bool, *sources: str) -> None:
             for kind in ("weight", "bias") if bias else ("weight",):
                 weights[f"{ours}.{kind}"] = tensor(*(f"{s}.{kind}" for s in sources))
@@ -310,7 +300,7 @@ class RopeBertModel(EncoderModel):
             # the original NomicBERT's names, the original GTE's, transformers' (and ours)
             nomic, gte, native = f"encoder.layers.{i}.", f"encoder.layer.{i}.", f"layers.{i}."
             for kind in ("weight", "bias") if shape.qkv_bias else ("weight",):
-                fused = find(f"{nomic}attn.Wqkv.{kind}", f"{gte}attention.qkv_proj.{kind}")
+                fused = tensor.find(f"{nomic}attn.Wqkv.{kind}", f"{gte}attention.qkv_proj.{kind}")
                 weights[f"{native}qkv_proj.{kind}"] = fused if fused is not None else fuse_rows(
                     [tensor(f"{native}self_attn.{p}_proj.{kind}") for p in "qkv"])
             put(f"{native}o_proj", shape.qkv_bias, f"{nomic}attn.out_proj", f"{gte}attention.o_proj",
@@ -318,7 +308,7 @@ class RopeBertModel(EncoderModel):
             put(f"{native}attention_norm", True, f"{nomic}norm1", f"{gte}attn_ln", f"{native}post_attention_layernorm")
             put(f"{native}mlp_norm", True, f"{nomic}norm2", f"{gte}mlp_ln", f"{native}post_mlp_layernorm")
             if shape.is_moe(i):
-                weights.update(expert_weights(shape, i, find, tensor))
+                weights.update(expert_weights(shape, i, tensor))
                 continue
             put(f"{native}down_proj", shape.down_bias, f"{nomic}mlp.fc2", f"{gte}mlp.down_proj",
                 f"{native}mlp.down_proj")
@@ -326,7 +316,7 @@ class RopeBertModel(EncoderModel):
                 if not shape.gated:
                     weights[f"{native}up_proj.{kind}"] = tensor(f"{nomic}mlp.fc1.{kind}")
                     continue
-                up_gate = find(f"{gte}mlp.up_gate_proj.{kind}")  # (GTE's original: [up; gate])
+                up_gate = tensor.find(f"{gte}mlp.up_gate_proj.{kind}")  # (GTE's original: [up; gate])
                 up, gate = (up_gate.chunk(2) if up_gate is not None else
                             (tensor(f"{nomic}mlp.fc11.{kind}", f"{native}mlp.up_proj.{kind}"),
                              tensor(f"{nomic}mlp.fc12.{kind}", f"{native}mlp.gate_proj.{kind}")))
