@@ -33,7 +33,7 @@ from . import gguf_bert, gguf_config, gguf_experts, gguf_families
 from .gguf_file import GGUFFile
 from .moe import expert_count
 from .multimodal_text import language_model_name, text_config
-from .pooling import checkpoint_pooler_config
+from .pooling import gguf_pooler_config
 from .quantized_checkpoints import KEPT, SPLIT_BY_RANKS, checkpoint_format, convert, stored_raw
 from .rope_bert import RAW_CONFIG_TYPES
 from .sentence_transformers import read_pipeline
@@ -309,7 +309,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
     if widened:
         logger.info("%s: no kernel takes %s tensors: dequantized to %s", path.name, ", ".join(sorted(widened)),
                     str(dtype).removeprefix("torch."))
-    pooling = checkpoint_pooler_config(path, reader.metadata.get(f"{arch}.pooling_type", 0))
+    pooling = gguf_pooler_config(reader.metadata.get(f"{arch}.pooling_type", 0))
     return Checkpoint(config, state_dict, _gguf_tokenizer(path) if tokenizer else None, path, pooling)
 
 

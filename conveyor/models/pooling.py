@@ -18,7 +18,6 @@ pool, and its head (docs/design/pooling.md).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from .encoder import EncoderModel
 from .gemma_encoder import Gemma3EncoderModel, is_bidirectional_gemma
 from .modernbert import ModernBertModel
 from .rope_bert import RopeBertModel
-from .sentence_transformers import read_pipeline
 
 logger = logging.getLogger("conveyor")
 
@@ -89,12 +87,10 @@ def pooling_task(config: PretrainedConfig, runner: str = "auto", convert: str = 
     return "classify" if classifier else "embed"
 
 
-def checkpoint_pooler_config(path: Path, gguf_pooling_type: int | None = None) -> PoolerConfig:
-    """How the checkpoint says to pool: its sentence-transformers files (a directory, `sentence_transformers`),
-    or the GGUF metadata's pooling type; an empty config when it says nothing."""
-    if gguf_pooling_type is not None:
-        return PoolerConfig(pooling_type=GGUF_POOLING_TYPES.get(gguf_pooling_type))
-    return read_pipeline(path).pooler_config if path.is_dir() else PoolerConfig()
+def gguf_pooler_config(pooling_type: int) -> PoolerConfig:
+    """How a GGUF file says to pool: its metadata's pooling type, llama.cpp's enum (a directory says it in its
+    sentence-transformers files: `sentence_transformers.read_pipeline`)."""
+    return PoolerConfig(pooling_type=GGUF_POOLING_TYPES.get(pooling_type))
 
 
 def build_pooler(task: str, config: PretrainedConfig, state_dict: dict[str, Weight],

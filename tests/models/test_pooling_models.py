@@ -16,7 +16,8 @@ import transformers
 
 from conveyor import LLM, ContinuousBatchingConfig, PoolerConfig
 from conveyor.config import ConfigError
-from conveyor.models.pooling import checkpoint_pooler_config, pooling_task
+from conveyor.models.pooling import pooling_task
+from conveyor.models.sentence_transformers import read_pipeline
 from conveyor.pooling_params import PoolingParamsError
 
 from tests.gguf_writer import write_gguf
@@ -84,9 +85,9 @@ def test_sentence_transformers_files_say_how_to_pool(tmp_path: Path, one_thread:
     user's pooler config goes over them."""
     model = TinyModel("qwen3", tmp_path / "m")
     write_sentence_transformers(model.path, "lasttoken", normalize=True)
-    assert checkpoint_pooler_config(model.path) == PoolerConfig("LAST", True)
+    assert read_pipeline(model.path).pooler_config == PoolerConfig("LAST", True)
     write_sentence_transformers(model.path, "mean_tokens", normalize=False)
-    assert checkpoint_pooler_config(model.path) == PoolerConfig("MEAN", False)
+    assert read_pipeline(model.path).pooler_config == PoolerConfig("MEAN", False)
     prompts = random_prompts([6, 45], seed=9)
     llm = LLM(model.path, dtype="float32", runner="pooling", config=CONFIG)
     assert (llm.engine.pooler.pooling_type, llm.engine.pooler.normalize) == ("MEAN", False)
