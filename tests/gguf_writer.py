@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import transformers
 
+from conveyor.models.lfm2 import mlp_width
+
 from tests.utils import VOCAB, TinyModel
 from tools import random_gguf
 
@@ -61,9 +63,11 @@ def gguf_header(path: Path, arch: str, config: transformers.PretrainedConfig) ->
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
+    w.add_feed_forward_length(mlp_width(config) if config.model_type == "lfm2" else config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
-    if getattr(config, "num_key_value_heads", None) is not None:
+    if config.model_type == "lfm2":  # (KV heads a layer, none in a conv layer; the MLP's width as built)
+        w.add_head_count_kv([config.num_key_value_heads * (t != "conv") for t in config.layer_types])
+    elif getattr(config, "num_key_value_heads", None) is not None:
         w.add_head_count_kv(config.num_key_value_heads)
     return w
 
@@ -84,6 +88,9 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         w.add_logit_scale(config.logit_scale)
     elif arch == "starcoder2":
         w.add_layer_norm_eps(config.norm_epsilon)
+    elif arch == "lfm2":
+        w.add_layer_norm_rms_eps(config.norm_eps)
+        w.add_shortconv_l_cache(config.conv_L_cache)
     else:
         w.add_layer_norm_rms_eps(config.rms_norm_eps)
     if arch == "cohere2":
@@ -160,8 +167,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
             data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
         if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
+        if arch == "lfm2" and name.endswith("conv.conv.weight"):  # (the converter's `[hidden, L]`)
+            data = data.squeeze(1)
         qtype = types.get(gguf_name.split(".")[-2], QType.F32) if isinstance(types, dict) else types
-        if data.ndim == 2 and qtype != QType.F32 and not name.endswith("norm.weight"):  # (Command R+'s q/k norms)
+        # (Command R+'s q/k norms are 2-D; LFM2's conv kernels too narrow for blocks: F32, as llama.cpp keeps them)
+        if data.ndim == 2 and qtype != QType.F32 and not name.endswith("norm.weight") and data.shape[1] % 32 == 0:
             w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, data.astype(np.float32))

@@ -91,6 +91,10 @@ TINY_CONFIGS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen2_rope_linear": lambda: transformers.Qwen2Config(**TINY_COMMON, rope_parameters={
         "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+    # LFM2: short-convolution layers (kernel 3, their state in the pool) around one attention layer, whose q/k
+    # norms come before RoPE; the MLP's width adjusted (int(2 * 128 / 3) rounded up to 32: 96)
+    "lfm2": lambda **kw: transformers.Lfm2Config(**(TINY_COMMON | {"num_hidden_layers": 4} | kw), block_multiple_of=32,
+                                                 layer_types=["conv", "conv", "full_attention", "conv"]),
     # Sliding-window and hybrid models, windows far shorter than the test prompts.
     "mistral_sliding": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=WINDOW,
                                                           tie_word_embeddings=False),

@@ -22,6 +22,7 @@ import gguf
 import numpy as np
 
 QType = gguf.GGMLQuantizationType
+LFM2_KERNEL = 3  # LFM2's `conv_L_cache`
 TYPES = {"q4_0": QType.Q4_0, "q8_0": QType.Q8_0, "f16": QType.F16}
 # llama-quantize's names of the mixes it makes (`llama-quantize --help`), by our lower-case name.
 LLAMA_QUANTIZE_TYPES = {name.lower(): name for name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
@@ -43,6 +44,7 @@ class Shape:
     context: int = 32768
     experts: int = 0  # gpt-oss: experts per layer (stacked, MXFP4), of which `experts_used` a token
     experts_used: int = 0
+    attention_layers: tuple[int, ...] = ()  # LFM2: the layers with attention; the others are short convolutions
 
 
 SHAPES = {
@@ -51,6 +53,11 @@ SHAPES = {
     "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1000000.0),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 150000.0, 131072, 32, 4),
+    # LFM2-1.2B and 350M (LFM2.5's too): MLP widths as the converter writes them (the configs' adjusted)
+    "lfm2-1.2b": Shape("lfm2", 2048, 16, 32, 8, 64, 8192, 65536, True, 1000000.0,
+                       attention_layers=(2, 5, 8, 10, 12, 14)),
+    "lfm2-350m": Shape("lfm2", 1024, 16, 16, 8, 64, 4608, 65536, True, 1000000.0,
+                       attention_layers=(2, 5, 8, 10, 12, 14)),
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 10000.0, context=2048),  # for tests
     "tiny-gpt-oss": Shape("gpt-oss", 256, 2, 4, 2, 64, 256, 512, False, 10000.0, 8192, 4, 2),  # for tests
 }
@@ -62,7 +69,11 @@ def header(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_embedding_length(shape.hidden)
     writer.add_feed_forward_length(shape.ffn)
     writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
+    if shape.attention_layers:  # (LFM2: KV heads a layer, none in a conv layer; kernels of 3)
+        writer.add_head_count_kv([shape.kv_heads * (i in shape.attention_layers) for i in range(shape.layers)])
+        writer.add_shortconv_l_cache(LFM2_KERNEL)
+    else:
+        writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
     writer.add_value_length(shape.head_dim)
     writer.add_rope_dimension_count(shape.head_dim)
@@ -98,6 +109,9 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
         out.append(("output.weight", (shape.vocab, h), True))
     if shape.experts:
         return out + [t for i in range(shape.layers) for t in gpt_oss_layer(shape, i)]
+    if shape.attention_layers:
+        out[1] = ("token_embd_norm.weight", (h,), False)  # (LFM2's final norm)
+        return out + [t for i in range(shape.layers) for t in lfm2_layer(shape, i)]
     for i in range(shape.layers):
         out += [(f"blk.{i}.attn_norm.weight", (h,), False), (f"blk.{i}.attn_q.weight", (q, h), True),
                 (f"blk.{i}.attn_k.weight", (kv, h), True), (f"blk.{i}.attn_v.weight", (kv, h), True),
@@ -125,6 +139,23 @@ def gpt_oss_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...], bool
             (p + "ffn_gate_exps.weight", (e, f, h), True), (p + "ffn_gate_exps.bias", (e, f), False),
             (p + "ffn_up_exps.weight", (e, f, h), True), (p + "ffn_up_exps.bias", (e, f), False),
             (p + "ffn_down_exps.weight", (e, h, f), True), (p + "ffn_down_exps.bias", (e, h), False)]
+
+
+def lfm2_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
+    """LFM2's layer `i` as llama.cpp's converter names it: attention with per-head q/k norms, or the short
+    convolution (its kernel F32, `[hidden, 3]`); the MLP."""
+    h, q, kv, p = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, f"blk.{i}."
+    if i in shape.attention_layers:
+        block = [(p + "attn_q.weight", (q, h), True), (p + "attn_k.weight", (kv, h), True),
+                 (p + "attn_v.weight", (kv, h), True), (p + "attn_output.weight", (h, q), True),
+                 (p + "attn_q_norm.weight", (shape.head_dim,), False),
+                 (p + "attn_k_norm.weight", (shape.head_dim,), False)]
+    else:
+        block = [(p + "shortconv.conv.weight", (h, LFM2_KERNEL), False),
+                 (p + "shortconv.in_proj.weight", (3 * h, h), True), (p + "shortconv.out_proj.weight", (h, h), True)]
+    return [(p + "attn_norm.weight", (h,), False), *block, (p + "ffn_norm.weight", (h,), False),
+            (p + "ffn_gate.weight", (shape.ffn, h), True), (p + "ffn_up.weight", (shape.ffn, h), True),
+            (p + "ffn_down.weight", (h, shape.ffn), True)]
 
 
 def random_mxfp4(rng: np.random.Generator, dims: tuple[int, ...]) -> np.ndarray:

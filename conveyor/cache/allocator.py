@@ -401,6 +401,17 @@ class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
         self.ring_blocks = table_length(window, self.page_size, window)
 
 
+class ConvStateCacheAllocator(SlidingAttentionCacheAllocator):
+    """Blocks for short-convolution layers (LFM2's): a ring of `window` slots per request holding the layer's
+    last inputs (`layers.short_conv`), as a sliding layer's ring holds its window; never shared."""
+
+    attention_type = "conv"
+
+    def table_length(self, num_tokens: int) -> int:
+        """The whole ring from the first token: a row's slots are not its position's (a row takes several)."""
+        return self.ring_blocks if num_tokens > 0 else 0
+
+
 class HybridCacheAllocator(CacheAllocator):
     """Several attention types' allocators over one pool, seen as one: admission is all or nothing
     across them, and counts are the sums (every count is in chunks of the shared pool)."""
@@ -448,13 +459,15 @@ class HybridCacheAllocator(CacheAllocator):
 LayerGroup = tuple[AttentionTypeAllocator, int, list[int]]  # (its allocator, index within it, layers)
 
 
-def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], window: int | None,
+def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], windows: dict[str, int],
                      block_sharing: bool, prefix_key: Callable[[int], bytes] | None = None,
                      keep_tails: bool = False) -> tuple[CacheAllocator, list[LayerGroup]]:
     """One allocator per attention type over `pool` for the model's layer `groups` (see
     `cache_pool.layer_groups`): the allocator the scheduler sees (the only one, or a
-    `HybridCacheAllocator` over all), and per group its allocator and index within it. `prefix_key`
-    and `keep_tails` as `FullAttentionCacheAllocator` takes them."""
+    `HybridCacheAllocator` over all), and per group its allocator and index within it. `windows`: the
+    ring of every type but full attention, in slots (`CausalLM.cache_windows`). `prefix_key` and
+    `keep_tails` as `FullAttentionCacheAllocator` takes them."""
+    rings = {"sliding_attention": SlidingAttentionCacheAllocator, "conv": ConvStateCacheAllocator}
     allocators: dict[str, AttentionTypeAllocator] = {}
     out: list[LayerGroup] = []
     for attention_type, layers in groups:
@@ -464,8 +477,8 @@ def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], w
                 allocators[attention_type] = FullAttentionCacheAllocator(pool, block_sharing, num_groups=k,
                                                                          prefix_key=prefix_key, keep_tails=keep_tails)
             else:
-                assert window is not None, "sliding layers need a window"
-                allocators[attention_type] = SlidingAttentionCacheAllocator(pool, window, num_groups=k)
+                assert attention_type in windows, f"{attention_type} layers need their ring's size"
+                allocators[attention_type] = rings[attention_type](pool, windows[attention_type], num_groups=k)
         allocator = allocators[attention_type]
         out.append((allocator, sum(a is allocator for a, _, _ in out), layers))
     types = list(allocators.values())

@@ -79,10 +79,13 @@ class Engine:
         # a page in each layer of a group) and one allocator per type, all over one pool.
         groups = layer_groups(model.layer_types)
         self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, device, model.head_dim)
+        if "conv" in model.layer_types and self.kv_format.name != "auto":  # (conv states are kept exact)
+            raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported for "
+                              f"{model.config.model_type}'s conv layers (supported: auto)")
         shape = dict(page_size=config.page_size, num_layers=len(groups[0][1]),
                      num_kv_heads=model.num_kv_heads, head_dim=self.kv_format.row)
-        page, window = config.page_size, model.sliding_window
-        chunks_per_request = sum(table_length(self.max_model_len, page, window if t == "sliding_attention" else None)
+        page, windows = config.page_size, model.cache_windows
+        chunks_per_request = sum(table_length(self.max_model_len, page, windows.get(t))
                                  for t, _ in groups)
         use_graphs = pooler is None and use_cuda_graphs(config, device, model.cuda_graphs)
         attention = make_attention_backend(device, self.dtype, config.attention_backend, config.kv_cache_dtype)
@@ -104,7 +107,7 @@ class Engine:
         # Tails (finished requests' partial last blocks, copied by the requests that continue them): not
         # where another cache (a draft model's) or other ranks' pools would need the same copy.
         keep_tails = draft_model is None and config.tensor_parallel_size == 1
-        self.allocator, runner_groups = build_allocators(self.pool, groups, window, self.block_sharing,
+        self.allocator, runner_groups = build_allocators(self.pool, groups, windows, self.block_sharing,
                                                          model.prefix_key if model.rope_by_length else None,
                                                          keep_tails)
         # The longest sequence the whole pool holds (a sliding ring alone never runs out: then all slots).
@@ -118,7 +121,7 @@ class Engine:
         spec = config.speculative_config
         if spec is not None and (spec.method == "draft_model") != (draft_model is not None):
             raise ValueError("speculative_config.method 'draft_model' needs its draft model (and only it does)")
-        self.speculator = (Speculator(spec, self.max_model_len, sliding=window is not None,
+        self.speculator = (Speculator(spec, self.max_model_len, sliding=bool(windows),
                                       rope_switch=model.rope_switch) if spec else None)
         # The draft model's runner, beside the target's: it fills the proposals the scheduler reserved.
         self.draft = DraftProposer(draft_model, self.allocator, num_chunks, page, device,

@@ -44,7 +44,7 @@ def run_profile_pass(model: Any, config: Any, device: torch.device, dtype: torch
     lengths = profile_split(config.max_batch_tokens, config.max_requests_per_batch)
     pool = CachePool(scratch_chunks(model, config), config.page_size, len(groups[0][1]), model.num_kv_heads,
                      model.head_dim, dtype, device)
-    allocator, runner_groups = build_allocators(pool, groups, model.sliding_window, block_sharing=False)
+    allocator, runner_groups = build_allocators(pool, groups, model.cache_windows, block_sharing=False)
     attention = make_attention_backend(device, dtype, config.attention_backend)  # the backend the engine runs
     runner = ModelRunner(model, pool, runner_groups, device, max_logit_rows=config.max_requests_per_batch,
                          attention=attention)
@@ -82,9 +82,9 @@ def measured_working_memory(model: Any, config: Any, device: torch.device, dtype
 
 def scratch_chunks(model: Any, config: Any) -> int:
     """Chunks of the profiling pass's scratch pool: its requests' blocks plus the reserved ones."""
-    groups, window = layer_groups(model.layer_types), model.sliding_window
+    groups, windows = layer_groups(model.layer_types), model.cache_windows
     return NUM_RESERVED_CHUNKS + sum(
-        table_length(n, config.page_size, window if t == "sliding_attention" else None)
+        table_length(n, config.page_size, windows.get(t))
         for n in profile_split(config.max_batch_tokens, config.max_requests_per_batch) for t, _ in groups)
 
 

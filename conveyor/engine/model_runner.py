@@ -234,8 +234,9 @@ class ModelRunner:
             prepared.verify_rows = to_device([prepared.row(r) for r in verify_rows], torch.long, dev)
         if self.lora is not None:
             prepared.lora = self.lora.step_batch(decodes + prefills, prepared.pad_at, prepared.num_pad)
-        for meta in prepared.metas:
-            self.attention.prepare(meta)
+        for (allocator, _), meta in zip(self.groups, prepared.metas):
+            if allocator.attention_type != "conv":
+                self.attention.prepare(meta)
         return prepared
 
     def _group_metadata(self, allocator: AttentionTypeAllocator, group: int, decodes: list[ScheduledChunk],
@@ -249,6 +250,8 @@ class ModelRunner:
         rows = len(decode_pos)
         meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=rows, window=window,
                                  decode_positions=decode_pos, decode_shared_rows=rows > len(decodes))
+        if allocator.attention_type == "conv":  # the layers index their rings themselves (`layers.short_conv`)
+            return self._ring_metadata(meta, allocator, group, decodes, prefills)
         writes: list[torch.Tensor] = []
         q_start = rows
         if decodes:
@@ -282,6 +285,26 @@ class ModelRunner:
             writes.append(write)
             q_start += n
         meta.slot_mapping = torch.cat(writes)
+        return meta
+
+    def _ring_metadata(self, meta: AttentionMetadata, allocator: AttentionTypeAllocator, group: int,
+                       decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> AttentionMetadata:
+        """A conv group's metadata: each row's ring (decode block tables, prefill spans' tables and starts)
+        and positions; no slots, context or masks, which its layers do not read."""
+        dev = self.device
+        if decodes:
+            tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
+            width = max(len(t) for t in tables)
+            meta.decode_block_tables = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
+            meta.decode_context_lens = torch.ones(meta.num_decodes, dtype=torch.long, device=dev)
+        q_start = meta.num_decodes
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        for c in prefills:
+            table = to_device(allocator.block_table(c.request.request_id, group), torch.long, dev)
+            meta.prefills.append(PrefillSpan(q_start=q_start, q_len=c.num_tokens, ctx_slots=empty, mask=None,
+                                             start=c.request.num_computed_tokens, block_table=table))
+            q_start += c.num_tokens
+        meta.slot_mapping = torch.zeros(q_start, dtype=torch.long, device=dev)  # (unused: the padded buffers copy it)
         return meta
 
     @torch.inference_mode()

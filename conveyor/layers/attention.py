@@ -67,6 +67,7 @@ class AttentionMetadata:
     # [chunks, 5] int64: q_start, q_len, offset in prefill_ctx_slots, n_ctx, start (native backend)
     prefill_chunks: torch.Tensor | None = None
     ragged: object | None = None  # the Triton backend's per-pass index tensors (`triton_attention.RaggedBatch`)
+    state: object | None = None  # a conv group's per-pass indices (`short_conv.ConvIndex`), made by its first layer
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,

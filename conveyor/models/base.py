@@ -161,6 +161,12 @@ class CausalLM(nn.Module):
         self.lora_state: LoRAState | None = None  # multi-LoRA: the step's adapter rows (`models.lora`)
 
     @property
+    def cache_windows(self) -> dict[str, int]:
+        """The ring (in pool slots) a request holds per layer for each layer type but full attention: the
+        sliding window; a family's own state layers add theirs (LFM2's conv layers)."""
+        return {} if self.sliding_window is None else {"sliding_attention": self.sliding_window}
+
+    @property
     def max_model_len(self) -> int:
         """`max_position_embeddings`, times the factor of a dynamic NTK RoPE, which exists to run past it
         (vLLM's rule)."""

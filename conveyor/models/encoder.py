@@ -46,6 +46,7 @@ class EncoderModel(nn.Module):
     rope_by_length = False
     rope_switch = None
     sliding_window = None  # (of the nominal cache: an encoder's windows are its own, `bidirectional_attention`)
+    cache_windows: dict[str, int] = {}  # (the nominal cache: full attention only)
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()

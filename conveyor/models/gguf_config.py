@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "phi3": transformers.Phi3Config,
     "ernie4_5": transformers.Ernie4_5Config,
     "glm4": transformers.Glm4Config,
+    "lfm2": transformers.Lfm2Config,
     "bert": transformers.BertConfig,  # encoders (`gguf_bert`)
     "jina-bert-v2": transformers.BertConfig,
     "nomic-bert": transformers.NomicBertConfig,
@@ -67,7 +68,7 @@ LAYER_MODULES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")
 
 _REQUIRED = object()
 
@@ -134,8 +135,9 @@ def hf_name(name: str, arch: str) -> str | None:
     `gguf_experts`)."""
     if arch in gguf_bert.ARCHITECTURES:
         return gguf_bert.hf_name(name, arch)
-    if name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[name]
+    global_tensors = GLOBAL_TENSORS | gguf_families.ARCH_GLOBAL_TENSORS.get(arch, {})
+    if name in global_tensors:
+        return global_tensors[name]
     match = LAYER_TENSOR.fullmatch(name)
     modules = LAYER_MODULES | gguf_families.ARCH_LAYER_MODULES.get(arch, {})
     if match is None or match[2] not in modules:

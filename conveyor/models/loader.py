@@ -303,6 +303,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_quantized: bool = False, sel
             weights = gguf.quants.dequantize(part, tensor.tensor_type).reshape(kept_shape)
         if permute_heads is not None:
             weights = _undo_llama_rope_permute(weights, permute_heads)
+        if arch in gguf_families.CONV_KERNELS and ".shortconv.conv." in tensor.name:
+            weights = weights[:, None]
         if arch in gguf_families.NORM_PLUS_ONE and hf_name.endswith("norm.weight"):
             weights = weights - np.float32(1)  # Gemma's 1 + (w - 1) is the file's w again (exact for w in [0.5, 2])
         state_dict[hf_name] = torch.tensor(weights, dtype=dtype)

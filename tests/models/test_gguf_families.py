@@ -44,7 +44,7 @@ FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2
             ("ernie4_5_tied", "ernie4_5"), ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
             ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4"),
             ("hunyuan", "hunyuan-dense"), ("cohere", "command-r"), ("cohere2", "cohere2"),
-            ("starcoder2_full", "starcoder2"), ("arcee", "arcee")]
+            ("starcoder2_full", "starcoder2"), ("arcee", "arcee"), ("lfm2", "lfm2")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 

@@ -1,0 +1,130 @@
+"""LFM2's conv layers (`layers.short_conv`), their state a ring in the KV pool: greedy ids equal
+transformers' with chunked prefill across every ring layout (a row in one slot or two, a ring within a page
+or across pages), requests offloaded and resumed, speculation asked for; the state's pages bounded and all
+returned; the default mode's error measured; what the rings cannot hold refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conveyor.cache.allocator import ConvStateCacheAllocator
+from conveyor.errors import ConfigError
+from conveyor.layers.short_conv import state_slots_per_row
+from conveyor.models.sharding import plan_shards
+
+from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, TINY_CONFIGS, TinyModel, agreement, all_free,
+                         assert_greedy_match, greedy, greedy_ids, hf_greedy, next_token_logprobs, random_prompts)
+
+PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
+MAX_NEW = 16
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def two_slot_rows(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """One KV head of 16: a slot holds 32 values, a conv row of 64 takes two."""
+    return TinyModel("lfm2", tmp_path_factory.mktemp("lfm2-kv1"), TINY_CONFIGS["lfm2"](num_key_value_heads=1))
+
+
+def references(model: TinyModel) -> list[tuple[list[int], torch.Tensor]]:
+    return [hf_greedy(model.reference, p, MAX_NEW) for p in PROMPTS]
+
+
+def assert_matches(outputs: list[list[int]], refs: list[tuple[list[int], torch.Tensor]], label: str) -> None:
+    for i, (ours, (ref, logits)) in enumerate(zip(outputs, refs)):
+        assert_greedy_match(ours, ref, logits, f"{label} prompt {i}")
+
+
+@pytest.mark.parametrize("config", [{"page_size": 16}, {"page_size": 4, "max_batch_tokens": 7},
+                                    {"page_size": 2, "max_batch_tokens": 5}, {"page_size": 3, "max_batch_tokens": 1}],
+                         ids=["page16", "page4-chunk7", "page2-chunk5", "page3-chunk1"])
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_conv_rings_match_transformers(tiny_models: dict[str, TinyModel], two_slot_rows: TinyModel, kv_heads: int,
+                                       config: dict) -> None:
+    """Chunks from one token to longer than the ring, rings of 3 or 6 slots in pages of 2 to 16."""
+    model = tiny_models["lfm2"] if kv_heads == 2 else two_slot_rows
+    llm = model.llm(**config)
+    engine = llm.engine
+    ring = engine.model.cache_windows["conv"]
+    assert ring == {2: 3, 1: 6}[kv_heads] == 3 * state_slots_per_row(64, kv_heads, 16)
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
+    assert_matches([o.token_ids for o in outs], references(model), str(config))
+    assert all_free(llm) and engine.pool.num_free == engine.pool.num_usable
+
+
+def test_conv_state_pages_stay_bounded_and_unshared(tiny_models: dict[str, TinyModel]) -> None:
+    llm = tiny_models["lfm2"].llm(page_size=2)
+    engine = llm.engine
+    conv = next(a for a in engine.allocator.allocators if isinstance(a, ConvStateCacheAllocator))
+    assert conv.ring_blocks == 2 and conv.num_groups == 3 and engine.block_sharing is False
+    engine.add_request(engine.make_request("long", PROMPTS[4], greedy(30)))
+    lengths = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        if conv.holds("long"):
+            lengths.append(len(conv.block_table("long")))
+    assert max(lengths) == 2  # 77 tokens, one ring of two pages per conv group
+    llm.generate([PROMPTS[3]] * 2, greedy(2), use_tqdm=False)
+    stats = llm.stats()
+    assert stats.prefix_cache_hit_tokens == 0
+    assert all_free(llm)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["soft-reset", "swap"])
+def test_offloaded_requests_resume_with_their_state(tiny_models: dict[str, TinyModel], swap: bool) -> None:
+    """A pool too small for all five: requests are offloaded and resumed (their rings swapped out and back
+    with their attention pages, or recomputed) and give the same tokens."""
+    model = tiny_models["lfm2"]
+    llm = model.llm(page_size=4, num_blocks=40, max_batch_tokens=16, cpu_offload_space=1.0 if swap else 0.0)
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
+    stats = llm.stats()
+    assert stats.offloads > 0 and (stats.swap_ins > 0) == swap
+    assert_matches([o.token_ids for o in outs], references(model), f"offload swap={swap}")
+    assert all_free(llm)
+
+
+def test_speculation_stays_off_and_outputs_unchanged(tiny_models: dict[str, TinyModel]) -> None:
+    """A rejected draft would have overwritten ring rows the next step reads: no proposals are made."""
+    model = tiny_models["lfm2"]
+    llm = model.llm(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                        "prompt_lookup_min": 1})
+    prompts = [p * 3 for p in PROMPTS[2:4]]  # (repeats an n-gram proposer would draft from)
+    outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        ref, logits = hf_greedy(model.reference, prompt, MAX_NEW)
+        assert_greedy_match(out.token_ids, ref, logits, f"speculation prompt {i}")
+    assert llm.stats().spec_decode_num_draft_tokens == 0
+    assert all_free(llm)
+
+
+def test_what_conv_layers_cannot_take_is_refused_by_name(tiny_models: dict[str, TinyModel]) -> None:
+    """A quantized KV cache (the state is kept in the model's dtype) and tensor parallelism (the conv layers
+    are not split), before anything starts."""
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype 'int8' is not supported for lfm2's conv layers "
+                                          r"\(supported: auto\)"):
+        tiny_models["lfm2"].llm(dtype="bfloat16", kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: lfm2's convolution layers are not split"):
+        plan_shards(tiny_models["lfm2"].reference.config, 2)
+
+
+@pytest.fixture(scope="module")
+def smooth_lfm2(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """At a trained model's weight scale, as the precision tests' `llama_smooth`."""
+    return TinyModel("lfm2", tmp_path_factory.mktemp("lfm2-smooth"), TINY_CONFIGS["lfm2"](initializer_range=0.05))
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_default_modes_stay_within_the_measured_error(smooth_lfm2: TinyModel, quantization: str) -> None:
+    """bf16 (conv states in bf16 too) and int8 weights against the fp32 exact path, by the limits every
+    family's modes are held to."""
+    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
+    fp32 = smooth_lfm2.llm()
+    llm = smooth_lfm2.llm(dtype="bfloat16", quantization=quantization)
+    tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization == "none" else QUANT_MODES[quantization][1]
+    err = (next_token_logprobs(llm, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
+    assert err < tolerance, f"bf16/{quantization}: log-prob error {err:.3f}"
+    rate = agreement(greedy_ids(llm, prompts), greedy_ids(fp32, prompts))
+    assert rate >= least, f"bf16/{quantization}: greedy agreement {rate:.2f}"
+    assert all_free(llm)
