@@ -65,7 +65,7 @@ def gguf_header(path: Path, arch: str, config: transformers.PretrainedConfig) ->
     w.add_embedding_length(config.hidden_size)
     w.add_feed_forward_length(mlp_width(config) if config.model_type == "lfm2" else config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
-    if config.model_type == "lfm2":  # (KV heads a layer, none in a conv layer; the MLP's width as built)
+    if config.model_type in ("lfm2", "lfm2_moe"):  # (KV heads a layer, none in a conv layer; the MLP's width as built)
         w.add_head_count_kv([config.num_key_value_heads * (t != "conv") for t in config.layer_types])
     elif getattr(config, "num_key_value_heads", None) is not None:
         w.add_head_count_kv(config.num_key_value_heads)
@@ -88,7 +88,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         w.add_logit_scale(config.logit_scale)
     elif arch == "starcoder2":
         w.add_layer_norm_eps(config.norm_epsilon)
-    elif arch == "lfm2":
+    elif arch in ("lfm2", "lfm2moe"):
         w.add_layer_norm_rms_eps(config.norm_eps)
         w.add_shortconv_l_cache(config.conv_L_cache)
     else:
@@ -136,6 +136,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
         w.add_residual_scale(config.residual_multiplier)
         w.add_logit_scale(config.logits_scaling)
     tensors = hf_state(model, head)
+    if arch == "lfm2moe":
+        tensors = lfm2_moe_tensors(w, config, tensors)
     if arch == "glm4":  # (the rotated dimensions: half of each head)
         w.add_rope_dimension_count(int(config.head_dim * full["partial_rotary_factor"]))
     if arch == "phi3":
@@ -167,11 +169,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
             data = data.reshape(heads, 2, rows, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
         if arch in ("gemma", "gemma2", "gemma3") and name.endswith("norm.weight"):
             data = data + 1
-        if arch == "lfm2" and name.endswith("conv.conv.weight"):  # (the converter's `[hidden, L]`)
+        if arch in ("lfm2", "lfm2moe") and name.endswith("conv.conv.weight"):  # (the converter's `[hidden, L]`)
             data = data.squeeze(1)
         qtype = types.get(gguf_name.split(".")[-2], QType.F32) if isinstance(types, dict) else types
         # (Command R+'s q/k norms are 2-D; LFM2's conv kernels too narrow for blocks: F32, as llama.cpp keeps them)
-        if data.ndim == 2 and qtype != QType.F32 and not name.endswith("norm.weight") and data.shape[1] % 32 == 0:
+        if data.ndim >= 2 and qtype != QType.F32 and not name.endswith("norm.weight") and data.shape[-1] % 32 == 0:
             w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name, data.astype(np.float32))
@@ -179,6 +181,27 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def lfm2_moe_tensors(w: gguf.GGUFWriter, config: transformers.PretrainedConfig,
+                     tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """LFM2-MoE's experts stacked, and its expert keys, as llama.cpp's converter writes them."""
+    w.add_expert_count(config.num_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_leading_dense_block_count(config.num_dense_layers)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    out, inter = {}, config.moe_intermediate_size
+    for name, data in tensors.items():  # (transformers holds each layer's experts stacked: gate/up, and down)
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith(".experts.gate_up_proj"):
+            out[f"layers.{layer}.feed_forward.experts.w1.weight"] = data[:, :inter]
+            out[f"layers.{layer}.feed_forward.experts.w3.weight"] = data[:, inter:]
+        elif name.endswith(".experts.down_proj"):
+            out[f"layers.{layer}.feed_forward.experts.w2.weight"] = data
+        else:
+            out[name + (".bias" if name.endswith(".expert_bias") else "")] = data
+    return out
 
 
 # attn_v in another type than q and k: a fused qkv of two segments, as K-quant files have.

@@ -128,6 +128,11 @@ MOE_CONFIGS = {
     "ernie4_5_moe": lambda **kw: transformers.Ernie4_5_MoeConfig(
         **(MOE_COMMON | kw | {"num_hidden_layers": 3}), head_dim=16, moe_intermediate_size=32, num_experts=4,
         num_experts_per_tok=2, moe_num_shared_experts=2, moe_layer_start_index=1, moe_layer_interval=1),
+    # LFM2-MoE: LFM2's conv and attention layers, the first dense, then 8 experts chosen by sigmoid scores plus a
+    # per-expert bias (made non-zero by the tests), 3 renormalized and scaled
+    "lfm2_moe": lambda **kw: transformers.Lfm2MoeConfig(
+        **(MOE_COMMON | {"num_hidden_layers": 3, "routed_scaling_factor": 1.5} | kw), moe_intermediate_size=32,
+        num_experts=8, num_experts_per_tok=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
     # per-head q/k norms, 4 of 8 experts renormalized
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
         **(MOE_COMMON | kw), head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,

@@ -2,7 +2,8 @@
 shape with random weights, for speed measurements at the sizes people run (speed needs no trained
 weights). Matrices in Q4_0, Q8_0 or F16 (gguf's own quantizer), the token embedding in Q8_0 (F16 with
 --type f16), norms in F32; a tokenizer of placeholder tokens of the model's vocabulary size. gpt-oss-20b's
-experts are random MXFP4 blocks, as the released file stores them (its other matrices in --type). The
+experts are random MXFP4 blocks, as the released file stores them (its other matrices in --type); LFM2's
+conv layers (and LFM2-8B-A1B's experts, in --type) are named as llama.cpp's converter names them. The
 K-quant and IQ4 mixes people download (q4_k_m, q5_k_m, q6_k, iq4_xs, ...) come from llama.cpp's
 `llama-quantize` (--llama-quantize PATH) over a Q8_0 file written first. Tensors are written one at a
 time, so an 8B shape needs no more memory than its largest matrix. llama.cpp and Conveyor both load it.
@@ -45,6 +46,8 @@ class Shape:
     experts: int = 0  # gpt-oss: experts per layer (stacked, MXFP4), of which `experts_used` a token
     experts_used: int = 0
     attention_layers: tuple[int, ...] = ()  # LFM2: the layers with attention; the others are short convolutions
+    expert_ffn: int = 0  # LFM2-MoE: each expert's width (`ffn` is the dense layers'), after `dense_layers` dense ones
+    dense_layers: int = 0
 
 
 SHAPES = {
@@ -58,6 +61,9 @@ SHAPES = {
                        attention_layers=(2, 5, 8, 10, 12, 14)),
     "lfm2-350m": Shape("lfm2", 1024, 16, 16, 8, 64, 4608, 65536, True, 1000000.0,
                        attention_layers=(2, 5, 8, 10, 12, 14)),
+    # LFM2-8B-A1B: 24 layers (6 with attention), the first 2 dense, then 32 experts of 1,792 a layer, 4 a token
+    "lfm2-8b-a1b": Shape("lfm2moe", 2048, 24, 32, 8, 64, 7168, 65536, True, 1000000.0, experts=32, experts_used=4,
+                         attention_layers=(2, 6, 10, 14, 18, 21), expert_ffn=1792, dense_layers=2),
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 10000.0, context=2048),  # for tests
     "tiny-gpt-oss": Shape("gpt-oss", 256, 2, 4, 2, 64, 256, 512, False, 10000.0, 8192, 4, 2),  # for tests
 }
@@ -79,10 +85,14 @@ def header(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(1e-5)
-    if shape.experts:  # gpt-oss: YaRN over 4,096 positions, 128-token windows on the even layers
+    if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
-        writer.add_expert_feed_forward_length(shape.ffn)
+        writer.add_expert_feed_forward_length(shape.expert_ffn or shape.ffn)
+    if shape.arch == "lfm2moe":  # (sigmoid scores, a choosing bias)
+        writer.add_leading_dense_block_count(shape.dense_layers)
+        writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if shape.arch == "gpt-oss":  # YaRN over 4,096 positions, 128-token windows on the even layers
         writer.add_sliding_window(128)
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(32.0)
@@ -107,7 +117,7 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
     out = [("token_embd.weight", (shape.vocab, h), True), ("output_norm.weight", (h,), False)]
     if not shape.tied:
         out.append(("output.weight", (shape.vocab, h), True))
-    if shape.experts:
+    if shape.arch == "gpt-oss":
         return out + [t for i in range(shape.layers) for t in gpt_oss_layer(shape, i)]
     if shape.attention_layers:
         out[1] = ("token_embd_norm.weight", (h,), False)  # (LFM2's final norm)
@@ -153,9 +163,15 @@ def lfm2_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
     else:
         block = [(p + "shortconv.conv.weight", (h, LFM2_KERNEL), False),
                  (p + "shortconv.in_proj.weight", (3 * h, h), True), (p + "shortconv.out_proj.weight", (h, h), True)]
-    return [(p + "attn_norm.weight", (h,), False), *block, (p + "ffn_norm.weight", (h,), False),
-            (p + "ffn_gate.weight", (shape.ffn, h), True), (p + "ffn_up.weight", (shape.ffn, h), True),
-            (p + "ffn_down.weight", (h, shape.ffn), True)]
+    if shape.experts and i >= shape.dense_layers:  # (LFM2-MoE: the router and its bias F32, the experts stacked)
+        e, f = shape.experts, shape.expert_ffn
+        mlp = [(p + "ffn_gate_inp.weight", (e, h), False), (p + "exp_probs_b.bias", (e,), False),
+               (p + "ffn_gate_exps.weight", (e, f, h), True), (p + "ffn_up_exps.weight", (e, f, h), True),
+               (p + "ffn_down_exps.weight", (e, h, f), True)]
+    else:
+        mlp = [(p + "ffn_gate.weight", (shape.ffn, h), True), (p + "ffn_up.weight", (shape.ffn, h), True),
+               (p + "ffn_down.weight", (h, shape.ffn), True)]
+    return [(p + "attn_norm.weight", (h,), False), *block, (p + "ffn_norm.weight", (h,), False), *mlp]
 
 
 def random_mxfp4(rng: np.random.Generator, dims: tuple[int, ...]) -> np.ndarray:
@@ -172,7 +188,7 @@ def write(path: Path, shape: Shape, qtype: QType, seed: int = 0) -> int:
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(path, shape.arch)
     header(writer, shape)
-    plan = [(name, dims, QType.F32 if not matrix else QType.MXFP4 if len(dims) == 3 else
+    plan = [(name, dims, QType.F32 if not matrix else QType.MXFP4 if len(dims) == 3 and shape.arch == "gpt-oss" else
              QType.Q8_0 if name == "token_embd.weight" and qtype != QType.F16 else qtype)
             for name, dims, matrix in tensors(shape)]
     for name, dims, kind in plan:

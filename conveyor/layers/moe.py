@@ -68,6 +68,19 @@ def route_biased(logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_min:
     return weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min), ids
 
 
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, renormalize: bool, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """LFM2-MoE's routing (`Lfm2MoeTopKRouter`): sigmoid scores, the top-k of them (plus a per-expert bias where
+    there is one) chosen, their unbiased scores divided by their sum plus 1e-6 where renormalized, times
+    `scale` (`routed_scaling_factor`)."""
+    scores = logits.sigmoid()
+    ids = torch.topk(scores if bias is None else scores + bias, top_k, dim=-1).indices
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    return weights * scale, ids
+
+
 def route_topk_softmax(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's routing (`GptOssTopKRouter`): the top-k logits, then a softmax over those k alone."""
     values, ids = torch.topk(logits, top_k, dim=-1)
@@ -137,6 +150,8 @@ class SparseMoe(nn.Module):
     `topk_softmax`: the softmax after the top-k alone (Granite MoE's; None: where `activation` is set).
     `selection_bias`: a per-expert bias added to the softmax for choosing the experts only (`route_biased`, ERNIE
     4.5's, with its `norm_min`); `shared_gate` False: the shared expert added as it is (ERNIE 4.5's).
+    `sigmoid_scale` set: sigmoid scores instead of the softmax, scaled by it (`route_sigmoid`, LFM2-MoE's; its
+    `selection_bias` added to the scores for choosing).
 
     `observer`, when set, is called with each forward's per-expert row counts (the bench's expert
     load); it costs nothing when unset, since the counts are read anyway."""
@@ -144,7 +159,7 @@ class SparseMoe(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, renormalize: bool,
                  shared_intermediate_size: int = 0, activation: ClampedSwiglu | None = None,
                  topk_softmax: bool | None = None, selection_bias: bool = False, norm_min: float = 0.0,
-                 shared_gate: bool = True) -> None:
+                 shared_gate: bool = True, sigmoid_scale: float | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_experts={num_experts}")
@@ -162,6 +177,7 @@ class SparseMoe(nn.Module):
         self.correction_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False) if selection_bias
                                 else None)
         self.norm_min = norm_min
+        self.sigmoid_scale = sigmoid_scale
         self.observer: Callable[[list[int]], None] | None = None
         self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
         # On an AMX CPU, bf16 experts with more rows than this run faster through oneDNN's AMX matmul
@@ -202,7 +218,10 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.router(x)
-        if self.correction_bias is not None:
+        if self.sigmoid_scale is not None:
+            bias = None if self.correction_bias is None else self.correction_bias.float()
+            weights, ids = route_sigmoid(logits, bias, self.top_k, self.renormalize, self.sigmoid_scale)
+        elif self.correction_bias is not None:
             weights, ids = route_biased(logits, self.correction_bias.float(), self.top_k, self.norm_min)
         elif self.topk_softmax:
             weights, ids = route_topk_softmax(logits, self.top_k)

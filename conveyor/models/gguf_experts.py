@@ -1,6 +1,7 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them: `general.architecture` qwen2moe, qwen3moe,
 olmoe, gpt-oss, granitemoe (its stacked gate/up split in two), ernie4_5-moe (its shared experts' MLP
-`ffn_*_shexp`, the experts' choosing bias `exp_probs_b`), and Mixtral as `llama` with `llama.expert_count`; the
+`ffn_*_shexp`, the experts' choosing bias `exp_probs_b`), lfm2moe (LFM2's layers, its first
+`leading_dense_block_count` dense, `exp_probs_b` too), and Mixtral as `llama` with `llama.expert_count`; the
 experts' matrices stacked in 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router
 `ffn_gate_inp`, Qwen2-MoE's shared expert `ffn_{gate,up,down}_shexp` and its gate `ffn_gate_inp_shexp` (one row,
 often stored 1-D). gpt-oss adds biases to the router and the stacked experts, and ships the experts in MXFP4,
@@ -36,10 +37,11 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "gpt-oss": transformers.GptOssConfig,
     "granitemoe": transformers.GraniteMoeConfig,
     "ernie4_5-moe": transformers.Ernie4_5_MoeConfig,
+    "lfm2moe": transformers.Lfm2MoeConfig,
 }
 # Whether the k routing weights are renormalized, where the file does not say (`expert_weights_norm`):
 # what llama.cpp's graph for each architecture does (Mixtral always renormalizes).
-_RENORMALIZE = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
+_RENORMALIZE = {"qwen2moe": False, "qwen3moe": True, "olmoe": False, "lfm2moe": True}
 # Layer tensor kinds -> the HF module under the sparse block (the stacked ones: index in gate, up, down).
 _BLOCK_TENSORS = {"ffn_gate_inp": "gate", "ffn_gate_shexp": "shared_expert.gate_proj",
                   "ffn_up_shexp": "shared_expert.up_proj", "ffn_down_shexp": "shared_expert.down_proj",
@@ -77,6 +79,11 @@ def config_fields(arch: str, field: Callable[..., Any], tensor_names: set[str], 
                    "moe_layer_start_index": field(f"{arch}.leading_dense_block_count", 0),
                    "moe_layer_interval": field(f"{arch}.interleave_moe_layer_step", 1),
                    "moe_layer_end_index": num_layers - 1}
+    if arch == "lfm2moe":  # (sigmoid scores; the bias that chooses the experts where the file has it)
+        fields |= {"moe_intermediate_size": field(f"{arch}.expert_feed_forward_length"),
+                   "num_dense_layers": field(f"{arch}.leading_dense_block_count", 0),
+                   "routed_scaling_factor": field(f"{arch}.expert_weights_scale", 1.0),
+                   "use_expert_bias": any(".exp_probs_b." in name for name in tensor_names)}
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -88,6 +95,8 @@ def hf_names(layer: int, kind: str, suffix: str, model_type: str, num_experts: i
     if kind in _STACKED:
         projection = projections[_STACKED[kind]]
         return [f"{prefix}experts.{e}.{projection}.{suffix}" for e in range(num_experts)]
+    if model_type == "lfm2_moe" and kind == "exp_probs_b":
+        return [f"{prefix}expert_bias"]
     if model_type == "ernie4_5_moe" and kind in _ERNIE_TENSORS:
         return [f"{prefix}{_ERNIE_TENSORS[kind]}" + ("" if kind == "exp_probs_b" else f".{suffix}")]
     if kind in _BLOCK_TENSORS:

@@ -44,7 +44,7 @@ into the Hugging Face form the loader gives everything downstream.
   pairs, which is llama.cpp's own layout; the model reorders them, `models.pair_rope`). GLM-4's gate and up
   fused in `ffn_up`, its norms after the blocks `post_attention_norm` and `post_ffw_norm` (`ffn_norm` is the
   one before the MLP), `rope.dimension_count` the rotated half of each head.
-- LFM2 (`lfm2`): `attention.head_count_kv` one count a layer, 0 for the conv layers; the conv layers'
+- LFM2 (`lfm2`, and LFM2-MoE as `lfm2moe`: its experts in `gguf_experts`): `attention.head_count_kv` one count a layer, 0 for the conv layers; the conv layers'
   `shortconv.conv` (stored `[hidden, L]`), `shortconv.in_proj` and `shortconv.out_proj`; the final norm is
   `token_embd_norm`; `feed_forward_length` the MLP's width as built; q/k unpermuted.
 - Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
@@ -66,6 +66,11 @@ Field = Callable[..., Any]  # field(key, default=required): a metadata value of 
 # GGUF layer tensor kinds whose Hugging Face module differs from the common table's, by architecture.
 _GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# LFM2's own names: its conv layers' blocks, the attention's output and q/k norms, the MLP's w1, w3, w2.
+_LFM2_LAYERS = {"shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
+                "shortconv.out_proj": "conv.out_proj", "attn_norm": "operator_norm", "attn_output": "self_attn.out_proj",
+                "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm", "ffn_norm": "ffn_norm",
+                "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"}
 ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "gemma2": _GEMMA_NORMS,
     "gemma3": _GEMMA_NORMS,
@@ -78,16 +83,15 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
     "seed_oss": {"post_attention_norm": "post_attention_layernorm"},  # (the norm before the MLP)
     "glm4": {"ffn_up": "mlp.gate_up_proj", "post_attention_norm": "post_self_attn_layernorm",
              "post_ffw_norm": "post_mlp_layernorm"},
-    "lfm2": {"shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
-             "attn_norm": "operator_norm", "attn_output": "self_attn.out_proj", "attn_q_norm": "self_attn.q_layernorm",
-             "attn_k_norm": "self_attn.k_layernorm", "ffn_norm": "ffn_norm", "ffn_gate": "feed_forward.w1",
-             "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"},
+    "lfm2": _LFM2_LAYERS,
+    "lfm2moe": _LFM2_LAYERS,
 }
 # Global tensors whose Hugging Face name differs from the common table's, by architecture.
-ARCH_GLOBAL_TENSORS = {"lfm2": {"token_embd_norm.weight": "model.embedding_norm.weight"}}
+ARCH_GLOBAL_TENSORS = {arch: {"token_embd_norm.weight": "model.embedding_norm.weight"}
+                       for arch in ("lfm2", "lfm2moe")}
 # Architectures whose short convolutions' kernels `shortconv.conv` are stored `[hidden, L]` (the checkpoints'
 # `[hidden, 1, L]`).
-CONV_KERNELS = ("lfm2",)
+CONV_KERNELS = ("lfm2", "lfm2moe")
 NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")  # architectures whose `*norm.weight` tensors are stored plus one
 # architectures whose converter permutes q and k rows (LlamaModel's)
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their configs' name for its eps.
@@ -156,11 +160,13 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
                     "layer_types": ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]}
     elif arch == "mistral3":
         out |= _mistral3(field, common)
-    elif arch == "lfm2":  # (the KV heads listed a layer, 0 for a conv layer; the MLP's width as the layers have it)
+    elif arch in ("lfm2", "lfm2moe"):  # (the KV heads listed a layer, 0 for a conv layer; the MLP's width as built)
         kv_heads = common["num_key_value_heads"]
         out |= {"num_key_value_heads": max(kv_heads), "norm_eps": common["rms_norm_eps"],
                 "layer_types": ["full_attention" if n else "conv" for n in kv_heads],
-                "conv_L_cache": field("lfm2.shortconv.l_cache"), "block_auto_adjust_ff_dim": False}
+                "conv_L_cache": field(f"{arch}.shortconv.l_cache")}
+        if arch == "lfm2":
+            out["block_auto_adjust_ff_dim"] = False
     elif arch in ("granite", "granitemoe"):
         out |= {"attention_multiplier": field(f"{arch}.attention.scale", 1.0),
                 "embedding_multiplier": field(f"{arch}.embedding_scale", 1.0),

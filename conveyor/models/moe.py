@@ -28,7 +28,8 @@ from .llama import DecoderLayer, RMSNorm
 
 # Hugging Face names of a sparse block and its experts' gate, up and down projections, by model type.
 _MIXTRAL_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
-_HF_EXPERTS = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _MIXTRAL_NAMES}  # (Granite MoE: a GGUF file's, split)
+_HF_EXPERTS = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _MIXTRAL_NAMES,  # (Granite MoE: a GGUF file's, split)
+               "lfm2_moe": ("feed_forward", "w1", "w3", "w2")}
 _HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
 
 
@@ -167,31 +168,40 @@ class MoeForCausalLM(CausalLM):
         moe = self.layers[layer].mlp
         if moe is None:
             return {}
-        src, dst = f"model.layers.{layer}.{self.hf_block}.", f"layers.{layer}.mlp."
+        return sparse_block_weights(state_dict, layer, moe, self.hf_block, self.hf_experts, self.hf_shared_expert)
 
-        def tensor(name: str, what: str) -> Weight:
-            if name not in state_dict:
-                raise ValueError(f"the checkpoint has no tensor {name} ({what} of layer {layer}, a mixture-of-"
-                                 f"experts layer of {moe.num_experts} experts)")
-            return state_dict[name]
 
-        gate, up, down = self.hf_experts
-        weights: dict[str, Weight | list[Weight]] = {
-            f"{dst}router.weight": _dense(tensor(f"{src}gate.weight", "the router"))}
-        for e in range(moe.num_experts):
-            what = f"expert {e}"
-            weights[f"{dst}experts.{e}.gate_up_proj.weight"] = fuse_rows(
-                [tensor(f"{src}experts.{e}.{gate}.weight", what), tensor(f"{src}experts.{e}.{up}.weight", what)])
-            weights[f"{dst}experts.{e}.down_proj.weight"] = tensor(f"{src}experts.{e}.{down}.weight", what)
-        if moe.shared_expert is not None:
-            what, shared = "the shared expert", f"{src}{self.hf_shared_expert}."
-            weights[f"{dst}shared_expert.gate_up_proj.weight"] = fuse_rows(
-                [tensor(f"{shared}gate_proj.weight", what), tensor(f"{shared}up_proj.weight", what)])
-            weights[f"{dst}shared_expert.down_proj.weight"] = tensor(f"{shared}down_proj.weight", what)
-        if moe.shared_expert_gate is not None:
-            weights[f"{dst}shared_expert_gate.weight"] = _dense(tensor(f"{src}shared_expert_gate.weight",
-                                                                       "the shared expert's gate"))
-        return weights
+def sparse_block_weights(state_dict: dict[str, Weight], layer: int, moe: SparseMoe, hf_block: str,
+                         hf_experts: list[str], hf_shared_expert: str = "shared_expert"
+                         ) -> dict[str, Weight | list[Weight]]:
+    """Layer `layer`'s sparse block by the model's names (`layers.{layer}.mlp.`): the router, each expert's
+    fused gate/up and its down (the checkpoint's `hf_experts` names under `hf_block`), and the shared expert
+    with its gate; ValueError naming a missing tensor."""
+    src, dst = f"model.layers.{layer}.{hf_block}.", f"layers.{layer}.mlp."
+
+    def tensor(name: str, what: str) -> Weight:
+        if name not in state_dict:
+            raise ValueError(f"the checkpoint has no tensor {name} ({what} of layer {layer}, a mixture-of-"
+                             f"experts layer of {moe.num_experts} experts)")
+        return state_dict[name]
+
+    gate, up, down = hf_experts
+    weights: dict[str, Weight | list[Weight]] = {
+        f"{dst}router.weight": _dense(tensor(f"{src}gate.weight", "the router"))}
+    for e in range(moe.num_experts):
+        what = f"expert {e}"
+        weights[f"{dst}experts.{e}.gate_up_proj.weight"] = fuse_rows(
+            [tensor(f"{src}experts.{e}.{gate}.weight", what), tensor(f"{src}experts.{e}.{up}.weight", what)])
+        weights[f"{dst}experts.{e}.down_proj.weight"] = tensor(f"{src}experts.{e}.{down}.weight", what)
+    if moe.shared_expert is not None:
+        what, shared = "the shared expert", f"{src}{hf_shared_expert}."
+        weights[f"{dst}shared_expert.gate_up_proj.weight"] = fuse_rows(
+            [tensor(f"{shared}gate_proj.weight", what), tensor(f"{shared}up_proj.weight", what)])
+        weights[f"{dst}shared_expert.down_proj.weight"] = tensor(f"{shared}down_proj.weight", what)
+    if moe.shared_expert_gate is not None:
+        weights[f"{dst}shared_expert_gate.weight"] = _dense(tensor(f"{src}shared_expert_gate.weight",
+                                                                   "the shared expert's gate"))
+    return weights
 
 
 def _dense(weight: Weight) -> torch.Tensor:

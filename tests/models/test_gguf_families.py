@@ -17,8 +17,8 @@ from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.models.loader import load_checkpoint
 
 from tests.gguf_writer import write_gguf
-from tests.utils import (QUANT_MODES, ROPE_BY_LENGTH_CONFIGS, TINY_COMMON, TINY_CONFIGS, VOCAB, TinyModel, all_free,
-                         greedy_ids, next_token_logprobs, random_prompts, tiny_tokenizer)
+from tests.utils import (MOE_CONFIGS, QUANT_MODES, ROPE_BY_LENGTH_CONFIGS, TINY_COMMON, TINY_CONFIGS, VOCAB,
+                         TinyModel, all_free, greedy_ids, next_token_logprobs, random_prompts, tiny_tokenizer)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,7 +35,10 @@ CONFIGS = TINY_CONFIGS | ROPE_BY_LENGTH_CONFIGS | {
     # ERNIE-4.5-0.3B's form: no biases, tied embeddings
     "starcoder2_full": lambda: transformers.Starcoder2Config(  # (llama.cpp runs StarCoder2 without its window)
         **TINY_COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
-    "ernie4_5_tied": lambda: transformers.Ernie4_5Config(**TINY_COMMON, head_dim=16, tie_word_embeddings=True)}
+    "ernie4_5_tied": lambda: transformers.Ernie4_5Config(**TINY_COMMON, head_dim=16, tie_word_embeddings=True),
+    # LFM2-MoE tied (no `output`), at the released models' routed_scaling_factor of 1 (1.5 puts the tiny model's
+    # expert choices at near-ties that int8 rounding flips; the exact path takes 1.5 in test_lfm2)
+    "lfm2_moe": lambda: MOE_CONFIGS["lfm2_moe"](tie_word_embeddings=True, routed_scaling_factor=1.0)}
 FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2_rope_linear", "qwen2"),
             ("qwen2", "qwen2vl"),  # (Qwen2.5-VL's language model as llama.cpp writes it)
             ("qwen3", "qwen3"), ("qwen3_yarn", "qwen3"), ("gemma", "gemma"), ("gemma2", "gemma2"),
@@ -44,7 +47,7 @@ FAMILIES = [("llama", "llama"), ("llama3", "llama"), ("qwen2", "qwen2"), ("qwen2
             ("ernie4_5_tied", "ernie4_5"), ("glm4", "glm4"), ("ministral3", "mistral3"), ("mistral", "mistral3"),
             ("seed_oss", "seed_oss"), ("exaone4", "exaone4"), ("exaone4_global", "exaone4"),
             ("hunyuan", "hunyuan-dense"), ("cohere", "command-r"), ("cohere2", "cohere2"),
-            ("starcoder2_full", "starcoder2"), ("arcee", "arcee"), ("lfm2", "lfm2")]
+            ("starcoder2_full", "starcoder2"), ("arcee", "arcee"), ("lfm2", "lfm2"), ("lfm2_moe", "lfm2moe")]
 PROMPTS = random_prompts([3, 9, 17, 30, 40], seed=13)  # past LongRoPE's 32 and Gemma's window of 8
 MAX_NEW = 8
 
@@ -53,7 +56,8 @@ def rounded(model: transformers.PreTrainedModel, qtype: gguf.GGMLQuantizationTyp
     """Replace the model's matrices by their `qtype` rounding (what a file of that type holds)."""
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 2 and not name.endswith("norm.weight"):  # (Command R+'s q/k norms are 2-D)
+            # (Command R+'s q/k norms are 2-D; LFM2's conv kernels too narrow for blocks; stacked experts 3-D)
+            if param.ndim >= 2 and not name.endswith("norm.weight") and param.shape[-1] % 32 == 0:
                 data = gguf.quants.dequantize(gguf.quants.quantize(param.detach().float().numpy(), qtype), qtype)
                 param.copy_(torch.from_numpy(data.reshape(param.shape)))
 

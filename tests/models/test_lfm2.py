@@ -1,9 +1,11 @@
 """LFM2's conv layers (`layers.short_conv`), their state a ring in the KV pool: greedy ids equal
 transformers' with chunked prefill across every ring layout (a row in one slot or two, a ring within a page
 or across pages), requests offloaded and resumed, speculation asked for; the state's pages bounded and all
-returned; the default mode's error measured; what the rings cannot hold refused by name."""
+returned; the default mode's error measured; what the rings cannot hold refused by name. LFM2-MoE's routing."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from conveyor.errors import ConfigError
 from conveyor.layers.short_conv import state_slots_per_row
 from conveyor.models.sharding import plan_shards
 
-from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, QUANT_MODES, TINY_CONFIGS, TinyModel, agreement, all_free,
+from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel, agreement, all_free,
                          assert_greedy_match, greedy, greedy_ids, hf_greedy, next_token_logprobs, random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
@@ -110,21 +112,50 @@ def test_what_conv_layers_cannot_take_is_refused_by_name(tiny_models: dict[str, 
 
 
 @pytest.fixture(scope="module")
-def smooth_lfm2(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    """At a trained model's weight scale, as the precision tests' `llama_smooth`."""
-    return TinyModel("lfm2", tmp_path_factory.mktemp("lfm2-smooth"), TINY_CONFIGS["lfm2"](initializer_range=0.05))
+def smooth_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    """At a trained model's weight scale, as the precision tests' `llama_smooth`. LFM2-MoE at the released
+    models' routed_scaling_factor of 1 and, as `make_smooth_gpt_oss`, its residual stream large against one
+    expert's output (embeddings x5), as in a trained model: else the tiny model's top-3 of 8 sits at near-ties
+    that rounding flips (int8: 0.149 in log-probability at x1, 0.047 at x5)."""
+    configs = {"lfm2": TINY_CONFIGS["lfm2"](initializer_range=0.05),
+               "lfm2_moe": MOE_CONFIGS["lfm2_moe"](initializer_range=0.05, routed_scaling_factor=1.0)}
+    models = {kind: TinyModel(kind, tmp_path_factory.mktemp(f"{kind}-smooth"), config)
+              for kind, config in configs.items()}
+    moe = models["lfm2_moe"]
+    with torch.no_grad():
+        moe.reference.model.embed_tokens.weight.mul_(5.0)
+    moe.reference.save_pretrained(moe.path)
+    return models
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_default_modes_stay_within_the_measured_error(smooth_lfm2: TinyModel, quantization: str) -> None:
+@pytest.mark.parametrize("kind", ["lfm2", "lfm2_moe"])
+def test_default_modes_stay_within_the_measured_error(smooth_models: dict[str, TinyModel], kind: str,
+                                                      quantization: str) -> None:
     """bf16 (conv states in bf16 too) and int8 weights against the fp32 exact path, by the limits every
     family's modes are held to."""
     prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
-    fp32 = smooth_lfm2.llm()
-    llm = smooth_lfm2.llm(dtype="bfloat16", quantization=quantization)
+    fp32 = smooth_models[kind].llm()
+    llm = smooth_models[kind].llm(dtype="bfloat16", quantization=quantization)
     tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization == "none" else QUANT_MODES[quantization][1]
     err = (next_token_logprobs(llm, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
-    assert err < tolerance, f"bf16/{quantization}: log-prob error {err:.3f}"
+    assert err < tolerance, f"{kind} bf16/{quantization}: log-prob error {err:.3f}"
     rate = agreement(greedy_ids(llm, prompts), greedy_ids(fp32, prompts))
-    assert rate >= least, f"bf16/{quantization}: greedy agreement {rate:.2f}"
+    assert rate >= least, f"{kind} bf16/{quantization}: greedy agreement {rate:.2f}"
+    assert all_free(llm)
+
+
+def test_lfm2_moe_chooses_experts_by_sigmoid_scores_and_its_bias(tmp_path: Path) -> None:
+    """LFM2-MoE's per-expert bias moves which experts a token takes (not their weights): drawn large enough to
+    reorder them, outputs still equal transformers' (sigmoid scores, renormalized, scaled by 1.5)."""
+    model = TinyModel("lfm2_moe", tmp_path, MOE_CONFIGS["lfm2_moe"]())
+    with torch.no_grad():
+        for name, param in model.reference.named_buffers():
+            if name.endswith("expert_bias"):
+                param.copy_(torch.linspace(0.3, -0.3, param.numel()))
+    model.reference.save_pretrained(model.path)
+    llm = model.llm(max_batch_tokens=16, page_size=4)
+    assert [type(layer.mlp).__name__ for layer in llm.engine.model.layers] == ["NoneType", "SparseMoe", "SparseMoe"]
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
+    assert_matches([o.token_ids for o in outs], references(model), "lfm2_moe")
     assert all_free(llm)
