@@ -57,8 +57,13 @@ struct LoRAProjection {
     }
 };
 
+// A decoder layer. An attention layer's qkv and o projections; or, in a short-convolution layer (LFM2's:
+// `taps` set), in_proj (B, C and x, 3 x hidden) and out_proj in their places, its state a ring of its last
+// `kernel` inputs in its KV pages (layers/short_conv.py's layout).
 struct Layer {
     std::vector<float> input_norm, post_norm;
+    std::vector<float> q_norm, k_norm;  // per-head q/k norms before RoPE (Qwen3's, LFM2's), [D]; empty: none
+    std::vector<float> taps, conv_bias;  // a conv layer's kernel [kernel][hidden] and bias [hidden] (or empty)
     Linear qkv, o, gate_up, down;
     LoRAProjection lora[4];  // qkv, o, gate_up, down
     int64_t group = 0;  // which layer group's attention metadata this layer reads
@@ -115,8 +120,8 @@ class DecodeStack {
                        kv_heads);
         const int64_t qkv = (H_ + 2 * Hkv_) * D_;
         xn_.resize(max_rows * std::max(hidden, H_ * D_));
-        qkv_.resize(max_rows * qkv);
-        attn_.resize(max_rows * H_ * D_);
+        qkv_.resize(max_rows * std::max(qkv, 3 * hidden));  // (or a conv layer's B, C and x)
+        attn_.resize(max_rows * std::max(H_ * D_, hidden));
         mid_.resize(max_rows * 2 * intermediate);
         act_.resize(max_rows * intermediate);
         out_.resize(max_rows * hidden);
@@ -124,16 +129,27 @@ class DecodeStack {
 
     // The next layer: its norms' weights (fp32, copied), per linear (qkv, o, gate_up, down) its row
     // segments (tiles of a quantized type or BF16, in output order) and bias (fp32 [N], copied, or
-    // nullptr), which layer group's attention metadata it reads, and whether it rotates q and k.
+    // nullptr), which layer group's attention metadata it reads, and whether it rotates q and k; its
+    // per-head q/k norm weights ([D] each, or nullptr). A conv layer: `taps` [kernel][hidden] (else
+    // nullptr) and its bias [hidden] (or nullptr), in_proj and out_proj in the places of qkv and o.
     void add_layer(const float* input_norm, const float* post_norm, const conveyor::SegmentSpec* const* segments,
-                   const int64_t* counts, const float* const* biases, int64_t group, bool rope) {
+                   const int64_t* counts, const float* const* biases, int64_t group, bool rope, const float* q_norm,
+                   const float* k_norm, const float* taps, int64_t kernel, const float* conv_bias) {
         Layer layer;
         layer.input_norm.assign(input_norm, input_norm + hidden_);
         layer.post_norm.assign(post_norm, post_norm + hidden_);
         layer.group = group;
         layer.rope = rope;
-        const int64_t K[4] = {hidden_, H_ * D_, hidden_, inter_};
-        const int64_t N[4] = {(H_ + 2 * Hkv_) * D_, hidden_, 2 * inter_, hidden_};
+        CONVEYOR_CHECK(!q_norm == !k_norm, "q and k norms come together");
+        if (q_norm) layer.q_norm.assign(q_norm, q_norm + D_), layer.k_norm.assign(k_norm, k_norm + D_);
+        const bool conv = taps != nullptr;
+        if (conv) {
+            CONVEYOR_CHECK(kernel >= 1, "a conv layer's kernel must be at least 1, got ", kernel);
+            layer.taps.assign(taps, taps + kernel * hidden_);
+            if (conv_bias) layer.conv_bias.assign(conv_bias, conv_bias + hidden_);
+        }
+        const int64_t K[4] = {hidden_, conv ? hidden_ : H_ * D_, hidden_, inter_};
+        const int64_t N[4] = {conv ? 3 * hidden_ : (H_ + 2 * Hkv_) * D_, hidden_, 2 * inter_, hidden_};
         Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
         for (int i = 0; i < 4; ++i) {
             Linear& lin = *dst[i];
@@ -293,11 +309,25 @@ class DecodeStack {
                         L.qkv.add_bias_row(row);
                         round_row<T>(row, qkv_n);
                     }
-                    for (int64_t h = 0; L.rope && h < H_ + Hkv_; ++h)  // q heads, then k heads
+                    for (int64_t h = 0; !L.q_norm.empty() && h < H_ + Hkv_; ++h)  // q heads, then k heads
+                        conveyor::rms_norm_row<T>(row + h * D_, (h < H_ ? L.q_norm : L.k_norm).data(), D_, eps,
+                                                  row + h * D_);
+                    for (int64_t h = 0; L.rope && h < H_ + Hkv_; ++h)
                         conveyor::rope_head<T>(row + h * D_, cp + b * D_, sp + b * D_, D_);
                     store_kv_heads(kc + slot[b] * kv_row, row + qd, Hkv_, D_);
                     store_kv_heads(vc + slot[b] * kv_row, row + qd + kvd, Hkv_, D_);
                 };
+                if (!L.taps.empty()) {  // a conv layer: its rows' convolutions, then out_proj
+#pragma omp barrier
+                    matmul(L.qkv, act_hidden_, qkv_.data(), 3 * hidden_);
+#pragma omp barrier
+                    for (int64_t b = r0; b < r1; ++b)
+                        conv_row<T, C>(L, b, kc, vc, kv_row, bt + b * width, pos[b], page);
+                    prepare(L.o, attn_.data(), hidden_, act_hidden_);
+#pragma omp barrier
+                    matmul(L.o, act_hidden_, out_.data(), hidden_);
+#pragma omp barrier
+                } else {
 #pragma omp barrier
                 matmul(L.qkv, act_hidden_, qkv_.data(), qkv_n);
                 if (adapted[0]) shrink(L.lora[0], xn_.data(), hidden_);
@@ -335,6 +365,7 @@ class DecodeStack {
                 if (adapted[1]) shrink(L.lora[1], attn_.data(), qd);
 #pragma omp barrier
                 if (adapted[1]) add_deltas(L.o, L.lora[1], out_.data(), hidden_);
+                }
                 for (int64_t b = r0; b < r1; ++b) {
                     if (!adapted[1]) {
                         L.o.add_bias_row(out_.data() + b * hidden_);
@@ -380,6 +411,66 @@ class DecodeStack {
         }
     }
 
+    // Row b of a conv layer (its in_proj output in qkv_, biased and rounded here): B * x, the causal
+    // convolution with the request's `kernel - 1` previous inputs read from its ring (tables `bt`, position
+    // `p`), C times it into attn_; B * x stored in the ring. One fp32 multiply-add a tap, oldest first, from
+    // the bias: the eager layer's (layers/short_conv.py) bits.
+    template <typename T, typename C>
+    void conv_row(const Layer& L, int64_t b, C* kc, C* vc, int64_t kv_row, const int64_t* bt, int64_t p,
+                  int64_t page) {
+        if constexpr (conveyor::kScaled<C>) {
+            CONVEYOR_CHECK(false, "a conv layer's state is kept in the model's dtype, not int8 rows");
+        } else {
+            conv_state_row<T>(L, b, kc, vc, kv_row, bt, p, page);
+        }
+    }
+
+    template <typename T, typename C>
+    void conv_state_row(const Layer& L, int64_t b, C* kc, C* vc, int64_t kv_row, const int64_t* bt, int64_t p,
+                        int64_t page) {
+        const int64_t H = hidden_, kernel = static_cast<int64_t>(L.taps.size()) / H;
+        const int64_t r = (H + 2 * kv_row - 1) / (2 * kv_row);  // slots a row takes, each a K and a V half
+        float* bcx = qkv_.data() + b * 3 * H;
+        L.qkv.add_bias_row(bcx);
+        round_row<T>(bcx, 3 * H);
+        float* bx = bcx;  // B * x, over B
+        for (int64_t i = 0; i < H; ++i) bx[i] = conveyor::round_as<T>(bcx[i] * bcx[2 * H + i]);
+        // the k-th of a position's r slots: its pool slot; the row's values are the slots' K then V halves
+        const auto slot = [&](int64_t q, int64_t k) {
+            const int64_t j = (q % kernel) * r + k;
+            return bt[j / page] * page + j % page;
+        };
+        float* acc = out_.data() + b * H;  // (free until out_proj writes it)
+        for (int64_t i = 0; i < H; ++i) acc[i] = L.conv_bias.empty() ? 0.f : L.conv_bias[i];
+        for (int64_t t = 0; t < kernel; ++t) {
+            const int64_t q = p - (kernel - 1) + t;
+            const float* w = L.taps.data() + t * H;
+            if (t == kernel - 1) {
+                for (int64_t i = 0; i < H; ++i) acc[i] = std::fma(bx[i], w[i], acc[i]);
+            } else if (q >= 0) {
+                for (int64_t k = 0; k < r; ++k)
+                    for (int half = 0; half < 2; ++half) {
+                        const C* src = (half ? vc : kc) + slot(q, k) * kv_row;
+                        const int64_t i0 = (2 * k + half) * kv_row, n = std::min(kv_row, H - i0);
+                        for (int64_t i = 0; i < n; ++i) {
+                            const float x = conveyor::to_float(src[i]);
+                            acc[i0 + i] = t == 0 && L.conv_bias.empty() ? x * w[i0 + i]
+                                                                        : std::fma(x, w[i0 + i], acc[i0 + i]);
+                        }
+                    }
+            } else if (t == 0 && L.conv_bias.empty()) {
+                for (int64_t i = 0; i < H; ++i) acc[i] = 0.f * w[i];
+            }
+        }
+        float* y = attn_.data() + b * H;
+        for (int64_t i = 0; i < H; ++i) y[i] = conveyor::round_as<T>(bcx[H + i] * conveyor::round_as<T>(acc[i]));
+        for (int64_t k = 0; k < r; ++k)
+            for (int half = 0; half < 2; ++half) {
+                const int64_t i0 = (2 * k + half) * kv_row;
+                if (i0 < H) store_row((half ? vc : kc) + slot(p, k) * kv_row, bx + i0, std::min(kv_row, H - i0));
+            }
+    }
+
     int64_t hidden_, inter_, H_, Hkv_, D_;
     double eps_, scale_;
     int64_t max_rows_;
@@ -403,9 +494,12 @@ CONVEYOR_API void conveyor_decode_stack_free(void* stack) { delete static_cast<D
 
 CONVEYOR_API int conveyor_decode_stack_add_layer(void* stack, const float* input_norm, const float* post_norm,
                                                  const conveyor::SegmentSpec* const* segments, const int64_t* counts,
-                                                 const float* const* biases, int64_t group, int rope) {
+                                                 const float* const* biases, int64_t group, int rope,
+                                                 const float* q_norm, const float* k_norm, const float* taps,
+                                                 int64_t kernel, const float* conv_bias) {
     return conveyor::guarded(1, [&] {
-        static_cast<DecodeStack*>(stack)->add_layer(input_norm, post_norm, segments, counts, biases, group, rope != 0);
+        static_cast<DecodeStack*>(stack)->add_layer(input_norm, post_norm, segments, counts, biases, group, rope != 0,
+                                                    q_norm, k_norm, taps, kernel, conv_bias);
     });
 }
 

@@ -56,7 +56,7 @@ class DecodeStack(Native):
         super().__init__(lib)
         new = bind(lib, "conveyor_decode_stack_new", P, I64, I64, I64, I64, I64, F64, F64, I64)
         self._free = bind(lib, "conveyor_decode_stack_free", None, P)
-        self._add = bind(lib, "conveyor_decode_stack_add_layer", I32, P, P, P, P, P, P, I64, I32)
+        self._add = bind(lib, "conveyor_decode_stack_add_layer", I32, P, P, P, P, P, P, I64, I32, P, P, P, I64, P)
         self._forward = bind(lib, "conveyor_decode_stack_forward", I32, P, P, I64, P, P, I32, I32, P, P, I64, P, P, P,
                              P, P, I64, P, I64, I32, I32, P, P, I64)
         self._set_lora = bind(lib, "conveyor_decode_stack_set_lora", I32, P, I64, I64, I32, P, P, P, P, I64, I64, I64)
@@ -74,18 +74,28 @@ class DecodeStack(Native):
             self._handle = None
 
     def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, linears: Sequence[Sequence[SegmentTuple]],
-                  biases: Sequence[torch.Tensor | None], group: int, rope: bool = True) -> None:
+                  biases: Sequence[torch.Tensor | None], group: int, rope: bool = True,
+                  qk_norms: tuple[torch.Tensor, torch.Tensor] | None = None, taps: torch.Tensor | None = None,
+                  conv_bias: torch.Tensor | None = None) -> None:
         """The next layer: its two norms' weights, the row segments of qkv, o, gate_up and down (in that
-        order) and their biases (None: none), the layer group whose attention metadata it reads, and whether
-        it rotates q and k (False: a NoPE layer)."""
+        order) and their biases (None: none), the layer group whose attention metadata it reads, whether
+        it rotates q and k (False: a NoPE layer), and its per-head q/k norm weights (None: none). A
+        short-convolution layer: `taps` `[kernel, hidden]` and `conv_bias` (or None), its in_proj and
+        out_proj in the places of qkv and o."""
         require(len(linears) == 4 and len(biases) == 4, "qkv, o, gate_up and down expected")
         norms = [_fp32(w, self.hidden, "a norm's weight") for w in (input_norm, post_norm)]
         arrays = [_segments(parts, self._keep) for parts in linears]
         rows = [sum(int(part[3]) for part in parts) for parts in linears]
         fp32_biases = [_fp32(b, n, "a bias") for b, n in zip(biases, rows)]
+        head = [_fp32(w, w.numel(), "a q/k norm's weight") for w in qk_norms] if qk_norms else [None, None]
+        kernel = 0 if taps is None else taps.shape[0]
+        conv = [None if t is None else _fp32(t, n, "a conv layer's taps or bias")
+                for t, n in ((taps, kernel * self.hidden), (conv_bias, self.hidden))]
         self.check(self._add(self._handle, norms[0].data_ptr(), norms[1].data_ptr(),
                              (P * 4)(*[ctypes.addressof(a) for a in arrays]), (I64 * 4)(*[len(a) for a in arrays]),
-                             (P * 4)(*[None if b is None else b.data_ptr() for b in fp32_biases]), group, int(rope)))
+                             (P * 4)(*[None if b is None else b.data_ptr() for b in fp32_biases]), group, int(rope),
+                             *[None if t is None else t.data_ptr() for t in head], None if conv[0] is None else
+                             conv[0].data_ptr(), kernel, None if conv[1] is None else conv[1].data_ptr()))
         self.num_layers += 1
 
     def set_lora(self, layer: int, projection: int, a: torch.Tensor, b: torch.Tensor, slice_rows: torch.Tensor,

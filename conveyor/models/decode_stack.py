@@ -7,8 +7,8 @@ streaming its 92 MiB of weights. The stack keeps the threads up across all layer
 barriers instead. It computes what the eager layers compute, bit for bit (the same kernels, the
 fused ops' per-row arithmetic, bf16 values rounded where the eager bf16 tensors round them), reads
 and writes the same KV pages, so a request's tokens do not depend on which path its steps took
-(batch invariance). It is used where it applies: Llama-family layers (no q/k norms, soft-capping
-or attention sinks), projections in the kernels' tiles (dense fp32 is the exact path, which stays on
+(batch invariance). It is used where it applies: Llama-family layers (with or without per-head q/k
+norms; no soft-capping or attention sinks) and LFM2's short-convolution layers, projections in the kernels' tiles (dense fp32 is the exact path, which stays on
 PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more than 64 rows stay on the
 eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
 `CONVEYOR_DECODE_STACK=0` turns it off.
@@ -94,6 +94,14 @@ def _segments(linear: torch.nn.Module) -> list[tuple] | None:
     return None
 
 
+def _projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    """A layer's four projections in the stack's order; a conv layer's in_proj and out_proj in the places of
+    qkv and o."""
+    conv = getattr(layer, "conv", None)
+    first = [getattr(layer, p) for p in PROJECTIONS[:2]] if conv is None else [conv.in_proj, conv.out_proj]
+    return first + [getattr(layer, p) for p in PROJECTIONS[2:]]
+
+
 class DecodeStack:
     """The native stack of one model's layers; `__call__` runs a decode batch through all of them."""
 
@@ -104,15 +112,16 @@ class DecodeStack:
         self.lora = False  # whether steps with adapter rows run here (`attach_lora`)
 
     @classmethod
-    def build(cls, model: torch.nn.Module, layer_class: type) -> DecodeStack | None:
-        """The stack for `model` whose layers are all `layer_class` (the Llama decoder layer), or None
-        where it does not apply (see the module docstring)."""
+    def build(cls, model: torch.nn.Module, layer_class: type, conv_class: type | None = None) -> DecodeStack | None:
+        """The stack for `model` whose layers are all `layer_class` (the Llama decoder layer) or `conv_class`
+        (LFM2's short-convolution layer), or None where it does not apply (see the module docstring)."""
         ops = quant_linear.matmul_ops()
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
-        if any(type(layer) is not layer_class or layer.q_norm is not None or layer.softcap is not None
-               or layer.sinks is not None or not all(_segments(getattr(layer, p)) is not None for p in PROJECTIONS) for layer in layers):
+        if any(not (type(layer) is layer_class and layer.softcap is None and layer.sinks is None
+                    or conv_class is not None and type(layer) is conv_class)
+               or not all(_segments(lin) is not None for lin in _projections(layer)) for layer in layers):
             return None
         if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None
@@ -121,18 +130,21 @@ class DecodeStack:
         native = ops.DecodeStack(config.hidden_size, config.intermediate_size, first.num_heads, first.num_kv_heads,
                                  first.head_dim, float(first.input_layernorm.eps), float(first.scale), MAX_ROWS)
         for i, layer in enumerate(layers):
-            linears = [getattr(layer, p) for p in PROJECTIONS]
+            linears = _projections(layer)
             segments = [_segments(lin) for lin in linears]
+            conv = getattr(layer, "conv", None)
+            taps = None if conv is None else conv.conv_weight.detach().flatten(1).t()  # [kernel, hidden]
             native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                              segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i,
-                             layer.rope)
+                             layer.rope, None if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight),
+                             taps, None if conv is None or conv.conv_bias is None else conv.conv_bias.detach())
         return cls(native, len(layers))
 
     def attach_lora(self, layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> None:
         """Run steps with adapter rows here: every projection of `layers` that is a `LoRALinear` (wrapped
         after the stack was built) adds its adapters' deltas. Not where an adapter dtype differs from the
         model's `dtype` (the eager path then converts)."""
-        linears = [[getattr(layer, p) for p in PROJECTIONS] for layer in layers]
+        linears = [_projections(layer) for layer in layers]
         if any(isinstance(lin, LoRALinear) and lin.lora_a.dtype != dtype for row in linears for lin in row):
             return
         for i, row in enumerate(linears):

@@ -21,6 +21,7 @@ from ..layers.moe import Expert, SparseMoe
 from ..layers.quantization.linear import Weight
 from ..layers.short_conv import short_conv, state_slots_per_row
 from .base import CausalLM, check_activation
+from .decode_stack import DecodeStack
 from .llama import DecoderLayer, RMSNorm
 from .moe import MoeDecoderLayer, hf_expert_names, routed_experts, sparse_block_weights
 
@@ -128,6 +129,9 @@ class Lfm2ForCausalLM(CausalLM):
         for module in self.modules():
             if type(module) in (RMSNorm, DecoderLayer, ShortConvLayer):
                 module.fused = ops
+
+    def build_decode_stack(self) -> DecodeStack | None:
+        return DecodeStack.build(self, DecoderLayer, ShortConvLayer)
 
     @classmethod
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "Lfm2ForCausalLM":

@@ -4,6 +4,8 @@ cache as the eager path does."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.layers.quantization import linear as quant_linear
 from conveyor.models.decode_stack import MAX_ROWS, DecodeStack, ThreadChooser
 
-from tests.utils import VOCAB, TinyModel, random_prompts
+from tests.utils import TINY_CONFIGS, VOCAB, TinyModel, random_prompts
 
 
 def run(llm: LLM, prompts: list[list[int]], n: int = 10) -> tuple[list[list[int]], torch.Tensor]:
@@ -87,7 +89,7 @@ def test_stack_only_where_it_applies(tiny_models: dict[str, TinyModel], monkeypa
     smooth = tiny_models["llama_smooth"]
     assert smooth.llm(dtype="float32").engine.model.decode_stack is None  # the exact path: dense fp32 weights
     assert smooth.llm(dtype="bfloat16", quantization="none").engine.model.decode_stack is not None  # dense bf16
-    assert tiny_models["qwen3"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None  # q/k norms
+    assert tiny_models["qwen3"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is not None  # q/k norms
     assert tiny_models["gemma2"].llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
     assert tiny_models["qwen2"].llm(dtype="bfloat16", quantization="int4").engine.model.decode_stack is not None  # biases
     monkeypatch.setattr(quant_linear, "matmul_ops", lambda: None)
@@ -102,19 +104,29 @@ def test_big_decode_batches_stay_eager(tiny_models: dict[str, TinyModel], monkey
     assert not calls, f"{MAX_ROWS + 4} decode rows are over the stack's {MAX_ROWS}"
 
 
-@pytest.mark.parametrize("kind", ["mistral_sliding", "qwen2", "smollm3"])
-def test_sliding_window_and_biases(tiny_models: dict[str, TinyModel], kind: str,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mistral with a window far shorter than the prompts (ring slots), Qwen2's q/k/v biases and SmolLM3's
-    layer without RoPE: the same bits as the eager layers."""
-    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
+@pytest.mark.parametrize(("kind", "dtype"), [("mistral_sliding", "auto"), ("qwen2", "auto"), ("smollm3", "auto"),
+                                           ("qwen3", "auto"), ("qwen3", "bfloat16"), ("lfm2", "auto"),
+                                           ("lfm2", "bfloat16"), ("lfm2_kv1", "bfloat16")])
+def test_sliding_window_biases_norms_and_convolutions(tiny_models: dict[str, TinyModel], kind: str, dtype: str,
+                                                      monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Mistral with a window far shorter than the prompts (ring slots), Qwen2's q/k/v biases, SmolLM3's
+    layer without RoPE, Qwen3's per-head q/k norms, LFM2's short convolutions beside attention layers with
+    q/k norms (rings of 3 slots in pages of 4, and with one KV head rows of two slots, rings across
+    pages): the same bits as the eager layers, in fp32 compute and bf16."""
+    if dtype == "auto":
+        monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     prompts = random_prompts([20, 13, 31], seed=53)
-    model = tiny_models[kind]
-    native = model.llm(dtype="auto", quantization="int8", page_size=4)
+    model = (TinyModel("lfm2", tmp_path, TINY_CONFIGS["lfm2"](num_key_value_heads=1)) if kind == "lfm2_kv1"
+             else tiny_models[kind])
+    native = model.llm(dtype=dtype, quantization="int8", page_size=4)
     monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
-    eager = model.llm(dtype="auto", quantization="int8", page_size=4)
-    assert native.engine.model.decode_stack is not None and native.dtype == torch.float32
+    eager = model.llm(dtype=dtype, quantization="int8", page_size=4)
+    monkeypatch.delenv("CONVEYOR_DECODE_STACK")
+    assert native.engine.model.decode_stack is not None and eager.engine.model.decode_stack is None
+    assert native.dtype == (torch.float32 if dtype == "auto" else torch.bfloat16)
+    calls = counting(monkeypatch)
     ids, lps = run(native, prompts, n=16)
+    assert calls, "decode steps should go through the stack"
     ref_ids, ref_lps = run(eager, prompts, n=16)
     assert ids == ref_ids
     assert torch.equal(lps, ref_lps)
