@@ -25,6 +25,7 @@ from ..config import ContinuousBatchingConfig
 from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
 from ..layers.lora import LoRABatch
 from ..layers.rotary import with_lengths
+from ..layers.short_conv import ring_metadata
 from ..layers.sampler import SampledBatch, Sampler
 from ..request import Pooled, Request, ranked_entry
 from ..sched.output import ScheduledChunk
@@ -213,7 +214,10 @@ class ModelRunner:
             if c.request.num_computed_tokens + c.num_tokens == c.request.num_tokens:
                 sample_rows.append(offset - 1)
                 samplers.append(c.request)
-        metas = [self._group_metadata(allocator, index, decodes, prefills, decode_pos)
+        # (a conv group's layers index their rings themselves: `layers.short_conv`)
+        metas = [ring_metadata(allocator, index, decodes, prefills, decode_pos, self.page_size)
+                 if allocator.attention_type == "conv" else
+                 self._group_metadata(allocator, index, decodes, prefills, decode_pos)
                  for allocator, index in self.groups]
         input_ids, pos = to_device(ids, torch.long, dev), torch.cat(positions)
         if self.rope_by_length:  # each token's RoPE length with its position: max(request.rope_length, position + 1)
@@ -250,8 +254,6 @@ class ModelRunner:
         rows = len(decode_pos)
         meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=rows, window=window,
                                  decode_positions=decode_pos, decode_shared_rows=rows > len(decodes))
-        if allocator.attention_type == "conv":  # the layers index their rings themselves (`layers.short_conv`)
-            return self._ring_metadata(meta, allocator, group, decodes, prefills)
         writes: list[torch.Tensor] = []
         q_start = rows
         if decodes:
@@ -285,26 +287,6 @@ class ModelRunner:
             writes.append(write)
             q_start += n
         meta.slot_mapping = torch.cat(writes)
-        return meta
-
-    def _ring_metadata(self, meta: AttentionMetadata, allocator: AttentionTypeAllocator, group: int,
-                       decodes: list[ScheduledChunk], prefills: list[ScheduledChunk]) -> AttentionMetadata:
-        """A conv group's metadata: each row's ring (decode block tables, prefill spans' tables and starts)
-        and positions; no slots, context or masks, which its layers do not read."""
-        dev = self.device
-        if decodes:
-            tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
-            width = max(len(t) for t in tables)
-            meta.decode_block_tables = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
-            meta.decode_context_lens = torch.ones(meta.num_decodes, dtype=torch.long, device=dev)
-        q_start = meta.num_decodes
-        empty = torch.empty(0, dtype=torch.long, device=dev)
-        for c in prefills:
-            table = to_device(allocator.block_table(c.request.request_id, group), torch.long, dev)
-            meta.prefills.append(PrefillSpan(q_start=q_start, q_len=c.num_tokens, ctx_slots=empty, mask=None,
-                                             start=c.request.num_computed_tokens, block_table=table))
-            q_start += c.num_tokens
-        meta.slot_mapping = torch.zeros(q_start, dtype=torch.long, device=dev)  # (unused: the padded buffers copy it)
         return meta
 
     @torch.inference_mode()

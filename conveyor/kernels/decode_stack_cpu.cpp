@@ -25,6 +25,7 @@
 #include "lora_delta.h"
 #include "quant.h"
 #include "row_ops.h"
+#include "short_conv.h"
 #include "tiled_linear.h"
 #include "vec_math.h"
 
@@ -411,64 +412,22 @@ class DecodeStack {
         }
     }
 
-    // Row b of a conv layer (its in_proj output in qkv_, biased and rounded here): B * x, the causal
-    // convolution with the request's `kernel - 1` previous inputs read from its ring (tables `bt`, position
-    // `p`), C times it into attn_; B * x stored in the ring. One fp32 multiply-add a tap, oldest first, from
-    // the bias: the eager layer's (layers/short_conv.py) bits.
+    // Row b of a conv layer: its in_proj output (in qkv_) biased and rounded, then `short_conv_row` (the
+    // product C * conv(B * x) into attn_, out_ as its accumulator, free until out_proj writes it).
     template <typename T, typename C>
     void conv_row(const Layer& L, int64_t b, C* kc, C* vc, int64_t kv_row, const int64_t* bt, int64_t p,
                   int64_t page) {
         if constexpr (conveyor::kScaled<C>) {
             CONVEYOR_CHECK(false, "a conv layer's state is kept in the model's dtype, not int8 rows");
         } else {
-            conv_state_row<T>(L, b, kc, vc, kv_row, bt, p, page);
+            float* bcx = qkv_.data() + b * 3 * hidden_;
+            L.qkv.add_bias_row(bcx);
+            round_row<T>(bcx, 3 * hidden_);
+            const int64_t kernel = static_cast<int64_t>(L.taps.size()) / hidden_;
+            conveyor::short_conv_row<T>(bcx, L.taps.data(), L.conv_bias.empty() ? nullptr : L.conv_bias.data(), kernel,
+                                        hidden_, kc, vc, kv_row, bt, p, page, out_.data() + b * hidden_,
+                                        attn_.data() + b * hidden_);
         }
-    }
-
-    template <typename T, typename C>
-    void conv_state_row(const Layer& L, int64_t b, C* kc, C* vc, int64_t kv_row, const int64_t* bt, int64_t p,
-                        int64_t page) {
-        const int64_t H = hidden_, kernel = static_cast<int64_t>(L.taps.size()) / H;
-        const int64_t r = (H + 2 * kv_row - 1) / (2 * kv_row);  // slots a row takes, each a K and a V half
-        float* bcx = qkv_.data() + b * 3 * H;
-        L.qkv.add_bias_row(bcx);
-        round_row<T>(bcx, 3 * H);
-        float* bx = bcx;  // B * x, over B
-        for (int64_t i = 0; i < H; ++i) bx[i] = conveyor::round_as<T>(bcx[i] * bcx[2 * H + i]);
-        // the k-th of a position's r slots: its pool slot; the row's values are the slots' K then V halves
-        const auto slot = [&](int64_t q, int64_t k) {
-            const int64_t j = (q % kernel) * r + k;
-            return bt[j / page] * page + j % page;
-        };
-        float* acc = out_.data() + b * H;  // (free until out_proj writes it)
-        for (int64_t i = 0; i < H; ++i) acc[i] = L.conv_bias.empty() ? 0.f : L.conv_bias[i];
-        for (int64_t t = 0; t < kernel; ++t) {
-            const int64_t q = p - (kernel - 1) + t;
-            const float* w = L.taps.data() + t * H;
-            if (t == kernel - 1) {
-                for (int64_t i = 0; i < H; ++i) acc[i] = std::fma(bx[i], w[i], acc[i]);
-            } else if (q >= 0) {
-                for (int64_t k = 0; k < r; ++k)
-                    for (int half = 0; half < 2; ++half) {
-                        const C* src = (half ? vc : kc) + slot(q, k) * kv_row;
-                        const int64_t i0 = (2 * k + half) * kv_row, n = std::min(kv_row, H - i0);
-                        for (int64_t i = 0; i < n; ++i) {
-                            const float x = conveyor::to_float(src[i]);
-                            acc[i0 + i] = t == 0 && L.conv_bias.empty() ? x * w[i0 + i]
-                                                                        : std::fma(x, w[i0 + i], acc[i0 + i]);
-                        }
-                    }
-            } else if (t == 0 && L.conv_bias.empty()) {
-                for (int64_t i = 0; i < H; ++i) acc[i] = 0.f * w[i];
-            }
-        }
-        float* y = attn_.data() + b * H;
-        for (int64_t i = 0; i < H; ++i) y[i] = conveyor::round_as<T>(bcx[H + i] * conveyor::round_as<T>(acc[i]));
-        for (int64_t k = 0; k < r; ++k)
-            for (int half = 0; half < 2; ++half) {
-                const int64_t i0 = (2 * k + half) * kv_row;
-                if (i0 < H) store_row((half ? vc : kc) + slot(p, k) * kv_row, bx + i0, std::min(kv_row, H - i0));
-            }
     }
 
     int64_t hidden_, inter_, H_, Hkv_, D_;

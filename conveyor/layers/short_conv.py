@@ -19,7 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata
+from ..cache.allocator import AttentionTypeAllocator
+from ..cache.transfer import to_device
+from ..sched.output import ScheduledChunk
+from .attention import AttentionMetadata, PrefillSpan
 
 
 def state_slots_per_row(hidden: int, num_kv_heads: int, head_dim: int) -> int:
@@ -36,6 +39,29 @@ class ConvIndex:
     window: torch.Tensor  # [tokens * L] each token's inputs, oldest first, as rows of cat(cached, new, zero)
     write_slots: torch.Tensor  # [W, r] pool slots of the rows kept for later steps
     write_rows: torch.Tensor  # [W] their rows in the batch
+
+
+def ring_metadata(allocator: AttentionTypeAllocator, group: int, decodes: list[ScheduledChunk],
+                  prefills: list[ScheduledChunk], decode_pos: torch.Tensor, page_size: int) -> AttentionMetadata:
+    """The model runner's metadata for a conv group: each row's ring (decode block tables, prefill spans'
+    tables and starts) and positions; no slots, context or masks, which its layers do not read."""
+    dev, rows = decode_pos.device, len(decode_pos)
+    meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page_size, num_decodes=rows,
+                             window=allocator.window, decode_positions=decode_pos)
+    if decodes:
+        tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
+        width = max(len(t) for t in tables)
+        meta.decode_block_tables = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
+        meta.decode_context_lens = torch.ones(rows, dtype=torch.long, device=dev)
+    q_start = rows
+    empty = torch.empty(0, dtype=torch.long, device=dev)
+    for c in prefills:
+        table = to_device(allocator.block_table(c.request.request_id, group), torch.long, dev)
+        meta.prefills.append(PrefillSpan(q_start=q_start, q_len=c.num_tokens, ctx_slots=empty, mask=None,
+                                         start=c.request.num_computed_tokens, block_table=table))
+        q_start += c.num_tokens
+    meta.slot_mapping = torch.zeros(q_start, dtype=torch.long, device=dev)  # (unused: the padded buffers copy it)
+    return meta
 
 
 def _ring_slots(tables: torch.Tensor, ring: torch.Tensor, r: int, page: int) -> torch.Tensor:
