@@ -1,16 +1,16 @@
-"""The native decode stack: every decoder layer of a Llama-family model with tiled weights (quantized, or
-bf16) in one native call, for decode batches of up to `MAX_ROWS` rows (`kernels/decode_stack_cpu.cpp`).
+"""The native decode stack: every decoder layer of a Llama-family model with tiled weights (quantized, or bf16)
+in one native call, for decode batches of up to `MAX_ROWS` rows (`kernels/decode_stack_cpu.cpp`).
 
-At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python,
-the built-in model's 30 layers cost ~3 ms a step of dispatch and thread fork/join, as much as
-streaming its 92 MiB of weights. The stack keeps the threads up across all layers and meets at
-barriers instead. It computes what the eager layers compute, bit for bit (the same kernels, the
-fused ops' per-row arithmetic, bf16 values rounded where the eager bf16 tensors round them), reads
-and writes the same KV pages, so a request's tokens do not depend on which path its steps took
-(batch invariance). It is used where it applies: Llama-family layers (with or without per-head q/k
-norms; no soft-capping or attention sinks) and LFM2's short-convolution layers, projections in the kernels' tiles (dense fp32 is the exact path, which stays on
-PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more than 64 rows stay on the
-eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
+At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python, the built-in
+model's 30 layers cost ~3 ms a step of dispatch and thread fork/join, as much as streaming its 92 MiB of
+weights. The stack keeps the threads up across all layers and meets at barriers instead. It computes what the
+eager layers compute, bit for bit (the same kernels, the fused ops' per-row arithmetic, bf16 values rounded
+where the eager bf16 tensors round them), reads and writes the same KV pages, so a request's tokens do not
+depend on which path its steps took (batch invariance). It is used where it applies: Llama-family layers (with
+or without per-head q/k norms; no soft-capping or attention sinks) and LFM2's short-convolution layers,
+projections in the kernels' tiles (dense fp32 is the exact path, which stays on PyTorch's matmuls),
+decode-only batches. Prefill chunks and batches of more than 64 rows stay on the eager path (the same GEMM per
+layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
 `CONVEYOR_DECODE_STACK=0` turns it off.
 
 With multi-LoRA (`attach_lora`), steps whose rows have adapters stay on the stack too: it reads the
@@ -94,6 +94,14 @@ def _segments(linear: torch.nn.Module) -> list[tuple] | None:
     return None
 
 
+def _head_norms(layer: torch.nn.Module) -> bool:
+    """Whether the layer's q/k norms (if any) are the stack's: RMSNorms of one head, before RoPE, with the
+    layer norms' eps (Qwen3's)."""
+    norm = layer.q_norm
+    return norm is None or (type(norm) is type(layer.input_layernorm) and norm.eps == layer.input_layernorm.eps
+                            and norm.weight.numel() == layer.head_dim)
+
+
 def _projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
     """A layer's four projections in the stack's order; a conv layer's in_proj and out_proj in the places of
     qkv and o."""
@@ -119,7 +127,7 @@ class DecodeStack:
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
-        if any(not (type(layer) is layer_class and layer.softcap is None and layer.sinks is None
+        if any(not (type(layer) is layer_class and layer.softcap is None and layer.sinks is None and _head_norms(layer)
                     or conv_class is not None and type(layer) is conv_class)
                or not all(_segments(lin) is not None for lin in _projections(layer)) for layer in layers):
             return None

@@ -77,32 +77,35 @@ class ShortConv(nn.Module):
         return self.out_proj(y if rows is None else y.index_select(0, rows))
 
 
-class ShortConvLayer(DecoderLayer):
+class ConvInPlaceOfAttention:
+    """A Llama layer's attention replaced by the short convolution (its qkv and o projections dropped)."""
+
+    conv: ShortConv
+
+    def use_conv(self, config: PretrainedConfig) -> None:
+        del self.qkv_proj, self.o_proj
+        self.conv = ShortConv(config)
+
+    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                  meta: AttentionMetadata, attention: AttentionBackend,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
+        return self.conv(x, kv_cache, meta, rows)
+
+
+class ShortConvLayer(ConvInPlaceOfAttention, DecoderLayer):
     """A conv layer: the short convolution in place of attention; the norms and the MLP are Llama's."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
-        super().__init__(config, head_dim, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
-        del self.qkv_proj, self.o_proj
-        self.conv = ShortConv(config)
-
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: AttentionMetadata, attention: AttentionBackend,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        return self.conv(x, kv_cache, meta, rows)
+        DecoderLayer.__init__(self, config, head_dim, qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+        self.use_conv(config)
 
 
-class ShortConvMoeLayer(MoeDecoderLayer):
+class ShortConvMoeLayer(ConvInPlaceOfAttention, MoeDecoderLayer):
     """LFM2-MoE's conv layer: the short convolution, then the sparse block (or, on a dense layer, the MLP)."""
 
     def __init__(self, config: PretrainedConfig, head_dim: int, moe: SparseMoe | None) -> None:
-        super().__init__(config, head_dim, qkv_bias=False, o_bias=False, qk_norm=False, moe=moe)
-        del self.qkv_proj, self.o_proj
-        self.conv = ShortConv(config)
-
-    def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                  meta: AttentionMetadata, attention: AttentionBackend,
-                  rows: torch.Tensor | None = None) -> torch.Tensor:
-        return self.conv(x, kv_cache, meta, rows)
+        MoeDecoderLayer.__init__(self, config, head_dim, qkv_bias=False, o_bias=False, qk_norm=False, moe=moe)
+        self.use_conv(config)
 
 
 class Lfm2ForCausalLM(CausalLM):
@@ -165,7 +168,7 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
     cuda_graphs = False  # each expert's rows are counted on the host
 
     def __init__(self, config: PretrainedConfig) -> None:
-        CausalLM.__init__(self, config)
+        CausalLM.__init__(self, config)  # (LFM2's layers are built here, with their sparse blocks)
         self.layer_types = _layer_types(config)
         experts, top_k = routed_experts(config)
         check_activation(config, "silu")
