@@ -155,6 +155,9 @@ class DecodeStack:
         linears = [_projections(layer) for layer in layers]
         if any(isinstance(lin, LoRALinear) and lin.lora_a.dtype != dtype for row in linears for lin in row):
             return
+        if any(isinstance(lin, LoRALinear) for layer, row in zip(layers, linears) if hasattr(layer, "conv")
+               for lin in row[:2]):  # (the stack's conv rows add no adapter deltas: those steps stay eager)
+            return
         for i, row in enumerate(linears):
             for p, lin in enumerate(row):
                 if isinstance(lin, LoRALinear):

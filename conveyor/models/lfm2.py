@@ -112,6 +112,15 @@ class Lfm2ForCausalLM(CausalLM):
     """LFM2: attention and conv layers by the config's `layer_types`."""
 
     model_types = ("lfm2",)
+    # LoRA (`models.lora`): PEFT's names of the projections in LFM2's checkpoints (conv layers' in_proj/out_proj)
+    lora_projections = {
+        "qkv_proj": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        "o_proj": ("self_attn.out_proj", ("self_attn.out_proj",)),
+        "conv.in_proj": ("conv.in_proj", ("conv.in_proj",)),
+        "conv.out_proj": ("conv.out_proj", ("conv.out_proj",)),
+        "gate_up_proj": ("feed_forward.gate_up_proj", ("feed_forward.w1", "feed_forward.w3")),
+        "down_proj": ("feed_forward.w2", ("feed_forward.w2",)),
+    }
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)

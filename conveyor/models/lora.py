@@ -26,7 +26,8 @@ from ..errors import ConfigError
 from ..layers.lora import LoRALinear, LoRAState, SlotPart
 from ..lora_request import LoRAConfig, LoRARequest
 
-# A decoder layer's projection -> (PEFT's name of it fused, PEFT's names of its slices), relative to the layer.
+# A decoder layer's projection -> (PEFT's name of it fused, PEFT's names of its slices), relative to the layer;
+# a family with other names sets its own (`lora_projections`: LFM2's).
 PROJECTIONS = {
     "qkv_proj": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     "o_proj": ("self_attn.o_proj", ("self_attn.o_proj",)),
@@ -84,8 +85,8 @@ def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
     model.lora_state = state
     targets = LoRATargets()
     for i, layer in enumerate(model.layers):
-        for name, (fused, parts) in PROJECTIONS.items():
-            base = getattr(layer, name, None)
+        for name, (fused, parts) in getattr(model, "lora_projections", PROJECTIONS).items():
+            base = _submodule(layer, name)
             if base is None or not hasattr(base, "in_features"):
                 continue
             out = base.out_features
@@ -93,7 +94,7 @@ def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
                       else [out // 2, out // 2] if name == "gate_up_proj" else [out])
             wrapped = LoRALinear(base, base.in_features, slices, config.max_loras, config.max_lora_rank, dtype,
                                  device, state)
-            setattr(layer, name, wrapped)
+            layer.set_submodule(name, wrapped)
             ours = f"layers.{i}.{name}"
             targets.linears[ours] = wrapped
             prefix = f"model.layers.{i}."
@@ -115,6 +116,14 @@ def enable_lora(model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device
     if stack is not None:  # decode steps with adapter rows stay on the native stack
         stack.attach_lora(model.layers, dtype)
     return targets
+
+
+def _submodule(layer: nn.Module, name: str) -> nn.Module | None:
+    """`layer`'s module at dotted `name`, None where it has none (a conv layer's attention projections)."""
+    try:
+        return layer.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _row_orders(model: nn.Module, slices: list[int]) -> list[torch.Tensor | None]:

@@ -1,7 +1,8 @@
 """LFM2's conv layers (`layers.short_conv`), their state a ring in the KV pool: greedy ids equal
 transformers' with chunked prefill across every ring layout (a row in one slot or two, a ring within a page
 or across pages), requests offloaded and resumed, speculation asked for; the state's pages bounded and all
-returned; the default mode's error measured; what the rings cannot hold refused by name. LFM2-MoE's routing."""
+returned; the default mode's error measured; what the rings cannot hold refused by name. LFM2-MoE's routing.
+LoRA adapters by LFM2's own module names."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from conveyor import LLM, ContinuousBatchingConfig, LoRARequest
 from conveyor.cache.allocator import ConvStateCacheAllocator
 from conveyor.errors import ConfigError
 from conveyor.layers.short_conv import state_slots_per_row
 from conveyor.models.sharding import plan_shards
 
-from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel, agreement, all_free,
-                         assert_greedy_match, greedy, greedy_ids, hf_greedy, next_token_logprobs, random_prompts)
+from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel,
+                         agreement, all_free, assert_greedy_match, greedy, greedy_ids, hf_greedy, make_lora_adapter,
+                         next_token_logprobs, random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
@@ -159,3 +162,49 @@ def test_lfm2_moe_chooses_experts_by_sigmoid_scores_and_its_bias(tmp_path: Path)
     outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     assert_matches([o.token_ids for o in outs], references(model), "lfm2_moe")
     assert all_free(llm)
+
+
+LFM2_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3"]
+
+
+def test_lora_adapters_on_every_lfm2_projection_equal_peft(tiny_models: dict[str, TinyModel], tmp_path: Path) -> None:
+    """PEFT adapters by LFM2's own module names (attention's q/k/v and out_proj, the conv layers' in_proj and
+    out_proj, the MLP's w1/w3/w2): two adapters and the base interleaved in one batch, each request equal to
+    transformers + peft."""
+    model = tiny_models["lfm2"]
+    refs = {"a": make_lora_adapter(model.reference, tmp_path / "a", seed=1, targets=LFM2_LORA_TARGETS),
+            "b": make_lora_adapter(model.reference, tmp_path / "b", seed=2, rank=4, targets=["in_proj", "w2"])}
+    requests = {"a": LoRARequest("a", 1, str(tmp_path / "a")), "b": LoRARequest("b", 2, str(tmp_path / "b"))}
+    llm = LLM(model.path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8,
+              config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=16, page_size=4))
+    which = ["a", None, "b", "a", "b"]
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False,
+                        lora_request=[requests[w] if w else None for w in which])
+    for i, (prompt, w, out) in enumerate(zip(PROMPTS, which, outs)):
+        ref, logits = hf_greedy(refs[w] if w else model.reference, prompt, MAX_NEW)
+        assert_greedy_match(out.token_ids, ref, logits, f"lfm2 prompt {i} adapter {w}")
+    base = [hf_greedy(model.reference, p, MAX_NEW)[0] for p, w in zip(PROMPTS, which) if w]
+    assert [o.token_ids for o, w in zip(outs, which) if w] != base  # the adapters change the outputs
+    assert all_free(llm)
+
+
+def test_lora_rows_on_conv_layers_leave_the_decode_stack(tiny_models: dict[str, TinyModel], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native stack's conv rows add no adapter deltas: steps with such adapter rows run eagerly, the
+    same bits as without the stack."""
+    model = tiny_models["lfm2"]
+    make_lora_adapter(model.reference, tmp_path / "a", seed=3, targets=LFM2_LORA_TARGETS)
+    request = LoRARequest("a", 1, str(tmp_path / "a"))
+
+    def run(**env: str) -> list[list[int]]:
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        llm = LLM(model.path, dtype="bfloat16", quantization="int8", enable_lora=True, max_lora_rank=8,
+                  config=ContinuousBatchingConfig(num_blocks=256, page_size=4))
+        assert (llm.engine.model.decode_stack is not None) == (not env)
+        outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False, lora_request=[request, None, request, None,
+                                                                                    request])
+        assert all_free(llm)
+        return [o.token_ids for o in outs]
+
+    assert run() == run(CONVEYOR_DECODE_STACK="0")
