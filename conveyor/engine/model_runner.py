@@ -22,7 +22,8 @@ from ..cache.allocator import AttentionTypeAllocator, LayerGroup, table_length
 from ..cache.pool import CachePool
 from ..cache.transfer import to_device
 from ..config import ContinuousBatchingConfig
-from ..layers.attention import AttentionBackend, AttentionMetadata, PrefillSpan, make_attention_backend
+from ..layers.attention import (AttentionBackend, AttentionMetadata, PrefillSpan, decode_block_tables,
+                                make_attention_backend)
 from ..layers.lora import LoRABatch
 from ..layers.rotary import with_lengths
 from ..layers.short_conv import ring_metadata
@@ -257,9 +258,7 @@ class ModelRunner:
         writes: list[torch.Tensor] = []
         q_start = rows
         if decodes:
-            tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
-            width = max(len(t) for t in tables)
-            bt = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
+            bt = decode_block_tables(allocator, group, decodes, dev)
             ring = decode_pos if window is None else decode_pos % window
             meta.decode_block_tables = bt
             meta.decode_context_lens = decode_pos + 1 if window is None else (decode_pos + 1).clamp(max=window)

@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ..cache.kv_format import as_bytes, decode_kv, encode_kv, int8_key_query, is_encoded, write_kv
+from ..cache.transfer import to_device
 from ..errors import ConfigError, install_command
 from ..kernels import cpu_flags, cpu_paged_attention, native_kernels_enabled
+
+if TYPE_CHECKING:
+    from ..cache.allocator import AttentionTypeAllocator
+    from ..sched.output import ScheduledChunk
 
 
 def cache_slots(block_tables: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -68,6 +75,15 @@ class AttentionMetadata:
     prefill_chunks: torch.Tensor | None = None
     ragged: object | None = None  # the Triton backend's per-pass index tensors (`triton_attention.RaggedBatch`)
     state: object | None = None  # a conv group's per-pass indices (`short_conv.ConvIndex`), made by its first layer
+
+
+def decode_block_tables(allocator: AttentionTypeAllocator, group: int, decodes: Sequence[ScheduledChunk],
+                        device: torch.device) -> torch.Tensor:
+    """`[rows, width]` int64: each decode row's block table in layer group `group` (a request's once per row it
+    has), padded to the widest with chunk 0, the chunk the pool reserves for padding."""
+    tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
+    width = max(len(t) for t in tables)
+    return to_device([t + [0] * (width - len(t)) for t in tables], torch.long, device)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..cache.allocator import AttentionTypeAllocator
 from ..cache.transfer import to_device
 from ..sched.output import ScheduledChunk
-from .attention import AttentionMetadata, PrefillSpan
+from .attention import AttentionMetadata, PrefillSpan, decode_block_tables
 
 
 def state_slots_per_row(hidden: int, num_kv_heads: int, head_dim: int) -> int:
@@ -49,9 +49,7 @@ def ring_metadata(allocator: AttentionTypeAllocator, group: int, decodes: list[S
     meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page_size, num_decodes=rows,
                              window=allocator.window, decode_positions=decode_pos)
     if decodes:
-        tables = [t for c in decodes for t in [allocator.block_table(c.request.request_id, group)] * c.num_tokens]
-        width = max(len(t) for t in tables)
-        meta.decode_block_tables = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
+        meta.decode_block_tables = decode_block_tables(allocator, group, decodes, dev)
         meta.decode_context_lens = torch.ones(rows, dtype=torch.long, device=dev)
     q_start = rows
     empty = torch.empty(0, dtype=torch.long, device=dev)
