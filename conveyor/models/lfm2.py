@@ -23,6 +23,7 @@ from ..layers.short_conv import short_conv, state_slots_per_row
 from .base import CausalLM, check_activation
 from .decode_stack import DecodeStack
 from .llama import DecoderLayer, RMSNorm
+from .lora import PROJECTIONS
 from .moe import MoeDecoderLayer, hf_expert_names, routed_experts, sparse_block_weights
 
 # LFM2's names for the tensors Llama's layers hold, by `CausalLM.from_state_dict`'s (Hugging Face) names.
@@ -114,7 +115,7 @@ class Lfm2ForCausalLM(CausalLM):
     model_types = ("lfm2",)
     # LoRA (`models.lora`): PEFT's names of the projections in LFM2's checkpoints (conv layers' in_proj/out_proj)
     lora_projections = {
-        "qkv_proj": ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        "qkv_proj": PROJECTIONS["qkv_proj"],
         "o_proj": ("self_attn.out_proj", ("self_attn.out_proj",)),
         "conv.in_proj": ("conv.in_proj", ("conv.in_proj",)),
         "conv.out_proj": ("conv.out_proj", ("conv.out_proj",)),

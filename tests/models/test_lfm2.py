@@ -17,9 +17,8 @@ from conveyor.errors import ConfigError
 from conveyor.layers.short_conv import state_slots_per_row
 from conveyor.models.sharding import plan_shards
 
-from tests.utils import (BF16_AGREEMENT, BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel,
-                         agreement, all_free, assert_greedy_match, greedy, greedy_ids, hf_greedy, make_lora_adapter,
-                         next_token_logprobs, random_prompts)
+from tests.utils import (MOE_CONFIGS, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
+                         assert_mode_within_tolerance, greedy, hf_greedy, make_lora_adapter, random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
@@ -137,15 +136,7 @@ def test_default_modes_stay_within_the_measured_error(smooth_models: dict[str, T
                                                       quantization: str) -> None:
     """bf16 (conv states in bf16 too) and int8 weights against the fp32 exact path, by the limits every
     family's modes are held to."""
-    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
-    fp32 = smooth_models[kind].llm()
-    llm = smooth_models[kind].llm(dtype="bfloat16", quantization=quantization)
-    tolerance, least = (BF16_TOLERANCE, BF16_AGREEMENT) if quantization == "none" else QUANT_MODES[quantization][1]
-    err = (next_token_logprobs(llm, prompts) - next_token_logprobs(fp32, prompts)).abs().max().item()
-    assert err < tolerance, f"{kind} bf16/{quantization}: log-prob error {err:.3f}"
-    rate = agreement(greedy_ids(llm, prompts), greedy_ids(fp32, prompts))
-    assert rate >= least, f"{kind} bf16/{quantization}: greedy agreement {rate:.2f}"
-    assert all_free(llm)
+    assert_mode_within_tolerance(smooth_models[kind], quantization)
 
 
 def test_lfm2_moe_chooses_experts_by_sigmoid_scores_and_its_bias(tmp_path: Path) -> None:
