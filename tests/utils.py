@@ -30,6 +30,10 @@ WINDOW = 8  # sliding window of the tiny sliding/hybrid models
 TINY_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+GRANITE_HYBRID = TINY_COMMON | dict(
+    num_hidden_layers=4, layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=32,
+    mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, shared_intermediate_size=96,
+    embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)
 TINY_CONFIGS = {
     "llama": lambda: transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=False),
     "llama_tied": lambda: transformers.LlamaConfig(**TINY_COMMON, tie_word_embeddings=True),
@@ -95,6 +99,9 @@ TINY_CONFIGS = {
     # norms come before RoPE; the MLP's width adjusted (int(2 * 128 / 3) rounded up to 32: 96)
     "lfm2": lambda **kw: transformers.Lfm2Config(**(TINY_COMMON | {"num_hidden_layers": 4} | kw), block_multiple_of=32,
                                                  layer_types=["conv", "conv", "full_attention", "conv"]),
+    # Granite 4.0-H: Mamba-2 layers (4 heads of 32, 2 groups, a state of 16, chunks of 8: the test prompts span
+    # several) around one NoPE attention layer, the shared MLP after each; Granite's multipliers
+    "granitemoehybrid": lambda **kw: transformers.GraniteMoeHybridConfig(**(GRANITE_HYBRID | kw), num_local_experts=0),
     # Sliding-window and hybrid models, windows far shorter than the test prompts.
     "mistral_sliding": lambda: transformers.MistralConfig(**TINY_COMMON, sliding_window=WINDOW,
                                                           tie_word_embeddings=False),
@@ -133,6 +140,12 @@ MOE_CONFIGS = {
     "lfm2_moe": lambda **kw: transformers.Lfm2MoeConfig(
         **(MOE_COMMON | {"num_hidden_layers": 3, "routed_scaling_factor": 1.5} | kw), moe_intermediate_size=32,
         num_experts=8, num_experts_per_tok=3, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"]),
+    # Granite 4.0-H with experts (h-tiny's form): a Mamba and an attention layer (with RoPE), 4 experts routed by a
+    # softmax over the top-2 logits beside the shared MLP
+    "granitemoehybrid": lambda **kw: transformers.GraniteMoeHybridConfig(
+        **(GRANITE_HYBRID | {"num_hidden_layers": 2, "layer_types": ["mamba", "attention"], "intermediate_size": 32,
+                             "tie_word_embeddings": False} | kw),
+        num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope"),
     # per-head q/k norms, 4 of 8 experts renormalized
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
         **(MOE_COMMON | kw), head_dim=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=4,

@@ -401,14 +401,21 @@ class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
         self.ring_blocks = table_length(window, self.page_size, window)
 
 
-class ConvStateCacheAllocator(SlidingAttentionCacheAllocator):
-    """Blocks for short-convolution layers (LFM2's): a ring of `window` slots per request holding the layer's
-    last inputs (`layers.short_conv`), as a sliding layer's ring holds its window; never shared."""
+# Layer types whose per-request state is not K/V: a fixed run of slots (`StateCacheAllocator`).
+STATE_TYPES = ("conv", "mamba")
 
-    attention_type = "conv"
+
+class StateCacheAllocator(SlidingAttentionCacheAllocator):
+    """Blocks for layers whose state is not K/V (LFM2's short convolutions, Mamba-2's mixers: `STATE_TYPES`):
+    a run of `window` slots per request holding it, laid out by the layers (`layers.short_conv`,
+    `layers.mamba2`); held whole from the first token, never shared."""
+
+    def __init__(self, pool: CachePool, window: int, num_groups: int = 1, attention_type: str = "conv") -> None:
+        super().__init__(pool, window, num_groups)
+        self.attention_type = attention_type
 
     def table_length(self, num_tokens: int) -> int:
-        """The whole ring from the first token: a row's slots are not its position's (a row takes several)."""
+        """The whole run from the first token: a row's slots are not its position's (a row takes several)."""
         return self.ring_blocks if num_tokens > 0 else 0
 
 
@@ -467,7 +474,6 @@ def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], w
     `HybridCacheAllocator` over all), and per group its allocator and index within it. `windows`: the
     ring of every type but full attention, in slots (`CausalLM.cache_windows`). `prefix_key` and
     `keep_tails` as `FullAttentionCacheAllocator` takes them."""
-    rings = {"sliding_attention": SlidingAttentionCacheAllocator, "conv": ConvStateCacheAllocator}
     allocators: dict[str, AttentionTypeAllocator] = {}
     out: list[LayerGroup] = []
     for attention_type, layers in groups:
@@ -478,7 +484,10 @@ def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], w
                                                                          prefix_key=prefix_key, keep_tails=keep_tails)
             else:
                 assert attention_type in windows, f"{attention_type} layers need their ring's size"
-                allocators[attention_type] = rings[attention_type](pool, windows[attention_type], num_groups=k)
+                allocators[attention_type] = (
+                    StateCacheAllocator(pool, windows[attention_type], k, attention_type)
+                    if attention_type in STATE_TYPES else
+                    SlidingAttentionCacheAllocator(pool, windows[attention_type], num_groups=k))
         allocator = allocators[attention_type]
         out.append((allocator, sum(a is allocator for a, _, _ in out), layers))
     types = list(allocators.values())

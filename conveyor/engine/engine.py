@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..cache.allocator import build_allocators, table_length
+from ..cache.allocator import STATE_TYPES, build_allocators, table_length
 from ..cache.kv_format import kv_format
 from ..cache.offload import SwapPool, choose_victims
 from ..cache.pool import CachePool, cpu_kv_cache_space, layer_groups, plan_num_chunks
@@ -79,9 +79,10 @@ class Engine:
         # a page in each layer of a group) and one allocator per type, all over one pool.
         groups = layer_groups(model.layer_types)
         self.kv_format = kv_format(config.kv_cache_dtype, self.dtype, device, model.head_dim)
-        if "conv" in model.layer_types and self.kv_format.name != "auto":  # (conv states are kept exact)
+        state = sorted(set(model.layer_types) & set(STATE_TYPES))
+        if state and self.kv_format.name != "auto":  # (conv and SSM states are kept exact)
             raise ConfigError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported for "
-                              f"{model.config.model_type}'s conv layers (supported: auto)")
+                              f"{model.config.model_type}'s {' and '.join(state)} layers (supported: auto)")
         shape = dict(page_size=config.page_size, num_layers=len(groups[0][1]),
                      num_kv_heads=model.num_kv_heads, head_dim=self.kv_format.row)
         page, windows = config.page_size, model.cache_windows

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache.allocator import AttentionTypeAllocator, LayerGroup, table_length
+from ..cache.allocator import STATE_TYPES, AttentionTypeAllocator, LayerGroup, table_length
 from ..cache.pool import CachePool
 from ..cache.transfer import to_device
 from ..config import ContinuousBatchingConfig
@@ -215,9 +215,9 @@ class ModelRunner:
             if c.request.num_computed_tokens + c.num_tokens == c.request.num_tokens:
                 sample_rows.append(offset - 1)
                 samplers.append(c.request)
-        # (a conv group's layers index their rings themselves: `layers.short_conv`)
+        # (a state group's layers index their slots themselves: `layers.short_conv`, `layers.mamba2`)
         metas = [ring_metadata(allocator, index, decodes, prefills, decode_pos, self.page_size)
-                 if allocator.attention_type == "conv" else
+                 if allocator.attention_type in STATE_TYPES else
                  self._group_metadata(allocator, index, decodes, prefills, decode_pos)
                  for allocator, index in self.groups]
         input_ids, pos = to_device(ids, torch.long, dev), torch.cat(positions)
@@ -240,7 +240,7 @@ class ModelRunner:
         if self.lora is not None:
             prepared.lora = self.lora.step_batch(decodes + prefills, prepared.pad_at, prepared.num_pad)
         for (allocator, _), meta in zip(self.groups, prepared.metas):
-            if allocator.attention_type != "conv":
+            if allocator.attention_type not in STATE_TYPES:
                 self.attention.prepare(meta)
         return prepared
 

@@ -134,15 +134,16 @@ def write_rows(kv_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) 
 
 
 def short_conv(x: torch.Tensor, weight: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, index: ConvIndex | None = None) -> torch.Tensor:
     """The causal depthwise convolution `weight [hidden, 1, L]` (and `bias`) of every token's input
     `x [tokens, hidden]` with its request's previous inputs (from the pool); stores the inputs the next
-    steps need."""
+    steps need. `index`: the pass's ring reads and writes where the caller has them (a Mamba layer's)."""
     t, hidden = x.shape
     kernel = weight.shape[-1]
-    r = state_slots_per_row(hidden, kv_cache.shape[2], kv_cache.shape[3])
-    index = meta.state
+    if index is None:
+        index = meta.state
     if index is None:  # (the group's first conv layer of the pass; the others share it)
+        r = state_slots_per_row(hidden, kv_cache.shape[2], kv_cache.shape[3])
         index = meta.state = conv_index(meta, t, kernel, r)
     cached = read_rows(kv_cache, index.read_slots, hidden).to(x.dtype)
     rows = torch.cat([cached, x, x.new_zeros(1, hidden)])

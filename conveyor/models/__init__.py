@@ -16,6 +16,7 @@ from .gemma import GemmaForCausalLM
 from .glm import Glm4ForCausalLM, GlmForCausalLM
 from .gpt_oss import GptOssForCausalLM
 from .granite import GraniteForCausalLM, GraniteMoeForCausalLM
+from .granite_hybrid import GraniteHybridForCausalLM
 from .hunyuan import HunyuanForCausalLM
 from .lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from .llama import LlamaForCausalLM
@@ -30,8 +31,7 @@ FAMILIES: tuple[type[CausalLM] | type[EncoderModel], ...] = (
     LlamaForCausalLM, GemmaForCausalLM, MoeForCausalLM, GptOssForCausalLM, Phi3ForCausalLM, GraniteForCausalLM,
     Olmo2ForCausalLM, Ernie45ForCausalLM, GlmForCausalLM, Glm4ForCausalLM, Ministral3ForCausalLM, Exaone4ForCausalLM,
     GraniteMoeForCausalLM, HunyuanForCausalLM, CohereForCausalLM, Starcoder2ForCausalLM, ArceeForCausalLM,
-    Ernie45MoeForCausalLM, Lfm2ForCausalLM,
-    Lfm2MoeForCausalLM, *ENCODERS.values())
+    Ernie45MoeForCausalLM, Lfm2ForCausalLM, Lfm2MoeForCausalLM, GraniteHybridForCausalLM, *ENCODERS.values())
 MODEL_CLASSES = {t: cls for cls in FAMILIES for t in cls.model_types}
 
 

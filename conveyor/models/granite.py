@@ -100,13 +100,18 @@ class GraniteMoeForCausalLM(MoeForCausalLM):
         return self.embed_tokens(input_ids) * self.embedding_multiplier
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
-        src = f"model.layers.{layer}.block_sparse_moe."
-        if f"{src}input_linear.weight" not in state_dict:  # (a GGUF file's experts, split as Mixtral's)
-            return super().layer_weights(state_dict, layer)
-        dst = f"layers.{layer}.mlp."
-        weights: dict[str, Weight | list[Weight]] = {f"{dst}router.weight": state_dict[f"{src}router.layer.weight"]}
-        gate_up, down = state_dict[f"{src}input_linear.weight"], state_dict[f"{src}output_linear.weight"]
-        for e in range(self.layers[layer].mlp.num_experts):
-            weights[f"{dst}experts.{e}.gate_up_proj.weight"] = gate_up[e]
-            weights[f"{dst}experts.{e}.down_proj.weight"] = down[e]
-        return weights
+        if f"model.layers.{layer}.block_sparse_moe.input_linear.weight" not in state_dict:
+            return super().layer_weights(state_dict, layer)  # (a GGUF file's experts, split as Mixtral's)
+        return stacked_expert_weights(state_dict, layer, self.layers[layer].mlp.num_experts)
+
+
+def stacked_expert_weights(state_dict: dict[str, Weight], layer: int, num_experts: int) -> dict[str, Weight]:
+    """A Granite checkpoint's router and stacked experts (`block_sparse_moe.input_linear` `[experts, 2 *
+    intermediate, hidden]`, gate then up; `output_linear`; `router.layer`) by the model's names."""
+    src, dst = f"model.layers.{layer}.block_sparse_moe.", f"layers.{layer}.mlp."
+    weights: dict[str, Weight] = {f"{dst}router.weight": state_dict[f"{src}router.layer.weight"]}
+    gate_up, down = state_dict[f"{src}input_linear.weight"], state_dict[f"{src}output_linear.weight"]
+    for e in range(num_experts):
+        weights[f"{dst}experts.{e}.gate_up_proj.weight"] = gate_up[e]
+        weights[f"{dst}experts.{e}.down_proj.weight"] = down[e]
+    return weights

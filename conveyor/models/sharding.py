@@ -51,7 +51,8 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 # gate/up (Phi-3: q/k/v too) stored fused: a shard would need several row ranges of one tensor
 FUSED_CHECKPOINTS = ("phi3", "glm", "glm4")
 NORMS_OVER_HEADS = ("olmo2", "olmo3")  # q/k norms over all heads together: a rank would need the others' squares
-CONV_LAYERS = ("lfm2",)  # short-convolution layers (and LFM2's own tensor names), which the plan does not split
+# Layers whose state is not K/V (and these families' own tensor names), which the plan does not split
+STATE_LAYERS = {"lfm2": "convolution layers", "granitemoehybrid": "Mamba-2 layers and shared MLP"}
 PLAIN_MLP = ("starcoder2",)  # an MLP of c_fc and c_proj, not gate/up/down, which the plan does not split
 
 
@@ -147,9 +148,10 @@ def plan_shards(config: PretrainedConfig, world_size: int) -> list[ShardPlan]:
         raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type} normalizes q and k over all heads "
                           "together, which tensor parallelism does not split yet; use tensor_parallel_size=1, or "
                           "replicas with --data-parallel-size")
-    if world_size > 1 and config.model_type in CONV_LAYERS:
-        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type}'s convolution layers are not split "
-                          "over ranks yet; use tensor_parallel_size=1, or replicas with --data-parallel-size")
+    if world_size > 1 and config.model_type in STATE_LAYERS:
+        raise ConfigError(f"tensor_parallel_size={world_size}: {config.model_type}'s {STATE_LAYERS[config.model_type]} "
+                          "are not split over ranks yet; use tensor_parallel_size=1, or replicas with "
+                          "--data-parallel-size")
     inter = config.intermediate_size
     unit = next(u for u in MLP_UNITS if inter % u == 0)
     if inter // unit < world_size:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor import LLM, ContinuousBatchingConfig, LoRARequest
-from conveyor.cache.allocator import ConvStateCacheAllocator
+from conveyor.cache.allocator import StateCacheAllocator
 from conveyor.errors import ConfigError
 from conveyor.layers.short_conv import state_slots_per_row
 from conveyor.models.sharding import plan_shards
@@ -61,7 +61,7 @@ def test_conv_rings_match_transformers(tiny_models: dict[str, TinyModel], two_sl
 def test_conv_state_pages_stay_bounded_and_unshared(tiny_models: dict[str, TinyModel]) -> None:
     llm = tiny_models["lfm2"].llm(page_size=2)
     engine = llm.engine
-    conv = next(a for a in engine.allocator.allocators if isinstance(a, ConvStateCacheAllocator))
+    conv = next(a for a in engine.allocator.allocators if isinstance(a, StateCacheAllocator))
     assert conv.ring_blocks == 2 and conv.num_groups == 3 and engine.block_sharing is False
     engine.add_request(engine.make_request("long", PROMPTS[4], greedy(30)))
     lengths = []

@@ -1,0 +1,205 @@
+"""Mamba-2's selective state space mixer over the flattened ragged batch, its state kept in the KV pool
+(Granite 4.0's hybrid layers; docs/design/sliding-window.md "Convolution and state space layers").
+
+`in_proj(x)` makes the gate z, the convolution's input xBC and the time step dt. xBC goes through a causal
+depthwise convolution with SiLU (`short_conv`, its ring of the last inputs in the pool), then splits into the
+heads' inputs x `[heads, head_dim]` and the groups' B and C `[groups, state]`. Each head keeps a state S
+`[head_dim, state]`, per token: `S = exp(dt * A) * S + dt * B * x`, `y = S . C + D * x`. The output is
+`out_proj(rms_norm_per_group(y * silu(z)))`.
+
+A request's state per layer is a fixed number of pool slots, held whole from its first token: the
+convolution's ring (`kernel` rows of `r` slots each) and then S in fp32, its bytes over the slots' K and V
+halves, whatever the pool's dtype. So preemption, the swap pool and "every block returns" need nothing new,
+and a chunk of any length continues from the state the last one left. Decode rows take the recurrence
+above, batched; a prefill chunk takes the chunked form of the scan (state space duality, transformers'
+`torch_forward` step by step) from its request's state, so the exact path is transformers' arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata
+from .short_conv import ConvIndex, conv_index, short_conv, state_slots_per_row
+
+
+def state_slots(values: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+    """Pool slots that hold `values` fp32 numbers: a slot is a K and a V row of `num_kv_heads * head_dim`
+    elements of `element_size` bytes each."""
+    return -(-values * 4 // (2 * num_kv_heads * head_dim * element_size))
+
+
+@dataclass
+class MambaIndex:
+    """Per pass and layer group, the slots every Mamba layer of the group reads and writes (`mamba_index`)."""
+
+    conv: ConvIndex
+    decode_slots: torch.Tensor  # [decodes, s] the decode rows' state slots
+    decode_started: torch.Tensor  # [decodes, 1, 1, 1] False where a decode row has no state yet (its first token)
+    span_slots: list[torch.Tensor]  # [s] per prefill span
+    span_fresh: list[bool]  # per prefill span: it starts the request (its state is zero)
+
+
+def _state_slots(tables: torch.Tensor, base: int, s: int, page: int) -> torch.Tensor:
+    """`[n, s]` pool slots of the state that follows the ring (`base` slots) in blocks `tables [n, blocks]`."""
+    j = base + torch.arange(s, device=tables.device)
+    return tables[:, j // page] * page + j % page
+
+
+def mamba_index(meta: AttentionMetadata, num_tokens: int, kernel: int, r: int, s: int) -> MambaIndex:
+    """The pass's reads and writes for a Mamba group: the convolution's ring (`conv_index`) and each
+    request's state slots after it."""
+    page, base = meta.page_size, kernel * r
+    conv = conv_index(meta, num_tokens, kernel, r)
+    dev = meta.slot_mapping.device
+    if meta.num_decodes:
+        decode_slots = _state_slots(meta.decode_block_tables, base, s, page)
+        started = (meta.decode_positions > 0).view(-1, 1, 1, 1)
+    else:
+        decode_slots = torch.empty(0, s, dtype=torch.long, device=dev)
+        started = torch.empty(0, 1, 1, 1, dtype=torch.bool, device=dev)
+    spans = [_state_slots(span.block_table.unsqueeze(0), base, s, page)[0] for span in meta.prefills]
+    return MambaIndex(conv, decode_slots, started, spans, [span.start == 0 for span in meta.prefills])
+
+
+def read_state(kv_cache: torch.Tensor, slots: torch.Tensor, numel: int) -> torch.Tensor:
+    """The fp32 states `[n, numel]` whose bytes are at `slots [n, s]` (each slot's K half, then its V half)."""
+    n, s = slots.shape
+    pool = kv_cache.view(2, kv_cache.shape[1], -1)
+    parts = pool.index_select(1, slots.flatten()).view(2, n, s, pool.shape[-1])
+    return parts.permute(1, 2, 0, 3).reshape(n, -1).view(torch.float32)[:, :numel]
+
+
+def write_state(kv_cache: torch.Tensor, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """Store fp32 `states [n, numel]` at `slots [n, s]` (the inverse of `read_state`)."""
+    n, s = slots.shape
+    pool = kv_cache.view(2, kv_cache.shape[1], -1)
+    width = pool.shape[-1]
+    room = s * 2 * width * pool.element_size() // 4
+    raw = F.pad(states.float(), (0, room - states.shape[1])).view(pool.dtype).view(n, s, 2, width)
+    pool.index_copy_(1, slots.flatten(), raw.permute(2, 0, 1, 3).reshape(2, n * s, width))
+
+
+def _segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """`[..., T, T]`: the sum of `x[..., j+1 .. i]` at `[i, j]` for `j <= i`, -inf above the diagonal
+    (transformers' `segment_sum`, its masked cumulative sum)."""
+    t = x.shape[-1]
+    x = x[..., None].expand(*x.shape, t)
+    x = x.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=-1), 0)
+    out = torch.cumsum(x, dim=-2)
+    return out.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=0), -torch.inf)
+
+
+def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               d: torch.Tensor, state: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's tokens through the scan in chunks of `chunk` (transformers' `mamba2_chunk_scan`):
+    x `[T, heads, P]` fp32, dt `[T, heads]` (softplus'd), b/c `[T, heads, N]`, from `state [heads, P, N]`
+    (None: zeros). The outputs `[T, heads, P]` (with the D skip) and the final state."""
+    t = x.shape[0]
+    pad = (chunk - t % chunk) % chunk
+    skip = d[:, None] * F.pad(x, (0, 0, 0, 0, 0, pad))
+    x = x * dt[..., None]
+    a = a * dt
+    x, a, b, c = (F.pad(v, (0, 0) * (v.dim() - 1) + (0, pad)).view(-1, chunk, *v.shape[1:])
+                  for v in (x, a, b, c))
+    a = a.permute(2, 0, 1)  # [heads, chunks, chunk]
+    a_cumsum = torch.cumsum(a, dim=-1)
+    decay = torch.exp(_segment_sum(a))  # [heads, chunks, l, s]
+    scores = torch.einsum("clhn,cshn->clsh", c, b)
+    y_diag = torch.einsum("clsh,cshp->clhp", scores * decay.permute(1, 2, 3, 0), x)
+    decay_states = torch.exp(a_cumsum[:, :, -1:] - a_cumsum)
+    states = torch.einsum("clhn,clhp->chpn", b * decay_states.permute(1, 2, 0)[..., None], x)
+    first = torch.zeros_like(states[:1]) if state is None else state[None].to(states.dtype)
+    states = torch.cat([first, states], dim=0)
+    decay_chunk = torch.exp(_segment_sum(F.pad(a_cumsum[:, :, -1], (1, 0)))).transpose(0, 2)  # [z, c, h]
+    states = torch.einsum("zch,zhpn->chpn", decay_chunk, states)
+    states, final = states[:-1], states[-1]
+    y_off = torch.einsum("clhn,chpn->clhp", c, states) * torch.exp(a_cumsum).permute(1, 2, 0)[..., None]
+    y = (y_diag + y_off).reshape(-1, *y_diag.shape[2:]) + skip
+    return y[:t], final
+
+
+class Mamba2Mixer(nn.Module):
+    """The mixer in place of attention (`forward(x, kv_cache, meta, rows)`). `A` (as `-exp(A_log)`), `D` and
+    `dt_bias` are fp32 whatever the model's dtype (`set_ssm_parameters`, after the load)."""
+
+    def __init__(self, hidden: int, heads: int, head_dim: int, state: int, groups: int, kernel: int,
+                 conv_bias: bool, proj_bias: bool, chunk: int, eps: float,
+                 time_step_limit: tuple[float, float] | None) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.state, self.groups, self.chunk, self.eps = (
+            heads, head_dim, state, groups, chunk, eps)
+        self.inner = heads * head_dim
+        self.conv_dim = self.inner + 2 * groups * state
+        self.dt_limit = tuple(time_step_limit) if time_step_limit is not None else (0.0, float("inf"))
+        self.in_proj = nn.Linear(hidden, self.inner + self.conv_dim + heads, bias=proj_bias)
+        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, 1, kernel))
+        self.conv_bias = nn.Parameter(torch.empty(self.conv_dim)) if conv_bias else None
+        self.norm_weight = nn.Parameter(torch.empty(self.inner))
+        self.out_proj = nn.Linear(self.inner, hidden, bias=proj_bias)
+        for name in ("A", "D", "dt_bias"):
+            self.register_buffer(name, torch.zeros(heads), persistent=False)
+
+    def set_ssm_parameters(self, a: torch.Tensor, d: torch.Tensor, dt_bias: torch.Tensor) -> None:
+        """The per-head `A` (negative: `-exp(A_log)`), `D` and `dt_bias`, kept in fp32."""
+        for name, value in (("A", a), ("D", d), ("dt_bias", dt_bias)):
+            setattr(self, name, value.detach().reshape(self.heads).to(device=self.norm_weight.device,
+                                                                   dtype=torch.float32))
+
+    def state_slots(self, num_kv_heads: int, head_dim: int, element_size: int) -> tuple[int, int]:
+        """Slots of one conv ring row and of the SSM state, in a pool of this geometry."""
+        return (state_slots_per_row(self.conv_dim, num_kv_heads, head_dim),
+                state_slots(self.heads * self.head_dim * self.state, num_kv_heads, head_dim, element_size))
+
+    def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        t = x.shape[0]
+        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        kernel = self.conv_weight.shape[-1]
+        r, s = self.state_slots(kv_cache.shape[2], kv_cache.shape[3], kv_cache.element_size())
+        index = meta.state
+        if index is None:  # (the group's first layer of the pass; the others share it)
+            index = meta.state = mamba_index(meta, t, kernel, r, s)
+        xbc = F.silu(short_conv(xbc, self.conv_weight, kv_cache, meta, self.conv_bias, index.conv).float())
+        xs, b, c = xbc.split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
+        rep = self.heads // self.groups
+        xs = xs.view(t, self.heads, self.head_dim)
+        b = b.view(t, self.groups, self.state).repeat_interleave(rep, dim=1)
+        c = c.view(t, self.groups, self.state).repeat_interleave(rep, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.dt_limit)
+        y = torch.empty_like(xs)
+        nd, numel = meta.num_decodes, self.heads * self.head_dim * self.state
+        if nd:
+            y[:nd] = self._decode(xs[:nd], dt[:nd], b[:nd], c[:nd], kv_cache, index, numel)
+        for span, slots, fresh in zip(meta.prefills, index.span_slots, index.span_fresh):
+            q = slice(span.q_start, span.q_start + span.q_len)
+            start = None if fresh else read_state(kv_cache, slots[None], numel).view(
+                self.heads, self.head_dim, self.state)
+            y[q], final = chunk_scan(xs[q], dt[q], self.A, b[q], c[q], self.D, start, self.chunk)
+            write_state(kv_cache, slots[None], final.reshape(1, numel))
+        y = y.view(t, self.inner)
+        if rows is not None:
+            y, gate = y.index_select(0, rows), gate.index_select(0, rows)
+        return self.out_proj(self._gated_norm(y, gate).to(x.dtype))
+
+    def _decode(self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                kv_cache: torch.Tensor, index: MambaIndex, numel: int) -> torch.Tensor:
+        """One token per row: the recurrence over the rows' states, read and written back in the pool."""
+        n = x.shape[0]
+        state = read_state(kv_cache, index.decode_slots, numel).view(n, self.heads, self.head_dim, self.state)
+        state = torch.where(index.decode_started, state, 0.0)  # (a row with no state yet: zeros, not the page's)
+        decay = torch.exp(dt[..., None, None] * self.A[:, None, None])
+        state = state * decay + (dt[..., None, None] * b[:, :, None]) * x[..., None]
+        write_state(kv_cache, index.decode_slots, state.view(n, numel))
+        y = torch.matmul(state.view(-1, self.head_dim, self.state), c.reshape(-1, self.state, 1))
+        return y.view(n, self.heads, self.head_dim) + x * self.D[:, None]
+
+    def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each group of `y * silu(gate)` (fp32), times the weight in the model's dtype."""
+        h = (y.float() * F.silu(gate.float())).view(y.shape[0], self.groups, self.inner // self.groups)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.norm_weight * h.view(y.shape[0], self.inner).to(gate.dtype)

@@ -1,0 +1,212 @@
+"""Granite 4.0's Mamba-2 layers (`layers.mamba2`), their state (the convolution's ring, then the SSM state in
+fp32) a fixed run of KV pool slots: greedy ids equal transformers' with chunked prefill from one token to longer
+than the scan's chunks, dense and with experts, requests offloaded and resumed; the state's pages fixed and all
+returned; the scan's chunked form against the recurrence in fp64; the default modes' error measured; what the
+state cannot take refused by name. The attention-only Granite 4.0 models (granite-4.0-micro's form)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conveyor.cache.allocator import StateCacheAllocator
+from conveyor.errors import ConfigError
+from conveyor.layers.mamba2 import chunk_scan, read_state, state_slots, write_state
+from conveyor.models.granite_hybrid import GraniteHybridForCausalLM
+from conveyor.models.sharding import plan_shards
+
+from tests.utils import (BF16_TOLERANCE, MOE_CONFIGS, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
+                         assert_mode_within_tolerance, greedy, hf_greedy, next_token_logprobs, random_prompts,
+                         shared_prefix_scenario)
+
+PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
+MAX_NEW = 16
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def references(model: TinyModel, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], torch.Tensor]]:
+    return [hf_greedy(model.reference, p, MAX_NEW) for p in prompts]
+
+
+def assert_matches(outputs: list[list[int]], refs: list[tuple[list[int], torch.Tensor]], label: str) -> None:
+    for i, (ours, (ref, logits)) in enumerate(zip(outputs, refs)):
+        assert_greedy_match(ours, ref, logits, f"{label} prompt {i}")
+
+
+def long_memory(model: TinyModel) -> TinyModel:
+    """Decays of 0.96-0.996 a token (transformers' initial A and dt_bias forget within a few tokens, so a state
+    lost between chunks would hardly show), saved again."""
+    with torch.no_grad():
+        for name, param in model.reference.named_parameters():
+            if name.endswith("A_log"):
+                param.copy_(torch.log(torch.linspace(0.02, 0.2, param.numel())))
+            elif name.endswith("dt_bias"):
+                param.fill_(-1.5)
+    model.reference.save_pretrained(model.path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    configs = {"dense": TINY_CONFIGS["granitemoehybrid"](), "experts": MOE_CONFIGS["granitemoehybrid"]()}
+    return {kind: long_memory(TinyModel("granitemoehybrid", tmp_path_factory.mktemp(f"granite-hybrid-{kind}"), config))
+            for kind, config in configs.items()}
+
+
+@pytest.mark.parametrize("config", [{"page_size": 16}, {"page_size": 4, "max_batch_tokens": 7},
+                                    {"page_size": 2, "max_batch_tokens": 5}, {"page_size": 3, "max_batch_tokens": 1}],
+                         ids=["page16", "page4-chunk7", "page2-chunk5", "page3-chunk1"])
+@pytest.mark.parametrize("kind", ["dense", "experts"])
+def test_mamba_states_match_transformers(models: dict[str, TinyModel], kind: str, config: dict) -> None:
+    """Chunks of 1 to 47 tokens starting anywhere in the scan's chunks of 8, decode rows beside them; the state
+    (ring rows of 3 slots, then 32 slots of fp32) within pages or across them."""
+    model = models[kind]
+    llm = model.llm(**config)
+    engine = llm.engine
+    assert engine.model.cache_windows == {"mamba": 4 * 3 + 32} and engine.block_sharing is False
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
+    assert_matches([o.token_ids for o in outs], references(model), f"{kind} {config}")
+    assert all_free(llm) and engine.pool.num_free == engine.pool.num_usable
+
+
+def test_state_pages_are_fixed_from_the_first_token(models: dict[str, TinyModel]) -> None:
+    """A request holds its state's run of pages whole from its first token to its last, however long it grows."""
+    llm = models["dense"].llm(page_size=4)
+    engine = llm.engine
+    state = next(a for a in engine.allocator.allocators if isinstance(a, StateCacheAllocator))
+    assert state.attention_type == "mamba" and state.ring_blocks == 11 and state.num_groups == 3
+    engine.add_request(engine.make_request("long", PROMPTS[4], greedy(30)))
+    lengths = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        if state.holds("long"):
+            lengths.add(len(state.block_table("long")))
+    assert lengths == {11}
+    assert all_free(llm)
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
+def test_offloaded_requests_resume_with_their_state(models: dict[str, TinyModel], swap: bool) -> None:
+    """A pool too small for all five: requests are offloaded and resumed (their states swapped out and back
+    with their attention pages, or recomputed from their tokens) and give the same tokens."""
+    model = models["dense"]
+    llm = model.llm(page_size=4, num_blocks=80, max_batch_tokens=16, cpu_offload_space=1.0 if swap else 0.0)
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
+    stats = llm.stats()
+    assert stats.offloads > 0 and (stats.swap_ins > 0) == swap
+    assert_matches([o.token_ids for o in outs], references(model), f"offload swap={swap}")
+    assert all_free(llm)
+
+
+def recurrence(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scan one token at a time: `S = exp(dt * A) * S + dt * B * x`, `y = S . C + D * x`."""
+    ys = []
+    for t in range(x.shape[0]):
+        decay = torch.exp(dt[t] * a)[:, None, None]
+        state = decay * state + (dt[t][:, None, None] * b[t][:, None, :]) * x[t][..., None]
+        ys.append((state @ c[t][..., None]).squeeze(-1) + d[:, None] * x[t])
+    return torch.stack(ys), state
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 8, 21])
+@pytest.mark.parametrize("chunk", [1, 4, 8])
+def test_chunked_scan_equals_the_recurrence(tokens: int, chunk: int) -> None:
+    """The chunked form (what a prefill chunk takes) against the step-by-step recurrence (a decode row's), fp64,
+    from a non-zero state: outputs and final state."""
+    g = torch.Generator().manual_seed(tokens * 10 + chunk)
+    heads, p, n = 3, 4, 5
+    x, b, c = (torch.randn(tokens, heads, k, generator=g, dtype=torch.float64) for k in (p, n, n))
+    dt = torch.rand(tokens, heads, generator=g, dtype=torch.float64)
+    a = -2 * torch.rand(heads, generator=g, dtype=torch.float64)
+    d = torch.randn(heads, generator=g, dtype=torch.float64)
+    state = torch.randn(heads, p, n, generator=g, dtype=torch.float64)
+    y, final = chunk_scan(x, dt, a, b, c, d, state, chunk)
+    y_ref, final_ref = recurrence(x, dt, a, b, c, d, state)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(final, final_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_states_keep_their_fp32_bits_in_any_pool(dtype: torch.dtype) -> None:
+    """An fp32 state stored over a bf16 pool's slots (each slot's K half, then its V half) reads back bit for bit,
+    and writes nothing outside its slots."""
+    pool = torch.zeros(2, 64, 2, 8, dtype=dtype)
+    s = state_slots(100, 2, 8, pool.element_size())
+    assert s == (4 if dtype == torch.float32 else 7)  # (400 bytes over slots of 128 or 64)
+    slots = torch.stack([torch.arange(s), torch.arange(63, 63 - s, -1)])
+    states = torch.randn(2, 100)
+    write_state(pool, slots, states)
+    assert torch.equal(read_state(pool, slots, 100), states)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots.flatten()] = False
+    assert not pool[:, untouched].any()
+
+
+def test_what_mamba_layers_cannot_take_is_refused_by_name(models: dict[str, TinyModel]) -> None:
+    """A quantized KV cache (the states are kept exact) and tensor parallelism (the layers are not split)."""
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype 'int8' is not supported for granitemoehybrid's mamba "
+                                          r"layers \(supported: auto\)"):
+        models["dense"].llm(dtype="bfloat16", kv_cache_dtype="int8")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=2: granitemoehybrid's Mamba-2 layers and shared MLP "
+                                          r"are not split"):
+        plan_shards(models["dense"].reference.config, 2)
+
+
+@pytest.fixture(scope="module")
+def smooth_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TinyModel]:
+    """At a trained model's weight scale, as the precision tests' `llama_smooth`."""
+    configs = {"dense": TINY_CONFIGS["granitemoehybrid"](initializer_range=0.05),
+               "experts": MOE_CONFIGS["granitemoehybrid"](initializer_range=0.05)}
+    return {kind: TinyModel("granitemoehybrid", tmp_path_factory.mktemp(f"smooth-{kind}"), config)
+            for kind, config in configs.items()}
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("kind", ["dense", "experts"])
+def test_default_modes_stay_within_the_measured_error(smooth_models: dict[str, TinyModel], kind: str,
+                                                      quantization: str) -> None:
+    """bf16 (the SSM state still fp32) and int8 weights against the fp32 exact path, by the limits every
+    family's modes are held to."""
+    assert_mode_within_tolerance(smooth_models[kind], quantization)
+
+
+@pytest.mark.parametrize("kind", ["dense", "experts"])
+def test_long_memory_states_keep_bf16_within_its_error(smooth_models: dict[str, TinyModel], kind: str,
+                                                       tmp_path: Path) -> None:
+    """The same models with states that last (`long_memory`), where a state's rounding would add up: the next
+    tokens' log-probabilities in bf16 within bf16's limit of the exact path. (Greedy agreement is not asserted
+    here: this tiny model's long-memory continuations pass near-ties, and its bf16 runs part from the exact
+    path only where the top two logits are within 0.013, measured.)"""
+    model = long_memory(TinyModel("granitemoehybrid", tmp_path, smooth_models[kind].reference.config))
+    prompts = random_prompts([5, 9, 14, 20, 3, 30, 11, 7, 25, 16, 8, 12], seed=41)
+    err = (next_token_logprobs(model.llm(dtype="bfloat16"), prompts) - next_token_logprobs(model.llm(), prompts))
+    assert err.abs().max().item() < BF16_TOLERANCE
+
+
+def test_attention_only_granite4_shares_prefixes(tmp_path: Path) -> None:
+    """granite-4.0-micro's form: every layer attention with RoPE, the shared MLP: equal to transformers, and
+    with no state layers its blocks are shared by prefix caching."""
+    config = TINY_CONFIGS["granitemoehybrid"](layer_types=["attention"] * 4, position_embedding_type="rope")
+    model = TinyModel("granitemoehybrid", tmp_path, config)
+    llm = model.llm(page_size=4, max_batch_tokens=24)
+    assert llm.engine.model.cache_windows == {} and llm.engine.block_sharing
+    outputs = shared_prefix_scenario(llm, model.reference)
+    assert llm.stats().prefix_cache_hit_tokens > 0
+    for name, prompt in outputs.pop("prompts").items():
+        ref, logits = hf_greedy(model.reference, prompt, len(outputs[name]))
+        assert_greedy_match(outputs[name], ref, logits, f"prefix-cached request {name}")
+    assert all_free(llm)
+
+
+def test_layer_types_by_either_name_and_unknown_ones_refused() -> None:
+    """The Hub's configs say "mamba" / "attention", transformers' own "linear_attention" / "full_attention"; a
+    type the layers do not have is refused by name."""
+    config = TINY_CONFIGS["granitemoehybrid"]()
+    assert GraniteHybridForCausalLM(config).layer_types == ["mamba", "mamba", "full_attention", "mamba"]
+    config.layer_types = ["linear_attention", "full_attention", "sliding_attention", "mamba"]
+    with pytest.raises(ValueError, match=r"granitemoehybrid layer types \['sliding_attention'\] are not supported"):
+        GraniteHybridForCausalLM(config)
