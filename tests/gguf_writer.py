@@ -65,8 +65,9 @@ def gguf_header(path: Path, arch: str, config: transformers.PretrainedConfig) ->
     w.add_embedding_length(config.hidden_size)
     w.add_feed_forward_length(mlp_width(config) if config.model_type == "lfm2" else config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
-    if config.model_type in ("lfm2", "lfm2_moe"):  # (KV heads a layer, none in a conv layer; the MLP's width as built)
-        w.add_head_count_kv([config.num_key_value_heads * (t != "conv") for t in config.layer_types])
+    if config.model_type in ("lfm2", "lfm2_moe", "granitemoehybrid"):  # (KV heads a layer, none in a state layer)
+        w.add_head_count_kv([config.num_key_value_heads * (t in ("full_attention", "attention"))
+                             for t in config.layer_types])
     elif getattr(config, "num_key_value_heads", None) is not None:
         w.add_head_count_kv(config.num_key_value_heads)
     return w
@@ -130,7 +131,7 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     if arch in ("olmo2", "exaone4") and getattr(config, "sliding_window", None):  # OLMo 3, EXAONE 4.0 32B
         w.add_sliding_window(config.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in config.layer_types])
-    if arch == "granite":  # (the converter's names for the multipliers)
+    if arch in ("granite", "granitehybrid"):  # (the converter's names for the multipliers)
         w.add_attention_scale(config.attention_multiplier)
         w.add_embedding_scale(config.embedding_multiplier)
         w.add_residual_scale(config.residual_multiplier)
@@ -138,6 +139,8 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     tensors = hf_state(model, head)
     if arch == "lfm2moe":
         tensors = lfm2_moe_tensors(w, config, tensors)
+    if arch == "granitehybrid":
+        tensors = granite_hybrid_tensors(w, config, tensors)
     if arch == "glm4":  # (the rotated dimensions: half of each head)
         w.add_rope_dimension_count(int(config.head_dim * full["partial_rotary_factor"]))
     if arch == "phi3":
@@ -158,11 +161,11 @@ def write_gguf(path: Path, model: transformers.PreTrainedModel, arch: str, types
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
                                      config.num_hidden_layers)
     for name, data in tensors.items():
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        gguf_name = name if name.startswith("blk.") else names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, f"{arch}: no GGUF name for {name}"
         if gguf_name in drop:
             continue
-        permuted = ("llama", "smollm3", "granite", "mistral3", "arcee")  # (llama.cpp's RoPE layout)
+        permuted = ("llama", "smollm3", "granite", "granitehybrid", "mistral3", "arcee")  # (llama.cpp's RoPE layout)
         if arch in permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             rows = data.shape[0] // heads // 2
@@ -201,6 +204,54 @@ def lfm2_moe_tensors(w: gguf.GGUFWriter, config: transformers.PretrainedConfig,
             out[f"layers.{layer}.feed_forward.experts.w2.weight"] = data
         else:
             out[name + (".bias" if name.endswith(".expert_bias") else "")] = data
+    return out
+
+
+def granite_hybrid_tensors(w: gguf.GGUFWriter, config: transformers.PretrainedConfig,
+                           tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Granite 4.0's keys and tensors as llama.cpp's converter writes them (`GraniteHybridModel`): the Mamba-2
+    layers' shape, A as `-exp(A_log)`, the convolution squeezed, the norm a row per group; the shared MLP split
+    into gate and up (`ffn_*` in a dense model, `ffn_*_shexp` beside experts); the experts' gate/up split."""
+    inner = config.mamba_n_heads * config.mamba_d_head
+    w.add_ssm_conv_kernel(config.mamba_d_conv)
+    w.add_ssm_state_size(config.mamba_d_state)
+    w.add_ssm_group_count(config.mamba_n_groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(config.mamba_n_heads)
+    w.add_expert_shared_feed_forward_length(config.shared_intermediate_size)
+    w.add_rope_scaling_finetuned(config.position_embedding_type == "rope")
+    experts = config.num_local_experts
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+    out, shared, inter = {}, "_shexp" if experts else "", config.intermediate_size
+    for name, data in tensors.items():
+        parts = name.split(".")
+        blk = f"blk.{parts[2]}." if name.startswith("model.layers.") else ""
+        leaf = ".".join(parts[3:])
+        if leaf == "mamba.A_log":
+            out[f"{blk}ssm_a"] = -torch.exp(torch.from_numpy(data)).numpy()[:, None]
+        elif leaf == "mamba.D":
+            out[f"{blk}ssm_d"] = data[:, None]
+        elif leaf == "mamba.dt_bias":
+            out[f"{blk}ssm_dt.bias"] = data
+        elif leaf == "mamba.conv1d.weight":
+            out[f"{blk}ssm_conv1d.weight"] = data.squeeze(1)
+        elif leaf == "mamba.norm.weight":
+            out[f"{blk}ssm_norm.weight"] = data.reshape(config.mamba_n_groups, -1)
+        elif leaf == "shared_mlp.input_linear.weight":
+            half = data.shape[0] // 2
+            out[f"{blk}ffn_gate{shared}.weight"], out[f"{blk}ffn_up{shared}.weight"] = data[:half], data[half:]
+        elif leaf == "shared_mlp.output_linear.weight":
+            out[f"{blk}ffn_down{shared}.weight"] = data
+        elif leaf == "block_sparse_moe.experts.gate_up_proj":
+            out[f"{blk}ffn_gate_exps.weight"], out[f"{blk}ffn_up_exps.weight"] = data[:, :inter], data[:, inter:]
+        elif leaf == "block_sparse_moe.experts.down_proj":
+            out[f"{blk}ffn_down_exps.weight"] = data
+        elif leaf == "block_sparse_moe.router.weight":
+            out[f"{blk}ffn_gate_inp.weight"] = data
+        else:  # (named by gguf's map: attention, norms, the Mamba layers' projections and conv bias)
+            out[name] = data
     return out
 
 

@@ -42,6 +42,7 @@ ARCHITECTURES: dict[str, type[transformers.PretrainedConfig]] = {
     "ernie4_5": transformers.Ernie4_5Config,
     "glm4": transformers.Glm4Config,
     "lfm2": transformers.Lfm2Config,
+    "granitehybrid": transformers.GraniteMoeHybridConfig,  # Granite 4.0, dense or with experts
     "bert": transformers.BertConfig,  # encoders (`gguf_bert`)
     "jina-bert-v2": transformers.BertConfig,
     "nomic-bert": transformers.NomicBertConfig,
@@ -68,7 +69,8 @@ LAYER_MODULES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+)\.(weight|bias)")
+# (a few tensors have no suffix: Mamba-2's `ssm_a` and `ssm_d`)
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.([\w.]+?)(?:\.(weight|bias))?")
 
 _REQUIRED = object()
 
@@ -142,4 +144,4 @@ def hf_name(name: str, arch: str) -> str | None:
     modules = LAYER_MODULES | gguf_families.ARCH_LAYER_MODULES.get(arch, {})
     if match is None or match[2] not in modules:
         return None
-    return f"model.layers.{match[1]}.{modules[match[2]]}.{match[3]}"
+    return f"model.layers.{match[1]}.{modules[match[2]]}" + (f".{match[3]}" if match[3] else "")

@@ -1,5 +1,6 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them: `general.architecture` qwen2moe, qwen3moe,
-olmoe, gpt-oss, granitemoe (its stacked gate/up split in two), ernie4_5-moe (its shared experts' MLP
+olmoe, gpt-oss, granitemoe and granitehybrid (their stacked gate/up split in two, the latter's shared MLP
+`ffn_*_shexp`), ernie4_5-moe (its shared experts' MLP
 `ffn_*_shexp`, the experts' choosing bias `exp_probs_b`), lfm2moe (LFM2's layers, its first
 `leading_dense_block_count` dense, `exp_probs_b` too), and Mixtral as `llama` with `llama.expert_count`; the
 experts' matrices stacked in 3-D tensors (`blk.N.ffn_{gate,up,down}_exps`, experts outermost), the router
@@ -60,7 +61,7 @@ def config_fields(arch: str, field: Callable[..., Any], tensor_names: set[str], 
     if not experts:
         return {}
     fields: dict[str, Any] = {"num_experts_per_tok": field(f"{arch}.expert_used_count")}
-    if arch in ("llama", "gpt-oss", "granitemoe"):
+    if arch in ("llama", "gpt-oss", "granitemoe", "granitehybrid"):
         return fields | {"num_local_experts": experts}
     fields |= {"num_experts": experts,
                "norm_topk_prob": bool(field(f"{arch}.expert_weights_norm", _RENORMALIZE.get(arch, False)))}

@@ -44,7 +44,13 @@ into the Hugging Face form the loader gives everything downstream.
   pairs, which is llama.cpp's own layout; the model reorders them, `models.pair_rope`). GLM-4's gate and up
   fused in `ffn_up`, its norms after the blocks `post_attention_norm` and `post_ffw_norm` (`ffn_norm` is the
   one before the MLP), `rope.dimension_count` the rotated half of each head.
-- LFM2 (`lfm2`, and LFM2-MoE as `lfm2moe`: its experts in `gguf_experts`): `attention.head_count_kv` one count a layer, 0 for the conv layers; the conv layers'
+- Granite 4.0 (`granitehybrid`, dense or with experts): Granite's multipliers; `attention.head_count_kv` one count
+  a layer, 0 for the Mamba-2 layers, whose tensors are `ssm_in`, `ssm_conv1d` (stored `[channels, kernel]`),
+  `ssm_dt` (its bias), `ssm_a` (`-exp(A_log)`, no suffix), `ssm_d`, `ssm_norm` (one row a group) and `ssm_out`;
+  the shared MLP is `ffn_{gate,up,down}` in a dense model and `ffn_*_shexp` beside the experts; RoPE only where
+  `rope.scaling.finetuned` is set (the converter's flag for it; Granite 4.0-H's attention is NoPE).
+- LFM2 (`lfm2`, and LFM2-MoE as `lfm2moe`: its experts in `gguf_experts`): `attention.head_count_kv` one count a
+  layer, 0 for the conv layers; the conv layers'
   `shortconv.conv` (stored `[hidden, L]`), `shortconv.in_proj` and `shortconv.out_proj`; the final norm is
   `token_embd_norm`; `feed_forward_length` the MLP's width as built; q/k unpermuted.
 - Phi-3 (`phi3`): q/k/v fused in `attn_qkv`, gate and up in `ffn_up` (no `ffn_gate`), as the checkpoint has
@@ -68,7 +74,8 @@ _GEMMA_NORMS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "
                 "post_ffw_norm": "post_feedforward_layernorm"}
 # LFM2's own names: its conv layers' blocks, the attention's output and q/k norms, the MLP's w1, w3, w2.
 _LFM2_LAYERS = {"shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj",
-                "shortconv.out_proj": "conv.out_proj", "attn_norm": "operator_norm", "attn_output": "self_attn.out_proj",
+                "shortconv.out_proj": "conv.out_proj", "attn_norm": "operator_norm",
+                "attn_output": "self_attn.out_proj",
                 "attn_q_norm": "self_attn.q_layernorm", "attn_k_norm": "self_attn.k_layernorm", "ffn_norm": "ffn_norm",
                 "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2"}
 ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
@@ -85,6 +92,8 @@ ARCH_LAYER_MODULES: dict[str, dict[str, str]] = {
              "post_ffw_norm": "post_mlp_layernorm"},
     "lfm2": _LFM2_LAYERS,
     "lfm2moe": _LFM2_LAYERS,
+    "granitehybrid": {"ssm_in": "mamba.in_proj", "ssm_out": "mamba.out_proj", "ssm_conv1d": "mamba.conv1d",
+                      "ssm_norm": "mamba.norm", "ssm_dt": "mamba.dt", "ssm_a": "mamba.A", "ssm_d": "mamba.D"},
 }
 # Global tensors whose Hugging Face name differs from the common table's, by architecture.
 ARCH_GLOBAL_TENSORS = {arch: {"token_embd_norm.weight": "model.embedding_norm.weight"}
@@ -96,7 +105,7 @@ NORM_PLUS_ONE = ("gemma", "gemma2", "gemma3")  # architectures whose `*norm.weig
 # architectures whose converter permutes q and k rows (LlamaModel's)
 # Architectures whose norms are LayerNorms (`attention.layer_norm_epsilon`), and their configs' name for its eps.
 LAYER_NORM = {"command-r": "layer_norm_eps", "cohere2": "layer_norm_eps", "starcoder2": "norm_epsilon"}
-PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "mistral3", "arcee")
+PERMUTED_QK = ("llama", "smollm3", "granite", "granitemoe", "granitehybrid", "mistral3", "arcee")
 SMOLLM3_NOPE_INTERVAL = 4  # llama.cpp's `n_no_rope_layer_step` for smollm3
 _BIG_GEMMA_LAYERS = {"gemma2": 46, "gemma3": 62}  # the 27B models: queries scaled by hidden / heads
 
@@ -167,12 +176,33 @@ def arch_config(arch: str, field: Field, tensors: Sequence[Any], common: dict[st
                 "conv_L_cache": field(f"{arch}.shortconv.l_cache")}
         if arch == "lfm2":
             out["block_auto_adjust_ff_dim"] = False
-    elif arch in ("granite", "granitemoe"):
+    elif arch in ("granite", "granitemoe", "granitehybrid"):
         out |= {"attention_multiplier": field(f"{arch}.attention.scale", 1.0),
                 "embedding_multiplier": field(f"{arch}.embedding_scale", 1.0),
                 "residual_multiplier": field(f"{arch}.residual_scale", 1.0),
                 "logits_scaling": field(f"{arch}.logit_scale", 1.0)}
+        if arch == "granitehybrid":
+            out |= _granite_hybrid(field, common)
     return out
+
+
+def _granite_hybrid(field: Field, common: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4.0's Mamba-2 layers (0 KV heads in `attention.head_count_kv`'s list), their `ssm.*` shape, the
+    shared MLP's width, and RoPE only where `rope.scaling.finetuned` says so (the converter's flag for it)."""
+    kv_heads = common["num_key_value_heads"]
+    kv_heads = kv_heads if isinstance(kv_heads, list) else [kv_heads] * common["num_hidden_layers"]
+    def ssm(key: str) -> int:
+        return field(f"granitehybrid.ssm.{key}")
+
+    heads, inner = ssm("time_step_rank"), ssm("inner_size")
+    return {"num_key_value_heads": max(kv_heads) or common["num_attention_heads"],
+            "layer_types": ["full_attention" if n else "linear_attention" for n in kv_heads],
+            "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_expand": inner // common["hidden_size"],
+            "mamba_d_state": ssm("state_size"), "mamba_d_conv": ssm("conv_kernel"), "mamba_n_groups": ssm("group_count"),
+            "shared_intermediate_size": field("granitehybrid.expert_shared_feed_forward_length",
+                                              common["intermediate_size"]),
+            "position_embedding_type": "rope" if field("granitehybrid.rope.scaling.finetuned", False) else None,
+            **({} if field("granitehybrid.expert_count", 0) else {"num_local_experts": 0})}  # (else `gguf_experts`)
 
 
 def _gemma(arch: str, field: Field, common: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from .llama import DecoderLayer, RMSNorm
 
 # Hugging Face names of a sparse block and its experts' gate, up and down projections, by model type.
 _MIXTRAL_NAMES = ("block_sparse_moe", "w1", "w3", "w2")
-_HF_EXPERTS = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _MIXTRAL_NAMES,  # (Granite MoE: a GGUF file's, split)
+_HF_EXPERTS = {"mixtral": _MIXTRAL_NAMES, "granitemoe": _MIXTRAL_NAMES,  # (Granite's: a GGUF file's, split)
+               "granitemoehybrid": _MIXTRAL_NAMES,
                "lfm2_moe": ("feed_forward", "w1", "w3", "w2")}
 _HF_EXPERTS_DEFAULT = ("mlp", "gate_proj", "up_proj", "down_proj")
 

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
+from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.cache.allocator import StateCacheAllocator
 from conveyor.errors import ConfigError
 from conveyor.layers.mamba2 import chunk_scan, read_state, state_slots, write_state
 from conveyor.models.granite_hybrid import GraniteHybridForCausalLM
 from conveyor.models.sharding import plan_shards
 
-from tests.utils import (BF16_TOLERANCE, MOE_CONFIGS, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
-                         assert_mode_within_tolerance, greedy, hf_greedy, next_token_logprobs, random_prompts,
-                         shared_prefix_scenario)
+from tests.gguf_writer import write_gguf
+from tests.utils import (BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel, all_free,
+                         assert_greedy_match, assert_mode_within_tolerance, greedy, greedy_ids, hf_greedy,
+                         next_token_logprobs, random_prompts, shared_prefix_scenario)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
@@ -210,3 +213,43 @@ def test_layer_types_by_either_name_and_unknown_ones_refused() -> None:
     config.layer_types = ["linear_attention", "full_attention", "sliding_attention", "mamba"]
     with pytest.raises(ValueError, match=r"granitemoehybrid layer types \['sliding_attention'\] are not supported"):
         GraniteHybridForCausalLM(config)
+
+
+@pytest.mark.parametrize("kind", ["dense", "experts"])
+def test_gguf_files_load_like_the_directory(smooth_models: dict[str, TinyModel], kind: str, tmp_path: Path,
+                                            gguf_tokenizer: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's `granitehybrid` file (A stored as `-exp(A_log)`, the shared MLP split, the experts' gate/up
+    split): F32 gives the directory's SSM parameters bit for bit and its greedy ids; Q8_0 blocks kept for the
+    kernels stay within int8's tolerance of the directory holding the same rounded weights (at a trained model's
+    weight scale, which that tolerance is measured on; states that last)."""
+    model = long_memory(TinyModel("granitemoehybrid", tmp_path / "hf", smooth_models[kind].reference.config))
+    f32, q8 = tmp_path / "f32.gguf", tmp_path / "q8_0.gguf"
+    write_gguf(f32, model.reference, "granitehybrid", gguf.GGMLQuantizationType.F32)
+    write_gguf(q8, model.reference, "granitehybrid", gguf.GGMLQuantizationType.Q8_0)
+    config = {"page_size": 4, "max_batch_tokens": 16}
+    from_file = LLM(f32, dtype="float32", config=ContinuousBatchingConfig(num_blocks=256, **config))
+    from_dir = model.llm(**config)
+    assert from_file.engine.model.config.layer_types == model.reference.config.layer_types
+    mixers = [[layer.mamba for layer in m.engine.model.layers if hasattr(layer, "mamba")]
+              for m in (from_file, from_dir)]
+    assert len(mixers[0]) == len(mixers[1]) > 0
+    for ours, theirs in zip(*mixers):
+        for name in ("A", "D", "dt_bias", "conv_weight", "norm_weight"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert greedy_ids(from_file, PROMPTS) == greedy_ids(from_dir, PROMPTS)
+    assert all_free(from_file)
+    rounded = TinyModel("granitemoehybrid", tmp_path / "q8-hf", model.reference.config)
+    q8_0, weights = gguf.GGMLQuantizationType.Q8_0, model.reference.state_dict()
+    with torch.no_grad():
+        for name, param in rounded.reference.named_parameters():
+            value = weights[name]
+            if param.ndim >= 2 and not name.endswith("norm.weight") and param.shape[-1] % 32 == 0:
+                value = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(value.numpy(), q8_0), q8_0))
+            param.copy_(value.view(param.shape))
+    rounded.reference.save_pretrained(rounded.path)
+    monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))  # (fp32 around int8)
+    kept = LLM(q8, dtype="auto", config=ContinuousBatchingConfig(num_blocks=256, **config))
+    monkeypatch.undo()
+    assert kept.quantization == "gguf"
+    err = (next_token_logprobs(kept, PROMPTS) - next_token_logprobs(rounded.llm(**config), PROMPTS)).abs().max()
+    assert err.item() < QUANT_MODES["int8"][0][0]
