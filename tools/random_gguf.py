@@ -3,7 +3,8 @@ shape with random weights, for speed measurements at the sizes people run (speed
 weights). Matrices in Q4_0, Q8_0 or F16 (gguf's own quantizer), the token embedding in Q8_0 (F16 with
 --type f16), norms in F32; a tokenizer of placeholder tokens of the model's vocabulary size. gpt-oss-20b's
 experts are random MXFP4 blocks, as the released file stores them (its other matrices in --type); LFM2's
-conv layers (and LFM2-8B-A1B's experts, in --type) are named as llama.cpp's converter names them. The
+conv layers (and LFM2-8B-A1B's experts, in --type) and Granite 4.0-H's Mamba-2 layers are named as llama.cpp's
+converter names them. The
 K-quant and IQ4 mixes people download (q4_k_m, q5_k_m, q6_k, iq4_xs, ...) come from llama.cpp's
 `llama-quantize` (--llama-quantize PATH) over a Q8_0 file written first. Tensors are written one at a
 time, so an 8B shape needs no more memory than its largest matrix. llama.cpp and Conveyor both load it.
@@ -24,6 +25,7 @@ import numpy as np
 
 QType = gguf.GGMLQuantizationType
 LFM2_KERNEL = 3  # LFM2's `conv_L_cache`
+GRANITE_KERNEL = 4  # Granite 4.0-H's `mamba_d_conv`
 TYPES = {"q4_0": QType.Q4_0, "q8_0": QType.Q8_0, "f16": QType.F16}
 # llama-quantize's names of the mixes it makes (`llama-quantize --help`), by our lower-case name.
 LLAMA_QUANTIZE_TYPES = {name.lower(): name for name in ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M",
@@ -48,6 +50,9 @@ class Shape:
     attention_layers: tuple[int, ...] = ()  # LFM2: the layers with attention; the others are short convolutions
     expert_ffn: int = 0  # LFM2-MoE: each expert's width (`ffn` is the dense layers'), after `dense_layers` dense ones
     dense_layers: int = 0
+    ssm_heads: int = 0  # Granite 4.0-H: the Mamba-2 layers' heads (of 64), in the layers without attention
+    ssm_state: int = 128
+    shared_ffn: int = 0  # Granite 4.0-H with experts: the shared MLP's width beside them
 
 
 SHAPES = {
@@ -64,6 +69,12 @@ SHAPES = {
     # LFM2-8B-A1B: 24 layers (6 with attention), the first 2 dense, then 32 experts of 1,792 a layer, 4 a token
     "lfm2-8b-a1b": Shape("lfm2moe", 2048, 24, 32, 8, 64, 7168, 65536, True, 1000000.0, experts=32, experts_used=4,
                          attention_layers=(2, 6, 10, 14, 18, 21), expert_ffn=1792, dense_layers=2),
+    # Granite 4.0-H micro (3B) and tiny (7B, 1B active): 40 layers, 4 with NoPE attention, 36 Mamba-2 layers of
+    # 64 or 48 heads of 64 and a state of 128; tiny's 64 experts of 512 (6 a token) beside a shared MLP of 1,024
+    "granite-4.0-h-micro": Shape("granitehybrid", 2048, 40, 32, 8, 64, 8192, 100352, True, 10000.0,
+                                 attention_layers=(9, 19, 29, 39), ssm_heads=64),
+    "granite-4.0-h-tiny": Shape("granitehybrid", 1536, 40, 12, 4, 128, 512, 100352, True, 10000.0, experts=64,
+                                experts_used=6, attention_layers=(9, 19, 29, 39), ssm_heads=48, shared_ffn=1024),
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 10000.0, context=2048),  # for tests
     "tiny-gpt-oss": Shape("gpt-oss", 256, 2, 4, 2, 64, 256, 512, False, 10000.0, 8192, 4, 2),  # for tests
 }
@@ -75,9 +86,10 @@ def header(writer: gguf.GGUFWriter, shape: Shape) -> None:
     writer.add_embedding_length(shape.hidden)
     writer.add_feed_forward_length(shape.ffn)
     writer.add_head_count(shape.heads)
-    if shape.attention_layers:  # (LFM2: KV heads a layer, none in a conv layer; kernels of 3)
+    if shape.attention_layers:  # (LFM2, Granite 4.0-H: KV heads a layer, none in a conv or Mamba layer)
         writer.add_head_count_kv([shape.kv_heads * (i in shape.attention_layers) for i in range(shape.layers)])
-        writer.add_shortconv_l_cache(LFM2_KERNEL)
+        if shape.arch.startswith("lfm2"):
+            writer.add_shortconv_l_cache(LFM2_KERNEL)
     else:
         writer.add_head_count_kv(shape.kv_heads)
     writer.add_key_length(shape.head_dim)
@@ -92,6 +104,18 @@ def header(writer: gguf.GGUFWriter, shape: Shape) -> None:
     if shape.arch == "lfm2moe":  # (sigmoid scores, a choosing bias)
         writer.add_leading_dense_block_count(shape.dense_layers)
         writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    if shape.arch == "granitehybrid":  # (the released models' multipliers; NoPE; Mamba-2 kernels of 4)
+        writer.add_attention_scale(1 / 128)
+        writer.add_embedding_scale(12.0)
+        writer.add_residual_scale(0.22)
+        writer.add_logit_scale(8.0)
+        writer.add_rope_scaling_finetuned(False)
+        writer.add_ssm_conv_kernel(GRANITE_KERNEL)
+        writer.add_ssm_state_size(shape.ssm_state)
+        writer.add_ssm_group_count(1)
+        writer.add_ssm_inner_size(2 * shape.hidden)
+        writer.add_ssm_time_step_rank(shape.ssm_heads)
+        writer.add_expert_shared_feed_forward_length(shape.shared_ffn or shape.ffn)
     if shape.arch == "gpt-oss":  # YaRN over 4,096 positions, 128-token windows on the even layers
         writer.add_sliding_window(128)
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
@@ -119,6 +143,8 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
         out.append(("output.weight", (shape.vocab, h), True))
     if shape.arch == "gpt-oss":
         return out + [t for i in range(shape.layers) for t in gpt_oss_layer(shape, i)]
+    if shape.arch == "granitehybrid":
+        return out + [t for i in range(shape.layers) for t in granite_hybrid_layer(shape, i)]
     if shape.attention_layers:
         out[1] = ("token_embd_norm.weight", (h,), False)  # (LFM2's final norm)
         return out + [t for i in range(shape.layers) for t in lfm2_layer(shape, i)]
@@ -174,6 +200,33 @@ def lfm2_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
     return [(p + "attn_norm.weight", (h,), False), *block, (p + "ffn_norm.weight", (h,), False), *mlp]
 
 
+def granite_hybrid_layer(shape: Shape, i: int) -> list[tuple[str, tuple[int, ...], bool]]:
+    """Granite 4.0-H's layer `i` as llama.cpp's converter names it: attention, or the Mamba-2 mixer (its
+    convolution, A, D and dt's bias F32); the shared MLP (`ffn_*`), or the experts with it beside (`*_shexp`)."""
+    h, q, kv, p = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, f"blk.{i}."
+    if i in shape.attention_layers:
+        block = [(p + "attn_q.weight", (q, h), True), (p + "attn_k.weight", (kv, h), True),
+                 (p + "attn_v.weight", (kv, h), True), (p + "attn_output.weight", (h, q), True)]
+    else:
+        heads, inner = shape.ssm_heads, 2 * h
+        conv = inner + 2 * shape.ssm_state
+        block = [(p + "ssm_in.weight", (inner + conv + heads, h), True),
+                 (p + "ssm_conv1d.weight", (conv, GRANITE_KERNEL), False),
+                 (p + "ssm_conv1d.bias", (conv,), False), (p + "ssm_dt.bias", (heads,), False),
+                 (p + "ssm_a", (heads, 1), False), (p + "ssm_d", (heads, 1), False),
+                 (p + "ssm_norm.weight", (1, inner), False), (p + "ssm_out.weight", (h, inner), True)]
+    if shape.experts:
+        e, f, s = shape.experts, shape.ffn, shape.shared_ffn
+        mlp = [(p + "ffn_gate_inp.weight", (e, h), False), (p + "ffn_gate_exps.weight", (e, f, h), True),
+               (p + "ffn_up_exps.weight", (e, f, h), True), (p + "ffn_down_exps.weight", (e, h, f), True),
+               (p + "ffn_gate_shexp.weight", (s, h), True), (p + "ffn_up_shexp.weight", (s, h), True),
+               (p + "ffn_down_shexp.weight", (h, s), True)]
+    else:
+        mlp = [(p + "ffn_gate.weight", (shape.ffn, h), True), (p + "ffn_up.weight", (shape.ffn, h), True),
+               (p + "ffn_down.weight", (h, shape.ffn), True)]
+    return [(p + "attn_norm.weight", (h,), False), *block, (p + "ffn_norm.weight", (h,), False), *mlp]
+
+
 def random_mxfp4(rng: np.random.Generator, dims: tuple[int, ...]) -> np.ndarray:
     """Random MXFP4 blocks of `dims` (the last one in weights): random nibbles, exponents giving weights up to
     ~0.05."""
@@ -202,8 +255,9 @@ def write(path: Path, shape: Shape, qtype: QType, seed: int = 0) -> int:
         if kind == QType.MXFP4:
             writer.write_tensor_data(random_mxfp4(rng, dims))
             continue
-        if kind == QType.F32:  # norms 1; biases, sinks and routers small
-            values = np.ones(dims, dtype=np.float32) if name.endswith("norm.weight") else (
+        if kind == QType.F32:  # norms and D 1; A -1 to -16 (transformers' initial); biases, sinks and routers small
+            values = np.ones(dims, dtype=np.float32) if name.endswith(("norm.weight", "ssm_d")) else (
+                -np.linspace(1, 16, dims[0], dtype=np.float32)[:, None] if name.endswith("ssm_a") else
                 rng.standard_normal(dims, dtype=np.float32) * 0.02)
             writer.write_tensor_data(values.astype(np.float32))
             continue
@@ -241,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         size = quantize_with_llama(Path(args.out), SHAPES[args.shape], args.type, args.llama_quantize, args.seed)
     else:
         size = write(Path(args.out), SHAPES[args.shape], TYPES[args.type], args.seed)
-    print(f"wrote {args.out}: {args.shape} in {args.type}, {size / 2**30:.2f} GiB in {time.monotonic() - started:.0f} s",
+    took = time.monotonic() - started
+    print(f"wrote {args.out}: {args.shape} in {args.type}, {size / 2**30:.2f} GiB in {took:.0f} s",
           file=sys.stderr)
     return 0
 

@@ -1,6 +1,7 @@
 """Optional native CPU kernels: paged attention (decode and prefill), the decoder layer's fused
 elementwise ops (RMSNorm, RoPE, SiLU * up), the weight-streaming matmuls over quantized, int8, bf16
-and fp32 tiles, the native decode stack, grouped experts and LoRA deltas, and the sampler.
+and fp32 tiles, the native decode stack, grouped experts and LoRA deltas, Mamba-2's decode step, and the
+sampler.
 
 They are plain C++ behind a C ABI, called through ctypes, compiled once per compiler and CPU into one
 shared library that every environment on the machine shares (build.py; `conveyor build-kernels`,
@@ -25,9 +26,10 @@ from .matmul_ops import MatmulOps
 from .native import Native, load, native_kernels_enabled
 from .peak_ops import PeakOps
 from .sampling_ops import SamplingOps
+from .ssm_ops import SsmOps
 
 __all__ = ["cpu_flags", "vector_flags", "native_kernels_enabled", "cpu_paged_attention", "cpu_fused_ops",
-           "cpu_matmul_ops", "cpu_sampling_ops", "cpu_lora_ops", "cpu_peak_ops", "build_all"]
+           "cpu_matmul_ops", "cpu_sampling_ops", "cpu_lora_ops", "cpu_ssm_ops", "cpu_peak_ops", "build_all"]
 
 
 def _wrapper(library: Library, kind: Callable[..., Native]) -> Callable[[], Native | None]:
@@ -46,6 +48,7 @@ cpu_fused_ops: Callable[[], FusedOps | None] = _wrapper(KERNELS, FusedOps)  # ty
 cpu_matmul_ops: Callable[[], MatmulOps | None] = _wrapper(KERNELS, MatmulOps)  # type: ignore
 cpu_sampling_ops: Callable[[], SamplingOps | None] = _wrapper(KERNELS, SamplingOps)  # type: ignore
 cpu_lora_ops: Callable[[], LoRAOps | None] = _wrapper(KERNELS, LoRAOps)  # type: ignore
+cpu_ssm_ops: Callable[[], SsmOps | None] = _wrapper(KERNELS, SsmOps)  # type: ignore
 cpu_peak_ops: Callable[[], PeakOps | None] = _wrapper(PEAKS, PeakOps)  # type: ignore
 
 

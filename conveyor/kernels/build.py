@@ -57,6 +57,7 @@ KERNELS = Library("conveyor_kernels", (
     ("matmul_cpu.cpp", ("-ffp-contract=fast",)),
     ("quant_tiles.cpp", ("-ffp-contract=fast",)),
     ("fused_cpu.cpp", ("-ffp-contract=off",)),
+    ("ssm_cpu.cpp", ("-ffp-contract=off",)),
     ("paged_attention_cpu.cpp", ("-ffp-contract=off",)),
     ("runtime.cpp", ()),
 ))

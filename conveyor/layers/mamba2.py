@@ -11,8 +11,9 @@ A request's state per layer is a fixed number of pool slots, held whole from its
 convolution's ring (`kernel` rows of `r` slots each) and then S in fp32, its bytes over the slots' K and V
 halves, whatever the pool's dtype. So preemption, the swap pool and "every block returns" need nothing new,
 and a chunk of any length continues from the state the last one left. Decode rows take the recurrence
-above, batched; a prefill chunk takes the chunked form of the scan (state space duality, transformers'
-`torch_forward` step by step) from its request's state, so the exact path is transformers' arithmetic.
+above, batched (on CPU one native pass over the states, in place); a prefill chunk takes the chunked form of
+the scan (state space duality, as transformers' reference and the Mamba kernels compute it) from its request's
+state: the exact path is transformers' arithmetic up to the order of its sums.
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_ssm_ops
 from .attention import AttentionMetadata
 from .short_conv import ConvIndex, conv_index, short_conv, state_slots_per_row
+
+
+# The scan's chunk length: the masked products within a chunk cost its length per token, the carry from chunk to
+# chunk a Python step per chunk; this one measured fastest on a CPU (docs/benchmarks.md, "Granite 4.0"). The
+# checkpoints' `mamba_chunk_size` is their CUDA kernels' choice; any length gives the same scan.
+SCAN_CHUNK = 64
 
 
 def state_slots(values: int, num_kv_heads: int, head_dim: int, element_size: int) -> int:
@@ -84,43 +92,47 @@ def write_state(kv_cache: torch.Tensor, slots: torch.Tensor, states: torch.Tenso
     pool.index_copy_(1, slots.flatten(), raw.permute(2, 0, 1, 3).reshape(2, n * s, width))
 
 
-def _segment_sum(x: torch.Tensor) -> torch.Tensor:
-    """`[..., T, T]`: the sum of `x[..., j+1 .. i]` at `[i, j]` for `j <= i`, -inf above the diagonal
-    (transformers' `segment_sum`, its masked cumulative sum)."""
-    t = x.shape[-1]
-    x = x[..., None].expand(*x.shape, t)
-    x = x.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=-1), 0)
-    out = torch.cumsum(x, dim=-2)
-    return out.masked_fill(~torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=0), -torch.inf)
-
-
 def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                d: torch.Tensor, state: torch.Tensor | None, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's tokens through the scan in chunks of `chunk` (transformers' `mamba2_chunk_scan`):
-    x `[T, heads, P]` fp32, dt `[T, heads]` (softplus'd), b/c `[T, heads, N]`, from `state [heads, P, N]`
-    (None: zeros). The outputs `[T, heads, P]` (with the D skip) and the final state."""
-    t = x.shape[0]
-    pad = (chunk - t % chunk) % chunk
-    skip = d[:, None] * F.pad(x, (0, 0, 0, 0, 0, pad))
-    x = x * dt[..., None]
-    a = a * dt
-    x, a, b, c = (F.pad(v, (0, 0) * (v.dim() - 1) + (0, pad)).view(-1, chunk, *v.shape[1:])
-                  for v in (x, a, b, c))
-    a = a.permute(2, 0, 1)  # [heads, chunks, chunk]
-    a_cumsum = torch.cumsum(a, dim=-1)
-    decay = torch.exp(_segment_sum(a))  # [heads, chunks, l, s]
-    scores = torch.einsum("clhn,cshn->clsh", c, b)
-    y_diag = torch.einsum("clsh,cshp->clhp", scores * decay.permute(1, 2, 3, 0), x)
-    decay_states = torch.exp(a_cumsum[:, :, -1:] - a_cumsum)
-    states = torch.einsum("clhn,clhp->chpn", b * decay_states.permute(1, 2, 0)[..., None], x)
-    first = torch.zeros_like(states[:1]) if state is None else state[None].to(states.dtype)
-    states = torch.cat([first, states], dim=0)
-    decay_chunk = torch.exp(_segment_sum(F.pad(a_cumsum[:, :, -1], (1, 0)))).transpose(0, 2)  # [z, c, h]
-    states = torch.einsum("zch,zhpn->chpn", decay_chunk, states)
-    states, final = states[:-1], states[-1]
-    y_off = torch.einsum("clhn,chpn->clhp", c, states) * torch.exp(a_cumsum).permute(1, 2, 0)[..., None]
-    y = (y_diag + y_off).reshape(-1, *y_diag.shape[2:]) + skip
-    return y[:t], final
+    """One request's tokens through the scan in chunks of `chunk` (the state space duality form of
+    transformers' `mamba2_chunk_scan` and of the Mamba kernels): x `[T, heads, P]` fp32, dt `[T, heads]`
+    (softplus'd), b/c `[T, groups, N]`, from `state [heads, P, N]` (None: zeros). The outputs `[T, heads, P]`
+    (with the D skip) and the final state.
+
+    Within a chunk the outputs are a masked product `(C B^T * decay) (x dt)`, C B^T once per group (not per
+    head, as the reference computes it); across chunks each chunk's contribution to the state is carried
+    forward one chunk at a time. The decays are exponentials of differences of the cumulative `A dt`
+    (the Mamba kernels' form)."""
+    t, heads, p = x.shape
+    groups, n = b.shape[1:]
+    rep, pad = heads // groups, (chunk - t % chunk) % chunk
+    k = (t + pad) // chunk
+    skip = d[:, None] * x
+
+    def chunked(v: torch.Tensor) -> torch.Tensor:  # [T, X, ...] -> [X, chunks, chunk, ...]
+        v = F.pad(v, (0, 0) * (v.dim() - 1) + (0, pad)).view(k, chunk, *v.shape[1:])
+        return v.movedim(2, 0)
+
+    xdt = chunked(x * dt[..., None])  # [H, k, L, P]
+    cs = torch.cumsum(chunked(a * dt), dim=-1)  # [H, k, L]
+    bg, cg = chunked(b), chunked(c)  # [G, k, L, N]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp((cs[..., :, None] - cs[..., None, :]).masked_fill(~causal, -torch.inf))  # [H, k, L, L]
+    scores = (cg @ bg.transpose(-1, -2))[:, None]  # [G, 1, k, L, L]
+    y = ((scores * decay.view(groups, rep, k, chunk, chunk)) @ xdt.view(groups, rep, k, chunk, p))
+    # each chunk's own contribution to the state at its end: [H, k, P, N]
+    weighted = (xdt * torch.exp(cs[..., -1:] - cs)[..., None]).transpose(-1, -2)
+    own = (weighted.view(groups, rep, k, p, chunk) @ bg[:, None]).view(heads, k, p, n)
+    running = torch.zeros(heads, p, n, dtype=x.dtype, device=x.device) if state is None else state.to(x.dtype)
+    carried = torch.exp(cs[..., -1])  # [H, k] each chunk's whole decay
+    starts = []
+    for i in range(k):
+        starts.append(running)
+        running = running * carried[:, i, None, None] + own[:, i]
+    start_states = torch.stack(starts, dim=1)  # [H, k, P, N] the state entering each chunk
+    y_off = (cg[:, None] @ start_states.view(groups, rep, k, p, n).transpose(-1, -2)).view(heads, k, chunk, p)
+    y = y.view(heads, k, chunk, p) + y_off * torch.exp(cs)[..., None]
+    return y.reshape(heads, -1, p)[:, :t].movedim(0, 1) + skip, running
 
 
 class Mamba2Mixer(nn.Module):
@@ -128,11 +140,9 @@ class Mamba2Mixer(nn.Module):
     `dt_bias` are fp32 whatever the model's dtype (`set_ssm_parameters`, after the load)."""
 
     def __init__(self, hidden: int, heads: int, head_dim: int, state: int, groups: int, kernel: int,
-                 conv_bias: bool, proj_bias: bool, chunk: int, eps: float,
-                 time_step_limit: tuple[float, float] | None) -> None:
+                 conv_bias: bool, proj_bias: bool, eps: float, time_step_limit: tuple[float, float] | None) -> None:
         super().__init__()
-        self.heads, self.head_dim, self.state, self.groups, self.chunk, self.eps = (
-            heads, head_dim, state, groups, chunk, eps)
+        self.heads, self.head_dim, self.state, self.groups, self.eps = heads, head_dim, state, groups, eps
         self.inner = heads * head_dim
         self.conv_dim = self.inner + 2 * groups * state
         self.dt_limit = tuple(time_step_limit) if time_step_limit is not None else (0.0, float("inf"))
@@ -166,10 +176,8 @@ class Mamba2Mixer(nn.Module):
             index = meta.state = mamba_index(meta, t, kernel, r, s)
         xbc = F.silu(short_conv(xbc, self.conv_weight, kv_cache, meta, self.conv_bias, index.conv).float())
         xs, b, c = xbc.split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
-        rep = self.heads // self.groups
         xs = xs.view(t, self.heads, self.head_dim)
-        b = b.view(t, self.groups, self.state).repeat_interleave(rep, dim=1)
-        c = c.view(t, self.groups, self.state).repeat_interleave(rep, dim=1)
+        b, c = b.reshape(t, self.groups, self.state), c.reshape(t, self.groups, self.state)
         dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.dt_limit)
         y = torch.empty_like(xs)
         nd, numel = meta.num_decodes, self.heads * self.head_dim * self.state
@@ -179,7 +187,8 @@ class Mamba2Mixer(nn.Module):
             q = slice(span.q_start, span.q_start + span.q_len)
             start = None if fresh else read_state(kv_cache, slots[None], numel).view(
                 self.heads, self.head_dim, self.state)
-            y[q], final = chunk_scan(xs[q], dt[q], self.A, b[q], c[q], self.D, start, self.chunk)
+            # (a span shorter than a chunk is one chunk of its own length: the same sums, without the padding)
+            y[q], final = chunk_scan(xs[q], dt[q], self.A, b[q], c[q], self.D, start, min(SCAN_CHUNK, span.q_len))
             write_state(kv_cache, slots[None], final.reshape(1, numel))
         y = y.view(t, self.inner)
         if rows is not None:
@@ -188,15 +197,25 @@ class Mamba2Mixer(nn.Module):
 
     def _decode(self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                 kv_cache: torch.Tensor, index: MambaIndex, numel: int) -> torch.Tensor:
-        """One token per row: the recurrence over the rows' states, read and written back in the pool."""
+        """One token per row: the recurrence over the rows' states, in place in the pool (the native kernel on
+        CPU), else read out and written back."""
         n = x.shape[0]
+        decay = torch.exp(dt * self.A)
+        ops = cpu_ssm_ops() if kv_cache.device.type == "cpu" else None
+        if ops is not None and ops.fits(kv_cache, self.state):
+            return ops.decode_(kv_cache, index.decode_slots, x.contiguous(), dt.contiguous(), decay, b.contiguous(),
+                               c.contiguous(), self.D, index.decode_started.view(-1))
+        b, c = self._per_head(b), self._per_head(c)
         state = read_state(kv_cache, index.decode_slots, numel).view(n, self.heads, self.head_dim, self.state)
         state = torch.where(index.decode_started, state, 0.0)  # (a row with no state yet: zeros, not the page's)
-        decay = torch.exp(dt[..., None, None] * self.A[:, None, None])
-        state = state * decay + (dt[..., None, None] * b[:, :, None]) * x[..., None]
+        state = state * decay[..., None, None] + (dt[..., None, None] * b[:, :, None]) * x[..., None]
         write_state(kv_cache, index.decode_slots, state.view(n, numel))
         y = torch.matmul(state.view(-1, self.head_dim, self.state), c.reshape(-1, self.state, 1))
         return y.view(n, self.heads, self.head_dim) + x * self.D[:, None]
+
+    def _per_head(self, v: torch.Tensor) -> torch.Tensor:
+        """`[t, groups, N]` -> `[t, heads, N]`: each group's B or C for each of its heads."""
+        return v.repeat_interleave(self.heads // self.groups, dim=1)
 
     def _gated_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each group of `y * silu(gate)` (fp32), times the weight in the model's dtype."""

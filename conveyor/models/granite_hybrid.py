@@ -45,7 +45,7 @@ def _mixer(config: PretrainedConfig) -> Mamba2Mixer:
         config.mamba_expand * config.hidden_size // heads)
     return Mamba2Mixer(config.hidden_size, heads, head_dim, config.mamba_d_state, config.mamba_n_groups,
                        config.mamba_d_conv, bool(config.mamba_conv_bias), bool(config.mamba_proj_bias),
-                       config.mamba_chunk_size, config.rms_norm_eps, config.time_step_limit)
+                       config.rms_norm_eps, config.time_step_limit)
 
 
 class MambaInPlaceOfAttention:

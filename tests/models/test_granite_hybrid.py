@@ -15,7 +15,8 @@ import torch
 from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.cache.allocator import StateCacheAllocator
 from conveyor.errors import ConfigError
-from conveyor.layers.mamba2 import chunk_scan, read_state, state_slots, write_state
+from conveyor.kernels import cpu_ssm_ops
+from conveyor.layers.mamba2 import MambaIndex, Mamba2Mixer, chunk_scan, read_state, state_slots, write_state
 from conveyor.models.granite_hybrid import GraniteHybridForCausalLM
 from conveyor.models.sharding import plan_shards
 
@@ -106,7 +107,10 @@ def test_offloaded_requests_resume_with_their_state(models: dict[str, TinyModel]
 
 def recurrence(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The scan one token at a time: `S = exp(dt * A) * S + dt * B * x`, `y = S . C + D * x`."""
+    """The scan one token at a time: `S = exp(dt * A) * S + dt * B * x`, `y = S . C + D * x`, each head with
+    its group's B and C."""
+    rep = x.shape[1] // b.shape[1]
+    b, c = b.repeat_interleave(rep, dim=1), c.repeat_interleave(rep, dim=1)
     ys = []
     for t in range(x.shape[0]):
         decay = torch.exp(dt[t] * a)[:, None, None]
@@ -117,18 +121,21 @@ def recurrence(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
 
 @pytest.mark.parametrize("tokens", [1, 7, 8, 21])
 @pytest.mark.parametrize("chunk", [1, 4, 8])
-def test_chunked_scan_equals_the_recurrence(tokens: int, chunk: int) -> None:
+@pytest.mark.parametrize("start", ["zeros", "state"])
+def test_chunked_scan_equals_the_recurrence(tokens: int, chunk: int, start: str) -> None:
     """The chunked form (what a prefill chunk takes) against the step-by-step recurrence (a decode row's), fp64,
-    from a non-zero state: outputs and final state."""
+    4 heads in 2 groups, from no state or a non-zero one: outputs and final state."""
     g = torch.Generator().manual_seed(tokens * 10 + chunk)
-    heads, p, n = 3, 4, 5
-    x, b, c = (torch.randn(tokens, heads, k, generator=g, dtype=torch.float64) for k in (p, n, n))
+    heads, groups, p, n = 4, 2, 3, 5
+    x = torch.randn(tokens, heads, p, generator=g, dtype=torch.float64)
+    b, c = (torch.randn(tokens, groups, n, generator=g, dtype=torch.float64) for _ in range(2))
     dt = torch.rand(tokens, heads, generator=g, dtype=torch.float64)
     a = -2 * torch.rand(heads, generator=g, dtype=torch.float64)
     d = torch.randn(heads, generator=g, dtype=torch.float64)
-    state = torch.randn(heads, p, n, generator=g, dtype=torch.float64)
+    state = torch.randn(heads, p, n, generator=g, dtype=torch.float64) if start == "state" else None
     y, final = chunk_scan(x, dt, a, b, c, d, state, chunk)
-    y_ref, final_ref = recurrence(x, dt, a, b, c, d, state)
+    y_ref, final_ref = recurrence(x, dt, a, b, c, d, torch.zeros(heads, p, n, dtype=torch.float64)
+                                  if state is None else state)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(final, final_ref, rtol=1e-10, atol=1e-10)
 
@@ -253,3 +260,32 @@ def test_gguf_files_load_like_the_directory(smooth_models: dict[str, TinyModel],
     assert kept.quantization == "gguf"
     err = (next_token_logprobs(kept, PROMPTS) - next_token_logprobs(rounded.llm(**config), PROMPTS)).abs().max()
     assert err.item() < QUANT_MODES["int8"][0][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_decode_step_keeps_the_pytorch_states(dtype: torch.dtype,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native decode step (states updated in place in the pool) against the PyTorch one: the pools bit for
+    bit (a row without a state starting from zeros, whatever its slots held), the outputs to fp32's rounding."""
+    if cpu_ssm_ops() is None:
+        pytest.skip("no native kernels here")
+    g = torch.Generator().manual_seed(3)
+    mixer = Mamba2Mixer(64, heads=4, head_dim=8, state=16, groups=2, kernel=4, conv_bias=True, proj_bias=False,
+                        eps=1e-5, time_step_limit=None)
+    mixer.set_ssm_parameters(-torch.rand(4, generator=g) * 4, torch.randn(4, generator=g), torch.zeros(4))
+    pool = torch.randn(2, 96, 2, 16, generator=g).to(dtype)  # (a slot's halves: 32 values each)
+    s = state_slots(4 * 8 * 16, 2, 16, pool.element_size())
+    slots = torch.randperm(96, generator=g)[:3 * s].view(3, s)
+    started = torch.tensor([True, False, True]).view(-1, 1, 1, 1)
+    index = MambaIndex(conv=None, decode_slots=slots, decode_started=started, span_slots=[], span_fresh=[])
+    x = torch.randn(3, 4, 8, generator=g)
+    dt = torch.rand(3, 4, generator=g)
+    b, c = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    native_pool, torch_pool = pool.clone(), pool.clone()
+    y_native = mixer._decode(x, dt, b, c, native_pool, index, 4 * 8 * 16)
+    monkeypatch.setattr("conveyor.layers.mamba2.cpu_ssm_ops", lambda: None)
+    y_torch = mixer._decode(x, dt, b, c, torch_pool, index, 4 * 8 * 16)
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # (fp32 bits in a bf16 pool may read as NaN)
+    assert torch.equal(native_pool.view(bits), torch_pool.view(bits))
+    assert not torch.equal(native_pool, pool)
+    torch.testing.assert_close(y_native, y_torch, rtol=1e-5, atol=1e-5)
