@@ -1,6 +1,6 @@
 """Optional native CPU kernels: paged attention (decode and prefill), the decoder layer's fused
 elementwise ops (RMSNorm, RoPE, SiLU * up), the weight-streaming matmuls over quantized, int8, bf16
-and fp32 tiles, the native decode stack, grouped experts and LoRA deltas, Mamba-2's decode step, and the
+and fp32 tiles, the native decode stack, grouped experts and LoRA deltas, Mamba-2's decode rows, and the
 sampler.
 
 They are plain C++ behind a C ABI, called through ctypes, compiled once per compiler and CPU into one

@@ -1,80 +1,58 @@
-// Mamba-2's decode step on CPU (layers/mamba2.py): every decode row's SSM state updated in place in the KV
-// pool, and its output, in one pass over the state. The PyTorch path reads each state out of the pool, makes
-// four state-sized temporaries and writes it back: at 2 MiB a state per layer and row, that traffic and those
-// dispatches were most of a step's time beside the matmuls.
-//
-// A row's state, `heads * P * N` fp32 values, lies over its `s` pool slots (`slots [rows, s]`): the value of
-// flat index e at byte 4e of the run formed by each slot's K half, then its V half (`half_bytes` each, the V
-// halves `v_offset` bytes after the K halves: the pool tensor `[2, slots, ...]`). A state row of N values
-// lies within one half (checked by the caller). Per row r, head h and state row p:
-//   S = started ? S : 0;  S = S * decay[r, h] + (dt[r, h] * B[r, g, :]) * x[r, h, p];  y = S . C[r, g, :] + x * D[h]
-// with g the head's group. Built with -ffp-contract=off: the update rounds as the PyTorch ops do (each product
-// and the sum rounded, decay computed by the caller with torch.exp), so the states are PyTorch's bits; the
-// dot product with C adds in 16 lanes, not in the matmul's order.
-#include "runtime.h"
+// Mamba-2's decode rows on CPU (layers/mamba2.py): from each row's in_proj output to the gated norm's output
+// that feeds out_proj, the convolution's ring and the SSM state read and written in place in the KV pool
+// (mamba_row.h's layout and arithmetic, which the native decode stack runs too, so a row gets the same bits on
+// either path). Run op by op in PyTorch a state was read out of the pool, copied through four state-sized
+// temporaries and written back: at 2 MiB a state per layer and row, that traffic and those dispatches were most
+// of a decode step's time beside the matmuls. Phases 1 and 3 split the rows across threads, phase 2 the
+// (row, head) pairs.
+#include "mamba_row.h"
+
+#include <vector>
 
 using namespace conveyor;
 
-namespace {
-
-constexpr int kLanes = 16;
-
-// One state row of n values: updated in place, its dot product with c returned.
-inline float update_row(float* s, bool started, float decay, float dt, const float* b, float x, const float* c,
-                        int64_t n) {
-    float lanes[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-        for (int l = 0; l < kLanes; ++l) {
-            const float prev = started ? s[i + l] : 0.0f;
-            const float v = prev * decay + (dt * b[i + l]) * x;
-            s[i + l] = v;
-            lanes[l] += v * c[i + l];
-        }
-    }
-    for (; i < n; ++i) {
-        const float prev = started ? s[i] : 0.0f;
-        const float v = prev * decay + (dt * b[i]) * x;
-        s[i] = v;
-        lanes[0] += v * c[i];
-    }
-    float sum = 0.0f;
-    for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-    return sum;
-}
-
-}  // namespace
-
-// x [rows, heads, p], dt and decay [rows, heads], b and c [rows, groups, n], d [heads], started [rows] (0: the
-// state is zeros, whatever the pool holds), y [rows, heads, p] out; all fp32 and contiguous.
-CONVEYOR_API int conveyor_ssm_decode(void* pool, int64_t v_offset, int64_t half_bytes, const int64_t* slots,
-                                     int64_t s, int64_t rows, int64_t heads, int64_t p, int64_t n, int64_t groups,
-                                     const float* x, const float* dt, const float* decay, const float* b,
-                                     const float* c, const float* d, const uint8_t* started, float* y,
-                                     int threads) {
+// proj [rows, in_width] of `dtype` (fp32 or bf16, row stride `proj_ld`); the layer's pool `kv` [2, kv_slots,
+// kv_row] of the same dtype; per row its run of blocks (`tables` [rows, width]) and position; the layer's
+// weights (fp32); out [rows, inner] of `dtype`.
+CONVEYOR_API int conveyor_mamba_decode(int dtype, const void* proj, int64_t proj_ld, int64_t rows, void* kv,
+                                       int64_t kv_slots, int64_t kv_row, const int64_t* tables, int64_t width,
+                                       const int64_t* positions, int64_t page, int64_t heads, int64_t p, int64_t n,
+                                       int64_t groups, int64_t kernel, int64_t conv_dim, const float* taps,
+                                       const float* conv_bias, const float* a, const float* d, const float* dt_bias,
+                                       const float* norm, float eps, void* out, int threads) {
     return guarded(threads, [&] {
-        CONVEYOR_CHECK(half_bytes % (n * 4) == 0, "a state row of ", n, " values must lie within one half of ",
-                       half_bytes, " bytes");
         CONVEYOR_CHECK(heads % groups == 0, "heads (", heads, ") must be a multiple of groups (", groups, ")");
-        char* base = static_cast<char*>(pool);
-        const int64_t per_group = heads / groups, slot_bytes = 2 * half_bytes;
-        parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-            for (int64_t rh = begin; rh < end; ++rh) {
-                const int64_t r = rh / heads, h = rh % heads, g = h / per_group;
-                const int64_t* row_slots = slots + r * s;
-                const float* br = b + (r * groups + g) * n;
-                const float* cr = c + (r * groups + g) * n;
-                for (int64_t q = 0; q < p; ++q) {
-                    const int64_t byte = ((h * p + q) * n) * 4;
-                    const int64_t slot = byte / slot_bytes, within = byte % slot_bytes;
-                    const int64_t half = within / half_bytes, offset = within % half_bytes;
-                    float* state = reinterpret_cast<float*>(base + half * v_offset + row_slots[slot] * half_bytes +
-                                                            offset);
-                    const float xv = x[rh * p + q];
-                    const float dot = update_row(state, started[r] != 0, decay[rh], dt[rh], br, xv, cr, n);
-                    y[rh * p + q] = dot + xv * d[h];
+        const MambaSpec m{heads, p, n, groups, kernel, conv_dim, taps, conv_bias, a, d, dt_bias, norm, eps};
+        const auto run = [&](auto* tag) {
+            using T = std::remove_pointer_t<decltype(tag)>;
+            const T* in = static_cast<const T*>(proj);
+            T* kc = static_cast<T*>(kv);
+            T* vc = kc + kv_slots * kv_row;
+            const int64_t W = m.in_width(), S = m.scratch(), I = m.inner();
+            std::vector<float> rowsf(rows * W), conv(rows * S), y(rows * I), normed(rows * I);
+            parallel_for(0, rows, 1, [&](int64_t b0, int64_t b1) {
+                for (int64_t b = b0; b < b1; ++b) {
+                    for (int64_t i = 0; i < W; ++i) rowsf[b * W + i] = to_float(in[b * proj_ld + i]);
+                    mamba_conv_row<T, T>(m, rowsf.data() + b * W, kc, vc, kv_row, tables + b * width, positions[b],
+                                         page, conv.data() + b * S);
                 }
-            }
-        });
+            });
+            parallel_for(0, rows * heads, 1, [&](int64_t p0, int64_t p1) {
+                for (int64_t ph = p0; ph < p1; ++ph) {
+                    const int64_t b = ph / heads, h = ph % heads;
+                    mamba_state_head<T>(m, h, kc, vc, kv_row, tables + b * width, page, positions[b] > 0,
+                                        conv.data() + b * S, y.data() + b * I + h * p);
+                }
+            });
+            T* o = static_cast<T*>(out);
+            parallel_for(0, rows, 1, [&](int64_t b0, int64_t b1) {
+                for (int64_t b = b0; b < b1; ++b) {
+                    mamba_norm_row<T>(m, rowsf.data() + b * W, y.data() + b * I, normed.data() + b * I);
+                    for (int64_t i = 0; i < I; ++i) o[b * I + i] = static_cast<T>(normed[b * I + i]);
+                }
+            });
+        };
+        if (dtype == kF32) run(static_cast<float*>(nullptr));
+        else run(static_cast<bf16*>(nullptr));
     });
 }

@@ -18,13 +18,14 @@ state: the exact path is transformers' arithmetic up to the order of its sums.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_ssm_ops
+from ..kernels.ssm_ops import SsmOps
 from .attention import AttentionMetadata
 from .short_conv import ConvIndex, conv_index, short_conv, state_slots_per_row
 
@@ -153,12 +154,14 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.inner, hidden, bias=proj_bias)
         for name in ("A", "D", "dt_bias"):
             self.register_buffer(name, torch.zeros(heads), persistent=False)
+        self._weights: tuple[torch.Tensor, ...] | None = None  # the native kernel's copy (`_native_weights`)
 
     def set_ssm_parameters(self, a: torch.Tensor, d: torch.Tensor, dt_bias: torch.Tensor) -> None:
         """The per-head `A` (negative: `-exp(A_log)`), `D` and `dt_bias`, kept in fp32."""
         for name, value in (("A", a), ("D", d), ("dt_bias", dt_bias)):
             setattr(self, name, value.detach().reshape(self.heads).to(device=self.norm_weight.device,
                                                                    dtype=torch.float32))
+        self._weights = None
 
     def state_slots(self, num_kv_heads: int, head_dim: int, element_size: int) -> tuple[int, int]:
         """Slots of one conv ring row and of the SSM state, in a pool of this geometry."""
@@ -167,8 +170,43 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 rows: torch.Tensor | None = None) -> torch.Tensor:
-        t = x.shape[0]
-        gate, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.heads], dim=-1)
+        proj = self.in_proj(x)
+        nd = meta.num_decodes
+        native = self._native(kv_cache) if nd else None
+        parts = []
+        if native is not None:  # decode rows: one native pass (the decode stack's arithmetic)
+            parts.append(native.decode(proj[:nd], kv_cache, meta.decode_block_tables, meta.decode_positions,
+                                       meta.page_size, (self.heads, self.head_dim, self.state, self.groups,
+                                                        self.conv_weight.shape[-1]), self._native_weights(), self.eps))
+        if native is None or proj.shape[0] > nd:
+            parts.append(self._rows(proj[nd:] if native is not None else proj, kv_cache, meta, native is not None))
+        out = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return self.out_proj(out if rows is None else out.index_select(0, rows))
+
+    def _native(self, kv_cache: torch.Tensor) -> SsmOps | None:
+        """The native decode rows' kernels where they take this pool."""
+        ops = cpu_ssm_ops() if kv_cache.device.type == "cpu" else None
+        return ops if ops is not None and ops.fits(kv_cache, self.state) else None
+
+    def _native_weights(self) -> tuple[torch.Tensor, ...]:
+        """The layer's weights as the native kernel takes them (fp32: taps `[kernel, conv_dim]`, the conv bias or
+        an empty tensor, A, D, dt_bias, the norm's weight); made once."""
+        if self._weights is None:
+            bias = self.conv_bias.float() if self.conv_bias is not None else torch.empty(0)
+            self._weights = (self.conv_weight.float().flatten(1).t().contiguous(), bias.contiguous(), self.A, self.D,
+                             self.dt_bias, self.norm_weight.float().contiguous())
+        return self._weights
+
+    def _rows(self, proj: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+              without_decodes: bool) -> torch.Tensor:
+        """The gated norm's outputs of `proj`'s rows, op by op: the batch's rows, or (`without_decodes`, the
+        decode rows taken natively) its prefill chunks' alone."""
+        t = proj.shape[0]
+        if without_decodes:
+            nd = meta.num_decodes
+            meta = replace(meta, num_decodes=0, prefills=[replace(span, q_start=span.q_start - nd)
+                                                          for span in meta.prefills])
+        gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
         kernel = self.conv_weight.shape[-1]
         r, s = self.state_slots(kv_cache.shape[2], kv_cache.shape[3], kv_cache.element_size())
         index = meta.state
@@ -190,21 +228,14 @@ class Mamba2Mixer(nn.Module):
             # (a span shorter than a chunk is one chunk of its own length: the same sums, without the padding)
             y[q], final = chunk_scan(xs[q], dt[q], self.A, b[q], c[q], self.D, start, min(SCAN_CHUNK, span.q_len))
             write_state(kv_cache, slots[None], final.reshape(1, numel))
-        y = y.view(t, self.inner)
-        if rows is not None:
-            y, gate = y.index_select(0, rows), gate.index_select(0, rows)
-        return self.out_proj(self._gated_norm(y, gate).to(x.dtype))
+        return self._gated_norm(y.view(t, self.inner), gate).to(proj.dtype)
 
     def _decode(self, x: torch.Tensor, dt: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                 kv_cache: torch.Tensor, index: MambaIndex, numel: int) -> torch.Tensor:
-        """One token per row: the recurrence over the rows' states, in place in the pool (the native kernel on
-        CPU), else read out and written back."""
+        """One token per row, op by op (where the native kernel does not run): the recurrence over the rows'
+        states, read out of the pool and written back."""
         n = x.shape[0]
         decay = torch.exp(dt * self.A)
-        ops = cpu_ssm_ops() if kv_cache.device.type == "cpu" else None
-        if ops is not None and ops.fits(kv_cache, self.state):
-            return ops.decode_(kv_cache, index.decode_slots, x.contiguous(), dt.contiguous(), decay, b.contiguous(),
-                               c.contiguous(), self.D, index.decode_started.view(-1))
         b, c = self._per_head(b), self._per_head(c)
         state = read_state(kv_cache, index.decode_slots, numel).view(n, self.heads, self.head_dim, self.state)
         state = torch.where(index.decode_started, state, 0.0)  # (a row with no state yet: zeros, not the page's)

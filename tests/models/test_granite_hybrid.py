@@ -16,7 +16,9 @@ from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.cache.allocator import StateCacheAllocator
 from conveyor.errors import ConfigError
 from conveyor.kernels import cpu_ssm_ops
-from conveyor.layers.mamba2 import MambaIndex, Mamba2Mixer, chunk_scan, read_state, state_slots, write_state
+from conveyor.layers.attention import AttentionMetadata
+from conveyor.layers.mamba2 import Mamba2Mixer, chunk_scan, read_state, state_slots, write_state
+from conveyor.layers.short_conv import read_rows
 from conveyor.models.granite_hybrid import GraniteHybridForCausalLM
 from conveyor.models.sharding import plan_shards
 
@@ -263,29 +265,39 @@ def test_gguf_files_load_like_the_directory(smooth_models: dict[str, TinyModel],
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_decode_step_keeps_the_pytorch_states(dtype: torch.dtype,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The native decode step (states updated in place in the pool) against the PyTorch one: the pools bit for
-    bit (a row without a state starting from zeros, whatever its slots held), the outputs to fp32's rounding."""
+def test_native_decode_rows_equal_the_pytorch_ones(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mamba layer's decode rows through the native kernel (rings and states in place in the pool) against
+    its op-by-op PyTorch path, from the same pool: the outputs and the states to fp32's rounding (libm's
+    exponentials, not PyTorch's), the rings' new rows bit for bit; a row at position 0 starts from zeros
+    whatever its pages hold."""
     if cpu_ssm_ops() is None:
         pytest.skip("no native kernels here")
     g = torch.Generator().manual_seed(3)
-    mixer = Mamba2Mixer(64, heads=4, head_dim=8, state=16, groups=2, kernel=4, conv_bias=True, proj_bias=False,
+    mixer = Mamba2Mixer(48, heads=4, head_dim=8, state=16, groups=2, kernel=4, conv_bias=True, proj_bias=False,
                         eps=1e-5, time_step_limit=None)
-    mixer.set_ssm_parameters(-torch.rand(4, generator=g) * 4, torch.randn(4, generator=g), torch.zeros(4))
-    pool = torch.randn(2, 96, 2, 16, generator=g).to(dtype)  # (a slot's halves: 32 values each)
-    s = state_slots(4 * 8 * 16, 2, 16, pool.element_size())
-    slots = torch.randperm(96, generator=g)[:3 * s].view(3, s)
-    started = torch.tensor([True, False, True]).view(-1, 1, 1, 1)
-    index = MambaIndex(conv=None, decode_slots=slots, decode_started=started, span_slots=[], span_fresh=[])
-    x = torch.randn(3, 4, 8, generator=g)
-    dt = torch.rand(3, 4, generator=g)
-    b, c = torch.randn(3, 2, 16, generator=g), torch.randn(3, 2, 16, generator=g)
+    with torch.no_grad():
+        for param in mixer.parameters():
+            param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    mixer = mixer.to(dtype)
+    mixer.set_ssm_parameters(-torch.rand(4, generator=g) * 4, torch.randn(4, generator=g), torch.randn(4, generator=g))
+    page, kv_heads, head_dim = 4, 2, 16
+    pool = torch.randn(2, 40 * page, kv_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(40, generator=g)[:18].view(3, 6)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(3, dtype=torch.long), page_size=page, num_decodes=3,
+                             decode_positions=torch.tensor([7, 0, 2]))
+    meta.decode_block_tables = tables
+    x = torch.randn(3, 48, generator=g).to(dtype)
     native_pool, torch_pool = pool.clone(), pool.clone()
-    y_native = mixer._decode(x, dt, b, c, native_pool, index, 4 * 8 * 16)
+    y_native = mixer(x, native_pool, meta)
     monkeypatch.setattr("conveyor.layers.mamba2.cpu_ssm_ops", lambda: None)
-    y_torch = mixer._decode(x, dt, b, c, torch_pool, index, 4 * 8 * 16)
-    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # (fp32 bits in a bf16 pool may read as NaN)
-    assert torch.equal(native_pool.view(bits), torch_pool.view(bits))
-    assert not torch.equal(native_pool, pool)
-    torch.testing.assert_close(y_native, y_torch, rtol=1e-5, atol=1e-5)
+    meta.state = None
+    y_torch = mixer(x, torch_pool, meta)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(y_native.float(), y_torch.float(), **tolerance)
+    r, s = mixer.state_slots(kv_heads, head_dim, pool.element_size())
+    for row in range(3):
+        slots = tables[row].repeat_interleave(page) * page + torch.arange(page).repeat(6)
+        ring, state = slots[:4 * r].view(4, r), slots[4 * r:4 * r + s]
+        assert torch.equal(read_rows(native_pool, ring, mixer.conv_dim), read_rows(torch_pool, ring, mixer.conv_dim))
+        torch.testing.assert_close(read_state(native_pool, state[None], 512), read_state(torch_pool, state[None], 512),
+                                   rtol=1e-5, atol=1e-5)

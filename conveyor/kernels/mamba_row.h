@@ -1,0 +1,170 @@
+// One decode row of a Mamba-2 mixer (layers/mamba2.py), from its in_proj output to the gated norm's output that
+// feeds out_proj, with its state in the request's KV pages as layers/mamba2.py lays it out: the convolution's
+// ring first (position q's row of `conv_dim` values at ring index q % kernel, over r slots, each slot's K then
+// V half), then the SSM state in fp32 (flat index e at byte 4e of the run of the following slots' K, then V,
+// halves). Written once for the eager layer's decode rows (ssm_cpu.cpp) and the native decode stack
+// (decode_stack_cpu.cpp), which are built with different contraction flags: every product that feeds an add
+// passes through `unfused` or is an explicit fma, so both give the same bits. T: the model's dtype (values
+// held in fp32 arrays, T-exact); C: the pool's element type.
+//
+// Three phases, so that the state update (most of the bytes) can split a row's heads across threads:
+// `mamba_conv_row` (the convolution with its bias and SiLU, the ring's new row, dt = softplus(dt + dt_bias)
+// and each head's decay exp(dt * A)), `mamba_state_head` (S = S * decay + (dt * B) * x in place, y = S . C +
+// x * D), `mamba_norm_row` (RMSNorm per group of y * silu(gate), times the weight, rounded as the eager
+// layer's bf16 tensors round).
+#pragma once
+
+#include "row_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace conveyor {
+
+struct MambaSpec {
+    int64_t heads = 0, P = 0, N = 0, groups = 1, kernel = 0, conv_dim = 0;
+    const float* taps = nullptr;  // [kernel][conv_dim]
+    const float* conv_bias = nullptr;  // [conv_dim] or null
+    const float *A = nullptr, *D = nullptr, *dt_bias = nullptr;  // [heads]
+    const float* norm = nullptr;  // [heads * P]
+    float eps = 1e-6f;
+
+    int64_t inner() const { return heads * P; }
+    int64_t in_width() const { return inner() + conv_dim + heads; }  // in_proj's output: gate, xBC, dt
+    int64_t scratch() const { return conv_dim + 2 * heads; }  // a row's conv output, dt and decay
+};
+
+// A MambaSpec's arrays, owned (the decode stack's copy of a layer's).
+struct MambaWeights {
+    MambaSpec spec;
+    std::vector<float> taps, conv_bias, A, D, dt_bias, norm;
+
+    void assign(const MambaSpec& s) {
+        spec = s;
+        taps.assign(s.taps, s.taps + s.kernel * s.conv_dim);
+        if (s.conv_bias) conv_bias.assign(s.conv_bias, s.conv_bias + s.conv_dim);
+        A.assign(s.A, s.A + s.heads), D.assign(s.D, s.D + s.heads), dt_bias.assign(s.dt_bias, s.dt_bias + s.heads);
+        norm.assign(s.norm, s.norm + s.inner());
+        spec.taps = taps.data(), spec.conv_bias = conv_bias.empty() ? nullptr : conv_bias.data();
+        spec.A = A.data(), spec.D = D.data(), spec.dt_bias = dt_bias.data(), spec.norm = norm.data();
+    }
+};
+
+// The pool slot of index j in a request's run of blocks `bt`.
+inline int64_t run_slot(const int64_t* bt, int64_t j, int64_t page) { return bt[j / page] * page + j % page; }
+
+// Slots one conv row takes: a slot holds a K and a V row of `kv_row` values.
+inline int64_t conv_row_slots(int64_t conv_dim, int64_t kv_row) { return (conv_dim + 2 * kv_row - 1) / (2 * kv_row); }
+
+// Phase 1 of row `proj` [in_width] (biased, T-exact) at position p: `out` [scratch()] gets the convolution of
+// xBC with the ring's previous kernel - 1 rows (zeros before position 0), one fma a tap from the bias, rounded
+// to T and through SiLU; then dt (softplus, as torch's: x above 20 kept) and decay. xBC is stored in the ring.
+template <typename T, typename C>
+void mamba_conv_row(const MambaSpec& m, const float* proj, C* kc, C* vc, int64_t kv_row, const int64_t* bt, int64_t p,
+                    int64_t page, float* out) {
+    const int64_t H = m.conv_dim, r = conv_row_slots(H, kv_row), K = m.kernel;
+    const float* xbc = proj + m.inner();
+    float* acc = out;
+    const auto slot = [&](int64_t q, int64_t k) { return run_slot(bt, (q % K) * r + k, page); };
+    for (int64_t i = 0; i < H; ++i) acc[i] = m.conv_bias ? m.conv_bias[i] : 0.f;
+    for (int64_t t = 0; t < K; ++t) {
+        const int64_t q = p - (K - 1) + t;
+        const float* w = m.taps + t * H;
+        const bool first = t == 0 && !m.conv_bias;
+        if (t == K - 1) {
+            for (int64_t i = 0; i < H; ++i) acc[i] = first ? xbc[i] * w[i] : std::fma(xbc[i], w[i], acc[i]);
+        } else if (q >= 0) {
+            for (int64_t k = 0; k < r; ++k)
+                for (int half = 0; half < 2; ++half) {
+                    const C* src = (half ? vc : kc) + slot(q, k) * kv_row;
+                    const int64_t i0 = (2 * k + half) * kv_row, n = std::min(kv_row, H - i0);
+                    for (int64_t i = 0; i < n; ++i) {
+                        const float x = to_float(src[i]);
+                        acc[i0 + i] = first ? x * w[i0 + i] : std::fma(x, w[i0 + i], acc[i0 + i]);
+                    }
+                }
+        } else if (first) {
+            for (int64_t i = 0; i < H; ++i) acc[i] = 0.f * w[i];
+        }
+    }
+    for (int64_t i = 0; i < H; ++i) {  // (libm's e^x, scalar in every build: the same bits on both paths)
+        const float v = round_as<T>(acc[i]);
+        acc[i] = v / (1.f + std::exp(-v));
+    }
+    for (int64_t k = 0; k < r; ++k)
+        for (int half = 0; half < 2; ++half) {
+            const int64_t i0 = (2 * k + half) * kv_row;
+            C* dst = (half ? vc : kc) + slot(p, k) * kv_row;
+            for (int64_t i = 0; i < std::min(kv_row, H - i0); ++i) dst[i] = static_cast<C>(xbc[i0 + i]);
+        }
+    const float* dt_raw = proj + m.inner() + H;
+    float* dt = out + H;
+    float* decay = dt + m.heads;
+    for (int64_t h = 0; h < m.heads; ++h) {
+        const float x = dt_raw[h] + m.dt_bias[h];
+        dt[h] = x > 20.f ? x : std::log1p(std::exp(x));
+        decay[h] = std::exp(dt[h] * m.A[h]);
+    }
+}
+
+// Phase 2, head h of a row whose phase 1 left `conv` [scratch()]: its state (zeros where `started` is false,
+// whatever the pages hold) updated in place, `y` [P] its outputs with the D skip.
+template <typename C>
+void mamba_state_head(const MambaSpec& m, int64_t h, C* kc, C* vc, int64_t kv_row, const int64_t* bt, int64_t page,
+                      bool started, const float* conv, float* y) {
+    constexpr int kLanes = 16;
+    const int64_t N = m.N, g = h / (m.heads / m.groups), half_bytes = kv_row * static_cast<int64_t>(sizeof(C));
+    const int64_t base = m.kernel * conv_row_slots(m.conv_dim, kv_row);
+    const float* x = conv + h * m.P;
+    const float* b = conv + m.inner() + g * N;
+    const float* c = conv + m.inner() + m.groups * N + g * N;
+    const float dt = conv[m.conv_dim + h], decay = conv[m.conv_dim + m.heads + h];
+    for (int64_t q = 0; q < m.P; ++q) {
+        const int64_t byte = (h * m.P + q) * N * 4, slot = byte / (2 * half_bytes), within = byte % (2 * half_bytes);
+        char* page_bytes = reinterpret_cast<char*>((within >= half_bytes ? vc : kc) + run_slot(bt, base + slot, page) * kv_row);
+        float* s = reinterpret_cast<float*>(page_bytes + within % half_bytes);
+        const float xv = x[q];
+        float lanes[kLanes] = {};
+        int64_t i = 0;
+        for (; i + kLanes <= N; i += kLanes)
+            for (int l = 0; l < kLanes; ++l) {
+                const float prev = started ? s[i + l] : 0.f;
+                const float v = unfused(prev * decay) + unfused(unfused(dt * b[i + l]) * xv);
+                s[i + l] = v;
+                lanes[l] = std::fma(v, c[i + l], lanes[l]);
+            }
+        for (; i < N; ++i) {
+            const float prev = started ? s[i] : 0.f;
+            const float v = unfused(prev * decay) + unfused(unfused(dt * b[i]) * xv);
+            s[i] = v;
+            lanes[0] = std::fma(v, c[i], lanes[0]);
+        }
+        float dot = 0.f;
+        for (int l = 0; l < kLanes; ++l) dot += lanes[l];
+        y[q] = dot + unfused(xv * m.D[h]);
+    }
+}
+
+// Phase 3: `out` [inner] = weight * rms_norm_per_group(y * silu(gate)), gate the first `inner` of `proj`; the
+// normalized values rounded to T before the weight's product, which is rounded again (the eager layer's).
+template <typename T>
+void mamba_norm_row(const MambaSpec& m, const float* proj, const float* y, float* out) {
+    const int64_t inner = m.inner(), width = inner / m.groups;
+    for (int64_t i = 0; i < inner; ++i) out[i] = y[i] * (proj[i] / (1.f + std::exp(-proj[i])));
+    for (int64_t g = 0; g < m.groups; ++g) {
+        float* h = out + g * width;
+        float lanes[16] = {};
+        int64_t i = 0;
+        for (; i + 16 <= width; i += 16)
+            for (int l = 0; l < 16; ++l) lanes[l] = std::fma(h[i + l], h[i + l], lanes[l]);
+        for (; i < width; ++i) lanes[0] = std::fma(h[i], h[i], lanes[0]);
+        float sum = 0.f;
+        for (int l = 0; l < 16; ++l) sum += lanes[l];
+        const float rs = 1.f / std::sqrt(sum / static_cast<float>(width) + m.eps);
+        for (int64_t j = 0; j < width; ++j) h[j] = round_as<T>(m.norm[g * width + j] * round_as<T>(h[j] * rs));
+    }
+}
+
+}  // namespace conveyor
