@@ -23,6 +23,7 @@
 // (one, before thread 0's K/V writes, when there are fewer rows than threads).
 #include "attention_cpu.h"
 #include "lora_delta.h"
+#include "mamba_row.h"
 #include "quant.h"
 #include "row_ops.h"
 #include "short_conv.h"
@@ -60,13 +61,15 @@ struct LoRAProjection {
 
 // A decoder layer. An attention layer's qkv and o projections; or, in a short-convolution layer (LFM2's:
 // `taps` set), in_proj (B, C and x, 3 x hidden) and out_proj in their places, its state a ring of its last
-// `kernel` inputs in its KV pages (layers/short_conv.py's layout).
+// `kernel` inputs in its KV pages (layers/short_conv.py's layout); or, in a Mamba-2 layer (Granite 4.0-H's:
+// `mamba` set), the mixer's in_proj and out_proj there, its ring and SSM state in its KV pages (mamba_row.h).
 struct Layer {
     std::vector<float> input_norm, post_norm;
     std::vector<float> q_norm, k_norm;  // per-head q/k norms before RoPE (Qwen3's, LFM2's), [D]; empty: none
     std::vector<float> taps, conv_bias;  // a conv layer's kernel [kernel][hidden] and bias [hidden] (or empty)
     Linear qkv, o, gate_up, down;
     LoRAProjection lora[4];  // qkv, o, gate_up, down
+    std::unique_ptr<conveyor::MambaWeights> mamba;  // a Mamba-2 layer's mixer
     int64_t group = 0;  // which layer group's attention metadata this layer reads
     bool rope = true;  // false: a NoPE layer (SmolLM3's every fourth), q and k as projected
 };
@@ -162,6 +165,39 @@ class DecodeStack {
         layers_.push_back(std::move(layer));
     }
 
+    // The next layer, a Mamba-2 layer: its norms, its four linears (the mixer's in_proj and out_proj, gate_up,
+    // down) as `add_layer` takes them, its layer group, and the mixer's shape and weights (copied).
+    void add_mamba_layer(const float* input_norm, const float* post_norm, const conveyor::SegmentSpec* const* segments,
+                         const int64_t* counts, const float* const* biases, int64_t group,
+                         const conveyor::MambaSpec& spec) {
+        Layer layer;
+        layer.input_norm.assign(input_norm, input_norm + hidden_);
+        layer.post_norm.assign(post_norm, post_norm + hidden_);
+        layer.group = group;
+        layer.mamba = std::make_unique<conveyor::MambaWeights>();
+        layer.mamba->assign(spec);
+        const int64_t K[4] = {hidden_, spec.inner(), hidden_, inter_};
+        const int64_t N[4] = {spec.in_width(), hidden_, 2 * inter_, hidden_};
+        Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+        for (int i = 0; i < 4; ++i) {
+            Linear& lin = *dst[i];
+            lin.K = K[i];
+            lin.add_segments(segments[i], counts[i]);
+            CONVEYOR_CHECK(lin.N == N[i], "linear ", i, " has ", lin.N, " output rows, expected ", N[i]);
+            lin.set_bias(biases[i]);
+        }
+        qkv_.resize(std::max<size_t>(qkv_.size(), max_rows_ * spec.in_width()));
+        attn_.resize(std::max<size_t>(attn_.size(), max_rows_ * spec.inner()));
+        mamba_conv_.resize(std::max<size_t>(mamba_conv_.size(), max_rows_ * spec.scratch()));
+        mamba_y_.resize(std::max<size_t>(mamba_y_.size(), max_rows_ * spec.inner()));
+        mamba_inner_ = std::max(mamba_inner_, spec.inner());
+        layers_.push_back(std::move(layer));
+    }
+
+    // Each layer's output times `scale` (rounded to the model's dtype) before its residual add: Granite's
+    // residual multiplier (1: none).
+    void set_residual_scale(float scale) { residual_scale_ = scale; }
+
     // Layer `l`'s projection `p` (0..3: qkv, o, gate_up, down) adds adapter deltas: A `[slots, in, blocks *
     // rank]`, B `[slots, rank, out]`, `slice_rows` [n_slices + 1], `slice_block` [slots, n_slices], all
     // kept by the caller (their values may change between calls, their addresses not).
@@ -244,7 +280,8 @@ class DecodeStack {
         const float* cp = in.cos;
         const float* sp = in.sin;
         const float eps = static_cast<float>(eps_), scale = static_cast<float>(scale_);
-        for (auto [act, K] : {std::pair{&act_hidden_, hidden_}, {&act_attn_, qd}, {&act_inter_, inter_}})
+        for (auto [act, K] : {std::pair{&act_hidden_, hidden_}, {&act_attn_, qd}, {&act_inter_, inter_},
+                              {&act_mamba_, std::max<int64_t>(mamba_inner_, 1)}})
             act->shape(B, K), act->shape_floats(B, K, std::is_same_v<T, conveyor::bf16>);  // rows rounded to T
         const int nt_wanted = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, 64)));
 #pragma omp parallel num_threads(nt_wanted)
@@ -318,7 +355,34 @@ class DecodeStack {
                     store_kv_heads(kc + slot[b] * kv_row, row + qd, Hkv_, D_);
                     store_kv_heads(vc + slot[b] * kv_row, row + qd + kvd, Hkv_, D_);
                 };
-                if (!L.taps.empty()) {  // a conv layer: its rows' convolutions, then out_proj
+                if (L.mamba) {  // a Mamba-2 layer: its rows' convolutions, their heads' states, the gated norm
+                    const conveyor::MambaSpec& m = L.mamba->spec;
+                    const int64_t W = m.in_width(), S = m.scratch(), I = m.inner();
+#pragma omp barrier
+                    matmul(L.qkv, act_hidden_, qkv_.data(), W);
+#pragma omp barrier
+                    for (int64_t b = r0; b < r1; ++b) {
+                        float* row = qkv_.data() + b * W;
+                        L.qkv.add_bias_row(row);
+                        round_row<T>(row, W);
+                        mamba_row<T, C>(m, row, kc, vc, kv_row, bt + b * width, pos[b], page, mamba_conv_.data() + b * S);
+                    }
+#pragma omp barrier
+                    const int64_t pairs = B * m.heads, p0 = pairs * tid / nt, p1 = pairs * (tid + 1) / nt;
+                    for (int64_t ph = p0; ph < p1; ++ph) {
+                        const int64_t b = ph / m.heads, h = ph % m.heads;
+                        mamba_head<C>(m, h, kc, vc, kv_row, bt + b * width, page, pos[b] > 0,
+                                      mamba_conv_.data() + b * S, mamba_y_.data() + b * I + h * m.P);
+                    }
+#pragma omp barrier
+                    for (int64_t b = r0; b < r1; ++b)
+                        conveyor::mamba_norm_row<T>(m, qkv_.data() + b * W, mamba_y_.data() + b * I,
+                                                    attn_.data() + b * I);
+                    prepare(L.o, attn_.data(), I, act_mamba_);
+#pragma omp barrier
+                    matmul(L.o, act_mamba_, out_.data(), hidden_);
+#pragma omp barrier
+                } else if (!L.taps.empty()) {  // a conv layer: its rows' convolutions, then out_proj
 #pragma omp barrier
                     matmul(L.qkv, act_hidden_, qkv_.data(), 3 * hidden_);
 #pragma omp barrier
@@ -372,6 +436,7 @@ class DecodeStack {
                         L.o.add_bias_row(out_.data() + b * hidden_);
                         round_row<T>(out_.data() + b * hidden_, hidden_);
                     }
+                    scale_row<T>(out_.data() + b * hidden_, hidden_);
                     add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
                     conveyor::rms_norm_row<T>(xp + b * hidden_, L.post_norm.data(), hidden_, eps,
                                               xn_.data() + b * hidden_);
@@ -402,6 +467,7 @@ class DecodeStack {
                         L.down.add_bias_row(out_.data() + b * hidden_);
                         round_row<T>(out_.data() + b * hidden_, hidden_);
                     }
+                    scale_row<T>(out_.data() + b * hidden_, hidden_);
                     add_row<T>(xp + b * hidden_, out_.data() + b * hidden_, hidden_);
                     if (next)
                         conveyor::rms_norm_row<T>(xp + b * hidden_, next->input_norm.data(), hidden_, eps,
@@ -410,6 +476,27 @@ class DecodeStack {
                 if (next) prepare(next->qkv, xn_.data(), hidden_, act_hidden_);
             }
         }
+    }
+
+    // A layer's output row times the residual scale, rounded to T (the eager layer's `h * residual_multiplier`).
+    template <typename T>
+    void scale_row(float* y, int64_t n) const {
+        if (residual_scale_ == 1.f) return;
+        for (int64_t i = 0; i < n; ++i) y[i] = conveyor::round_as<T>(y[i] * residual_scale_);
+    }
+
+    // A Mamba-2 layer's phases 1 and 2 over the pool's cache rows (mamba_row.h); int8 rows hold no state.
+    template <typename T, typename C>
+    void mamba_row(const conveyor::MambaSpec& m, const float* proj, C* kc, C* vc, int64_t kv_row, const int64_t* bt,
+                   int64_t p, int64_t page, float* conv) {
+        if constexpr (conveyor::kScaled<C>) CONVEYOR_CHECK(false, "a Mamba layer's state is not kept in int8 rows");
+        else conveyor::mamba_conv_row<T, C>(m, proj, kc, vc, kv_row, bt, p, page, conv);
+    }
+    template <typename C>
+    void mamba_head(const conveyor::MambaSpec& m, int64_t h, C* kc, C* vc, int64_t kv_row, const int64_t* bt,
+                    int64_t page, bool started, const float* conv, float* y) {
+        if constexpr (conveyor::kScaled<C>) CONVEYOR_CHECK(false, "a Mamba layer's state is not kept in int8 rows");
+        else conveyor::mamba_state_head<C>(m, h, kc, vc, kv_row, bt, page, started, conv, y);
     }
 
     // Row b of a conv layer: its in_proj output (in qkv_) biased and rounded, then `short_conv_row` (the
@@ -435,9 +522,12 @@ class DecodeStack {
     int64_t max_rows_;
     std::vector<Layer> layers_;
     std::vector<float> xn_, qkv_, attn_, mid_, act_, out_;
+    std::vector<float> mamba_conv_, mamba_y_;  // Mamba layers: each row's conv output, dt and decays; its y
+    int64_t mamba_inner_ = 0;                  // the widest Mamba layer's heads * P (out_proj's input)
+    float residual_scale_ = 1.f;
     int64_t lora_width_ = 0;                   // the widest adapter t row set
     std::vector<float> lora_t_;                // the shrink's output, [grouped rows, lora_width_]
-    Activations act_hidden_, act_attn_, act_inter_;
+    Activations act_hidden_, act_attn_, act_inter_, act_mamba_;
 };
 
 // The C entry points (kernels/matmul_ops.py's `DecodeStack`): a stack is built once per model and
@@ -460,6 +550,26 @@ CONVEYOR_API int conveyor_decode_stack_add_layer(void* stack, const float* input
         static_cast<DecodeStack*>(stack)->add_layer(input_norm, post_norm, segments, counts, biases, group, rope != 0,
                                                     q_norm, k_norm, taps, kernel, conv_bias);
     });
+}
+
+CONVEYOR_API int conveyor_decode_stack_add_mamba_layer(void* stack, const float* input_norm, const float* post_norm,
+                                                       const conveyor::SegmentSpec* const* segments,
+                                                       const int64_t* counts, const float* const* biases,
+                                                       int64_t group, int64_t heads, int64_t p, int64_t n,
+                                                       int64_t groups, int64_t kernel, int64_t conv_dim,
+                                                       const float* taps, const float* conv_bias, const float* a,
+                                                       const float* d, const float* dt_bias, const float* norm,
+                                                       float eps) {
+    return conveyor::guarded(1, [&] {
+        CONVEYOR_CHECK(groups > 0 && heads % groups == 0, "heads (", heads, ") must be a multiple of groups (", groups,
+                       ")");
+        const conveyor::MambaSpec spec{heads, p, n, groups, kernel, conv_dim, taps, conv_bias, a, d, dt_bias, norm, eps};
+        static_cast<DecodeStack*>(stack)->add_mamba_layer(input_norm, post_norm, segments, counts, biases, group, spec);
+    });
+}
+
+CONVEYOR_API int conveyor_decode_stack_set_residual_scale(void* stack, float scale) {
+    return conveyor::guarded(1, [&] { static_cast<DecodeStack*>(stack)->set_residual_scale(scale); });
 }
 
 CONVEYOR_API int conveyor_decode_stack_forward(void* stack, float* x, int64_t B, const float* cos, const float* sin,

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .native import DTYPES, F64, I32, I64, INT8_ROWS, P, Native, bind, dtype_code, int64_vector, require
+from .native import DTYPES, F32, F64, I32, I64, INT8_ROWS, P, Native, bind, dtype_code, int64_vector, require
 
 # A weight's row segment as the caller gives it: (tiles, weight type, row scales (empty: none), rows).
 SegmentTuple = tuple[torch.Tensor, int, torch.Tensor, int]
@@ -60,6 +60,9 @@ class DecodeStack(Native):
         self._forward = bind(lib, "conveyor_decode_stack_forward", I32, P, P, I64, P, P, I32, I32, P, P, I64, P, P, P,
                              P, P, I64, P, I64, I32, I32, P, P, I64)
         self._set_lora = bind(lib, "conveyor_decode_stack_set_lora", I32, P, I64, I64, I32, P, P, P, P, I64, I64, I64)
+        self._add_mamba = bind(lib, "conveyor_decode_stack_add_mamba_layer", I32, P, P, P, P, P, P, I64, I64, I64, I64,
+                               I64, I64, I64, P, P, P, P, P, P, F32)
+        self._residual_scale = bind(lib, "conveyor_decode_stack_set_residual_scale", I32, P, F32)
         self.hidden = hidden
         self.num_layers = 0
         self._keep: list[torch.Tensor] = []
@@ -97,6 +100,31 @@ class DecodeStack(Native):
                              *[None if t is None else t.data_ptr() for t in head], None if conv[0] is None else
                              conv[0].data_ptr(), kernel, None if conv[1] is None else conv[1].data_ptr()))
         self.num_layers += 1
+
+    def add_mamba_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor,
+                        linears: Sequence[Sequence[SegmentTuple]], biases: Sequence[torch.Tensor | None], group: int,
+                        shape: tuple[int, int, int, int, int], weights: Sequence[torch.Tensor], eps: float) -> None:
+        """The next layer, a Mamba-2 layer: its norms, the row segments of the mixer's in_proj and out_proj,
+        gate_up and down, and their biases, as `add_layer` takes them; the mixer's (heads, P, N, groups,
+        kernel) and its weights as `layers.mamba2.Mamba2Mixer._native_weights` gives them (copied)."""
+        require(len(linears) == 4 and len(biases) == 4, "in_proj, out_proj, gate_up and down expected")
+        norms = [_fp32(w, self.hidden, "a norm's weight") for w in (input_norm, post_norm)]
+        arrays = [_segments(parts, self._keep) for parts in linears]
+        rows = [sum(int(part[3]) for part in parts) for parts in linears]
+        fp32_biases = [_fp32(b, n, "a bias") for b, n in zip(biases, rows)]
+        taps, conv_bias, *rest = [w.detach().float().contiguous() for w in weights]
+        heads, p, n, groups, kernel = shape
+        self.check(self._add_mamba(self._handle, norms[0].data_ptr(), norms[1].data_ptr(),
+                                   (P * 4)(*[ctypes.addressof(a) for a in arrays]), (I64 * 4)(*[len(a) for a in arrays]),
+                                   (P * 4)(*[None if b is None else b.data_ptr() for b in fp32_biases]), group, heads, p,
+                                   n, groups, kernel, taps.shape[1], taps.data_ptr(),
+                                   conv_bias.data_ptr() if conv_bias.numel() else None, *[w.data_ptr() for w in rest],
+                                   eps))
+        self.num_layers += 1
+
+    def set_residual_scale(self, scale: float) -> None:
+        """Each layer's output times `scale` before its residual add (Granite's residual multiplier)."""
+        self.check(self._residual_scale(self._handle, scale))
 
     def set_lora(self, layer: int, projection: int, a: torch.Tensor, b: torch.Tensor, slice_rows: torch.Tensor,
                  slice_block: torch.Tensor) -> None:

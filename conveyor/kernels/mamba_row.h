@@ -123,8 +123,8 @@ void mamba_state_head(const MambaSpec& m, int64_t h, C* kc, C* vc, int64_t kv_ro
     const float dt = conv[m.conv_dim + h], decay = conv[m.conv_dim + m.heads + h];
     for (int64_t q = 0; q < m.P; ++q) {
         const int64_t byte = (h * m.P + q) * N * 4, slot = byte / (2 * half_bytes), within = byte % (2 * half_bytes);
-        char* page_bytes = reinterpret_cast<char*>((within >= half_bytes ? vc : kc) + run_slot(bt, base + slot, page) * kv_row);
-        float* s = reinterpret_cast<float*>(page_bytes + within % half_bytes);
+        C* half = (within >= half_bytes ? vc : kc) + run_slot(bt, base + slot, page) * kv_row;
+        float* s = reinterpret_cast<float*>(reinterpret_cast<char*>(half) + within % half_bytes);
         const float xv = x[q];
         float lanes[kLanes] = {};
         int64_t i = 0;

@@ -176,19 +176,23 @@ class Mamba2Mixer(nn.Module):
         parts = []
         if native is not None:  # decode rows: one native pass (the decode stack's arithmetic)
             parts.append(native.decode(proj[:nd], kv_cache, meta.decode_block_tables, meta.decode_positions,
-                                       meta.page_size, (self.heads, self.head_dim, self.state, self.groups,
-                                                        self.conv_weight.shape[-1]), self._native_weights(), self.eps))
+                                       meta.page_size, self.native_shape, self.native_weights(), self.eps))
         if native is None or proj.shape[0] > nd:
             parts.append(self._rows(proj[nd:] if native is not None else proj, kv_cache, meta, native is not None))
         out = torch.cat(parts) if len(parts) > 1 else parts[0]
         return self.out_proj(out if rows is None else out.index_select(0, rows))
+
+    @property
+    def native_shape(self) -> tuple[int, int, int, int, int]:
+        """(heads, head_dim, state, groups, kernel), as the native kernels take the mixer's shape."""
+        return self.heads, self.head_dim, self.state, self.groups, self.conv_weight.shape[-1]
 
     def _native(self, kv_cache: torch.Tensor) -> SsmOps | None:
         """The native decode rows' kernels where they take this pool."""
         ops = cpu_ssm_ops() if kv_cache.device.type == "cpu" else None
         return ops if ops is not None and ops.fits(kv_cache, self.state) else None
 
-    def _native_weights(self) -> tuple[torch.Tensor, ...]:
+    def native_weights(self) -> tuple[torch.Tensor, ...]:
         """The layer's weights as the native kernel takes them (fp32: taps `[kernel, conv_dim]`, the conv bias or
         an empty tensor, A, D, dt_bias, the norm's weight); made once."""
         if self._weights is None:

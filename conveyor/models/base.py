@@ -218,6 +218,7 @@ class CausalLM(nn.Module):
         del fused  # the fused copies then live only as long as the parameters made of them
         model = model.to(device=device, dtype=dtype).eval()
         model.dtype = dtype
+        model.load_fp32_parameters(state_dict)
         prepack_linears(model)  # fp32 on CPU: faster matmuls at decode batch sizes (see linear.py)
         tile_bf16_modules(model)  # bf16 on CPU: the native GEMM's tiles (see quantization/linear.py)
         if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_kernels_enabled():
@@ -230,6 +231,10 @@ class CausalLM(nn.Module):
         """Layer `layer`'s tensors beyond the shared ones (attention, dense MLP, norms), by this model's
         names: a family's own (experts, routers). ValueError naming a missing one."""
         return {}
+
+    def load_fp32_parameters(self, state_dict: dict[str, Weight]) -> None:
+        """A family's tensors kept in fp32 whatever the model's dtype (Mamba-2's A, D and dt_bias), set after
+        the conversion to it and before anything (the decode stack) copies them."""
 
     def quantized_module(self, name: str, parts: list[QuantizedTensor], dtype: torch.dtype) -> nn.Module:
         """The quantized stand-in for the embedding or linear layer that holds weight `name`."""

@@ -103,10 +103,10 @@ def _head_norms(layer: torch.nn.Module) -> bool:
 
 
 def _projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    """A layer's four projections in the stack's order; a conv layer's in_proj and out_proj in the places of
-    qkv and o."""
-    conv = getattr(layer, "conv", None)
-    first = [getattr(layer, p) for p in PROJECTIONS[:2]] if conv is None else [conv.in_proj, conv.out_proj]
+    """A layer's four projections in the stack's order; a conv layer's or a Mamba layer's in_proj and out_proj
+    in the places of qkv and o."""
+    mixer = getattr(layer, "conv", None) or getattr(layer, "mamba", None)
+    first = [getattr(layer, p) for p in PROJECTIONS[:2]] if mixer is None else [mixer.in_proj, mixer.out_proj]
     return first + [getattr(layer, p) for p in PROJECTIONS[2:]]
 
 
@@ -121,8 +121,9 @@ class DecodeStack:
 
     @classmethod
     def build(cls, model: torch.nn.Module, layer_class: type, conv_class: type | None = None) -> DecodeStack | None:
-        """The stack for `model` whose layers are all `layer_class` (the Llama decoder layer) or `conv_class`
-        (LFM2's short-convolution layer), or None where it does not apply (see the module docstring)."""
+        """The stack for `model` whose layers are all `layer_class` (the Llama decoder layer, or Granite's with
+        its residual multiplier) or `conv_class` (LFM2's short-convolution layer, Granite 4.0-H's Mamba-2
+        layer), or None where it does not apply (see the module docstring)."""
         ops = quant_linear.matmul_ops()
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
@@ -134,12 +135,20 @@ class DecodeStack:
         if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None
         first = layers[0]
-        config = model.config
-        native = ops.DecodeStack(config.hidden_size, config.intermediate_size, first.num_heads, first.num_kv_heads,
+        intermediate = _projections(first)[3].in_features  # (the MLP's width as built: Granite 4.0's shared MLP)
+        native = ops.DecodeStack(model.config.hidden_size, intermediate, first.num_heads, first.num_kv_heads,
                                  first.head_dim, float(first.input_layernorm.eps), float(first.scale), MAX_ROWS)
+        native.set_residual_scale(float(getattr(first, "residual_multiplier", 1.0)))
         for i, layer in enumerate(layers):
             linears = _projections(layer)
             segments = [_segments(lin) for lin in linears]
+            mamba = getattr(layer, "mamba", None)
+            if mamba is not None:
+                native.add_mamba_layer(layer.input_layernorm.weight.detach(),
+                                       layer.post_attention_layernorm.weight.detach(), segments,
+                                       [None if lin.bias is None else lin.bias.detach() for lin in linears], i,
+                                       mamba.native_shape, mamba.native_weights(), mamba.eps)
+                continue
             conv = getattr(layer, "conv", None)
             taps = None if conv is None else conv.conv_weight.detach().flatten(1).t()  # [kernel, hidden]
             native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
@@ -155,8 +164,9 @@ class DecodeStack:
         linears = [_projections(layer) for layer in layers]
         if any(isinstance(lin, LoRALinear) and lin.lora_a.dtype != dtype for row in linears for lin in row):
             return
-        if any(isinstance(lin, LoRALinear) for layer, row in zip(layers, linears) if hasattr(layer, "conv")
-               for lin in row[:2]):  # (the stack's conv rows add no adapter deltas: those steps stay eager)
+        if any(isinstance(lin, LoRALinear) for layer, row in zip(layers, linears)
+               if hasattr(layer, "conv") or hasattr(layer, "mamba")
+               for lin in row[:2]):  # (the stack's conv and Mamba rows add no adapter deltas: those steps stay eager)
             return
         for i, row in enumerate(linears):
             for p, lin in enumerate(row):

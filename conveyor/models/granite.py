@@ -2,8 +2,7 @@
 (or Mixtral) layers with four scalars, as transformers applies them step by step: the embeddings times
 `embedding_multiplier`, attention scaled by `attention_multiplier` (instead of `head_dim ** -0.5`), each block's
 output times `residual_multiplier` before its residual add, and the logits divided by `logits_scaling`. The
-native decode stack has no residual multiplier, so small decode batches run the layers eagerly
-(`DecodeStack.build` takes Llama's own layer class only)."""
+dense models' small decode batches go through the native decode stack, which takes the residual multiplier."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ from ..kernels.fused_ops import FusedOps
 from ..layers.attention import AttentionBackend, AttentionMetadata
 from ..layers.moe import SparseMoe
 from ..layers.quantization.linear import Weight
+from .decode_stack import DecodeStack
 from .llama import DecoderLayer, LlamaForCausalLM
 from .moe import MoeDecoderLayer, MoeForCausalLM
 
@@ -60,6 +60,9 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+    def build_decode_stack(self) -> DecodeStack | None:
+        return DecodeStack.build(self, GraniteDecoderLayer)
 
 
 class GraniteMoeDecoderLayer(MoeDecoderLayer):

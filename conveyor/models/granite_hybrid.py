@@ -21,6 +21,7 @@ from ..layers.mamba2 import Mamba2Mixer
 from ..layers.moe import Expert, SparseMoe
 from ..layers.quantization.linear import Weight
 from .base import CausalLM, check_activation
+from .decode_stack import DecodeStack
 from .granite import GraniteDecoderLayer, GraniteMoeDecoderLayer, stacked_expert_weights
 from .llama import RMSNorm
 from .moe import MoeDecoderLayer, expert_count, routed_experts, sparse_block_weights
@@ -131,6 +132,9 @@ class GraniteHybridForCausalLM(CausalLM):
             if isinstance(module, SparseMoe):
                 module.group_experts()
 
+    def build_decode_stack(self) -> DecodeStack | None:
+        return DecodeStack.build(self, GraniteDecoderLayer, GraniteMambaLayer)
+
     @classmethod
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "GraniteHybridForCausalLM":
         return cls(config)
@@ -138,13 +142,15 @@ class GraniteHybridForCausalLM(CausalLM):
     @classmethod
     def from_state_dict(cls, config: PretrainedConfig, state_dict: dict[str, Weight], dtype: torch.dtype,
                         device: torch.device, quantization: str = "none", lm_head: bool = True) -> "CausalLM":
-        """The dense shared MLP under Llama's names; after the load, each Mamba layer's `A` (the checkpoint's
-        `-exp(A_log)`, or a GGUF file's `A`), `D` and `dt_bias` in fp32."""
+        """The dense shared MLP under Llama's names."""
         if not expert_count(config):
             renames = {"shared_mlp.input_linear.": "mlp.gate_up_proj.", "shared_mlp.output_linear.": "mlp.down_proj."}
             state_dict = {_renamed(name, renames): weight for name, weight in state_dict.items()}
-        model = super().from_state_dict(config, state_dict, dtype, device, quantization, lm_head)
-        for i, layer in enumerate(model.layers):
+        return super().from_state_dict(config, state_dict, dtype, device, quantization, lm_head)
+
+    def load_fp32_parameters(self, state_dict: dict[str, Weight]) -> None:
+        """Each Mamba layer's `A` (the checkpoint's `-exp(A_log)`, or a GGUF file's `A`), `D` and `dt_bias`."""
+        for i, layer in enumerate(self.layers):
             if isinstance(layer, MambaInPlaceOfAttention):
                 p = f"model.layers.{i}.mamba."
                 a = state_dict.get(f"{p}A")
@@ -152,7 +158,6 @@ class GraniteHybridForCausalLM(CausalLM):
                 dt_bias = state_dict.get(f"{p}dt_bias")
                 dt_bias = _required(state_dict, f"{p}dt.bias") if dt_bias is None else dt_bias
                 layer.mamba.set_ssm_parameters(a, _required(state_dict, f"{p}D"), dt_bias)
-        return model
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         """A Mamba layer's projections, convolution and norm; a sparse block's router, experts (stacked in

@@ -106,13 +106,16 @@ def test_big_decode_batches_stay_eager(tiny_models: dict[str, TinyModel], monkey
 
 @pytest.mark.parametrize(("kind", "dtype"), [("mistral_sliding", "auto"), ("qwen2", "auto"), ("smollm3", "auto"),
                                            ("qwen3", "auto"), ("qwen3", "bfloat16"), ("lfm2", "auto"),
-                                           ("lfm2", "bfloat16"), ("lfm2_kv1", "bfloat16")])
+                                           ("lfm2", "bfloat16"), ("lfm2_kv1", "bfloat16"), ("granite", "auto"),
+                                           ("granite", "bfloat16"), ("granitemoehybrid", "auto"),
+                                           ("granitemoehybrid", "bfloat16")])
 def test_sliding_window_biases_norms_and_convolutions(tiny_models: dict[str, TinyModel], kind: str, dtype: str,
                                                       monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Mistral with a window far shorter than the prompts (ring slots), Qwen2's q/k/v biases, SmolLM3's
     layer without RoPE, Qwen3's per-head q/k norms, LFM2's short convolutions beside attention layers with
     q/k norms (rings of 3 slots in pages of 4, and with one KV head rows of two slots, rings across
-    pages): the same bits as the eager layers, in fp32 compute and bf16."""
+    pages), Granite's residual multiplier, Granite 4.0-H's Mamba-2 layers (rings and states across pages)
+    beside a NoPE attention layer: the same bits as the eager layers, in fp32 compute and bf16."""
     if dtype == "auto":
         monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
     prompts = random_prompts([20, 13, 31], seed=53)
