@@ -365,7 +365,8 @@ class DecodeStack {
                         float* row = qkv_.data() + b * W;
                         L.qkv.add_bias_row(row);
                         round_row<T>(row, W);
-                        mamba_row<T, C>(m, row, kc, vc, kv_row, bt + b * width, pos[b], page, mamba_conv_.data() + b * S);
+                        mamba_row<T, C>(m, row, kc, vc, kv_row, bt + b * width, pos[b], page,
+                                        mamba_conv_.data() + b * S);
                     }
 #pragma omp barrier
                     const int64_t pairs = B * m.heads, p0 = pairs * tid / nt, p1 = pairs * (tid + 1) / nt;
@@ -563,7 +564,8 @@ CONVEYOR_API int conveyor_decode_stack_add_mamba_layer(void* stack, const float*
     return conveyor::guarded(1, [&] {
         CONVEYOR_CHECK(groups > 0 && heads % groups == 0, "heads (", heads, ") must be a multiple of groups (", groups,
                        ")");
-        const conveyor::MambaSpec spec{heads, p, n, groups, kernel, conv_dim, taps, conv_bias, a, d, dt_bias, norm, eps};
+        const conveyor::MambaSpec spec{heads, p, n, groups, kernel, conv_dim, taps,
+                                       conv_bias, a, d, dt_bias, norm, eps};
         static_cast<DecodeStack*>(stack)->add_mamba_layer(input_norm, post_norm, segments, counts, biases, group, spec);
     });
 }

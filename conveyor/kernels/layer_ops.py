@@ -114,10 +114,11 @@ class DecodeStack(Native):
         fp32_biases = [_fp32(b, n, "a bias") for b, n in zip(biases, rows)]
         taps, conv_bias, *rest = [w.detach().float().contiguous() for w in weights]
         heads, p, n, groups, kernel = shape
-        self.check(self._add_mamba(self._handle, norms[0].data_ptr(), norms[1].data_ptr(),
-                                   (P * 4)(*[ctypes.addressof(a) for a in arrays]), (I64 * 4)(*[len(a) for a in arrays]),
-                                   (P * 4)(*[None if b is None else b.data_ptr() for b in fp32_biases]), group, heads, p,
-                                   n, groups, kernel, taps.shape[1], taps.data_ptr(),
+        segments = (P * 4)(*[ctypes.addressof(a) for a in arrays])
+        counts = (I64 * 4)(*[len(a) for a in arrays])
+        bias_pointers = (P * 4)(*[None if b is None else b.data_ptr() for b in fp32_biases])
+        self.check(self._add_mamba(self._handle, norms[0].data_ptr(), norms[1].data_ptr(), segments, counts,
+                                   bias_pointers, group, heads, p, n, groups, kernel, taps.shape[1], taps.data_ptr(),
                                    conv_bias.data_ptr() if conv_bias.numel() else None, *[w.data_ptr() for w in rest],
                                    eps))
         self.num_layers += 1
