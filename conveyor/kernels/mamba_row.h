@@ -52,6 +52,19 @@ struct MambaWeights {
     }
 };
 
+// v = v * sigmoid(v) over n values (fp32; a vector e^x where the target has one, libm's on the tail).
+inline void silu_row(float* v, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        _mm512_storeu_ps(v + i, _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x)))));
+    }
+#endif
+    for (; i < n; ++i) v[i] = v[i] / (1.f + std::exp(-v[i]));
+}
+
 // The pool slot of index j in a request's run of blocks `bt`.
 inline int64_t run_slot(const int64_t* bt, int64_t j, int64_t page) { return bt[j / page] * page + j % page; }
 
@@ -89,10 +102,8 @@ void mamba_conv_row(const MambaSpec& m, const float* proj, C* kc, C* vc, int64_t
             for (int64_t i = 0; i < H; ++i) acc[i] = 0.f * w[i];
         }
     }
-    for (int64_t i = 0; i < H; ++i) {  // (libm's e^x, scalar in every build: the same bits on both paths)
-        const float v = round_as<T>(acc[i]);
-        acc[i] = v / (1.f + std::exp(-v));
-    }
+    for (int64_t i = 0; i < H; ++i) acc[i] = round_as<T>(acc[i]);
+    silu_row(acc, H);
     for (int64_t k = 0; k < r; ++k)
         for (int half = 0; half < 2; ++half) {
             const int64_t i0 = (2 * k + half) * kv_row;
@@ -128,6 +139,18 @@ void mamba_state_head(const MambaSpec& m, int64_t h, C* kc, C* vc, int64_t kv_ro
         const float xv = x[q];
         float lanes[kLanes] = {};
         int64_t i = 0;
+#if defined(__AVX512F__)
+        const __m512 vdecay = _mm512_set1_ps(decay), vdt = _mm512_set1_ps(dt), vx = _mm512_set1_ps(xv);
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + kLanes <= N; i += kLanes) {
+            const __m512 prev = started ? _mm512_loadu_ps(s + i) : _mm512_setzero_ps();
+            const __m512 dbx = unfused(_mm512_mul_ps(unfused(_mm512_mul_ps(vdt, _mm512_loadu_ps(b + i))), vx));
+            const __m512 v = _mm512_add_ps(unfused(_mm512_mul_ps(prev, vdecay)), dbx);
+            _mm512_storeu_ps(s + i, v);
+            acc = _mm512_fmadd_ps(v, _mm512_loadu_ps(c + i), acc);
+        }
+        _mm512_storeu_ps(lanes, acc);
+#endif
         for (; i + kLanes <= N; i += kLanes)
             for (int l = 0; l < kLanes; ++l) {
                 const float prev = started ? s[i + l] : 0.f;
@@ -152,7 +175,9 @@ void mamba_state_head(const MambaSpec& m, int64_t h, C* kc, C* vc, int64_t kv_ro
 template <typename T>
 void mamba_norm_row(const MambaSpec& m, const float* proj, const float* y, float* out) {
     const int64_t inner = m.inner(), width = inner / m.groups;
-    for (int64_t i = 0; i < inner; ++i) out[i] = y[i] * (proj[i] / (1.f + std::exp(-proj[i])));
+    std::copy(proj, proj + inner, out);
+    silu_row(out, inner);
+    for (int64_t i = 0; i < inner; ++i) out[i] = y[i] * out[i];
     for (int64_t g = 0; g < m.groups; ++g) {
         float* h = out + g * width;
         float lanes[16] = {};
