@@ -24,6 +24,7 @@ from .base import CausalLM, check_activation
 from .decode_stack import DecodeStack
 from .granite import GraniteDecoderLayer, GraniteMoeDecoderLayer, stacked_expert_weights
 from .llama import RMSNorm
+from .lora import PROJECTIONS
 from .moe import MoeDecoderLayer, expert_count, routed_experts, sparse_block_weights
 
 # transformers' layer type names (and the legacy ones configs on the Hub still carry) -> ours
@@ -85,6 +86,15 @@ class GraniteHybridForCausalLM(CausalLM):
 
     model_types = ("granitemoehybrid",)
     cuda_graphs = False  # prefill chunks scan their states one request at a time; experts count rows on the host
+    # LoRA (`models.lora`): PEFT's names in Granite 4.0's checkpoints (the Mamba mixers', the shared MLP's stacked
+    # gate/up `input_linear`); a model with experts adapts attention and the mixers
+    lora_projections = {
+        "qkv_proj": PROJECTIONS["qkv_proj"], "o_proj": PROJECTIONS["o_proj"],
+        "mamba.in_proj": ("mamba.in_proj", ("mamba.in_proj",)),
+        "mamba.out_proj": ("mamba.out_proj", ("mamba.out_proj",)),
+        "gate_up_proj": ("shared_mlp.input_linear", ("shared_mlp.input_linear",)),
+        "down_proj": ("shared_mlp.output_linear", ("shared_mlp.output_linear",)),
+    }
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
