@@ -494,6 +494,15 @@ def shared_prefix_scenario(llm: LLM, reference: transformers.PreTrainedModel) ->
     return {name: r.output_token_ids for name, r in requests.items()} | {"prompts": prompts}
 
 
+def assert_prefix_scenario_matches(llm: LLM, reference: transformers.PreTrainedModel) -> None:
+    """`shared_prefix_scenario`'s requests each equal to `reference`'s greedy continuation; every block back."""
+    outputs = shared_prefix_scenario(llm, reference)
+    for name, prompt in outputs.pop("prompts").items():
+        ref, logits = hf_greedy(reference, prompt, len(outputs[name]))
+        assert_greedy_match(outputs[name], ref, logits, f"prefix-cached request {name}")
+    assert all_free(llm)
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
 
 

@@ -154,14 +154,7 @@ class DecodeStack {
         }
         const int64_t K[4] = {hidden_, conv ? hidden_ : H_ * D_, hidden_, inter_};
         const int64_t N[4] = {conv ? 3 * hidden_ : (H_ + 2 * Hkv_) * D_, hidden_, 2 * inter_, hidden_};
-        Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-        for (int i = 0; i < 4; ++i) {
-            Linear& lin = *dst[i];
-            lin.K = K[i];
-            lin.add_segments(segments[i], counts[i]);
-            CONVEYOR_CHECK(lin.N == N[i], "linear ", i, " has ", lin.N, " output rows, expected ", N[i]);
-            lin.set_bias(biases[i]);
-        }
+        set_linears(layer, segments, counts, biases, K, N);
         layers_.push_back(std::move(layer));
     }
 
@@ -178,14 +171,7 @@ class DecodeStack {
         layer.mamba->assign(spec);
         const int64_t K[4] = {hidden_, spec.inner(), hidden_, inter_};
         const int64_t N[4] = {spec.in_width(), hidden_, 2 * inter_, hidden_};
-        Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-        for (int i = 0; i < 4; ++i) {
-            Linear& lin = *dst[i];
-            lin.K = K[i];
-            lin.add_segments(segments[i], counts[i]);
-            CONVEYOR_CHECK(lin.N == N[i], "linear ", i, " has ", lin.N, " output rows, expected ", N[i]);
-            lin.set_bias(biases[i]);
-        }
+        set_linears(layer, segments, counts, biases, K, N);
         qkv_.resize(std::max<size_t>(qkv_.size(), max_rows_ * spec.in_width()));
         attn_.resize(std::max<size_t>(attn_.size(), max_rows_ * spec.inner()));
         mamba_conv_.resize(std::max<size_t>(mamba_conv_.size(), max_rows_ * spec.scratch()));
@@ -250,6 +236,20 @@ class DecodeStack {
     }
 
   private:
+    // A layer's four linears (qkv, o, gate_up, down, or the mixer's in and out in the first two places): their
+    // segments and biases, each checked against its input width K and output rows N.
+    static void set_linears(Layer& layer, const conveyor::SegmentSpec* const* segments, const int64_t* counts,
+                            const float* const* biases, const int64_t* K, const int64_t* N) {
+        Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+        for (int i = 0; i < 4; ++i) {
+            Linear& lin = *dst[i];
+            lin.K = K[i];
+            lin.add_segments(segments[i], counts[i]);
+            CONVEYOR_CHECK(lin.N == N[i], "linear ", i, " has ", lin.N, " output rows, expected ", N[i]);
+            lin.set_bias(biases[i]);
+        }
+    }
+
     // Rows [r0, r1) of this thread's elementwise work: norms, RoPE, K/V writes, SiLU, residual adds
     // and activation quantization touch only their own rows, so they need no barrier among them.
     // With at least one row per thread, each thread also runs its rows' attention right after

@@ -15,6 +15,7 @@
 #pragma once
 
 #include "row_ops.h"
+#include "short_conv.h"
 
 #include <algorithm>
 #include <cmath>
@@ -68,8 +69,6 @@ inline void silu_row(float* v, int64_t n) {
 // The pool slot of index j in a request's run of blocks `bt`.
 inline int64_t run_slot(const int64_t* bt, int64_t j, int64_t page) { return bt[j / page] * page + j % page; }
 
-// Slots one conv row takes: a slot holds a K and a V row of `kv_row` values.
-inline int64_t conv_row_slots(int64_t conv_dim, int64_t kv_row) { return (conv_dim + 2 * kv_row - 1) / (2 * kv_row); }
 
 // Phase 1 of row `proj` [in_width] (biased, T-exact) at position p: `out` [scratch()] gets the convolution of
 // xBC with the ring's previous kernel - 1 rows (zeros before position 0), one fma a tap from the bias, rounded
@@ -77,39 +76,12 @@ inline int64_t conv_row_slots(int64_t conv_dim, int64_t kv_row) { return (conv_d
 template <typename T, typename C>
 void mamba_conv_row(const MambaSpec& m, const float* proj, C* kc, C* vc, int64_t kv_row, const int64_t* bt, int64_t p,
                     int64_t page, float* out) {
-    const int64_t H = m.conv_dim, r = conv_row_slots(H, kv_row), K = m.kernel;
+    const int64_t H = m.conv_dim;
     const float* xbc = proj + m.inner();
-    float* acc = out;
-    const auto slot = [&](int64_t q, int64_t k) { return run_slot(bt, (q % K) * r + k, page); };
-    for (int64_t i = 0; i < H; ++i) acc[i] = m.conv_bias ? m.conv_bias[i] : 0.f;
-    for (int64_t t = 0; t < K; ++t) {
-        const int64_t q = p - (K - 1) + t;
-        const float* w = m.taps + t * H;
-        const bool first = t == 0 && !m.conv_bias;
-        if (t == K - 1) {
-            for (int64_t i = 0; i < H; ++i) acc[i] = first ? xbc[i] * w[i] : std::fma(xbc[i], w[i], acc[i]);
-        } else if (q >= 0) {
-            for (int64_t k = 0; k < r; ++k)
-                for (int half = 0; half < 2; ++half) {
-                    const C* src = (half ? vc : kc) + slot(q, k) * kv_row;
-                    const int64_t i0 = (2 * k + half) * kv_row, n = std::min(kv_row, H - i0);
-                    for (int64_t i = 0; i < n; ++i) {
-                        const float x = to_float(src[i]);
-                        acc[i0 + i] = first ? x * w[i0 + i] : std::fma(x, w[i0 + i], acc[i0 + i]);
-                    }
-                }
-        } else if (first) {
-            for (int64_t i = 0; i < H; ++i) acc[i] = 0.f * w[i];
-        }
-    }
-    for (int64_t i = 0; i < H; ++i) acc[i] = round_as<T>(acc[i]);
-    silu_row(acc, H);
-    for (int64_t k = 0; k < r; ++k)
-        for (int half = 0; half < 2; ++half) {
-            const int64_t i0 = (2 * k + half) * kv_row;
-            C* dst = (half ? vc : kc) + slot(p, k) * kv_row;
-            for (int64_t i = 0; i < std::min(kv_row, H - i0); ++i) dst[i] = static_cast<C>(xbc[i0 + i]);
-        }
+    ring_conv(xbc, m.taps, m.conv_bias, m.kernel, H, kc, vc, kv_row, bt, p, page, out);
+    for (int64_t i = 0; i < H; ++i) out[i] = round_as<T>(out[i]);
+    silu_row(out, H);
+    store_ring_row(xbc, m.kernel, H, kc, vc, kv_row, bt, p, page);
     const float* dt_raw = proj + m.inner() + H;
     float* dt = out + H;
     float* decay = dt + m.heads;
@@ -127,7 +99,7 @@ void mamba_state_head(const MambaSpec& m, int64_t h, C* kc, C* vc, int64_t kv_ro
                       bool started, const float* conv, float* y) {
     constexpr int kLanes = 16;
     const int64_t N = m.N, g = h / (m.heads / m.groups), half_bytes = kv_row * static_cast<int64_t>(sizeof(C));
-    const int64_t base = m.kernel * conv_row_slots(m.conv_dim, kv_row);
+    const int64_t base = m.kernel * ring_row_slots(m.conv_dim, kv_row);
     const float* x = conv + h * m.P;
     const float* b = conv + m.inner() + g * N;
     const float* c = conv + m.inner() + m.groups * N + g * N;

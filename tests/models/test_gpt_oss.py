@@ -33,9 +33,9 @@ from conveyor.models.sharding import plan_shards
 from tests.attention_utils import interpreter_only, ragged_metadata
 from tests.gguf_writer import write_gpt_oss_gguf
 from tests.utils import (GPT_OSS_LIMIT, LENGTHS, MAX_NEW, PAGE, QUANT_MODES, WINDOW, TinyModel, all_free,
-                         assert_greedy_match, assert_grouped_equals_loop, assert_mode_within_tolerance, gpt_oss_config,
-                         hf_greedy, make_gpt_oss, make_smooth_gpt_oss, next_token_logprobs, random_prompts,
-                         run_and_compare, shared_prefix_scenario, tiny_tokenizer)
+                         assert_grouped_equals_loop, assert_mode_within_tolerance, assert_prefix_scenario_matches,
+                         gpt_oss_config, make_gpt_oss, make_smooth_gpt_oss, next_token_logprobs, random_prompts,
+                         run_and_compare, tiny_tokenizer)
 
 MXFP4 = gguf.GGMLQuantizationType.MXFP4
 
@@ -77,11 +77,7 @@ def test_gpt_oss_matches_transformers(gpt_oss: TinyModel, backend: str) -> None:
 
 def test_gpt_oss_prefix_caching_keeps_outputs(gpt_oss: TinyModel) -> None:
     llm = gpt_oss.llm(page_size=PAGE, max_batch_tokens=24)
-    outputs = shared_prefix_scenario(llm, gpt_oss.reference)
-    for name, prompt in outputs.pop("prompts").items():
-        ref, logits = hf_greedy(gpt_oss.reference, prompt, len(outputs[name]))
-        assert_greedy_match(outputs[name], ref, logits, f"prefix-cached request {name}")
-    assert all_free(llm)
+    assert_prefix_scenario_matches(llm, gpt_oss.reference)
 
 
 def test_gpt_oss_is_batch_invariant(gpt_oss: TinyModel) -> None:
