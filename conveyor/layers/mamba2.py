@@ -220,7 +220,7 @@ class Mamba2Mixer(nn.Module):
         xs, b, c = xbc.split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
         xs = xs.view(t, self.heads, self.head_dim)
         b, c = b.reshape(t, self.groups, self.state), c.reshape(t, self.groups, self.state)
-        dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.dt_limit)
+        dt = F.softplus(dt.float() + self.dt_bias)  # (clamped to `time_step_limit` in the scan, as the references)
         y = torch.empty_like(xs)
         nd, numel = meta.num_decodes, self.heads * self.head_dim * self.state
         if nd:
@@ -230,7 +230,8 @@ class Mamba2Mixer(nn.Module):
             start = None if fresh else read_state(kv_cache, slots[None], numel).view(
                 self.heads, self.head_dim, self.state)
             # (a span shorter than a chunk is one chunk of its own length: the same sums, without the padding)
-            y[q], final = chunk_scan(xs[q], dt[q], self.A, b[q], c[q], self.D, start, min(SCAN_CHUNK, span.q_len))
+            y[q], final = chunk_scan(xs[q], dt[q].clamp(*self.dt_limit), self.A, b[q], c[q], self.D, start,
+                                     min(SCAN_CHUNK, span.q_len))
             write_state(kv_cache, slots[None], final.reshape(1, numel))
         return self._gated_norm(y.view(t, self.inner), gate).to(proj.dtype)
 

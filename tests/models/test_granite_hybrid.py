@@ -332,3 +332,17 @@ def test_lora_adapters_on_every_projection_equal_peft(models: dict[str, TinyMode
     stacked = run(dtype="bfloat16", quantization="int8")
     monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
     assert stacked == run(dtype="bfloat16", quantization="int8")
+
+
+@pytest.mark.parametrize("config", [{"page_size": 4, "max_batch_tokens": 7}, {"page_size": 16}],
+                         ids=["chunk7", "whole"])
+def test_time_step_limits_bind_in_the_scan_as_in_transformers(tmp_path: Path, config: dict) -> None:
+    """A `time_step_limit` that binds: prompts' steps clamped in the scan, decode steps not (the Mamba kernels'
+    and transformers' recurrent step take no limit), whichever path the rows take. (Prompts of 2 tokens and
+    more: transformers runs a 1-token prompt through its recurrent step, unclamped.)"""
+    model = long_memory(TinyModel("granitemoehybrid", tmp_path, TINY_CONFIGS["granitemoehybrid"](
+        time_step_limit=(0.0, 0.1))))
+    llm = model.llm(**config)
+    outs = llm.generate(PROMPTS[1:], greedy(MAX_NEW), use_tqdm=False)
+    assert_matches([o.token_ids for o in outs], references(model, PROMPTS[1:]), f"time_step_limit {config}")
+    assert all_free(llm)
