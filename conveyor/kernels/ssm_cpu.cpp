@@ -1,10 +1,9 @@
 // Mamba-2's decode rows on CPU (layers/mamba2.py): from each row's in_proj output to the gated norm's output
 // that feeds out_proj, the convolution's ring and the SSM state read and written in place in the KV pool
 // (mamba_row.h's layout and arithmetic, which the native decode stack runs too, so a row gets the same bits on
-// either path). Run op by op in PyTorch a state was read out of the pool, copied through four state-sized
-// temporaries and written back: at 2 MiB a state per layer and row, that traffic and those dispatches were most
-// of a decode step's time beside the matmuls. Phases 1 and 3 split the rows across threads, phase 2 the
-// (row, head) pairs.
+// either path). Op by op in PyTorch each state was read out of the pool, copied through four state-sized
+// temporaries and written back (docs/benchmarks.md, "Granite 4.0"). Phases 1 and 3 split the rows across
+// threads, phase 2 the (row, head) pairs.
 #include "mamba_row.h"
 
 #include <vector>
