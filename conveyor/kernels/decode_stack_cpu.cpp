@@ -276,6 +276,9 @@ class DecodeStack {
     void run(const Step& in, int64_t B, int threads, bool shared_rows) {
         const int64_t qd = H_ * D_, kvd = Hkv_ * D_, qkv_n = qd + 2 * kvd, G = H_ / Hkv_, page = in.page;
         const int64_t kv_row = Hkv_ * conveyor::head_row<C>(D_);  // a slot's K (or V) row in the cache
+        for (const Layer& L : layers_)  // (a Mamba layer's state rows must each lie within one half of a slot)
+            CONVEYOR_CHECK(!L.mamba || (kv_row * static_cast<int64_t>(sizeof(C))) % (4 * L.mamba->spec.N) == 0,
+                           "a Mamba state row of ", L.mamba ? L.mamba->spec.N : 0, " values does not fit this pool");
         float* xp = in.x;
         const float* cp = in.cos;
         const float* sp = in.sin;

@@ -134,6 +134,9 @@ class DecodeStack:
             return None
         if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None
+        half = model.num_kv_heads * model.head_dim * torch.tensor([], dtype=model.dtype).element_size()
+        if any(half % (4 * layer.mamba.state) for layer in layers if hasattr(layer, "mamba")):
+            return None  # (a Mamba state row must lie within one half of a pool slot, as the native rows read it)
         first = layers[0]
         intermediate = _projections(first)[3].in_features  # (the MLP's width as built: Granite 4.0's shared MLP)
         native = ops.DecodeStack(model.config.hidden_size, intermediate, first.num_heads, first.num_kv_heads,
@@ -164,9 +167,9 @@ class DecodeStack:
         linears = [_projections(layer) for layer in layers]
         if any(isinstance(lin, LoRALinear) and lin.lora_a.dtype != dtype for row in linears for lin in row):
             return
+        # (the stack's conv and Mamba rows add no adapter deltas: those steps stay eager)
         if any(isinstance(lin, LoRALinear) for layer, row in zip(layers, linears)
-               if hasattr(layer, "conv") or hasattr(layer, "mamba")
-               for lin in row[:2]):  # (the stack's conv and Mamba rows add no adapter deltas: those steps stay eager)
+               if hasattr(layer, "conv") or hasattr(layer, "mamba") for lin in row[:2]):
             return
         for i, row in enumerate(linears):
             for p, lin in enumerate(row):

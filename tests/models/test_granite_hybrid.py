@@ -346,3 +346,15 @@ def test_time_step_limits_bind_in_the_scan_as_in_transformers(tmp_path: Path, co
     outs = llm.generate(PROMPTS[1:], greedy(MAX_NEW), use_tqdm=False)
     assert_matches([o.token_ids for o in outs], references(model, PROMPTS[1:]), f"time_step_limit {config}")
     assert all_free(llm)
+
+
+def test_state_rows_wider_than_a_slot_half_take_the_pytorch_path(tmp_path: Path) -> None:
+    """A state of 48 values a row (192 bytes) over a bf16 pool's slot halves of 64 bytes: the native rows and the
+    stack cannot read it, so decode rows take the PyTorch path (no stack), and tokens stay transformers'
+    (fp32, halves of 128 bytes: also the PyTorch path)."""
+    model = long_memory(TinyModel("granitemoehybrid", tmp_path, TINY_CONFIGS["granitemoehybrid"](mamba_d_state=48)))
+    assert model.llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
+    llm = model.llm(page_size=4, max_batch_tokens=7)
+    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
+    assert_matches([o.token_ids for o in outs], references(model), "state of 48")
+    assert all_free(llm)
