@@ -108,6 +108,7 @@ def run_conveyor(llm: Any, prompts: list[list[int]], workload: Workload, *, prog
     after = llm.stats()
     engine = {k: getattr(after, k) - getattr(before, k) for k in ENGINE_COUNTERS}
     engine["total_blocks"] = after.total_blocks
+    engine["prefix_caching"] = bool(getattr(getattr(llm, "engine", None), "block_sharing", False))
     return RunResult(token_ids=[list(o.token_ids) for o in outputs], wall_s=wall,
                      errors=[o.error or (f"finish_reason={o.finish_reason}" if o.finish_reason in ("error", "abort")
                                          else None) for o in outputs],

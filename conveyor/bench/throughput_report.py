@@ -89,10 +89,12 @@ def format_report(report: dict[str, Any]) -> str:
     engine = report["systems"].get(CONVEYOR, {}).get("engine")
     if engine:
         c = report["conveyor_config"]
+        caching = ("on" if engine.get("prefix_caching", c["allow_block_sharing"]) else
+                   "off: the model's sliding or state layers share no blocks" if c["allow_block_sharing"] else "off")
         notes.append(f"conveyor: page_size {c['page_size']}, {engine['total_blocks']} KV blocks, max_batch_tokens "
                      f"{c['max_batch_tokens']}, {c['scheduler_type']}; prefilled {engine['prefill_tokens']} tokens, "
                      f"prefix cache {engine['prefix_cache_hit_tokens']} of {engine['prefix_cache_query_tokens']} "
-                     f"queried tokens hit ({'on' if c['allow_block_sharing'] else 'off'}); offloads "
+                     f"queried tokens hit ({caching}); offloads "
                      f"{engine['offloads']} (swapped {engine['swap_outs']}, swapped in {engine['swap_ins']}, "
                      f"soft resets {engine['soft_resets']})"
                      + ("; batch-invariant" if c.get("batch_invariant") else ""))

@@ -158,9 +158,10 @@ def test_throughput_compare_hf_end_to_end(tmp_path, capsys):
     # Engine counters of the timed run: every prompt token was either prefilled or found in the prefix cache.
     engine = report["systems"]["conveyor"]["engine"]
     assert engine["prefill_tokens"] + engine["prefix_cache_hit_tokens"] == report["workload"]["prompt_tokens"]
-    assert engine["offloads"] == 0 and engine["total_blocks"] > 0
+    assert engine["offloads"] == 0 and engine["total_blocks"] > 0 and engine["prefix_caching"] is True
 
     printed = capsys.readouterr().out
+    assert "queried tokens hit (on)" in printed
     assert "hf generate_batch" in printed and "3/3 identical" in printed
     assert format_report(report) in printed
 
@@ -178,7 +179,24 @@ def test_throughput_engine_options_reach_the_config(tmp_path):
             config["allow_block_sharing"]) == (8, 300, "prefill_first", 0.25, False)
     engine = report["systems"]["conveyor"]["engine"]
     assert engine["prefill_tokens"] == report["workload"]["prompt_tokens"] and engine["prefix_cache_hit_tokens"] == 0
-    assert engine["total_blocks"] == 300
+    assert engine["total_blocks"] == 300 and engine["prefix_caching"] is False
+    assert "queried tokens hit (off)" in format_report(report)
+
+
+def test_format_report_says_when_the_model_turns_prefix_caching_off():
+    """Asked for (the default) but off: a model with sliding or state layers shares no blocks."""
+    engine = {"total_blocks": 10, "prefill_tokens": 12, "prefix_cache_hit_tokens": 0, "prefix_cache_query_tokens": 0,
+              "offloads": 0, "swap_outs": 0, "swap_ins": 0, "soft_resets": 0, "prefix_caching": False}
+    system = {"wall_s": 2.0, "requests_per_s": 1.0, "output_tok_per_s": 4.0, "total_tok_per_s": 10.0,
+              "output_tokens": 8, "num_errors": 0, "errors": [], "engine": engine}
+    report = {"workload": {"name": "w", "num_requests": 2, "prompt_tokens": 12, "max_prompt_len": 6,
+                           "max_new_tokens": [4], "ignore_eos": False},
+              "model": {"path": "/m/model.gguf", "device": "cpu", "dtype": "float32", "quantization": "none"},
+              "environment": {"torch": "x", "torch_threads": 1, "transformers": "y", "cpu_flags": ["avx2"]},
+              "systems": {"conveyor": system}, "ratios": {}, "total_ratios": {}, "greedy_match": {},
+              "conveyor_config": {"page_size": 16, "max_batch_tokens": 512, "scheduler_type": "fifo",
+                                  "allow_block_sharing": True}}
+    assert "queried tokens hit (off: the model's sliding or state layers share no blocks)" in format_report(report)
 
 
 def test_format_report_lists_every_mismatch_and_failure():
