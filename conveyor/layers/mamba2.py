@@ -26,8 +26,8 @@ from torch import nn
 
 from ..kernels import cpu_ssm_ops
 from ..kernels.ssm_ops import SsmOps
-from .attention import AttentionMetadata
-from .short_conv import ConvIndex, conv_index, short_conv, state_slots_per_row
+from .attention import AttentionMetadata, PrefillSpan
+from .short_conv import ConvIndex, conv_index, run_slots, short_conv, state_slots_per_row
 
 
 # The scan's chunk length: the masked products within a chunk cost its length per token, the carry from chunk to
@@ -49,14 +49,14 @@ class MambaIndex:
     conv: ConvIndex
     decode_slots: torch.Tensor  # [decodes, s] the decode rows' state slots
     decode_started: torch.Tensor  # [decodes, 1, 1, 1] False where a decode row has no state yet (its first token)
+    spans: list[PrefillSpan]  # the prefill spans, by their rows among those the index covers
     span_slots: list[torch.Tensor]  # [s] per prefill span
     span_fresh: list[bool]  # per prefill span: it starts the request (its state is zero)
 
 
 def _state_slots(tables: torch.Tensor, base: int, s: int, page: int) -> torch.Tensor:
     """`[n, s]` pool slots of the state that follows the ring (`base` slots) in blocks `tables [n, blocks]`."""
-    j = base + torch.arange(s, device=tables.device)
-    return tables[:, j // page] * page + j % page
+    return run_slots(tables, (base + torch.arange(s, device=tables.device)).expand(tables.shape[0], s), page)
 
 
 def mamba_index(meta: AttentionMetadata, num_tokens: int, kernel: int, r: int, s: int) -> MambaIndex:
@@ -72,7 +72,8 @@ def mamba_index(meta: AttentionMetadata, num_tokens: int, kernel: int, r: int, s
         decode_slots = torch.empty(0, s, dtype=torch.long, device=dev)
         started = torch.empty(0, 1, 1, 1, dtype=torch.bool, device=dev)
     spans = [_state_slots(span.block_table.unsqueeze(0), base, s, page)[0] for span in meta.prefills]
-    return MambaIndex(conv, decode_slots, started, spans, [span.start == 0 for span in meta.prefills])
+    return MambaIndex(conv, decode_slots, started, list(meta.prefills), spans,
+                      [span.start == 0 for span in meta.prefills])
 
 
 def read_state(kv_cache: torch.Tensor, slots: torch.Tensor, numel: int) -> torch.Tensor:
@@ -206,26 +207,26 @@ class Mamba2Mixer(nn.Module):
         """The gated norm's outputs of `proj`'s rows, op by op: the batch's rows, or (`without_decodes`, the
         decode rows taken natively) its prefill chunks' alone."""
         t = proj.shape[0]
-        if without_decodes:
-            nd = meta.num_decodes
-            meta = replace(meta, num_decodes=0, prefills=[replace(span, q_start=span.q_start - nd)
-                                                          for span in meta.prefills])
         gate, xbc, dt = proj.split([self.inner, self.conv_dim, self.heads], dim=-1)
-        kernel = self.conv_weight.shape[-1]
-        r, s = self.state_slots(kv_cache.shape[2], kv_cache.shape[3], kv_cache.element_size())
         index = meta.state
         if index is None:  # (the group's first layer of the pass; the others share it)
-            index = meta.state = mamba_index(meta, t, kernel, r, s)
+            rows = meta
+            if without_decodes:
+                nd = meta.num_decodes
+                rows = replace(meta, num_decodes=0, prefills=[replace(span, q_start=span.q_start - nd)
+                                                              for span in meta.prefills])
+            r, s = self.state_slots(kv_cache.shape[2], kv_cache.shape[3], kv_cache.element_size())
+            index = meta.state = mamba_index(rows, t, self.conv_weight.shape[-1], r, s)
         xbc = F.silu(short_conv(xbc, self.conv_weight, kv_cache, meta, self.conv_bias, index.conv).float())
         xs, b, c = xbc.split([self.inner, self.groups * self.state, self.groups * self.state], dim=-1)
         xs = xs.view(t, self.heads, self.head_dim)
         b, c = b.reshape(t, self.groups, self.state), c.reshape(t, self.groups, self.state)
         dt = F.softplus(dt.float() + self.dt_bias)  # (clamped to `time_step_limit` in the scan, as the references)
         y = torch.empty_like(xs)
-        nd, numel = meta.num_decodes, self.heads * self.head_dim * self.state
+        nd, numel = index.decode_slots.shape[0], self.heads * self.head_dim * self.state
         if nd:
             y[:nd] = self._decode(xs[:nd], dt[:nd], b[:nd], c[:nd], kv_cache, index, numel)
-        for span, slots, fresh in zip(meta.prefills, index.span_slots, index.span_fresh):
+        for span, slots, fresh in zip(index.spans, index.span_slots, index.span_fresh):
             q = slice(span.q_start, span.q_start + span.q_len)
             start = None if fresh else read_state(kv_cache, slots[None], numel).view(
                 self.heads, self.head_dim, self.state)
