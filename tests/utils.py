@@ -324,6 +324,18 @@ def compare_greedy(reference: transformers.PreTrainedModel, llm: LLM, prompts: l
         assert_greedy_match(out.token_ids, ref, logits, f"{label} prompt {i}")
 
 
+def assert_offloads_resume(model: "TinyModel", prompts: list[list[int]], max_new: int, swap: bool,
+                           num_blocks: int) -> None:
+    """A pool of `num_blocks` too small for all of `prompts` (pages of 4, 16 tokens a step): requests are
+    offloaded and resumed (their pages swapped out and back, or recomputed) and give the reference's tokens;
+    every block back."""
+    llm = model.llm(page_size=4, num_blocks=num_blocks, max_batch_tokens=16, cpu_offload_space=1.0 if swap else 0.0)
+    compare_greedy(model.reference, llm, prompts, [max_new] * len(prompts), f"offload swap={swap}")
+    stats = llm.stats()
+    assert stats.offloads > 0 and (stats.swap_ins > 0) == swap
+    assert all_free(llm)
+
+
 def agreement(ours: list[list[int]], ref: list[list[int]]) -> float:
     """Fraction of generated tokens before each sequence's first difference from the reference."""
     same = 0

@@ -66,9 +66,6 @@ inline void silu_row(float* v, int64_t n) {
     for (; i < n; ++i) v[i] = v[i] / (1.f + std::exp(-v[i]));
 }
 
-// The pool slot of index j in a request's run of blocks `bt`.
-inline int64_t run_slot(const int64_t* bt, int64_t j, int64_t page) { return bt[j / page] * page + j % page; }
-
 
 // Phase 1 of row `proj` [in_width] (biased, T-exact) at position p: `out` [scratch()] gets the convolution of
 // xBC with the ring's previous kernel - 1 rows (zeros before position 0), one fma a tap from the bias, rounded

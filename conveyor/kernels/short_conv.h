@@ -15,10 +15,12 @@ namespace conveyor {
 // Slots one ring row of `hidden` values takes: a slot holds a K and a V row of `kv_row` values.
 inline int64_t ring_row_slots(int64_t hidden, int64_t kv_row) { return (hidden + 2 * kv_row - 1) / (2 * kv_row); }
 
+// The pool slot of index j in a request's run of blocks `bt`.
+inline int64_t run_slot(const int64_t* bt, int64_t j, int64_t page) { return bt[j / page] * page + j % page; }
+
 // The pool slot of the k-th of position q's r slots in a ring of `kernel` rows (blocks `bt`).
 inline int64_t ring_slot(const int64_t* bt, int64_t q, int64_t k, int64_t kernel, int64_t r, int64_t page) {
-    const int64_t j = (q % kernel) * r + k;
-    return bt[j / page] * page + j % page;
+    return run_slot(bt, (q % kernel) * r + k, page);
 }
 
 // acc [hidden] = the convolution at position p of the ring's previous `kernel - 1` rows (zeros before

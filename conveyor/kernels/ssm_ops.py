@@ -18,11 +18,16 @@ class SsmOps(Native):
                             I64, I64, I64, I64, I64, P, P, P, P, P, P, F32, P, I32)
 
     @staticmethod
+    def rows_fit(half_bytes: int, state: int) -> bool:
+        """Whether a pool whose slot halves are `half_bytes` long holds whole state rows of `state` fp32 values in
+        each (as the kernels and the decode stack read them)."""
+        return half_bytes % (4 * state) == 0
+
+    @staticmethod
     def fits(kv_cache: torch.Tensor, state: int) -> bool:
-        """Whether the kernel takes this pool: a contiguous CPU tensor whose slot halves hold whole state rows
-        of `state` fp32 values."""
+        """Whether the kernel takes this pool: a contiguous CPU tensor whose slot halves hold whole state rows."""
         half = kv_cache[0, 0].numel() * kv_cache.element_size()
-        return kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and half % (4 * state) == 0
+        return kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and SsmOps.rows_fit(half, state)
 
     def decode(self, proj: torch.Tensor, kv_cache: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                page: int, shape: tuple[int, int, int, int, int], weights: tuple[torch.Tensor, ...],

@@ -62,10 +62,14 @@ def ring_metadata(allocator: AttentionTypeAllocator, group: int, decodes: list[S
     return meta
 
 
+def run_slots(tables: torch.Tensor, j: torch.Tensor, page: int) -> torch.Tensor:
+    """Pool slots of indices `j [n, m]` into each row's run of blocks `tables [n, blocks]`."""
+    return tables.gather(1, j // page) * page + j % page
+
+
 def _ring_slots(tables: torch.Tensor, ring: torch.Tensor, r: int, page: int) -> torch.Tensor:
     """`[n, r]` pool slots of ring index `ring [n]` in the ring whose blocks are `tables [n, blocks]`."""
-    j = ring.unsqueeze(1) * r + torch.arange(r, device=ring.device)
-    return tables.gather(1, j // page) * page + j % page
+    return run_slots(tables, ring.unsqueeze(1) * r + torch.arange(r, device=ring.device), page)
 
 
 def conv_index(meta: AttentionMetadata, num_tokens: int, kernel: int, r: int) -> ConvIndex:

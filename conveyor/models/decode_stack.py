@@ -7,10 +7,11 @@ weights. The stack keeps the threads up across all layers and meets at barriers 
 eager layers compute, bit for bit (the same kernels, the fused ops' per-row arithmetic, bf16 values rounded
 where the eager bf16 tensors round them), reads and writes the same KV pages, so a request's tokens do not
 depend on which path its steps took (batch invariance). It is used where it applies: Llama-family layers (with
-or without per-head q/k norms; no soft-capping or attention sinks) and LFM2's short-convolution layers,
-projections in the kernels' tiles (dense fp32 is the exact path, which stays on PyTorch's matmuls),
-decode-only batches. Prefill chunks and batches of more than 64 rows stay on the eager path (the same GEMM per
-layer). Built-in model, decode at 64 rows, 1 thread: 325 ms a step eager, 232-313 ms here.
+or without per-head q/k norms, Granite's residual multiplier; no soft-capping or attention sinks), LFM2's
+short-convolution layers and Granite 4.0-H's Mamba-2 layers, projections in the kernels' tiles (dense fp32 is
+the exact path, which stays on PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more
+than 64 rows stay on the eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread:
+325 ms a step eager, 232-313 ms here.
 `CONVEYOR_DECODE_STACK=0` turns it off.
 
 With multi-LoRA (`attach_lora`), steps whose rows have adapters stay on the stack too: it reads the
@@ -34,6 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.ssm_ops import SsmOps
 from ..layers.attention import AttentionMetadata
 from ..layers.lora import LoRABatch, LoRALinear
 from ..layers.quantization import linear as quant_linear
@@ -135,8 +137,8 @@ class DecodeStack:
         if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None
         half = model.num_kv_heads * model.head_dim * torch.tensor([], dtype=model.dtype).element_size()
-        if any(half % (4 * layer.mamba.state) for layer in layers if hasattr(layer, "mamba")):
-            return None  # (a Mamba state row must lie within one half of a pool slot, as the native rows read it)
+        if not all(SsmOps.rows_fit(half, layer.mamba.state) for layer in layers if hasattr(layer, "mamba")):
+            return None
         first = layers[0]
         intermediate = _projections(first)[3].in_features  # (the MLP's width as built: Granite 4.0's shared MLP)
         native = ops.DecodeStack(model.config.hidden_size, intermediate, first.num_heads, first.num_kv_heads,

@@ -24,22 +24,14 @@ from conveyor.models.sharding import plan_shards
 
 from tests.gguf_writer import write_gguf
 from tests.utils import (BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel, all_free,
-                         assert_greedy_match, assert_mode_within_tolerance, assert_prefix_scenario_matches, greedy,
-                         greedy_ids, hf_greedy, make_lora_adapter, next_token_logprobs, random_prompts)
+                         assert_greedy_match, assert_mode_within_tolerance, assert_offloads_resume,
+                         assert_prefix_scenario_matches, compare_greedy, greedy, greedy_ids, hf_greedy,
+                         make_lora_adapter, next_token_logprobs, random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def references(model: TinyModel, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], torch.Tensor]]:
-    return [hf_greedy(model.reference, p, MAX_NEW) for p in prompts]
-
-
-def assert_matches(outputs: list[list[int]], refs: list[tuple[list[int], torch.Tensor]], label: str) -> None:
-    for i, (ours, (ref, logits)) in enumerate(zip(outputs, refs)):
-        assert_greedy_match(ours, ref, logits, f"{label} prompt {i}")
 
 
 def long_memory(model: TinyModel) -> TinyModel:
@@ -73,8 +65,7 @@ def test_mamba_states_match_transformers(models: dict[str, TinyModel], kind: str
     llm = model.llm(**config)
     engine = llm.engine
     assert engine.model.cache_windows == {"mamba": 4 * 3 + 32} and engine.block_sharing is False
-    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
-    assert_matches([o.token_ids for o in outs], references(model), f"{kind} {config}")
+    compare_greedy(model.reference, llm, PROMPTS, [MAX_NEW] * len(PROMPTS), f"{kind} {config}")
     assert all_free(llm) and engine.pool.num_free == engine.pool.num_usable
 
 
@@ -98,13 +89,7 @@ def test_state_pages_are_fixed_from_the_first_token(models: dict[str, TinyModel]
 def test_offloaded_requests_resume_with_their_state(models: dict[str, TinyModel], swap: bool) -> None:
     """A pool too small for all five: requests are offloaded and resumed (their states swapped out and back
     with their attention pages, or recomputed from their tokens) and give the same tokens."""
-    model = models["dense"]
-    llm = model.llm(page_size=4, num_blocks=80, max_batch_tokens=16, cpu_offload_space=1.0 if swap else 0.0)
-    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
-    stats = llm.stats()
-    assert stats.offloads > 0 and (stats.swap_ins > 0) == swap
-    assert_matches([o.token_ids for o in outs], references(model), f"offload swap={swap}")
-    assert all_free(llm)
+    assert_offloads_resume(models["dense"], PROMPTS, MAX_NEW, swap, num_blocks=80)
 
 
 def recurrence(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -343,8 +328,7 @@ def test_time_step_limits_bind_in_the_scan_as_in_transformers(tmp_path: Path, co
     model = long_memory(TinyModel("granitemoehybrid", tmp_path, TINY_CONFIGS["granitemoehybrid"](
         time_step_limit=(0.0, 0.1))))
     llm = model.llm(**config)
-    outs = llm.generate(PROMPTS[1:], greedy(MAX_NEW), use_tqdm=False)
-    assert_matches([o.token_ids for o in outs], references(model, PROMPTS[1:]), f"time_step_limit {config}")
+    compare_greedy(model.reference, llm, PROMPTS[1:], [MAX_NEW] * len(PROMPTS[1:]), f"time_step_limit {config}")
     assert all_free(llm)
 
 
@@ -355,6 +339,5 @@ def test_state_rows_wider_than_a_slot_half_take_the_pytorch_path(tmp_path: Path)
     model = long_memory(TinyModel("granitemoehybrid", tmp_path, TINY_CONFIGS["granitemoehybrid"](mamba_d_state=48)))
     assert model.llm(dtype="bfloat16", quantization="int8").engine.model.decode_stack is None
     llm = model.llm(page_size=4, max_batch_tokens=7)
-    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
-    assert_matches([o.token_ids for o in outs], references(model), "state of 48")
+    compare_greedy(model.reference, llm, PROMPTS, [MAX_NEW] * len(PROMPTS), "state of 48")
     assert all_free(llm)

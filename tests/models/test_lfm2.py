@@ -18,7 +18,8 @@ from conveyor.layers.short_conv import state_slots_per_row
 from conveyor.models.sharding import plan_shards
 
 from tests.utils import (MOE_CONFIGS, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
-                         assert_mode_within_tolerance, greedy, hf_greedy, make_lora_adapter, random_prompts)
+                         assert_mode_within_tolerance, assert_offloads_resume, compare_greedy, greedy, hf_greedy,
+                         make_lora_adapter, random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
@@ -30,15 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def two_slot_rows(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """One KV head of 16: a slot holds 32 values, a conv row of 64 takes two."""
     return TinyModel("lfm2", tmp_path_factory.mktemp("lfm2-kv1"), TINY_CONFIGS["lfm2"](num_key_value_heads=1))
-
-
-def references(model: TinyModel) -> list[tuple[list[int], torch.Tensor]]:
-    return [hf_greedy(model.reference, p, MAX_NEW) for p in PROMPTS]
-
-
-def assert_matches(outputs: list[list[int]], refs: list[tuple[list[int], torch.Tensor]], label: str) -> None:
-    for i, (ours, (ref, logits)) in enumerate(zip(outputs, refs)):
-        assert_greedy_match(ours, ref, logits, f"{label} prompt {i}")
 
 
 @pytest.mark.parametrize("config", [{"page_size": 16}, {"page_size": 4, "max_batch_tokens": 7},
@@ -53,8 +45,7 @@ def test_conv_rings_match_transformers(tiny_models: dict[str, TinyModel], two_sl
     engine = llm.engine
     ring = engine.model.cache_windows["conv"]
     assert ring == {2: 3, 1: 6}[kv_heads] == 3 * state_slots_per_row(64, kv_heads, 16)
-    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
-    assert_matches([o.token_ids for o in outs], references(model), str(config))
+    compare_greedy(model.reference, llm, PROMPTS, [MAX_NEW] * len(PROMPTS), str(config))
     assert all_free(llm) and engine.pool.num_free == engine.pool.num_usable
 
 
@@ -80,13 +71,7 @@ def test_conv_state_pages_stay_bounded_and_unshared(tiny_models: dict[str, TinyM
 def test_offloaded_requests_resume_with_their_state(tiny_models: dict[str, TinyModel], swap: bool) -> None:
     """A pool too small for all five: requests are offloaded and resumed (their rings swapped out and back
     with their attention pages, or recomputed) and give the same tokens."""
-    model = tiny_models["lfm2"]
-    llm = model.llm(page_size=4, num_blocks=40, max_batch_tokens=16, cpu_offload_space=1.0 if swap else 0.0)
-    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
-    stats = llm.stats()
-    assert stats.offloads > 0 and (stats.swap_ins > 0) == swap
-    assert_matches([o.token_ids for o in outs], references(model), f"offload swap={swap}")
-    assert all_free(llm)
+    assert_offloads_resume(tiny_models["lfm2"], PROMPTS, MAX_NEW, swap, num_blocks=40)
 
 
 def test_speculation_stays_off_and_outputs_unchanged(tiny_models: dict[str, TinyModel]) -> None:
@@ -150,8 +135,7 @@ def test_lfm2_moe_chooses_experts_by_sigmoid_scores_and_its_bias(tmp_path: Path)
     model.reference.save_pretrained(model.path)
     llm = model.llm(max_batch_tokens=16, page_size=4)
     assert [type(layer.mlp).__name__ for layer in llm.engine.model.layers] == ["NoneType", "SparseMoe", "SparseMoe"]
-    outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
-    assert_matches([o.token_ids for o in outs], references(model), "lfm2_moe")
+    compare_greedy(model.reference, llm, PROMPTS, [MAX_NEW] * len(PROMPTS), "lfm2_moe")
     assert all_free(llm)
 
 
