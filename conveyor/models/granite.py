@@ -41,7 +41,20 @@ class GraniteDecoderLayer(DecoderLayer):
         return x + self.down_proj(F.silu(gate) * up) * self.residual_multiplier
 
 
-class GraniteForCausalLM(LlamaForCausalLM):
+class GraniteScales:
+    """Granite's model-level multipliers: the embeddings times `embedding_multiplier`, the logits divided by
+    `logits_scaling` (its layers take the other two)."""
+
+    embed_tokens: torch.nn.Module
+
+    def use_granite_scales(self, config: PretrainedConfig) -> None:
+        self.embedding_multiplier, self.logits_divisor = config.embedding_multiplier, config.logits_scaling
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
+
+
+class GraniteForCausalLM(GraniteScales, LlamaForCausalLM):
     """Granite 3.0-3.3 dense (`GraniteForCausalLM`)."""
 
     model_types = ("granite",)
@@ -50,16 +63,12 @@ class GraniteForCausalLM(LlamaForCausalLM):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  mlp_bias: bool = False, qk_norm: bool = False) -> None:
         super().__init__(config, qkv_bias, o_bias, mlp_bias, qk_norm)
-        self.embedding_multiplier = config.embedding_multiplier
-        self.logits_divisor = config.logits_scaling
+        self.use_granite_scales(config)
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         super().use_fused_ops(ops)
         for layer in self.layers:
             layer.fused = ops
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
     def build_decode_stack(self) -> DecodeStack | None:
         return DecodeStack.build(self, GraniteDecoderLayer)
@@ -80,7 +89,7 @@ class GraniteMoeDecoderLayer(MoeDecoderLayer):
         return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
 
 
-class GraniteMoeForCausalLM(MoeForCausalLM):
+class GraniteMoeForCausalLM(GraniteScales, MoeForCausalLM):
     """Granite 3.x MoE (`GraniteMoeForCausalLM`: granite-3.1-1b-a400m, 3b-a800m): Granite's four multipliers
     around Mixtral's layers, routed by a softmax over the top-k logits alone. Checkpoints stack the experts:
     `block_sparse_moe.input_linear` `[experts, 2 * intermediate, hidden]` (gate, then up),
@@ -92,15 +101,11 @@ class GraniteMoeForCausalLM(MoeForCausalLM):
     def __init__(self, config: PretrainedConfig, qkv_bias: bool = False, o_bias: bool = False,
                  qk_norm: bool = False) -> None:
         super().__init__(config, qkv_bias, o_bias, qk_norm)
-        self.embedding_multiplier = config.embedding_multiplier
-        self.logits_divisor = config.logits_scaling
+        self.use_granite_scales(config)
 
     def make_layer(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                    moe: SparseMoe | None) -> MoeDecoderLayer:
         return GraniteMoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm, moe)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         if f"model.layers.{layer}.block_sparse_moe.input_linear.weight" not in state_dict:

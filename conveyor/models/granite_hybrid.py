@@ -22,7 +22,7 @@ from ..layers.moe import Expert, SparseMoe
 from ..layers.quantization.linear import Weight
 from .base import CausalLM, check_activation
 from .decode_stack import DecodeStack
-from .granite import GraniteDecoderLayer, GraniteMoeDecoderLayer, stacked_expert_weights
+from .granite import GraniteDecoderLayer, GraniteMoeDecoderLayer, GraniteScales, stacked_expert_weights
 from .llama import RMSNorm
 from .lora import PROJECTIONS
 from .moe import MoeDecoderLayer, expert_count, routed_experts, sparse_block_weights
@@ -81,7 +81,7 @@ class GraniteMambaMoeLayer(MambaInPlaceOfAttention, GraniteMoeDecoderLayer):
         self.use_mamba(config)
 
 
-class GraniteHybridForCausalLM(CausalLM):
+class GraniteHybridForCausalLM(GraniteScales, CausalLM):
     """Granite 4.0: attention and Mamba-2 layers by the config's `layer_types`, dense or with experts."""
 
     model_types = ("granitemoehybrid",)
@@ -100,7 +100,7 @@ class GraniteHybridForCausalLM(CausalLM):
         super().__init__(config)
         check_activation(config, "silu")
         self.layer_types = types = _layer_types(config)
-        self.embedding_multiplier, self.logits_divisor = config.embedding_multiplier, config.logits_scaling
+        self.use_granite_scales(config)
         bias = bool(config.attention_bias)
         if expert_count(config):
             experts, top_k = routed_experts(config)
@@ -130,9 +130,6 @@ class GraniteHybridForCausalLM(CausalLM):
             return {}
         r, s = mixer.state_slots(self.num_kv_heads, self.head_dim, torch.tensor([], dtype=self.dtype).element_size())
         return {"mamba": mixer.conv_weight.shape[-1] * r + s}
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
         for module in self.modules():
