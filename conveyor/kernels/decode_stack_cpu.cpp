@@ -1,13 +1,14 @@
 // The whole decoder-layer stack of a Llama-family model with tiled weights (quantized or bf16), for a
 // decode batch of up to 64 rows, in one call and one OpenMP parallel region.
 //
-// At one row a step streams the model's weights once (~4 ms for the built-in model's 92 MiB); run
-// op by op from Python it also pays ~100 us of dispatch and thread fork/join per layer, as much
-// again. Here the threads stay up for the whole stack and meet at barriers (8 a layer; 10 when
-// there are fewer rows than threads): the matmuls split their output tiles across threads (each
-// streams its own slice of every weight), and the elementwise steps (norms, RoPE, K/V writes, SiLU,
-// residual adds, activation quantization) and attention split the rows, or, with fewer rows than
-// threads, attention splits the (row, kv head) pairs.
+// At one row a step streams the model's weights once; run op by op from Python it also pays dispatch
+// and thread fork/join for every op of every layer, at small models as much again. Here the threads
+// stay up for the whole stack and meet at barriers (8 a layer; 10 when there are fewer rows than
+// threads): the matmuls split their output tiles across threads (each streams its own slice of every
+// weight), and the elementwise steps (norms, RoPE, K/V writes, SiLU, residual adds, activation
+// quantization) and attention split the rows, or, with fewer rows than threads, attention splits the
+// (row, kv head) pairs. A layer whose MLP is a mixture of experts runs the eager layer's `MoeBlock`
+// (moe_block.h) in its place, with the block's own phases and barriers.
 //
 // It computes exactly what the eager layers compute, bit for bit: the same GEMM and attention kernels,
 // the fused ops' per-row arithmetic (row_ops.h), and in a bf16 model every value rounded to bf16 where
@@ -24,6 +25,7 @@
 #include "attention_cpu.h"
 #include "lora_delta.h"
 #include "mamba_row.h"
+#include "moe_block.h"
 #include "quant.h"
 #include "row_ops.h"
 #include "short_conv.h"
@@ -70,6 +72,7 @@ struct Layer {
     Linear qkv, o, gate_up, down;
     LoRAProjection lora[4];  // qkv, o, gate_up, down
     std::unique_ptr<conveyor::MambaWeights> mamba;  // a Mamba-2 layer's mixer
+    conveyor::MoeBlock* moe = nullptr;  // the MLP, a mixture-of-experts block (the eager layer's object)
     int64_t group = 0;  // which layer group's attention metadata this layer reads
     bool rope = true;  // false: a NoPE layer (SmolLM3's every fourth), q and k as projected
 };
@@ -180,6 +183,14 @@ class DecodeStack {
         layers_.push_back(std::move(layer));
     }
 
+    // Layer `l`'s MLP is `block` (the layer was added without gate_up and down), run by the stack's threads.
+    void set_moe(int64_t l, conveyor::MoeBlock* block) {
+        CONVEYOR_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "no layer ", l);
+        CONVEYOR_CHECK(layers_[l].gate_up.N == 0, "layer ", l, " has a dense MLP");
+        CONVEYOR_CHECK(block && block->hidden() == hidden_, "the block's hidden size is not the stack's");
+        layers_[l].moe = block;
+    }
+
     // Each layer's output times `scale` (rounded to the model's dtype) before its residual add: Granite's
     // residual multiplier (1: none).
     void set_residual_scale(float scale) { residual_scale_ = scale; }
@@ -221,8 +232,11 @@ class DecodeStack {
             lora_t_.resize(lora.rows() * lora_width_);
         }
         CONVEYOR_CHECK(num_kv == static_cast<int64_t>(layers_.size()), "one KV cache per layer expected");
-        for (const Layer& L : layers_)
+        for (const Layer& L : layers_) {
             CONVEYOR_CHECK(L.group >= 0 && L.group < groups, "layer group ", L.group, " has no attention metadata");
+            CONVEYOR_CHECK(L.moe || L.gate_up.N > 0, "a layer has no MLP");
+            if (L.moe) L.moe->begin(B);
+        }
         const Step step{x, cos, sin, kv, kv_slots, tables, widths, lens, slots, windows, positions, page_size, lora};
         using conveyor::bf16;
         if (kv_dtype == conveyor::kI8) {
@@ -237,11 +251,13 @@ class DecodeStack {
 
   private:
     // A layer's four linears (qkv, o, gate_up, down, or the mixer's in and out in the first two places): their
-    // segments and biases, each checked against its input width K and output rows N.
+    // segments and biases, each checked against its input width K and output rows N. No gate_up and down
+    // segments: the MLP is a mixture-of-experts block (`set_moe`).
     static void set_linears(Layer& layer, const conveyor::SegmentSpec* const* segments, const int64_t* counts,
                             const float* const* biases, const int64_t* K, const int64_t* N) {
         Linear* dst[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
         for (int i = 0; i < 4; ++i) {
+            if (i >= 2 && counts[2] == 0 && counts[3] == 0) break;
             Linear& lin = *dst[i];
             lin.K = K[i];
             lin.add_segments(segments[i], counts[i]);
@@ -445,29 +461,33 @@ class DecodeStack {
                     conveyor::rms_norm_row<T>(xp + b * hidden_, L.post_norm.data(), hidden_, eps,
                                               xn_.data() + b * hidden_);
                 }
-                prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
+                if (L.moe) {  // a mixture-of-experts block, its output rounded to T (it has its barriers)
+                    L.moe->run<T>(xn_.data(), hidden_, out_.data(), hidden_, tid, nt);
+                } else {
+                    prepare(L.gate_up, xn_.data(), hidden_, act_hidden_);
 #pragma omp barrier
-                matmul(L.gate_up, act_hidden_, mid_.data(), 2 * inter_);
-                if (adapted[2]) shrink(L.lora[2], xn_.data(), hidden_);
+                    matmul(L.gate_up, act_hidden_, mid_.data(), 2 * inter_);
+                    if (adapted[2]) shrink(L.lora[2], xn_.data(), hidden_);
 #pragma omp barrier
-                if (adapted[2]) add_deltas(L.gate_up, L.lora[2], mid_.data(), 2 * inter_);
-                for (int64_t b = r0; b < r1; ++b) {
-                    float* gate = mid_.data() + b * 2 * inter_;
-                    if (!adapted[2]) {
-                        L.gate_up.add_bias_row(gate);
-                        round_row<T>(gate, 2 * inter_);
+                    if (adapted[2]) add_deltas(L.gate_up, L.lora[2], mid_.data(), 2 * inter_);
+                    for (int64_t b = r0; b < r1; ++b) {
+                        float* gate = mid_.data() + b * 2 * inter_;
+                        if (!adapted[2]) {
+                            L.gate_up.add_bias_row(gate);
+                            round_row<T>(gate, 2 * inter_);
+                        }
+                        conveyor::silu_mul_row<T>(gate, gate + inter_, inter_, act_.data() + b * inter_);
                     }
-                    conveyor::silu_mul_row<T>(gate, gate + inter_, inter_, act_.data() + b * inter_);
+                    prepare(L.down, act_.data(), inter_, act_inter_);
+#pragma omp barrier
+                    matmul(L.down, act_inter_, out_.data(), hidden_);
+                    if (adapted[3]) shrink(L.lora[3], act_.data(), inter_);
+#pragma omp barrier
+                    if (adapted[3]) add_deltas(L.down, L.lora[3], out_.data(), hidden_);
                 }
-                prepare(L.down, act_.data(), inter_, act_inter_);
-#pragma omp barrier
-                matmul(L.down, act_inter_, out_.data(), hidden_);
-                if (adapted[3]) shrink(L.lora[3], act_.data(), inter_);
-#pragma omp barrier
-                if (adapted[3]) add_deltas(L.down, L.lora[3], out_.data(), hidden_);
                 const Layer* next = l + 1 < layers_.size() ? &layers_[l + 1] : nullptr;
                 for (int64_t b = r0; b < r1; ++b) {  // the residual add, then the next layer's input norm
-                    if (!adapted[3]) {
+                    if (!L.moe && !adapted[3]) {
                         L.down.add_bias_row(out_.data() + b * hidden_);
                         round_row<T>(out_.data() + b * hidden_, hidden_);
                     }
@@ -570,6 +590,12 @@ CONVEYOR_API int conveyor_decode_stack_add_mamba_layer(void* stack, const float*
         const conveyor::MambaSpec spec{heads, p, n, groups, kernel, conv_dim, taps,
                                        conv_bias, a, d, dt_bias, norm, eps};
         static_cast<DecodeStack*>(stack)->add_mamba_layer(input_norm, post_norm, segments, counts, biases, group, spec);
+    });
+}
+
+CONVEYOR_API int conveyor_decode_stack_set_moe(void* stack, int64_t layer, void* block) {
+    return conveyor::guarded(1, [&] {
+        static_cast<DecodeStack*>(stack)->set_moe(layer, static_cast<conveyor::MoeBlock*>(block));
     });
 }
 

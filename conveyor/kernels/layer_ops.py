@@ -1,5 +1,5 @@
 """Whole layers in one native call: the decode stack of a Llama-family model's decoder layers
-(decode_stack_cpu.cpp) and a mixture-of-experts layer's experts (moe_cpu.cpp). Each is built once
+(decode_stack_cpu.cpp) and a mixture-of-experts block (moe_cpu.cpp). Each is built once
 per model (or layer) from its weights' tiles; the native object points into those tensors, so the
 wrapper keeps them alive, and frees the native object with itself."""
 
@@ -63,6 +63,8 @@ class DecodeStack(Native):
         self._add_mamba = bind(lib, "conveyor_decode_stack_add_mamba_layer", I32, P, P, P, P, P, P, I64, I64, I64, I64,
                                I64, I64, I64, P, P, P, P, P, P, F32)
         self._residual_scale = bind(lib, "conveyor_decode_stack_set_residual_scale", I32, P, F32)
+        self._set_moe = bind(lib, "conveyor_decode_stack_set_moe", I32, P, I64, P)
+        self._blocks: list[MoeBlock] = []
         self.hidden = hidden
         self.num_layers = 0
         self._keep: list[torch.Tensor] = []
@@ -122,6 +124,12 @@ class DecodeStack(Native):
                                    conv_bias.data_ptr() if conv_bias.numel() else None, *[w.data_ptr() for w in rest],
                                    eps))
         self.num_layers += 1
+
+    def set_moe(self, layer: int, block: MoeBlock) -> None:
+        """Layer `layer`'s MLP is this mixture-of-experts block (added without gate_up and down): the stack runs
+        the object itself, which is kept alive here."""
+        self._blocks.append(block)
+        self.check(self._set_moe(self._handle, layer, block.handle))
 
     def set_residual_scale(self, scale: float) -> None:
         """Each layer's output times `scale` before its residual add (Granite's residual multiplier)."""
@@ -190,15 +198,21 @@ class DecodeStack(Native):
         return x
 
 
-class GroupedExperts(Native):
-    """A mixture-of-experts layer's experts, all of them in one call: rows grouped by expert."""
+class MoeBlock(Native):
+    """A mixture-of-experts block (moe_block.h) in one call: router, routing, experts grouped by expert, the
+    shared expert, the weighted sum; the decode stack runs the same object inside its own call."""
+
+    ROUTES = {"softmax": 0, "topk_softmax": 1, "biased": 2, "sigmoid": 3}
 
     def __init__(self, lib: ctypes.CDLL, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
         super().__init__(lib)
-        new = bind(lib, "conveyor_grouped_experts_new", P, I64, I64, F64, F64)
-        self._free = bind(lib, "conveyor_grouped_experts_free", None, P)
-        self._add = bind(lib, "conveyor_grouped_experts_add_expert", I32, P, P, I64, P, I64, P, P)
-        self._forward = bind(lib, "conveyor_grouped_experts_forward", I32, P, I32, P, I64, P, I64, P, P, I64, P, I32)
+        new = bind(lib, "conveyor_moe_block_new", P, I64, I64, F64, F64)
+        self._free = bind(lib, "conveyor_moe_block_free", None, P)
+        self._add = bind(lib, "conveyor_moe_block_add_expert", I32, P, P, I64, P, I64, P, P)
+        self._router = bind(lib, "conveyor_moe_block_set_router", I32, P, P, I64, P, I32, I64, I32, F32, F32, P, I32)
+        self._shared = bind(lib, "conveyor_moe_block_set_shared", I32, P, P, I64, P, I64, I64)
+        self._forward = bind(lib, "conveyor_moe_block_forward", I32, P, I32, P, I64, P, I32, P, P)
+        self._counts = bind(lib, "conveyor_moe_block_counts", I32, P, P)
         self.hidden, self.intermediate = hidden, intermediate
         self.num_experts = 0
         self._keep: list[torch.Tensor] = []
@@ -208,6 +222,11 @@ class GroupedExperts(Native):
         if getattr(self, "_handle", None):
             self._free(self._handle)
             self._handle = None
+
+    @property
+    def handle(self) -> int:
+        """The native object's address (the decode stack runs it)."""
+        return self._handle
 
     def add_expert(self, gate_up: Sequence[SegmentTuple], down: Sequence[SegmentTuple],
                    gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None) -> None:
@@ -221,17 +240,45 @@ class GroupedExperts(Native):
         self.check(self._add(self._handle, up, len(up), dn, len(dn), *biases))
         self.num_experts += 1
 
-    def forward(self, x: torch.Tensor, counts: Sequence[int], weights: torch.Tensor, tokens: torch.Tensor,
-                out: torch.Tensor, threads: int) -> None:
-        """out [T, hidden] fp32 += for each sorted row r (token tokens[r], `counts[e]` rows per expert in
-        expert order): weights[r] * down_e(silu(gate_e(x)) * up_e(x)) with x = x[tokens[r]] (fp32 or bf16)."""
+    def set_router(self, segments: Sequence[SegmentTuple], bias: torch.Tensor | None, route: str, top_k: int,
+                   renormalize: bool = False, norm_min: float = 0.0, scale: float = 1.0,
+                   selection_bias: torch.Tensor | None = None, shared_gate: bool = False) -> None:
+        """The router in F32 tiles (a row per expert, then the shared expert's gate row where `shared_gate`), its
+        bias, and the routing rule (`ROUTES`, layers/moe.py's functions of those names); after the experts."""
+        require(route in self.ROUTES, f"unknown routing {route!r}")
+        keep = [_fp32(bias, self.num_experts + shared_gate, "the router's bias"),
+                _fp32(selection_bias, self.num_experts, "the selection bias")]
+        self._keep += [t for t in keep if t is not None]
+        parts = _segments(segments, self._keep)
+        self.check(self._router(self._handle, parts, len(parts), None if keep[0] is None else keep[0].data_ptr(),
+                                self.ROUTES[route], top_k, renormalize, norm_min, scale,
+                                None if keep[1] is None else keep[1].data_ptr(), shared_gate))
+
+    def set_shared(self, gate_up: Sequence[SegmentTuple], down: Sequence[SegmentTuple], intermediate: int) -> None:
+        """The shared expert (every row through it), `intermediate` wide."""
+        up, dn = _segments(gate_up, self._keep), _segments(down, self._keep)
+        self.check(self._shared(self._handle, up, len(up), dn, len(dn), intermediate))
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor, threads: int,
+                routes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """out [T, hidden] fp32 = the block over x (fp32 or bf16 [T, hidden]), rounded to x's dtype; `routes`:
+        (weights fp32, ids int64) `[T, top_k]` given instead of the router's, and no shared expert."""
         require(x.dim() == 2 and x.shape[1] == self.hidden and x.is_contiguous(),
                 "x must be contiguous fp32 or bf16 [tokens, hidden]")
         code = dtype_code(x, "x")
         require(out.dtype == torch.float32 and out.is_contiguous() and tuple(out.shape) == tuple(x.shape),
                 "out must be contiguous fp32 [tokens, hidden]")
-        require(weights.dtype == torch.float32 and weights.is_contiguous() and weights.numel() == tokens.numel(),
-                "tokens (int64) and weights (fp32) must be contiguous, one per row")
-        self.check(self._forward(self._handle, code, x.data_ptr(), x.shape[0], (I64 * len(counts))(*counts),
-                                 len(counts), weights.data_ptr(), int64_vector(tokens, "tokens"), tokens.numel(),
-                                 out.data_ptr(), threads))
+        weights = ids = None
+        if routes is not None:
+            w, i = routes
+            require(w.dtype == torch.float32 and w.is_contiguous() and w.shape == i.shape and w.shape[0] == x.shape[0],
+                    "routes: contiguous fp32 weights and int64 ids [tokens, top_k]")
+            weights, ids = w.data_ptr(), int64_vector(i, "ids")
+        self.check(self._forward(self._handle, code, x.data_ptr(), x.shape[0], out.data_ptr(), threads, weights, ids))
+        return out
+
+    def counts(self) -> list[int]:
+        """Rows per expert of the last call (the stack's too)."""
+        counts = torch.empty(self.num_experts, dtype=torch.int64)
+        self.check(self._counts(self._handle, counts.data_ptr()))
+        return counts.tolist()

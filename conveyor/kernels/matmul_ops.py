@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from . import host_memory
-from .layer_ops import DecodeStack, GroupedExperts
+from .layer_ops import DecodeStack, MoeBlock
 from .native import I32, I64, P, Native, bind, dtype_code, int64_vector, pointer, require, threads
 
 I8 = 1000  # quant.h's per-channel int8 type id
@@ -36,9 +36,9 @@ class MatmulOps(Native):
     def DecodeStack(self, *args: float) -> DecodeStack:  # noqa: N802 (a constructor, as the class it returns)
         return DecodeStack(self.lib, *args)
 
-    def GroupedExperts(self, hidden: int, intermediate: int, alpha: float = 1.0,  # noqa: N802
-                       limit: float = 0.0) -> GroupedExperts:
-        return GroupedExperts(self.lib, hidden, intermediate, alpha, limit)
+    def MoeBlock(self, hidden: int, intermediate: int, alpha: float = 1.0,  # noqa: N802
+                 limit: float = 0.0) -> MoeBlock:
+        return MoeBlock(self.lib, hidden, intermediate, alpha, limit)
 
     def row_bytes(self, qtype: int, k: int) -> int:
         """Bytes of one row of k elements in GGUF's layout (I8: k)."""

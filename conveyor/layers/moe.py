@@ -6,8 +6,10 @@ each expert's rows are one contiguous slice and its two matmuls run once on that
 of the per-expert counts per layer and step, nothing loops over tokens. The experts are plain
 `nn.Linear` pairs, so loading treats them as any linear (bf16 tiles, int8/int4/GGUF `QuantLinear`
 with the file's blocks as stored; fp32 ones stay unpacked). On CPU with the native kernels
-`group_experts` hands them all to one call per layer (`kernels/moe_cpu.cpp`; fp32 experts moved into
-F32 tiles first); elsewhere a loop runs the experts that have rows.
+`group_experts` hands the whole block to one native object (`kernels/moe_block.h`: the router in F32
+tiles, the routing, the experts, the shared expert, the sum; fp32 experts moved into F32 tiles first),
+one call per layer, which the native decode stack runs too; elsewhere PyTorch's routing and a loop over
+the experts that have rows.
 
 The arithmetic is transformers' eager one (`MixtralExperts.forward` and its copies): softmax in fp32,
 top-k, renormalized where the config says so, each expert's output times its routing weight, summed
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.fused_ops import FusedOps
-from .quantization.linear import QuantLinear, bf16_kernel_max_rows, matmul_ops
+from .quantization.linear import QuantLinear, bf16_kernel_max_rows, matmul_ops, tiled_segments
 from .quantization.tensors import f32_rows
 
 
@@ -171,29 +173,39 @@ class SparseMoe(nn.Module):
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size, bias=gpt_oss, activation=activation)
                                      for _ in range(num_experts))
         self.shared_expert = Expert(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
-        if self.shared_expert is not None:
-            self.shared_expert.prepack = True  # it takes every row, as a dense MLP does
         self.shared_expert_gate = Router(hidden_size, 1) if shared_intermediate_size and shared_gate else None
         self.correction_bias = (nn.Parameter(torch.zeros(num_experts), requires_grad=False) if selection_bias
                                 else None)
         self.norm_min = norm_min
         self.sigmoid_scale = sigmoid_scale
         self.observer: Callable[[list[int]], None] | None = None
-        self.grouped: object | None = None  # the native `GroupedExperts` (`group_experts`)
+        self.block: object | None = None  # the native `MoeBlock` (`group_experts`)
+        self.router_tiles: QuantLinear | None = None  # the router (and shared gate) rows in F32 tiles, for it
         # On an AMX CPU, bf16 experts with more rows than this run faster through oneDNN's AMX matmul
-        # (`QuantMatmul`, the loop): prefill chunks. None: the grouped kernels take any rows.
+        # (`QuantMatmul`, the loop): prefill chunks. None: the native block takes any rows.
         self.amx_rows = bf16_kernel_max_rows()
 
+    @property
+    def route_name(self) -> str:
+        """This block's routing rule, as the native block names it (`kernels.layer_ops.MoeBlock.ROUTES`)."""
+        if self.sigmoid_scale is not None:
+            return "sigmoid"
+        if self.correction_bias is not None:
+            return "biased"
+        return "topk_softmax" if self.topk_softmax else "softmax"
+
     def group_experts(self) -> bool:
-        """Run the routed experts through the native `GroupedExperts` (one call per layer and step, see
-        `kernels/moe_cpu.cpp`) where the kernels are built: dense fp32 experts are moved into the kernels'
-        F32 tiles first (one copy; bf16 and quantized ones are tiled already), biases handed over in
-        fp32. Else (CUDA, no kernels) the loop over experts. Whether it does."""
+        """Run the block natively (`kernels/moe_block.h`: one call per layer and step, and inside the decode
+        stack) where the kernels are built: dense fp32 experts are moved into the kernels' F32 tiles first
+        (one copy; bf16 and quantized ones are tiled already), the router's rows (and the shared expert's
+        gate row) copied into F32 tiles, biases handed over in fp32. Else (CUDA, no kernels) PyTorch's ops.
+        Whether it does."""
         ops = matmul_ops()
-        self.grouped = None
+        self.block = None
         if ops is None:
             return False
-        for expert in self.experts:
+        mlps = [*self.experts, *([self.shared_expert] if self.shared_expert is not None else [])]
+        for expert in mlps:
             for name in ("gate_up_proj", "down_proj"):
                 linear = getattr(expert, name)
                 if (type(linear) is nn.Linear and linear.weight.dtype == torch.float32
@@ -202,41 +214,57 @@ class SparseMoe(nn.Module):
                     if linear.bias is not None:
                         tiled.bias.data.copy_(linear.bias.data)
                     setattr(expert, name, tiled)
-        linears = [linear for e in self.experts for linear in (e.gate_up_proj, e.down_proj)]
-        if not all(isinstance(m, QuantLinear) and all(s.layout == "tiles" for s in m.kernel.segments)
-                   for m in linears):
+        if not all(tiled_segments(m) is not None for e in mlps for m in (e.gate_up_proj, e.down_proj)):
             return False
         first, act = self.experts[0], self.activation
-        self.grouped = ops.GroupedExperts(first.gate_up_proj.in_features, first.down_proj.in_features,
-                                          act.alpha if act else 1.0, act.limit if act else 0.0)
+        block = ops.MoeBlock(first.gate_up_proj.in_features, first.down_proj.in_features,
+                             act.alpha if act else 1.0, act.limit if act else 0.0)
         for e in self.experts:
             linears = (e.gate_up_proj, e.down_proj)
             biases = [None if m.bias is None else m.bias.detach().float().contiguous() for m in linears]
-            self.grouped.add_expert(*[[(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0])
-                                       for s in m.kernel.segments] for m in linears], *biases)
+            block.add_expert(*[tiled_segments(m) for m in linears], *biases)
+        gate = self.shared_expert_gate
+        rows = self.router.weight if gate is None else torch.cat([self.router.weight, gate.weight])
+        self.router_tiles = QuantLinear([f32_rows(rows)], bias=False, dtype=torch.float32)
+        block.set_router(tiled_segments(self.router_tiles), self.router.bias, self.route_name, self.top_k,
+                         self.renormalize, self.norm_min, self.sigmoid_scale or 1.0, self.correction_bias,
+                         shared_gate=gate is not None)
+        if self.shared_expert is not None:
+            shared = self.shared_expert
+            block.set_shared(tiled_segments(shared.gate_up_proj), tiled_segments(shared.down_proj),
+                             shared.down_proj.in_features)
+        self.block = block
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 routing weights and expert ids `[tokens, top_k]` by PyTorch's ops."""
         logits = self.router(x)
         if self.sigmoid_scale is not None:
             bias = None if self.correction_bias is None else self.correction_bias.float()
-            weights, ids = route_sigmoid(logits, bias, self.top_k, self.renormalize, self.sigmoid_scale)
-        elif self.correction_bias is not None:
-            weights, ids = route_biased(logits, self.correction_bias.float(), self.top_k, self.norm_min)
-        elif self.topk_softmax:
-            weights, ids = route_topk_softmax(logits, self.top_k)
-        else:
-            weights, ids = route_softmax(logits, self.top_k, self.renormalize)
+            return route_sigmoid(logits, bias, self.top_k, self.renormalize, self.sigmoid_scale)
+        if self.correction_bias is not None:
+            return route_biased(logits, self.correction_bias.float(), self.top_k, self.norm_min)
+        if self.topk_softmax:
+            return route_topk_softmax(logits, self.top_k)
+        return route_softmax(logits, self.top_k, self.renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block, bf16_rows = self.block, self.amx_rows if x.dtype == torch.bfloat16 else None
+        if block is not None and (bf16_rows is None or x.shape[0] <= bf16_rows):  # the whole block natively
+            out = block.forward(x.contiguous(), torch.empty(x.shape, dtype=torch.float32), torch.get_num_threads())
+            if self.observer is not None:
+                self.observer(block.counts())
+            return out.to(x.dtype)
+        weights, ids = self.route(x)
         groups = group_by_expert(ids, self.num_experts)
         if self.observer is not None:
             self.observer(groups.counts)
-        row_weights = weights.reshape(-1).index_select(0, groups.order)
-        combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if self.grouped is not None and (self.amx_rows is None or x.dtype != torch.bfloat16
-                                         or max(groups.counts) <= self.amx_rows):
-            self.grouped.forward(x.contiguous(), groups.counts, row_weights, groups.tokens, combined,
-                                 torch.get_num_threads())
+        if block is not None and max(groups.counts) <= bf16_rows:  # big chunks whose experts' rows are still few
+            combined = block.forward(x.contiguous(), torch.empty(x.shape, dtype=torch.float32),
+                                     torch.get_num_threads(), (weights.contiguous(), ids.contiguous()))
         else:
+            combined = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            row_weights = weights.reshape(-1).index_select(0, groups.order)
             self.run_experts(x, groups, row_weights.unsqueeze(1), combined)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

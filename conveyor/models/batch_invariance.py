@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import ConfigError
 from ..layers.attention import AttentionBackend, CpuPagedAttention
 from ..layers.linear import PackedLinear
+from ..layers.moe import SparseMoe
 from ..layers.quantization.linear import QuantLinear, QuantMatmul
 
 
@@ -48,4 +49,7 @@ def make_batch_invariant(model: nn.Module, attention: AttentionBackend, device: 
                           "PyTorch's matmul (CONVEYOR_NATIVE_KERNELS=0, or kernels that did not build)")
     for kernel in [head] + [m.kernel for m in model.modules() if isinstance(m, QuantLinear)]:
         kernel.bf16_max_rows = None  # every row count on the native kernel (AMX CPUs: not oneDNN above it)
+    for block in model.modules():
+        if isinstance(block, SparseMoe):
+            block.amx_rows = None  # every chunk through the native block, its routing included
     attention.amx = False  # prefill attention's products off the AMX tiles, in decode's arithmetic

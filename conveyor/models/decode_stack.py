@@ -1,17 +1,17 @@
 """The native decode stack: every decoder layer of a Llama-family model with tiled weights (quantized, or bf16)
 in one native call, for decode batches of up to `MAX_ROWS` rows (`kernels/decode_stack_cpu.cpp`).
 
-At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python, the built-in
-model's 30 layers cost ~3 ms a step of dispatch and thread fork/join, as much as streaming its 92 MiB of
-weights. The stack keeps the threads up across all layers and meets at barriers instead. It computes what the
-eager layers compute, bit for bit (the same kernels, the fused ops' per-row arithmetic, bf16 values rounded
-where the eager bf16 tensors round them), reads and writes the same KV pages, so a request's tokens do not
-depend on which path its steps took (batch invariance). It is used where it applies: Llama-family layers (with
-or without per-head q/k norms, Granite's residual multiplier; no soft-capping or attention sinks), LFM2's
-short-convolution layers and Granite 4.0-H's Mamba-2 layers, projections in the kernels' tiles (dense fp32 is
-the exact path, which stays on PyTorch's matmuls), decode-only batches. Prefill chunks and batches of more
-than 64 rows stay on the eager path (the same GEMM per layer). Built-in model, decode at 64 rows, 1 thread:
-325 ms a step eager, 232-313 ms here.
+At a few rows a decode step is weight streaming plus per-op overhead: run op by op from Python, each layer
+pays dispatch and thread fork/join for a dozen ops, which at small models costs as much as streaming the
+weights. The stack keeps the threads up across all layers and meets at barriers instead. It computes what
+the eager layers compute, bit for bit (the same kernels, the fused ops' per-row arithmetic, bf16 values
+rounded where the eager bf16 tensors round them), reads and writes the same KV pages, so a request's tokens
+do not depend on which path its steps took (batch invariance). It is used where it applies: Llama-family
+layers (with or without per-head q/k norms, Granite's residual multiplier; no soft-capping or attention
+sinks), LFM2's short-convolution layers and Granite 4.0-H's Mamba-2 layers, each with a dense MLP or a
+mixture-of-experts block (the eager layer's native `MoeBlock`, run inside the stack's call), projections in
+the kernels' tiles (dense fp32 is the exact path, which stays on PyTorch's matmuls), decode-only batches.
+Prefill chunks and batches of more than 64 rows stay on the eager path (the same GEMM per layer).
 `CONVEYOR_DECODE_STACK=0` turns it off.
 
 With multi-LoRA (`attach_lora`), steps whose rows have adapters stay on the stack too: it reads the
@@ -20,8 +20,9 @@ base projection, with the per-layer kernel's code (`kernels/lora_delta.h`), so t
 LoRA path's. Per step the host passes the `LoRABatch`'s grouped rows, nothing per layer.
 
 Its threads meet at 8 barriers a layer (adapter rows add none, but one when a step has fewer rows
-than threads), so when another process takes a core a barrier waits for a descheduled thread's next
-time slice: on this 2-core machine a step went from 5.6 ms to 1.3 s with one busy neighbour.
+than threads; a mixture-of-experts block adds its own), so when another process takes a core a barrier
+waits for a descheduled thread's next time slice: with one busy neighbour a step can take hundreds of
+times longer.
 `ThreadChooser` times the stack and keeps whichever thread count (torch's, or one thread, which has no
 barriers) measured faster lately, trying the other now and then.
 """
@@ -38,8 +39,9 @@ import torch
 from ..kernels.ssm_ops import SsmOps
 from ..layers.attention import AttentionMetadata
 from ..layers.lora import LoRABatch, LoRALinear
+from ..layers.moe import SparseMoe
 from ..layers.quantization import linear as quant_linear
-from ..layers.quantization.linear import QuantLinear
+from ..layers.quantization.linear import tiled_segments
 
 MAX_ROWS = 64
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the native stack's order
@@ -85,17 +87,6 @@ def stack_enabled() -> bool:
     return os.environ.get("CONVEYOR_DECODE_STACK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _segments(linear: torch.nn.Module) -> list[tuple] | None:
-    """A projection as the native stack takes it (its tiled segments: quantized, or bf16), or None where it
-    cannot: dense fp32 is the exact path, which stays on PyTorch's matmuls."""
-    if isinstance(linear, QuantLinear):
-        segments = linear.kernel.segments
-        if any(s.layout != "tiles" for s in segments):  # built without the kernels
-            return None
-        return [(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0]) for s in segments]
-    return None
-
-
 def _head_norms(layer: torch.nn.Module) -> bool:
     """Whether the layer's q/k norms (if any) are the stack's: RMSNorms of one head, before RoPE, with the
     layer norms' eps (Qwen3's)."""
@@ -105,34 +96,45 @@ def _head_norms(layer: torch.nn.Module) -> bool:
 
 
 def _projections(layer: torch.nn.Module) -> list[torch.nn.Module]:
-    """A layer's four projections in the stack's order; a conv layer's or a Mamba layer's in_proj and out_proj
-    in the places of qkv and o."""
+    """A layer's projections in the stack's order; a conv layer's or a Mamba layer's in_proj and out_proj in the
+    places of qkv and o; no gate_up and down where the MLP is a mixture of experts."""
     mixer = getattr(layer, "conv", None) or getattr(layer, "mamba", None)
     first = [getattr(layer, p) for p in PROJECTIONS[:2]] if mixer is None else [mixer.in_proj, mixer.out_proj]
-    return first + [getattr(layer, p) for p in PROJECTIONS[2:]]
+    return first + ([] if _experts(layer) else [getattr(layer, p) for p in PROJECTIONS[2:]])
+
+
+def _experts(layer: torch.nn.Module) -> SparseMoe | None:
+    """The layer's mixture-of-experts block, if its MLP is one."""
+    mlp = getattr(layer, "mlp", None)
+    return mlp if isinstance(mlp, SparseMoe) else None
 
 
 class DecodeStack:
     """The native stack of one model's layers; `__call__` runs a decode batch through all of them."""
 
-    def __init__(self, native: object, num_layers: int) -> None:
+    def __init__(self, native: object, num_layers: int, moes: Sequence[SparseMoe] = ()) -> None:
         self.native = native
         self.num_layers = num_layers
+        self.moes = list(moes)  # the layers' expert blocks, whose observers see the stack's steps too
         self.threads = ThreadChooser(torch.get_num_threads())
         self.lora = False  # whether steps with adapter rows run here (`attach_lora`)
 
     @classmethod
-    def build(cls, model: torch.nn.Module, layer_class: type, conv_class: type | None = None) -> DecodeStack | None:
-        """The stack for `model` whose layers are all `layer_class` (the Llama decoder layer, or Granite's with
-        its residual multiplier) or `conv_class` (LFM2's short-convolution layer, Granite 4.0-H's Mamba-2
-        layer), or None where it does not apply (see the module docstring)."""
+    def build(cls, model: torch.nn.Module, layer_classes: tuple[type, ...],
+              mixer_classes: tuple[type, ...] = ()) -> DecodeStack | None:
+        """The stack for `model` whose layers are all attention layers of `layer_classes` (the Llama decoder
+        layer, Granite's with its residual multiplier, the mixtures of experts') or of `mixer_classes` (LFM2's
+        short-convolution layers, Granite 4.0-H's Mamba-2 layers), each with a tiled dense MLP or a native
+        mixture-of-experts block (`SparseMoe.block`), or None where it does not apply (see the module
+        docstring)."""
         ops = quant_linear.matmul_ops()
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
-        if any(not (type(layer) is layer_class and layer.softcap is None and layer.sinks is None and _head_norms(layer)
-                    or conv_class is not None and type(layer) is conv_class)
-               or not all(_segments(lin) is not None for lin in _projections(layer)) for layer in layers):
+        if any(not (type(layer) in layer_classes and layer.softcap is None and layer.sinks is None
+                    and _head_norms(layer) or type(layer) in mixer_classes)
+               or not all(tiled_segments(lin) is not None for lin in _projections(layer))
+               or _experts(layer) is not None and _experts(layer).block is None for layer in layers):
             return None
         if getattr(model, "rotary", None) is None or model.rotary.rotary_dim != layers[0].head_dim:  # partial rotary
             return None
@@ -140,27 +142,28 @@ class DecodeStack:
         if not all(SsmOps.rows_fit(half, layer.mamba.state) for layer in layers if hasattr(layer, "mamba")):
             return None
         first = layers[0]
-        intermediate = _projections(first)[3].in_features  # (the MLP's width as built: Granite 4.0's shared MLP)
+        # (the dense MLP's width as built, Granite 4.0's shared MLP's; 0 where every layer has experts)
+        intermediate = max((_projections(layer)[3].in_features for layer in layers if not _experts(layer)), default=0)
         native = ops.DecodeStack(model.config.hidden_size, intermediate, first.num_heads, first.num_kv_heads,
                                  first.head_dim, float(first.input_layernorm.eps), float(first.scale), MAX_ROWS)
         native.set_residual_scale(float(getattr(first, "residual_multiplier", 1.0)))
         for i, layer in enumerate(layers):
             linears = _projections(layer)
-            segments = [_segments(lin) for lin in linears]
-            mamba = getattr(layer, "mamba", None)
+            segments = [tiled_segments(lin) for lin in linears] + [[]] * (4 - len(linears))
+            biases = [None if lin.bias is None else lin.bias.detach() for lin in linears] + [None] * (4 - len(linears))
+            norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
+            mamba, conv = getattr(layer, "mamba", None), getattr(layer, "conv", None)
             if mamba is not None:
-                native.add_mamba_layer(layer.input_layernorm.weight.detach(),
-                                       layer.post_attention_layernorm.weight.detach(), segments,
-                                       [None if lin.bias is None else lin.bias.detach() for lin in linears], i,
-                                       mamba.native_shape, mamba.native_weights(), mamba.eps)
-                continue
-            conv = getattr(layer, "conv", None)
-            taps = None if conv is None else conv.conv_weight.detach().flatten(1).t()  # [kernel, hidden]
-            native.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                             segments, [None if lin.bias is None else lin.bias.detach() for lin in linears], i,
-                             layer.rope, None if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight),
-                             taps, None if conv is None or conv.conv_bias is None else conv.conv_bias.detach())
-        return cls(native, len(layers))
+                native.add_mamba_layer(*norms, segments, biases, i, mamba.native_shape, mamba.native_weights(),
+                                       mamba.eps)
+            else:
+                taps = None if conv is None else conv.conv_weight.detach().flatten(1).t()  # [kernel, hidden]
+                native.add_layer(*norms, segments, biases, i, layer.rope,
+                                 None if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight), taps,
+                                 None if conv is None or conv.conv_bias is None else conv.conv_bias.detach())
+            if _experts(layer) is not None:
+                native.set_moe(i, _experts(layer).block)
+        return cls(native, len(layers), [m for m in map(_experts, layers) if m is not None])
 
     def attach_lora(self, layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> None:
         """Run steps with adapter rows here: every projection of `layers` that is a `LoRALinear` (wrapped
@@ -203,4 +206,7 @@ class DecodeStack:
                             slots, windows, metas[0].decode_positions, page_size, threads, metas[0].decode_shared_rows,
                             x.dtype, None if lora is None else (lora.order, lora.group_table))
         self.threads.record(time.perf_counter() - started)
+        for moe in self.moes:
+            if moe.observer is not None:
+                moe.observer(moe.block.counts())
         return h.to(x.dtype)

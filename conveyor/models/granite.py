@@ -71,7 +71,7 @@ class GraniteForCausalLM(GraniteScales, LlamaForCausalLM):
             layer.fused = ops
 
     def build_decode_stack(self) -> DecodeStack | None:
-        return DecodeStack.build(self, GraniteDecoderLayer)
+        return DecodeStack.build(self, (GraniteDecoderLayer,))
 
 
 class GraniteMoeDecoderLayer(MoeDecoderLayer):
@@ -106,6 +106,9 @@ class GraniteMoeForCausalLM(GraniteScales, MoeForCausalLM):
     def make_layer(self, config: PretrainedConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool,
                    moe: SparseMoe | None) -> MoeDecoderLayer:
         return GraniteMoeDecoderLayer(config, self.head_dim, qkv_bias, o_bias, qk_norm, moe)
+
+    def build_decode_stack(self) -> DecodeStack | None:
+        return DecodeStack.build(self, (GraniteMoeDecoderLayer,))
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         if f"model.layers.{layer}.block_sparse_moe.input_linear.weight" not in state_dict:

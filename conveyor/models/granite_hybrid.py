@@ -140,7 +140,8 @@ class GraniteHybridForCausalLM(GraniteScales, CausalLM):
                 module.group_experts()
 
     def build_decode_stack(self) -> DecodeStack | None:
-        return DecodeStack.build(self, GraniteDecoderLayer, GraniteMambaLayer)
+        return DecodeStack.build(self, (GraniteDecoderLayer, GraniteMoeDecoderLayer),
+                                 (GraniteMambaLayer, GraniteMambaMoeLayer))
 
     @classmethod
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "GraniteHybridForCausalLM":

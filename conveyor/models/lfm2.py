@@ -144,7 +144,7 @@ class Lfm2ForCausalLM(CausalLM):
                 module.fused = ops
 
     def build_decode_stack(self) -> DecodeStack | None:
-        return DecodeStack.build(self, DecoderLayer, ShortConvLayer)
+        return DecodeStack.build(self, (DecoderLayer,), (ShortConvLayer,))
 
     @classmethod
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "Lfm2ForCausalLM":
@@ -197,6 +197,9 @@ class Lfm2MoeForCausalLM(Lfm2ForCausalLM):
                 module.fused = ops
             if isinstance(module, SparseMoe):
                 module.group_experts()
+
+    def build_decode_stack(self) -> DecodeStack | None:
+        return DecodeStack.build(self, (MoeDecoderLayer,), (ShortConvMoeLayer,))
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         """The conv layer's tensors, and a sparse block's router, experts and choosing bias."""

@@ -135,7 +135,7 @@ class LlamaForCausalLM(CausalLM):
                 module.fused = ops
 
     def build_decode_stack(self) -> DecodeStack | None:
-        return DecodeStack.build(self, DecoderLayer)
+        return DecodeStack.build(self, (DecoderLayer,))
 
     @classmethod
     def build(cls, config: PretrainedConfig, state_dict: dict[str, torch.Tensor]) -> "LlamaForCausalLM":

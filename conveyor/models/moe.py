@@ -24,6 +24,7 @@ from ..layers.quantization.linear import Weight, fuse_rows
 from ..layers.quantization.tensors import QuantizedTensor
 from ..layers.rotary import RotaryEmbedding, apply_rotary
 from .base import CausalLM, check_activation
+from .decode_stack import DecodeStack
 from .llama import DecoderLayer, RMSNorm
 
 # Hugging Face names of a sparse block and its experts' gate, up and down projections, by model type.
@@ -163,6 +164,10 @@ class MoeForCausalLM(CausalLM):
                 module.fused = ops
             if isinstance(module, SparseMoe):
                 module.group_experts()
+
+    def build_decode_stack(self) -> DecodeStack | None:
+        """The native stack (`decode_stack.py`) over these layers, their sparse blocks run natively; not OLMoE's."""
+        return DecodeStack.build(self, (MoeDecoderLayer,))
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         """The router, each expert's fused gate/up and its down, and the shared expert with its gate."""

@@ -13,7 +13,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.layers.quantization import linear as quant_linear
 from conveyor.models.decode_stack import MAX_ROWS, DecodeStack, ThreadChooser
 
-from tests.utils import TINY_CONFIGS, VOCAB, TinyModel, random_prompts
+from tests.utils import MOE_CONFIGS, TINY_CONFIGS, VOCAB, TinyModel, random_prompts
 
 
 def run(llm: LLM, prompts: list[list[int]], n: int = 10) -> tuple[list[list[int]], torch.Tensor]:
@@ -174,3 +174,40 @@ def test_ministral3_queries_past_the_original_length_leave_the_stack(tiny_models
     ref_ids, ref_lps = run(eager, prompts, n=16)
     assert ids == ref_ids
     assert torch.equal(lps, ref_lps)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "lfm2_moe",
+                                  "granitemoehybrid"])
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
+def test_mixtures_of_experts_in_the_stack(kind: str, dtype: str, monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    """Each routing rule (softmax renormalized or not, the top-k logits' softmax, a choosing bias over the
+    softmax or over sigmoid scores), shared experts gated and not, dense layers beside sparse ones, attention,
+    conv and Mamba layers around them: the same bits through the stack as through the eager layers (each
+    calling the same native block), in fp32 compute and bf16; the expert-load observer sees the stack's steps."""
+    if dtype == "auto":
+        monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
+    model = TinyModel(kind, tmp_path, MOE_CONFIGS[kind]())
+    with torch.no_grad():  # (choosing biases large enough to reorder the experts)
+        for name, tensor in [*model.reference.named_parameters(), *model.reference.named_buffers()]:
+            if name.endswith(("expert_bias", "e_score_correction_bias")):
+                tensor.copy_(torch.linspace(0.3, -0.3, tensor.numel()).reshape(tensor.shape))
+    model.reference.save_pretrained(model.path)
+    prompts = random_prompts([20, 13, 31, 4], seed=54)
+    native = model.llm(dtype=dtype, quantization="int8", page_size=4)
+    monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
+    eager = model.llm(dtype=dtype, quantization="int8", page_size=4)
+    monkeypatch.delenv("CONVEYOR_DECODE_STACK")
+    stack = native.engine.model.decode_stack
+    assert stack is not None and stack.moes and eager.engine.model.decode_stack is None
+    loads: list[list[int]] = []
+    stack.moes[0].observer = loads.append
+    calls = counting(monkeypatch)
+    ids, lps = run(native, prompts, n=12)
+    assert calls, "decode steps should go through the stack"
+    assert sum(sum(counts) for counts in loads) == stack.moes[0].top_k * (sum(len(p) for p in prompts) + 11 * 4)
+    ref_ids, ref_lps = run(eager, prompts, n=12)
+    assert ids == ref_ids
+    assert torch.equal(lps, ref_lps)
+    for llm in (native, eager):
+        assert llm.engine.allocator.num_free_blocks == llm.engine.allocator.num_total_blocks

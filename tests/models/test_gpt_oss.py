@@ -69,7 +69,7 @@ def test_gpt_oss_matches_transformers(gpt_oss: TinyModel, backend: str) -> None:
     expected = CpuPagedAttention if backend == "auto" and matmul_ops() is not None else TorchPagedAttention
     assert type(engine_backend) is expected
     blocks = [layer.mlp for layer in llm.engine.model.layers]
-    assert all(block.grouped is not None for block in blocks) or matmul_ops() is None
+    assert all(block.block is not None for block in blocks) or matmul_ops() is None
     run_and_compare(gpt_oss, llm, random_prompts(LENGTHS, seed=3), MAX_NEW, f"gpt-oss ({backend})")
     assert all_free(llm)
     assert llm.stats().prefill_tokens == sum(LENGTHS)

@@ -34,7 +34,7 @@ def test_moe_models_match_transformers(moe_models: dict[str, TinyModel], kind: s
     llm = model.llm(max_batch_tokens=64)
     moe = [layer.mlp for layer in llm.engine.model.layers if layer.mlp is not None]
     assert len(moe) == (1 if kind == "qwen2_moe" else 2)
-    assert all(block.grouped is not None for block in moe) or matmul_ops() is None  # fp32 experts in F32 tiles
+    assert all(block.block is not None for block in moe) or matmul_ops() is None  # fp32 experts in F32 tiles
     loads: list[list[int]] = []
     for block in moe:
         block.observer = loads.append
@@ -119,6 +119,34 @@ def test_grouped_native_experts_equal_the_loop(dtype: torch.dtype, weights) -> N
     torch.manual_seed(0)
     assert_grouped_equals_loop(SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=False,
                                          shared_intermediate_size=32), dtype, weights)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("form", [dict(renormalize=True), dict(topk_softmax=True),
+                                  dict(renormalize=True, selection_bias=True, norm_min=1e-12, shared_gate=False),
+                                  dict(renormalize=True, selection_bias=True, sigmoid_scale=1.5),
+                                  dict(renormalize=False, sigmoid_scale=2.0)])
+def test_native_routing_equals_pytorchs(form: dict) -> None:
+    """The native block's routing rules (Mixtral's renormalized softmax, the top-k logits' softmax, ERNIE's
+    choosing bias over the softmax, LFM2's sigmoid scores with and without one) choose the experts PyTorch's
+    functions choose (the observer's counts) and weigh them alike: fp32 outputs within rounding."""
+    if matmul_ops() is None:
+        pytest.skip("the native kernels did not build")
+    torch.manual_seed(1)
+    form = {"renormalize": False} | form
+    block = SparseMoe(64, 32, num_experts=6, top_k=3, shared_intermediate_size=32, **form)
+    assert block.route_name == ("sigmoid" if "sigmoid_scale" in form else "biased" if "selection_bias" in form
+                                else "topk_softmax" if "topk_softmax" in form else "softmax")
+    assert_grouped_equals_loop(block, torch.float32, f32_rows)  # (which leaves the block on PyTorch's ops)
+    assert block.group_experts()
+    x = torch.randn(40, 64)
+    counts: list[list[int]] = []
+    block.observer = counts.append
+    block(x)
+    native, block.block = block.block, None
+    block(x)
+    block.block = native
+    assert counts[0] == counts[1]
 
 
 def _copy(model: TinyModel, root: Path) -> Path:

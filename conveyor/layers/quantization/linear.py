@@ -197,6 +197,15 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, weight={types}"
 
 
+def tiled_segments(linear: nn.Module) -> list[tuple] | None:
+    """A linear as the native layer code takes it (its segments in the kernels' tiles: (tiles, weight type, row
+    scales or empty, rows)), or None where it cannot: not a `QuantLinear` (dense fp32 is the exact path, on
+    PyTorch's matmuls), or built without the kernels."""
+    if not isinstance(linear, QuantLinear) or any(s.layout != "tiles" for s in linear.kernel.segments):
+        return None
+    return [(s.data, int(s.qtype), s.row_scales_or_empty(), s.shape[0]) for s in linear.kernel.segments]
+
+
 class QuantEmbedding(nn.Module):
     """`nn.Embedding` over a quantized table: the looked-up rows are dequantized to `dtype`. The table is
     tiled for the kernels, the layout a tied LM head shares, except where `tiled` is False and it is a
