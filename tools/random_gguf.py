@@ -45,7 +45,7 @@ class Shape:
     tied: bool
     rope_theta: float
     context: int = 32768
-    experts: int = 0  # gpt-oss: experts per layer (stacked, MXFP4), of which `experts_used` a token
+    experts: int = 0  # experts per layer (stacked; gpt-oss's in MXFP4), of which `experts_used` a token
     experts_used: int = 0
     attention_layers: tuple[int, ...] = ()  # LFM2: the layers with attention; the others are short convolutions
     expert_ffn: int = 0  # LFM2-MoE: each expert's width (`ffn` is the dense layers'), after `dense_layers` dense ones
@@ -60,6 +60,8 @@ SHAPES = {
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 128, 8192, 128256, True, 500000.0),
     "qwen3-4b": Shape("qwen3", 2560, 36, 32, 8, 128, 9728, 151936, True, 1000000.0),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0),
+    # Qwen3-30B-A3B: 48 layers of attention (4 KV heads of 128, q/k norms), 128 experts of 768 a layer, 8 a token
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 768, 151936, False, 1000000.0, 40960, 128, 8),
     "gpt-oss-20b": Shape("gpt-oss", 2880, 24, 64, 8, 64, 2880, 201088, False, 150000.0, 131072, 32, 4),
     # LFM2-1.2B and 350M (LFM2.5's too): MLP widths as the converter writes them (the configs' adjusted)
     "lfm2-1.2b": Shape("lfm2", 2048, 16, 32, 8, 64, 8192, 65536, True, 1000000.0,
@@ -77,6 +79,7 @@ SHAPES = {
                                 experts_used=6, attention_layers=(9, 19, 29, 39), ssm_heads=48, shared_ffn=1024),
     "tiny": Shape("llama", 256, 2, 4, 2, 64, 512, 512, True, 10000.0, context=2048),  # for tests
     "tiny-gpt-oss": Shape("gpt-oss", 256, 2, 4, 2, 64, 256, 512, False, 10000.0, 8192, 4, 2),  # for tests
+    "tiny-qwen3moe": Shape("qwen3moe", 256, 2, 4, 2, 64, 128, 512, False, 10000.0, 2048, 8, 2),  # for tests
 }
 
 
@@ -151,10 +154,13 @@ def tensors(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
     for i in range(shape.layers):
         out += [(f"blk.{i}.attn_norm.weight", (h,), False), (f"blk.{i}.attn_q.weight", (q, h), True),
                 (f"blk.{i}.attn_k.weight", (kv, h), True), (f"blk.{i}.attn_v.weight", (kv, h), True),
-                (f"blk.{i}.attn_output.weight", (h, q), True), (f"blk.{i}.ffn_norm.weight", (h,), False),
-                (f"blk.{i}.ffn_gate.weight", (shape.ffn, h), True), (f"blk.{i}.ffn_up.weight", (shape.ffn, h), True),
-                (f"blk.{i}.ffn_down.weight", (h, shape.ffn), True)]
-        if shape.arch == "qwen3":
+                (f"blk.{i}.attn_output.weight", (h, q), True), (f"blk.{i}.ffn_norm.weight", (h,), False)]
+        e, f = shape.experts, shape.ffn
+        out += [(f"blk.{i}.ffn_gate_inp.weight", (e, h), False), (f"blk.{i}.ffn_gate_exps.weight", (e, f, h), True),
+                (f"blk.{i}.ffn_up_exps.weight", (e, f, h), True), (f"blk.{i}.ffn_down_exps.weight", (e, h, f), True)
+                ] if e else [(f"blk.{i}.ffn_gate.weight", (f, h), True), (f"blk.{i}.ffn_up.weight", (f, h), True),
+                             (f"blk.{i}.ffn_down.weight", (h, f), True)]
+        if shape.arch in ("qwen3", "qwen3moe"):
             out += [(f"blk.{i}.attn_q_norm.weight", (shape.head_dim,), False),
                     (f"blk.{i}.attn_k_norm.weight", (shape.head_dim,), False)]
     return out

@@ -68,6 +68,7 @@ struct LoRAProjection {
 struct Layer {
     std::vector<float> input_norm, post_norm;
     std::vector<float> q_norm, k_norm;  // per-head q/k norms before RoPE (Qwen3's, LFM2's), [D]; empty: none
+    std::vector<float> sinks;  // one attention-sink logit per query head (gpt-oss's), [H]; empty: none
     std::vector<float> taps, conv_bias;  // a conv layer's kernel [kernel][hidden] and bias [hidden] (or empty)
     Linear qkv, o, gate_up, down;
     LoRAProjection lora[4];  // qkv, o, gate_up, down
@@ -181,6 +182,12 @@ class DecodeStack {
         mamba_y_.resize(std::max<size_t>(mamba_y_.size(), max_rows_ * spec.inner()));
         mamba_inner_ = std::max(mamba_inner_, spec.inner());
         layers_.push_back(std::move(layer));
+    }
+
+    // Layer `l`'s attention has sinks: one logit per query head (fp32 [H], copied), as the eager kernel takes them.
+    void set_sinks(int64_t l, const float* sinks) {
+        CONVEYOR_CHECK(l >= 0 && l < static_cast<int64_t>(layers_.size()), "no layer ", l);
+        layers_[l].sinks.assign(sinks, sinks + H_);
     }
 
     // Layer `l`'s MLP is `block` (the layer was added without gate_up and down), run by the stack's threads.
@@ -356,7 +363,8 @@ class DecodeStack {
                     scratch.next = nb < B ? conveyor::DecodeRun{bt + nb * width, len[nb], first(nb), window, 0}
                                           : conveyor::DecodeRun{};
                     conveyor::attend_request<C>(qkv_.data() + b * qkv_n + g0 * G * D_, kc, vc, bt + b * width, len[b],
-                                                first(b), window, page, Hkv_, D_, G, g0, g1, scale, 0.f, nullptr, scratch,
+                                                first(b), window, page, Hkv_, D_, G, g0, g1, scale, 0.f,
+                                                L.sinks.empty() ? nullptr : L.sinks.data(), scratch,
                                                 attn_.data() + b * qd + g0 * G * D_);
                     round_row<T>(attn_.data() + b * qd + g0 * G * D_, (g1 - g0) * G * D_);
                 };
@@ -591,6 +599,10 @@ CONVEYOR_API int conveyor_decode_stack_add_mamba_layer(void* stack, const float*
                                        conv_bias, a, d, dt_bias, norm, eps};
         static_cast<DecodeStack*>(stack)->add_mamba_layer(input_norm, post_norm, segments, counts, biases, group, spec);
     });
+}
+
+CONVEYOR_API int conveyor_decode_stack_set_sinks(void* stack, int64_t layer, const float* sinks) {
+    return conveyor::guarded(1, [&] { static_cast<DecodeStack*>(stack)->set_sinks(layer, sinks); });
 }
 
 CONVEYOR_API int conveyor_decode_stack_set_moe(void* stack, int64_t layer, void* block) {

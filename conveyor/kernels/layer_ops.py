@@ -64,6 +64,7 @@ class DecodeStack(Native):
                                I64, I64, I64, P, P, P, P, P, P, F32)
         self._residual_scale = bind(lib, "conveyor_decode_stack_set_residual_scale", I32, P, F32)
         self._set_moe = bind(lib, "conveyor_decode_stack_set_moe", I32, P, I64, P)
+        self._set_sinks = bind(lib, "conveyor_decode_stack_set_sinks", I32, P, I64, P)
         self._blocks: list[MoeBlock] = []
         self.hidden = hidden
         self.num_layers = 0
@@ -124,6 +125,11 @@ class DecodeStack(Native):
                                    conv_bias.data_ptr() if conv_bias.numel() else None, *[w.data_ptr() for w in rest],
                                    eps))
         self.num_layers += 1
+
+    def set_sinks(self, layer: int, sinks: torch.Tensor) -> None:
+        """Layer `layer`'s attention sinks: one logit per query head (copied as fp32, the eager kernel's)."""
+        values = sinks.detach().float().contiguous()
+        self.check(self._set_sinks(self._handle, layer, values.data_ptr()))
 
     def set_moe(self, layer: int, block: MoeBlock) -> None:
         """Layer `layer`'s MLP is this mixture-of-experts block (added without gate_up and down): the stack runs

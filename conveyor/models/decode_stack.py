@@ -7,8 +7,8 @@ weights. The stack keeps the threads up across all layers and meets at barriers 
 the eager layers compute, bit for bit (the same kernels, the fused ops' per-row arithmetic, bf16 values
 rounded where the eager bf16 tensors round them), reads and writes the same KV pages, so a request's tokens
 do not depend on which path its steps took (batch invariance). It is used where it applies: Llama-family
-layers (with or without per-head q/k norms, Granite's residual multiplier; no soft-capping or attention
-sinks), LFM2's short-convolution layers and Granite 4.0-H's Mamba-2 layers, each with a dense MLP or a
+layers (with or without per-head q/k norms, Granite's residual multiplier, gpt-oss's attention sinks; no
+soft-capping), LFM2's short-convolution layers and Granite 4.0-H's Mamba-2 layers, each with a dense MLP or a
 mixture-of-experts block (the eager layer's native `MoeBlock`, run inside the stack's call), projections in
 the kernels' tiles (dense fp32 is the exact path, which stays on PyTorch's matmuls), decode-only batches.
 Prefill chunks and batches of more than 64 rows stay on the eager path (the same GEMM per layer).
@@ -131,8 +131,8 @@ class DecodeStack:
         if ops is None or not stack_enabled() or model.dtype not in (torch.float32, torch.bfloat16):
             return None
         layers = list(model.layers)
-        if any(not (type(layer) in layer_classes and layer.softcap is None and layer.sinks is None
-                    and _head_norms(layer) or type(layer) in mixer_classes)
+        if any(not (type(layer) in layer_classes and layer.softcap is None and _head_norms(layer)
+                    or type(layer) in mixer_classes)
                or not all(tiled_segments(lin) is not None for lin in _projections(layer))
                or _experts(layer) is not None and _experts(layer).block is None for layer in layers):
             return None
@@ -161,6 +161,8 @@ class DecodeStack:
                 native.add_layer(*norms, segments, biases, i, layer.rope,
                                  None if layer.q_norm is None else (layer.q_norm.weight, layer.k_norm.weight), taps,
                                  None if conv is None or conv.conv_bias is None else conv.conv_bias.detach())
+            if getattr(layer, "sinks", None) is not None:
+                native.set_sinks(i, layer.sinks)
             if _experts(layer) is not None:
                 native.set_moe(i, _experts(layer).block)
         return cls(native, len(layers), [m for m in map(_experts, layers) if m is not None])

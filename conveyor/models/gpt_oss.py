@@ -35,6 +35,7 @@ from ..layers.quantization.mxfp4 import BLOCK, dequantize_mxfp4, mxfp4_tensor
 from ..layers.quantization.tensors import QuantizedTensor
 from ..layers.rotary import RotaryEmbedding
 from .base import CausalLM
+from .decode_stack import DecodeStack
 from .llama import RMSNorm
 from .moe import MoeDecoderLayer, routed_experts
 
@@ -85,13 +86,17 @@ class GptOssForCausalLM(CausalLM):
         return cls(config)
 
     def use_fused_ops(self, ops: FusedOps | None) -> None:
-        """Norms and RoPE through the native fused ops (None: PyTorch); the experts grouped in one
-        native call per layer where their weights are tiled (`SparseMoe.group_experts`)."""
+        """Norms and RoPE through the native fused ops (None: PyTorch); the sparse block in one native call
+        per layer where its weights are tiled (`SparseMoe.group_experts`)."""
         for module in self.modules():
             if type(module) in (RMSNorm, GptOssDecoderLayer):
                 module.fused = ops
             if isinstance(module, SparseMoe):
                 module.group_experts()
+
+    def build_decode_stack(self) -> DecodeStack | None:
+        """The native stack (`decode_stack.py`): the sinks in its attention, the sparse blocks inside it."""
+        return DecodeStack.build(self, (GptOssDecoderLayer,))
 
     def layer_weights(self, state_dict: dict[str, Weight], layer: int) -> dict[str, Weight | list[Weight]]:
         """The attention sinks, the router, and each expert's gate/up (de-interleaved, gate rows first) and

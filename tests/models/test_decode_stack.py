@@ -13,7 +13,7 @@ from conveyor import LLM, SamplingParams
 from conveyor.layers.quantization import linear as quant_linear
 from conveyor.models.decode_stack import MAX_ROWS, DecodeStack, ThreadChooser
 
-from tests.utils import MOE_CONFIGS, TINY_CONFIGS, VOCAB, TinyModel, random_prompts
+from tests.utils import MOE_CONFIGS, TINY_CONFIGS, VOCAB, TinyModel, make_gpt_oss, random_prompts
 
 
 def run(llm: LLM, prompts: list[list[int]], n: int = 10) -> tuple[list[list[int]], torch.Tensor]:
@@ -177,17 +177,18 @@ def test_ministral3_queries_past_the_original_length_leave_the_stack(tiny_models
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "ernie4_5_moe", "lfm2_moe",
-                                  "granitemoehybrid"])
+                                  "granitemoehybrid", "gpt_oss"])
 @pytest.mark.parametrize("dtype", ["auto", "bfloat16"])
 def test_mixtures_of_experts_in_the_stack(kind: str, dtype: str, monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
     """Each routing rule (softmax renormalized or not, the top-k logits' softmax, a choosing bias over the
     softmax or over sigmoid scores), shared experts gated and not, dense layers beside sparse ones, attention,
     conv and Mamba layers around them: the same bits through the stack as through the eager layers (each
-    calling the same native block), in fp32 compute and bf16; the expert-load observer sees the stack's steps."""
+    calling the same native block), in fp32 compute and bf16; gpt-oss's attention sinks, sliding layers, biases and
+    clamped experts too; the expert-load observer sees the stack's steps."""
     if dtype == "auto":
         monkeypatch.setattr("conveyor.layers.precision.cpu_flags", lambda: frozenset({"avx2"}))
-    model = TinyModel(kind, tmp_path, MOE_CONFIGS[kind]())
+    model = make_gpt_oss(tmp_path) if kind == "gpt_oss" else TinyModel(kind, tmp_path, MOE_CONFIGS[kind]())
     with torch.no_grad():  # (choosing biases large enough to reorder the experts)
         for name, tensor in [*model.reference.named_parameters(), *model.reference.named_buffers()]:
             if name.endswith(("expert_bias", "e_score_correction_bias")):

@@ -13,8 +13,10 @@ from tools import random_gguf
 
 
 def test_shapes_have_their_models_parameter_counts() -> None:
-    """Llama 3.2 1B: 1.24B parameters (tied head); Llama 3.1 8B: 8.03B; Qwen3 4B: 4.02B; gpt-oss-20b: 20.91B."""
-    for name, billions in (("llama-3.2-1b", 1.24), ("llama-3.1-8b", 8.03), ("qwen3-4b", 4.02), ("gpt-oss-20b", 20.91)):
+    """Llama 3.2 1B: 1.24B parameters (tied head); Llama 3.1 8B: 8.03B; Qwen3 4B: 4.02B; gpt-oss-20b: 20.91B;
+    Qwen3-30B-A3B: 30.53B."""
+    for name, billions in (("llama-3.2-1b", 1.24), ("llama-3.1-8b", 8.03), ("qwen3-4b", 4.02), ("gpt-oss-20b", 20.91),
+                           ("qwen3-30b-a3b", 30.53)):
         count = sum(math.prod(dims) for _, dims, _ in random_gguf.tensors(random_gguf.SHAPES[name]))
         assert count / 1e9 == pytest.approx(billions, abs=0.01), name
 
@@ -43,6 +45,19 @@ def test_gpt_oss_experts_are_mxfp4_and_run_as_stored(tmp_path: Path) -> None:
     llm = LLM(str(path), max_model_len=512)
     expert = llm.engine.model.layers[1].mlp.experts[3]
     assert [s.type_name for s in expert.down_proj.kernel.segments] == ["MXFP4"]
+    out = llm.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+
+
+def test_qwen3_moe_files_load_and_decode_through_the_stack(tmp_path: Path) -> None:
+    """Qwen3-MoE's stacked experts, router and q/k norms as llama.cpp's converter names them: loaded, and decoded
+    with the sparse blocks inside the native decode stack."""
+    path = tmp_path / "tiny-qwen3moe.gguf"
+    random_gguf.main(["--shape", "tiny-qwen3moe", "--type", "q4_0", "--out", str(path)])
+    llm = LLM(str(path), max_model_len=512)
+    model = llm.engine.model
+    assert len(model.layers[1].mlp.experts) == 8 and model.layers[1].mlp.top_k == 2
+    assert model.decode_stack is not None and len(model.decode_stack.moes) == 2
     out = llm.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
 
