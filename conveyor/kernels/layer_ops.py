@@ -268,7 +268,8 @@ class MoeBlock(Native):
     def forward(self, x: torch.Tensor, out: torch.Tensor, threads: int,
                 routes: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """out [T, hidden] fp32 = the block over x (fp32 or bf16 [T, hidden]), rounded to x's dtype; `routes`:
-        (weights fp32, ids int64) `[T, top_k]` given instead of the router's, and no shared expert."""
+        (weights fp32, ids int64) `[T, top_k]` given instead of the router's, and out the experts' fp32 sum
+        alone (no shared expert, not rounded)."""
         require(x.dim() == 2 and x.shape[1] == self.hidden and x.is_contiguous(),
                 "x must be contiguous fp32 or bf16 [tokens, hidden]")
         code = dtype_code(x, "x")

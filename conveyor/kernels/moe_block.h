@@ -60,7 +60,8 @@ class MoeBlock {
     template <typename T>
     void run(const float* x, int64_t ldx, float* out, int64_t ldo, int tid, int nt);
     // The eager layer's call: x [rows, hidden] of `dtype` (kF32 or kBF16) through the block into out (fp32,
-    // T-exact); with `weights` and `ids` the given routing (no shared expert) instead of the router's.
+    // T-exact); with `weights` and `ids` the given routing instead of the router's, and out the experts' fp32
+    // sum alone (no shared expert, not rounded).
     void forward(int dtype, const void* x, int64_t rows, float* out, int threads, const float* weights,
                  const int64_t* ids);
 

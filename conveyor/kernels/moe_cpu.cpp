@@ -287,7 +287,8 @@ void MoeBlock::combine(float* out, int64_t ldo, int tid, int nt) {
                 dst[c] += shared_gate_ ? unfused(g * v) : v;
             }
         }
-        for (int64_t c = c0; c < c1; ++c) dst[c] = round_as<T>(dst[c]);
+        if (!routed_)  // (given routes: the experts' fp32 sum, to which the caller adds the shared expert)
+            for (int64_t c = c0; c < c1; ++c) dst[c] = round_as<T>(dst[c]);
     }
 }
 

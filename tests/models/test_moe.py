@@ -149,6 +149,27 @@ def test_native_routing_equals_pytorchs(form: dict) -> None:
     assert counts[0] == counts[1]
 
 
+@torch.no_grad()
+def test_given_routes_sum_the_experts_alone_in_fp32() -> None:
+    """Big bf16 chunks on AMX CPUs are routed by PyTorch and handed to the native block with their routes: it
+    returns the experts' fp32 sum (the loop's, in fp32), not rounded, for the caller to add the shared expert."""
+    if matmul_ops() is None:
+        pytest.skip("the native kernels did not build")
+    torch.manual_seed(2)
+    block = SparseMoe(64, 32, num_experts=6, top_k=2, renormalize=True, shared_intermediate_size=32)
+    assert_grouped_equals_loop(block, torch.float32, f32_rows)  # (tiles the experts; leaves the block off)
+    assert block.group_experts()
+    x = torch.randn(40, 64)
+    weights, ids = block.route(x)
+    out = block.block.forward(x, torch.empty(40, 64), 2, (weights, ids))
+    groups = group_by_expert(ids, block.num_experts)
+    loop = torch.zeros(40, 64)
+    block.run_experts(x, groups, weights.reshape(-1).index_select(0, groups.order).unsqueeze(1), loop)
+    torch.testing.assert_close(out, loop, rtol=1e-6, atol=1e-6)
+    out = block.block.forward(x.bfloat16(), torch.empty(40, 64), 2, (weights, ids))
+    assert not torch.equal(out, out.bfloat16().float())
+
+
 def _copy(model: TinyModel, root: Path) -> Path:
     path = root / "copy"
     shutil.copytree(model.path, path)
