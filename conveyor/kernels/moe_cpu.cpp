@@ -106,7 +106,7 @@ void MoeBlock::set_shared(const SegmentSpec* gate_up, int64_t n_gate_up, const S
 
 void MoeBlock::begin(int64_t rows, bool routed) {
     CONVEYOR_CHECK(router_.N > 0, "the block has no router");
-    CONVEYOR_CHECK(rows >= 1, "a block runs at least one row");
+    CONVEYOR_CHECK(rows >= 0, "a negative row count");
     rows_ = rows, routed_ = routed;
     const int64_t k = routing_.top_k;
     weights_.resize(rows * k), ids_.resize(rows * k);
