@@ -15,6 +15,7 @@ from conveyor.errors import ConfigError, InvalidRequestError
 from conveyor.models.decode_stack import DecodeStack
 from tests.utils import (
     INVARIANT,
+    MOE_CONFIGS,
     ROPE_BY_LENGTH_CONFIGS,
     USER_CHAT_TEMPLATE,
     VOCAB,
@@ -244,6 +245,45 @@ def test_decode_stack_with_adapters_equals_the_eager_lora_path(tiny_llama: TinyM
     _, base_lps = run(native, [None] * len(prompts))
     assert all(not torch.equal(lps[i], base_lps[i]) for i, r in enumerate(lora) if r)  # the deltas do change them
     assert torch.equal(lps[1], base_lps[1])  # the base row is unchanged by its neighbours' adapters
+    for llm in (native, eager):
+        assert all_free(llm)
+        llm.shutdown()
+
+
+def test_adapters_on_a_mixture_of_experts_attention_in_the_stack(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-MoE with an adapter on q/k/v/o: steps with adapter rows stay on the native decode stack, its sparse
+    blocks inside it, and give the eager LoRA path's tokens and log-probabilities to the bit (bf16, int8)."""
+    model = TinyModel("qwen3_moe", tmp_path / "model", MOE_CONFIGS["qwen3_moe"]())
+    make_lora_adapter(model.reference, tmp_path / "a", seed=1, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    adapter = LoRARequest("a", 1, str(tmp_path / "a"))
+
+    def make() -> LLM:
+        return LLM(model.path, dtype="bfloat16", quantization="int8", enable_lora=True, max_loras=1, max_lora_rank=8,
+                   config=ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=16))
+
+    native = make()
+    monkeypatch.setenv("CONVEYOR_DECODE_STACK", "0")
+    eager = make()
+    monkeypatch.delenv("CONVEYOR_DECODE_STACK")
+    stack = native.engine.model.decode_stack
+    assert stack is not None and stack.moes and stack.lora and eager.engine.model.decode_stack is None
+    adapted_calls: list[bool] = []
+    original = DecodeStack.__call__
+
+    def spy(self: DecodeStack, x: torch.Tensor, *args: object) -> torch.Tensor:
+        adapted_calls.append(len(args) > 5 and args[5] is not None)
+        return original(self, x, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    prompts, lora = random_prompts([5, 17, 9], seed=52), [adapter, None, adapter]
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=VOCAB)
+    outs = [llm.generate(prompts, params, use_tqdm=False, lora_request=lora) for llm in (native, eager)]
+    assert any(adapted_calls), "decode steps with adapter rows should run on the stack"
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    for a, b in zip(*outs):
+        assert torch.equal(torch.tensor([[s[t] for t in range(VOCAB)] for s in a.logprobs]),
+                           torch.tensor([[s[t] for t in range(VOCAB)] for s in b.logprobs]))
     for llm in (native, eager):
         assert all_free(llm)
         llm.shutdown()
