@@ -147,6 +147,7 @@ def test_native_routing_equals_pytorchs(form: dict) -> None:
     block(x)
     block.block = native
     assert counts[0] == counts[1]
+    assert block(x[:0]).shape == (0, 64) and counts[2] == [0] * 6  # (an empty chunk)
 
 
 @torch.no_grad()
