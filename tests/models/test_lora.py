@@ -199,6 +199,19 @@ def test_quantized_base_with_an_adapter(tiny_llama: TinyModel, adapters: dict) -
     llm.shutdown()
 
 
+def stack_calls_with_adapters(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """From now on, for every decode stack call, whether it had adapter rows."""
+    calls: list[bool] = []
+    original = DecodeStack.__call__
+
+    def spy(self: DecodeStack, x: torch.Tensor, *args: object) -> torch.Tensor:
+        calls.append(len(args) > 5 and args[5] is not None)
+        return original(self, x, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    return calls
+
+
 @pytest.mark.parametrize(("dtype", "quantization"), [("auto-fp32", "int8"), ("bfloat16", "int8"),
                                                     ("bfloat16", "none")])
 def test_decode_stack_with_adapters_equals_the_eager_lora_path(tiny_llama: TinyModel, adapters: dict, dtype: str,
@@ -220,14 +233,7 @@ def test_decode_stack_with_adapters_equals_the_eager_lora_path(tiny_llama: TinyM
     eager = make()
     monkeypatch.delenv("CONVEYOR_DECODE_STACK")
     assert native.engine.model.decode_stack is not None and eager.engine.model.decode_stack is None
-    adapted_calls: list[bool] = []
-    original = DecodeStack.__call__
-
-    def spy(self: DecodeStack, x: torch.Tensor, *args: object) -> torch.Tensor:
-        adapted_calls.append(len(args) > 5 and args[5] is not None)
-        return original(self, x, *args)
-
-    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    adapted_calls = stack_calls_with_adapters(monkeypatch)
     prompts = random_prompts([5, 17, 9, 30, 3], seed=52)
     lora = [adapters[w][0] if w else None for w in ("a", None, "b", "a", "b")]
     params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, logprobs=VOCAB) for n in (8, 5, 10, 6, 9)]
@@ -268,14 +274,7 @@ def test_adapters_on_a_mixture_of_experts_attention_in_the_stack(tmp_path: Path,
     monkeypatch.delenv("CONVEYOR_DECODE_STACK")
     stack = native.engine.model.decode_stack
     assert stack is not None and stack.moes and stack.lora and eager.engine.model.decode_stack is None
-    adapted_calls: list[bool] = []
-    original = DecodeStack.__call__
-
-    def spy(self: DecodeStack, x: torch.Tensor, *args: object) -> torch.Tensor:
-        adapted_calls.append(len(args) > 5 and args[5] is not None)
-        return original(self, x, *args)
-
-    monkeypatch.setattr(DecodeStack, "__call__", spy)
+    adapted_calls = stack_calls_with_adapters(monkeypatch)
     prompts, lora = random_prompts([5, 17, 9], seed=52), [adapter, None, adapter]
     params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True, logprobs=VOCAB)
     outs = [llm.generate(prompts, params, use_tqdm=False, lora_request=lora) for llm in (native, eager)]
