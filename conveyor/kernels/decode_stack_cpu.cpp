@@ -42,6 +42,7 @@ namespace {
 
 using conveyor::Activations;
 using conveyor::Linear;
+using conveyor::round_row;
 using conveyor::Segment;
 using conveyor::silu_mul;
 
@@ -77,17 +78,6 @@ struct Layer {
     int64_t group = 0;  // which layer group's attention metadata this layer reads
     bool rope = true;  // false: a NoPE layer (SmolLM3's every fourth), q and k as projected
 };
-
-// x[0:n] rounded to T where T is bf16 (what a bf16 tensor holds); fp32 keeps it.
-template <typename T>
-void round_row(float* x, int64_t n) {
-    if constexpr (std::is_same_v<T, float>) return;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, conveyor::round_bf16(_mm512_loadu_ps(x + i)));
-#endif
-    for (; i < n; ++i) x[i] = conveyor::round_as<T>(x[i]);
-}
 
 // The residual add of a layer's output: x = x + y, rounded as a bf16 add rounds.
 template <typename T>

@@ -252,9 +252,8 @@ class MoeBlock(Native):
         """The router in F32 tiles (a row per expert, then the shared expert's gate row where `shared_gate`), its
         bias, and the routing rule (`ROUTES`, layers/moe.py's functions of those names); after the experts."""
         require(route in self.ROUTES, f"unknown routing {route!r}")
-        keep = [_fp32(bias, self.num_experts + shared_gate, "the router's bias"),
+        keep = [_fp32(bias, self.num_experts + shared_gate, "the router's bias"),  # (copied by the call)
                 _fp32(selection_bias, self.num_experts, "the selection bias")]
-        self._keep += [t for t in keep if t is not None]
         parts = _segments(segments, self._keep)
         self.check(self._router(self._handle, parts, len(parts), None if keep[0] is None else keep[0].data_ptr(),
                                 self.ROUTES[route], top_k, renormalize, norm_min, scale,

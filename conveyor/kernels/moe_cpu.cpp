@@ -27,12 +27,6 @@ namespace conveyor {
 
 namespace {
 
-template <typename T>
-void round_values(float* x, int64_t n) {
-    if constexpr (!std::is_same_v<T, float>)
-        for (int64_t i = 0; i < n; ++i) x[i] = round_as<T>(x[i]);
-}
-
 // The k best of `scores` (ties: the lower expert first), in descending order.
 void top_k(const float* scores, int64_t n, int64_t k, int64_t* ids) {
     for (int64_t j = 0; j < k; ++j) {
@@ -219,7 +213,7 @@ void MoeBlock::run(const float* x, int64_t ldx, float* out, int64_t ldo, int tid
             if (shared_gate_) gates_[t] = 1.f / (1.f + std::exp(-logits[num_experts()]));
             if (shared()) {
                 float* m = shared_mid_.data() + t * 2 * shared_inter_;
-                round_values<T>(m, 2 * shared_inter_);
+                round_row<T>(m, 2 * shared_inter_);
                 silu_mul_row<T>(m, m + shared_inter_, shared_inter_, shared_act_.data() + t * shared_inter_);
             }
         }
@@ -287,8 +281,7 @@ void MoeBlock::combine(float* out, int64_t ldo, int tid, int nt) {
                 dst[c] += shared_gate_ ? unfused(g * v) : v;
             }
         }
-        if (!routed_)  // (given routes: the experts' fp32 sum, to which the caller adds the shared expert)
-            for (int64_t c = c0; c < c1; ++c) dst[c] = round_as<T>(dst[c]);
+        if (!routed_) round_row<T>(dst + c0, c1 - c0);  // (given routes: the caller adds the shared expert)
     }
 }
 

@@ -22,6 +22,17 @@ inline float round_as(float x) {
     else return static_cast<float>(bf16(x));
 }
 
+// x[0:n] rounded to T in place where T is bf16 (what a bf16 tensor holds); fp32 keeps it.
+template <typename T>
+inline void round_row(float* x, int64_t n) {
+    if constexpr (std::is_same_v<T, float>) return;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, round_bf16(_mm512_loadu_ps(x + i)));
+#endif
+    for (; i < n; ++i) x[i] = round_as<T>(x[i]);
+}
+
 // x, opaque to the optimizer: the product it holds is not fused into the add that uses it.
 inline float unfused(float x) {
     asm("" : "+x"(x));

@@ -152,7 +152,7 @@ class DecodeStack:
             segments = [tiled_segments(lin) for lin in linears] + [[]] * (4 - len(linears))
             biases = [None if lin.bias is None else lin.bias.detach() for lin in linears] + [None] * (4 - len(linears))
             norms = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-            mamba, conv = getattr(layer, "mamba", None), getattr(layer, "conv", None)
+            mamba, conv, moe = getattr(layer, "mamba", None), getattr(layer, "conv", None), _experts(layer)
             if mamba is not None:
                 native.add_mamba_layer(*norms, segments, biases, i, mamba.native_shape, mamba.native_weights(),
                                        mamba.eps)
@@ -163,8 +163,8 @@ class DecodeStack:
                                  None if conv is None or conv.conv_bias is None else conv.conv_bias.detach())
             if getattr(layer, "sinks", None) is not None:
                 native.set_sinks(i, layer.sinks)
-            if _experts(layer) is not None:
-                native.set_moe(i, _experts(layer).block)
+            if moe is not None:
+                native.set_moe(i, moe.block)
         return cls(native, len(layers), [m for m in map(_experts, layers) if m is not None])
 
     def attach_lora(self, layers: Sequence[torch.nn.Module], dtype: torch.dtype) -> None:
