@@ -13,8 +13,10 @@ import os
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")
 os.environ.setdefault("LRU_CACHE_CAPACITY", "64")
 
-from .cache.allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
+from .cache.allocator import FullAttentionCacheAllocator
+from .cache.hybrid_allocator import HybridCacheAllocator
 from .cache.pool import CachePool
+from .cache.sliding_allocator import SlidingAttentionCacheAllocator
 from .config import ContinuousBatchingConfig
 from .engine.engine import Engine
 from .engine.stats import EngineStats

@@ -473,13 +473,15 @@ def check_allocator_invariants(alloc: FullAttentionCacheAllocator) -> None:
 PAGE = 4  # the page size shared_prefix_scenario is laid out for
 
 
-def shared_prefix_scenario(llm: LLM, reference: transformers.PreTrainedModel) -> dict[str, list[int]]:
+def shared_prefix_scenario(llm: LLM, reference: transformers.PreTrainedModel,
+                           logprobs: dict[str, list[float]] | None = None) -> dict[str, list[int]]:
     """Five requests over one 40-token base, joining while the first one runs (page size 4,
     24-token budget, so the first prompt prefills in three chunks):
     a: base + 10 tokens;  b: base + 7 others, added while a is mid-prefill;
     c: a's prompt again and d: its first 48 tokens (whole prompts cached), added once a decodes;
     e: a's prompt + its first 10 generated tokens, added once a has computed them.
-    Returns each request's output ids, and their prompts under "prompts"."""
+    Returns each request's output ids, and their prompts under "prompts"; `logprobs`, if given, gets
+    each request's tokens' log-probabilities."""
     engine = llm.engine
     base = random_prompts([40], seed=11)[0]
     tails = random_prompts([10, 7], seed=12)
@@ -490,7 +492,8 @@ def shared_prefix_scenario(llm: LLM, reference: transformers.PreTrainedModel) ->
     requests = {}
 
     def add(name: str) -> None:
-        requests[name] = engine.make_request(name, prompts[name], greedy(max_new[name]))
+        requests[name] = engine.make_request(name, prompts[name],
+                                             greedy(max_new[name], logprobs=0 if logprobs is not None else None))
         engine.add_request(requests[name])
 
     add("a")
@@ -499,9 +502,10 @@ def shared_prefix_scenario(llm: LLM, reference: transformers.PreTrainedModel) ->
     add("b")  # a has 48 tokens computed, 12 blocks indexed: b shares 10 of them
     engine.step()
     assert requests["a"].output_token_ids and requests["b"].num_computed_tokens > 0
-    if engine.block_sharing:
-        assert engine.allocator.block_table("b")[:10] == engine.allocator.block_table("a")[:10]
-        assert engine.allocator.block_table("b")[10] != engine.allocator.block_table("a")[10]
+    full = getattr(engine.allocator, "full", engine.allocator)  # (a hybrid model's full-attention allocator)
+    if engine.block_sharing and full is not None:
+        assert full.block_table("b")[:10] == full.block_table("a")[:10]
+        assert full.block_table("b")[10] != full.block_table("a")[10]
     add("c")
     add("d")
     while len(requests["a"].output_token_ids) < 8:  # a's tokens up to 56 computed: 14 blocks indexed
@@ -510,6 +514,9 @@ def shared_prefix_scenario(llm: LLM, reference: transformers.PreTrainedModel) ->
     while engine.has_unfinished_requests():
         engine.step()
     assert all(r.finish_reason == "length" for r in requests.values())
+    if logprobs is not None:
+        logprobs |= {name: [float(e[t]) for e, t in zip(r.logprobs, r.output_token_ids)]
+                     for name, r in requests.items()}
     return {name: r.output_token_ids for name, r in requests.items()} | {"prompts": prompts}
 
 

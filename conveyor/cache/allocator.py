@@ -5,24 +5,23 @@ One allocator per attention type of the model (docs/design/kv-cache.md), all dra
 chunk being one page in each layer of a group; an allocator serves the `num_groups` groups of its
 attention type, so one of its blocks (a page in every layer of that type) is `num_groups` chunks,
 one per group. Every count below (`num_free_blocks`, `blocks_needed`, ...) is in pool chunks, so a
-single allocator and the `HybridCacheAllocator` that combines several look the same to the
-scheduler and the engine; for a model with one attention type there is one group and a block is
-exactly one chunk.
+single allocator and the `HybridCacheAllocator` that combines several (`hybrid_allocator`) look the
+same to the scheduler and the engine; for a model with one attention type there is one group and a
+block is exactly one chunk.
 
-- `FullAttentionCacheAllocator`: a request holds one block per `page_size` tokens of its
+- `FullAttentionCacheAllocator` (here): a request holds one block per `page_size` tokens of its
   sequence, in order; block `i` holds tokens `[i * page_size, (i + 1) * page_size)`.
-- `SlidingAttentionCacheAllocator`: a request holds at most `ceil(window / page_size)` blocks, used
-  as a ring: position `p` lives at ring index `p % window`, so the last `window` tokens are always
-  there and the request's blocks never grow with its length.
+- `SlidingAttentionCacheAllocator` and `StateCacheAllocator` (`sliding_allocator`): a ring per request.
 
 Allocation is all or nothing. With block sharing on (prefix caching, docs/design/prefix-caching.md; see
-`prefix_cache.py`, full attention with one group only), completed blocks are hashed as they
-complete (`register_full_blocks`, which the engine calls after every step) and a new request
-starts its table with the blocks that already hold its longest cached prefix (`match_prefix`,
-then `allocate(..., shared=...)`). A block counts its holders; when the last one frees it, a
-completed block stays cached (content and digest kept) and any other block goes back to the pool.
-Cached blocks count as free: `allocate` reclaims them, newest first, once the pool's uninitialized
-chunks run out. Without sharing no block is ever hashed, so every freed block goes straight back.
+`prefix_cache.py`), completed blocks are hashed as they complete (`register_full_blocks`, which the
+engine calls after every step) and a new request starts its table with the blocks that already hold
+its longest cached prefix (`match_prefix`, then `allocate(..., shared=...)`). A block counts its
+holders; when the last one frees it, a completed block stays cached (content and digest kept, its
+sibling chunks with it) and any other block goes back to the pool. Cached blocks count as free:
+`allocate` reclaims them, newest first, once the pool's uninitialized chunks run out. The allocators of
+one pool share one `PrefixCache` and one `RequestDigests`. Without sharing no block is ever hashed, so
+every freed block goes straight back.
 """
 
 from __future__ import annotations
@@ -56,8 +55,13 @@ class CacheAllocator:
     def num_total_blocks(self) -> int:
         return self.pool.num_usable
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """Chunks the prefix cache keeps (reclaimable, so counted free too)."""
+        return 0
+
     def reset_prefix_cache(self) -> int:
-        """Cached blocks back to the free pool; how many (none where blocks are not shared)."""
+        """Cached blocks back to the free pool; how many chunks (none where blocks are not shared)."""
         return 0
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -131,23 +135,76 @@ class CacheAllocator:
         return lo
 
 
+# Layer types whose per-request state is not K/V: a fixed run of slots (`sliding_allocator.StateCacheAllocator`).
+STATE_TYPES = ("conv", "mamba")
+
+
+class RequestDigests:
+    """Each request's block digests (`BlockHashes`), computed once for all the allocators of a pool and
+    kept until it is freed (a lookup that did not lead to admission keeps them for the next try); tied to
+    the request object, so a reused id never reads stale ones."""
+
+    def __init__(self, page_size: int, prefix_key: Callable[[int], bytes] | None = None) -> None:
+        """`prefix_key`: what besides the tokens decides a prompt's K/V, by `Request.rope_length` (the model's)."""
+        self.page_size = page_size
+        self.prefix_key = prefix_key
+        self._hashes: dict[str, BlockHashes] = {}
+
+    def of(self, request: Request) -> BlockHashes:
+        hashes = self._hashes.get(request.request_id)
+        if hashes is None or hashes.tokens is not request:
+            key = self.prefix_key(request.rope_length) if self.prefix_key is not None else b""
+            if request.lora_request is not None:  # blocks computed under an adapter are that adapter's alone
+                key += request.lora_request.cache_key
+            if request.cache_salt is not None:  # and under a salt, that salt's
+                key += b"salt:" + request.cache_salt.encode()
+            hashes = self._hashes[request.request_id] = BlockHashes(self.page_size, request, key)
+        return hashes
+
+    def known(self, request_id: str) -> BlockHashes | None:
+        return self._hashes.get(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self._hashes.pop(request_id, None)
+
+
 class AttentionTypeAllocator(CacheAllocator):
     """Block tables for the `num_groups` layer groups of one attention type. A block is known by its
-    group-0 chunk; the chunks of the other groups are its siblings."""
+    group-0 chunk; the chunks of the other groups are its siblings. `prefix_cache` and `digests`: the
+    pool's, shared with the other types' allocators (a new one each where this allocator is alone)."""
 
     attention_type = ""
-    supports_sharing = False
     window: int | None = None  # sliding window in tokens; None for full attention
 
-    def __init__(self, pool: CachePool, num_groups: int = 1) -> None:
+    def __init__(self, pool: CachePool, num_groups: int = 1, block_sharing: bool = False,
+                 prefix_cache: PrefixCache | None = None, digests: RequestDigests | None = None) -> None:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self.pool = pool
         self.page_size = pool.page_size
         self.num_groups = num_groups
+        self.block_sharing = block_sharing
+        self.prefix_cache = prefix_cache if prefix_cache is not None else PrefixCache()
+        self.digests = digests if digests is not None else RequestDigests(self.page_size)
         self.block_tables: dict[str, list[int]] = {}
         self.ref_counts: dict[int, int] = {}  # held block -> number of requests holding it
-        self._siblings: dict[int, list[int]] = {}  # block -> its chunks in groups 1 .. num_groups - 1
+        self._siblings: dict[int, list[int]] = {}  # held block -> its chunks in groups 1 .. num_groups - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Chunks a request could get now: uninitialized ones plus cached ones (reclaimable)."""
+        return self.pool.num_free + self.prefix_cache.num_cached
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.prefix_cache.num_cached
+
+    def reset_prefix_cache(self) -> int:
+        """Every cached (unheld) block back to the free pool, its digest dropped; how many chunks."""
+        count = self.prefix_cache.num_cached
+        while self.prefix_cache.num_cached:
+            self.pool.free(self.prefix_cache.evict())
+        return count
 
     def table_length(self, num_tokens: int) -> int:
         """Blocks in the table of a request whose sequence has `num_tokens` tokens."""
@@ -162,6 +219,10 @@ class AttentionTypeAllocator(CacheAllocator):
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.block_tables
+
+    def chunk(self, block: int, group: int) -> int:
+        """A held block's chunk in one of this allocator's layer groups."""
+        return block if group == 0 else self._siblings[block][group - 1]
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         """The request's chunks for one of this allocator's layer groups, in table order."""
@@ -190,7 +251,8 @@ class AttentionTypeAllocator(CacheAllocator):
 
     def free(self, request_id: str) -> int:
         """Give up every block the request holds; how many chunks it held. A block whose last holder
-        this was goes back to the pool (or, with prefix caching, may stay cached: `_release`)."""
+        this was goes back to the pool (or, with prefix caching, may stay cached)."""
+        self.digests.forget(request_id)
         return self._drop(self.block_tables.pop(request_id, []))
 
     def trim(self, request_id: str, num_tokens: int) -> int:
@@ -203,24 +265,32 @@ class AttentionTypeAllocator(CacheAllocator):
         return self._drop(tail)
 
     def _drop(self, blocks: list[int]) -> int:
-        """One holder fewer for each block; the unheld ones are released; chunks given up."""
+        """One holder fewer for each block; an unheld one stays cached if it has a digest (or is an
+        expected tail), else goes back to the pool with its siblings; chunks given up."""
         returned = []
         for block in blocks:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 del self.ref_counts[block]
-                if not self._release(block):
-                    returned.append(block)
-                    returned.extend(self._siblings.pop(block, ()))
+                siblings = self._siblings.pop(block, [])
+                if not self.prefix_cache.park(block, siblings):
+                    returned += [block, *siblings]
         self.pool.free(returned)
         return len(blocks) * self.num_groups
 
-    def _release(self, block: int) -> bool:
-        """A block lost its last holder: True if it is kept (cached) instead of returned to the pool."""
-        return False
+    def _hold(self, block: int) -> None:
+        """One holder more for a block that is held or cached (cached -> held, its siblings back here)."""
+        if block not in self.ref_counts:
+            siblings = self.prefix_cache.reuse(block)
+            if siblings:
+                self._siblings[block] = siblings
+        self.ref_counts[block] = self.ref_counts.get(block, 0) + 1
 
     def _take(self, n: int) -> list[int]:
-        """`n` new blocks (each `num_groups` chunks) held once; the caller has checked there is room."""
+        """`n` new blocks (each `num_groups` chunks) held once; the caller has checked there is room. Cached
+        blocks are reclaimed (newest first) only for what the uninitialized pool lacks."""
+        while self.pool.num_free < n * self.num_groups:
+            self.pool.free(self.prefix_cache.evict())
         chunks = self.pool.allocate(n * self.num_groups)
         assert chunks is not None
         blocks = chunks[:n]
@@ -235,37 +305,19 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
     """Blocks for full-attention layers: tables grow with the sequence; blocks can be shared."""
 
     attention_type = "full_attention"
-    supports_sharing = True
 
     def __init__(self, pool: CachePool, block_sharing: bool = False, num_groups: int = 1,
-                 prefix_key: Callable[[int], bytes] | None = None, keep_tails: bool = False) -> None:
-        """`prefix_key`: what besides the tokens decides a prompt's K/V, by `Request.rope_length` (the model's).
-        `keep_tails`: finished requests' last, partly filled blocks stay cached as tails (`prefix_cache`)."""
-        super().__init__(pool, num_groups)
-        if block_sharing and num_groups != 1:
-            raise ValueError("block sharing needs a model with full attention only (one layer group)")
-        self.block_sharing = block_sharing
+                 prefix_key: Callable[[int], bytes] | None = None, keep_tails: bool = False,
+                 prefix_cache: PrefixCache | None = None, digests: RequestDigests | None = None) -> None:
+        """`prefix_key`: what besides the tokens decides a prompt's K/V, by `Request.rope_length` (the model's;
+        for the digests made here). `keep_tails`: finished requests' last, partly filled blocks stay cached
+        as tails (`prefix_cache`; one layer group only)."""
+        super().__init__(pool, num_groups, block_sharing, prefix_cache,
+                         digests if digests is not None else RequestDigests(pool.page_size, prefix_key))
+        if keep_tails and num_groups != 1:
+            raise ValueError("tails need a model with full attention only (one layer group)")
         self.keep_tails = block_sharing and keep_tails
-        self.prefix_key = prefix_key
-        self.prefix_cache = PrefixCache()
-        self._hashes: dict[str, BlockHashes] = {}  # request -> digests of its leading completed blocks
         self._num_registered: dict[str, int] = {}  # request -> leading blocks already indexed (or matched)
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Chunks a request could get now: uninitialized ones plus cached ones (reclaimable)."""
-        return self.pool.num_free + self.prefix_cache.num_cached
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.prefix_cache.num_cached
-
-    def reset_prefix_cache(self) -> int:
-        """Every cached (unheld) block back to the free pool, its digest dropped; how many."""
-        count = self.prefix_cache.num_cached
-        for _ in range(count):
-            self.pool.free([self.prefix_cache.evict()])
-        return count
 
     # -- prefix matching --------------------------------------------------------------------
     def match_prefix(self, request: Request) -> list[int]:
@@ -274,7 +326,7 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         the last token is always computed (its logits are needed)."""
         if not self.block_sharing or request.num_computed_tokens or request.request_id in self.block_tables:
             return []
-        hashes = self._block_hashes(request)
+        hashes = self.digests.of(request)
         matched: list[int] = []
         for i in range((request.num_tokens - 1) // self.page_size):
             block = self.prefix_cache.lookup(hashes.digest(i))
@@ -286,7 +338,7 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
     def match_tail(self, request: Request, matched: int) -> tuple[int, int] | None:
         if not self.keep_tails:
             return None
-        hashes = self._block_hashes(request)
+        hashes = self.digests.of(request)
         start = matched * self.page_size
         rest = request.token_slice(start, min(start + self.page_size - 1, request.num_tokens - 1))
         return self.prefix_cache.match_tail(hashes.digest(matched - 1) if matched else hashes.root, rest)
@@ -300,12 +352,17 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         if full <= done:
             return
         table = self.block_tables[rid]
-        hashes = self._block_hashes(request)
+        hashes = self.digests.of(request)
         for i in range(done, full):
             self.prefix_cache.register(table[i], hashes.digest(i))
         self._num_registered[rid] = full
 
     # -- allocation -------------------------------------------------------------------------
+    def shared_room(self, shared: Sequence[int]) -> int:
+        """Chunks free for the rest of a table that starts with `shared`: a matched block that is cached now
+        counts as free, but it cannot be reclaimed for the request that matched it."""
+        return self.num_free_blocks - sum(self.num_groups for b in shared if self.prefix_cache.is_cached(b))
+
     def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = (),
                  tail: tuple[int, int] | None = None) -> bool:
         """Grow the request's table to cover `num_tokens` tokens; False (nothing changed) if no room.
@@ -327,9 +384,7 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         if held:
             raise ValueError(f"shared blocks can only start a table; {request_id!r} already holds {held}")
         needed = max(self.table_length(num_tokens) - len(shared), 0)
-        # A matched block that is cached now counts as free, but it cannot be reclaimed for this request.
-        reclaimable = self.num_free_blocks - sum(self.prefix_cache.is_cached(b) for b in shared)
-        if needed > reclaimable:
+        if needed * self.num_groups > self.shared_room(shared):
             return False
         for block in shared:
             self._hold(block)
@@ -338,7 +393,7 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         return True
 
     def keep_tail(self, request: Request) -> None:
-        hashes = self._hashes.get(request.request_id)
+        hashes = self.digests.known(request.request_id)
         if not self.keep_tails or hashes is None or hashes.tokens is not request:
             return
         full, kept = divmod(request.num_computed_tokens, self.page_size)
@@ -348,7 +403,6 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
             self.prefix_cache.expect_tail(table[full], hashes.digest(full - 1) if full else hashes.root, tuple(tokens))
 
     def free(self, request_id: str) -> int:
-        self._hashes.pop(request_id, None)
         self._num_registered.pop(request_id, None)
         table = self.block_tables.get(request_id, [])
         try:
@@ -356,139 +410,3 @@ class FullAttentionCacheAllocator(AttentionTypeAllocator):
         finally:
             for block in table:  # an expected tail not released here is none (a partial block is never shared)
                 self.prefix_cache.forget_expected(block)
-
-    def _release(self, block: int) -> bool:
-        return self.prefix_cache.park(block)  # completed and indexed: stays cached
-
-    def _block_hashes(self, request: Request) -> BlockHashes:
-        """The request's digests, kept until it is freed (a lookup that did not lead to admission keeps
-        them for the next try); tied to the request object, so a reused id never reads stale ones."""
-        hashes = self._hashes.get(request.request_id)
-        if hashes is None or hashes.tokens is not request:
-            key = self.prefix_key(request.rope_length) if self.prefix_key is not None else b""
-            if request.lora_request is not None:  # blocks computed under an adapter are that adapter's alone
-                key += request.lora_request.cache_key
-            if request.cache_salt is not None:  # and under a salt, that salt's
-                key += b"salt:" + request.cache_salt.encode()
-            hashes = self._hashes[request.request_id] = BlockHashes(self.page_size, request, key)
-        return hashes
-
-    def _hold(self, block: int) -> None:
-        if block not in self.ref_counts:
-            self.prefix_cache.reuse(block)  # cached -> held
-        self.ref_counts[block] = self.ref_counts.get(block, 0) + 1
-
-    def _take(self, n: int) -> list[int]:
-        """Cached blocks are reclaimed (newest first) only for what the uninitialized pool lacks."""
-        for _ in range(n * self.num_groups - self.pool.num_free):
-            self.pool.free([self.prefix_cache.evict()])
-        return super()._take(n)
-
-
-class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
-    """Blocks for sliding-window layers: a ring of at most `ceil(window / page_size)` blocks per request.
-
-    Position `p` is stored at ring index `p % window` (block `(p % window) // page_size`), so writing
-    a token overwrites the one that just left the window. Rings are recycled, never shared."""
-
-    attention_type = "sliding_attention"
-
-    def __init__(self, pool: CachePool, window: int, num_groups: int = 1) -> None:
-        super().__init__(pool, num_groups)
-        if window < 1:
-            raise ValueError(f"sliding window must be >= 1 token, got {window}")
-        self.window = window
-        self.ring_blocks = table_length(window, self.page_size, window)
-
-
-# Layer types whose per-request state is not K/V: a fixed run of slots (`StateCacheAllocator`).
-STATE_TYPES = ("conv", "mamba")
-
-
-class StateCacheAllocator(SlidingAttentionCacheAllocator):
-    """Blocks for layers whose state is not K/V (LFM2's short convolutions, Mamba-2's mixers: `STATE_TYPES`):
-    a run of `window` slots per request holding it, laid out by the layers (`layers.short_conv`,
-    `layers.mamba2`); held whole from the first token, never shared."""
-
-    def __init__(self, pool: CachePool, window: int, num_groups: int = 1, attention_type: str = "conv") -> None:
-        super().__init__(pool, window, num_groups)
-        self.attention_type = attention_type
-
-    def table_length(self, num_tokens: int) -> int:
-        """The whole run from the first token: a row's slots are not its position's (a row takes several)."""
-        return self.ring_blocks if num_tokens > 0 else 0
-
-
-class HybridCacheAllocator(CacheAllocator):
-    """Several attention types' allocators over one pool, seen as one: admission is all or nothing
-    across them, and counts are the sums (every count is in chunks of the shared pool)."""
-
-    def __init__(self, allocators: Sequence[AttentionTypeAllocator]) -> None:
-        pools = {id(a.pool) for a in allocators}
-        if len(pools) != 1 or any(a.block_sharing for a in allocators):
-            raise ValueError("a hybrid allocator needs allocators over one pool, without block sharing")
-        self.allocators = list(allocators)
-        self.pool = allocators[0].pool
-        self.page_size = self.pool.page_size
-
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return sum(a.blocks_for_tokens(num_tokens) for a in self.allocators)
-
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        return sum(a.blocks_needed(request_id, num_tokens) for a in self.allocators)
-
-    def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = (),
-                 tail: tuple[int, int] | None = None) -> bool:
-        if shared or tail:
-            raise ValueError("hybrid models do not share blocks")
-        if self.blocks_needed(request_id, num_tokens) > self.pool.num_free:
-            return False
-        for a in self.allocators:
-            assert a.allocate(request_id, num_tokens)
-        return True
-
-    def free(self, request_id: str) -> int:
-        return sum(a.free(request_id) for a in self.allocators)
-
-    def trim(self, request_id: str, num_tokens: int) -> int:
-        return sum(a.trim(request_id, num_tokens) for a in self.allocators)
-
-    def exclusive_blocks(self, request_id: str) -> int:
-        return sum(a.exclusive_blocks(request_id) for a in self.allocators)
-
-    def chunks_holding(self, request_id: str, num_tokens: int) -> list[int]:
-        return [c for a in self.allocators for c in a.chunks_holding(request_id, num_tokens)]
-
-    def holds(self, request_id: str) -> bool:
-        return self.allocators[0].holds(request_id)
-
-
-LayerGroup = tuple[AttentionTypeAllocator, int, list[int]]  # (its allocator, index within it, layers)
-
-
-def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], windows: dict[str, int],
-                     block_sharing: bool, prefix_key: Callable[[int], bytes] | None = None,
-                     keep_tails: bool = False) -> tuple[CacheAllocator, list[LayerGroup]]:
-    """One allocator per attention type over `pool` for the model's layer `groups` (see
-    `cache_pool.layer_groups`): the allocator the scheduler sees (the only one, or a
-    `HybridCacheAllocator` over all), and per group its allocator and index within it. `windows`: the
-    ring of every type but full attention, in slots (`CausalLM.cache_windows`). `prefix_key` and
-    `keep_tails` as `FullAttentionCacheAllocator` takes them."""
-    allocators: dict[str, AttentionTypeAllocator] = {}
-    out: list[LayerGroup] = []
-    for attention_type, layers in groups:
-        if attention_type not in allocators:
-            k = sum(t == attention_type for t, _ in groups)
-            if attention_type == "full_attention":
-                allocators[attention_type] = FullAttentionCacheAllocator(pool, block_sharing, num_groups=k,
-                                                                         prefix_key=prefix_key, keep_tails=keep_tails)
-            else:
-                assert attention_type in windows, f"{attention_type} layers need their ring's size"
-                allocators[attention_type] = (
-                    StateCacheAllocator(pool, windows[attention_type], k, attention_type)
-                    if attention_type in STATE_TYPES else
-                    SlidingAttentionCacheAllocator(pool, windows[attention_type], num_groups=k))
-        allocator = allocators[attention_type]
-        out.append((allocator, sum(a is allocator for a, _, _ in out), layers))
-    types = list(allocators.values())
-    return (types[0] if len(types) == 1 else HybridCacheAllocator(types)), out

@@ -90,6 +90,14 @@ class CachePool:
         for layer in self.kv:
             layer[:, b:b + count] = layer[:, a:a + count]
 
+    def copy_slot_list(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Token slots `src[i]` into `dst[i]` (slot = chunk * page_size + offset), every layer's K and V rows
+        with their scales; no slot is both read and written."""
+        if src.numel():
+            src, dst = src.to(self.kv[0].device), dst.to(self.kv[0].device)
+            for layer in self.kv:
+                layer[:, dst] = layer[:, src]
+
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.kv)

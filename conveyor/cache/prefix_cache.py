@@ -75,14 +75,27 @@ class PrefixCache:
     def __init__(self) -> None:
         self._block_of: dict[bytes, int] = {}
         self._digest_of: dict[int, bytes] = {}
-        self._cached: dict[int, None] = {}  # an insertion-ordered set: oldest first, evicted from the end
+        # The cached blocks, oldest first (evicted from the end), each with its sibling chunks (a block of a
+        # type with several layer groups is a chunk in each: `cache.allocator`), which go with it.
+        self._cached: dict[int, list[int]] = {}
+        self._num_chunks = 0
         self._tails: dict[bytes, dict[int, tuple[int, ...]]] = {}  # parent digest -> {tail block: its tokens}
         self._tail_of: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # tail block -> (parent digest, tokens)
         self._expected: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # blocks to keep as tails when released
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached)
+        """Pool chunks the cached blocks hold (a block with siblings counts each)."""
+        return self._num_chunks
+
+    def _add(self, block: int, siblings: list[int]) -> None:
+        self._cached[block] = siblings
+        self._num_chunks += 1 + len(siblings)
+
+    def _remove(self, block: int) -> list[int]:
+        siblings = self._cached.pop(block)
+        self._num_chunks -= 1 + len(siblings)
+        return siblings
 
     def lookup(self, digest: bytes) -> int | None:
         """The block holding the completed prefix with this digest, held or cached; None if none."""
@@ -104,16 +117,16 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self._cached
 
-    def park(self, block: int) -> bool:
-        """The last holder freed `block`: keep it cached if it has a digest or is an expected tail (True);
-        False means it has neither and goes back to the uninitialized pool."""
+    def park(self, block: int, siblings: list[int] | None = None) -> bool:
+        """The last holder freed `block` (and its `siblings`): keep it cached if it has a digest or is an
+        expected tail (True); False means it has neither and goes back to the uninitialized pool."""
         tail = self._expected.pop(block, None)
         if tail is not None:
             self.park_tail(block, *tail)
             return True
         if block not in self._digest_of:
             return False
-        self._cached[block] = None
+        self._add(block, siblings or [])
         return True
 
     def expect_tail(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> None:
@@ -127,7 +140,7 @@ class PrefixCache:
     def park_tail(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> None:
         self._tails.setdefault(parent, {})[block] = tokens
         self._tail_of[block] = (parent, tokens)
-        self._cached[block] = None
+        self._add(block, [])
 
     def match_tail(self, parent: bytes, tokens: Sequence[int]) -> tuple[int, int] | None:
         """(tail block, how many of its tokens begin `tokens`) for the longest tail of `parent` whose tokens
@@ -141,7 +154,7 @@ class PrefixCache:
     def pin(self, block: int) -> tuple[bytes, tuple[int, ...]]:
         """Take a tail out of the cached blocks while it is read (no allocation can evict it); `park_tail`
         with what this returns puts it back."""
-        del self._cached[block]
+        self._remove(block)
         parent, tokens = self._tail_of.pop(block)
         self._drop_tail(parent, block)
         return parent, tokens
@@ -151,16 +164,17 @@ class PrefixCache:
         if not self._tails[parent]:
             del self._tails[parent]
 
-    def reuse(self, block: int) -> None:
-        """A cached block was matched: it is held again."""
-        del self._cached[block]
+    def reuse(self, block: int) -> list[int]:
+        """A cached block was matched: it is held again; its sibling chunks, back to its holder."""
+        return self._remove(block)
 
-    def evict(self) -> int:
-        """Turn the most recently cached block back into an uninitialized one; its digest (or its place as a
-        tail) is dropped."""
-        block, _ = self._cached.popitem()
+    def evict(self) -> list[int]:
+        """Turn the most recently cached block back into uninitialized chunks (it and its siblings, returned);
+        its digest (or its place as a tail) is dropped."""
+        block = next(reversed(self._cached))
+        chunks = [block, *self._remove(block)]
         if block in self._tail_of:
             self._drop_tail(self._tail_of.pop(block)[0], block)
         else:
             del self._block_of[self._digest_of.pop(block)]
-        return block
+        return chunks

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from ..cache.allocator import STATE_TYPES, build_allocators, table_length
+from ..cache.allocator import STATE_TYPES, table_length
+from ..cache.hybrid_allocator import build_allocators
 from ..cache.kv_format import kv_format
 from ..cache.offload import SwapPool, choose_victims
 from ..cache.pool import CachePool, cpu_kv_cache_space, layer_groups, plan_num_chunks
@@ -102,9 +103,13 @@ class Engine:
             activation_bytes=working,
             max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)
         self.pool = CachePool(num_chunks, dtype=self.kv_format.dtype, device=device, **shape)
-        # Prefix caching needs every allocator to share blocks: full-attention-only models (an encoder's hold nothing).
-        self.block_sharing = (config.allow_block_sharing and set(model.layer_types) == {"full_attention"}
-                              and not encoder)
+        # Prefix caching needs every type to share: full attention's blocks, a sliding window's snapshots (of a
+        # page at least; copied by rank 0's runner alone, so not with tensor parallelism); no state layers, and
+        # an encoder holds nothing (docs/design/prefix-caching.md).
+        sliding = [windows[t] for t, _ in groups if t != "full_attention"]
+        self.block_sharing = (config.allow_block_sharing and not encoder and not state
+                              and all(w >= page for w in sliding)
+                              and (not sliding or config.tensor_parallel_size == 1))
         # Tails (finished requests' partial last blocks, copied by the requests that continue them): not
         # where another cache (a draft model's) or other ranks' pools would need the same copy.
         keep_tails = draft_model is None and config.tensor_parallel_size == 1

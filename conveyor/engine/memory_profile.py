@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..cache.allocator import build_allocators, table_length
+from ..cache.allocator import table_length
+from ..cache.hybrid_allocator import build_allocators
 from ..cache.pool import NUM_RESERVED_CHUNKS, CachePool, layer_groups, working_memory_bytes
 from ..request import Request
 from ..sampling_params import SamplingParams

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..cache.allocator import STATE_TYPES, AttentionTypeAllocator, LayerGroup, table_length
+from ..cache.allocator import STATE_TYPES, AttentionTypeAllocator, table_length
+from ..cache.hybrid_allocator import LayerGroup
 from ..cache.pool import CachePool
 from ..cache.transfer import to_device
 from ..config import ContinuousBatchingConfig
@@ -31,6 +32,7 @@ from ..layers.sampler import SampledBatch, Sampler
 from ..request import Pooled, Request, ranked_entry
 from ..sched.output import ScheduledChunk
 from .step_buffers import LogitsBuffer, PaddedShape, StepBuffers
+from .window_snapshots import SnapshotCopies, take_snapshots
 
 # (request, index in its prompt_logprobs list of the first entry, the entries)
 PromptLogprobs = tuple[Request, int, list[dict[int, float]]]
@@ -120,6 +122,7 @@ class PreparedStep:
     pad_at: int = 0  # padded steps: rows from `pad_at` on moved down by `num_pad`
     num_pad: int = 0
     lora: LoRABatch | None = None  # the rows that run with an adapter (`engine.lora_manager`)
+    snapshots: SnapshotCopies | None = None  # copies into sliding-window snapshots (`window_snapshots`)
 
     def row(self, unpadded_row: int) -> int:
         return unpadded_row if unpadded_row < self.pad_at else unpadded_row + self.num_pad
@@ -215,10 +218,13 @@ class ModelRunner:
             if c.request.num_computed_tokens + c.num_tokens == c.request.num_tokens:
                 sample_rows.append(offset - 1)
                 samplers.append(c.request)
+        snapshots = SnapshotCopies()
+        taken = take_snapshots([a for a, _ in self.groups], decodes + prefills)
         # (a state group's layers index their slots themselves: `layers.short_conv`, `layers.mamba2`)
         metas = [ring_metadata(allocator, index, decodes, prefills, decode_pos, self.page_size)
                  if allocator.attention_type in STATE_TYPES else
-                 self._group_metadata(allocator, index, decodes, prefills, decode_pos)
+                 self._group_metadata(allocator, index, decodes, prefills, decode_pos, taken.get(allocator, {}),
+                                      snapshots)
                  for allocator, index in self.groups]
         input_ids, pos = to_device(ids, torch.long, dev), torch.cat(positions)
         if self.rope_by_length:  # each token's RoPE length with its position: max(request.rope_length, position + 1)
@@ -233,6 +239,8 @@ class ModelRunner:
         else:
             prepared = PreparedStep(input_ids, pos, metas, to_device(sample_rows, torch.long, dev), samplers,
                                     plan)
+        if snapshots.before or snapshots.after:
+            prepared.snapshots = snapshots
         verified, verify_rows = verify_rows_of(chunks, self.drafts_decode)
         if verified:
             prepared.verified = verified
@@ -245,13 +253,17 @@ class ModelRunner:
         return prepared
 
     def _group_metadata(self, allocator: AttentionTypeAllocator, group: int, decodes: list[ScheduledChunk],
-                        prefills: list[ScheduledChunk], decode_pos: torch.Tensor) -> AttentionMetadata:
+                        prefills: list[ScheduledChunk], decode_pos: torch.Tensor,
+                        taken: dict[str, dict[int, int]] | None = None,
+                        snapshots: SnapshotCopies | None = None) -> AttentionMetadata:
         """Where this group's layers write the new K/V and which slots each query reads. Full attention:
         position `p` is at slot `table[p // page] * page + p % page`. Sliding window `w`: the ring index
         `p % w` takes the place of `p`, a decode reads the whole ring (at most `w` slots), a prefill
         chunk its last `w - 1` positions, and a chunk longer than `w` writes only its last `w` tokens
-        (the earlier ones would be overwritten in the same pass; they go to the reserved chunk)."""
+        (the earlier ones would be overwritten in the same pass; they go to the reserved chunk, or to
+        the snapshots of the blocks they complete: `taken`, planned into `snapshots`)."""
         page, window, dev = self.page_size, allocator.window, self.device
+        taken, snapshots = taken or {}, snapshots or SnapshotCopies()
         rows = len(decode_pos)
         meta = AttentionMetadata(slot_mapping=torch.empty(0), page_size=page, num_decodes=rows, window=window,
                                  decode_positions=decode_pos, decode_shared_rows=rows > len(decodes))
@@ -263,6 +275,10 @@ class ModelRunner:
             meta.decode_block_tables = bt
             meta.decode_context_lens = decode_pos + 1 if window is None else (decode_pos + 1).clamp(max=window)
             writes.append(bt.gather(1, (ring // page).unsqueeze(1)).squeeze(1) * page + ring % page)
+            for c in decodes:
+                if c.request.request_id in taken:
+                    p = c.request.num_computed_tokens
+                    snapshots.add(allocator, group, c.request.request_id, p, p + 1, taken[c.request.request_id])
         for c in prefills:
             start, n = c.request.num_computed_tokens, c.num_tokens
             end = start + n
@@ -275,6 +291,10 @@ class ModelRunner:
             if window is not None and n > window:
                 write = write.clone()
                 write[:n - window] = 0
+            if c.request.request_id in taken:
+                direct = snapshots.add(allocator, group, c.request.request_id, start, end, taken[c.request.request_id])
+                if direct is not None:
+                    write[direct[0].to(dev) - start] = direct[1].to(dev)
             mask = None
             if start > lo or (window is not None and n > window):
                 q_pos = key_pos[start - lo:].unsqueeze(1)
@@ -303,7 +323,9 @@ class ModelRunner:
         for the device only for prompt logprobs (their entries are host dicts)."""
         tokens = None
         if self.graphs is not None and step.lora is None and self.graphs.takes(step):  # (adapters run eagerly)
+            self._copy_snapshots(step, before=True)
             hidden, logits = None, self.graphs.replay(step)
+            self._copy_snapshots(step, before=False)
         else:
             if self.graphs is not None:
                 self.graphs.eager_steps += 1
@@ -338,11 +360,18 @@ class ModelRunner:
         if state is not None:
             state.batch = step.lora
         try:
-            return self.model(step.input_ids, step.positions, self.layer_kv,
-                              [step.metas[g] for g in self.layer_group], self.attention, rows)
+            self._copy_snapshots(step, before=True)
+            hidden = self.model(step.input_ids, step.positions, self.layer_kv,
+                                [step.metas[g] for g in self.layer_group], self.attention, rows)
+            self._copy_snapshots(step, before=False)
+            return hidden
         finally:
             if state is not None:
                 state.batch = None
+
+    def _copy_snapshots(self, step: PreparedStep, before: bool) -> None:
+        if step.snapshots is not None:
+            step.snapshots.run(self.pool, before)
 
     def _prompt_logprob_plan(self, chunks: list[ScheduledChunk]) -> PromptLogprobPlan | None:
         """Which rows score which prompt tokens, for requests that ask for prompt logprobs: the row at

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from conveyor import LLM, ContinuousBatchingConfig
 from conveyor.cache import pool as cache_pool
-from conveyor.cache.allocator import FullAttentionCacheAllocator, SlidingAttentionCacheAllocator
+from conveyor.cache.allocator import FullAttentionCacheAllocator
+from conveyor.cache.sliding_allocator import SlidingAttentionCacheAllocator
 from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks, working_memory_bytes
 from conveyor.cache.prefix_cache import block_digest
 from conveyor.request import Request
@@ -292,10 +293,11 @@ def test_disabled_sharing_matches_nothing():
     check_allocator_invariants(alloc)
 
 
-def test_sharing_needs_one_full_attention_group():
+def test_tails_need_one_layer_group_and_rings_are_never_shared():
     with pytest.raises(ValueError, match="one layer group"):
-        FullAttentionCacheAllocator(make_pool(8), block_sharing=True, num_groups=2)
-    assert not SlidingAttentionCacheAllocator.supports_sharing
+        FullAttentionCacheAllocator(make_pool(8), block_sharing=True, num_groups=2, keep_tails=True)
+    with pytest.raises(ValueError, match="at least a page"):
+        SlidingAttentionCacheAllocator(make_pool(8, page_size=4), window=3, block_sharing=True)
     sliding = SlidingAttentionCacheAllocator(make_pool(8), window=8)
     assert not sliding.block_sharing
     assert sliding.match_prefix(make_request("a", list(range(20)))) == []

@@ -70,7 +70,7 @@ def test_prefix_cache_index_and_lifo_eviction():
         assert cache.park(block)
     cache.reuse(6)
     cache.park(6)  # cached again: now the most recent
-    assert [cache.evict(), cache.evict()] == [6, 8]
+    assert [cache.evict(), cache.evict()] == [[6], [8]]
     assert cache.lookup(d[1]) is None and cache.lookup(d[3]) is None and cache.lookup(d[0]) == 5
     assert cache.num_cached == 2
 

@@ -10,13 +10,18 @@ import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conveyor.cache.allocator import FullAttentionCacheAllocator, HybridCacheAllocator, SlidingAttentionCacheAllocator
+from conveyor import SamplingParams
+from conveyor.cache.allocator import FullAttentionCacheAllocator, RequestDigests
+from conveyor.cache.hybrid_allocator import HybridCacheAllocator
+from conveyor.cache.sliding_allocator import SlidingAttentionCacheAllocator
 from conveyor.cache.pool import NUM_RESERVED_CHUNKS, layer_groups
+from conveyor.cache.prefix_cache import PrefixCache
 from conveyor.engine.engine import Engine
 from conveyor.models.base import attention_layer_types
+from conveyor.request import Request
 
-from tests.utils import (TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, greedy, hf_greedy, make_pool,
-                         random_prompts)
+from tests.utils import (PAGE, TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, greedy, hf_greedy, make_pool,
+                         random_prompts, shared_prefix_scenario)
 
 SLIDING_KINDS = ["mistral_sliding", "gemma2", "gemma3"]
 PROMPTS = random_prompts([3, 9, 20, 31], seed=3)  # up to ~4 windows long
@@ -38,7 +43,7 @@ def assert_matches(kind: str, outputs: list[list[int]], references: dict, label:
 
 def assert_nothing_held(engine: Engine) -> None:
     assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
-    assert engine.pool.num_free == engine.pool.num_usable
+    assert engine.pool.num_free + engine.allocator.num_cached_blocks == engine.pool.num_usable
 
 
 # -- layer groups and allocators ----------------------------------------------------------------
@@ -133,6 +138,97 @@ def test_hybrid_allocator_invariants_under_random_ops(num_chunks, page_size, win
     assert pool.num_free == pool.num_usable and not full.ref_counts and not sliding.ref_counts
 
 
+def sharing_hybrid(num_chunks: int, page_size: int, window: int) -> tuple[HybridCacheAllocator,
+                                                                          FullAttentionCacheAllocator,
+                                                                          SlidingAttentionCacheAllocator]:
+    """A sliding and a full-attention allocator sharing blocks over one pool, the sliding one first (as
+    Gemma's first layer is)."""
+    pool, cache, digests = make_pool(num_chunks, page_size), PrefixCache(), RequestDigests(page_size)
+    full = FullAttentionCacheAllocator(pool, True, prefix_cache=cache, digests=digests)
+    sliding = SlidingAttentionCacheAllocator(pool, window, 1, True, cache, digests)
+    return HybridCacheAllocator([sliding, full]), full, sliding
+
+
+def run_through(hybrid: HybridCacheAllocator, sliding: SlidingAttentionCacheAllocator, request: Request) -> None:
+    """What the engine does for a request in one pass: its snapshots, its tokens computed, its blocks indexed."""
+    sliding.take_snapshots(request, request.num_computed_tokens, request.num_tokens)
+    request.num_computed_tokens = request.num_tokens
+    hybrid.register_full_blocks(request)
+
+
+def test_a_hit_holds_its_blocks_before_any_type_reclaims_the_cache():
+    """With the pool's last free chunk not enough for the new ring, the ring reclaims cached blocks: never the
+    full-attention blocks the hit shares (the newest cached ones here), whatever the allocators' order."""
+    hybrid, full, sliding = sharing_hybrid(40 + NUM_RESERVED_CHUNKS, page_size=2, window=4)
+    a = Request("a", list(range(10, 19)), SamplingParams(max_new_tokens=1))  # 4 full blocks and a token
+    assert hybrid.allocate("a", 9)
+    run_through(hybrid, sliding, a)
+    hybrid.free("a")
+    assert hybrid.num_cached_blocks == 4 + 4  # its full blocks and their snapshots
+    assert hybrid.allocate("c", 58) and hybrid.pool.num_free == 1  # 29 full blocks and a ring of 2
+    b = Request("b", list(range(10, 19)), SamplingParams(max_new_tokens=1))
+    shared = hybrid.match_prefix(b)
+    assert len(shared) == 4 and all(full.prefix_cache.is_cached(block) for block in shared)
+    assert hybrid.allocate("b", 9, shared)
+    assert full.block_table("b")[:4] == list(shared) and all(full.ref_counts[block] == 1 for block in shared)
+    assert hybrid.num_cached_blocks == 2  # the snapshots of blocks 2 and 3 (the ones b read) are left
+    for rid in ("b", "c"):
+        hybrid.free(rid)
+    hybrid.reset_prefix_cache()
+    assert hybrid.pool.num_free == hybrid.pool.num_usable
+
+
+BASES = [list(range(10, 40)), list(range(10, 20)) + list(range(50, 70)), list(range(80, 110))]
+sharing_ops = st.lists(st.tuples(st.sampled_from(["admit", "step", "free"]), st.sampled_from(REQUESTS),
+                                 st.integers(0, 2), st.integers(1, 30)), max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(num_chunks=st.integers(6, 60), page_size=st.integers(1, 4), window_pages=st.integers(1, 3),
+       extra=st.integers(0, 3), full_groups=st.integers(0, 2), sliding_groups=st.integers(1, 3), ops=sharing_ops)
+def test_shared_windows_lose_no_chunk_under_random_ops(num_chunks, page_size, window_pages, extra, full_groups,
+                                                       sliding_groups, ops):
+    """Prefix caching over full attention and a window's snapshots (or the window alone): requests admitted
+    on their longest hit, stepped (snapshots taken, indexed), freed; every chunk is free, held (a table's or
+    a pending snapshot's) or cached, exactly one of them, and the counts say so."""
+    pool = make_pool(num_chunks, page_size)
+    cache, digests = PrefixCache(), RequestDigests(page_size)
+    full = ([FullAttentionCacheAllocator(pool, True, full_groups, prefix_cache=cache, digests=digests)]
+            if full_groups else [])
+    sliding = SlidingAttentionCacheAllocator(pool, window_pages * page_size + extra, sliding_groups, True, cache,
+                                             digests)
+    hybrid = HybridCacheAllocator([sliding, *full])  # (a sliding first layer, as Gemma's: full still allocates first)
+    requests: dict[str, Request] = {}
+    for op, rid, base, n in ops:
+        if op == "admit" and rid not in requests:
+            request = Request(rid, BASES[base][:n + 1], SamplingParams(max_new_tokens=1))
+            shared = hybrid.match_prefix(request)
+            if hybrid.allocate(rid, request.num_tokens, shared):
+                request.num_computed_tokens = len(shared) * page_size
+                requests[rid] = request
+        elif op == "step" and rid in requests:
+            request = requests[rid]
+            start = request.num_computed_tokens
+            end = min(request.num_tokens, start + n)
+            sliding.take_snapshots(request, start, end)
+            request.num_computed_tokens = end
+            hybrid.register_full_blocks(request)
+        elif op == "free":
+            hybrid.free(rid)
+            requests.pop(rid, None)
+        held = [a.chunk(b, g) for a in (*full, sliding) for b in a.ref_counts for g in range(a.num_groups)]
+        cached = [c for block, siblings in cache._cached.items() for c in (block, *siblings)]
+        every = list(pool._free) + held + cached
+        assert len(every) == len(set(every)), "a chunk in two states at once"
+        assert sorted(every) == list(range(NUM_RESERVED_CHUNKS, num_chunks)), "chunks lost, or reserved ones used"
+        assert hybrid.num_free_blocks == pool.num_free + len(cached) == pool.num_usable - len(held)
+    for rid in REQUESTS:
+        hybrid.free(rid)
+    assert not sliding.ref_counts and not any(a.ref_counts for a in full)
+    hybrid.reset_prefix_cache()
+    assert pool.num_free == pool.num_usable
+
+
 # -- models against transformers ----------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", SLIDING_KINDS)
@@ -174,14 +270,67 @@ def test_sliding_pages_stay_bounded_while_generating(kind, tiny_models):
     assert_nothing_held(engine)
 
 
-def test_sliding_and_hybrid_models_never_share_blocks(tiny_models):
-    for kind in ("mistral_sliding", "gemma2"):
-        llm = tiny_models[kind].llm(page_size=4)
-        assert llm.engine.block_sharing is False and llm.engine.allocator.block_sharing is False
-        prompt = PROMPTS[3]
-        llm.generate([prompt, prompt], greedy(2), use_tqdm=False)
+@pytest.mark.parametrize("kind", SLIDING_KINDS)
+def test_sliding_and_hybrid_models_share_prefixes(kind, tiny_models):
+    """`shared_prefix_scenario` (page 4, chunks of 24 tokens, three times the window: snapshots written
+    straight, copied before and after passes): every type resumes the hits full attention alone would get,
+    and the outputs equal transformers' and those without sharing, log-probabilities too (fp32)."""
+    outputs, logprobs = {}, {}
+    for sharing in (True, False):
+        llm = tiny_models[kind].llm(page_size=PAGE, max_batch_tokens=24, allow_block_sharing=sharing)
+        assert llm.engine.block_sharing is sharing and llm.engine.allocator.block_sharing is sharing
+        logprobs[sharing] = {}
+        outputs[sharing] = shared_prefix_scenario(llm, tiny_models[kind].reference, logprobs[sharing])
         stats = llm.stats()
-        assert (stats.prefill_tokens, stats.prefix_cache_hit_tokens) == (2 * len(prompt), 0)
+        query = sum(len(p) for p in outputs[sharing]["prompts"].values())
+        hits = (10 + 12 + 11 + 14) * PAGE if sharing else 0  # as tests/cache/test_prefix_cache.py's llama
+        assert (stats.prefix_cache_hit_tokens, stats.prefill_tokens) == (hits, query - hits)
+        assert_nothing_held(llm.engine)
+        assert (llm.engine.allocator.num_cached_blocks > 0) is sharing
+    on, off = outputs[True], outputs[False]
+    for name, prompt in on.pop("prompts").items():
+        assert on[name] == off[name], f"{kind} request {name}: prefix caching changed the output"
+        torch.testing.assert_close(torch.tensor(logprobs[True][name]), torch.tensor(logprobs[False][name]),
+                                   rtol=0, atol=1e-4, msg=f"{kind} request {name}")
+        ref, logits = hf_greedy(tiny_models[kind].reference, prompt, len(on[name]))
+        assert_greedy_match(on[name], ref, logits, f"{kind} request {name}")
+
+
+@pytest.mark.parametrize("kind", ["mistral_sliding", "gemma3"])
+@pytest.mark.parametrize("config", [
+    {"page_size": 3, "max_batch_tokens": 5},  # window not a page multiple; chunks shorter than the window
+    {"page_size": 4, "max_batch_tokens": 13, "use_async_batching": True, "pad_steps": True},  # indexed a step late
+], ids=["page3-chunk5", "page4-async-padded"])
+def test_a_next_turn_resumes_after_the_generated_tokens(kind, config, tiny_models):
+    """A conversation's next turn (its prompt, the reply, new tokens) resumes from snapshots the decode
+    filled; its log-probabilities equal those computed without sharing (fp32), so the window it read was
+    the right one."""
+    prompt, more = random_prompts([30, 6], seed=5)
+    params = greedy(8, logprobs=0)
+    runs = {}
+    for sharing in (True, False):
+        llm = tiny_models[kind].llm(allow_block_sharing=sharing, **config)
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        turn = prompt + first.token_ids + more
+        second = llm.generate([turn], params, use_tqdm=False)[0]
+        runs[sharing] = [first.token_ids, second.token_ids,
+                         [e[t] for e, t in zip(second.logprobs, second.token_ids)]]
+        page = config["page_size"]
+        assert llm.stats().prefix_cache_hit_tokens == (((len(prompt) + 7) // page) * page if sharing else 0)
+        assert_nothing_held(llm.engine)
+    assert runs[True][:2] == runs[False][:2]
+    torch.testing.assert_close(torch.tensor(runs[True][2]), torch.tensor(runs[False][2]), rtol=0, atol=1e-4)
+    ref, logits = hf_greedy(tiny_models[kind].reference, turn, 8)
+    assert_greedy_match(runs[True][1], ref, logits, f"{kind} next turn")
+
+
+def test_windows_shorter_than_a_page_share_nothing(tiny_models):
+    llm = tiny_models["gemma2"].llm(page_size=16)  # the window (8 tokens) fits in one page: no snapshots
+    assert llm.engine.block_sharing is False and llm.engine.allocator.block_sharing is False
+    prompt = PROMPTS[3]
+    llm.generate([prompt, prompt], greedy(2), use_tqdm=False)
+    stats = llm.stats()
+    assert (stats.prefill_tokens, stats.prefix_cache_hit_tokens) == (2 * len(prompt), 0)
 
 
 @pytest.mark.parametrize("scheduler_type", ["fifo", "prefill_first"])

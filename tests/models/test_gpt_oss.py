@@ -76,8 +76,11 @@ def test_gpt_oss_matches_transformers(gpt_oss: TinyModel, backend: str) -> None:
 
 
 def test_gpt_oss_prefix_caching_keeps_outputs(gpt_oss: TinyModel) -> None:
+    """Its sliding layers resume from the windows' snapshots: the hits full attention alone would get."""
     llm = gpt_oss.llm(page_size=PAGE, max_batch_tokens=24)
+    assert llm.engine.block_sharing
     assert_prefix_scenario_matches(llm, gpt_oss.reference)
+    assert llm.stats().prefix_cache_hit_tokens == (10 + 12 + 11 + 14) * PAGE  # as tests/cache/test_sliding.py's
 
 
 def test_gpt_oss_is_batch_invariant(gpt_oss: TinyModel) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conveyor import LLM, ContinuousBatchingConfig, LoRARequest
-from conveyor.cache.allocator import StateCacheAllocator
+from conveyor.cache.sliding_allocator import StateCacheAllocator
 from conveyor.errors import ConfigError
 from conveyor.kernels import cpu_ssm_ops
 from conveyor.layers.attention import AttentionMetadata

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conveyor import LLM, ContinuousBatchingConfig, LoRARequest
-from conveyor.cache.allocator import StateCacheAllocator
+from conveyor.cache.sliding_allocator import StateCacheAllocator
 from conveyor.errors import ConfigError
 from conveyor.layers.short_conv import state_slots_per_row
 from conveyor.models.sharding import plan_shards
