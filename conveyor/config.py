@@ -41,7 +41,7 @@ class ContinuousBatchingConfig:
     priority_aging: with "priority", the seconds of waiting that count as one priority level, so that
         a waiting request is overtaken only by those that arrive within (difference in priority) x this
         many seconds after it (starvation's bound); None = strict priority, no bound.
-    allow_block_sharing: prefix caching across requests (not for convolution or state space layers).
+    allow_block_sharing: prefix caching across requests (docs/design/prefix-caching.md).
     cpu_offload_space: GiB of host memory for swapping out KV blocks of preempted requests.
     q_padding_interval_size / kv_padding_interval_size: shape padding for CUDA graphs.
     use_cuda_graph: replay CUDA graphs of padded decode steps; None = on for CUDA, off elsewhere.

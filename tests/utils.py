@@ -503,9 +503,10 @@ def shared_prefix_scenario(llm: LLM, reference: transformers.PreTrainedModel,
     engine.step()
     assert requests["a"].output_token_ids and requests["b"].num_computed_tokens > 0
     full = getattr(engine.allocator, "full", engine.allocator)  # (a hybrid model's full-attention allocator)
-    if engine.block_sharing and full is not None:
-        assert full.block_table("b")[:10] == full.block_table("a")[:10]
-        assert full.block_table("b")[10] != full.block_table("a")[10]
+    if engine.block_sharing and full is not None:  # (10 of them where only full attention decides)
+        shared = requests["b"].num_cached_tokens // PAGE
+        assert full.block_table("b")[:shared] == full.block_table("a")[:shared]
+        assert full.block_table("b")[shared] != full.block_table("a")[shared]
     add("c")
     add("d")
     while len(requests["a"].output_token_ids) < 8:  # a's tokens up to 56 computed: 14 blocks indexed
@@ -527,6 +528,54 @@ def assert_prefix_scenario_matches(llm: LLM, reference: transformers.PreTrainedM
         ref, logits = hf_greedy(reference, prompt, len(outputs[name]))
         assert_greedy_match(outputs[name], ref, logits, f"prefix-cached request {name}")
     assert all_free(llm)
+
+
+def assert_prefix_sharing_keeps_outputs(model: TinyModel, hits: int) -> None:
+    """`shared_prefix_scenario` with prefix caching on and off: `hits` prompt tokens found in the cache (none
+    off), the rest computed; outputs equal each other's and transformers', log-probabilities too (fp32);
+    every block back."""
+    outputs, logprobs = {}, {}
+    for sharing in (True, False):
+        llm = model.llm(page_size=PAGE, max_batch_tokens=24, allow_block_sharing=sharing)
+        assert llm.engine.block_sharing is sharing and llm.engine.allocator.block_sharing is sharing
+        logprobs[sharing] = {}
+        outputs[sharing] = shared_prefix_scenario(llm, model.reference, logprobs[sharing])
+        stats = llm.stats()
+        query = sum(len(p) for p in outputs[sharing]["prompts"].values())
+        expected = hits if sharing else 0
+        assert (stats.prefix_cache_hit_tokens, stats.prefill_tokens) == (expected, query - expected)
+        assert all_free(llm) and (llm.engine.allocator.num_cached_blocks > 0) is sharing
+    on, off = outputs[True], outputs[False]
+    for name, prompt in on.pop("prompts").items():
+        assert on[name] == off[name], f"request {name}: prefix caching changed the output"
+        torch.testing.assert_close(torch.tensor(logprobs[True][name]), torch.tensor(logprobs[False][name]),
+                                   rtol=0, atol=1e-4, msg=f"request {name}")
+        ref, logits = hf_greedy(model.reference, prompt, len(on[name]))
+        assert_greedy_match(on[name], ref, logits, f"request {name}")
+
+
+def assert_next_turn_resumes(model: TinyModel, config: dict) -> None:
+    """A conversation's next turn (a 30-token prompt, its 8-token reply, 6 new tokens) resumes where the
+    first turn's computed tokens end, on their last page boundary; its tokens and log-probabilities equal
+    those without prefix caching (fp32: the state or window it resumed from was the right one) and
+    transformers' tokens."""
+    prompt, more = random_prompts([30, 6], seed=5)
+    params = greedy(8, logprobs=0)
+    runs = {}
+    for sharing in (True, False):
+        llm = model.llm(allow_block_sharing=sharing, **config)
+        first = llm.generate([prompt], params, use_tqdm=False)[0]
+        turn = prompt + first.token_ids + more
+        second = llm.generate([turn], params, use_tqdm=False)[0]
+        runs[sharing] = [first.token_ids, second.token_ids,
+                         [e[t] for e, t in zip(second.logprobs, second.token_ids)]]
+        page = config["page_size"]
+        assert llm.stats().prefix_cache_hit_tokens == (((len(prompt) + 7) // page) * page if sharing else 0)
+        assert all_free(llm)
+    assert runs[True][:2] == runs[False][:2]
+    torch.testing.assert_close(torch.tensor(runs[True][2]), torch.tensor(runs[False][2]), rtol=0, atol=1e-4)
+    ref, logits = hf_greedy(model.reference, turn, 8)
+    assert_greedy_match(runs[True][1], ref, logits, "next turn")
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 64}

@@ -90,7 +90,7 @@ def format_report(report: dict[str, Any]) -> str:
     if engine:
         c = report["conveyor_config"]
         caching = ("on" if engine.get("prefix_caching", c["allow_block_sharing"]) else
-                   "off: the model's state layers (or a window shorter than a page) share no blocks"
+                   "off: a window shorter than a page, or sliding or state layers under tensor parallelism"
                    if c["allow_block_sharing"] else "off")
         notes.append(f"conveyor: page_size {c['page_size']}, {engine['total_blocks']} KV blocks, max_batch_tokens "
                      f"{c['max_batch_tokens']}, {c['scheduler_type']}; prefilled {engine['prefill_tokens']} tokens, "

@@ -268,6 +268,7 @@ class AttentionTypeAllocator(CacheAllocator):
         """One holder fewer for each block; an unheld one stays cached if it has a digest (or is an
         expected tail), else goes back to the pool with its siblings; chunks given up."""
         returned = []
+        given_up = sum(1 + len(self._siblings.get(block, ())) for block in blocks)
         for block in blocks:
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
@@ -276,7 +277,7 @@ class AttentionTypeAllocator(CacheAllocator):
                 if not self.prefix_cache.park(block, siblings):
                     returned += [block, *siblings]
         self.pool.free(returned)
-        return len(blocks) * self.num_groups
+        return given_up
 
     def _hold(self, block: int) -> None:
         """One holder more for a block that is held or cached (cached -> held, its siblings back here)."""

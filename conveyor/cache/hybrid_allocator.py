@@ -3,8 +3,9 @@
 
 With block sharing, the types share one `PrefixCache` (so eviction is one order over every cached block,
 whatever its type) and one `RequestDigests`; a prefix hit is the longest that every type can resume:
-full attention's cached blocks, and for a sliding window the snapshots of the window before the hit
-(`sliding_allocator`). A model with only sliding layers shares this way too.
+full attention's cached blocks, for a sliding window the snapshots of the window before the hit, for
+state layers a snapshot of the state right after it (`sliding_allocator`). A model without full
+attention shares this way too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class HybridCacheAllocator(CacheAllocator):
         self.page_size = self.pool.page_size
         self.prefix_cache = allocators[0].prefix_cache
         self.full = next((a for a in allocators if isinstance(a, FullAttentionCacheAllocator)), None)
-        self.windows = [a for a in allocators if isinstance(a, SlidingAttentionCacheAllocator)]
+        # The types whose rings a hit must fill from snapshots: sliding windows and state layers.
+        self.rings = [a for a in allocators if isinstance(a, SlidingAttentionCacheAllocator)]
         # Full attention allocates first: its matched blocks are held before another type's allocation could
         # reclaim them from the cache.
         self._order = sorted(self.allocators, key=lambda a: a is not self.full)
@@ -62,28 +64,28 @@ class HybridCacheAllocator(CacheAllocator):
 
     def match_prefix(self, request: Request) -> Sequence[int]:
         """The longest prefix every type resumes from its cache: the full-attention blocks (their number is
-        the hit in pages), or, for a model of sliding layers alone, the hit's page indices."""
+        the hit in pages), or, for a model without full attention, the hit's page indices."""
         if not self.block_sharing or request.num_computed_tokens or self.holds(request.request_id):
             return []
         full = self.full.match_prefix(request) if self.full is not None else None
-        hit = len(full) if full is not None else (request.num_tokens - 1) // self.page_size
-        for window in self.windows:  # each can only shorten it, and a shorter hit reads an earlier window
-            hit = window.match_window(request, hit)
+        limit = len(full) if full is not None else (request.num_tokens - 1) // self.page_size
+        ok = [all(each) for each in zip(*(ring.resumable(request, limit) for ring in self.rings))]
+        hit = max((n for n, good in enumerate(ok) if good), default=0)
         if hit:
-            self._hits[request.request_id] = (hit, [window.snapshots_for(request, hit) for window in self.windows])
+            self._hits[request.request_id] = (hit, [ring.snapshots_for(request, hit) for ring in self.rings])
         return full[:hit] if full is not None else range(hit)
 
     def allocate(self, request_id: str, num_tokens: int, shared: Sequence[int] = (),
                  tail: tuple[int, int] | None = None) -> bool:
         """As one allocator's; `shared` (from `match_prefix`): the full-attention blocks are shared and each
-        new ring is filled from its window's snapshots (pinned meanwhile)."""
+        new ring is filled from its snapshots (pinned meanwhile)."""
         if tail:
             raise ValueError("hybrid models keep no tails")
         hit, snapshots = self._hits.pop(request_id, (0, [])) if shared else (0, [])
         if len(shared) != hit:
             raise ValueError(f"shared blocks must come from match_prefix for {request_id!r}")
-        for window, blocks in zip(self.windows, snapshots):
-            window.pin(blocks)
+        for ring, blocks in zip(self.rings, snapshots):
+            ring.pin(blocks)
         try:
             needed = self.blocks_needed(request_id, num_tokens)
             room = self.num_free_blocks
@@ -94,12 +96,12 @@ class HybridCacheAllocator(CacheAllocator):
                 return False
             for a in self._order:
                 assert a.allocate(request_id, num_tokens, shared if a is self.full and hit else ())
-            for window, blocks in zip(self.windows, snapshots):
-                window.restore(request_id, hit, blocks)
+            for ring, blocks in zip(self.rings, snapshots):
+                ring.restore(request_id, hit, blocks)
             return True
         finally:
-            for window, blocks in zip(self.windows, snapshots):
-                window.unpin(blocks)
+            for ring, blocks in zip(self.rings, snapshots):
+                ring.unpin(blocks)
 
     def register_full_blocks(self, request: Request) -> None:
         for a in self.allocators:
@@ -132,11 +134,9 @@ def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], w
     `cache_pool.layer_groups`): the allocator the scheduler sees (the only one, or a
     `HybridCacheAllocator` over all; over a sharing sliding window always), and per group its allocator
     and index within it. `windows`: the ring of every type but full attention, in slots
-    (`CausalLM.cache_windows`). `block_sharing` needs no state layers; `prefix_key` and `keep_tails` as
-    `FullAttentionCacheAllocator` takes them (tails: full attention alone)."""
+    (`CausalLM.cache_windows`). `prefix_key` and `keep_tails` as `FullAttentionCacheAllocator` takes them
+    (tails: full attention alone)."""
     types = list(dict.fromkeys(t for t, _ in groups))
-    if block_sharing and set(types) & set(STATE_TYPES):
-        raise ValueError(f"prefix caching does not cover {' and '.join(sorted(set(types) & set(STATE_TYPES)))} layers")
     cache, digests = PrefixCache(), RequestDigests(pool.page_size, prefix_key)
     allocators: dict[str, AttentionTypeAllocator] = {}
     for attention_type in types:
@@ -148,7 +148,8 @@ def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], w
         else:
             assert attention_type in windows, f"{attention_type} layers need their ring's size"
             allocators[attention_type] = (
-                StateCacheAllocator(pool, windows[attention_type], k, attention_type)
+                StateCacheAllocator(pool, windows[attention_type], k, attention_type, block_sharing, cache,
+                                    digests)
                 if attention_type in STATE_TYPES else
                 SlidingAttentionCacheAllocator(pool, windows[attention_type], k, block_sharing, cache, digests))
     out: list[LayerGroup] = []

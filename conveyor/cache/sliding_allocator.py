@@ -1,5 +1,5 @@
 """Sliding-window and state allocators: a ring of blocks per request (docs/design/sliding-window.md), and
-the window's snapshots that let sliding layers take part in prefix caching (docs/design/prefix-caching.md).
+the snapshots that let them take part in prefix caching (docs/design/prefix-caching.md).
 
 - `SlidingAttentionCacheAllocator`: a request holds at most `ceil(window / page_size)` blocks, used as a
   ring: position `p` lives at ring index `p % window`, so the last `window` tokens are always there and
@@ -13,9 +13,10 @@ tokens are known, and cached like any completed block. The step that completes a
 snapshot: positions the step writes outside the ring's final window go straight to the snapshot, the
 others are copied from the ring before the pass (positions it will overwrite) or after it
 (`take_snapshots`, `model_runner`). A request whose prefix hit ends at token `N` needs positions
-`N - window + 1 .. N - 1`: the hit is the longest prefix whose blocks over that range all have cached
-snapshots (`match_window`), and its new ring is filled from them (`restore`). So a hit costs a copy of
-one window, never a recomputation.
+`N - window + 1 .. N - 1`: a hit can end where the blocks over that range all have cached snapshots
+(`resumable`), and its new ring is filled from them (`restore`). So a hit costs a copy of one window,
+never a recomputation. State layers keep the whole state where a pass ends on a page boundary
+(`StateCacheAllocator`).
 """
 
 from __future__ import annotations
@@ -94,19 +95,15 @@ class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
             self.prefix_cache.register(block, self._tag(hashes.digest(i)))
             self._drop([block])
 
-    def match_window(self, request: Request, limit: int) -> int:
-        """The longest hit of at most `limit` blocks whose window (`first_needed`) has a cached snapshot
-        for every block; changes nothing."""
-        if limit <= 0:
-            return 0
+    def resumable(self, request: Request, limit: int) -> list[bool]:
+        """For each hit of 0 .. `limit` blocks, whether this type could resume after it: the window before
+        it (`first_needed`) has a cached snapshot for every block. Changes nothing."""
         hashes = self.digests.of(request)
-        run = 0  # cached snapshots in a row ending at block i
-        best = 0
+        ok, run = [True], 0  # run: cached snapshots in a row ending at block i
         for i in range(limit):
             run = run + 1 if self.prefix_cache.lookup(self._tag(hashes.digest(i))) is not None else 0
-            if run >= i + 1 - self.first_needed(i + 1):
-                best = i + 1
-        return best
+            ok.append(run >= i + 1 - self.first_needed(i + 1))
+        return ok
 
     def first_needed(self, hit_blocks: int) -> int:
         """The first block whose positions a request resuming after `hit_blocks` blocks still reads."""
@@ -149,18 +146,75 @@ class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
         return super().free(request_id) + self._drop(pending)
 
     def exclusive_blocks(self, request_id: str) -> int:
-        return super().exclusive_blocks(request_id) + len(self._pending.get(request_id, ())) * self.num_groups
+        pending = self._pending.get(request_id, {}).values()
+        return super().exclusive_blocks(request_id) + sum(1 + len(self._siblings.get(b, ())) for b in pending)
 
 
 class StateCacheAllocator(SlidingAttentionCacheAllocator):
     """Blocks for layers whose state is not K/V (LFM2's short convolutions, Mamba-2's mixers: `STATE_TYPES`):
     a run of `window` slots per request holding it, laid out by the layers (`layers.short_conv`,
-    `layers.mamba2`); held whole from the first token, never shared."""
+    `layers.mamba2`); held whole from the first token, never shared.
 
-    def __init__(self, pool: CachePool, window: int, num_groups: int = 1, attention_type: str = "conv") -> None:
-        super().__init__(pool, window, num_groups)
+    With block sharing, a pass that ends on a block boundary leaves the state after those blocks: it is
+    copied whole into a snapshot (every chunk of the run, in `chunks_holding`'s order: the first is the
+    snapshot's block, the others its siblings), indexed under the last block's digest; a hit must end
+    exactly where a snapshot is, and the new run is a copy of it."""
+
+    def __init__(self, pool: CachePool, window: int, num_groups: int = 1, attention_type: str = "conv",
+                 block_sharing: bool = False, prefix_cache: PrefixCache | None = None,
+                 digests: RequestDigests | None = None) -> None:
+        super().__init__(pool, window, num_groups, block_sharing=False, prefix_cache=prefix_cache, digests=digests)
+        self.block_sharing = block_sharing  # (a run of any length: no page minimum)
         self.attention_type = attention_type
 
     def table_length(self, num_tokens: int) -> int:
         """The whole run from the first token: a row's slots are not its position's (a row takes several)."""
         return self.ring_blocks if num_tokens > 0 else 0
+
+    def take_snapshots(self, request: Request, start: int, end: int) -> dict[int, int]:
+        """{the pass's last block: a snapshot to copy the run into after the pass} where the pass over
+        `[start, end)` ends on a block boundary (and the pool has room); else empty."""
+        rid, page = request.request_id, self.page_size
+        if not self.block_sharing or end % page or end <= start or end // page <= self._next.get(rid, 0):
+            return {}
+        self._next[rid] = end // page
+        size = self.ring_blocks * self.num_groups
+        if self.num_free_blocks - size < int(self.pool.num_usable * SNAPSHOT_RESERVE):
+            return {}
+        blocks = self._take(self.ring_blocks)
+        chunks = [self.chunk(b, g) for g in range(self.num_groups) for b in blocks]
+        for block in blocks:  # one block of the whole run: the first, the others its siblings
+            self._siblings.pop(block, None)
+            del self.ref_counts[block]
+        self.ref_counts[chunks[0]], self._siblings[chunks[0]] = 1, chunks[1:]
+        self._pending.setdefault(rid, {})[end // page - 1] = chunks[0]
+        return {end // page - 1: chunks[0]}
+
+    def snapshot_chunks(self, snapshot: int) -> list[int]:
+        """A held snapshot's chunks, in the order of a run's (`chunks_holding`)."""
+        return [snapshot, *self._siblings.get(snapshot, ())]
+
+    def resumable(self, request: Request, limit: int) -> list[bool]:
+        """For each hit of 0 .. `limit` blocks: whether a snapshot of the state after it is cached."""
+        hashes = self.digests.of(request)
+        return [True] + [self.prefix_cache.lookup(self._tag(hashes.digest(i))) is not None for i in range(limit)]
+
+    def snapshots_for(self, request: Request, hit_blocks: int) -> list[int]:
+        """The cached snapshot of the state after the hit's last block."""
+        block = self.prefix_cache.lookup(self._tag(self.digests.of(request).digest(hit_blocks - 1)))
+        assert block is not None, "a snapshot went missing between match and allocation"
+        return [block]
+
+    def restore(self, request_id: str, hit_blocks: int, snapshots: Sequence[int]) -> None:
+        """Copy the pinned snapshot of the state after `hit_blocks` blocks into the request's new run."""
+        src = self.snapshot_chunks(snapshots[0])
+        dst = self.chunks_holding(request_id, 1)
+        self.pool.copy_slot_list(*chunk_slots(src, dst, self.page_size))
+        self._next[request_id] = hit_blocks
+
+
+def chunk_slots(src: Sequence[int], dst: Sequence[int], page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every slot of chunks `src`, and of `dst` in the same order: a whole-chunk copy's slot lists."""
+    offsets = torch.arange(page_size)
+    return ((torch.tensor(src)[:, None] * page_size + offsets).flatten(),
+            (torch.tensor(dst)[:, None] * page_size + offsets).flatten())

@@ -103,13 +103,13 @@ class Engine:
             activation_bytes=working,
             max_useful_chunks=config.max_requests_per_batch * chunks_per_request, device=device)
         self.pool = CachePool(num_chunks, dtype=self.kv_format.dtype, device=device, **shape)
-        # Prefix caching needs every type to share: full attention's blocks, a sliding window's snapshots (of a
-        # page at least; copied by rank 0's runner alone, so not with tensor parallelism); no state layers, and
-        # an encoder holds nothing (docs/design/prefix-caching.md).
-        sliding = [windows[t] for t, _ in groups if t != "full_attention"]
-        self.block_sharing = (config.allow_block_sharing and not encoder and not state
-                              and all(w >= page for w in sliding)
-                              and (not sliding or config.tensor_parallel_size == 1))
+        # Prefix caching: full attention's blocks, the snapshots of sliding windows (of a page at least) and of
+        # state layers (copied by rank 0's runner alone, so not with tensor parallelism); an encoder holds
+        # nothing (docs/design/prefix-caching.md).
+        rings = {t for t, _ in groups if t != "full_attention"}
+        self.block_sharing = (config.allow_block_sharing and not encoder
+                              and all(windows[t] >= page for t in rings - set(STATE_TYPES))
+                              and (not rings or config.tensor_parallel_size == 1))
         # Tails (finished requests' partial last blocks, copied by the requests that continue them): not
         # where another cache (a draft model's) or other ranks' pools would need the same copy.
         keep_tails = draft_model is None and config.tensor_parallel_size == 1

@@ -219,7 +219,7 @@ class ModelRunner:
                 sample_rows.append(offset - 1)
                 samplers.append(c.request)
         snapshots = SnapshotCopies()
-        taken = take_snapshots([a for a, _ in self.groups], decodes + prefills)
+        taken = take_snapshots([a for a, _ in self.groups], decodes + prefills, snapshots)
         # (a state group's layers index their slots themselves: `layers.short_conv`, `layers.mamba2`)
         metas = [ring_metadata(allocator, index, decodes, prefills, decode_pos, self.page_size)
                  if allocator.attention_type in STATE_TYPES else

@@ -1,7 +1,8 @@
-"""Where a step fills the sliding-window snapshots its blocks complete (`cache/sliding_allocator.py`,
-docs/design/prefix-caching.md): for each completed block, a position the pass writes outside the ring's
-final window is written straight to the snapshot; one still in the ring after the pass is copied from
-it after the pass; one written by an earlier step that this pass overwrites is copied before it."""
+"""Where a step fills the snapshots of the rings it moves on (`cache/sliding_allocator.py`,
+docs/design/prefix-caching.md). A sliding window's, for each block the pass completes: a position the pass
+writes outside the ring's final window is written straight to the snapshot; one still in the ring after
+the pass is copied from it after the pass; one written by an earlier step that this pass overwrites is
+copied before it. State layers', where a pass ends on a block boundary: the whole run after the pass."""
 
 from __future__ import annotations
 
@@ -11,20 +12,27 @@ import torch
 
 from ..cache.allocator import AttentionTypeAllocator
 from ..cache.pool import CachePool
-from ..cache.sliding_allocator import SlidingAttentionCacheAllocator
+from ..cache.sliding_allocator import SlidingAttentionCacheAllocator, StateCacheAllocator, chunk_slots
 from ..sched.output import ScheduledChunk
 
 
-def take_snapshots(allocators: list[AttentionTypeAllocator],
-                   chunks: list[ScheduledChunk]) -> dict[AttentionTypeAllocator, dict[str, dict[int, int]]]:
+def take_snapshots(allocators: list[AttentionTypeAllocator], chunks: list[ScheduledChunk],
+                   copies: SnapshotCopies) -> dict[AttentionTypeAllocator, dict[str, dict[int, int]]]:
     """Per sliding allocator that shares blocks (each once, however many layer groups it serves), the
-    snapshots each request's pass completes: {allocator: {request id: {block index: snapshot}}}."""
+    snapshots each request's pass completes: {allocator: {request id: {block index: snapshot}}}, for the
+    groups' metadata to plan. State layers' snapshots are planned into `copies` here."""
     out: dict[AttentionTypeAllocator, dict[str, dict[int, int]]] = {}
     for allocator in dict.fromkeys(allocators):
         if isinstance(allocator, SlidingAttentionCacheAllocator) and allocator.block_sharing:
             taken = {c.request.request_id: allocator.take_snapshots(
                 c.request, c.request.num_computed_tokens, c.request.num_computed_tokens + c.num_tokens) for c in chunks}
-            out[allocator] = {rid: t for rid, t in taken.items() if t}
+            taken = {rid: t for rid, t in taken.items() if t}
+            if isinstance(allocator, StateCacheAllocator):
+                for rid, t in taken.items():
+                    copies.after.append(chunk_slots(allocator.chunks_holding(rid, 1),
+                                                    allocator.snapshot_chunks(*t.values()), allocator.page_size))
+            else:
+                out[allocator] = taken
     return out
 
 

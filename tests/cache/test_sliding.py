@@ -13,15 +13,15 @@ from hypothesis import strategies as st
 from conveyor import SamplingParams
 from conveyor.cache.allocator import FullAttentionCacheAllocator, RequestDigests
 from conveyor.cache.hybrid_allocator import HybridCacheAllocator
-from conveyor.cache.sliding_allocator import SlidingAttentionCacheAllocator
+from conveyor.cache.sliding_allocator import SlidingAttentionCacheAllocator, StateCacheAllocator
 from conveyor.cache.pool import NUM_RESERVED_CHUNKS, layer_groups
 from conveyor.cache.prefix_cache import PrefixCache
 from conveyor.engine.engine import Engine
 from conveyor.models.base import attention_layer_types
 from conveyor.request import Request
 
-from tests.utils import (PAGE, TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, greedy, hf_greedy, make_pool,
-                         random_prompts, shared_prefix_scenario)
+from tests.utils import (PAGE, TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, assert_next_turn_resumes,
+                         assert_prefix_sharing_keeps_outputs, greedy, hf_greedy, make_pool, random_prompts)
 
 SLIDING_KINDS = ["mistral_sliding", "gemma2", "gemma3"]
 PROMPTS = random_prompts([3, 9, 20, 31], seed=3)  # up to ~4 windows long
@@ -183,20 +183,22 @@ sharing_ops = st.lists(st.tuples(st.sampled_from(["admit", "step", "free"]), st.
                                  st.integers(0, 2), st.integers(1, 30)), max_size=60)
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(num_chunks=st.integers(6, 60), page_size=st.integers(1, 4), window_pages=st.integers(1, 3),
-       extra=st.integers(0, 3), full_groups=st.integers(0, 2), sliding_groups=st.integers(1, 3), ops=sharing_ops)
-def test_shared_windows_lose_no_chunk_under_random_ops(num_chunks, page_size, window_pages, extra, full_groups,
-                                                       sliding_groups, ops):
-    """Prefix caching over full attention and a window's snapshots (or the window alone): requests admitted
-    on their longest hit, stepped (snapshots taken, indexed), freed; every chunk is free, held (a table's or
-    a pending snapshot's) or cached, exactly one of them, and the counts say so."""
+       extra=st.integers(0, 3), full_groups=st.integers(0, 2), sliding_groups=st.integers(1, 3), state=st.booleans(),
+       ops=sharing_ops)
+def test_shared_rings_lose_no_chunk_under_random_ops(num_chunks, page_size, window_pages, extra, full_groups,
+                                                     sliding_groups, state, ops):
+    """Prefix caching over full attention and a window's snapshots or a state's (or either alone): requests
+    admitted on their longest hit, stepped (snapshots taken, indexed), freed; every chunk is free, held (a
+    table's or a pending snapshot's) or cached, exactly one of them, and the counts say so."""
     pool = make_pool(num_chunks, page_size)
     cache, digests = PrefixCache(), RequestDigests(page_size)
     full = ([FullAttentionCacheAllocator(pool, True, full_groups, prefix_cache=cache, digests=digests)]
             if full_groups else [])
-    sliding = SlidingAttentionCacheAllocator(pool, window_pages * page_size + extra, sliding_groups, True, cache,
-                                             digests)
+    window = window_pages * page_size + extra
+    sliding = (StateCacheAllocator(pool, window, sliding_groups, "mamba", True, cache, digests) if state else
+               SlidingAttentionCacheAllocator(pool, window, sliding_groups, True, cache, digests))
     hybrid = HybridCacheAllocator([sliding, *full])  # (a sliding first layer, as Gemma's: full still allocates first)
     requests: dict[str, Request] = {}
     for op, rid, base, n in ops:
@@ -216,7 +218,7 @@ def test_shared_windows_lose_no_chunk_under_random_ops(num_chunks, page_size, wi
         elif op == "free":
             hybrid.free(rid)
             requests.pop(rid, None)
-        held = [a.chunk(b, g) for a in (*full, sliding) for b in a.ref_counts for g in range(a.num_groups)]
+        held = [c for a in (*full, sliding) for b in a.ref_counts for c in (b, *a._siblings.get(b, ()))]
         cached = [c for block, siblings in cache._cached.items() for c in (block, *siblings)]
         every = list(pool._free) + held + cached
         assert len(every) == len(set(every)), "a chunk in two states at once"
@@ -273,27 +275,8 @@ def test_sliding_pages_stay_bounded_while_generating(kind, tiny_models):
 @pytest.mark.parametrize("kind", SLIDING_KINDS)
 def test_sliding_and_hybrid_models_share_prefixes(kind, tiny_models):
     """`shared_prefix_scenario` (page 4, chunks of 24 tokens, three times the window: snapshots written
-    straight, copied before and after passes): every type resumes the hits full attention alone would get,
-    and the outputs equal transformers' and those without sharing, log-probabilities too (fp32)."""
-    outputs, logprobs = {}, {}
-    for sharing in (True, False):
-        llm = tiny_models[kind].llm(page_size=PAGE, max_batch_tokens=24, allow_block_sharing=sharing)
-        assert llm.engine.block_sharing is sharing and llm.engine.allocator.block_sharing is sharing
-        logprobs[sharing] = {}
-        outputs[sharing] = shared_prefix_scenario(llm, tiny_models[kind].reference, logprobs[sharing])
-        stats = llm.stats()
-        query = sum(len(p) for p in outputs[sharing]["prompts"].values())
-        hits = (10 + 12 + 11 + 14) * PAGE if sharing else 0  # as tests/cache/test_prefix_cache.py's llama
-        assert (stats.prefix_cache_hit_tokens, stats.prefill_tokens) == (hits, query - hits)
-        assert_nothing_held(llm.engine)
-        assert (llm.engine.allocator.num_cached_blocks > 0) is sharing
-    on, off = outputs[True], outputs[False]
-    for name, prompt in on.pop("prompts").items():
-        assert on[name] == off[name], f"{kind} request {name}: prefix caching changed the output"
-        torch.testing.assert_close(torch.tensor(logprobs[True][name]), torch.tensor(logprobs[False][name]),
-                                   rtol=0, atol=1e-4, msg=f"{kind} request {name}")
-        ref, logits = hf_greedy(tiny_models[kind].reference, prompt, len(on[name]))
-        assert_greedy_match(on[name], ref, logits, f"{kind} request {name}")
+    straight, copied before and after passes): every type resumes the hits full attention alone would get."""
+    assert_prefix_sharing_keeps_outputs(tiny_models[kind], (10 + 12 + 11 + 14) * PAGE)  # as the llama's
 
 
 @pytest.mark.parametrize("kind", ["mistral_sliding", "gemma3"])
@@ -302,26 +285,7 @@ def test_sliding_and_hybrid_models_share_prefixes(kind, tiny_models):
     {"page_size": 4, "max_batch_tokens": 13, "use_async_batching": True, "pad_steps": True},  # indexed a step late
 ], ids=["page3-chunk5", "page4-async-padded"])
 def test_a_next_turn_resumes_after_the_generated_tokens(kind, config, tiny_models):
-    """A conversation's next turn (its prompt, the reply, new tokens) resumes from snapshots the decode
-    filled; its log-probabilities equal those computed without sharing (fp32), so the window it read was
-    the right one."""
-    prompt, more = random_prompts([30, 6], seed=5)
-    params = greedy(8, logprobs=0)
-    runs = {}
-    for sharing in (True, False):
-        llm = tiny_models[kind].llm(allow_block_sharing=sharing, **config)
-        first = llm.generate([prompt], params, use_tqdm=False)[0]
-        turn = prompt + first.token_ids + more
-        second = llm.generate([turn], params, use_tqdm=False)[0]
-        runs[sharing] = [first.token_ids, second.token_ids,
-                         [e[t] for e, t in zip(second.logprobs, second.token_ids)]]
-        page = config["page_size"]
-        assert llm.stats().prefix_cache_hit_tokens == (((len(prompt) + 7) // page) * page if sharing else 0)
-        assert_nothing_held(llm.engine)
-    assert runs[True][:2] == runs[False][:2]
-    torch.testing.assert_close(torch.tensor(runs[True][2]), torch.tensor(runs[False][2]), rtol=0, atol=1e-4)
-    ref, logits = hf_greedy(tiny_models[kind].reference, turn, 8)
-    assert_greedy_match(runs[True][1], ref, logits, f"{kind} next turn")
+    assert_next_turn_resumes(tiny_models[kind], config)
 
 
 def test_windows_shorter_than_a_page_share_nothing(tiny_models):

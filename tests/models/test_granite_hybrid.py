@@ -24,9 +24,10 @@ from conveyor.models.sharding import plan_shards
 
 from tests.gguf_writer import write_gguf
 from tests.utils import (BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel, all_free,
-                         assert_greedy_match, assert_mode_within_tolerance, assert_offloads_resume,
-                         assert_prefix_scenario_matches, compare_greedy, greedy, greedy_ids, hf_greedy,
-                         make_lora_adapter, next_token_logprobs, random_prompts)
+                         PAGE, assert_greedy_match, assert_mode_within_tolerance, assert_next_turn_resumes,
+                         assert_offloads_resume, assert_prefix_scenario_matches, assert_prefix_sharing_keeps_outputs,
+                         compare_greedy, greedy, greedy_ids, hf_greedy, make_lora_adapter, next_token_logprobs,
+                         random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
@@ -64,9 +65,9 @@ def test_mamba_states_match_transformers(models: dict[str, TinyModel], kind: str
     model = models[kind]
     llm = model.llm(**config)
     engine = llm.engine
-    assert engine.model.cache_windows == {"mamba": 4 * 3 + 32} and engine.block_sharing is False
+    assert engine.model.cache_windows == {"mamba": 4 * 3 + 32}
     compare_greedy(model.reference, llm, PROMPTS, [MAX_NEW] * len(PROMPTS), f"{kind} {config}")
-    assert all_free(llm) and engine.pool.num_free == engine.pool.num_usable
+    assert all_free(llm) and engine.pool.num_free + engine.allocator.num_cached_blocks == engine.pool.num_usable
 
 
 def test_state_pages_are_fixed_from_the_first_token(models: dict[str, TinyModel]) -> None:
@@ -193,6 +194,20 @@ def test_attention_only_granite4_shares_prefixes(tmp_path: Path) -> None:
     assert llm.engine.model.cache_windows == {} and llm.engine.block_sharing
     assert_prefix_scenario_matches(llm, model.reference)
     assert llm.stats().prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["dense", "experts"])
+def test_prefix_caching_resumes_from_mamba_state_snapshots(models: dict[str, TinyModel], kind: str) -> None:
+    """`shared_prefix_scenario` (page 4, chunks of 24 tokens): a hit ends where a pass ended on a page
+    boundary (the state is kept there): b at 24 tokens (not 40), c at 48, d at 24 (not 44), e at 56."""
+    assert_prefix_sharing_keeps_outputs(models[kind], (6 + 12 + 6 + 14) * PAGE)
+
+
+@pytest.mark.parametrize("config", [{"page_size": 3, "max_batch_tokens": 5},
+                                    {"page_size": 4, "max_batch_tokens": 13, "use_async_batching": True}],
+                         ids=["page3-chunk5", "page4-async"])
+def test_a_next_turn_resumes_from_the_mamba_state(models: dict[str, TinyModel], config: dict) -> None:
+    assert_next_turn_resumes(models["dense"], config)
 
 
 def test_layer_types_by_either_name_and_unknown_ones_refused() -> None:

@@ -17,9 +17,10 @@ from conveyor.errors import ConfigError
 from conveyor.layers.short_conv import state_slots_per_row
 from conveyor.models.sharding import plan_shards
 
-from tests.utils import (MOE_CONFIGS, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
-                         assert_mode_within_tolerance, assert_offloads_resume, compare_greedy, greedy, hf_greedy,
-                         make_lora_adapter, random_prompts)
+from tests.utils import (MOE_CONFIGS, PAGE, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
+                         assert_mode_within_tolerance, assert_next_turn_resumes, assert_offloads_resume,
+                         assert_prefix_sharing_keeps_outputs, compare_greedy, greedy, hf_greedy, make_lora_adapter,
+                         random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
@@ -46,11 +47,11 @@ def test_conv_rings_match_transformers(tiny_models: dict[str, TinyModel], two_sl
     ring = engine.model.cache_windows["conv"]
     assert ring == {2: 3, 1: 6}[kv_heads] == 3 * state_slots_per_row(64, kv_heads, 16)
     compare_greedy(model.reference, llm, PROMPTS, [MAX_NEW] * len(PROMPTS), str(config))
-    assert all_free(llm) and engine.pool.num_free == engine.pool.num_usable
+    assert all_free(llm) and engine.pool.num_free + engine.allocator.num_cached_blocks == engine.pool.num_usable
 
 
-def test_conv_state_pages_stay_bounded_and_unshared(tiny_models: dict[str, TinyModel]) -> None:
-    llm = tiny_models["lfm2"].llm(page_size=2)
+def test_conv_state_pages_stay_bounded(tiny_models: dict[str, TinyModel]) -> None:
+    llm = tiny_models["lfm2"].llm(page_size=2, allow_block_sharing=False)
     engine = llm.engine
     conv = next(a for a in engine.allocator.allocators if isinstance(a, StateCacheAllocator))
     assert conv.ring_blocks == 2 and conv.num_groups == 3 and engine.block_sharing is False
@@ -65,6 +66,20 @@ def test_conv_state_pages_stay_bounded_and_unshared(tiny_models: dict[str, TinyM
     stats = llm.stats()
     assert stats.prefix_cache_hit_tokens == 0
     assert all_free(llm)
+
+
+def test_prefix_caching_resumes_from_conv_state_snapshots(tiny_models: dict[str, TinyModel]) -> None:
+    """`shared_prefix_scenario` (page 4, chunks of 24 tokens): a hit ends where a pass ended on a page
+    boundary (the state is kept there): b at 24 tokens (not 40), c at 48, d at 24 (not 44), e at 56."""
+    assert_prefix_sharing_keeps_outputs(tiny_models["lfm2"], (6 + 12 + 6 + 14) * PAGE)
+
+
+@pytest.mark.parametrize("config", [{"page_size": 3, "max_batch_tokens": 5},
+                                    {"page_size": 4, "max_batch_tokens": 13, "use_async_batching": True}],
+                         ids=["page3-chunk5", "page4-async"])
+def test_a_next_turn_resumes_from_the_conv_state(tiny_models: dict[str, TinyModel], two_slot_rows: TinyModel,
+                                                 config: dict) -> None:
+    assert_next_turn_resumes(two_slot_rows if config["page_size"] == 3 else tiny_models["lfm2"], config)
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["soft-reset", "swap"])
