@@ -46,10 +46,12 @@ class CacheAllocator:
     pool: CachePool
     page_size: int
     block_sharing: bool = False
+    prefix_cache: PrefixCache  # the pool's, every type's (empty where blocks are not shared)
 
     @property
     def num_free_blocks(self) -> int:
-        return self.pool.num_free
+        """Chunks a request could get now: uninitialized ones plus cached ones (reclaimable)."""
+        return self.pool.num_free + self.prefix_cache.num_cached
 
     @property
     def num_total_blocks(self) -> int:
@@ -58,11 +60,14 @@ class CacheAllocator:
     @property
     def num_cached_blocks(self) -> int:
         """Chunks the prefix cache keeps (reclaimable, so counted free too)."""
-        return 0
+        return self.prefix_cache.num_cached
 
     def reset_prefix_cache(self) -> int:
-        """Cached blocks back to the free pool; how many chunks (none where blocks are not shared)."""
-        return 0
+        """Every cached (unheld) block back to the free pool, its digest dropped; how many chunks."""
+        count = self.prefix_cache.num_cached
+        while self.prefix_cache.num_cached:
+            self.pool.free(self.prefix_cache.evict())
+        return count
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Chunks a sequence of `num_tokens` tokens occupies (and a pass over it reads)."""
@@ -189,22 +194,6 @@ class AttentionTypeAllocator(CacheAllocator):
         self.block_tables: dict[str, list[int]] = {}
         self.ref_counts: dict[int, int] = {}  # held block -> number of requests holding it
         self._siblings: dict[int, list[int]] = {}  # held block -> its chunks in groups 1 .. num_groups - 1
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Chunks a request could get now: uninitialized ones plus cached ones (reclaimable)."""
-        return self.pool.num_free + self.prefix_cache.num_cached
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.prefix_cache.num_cached
-
-    def reset_prefix_cache(self) -> int:
-        """Every cached (unheld) block back to the free pool, its digest dropped; how many chunks."""
-        count = self.prefix_cache.num_cached
-        while self.prefix_cache.num_cached:
-            self.pool.free(self.prefix_cache.evict())
-        return count
 
     def table_length(self, num_tokens: int) -> int:
         """Blocks in the table of a request whose sequence has `num_tokens` tokens."""

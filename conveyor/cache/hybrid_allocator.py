@@ -45,17 +45,6 @@ class HybridCacheAllocator(CacheAllocator):
         # request -> the hit `match_prefix` found (in blocks) and each window's snapshots for it, for `allocate`
         self._hits: dict[str, tuple[int, list[list[int]]]] = {}
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free + self.prefix_cache.num_cached
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.prefix_cache.num_cached
-
-    def reset_prefix_cache(self) -> int:
-        return self.allocators[0].reset_prefix_cache()  # (the cache is every allocator's)
-
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return sum(a.blocks_for_tokens(num_tokens) for a in self.allocators)
 
