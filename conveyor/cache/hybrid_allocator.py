@@ -42,7 +42,7 @@ class HybridCacheAllocator(CacheAllocator):
         # Full attention allocates first: its matched blocks are held before another type's allocation could
         # reclaim them from the cache.
         self._order = sorted(self.allocators, key=lambda a: a is not self.full)
-        # request -> the hit `match_prefix` found (in blocks) and each window's snapshots for it, for `allocate`
+        # request -> the hit `match_prefix` found (in blocks) and each ring's snapshots for it, for `allocate`
         self._hits: dict[str, tuple[int, list[list[int]]]] = {}
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
@@ -58,8 +58,8 @@ class HybridCacheAllocator(CacheAllocator):
             return []
         full = self.full.match_prefix(request) if self.full is not None else None
         limit = len(full) if full is not None else (request.num_tokens - 1) // self.page_size
-        ok = [all(each) for each in zip(*(ring.resumable(request, limit) for ring in self.rings))]
-        hit = max((n for n, good in enumerate(ok) if good), default=0)
+        checks = [ring.resumable(request, limit) for ring in self.rings]
+        hit = max(n for n in range(limit + 1) if all(check[n] for check in checks))
         if hit:
             self._hits[request.request_id] = (hit, [ring.snapshots_for(request, hit) for ring in self.rings])
         return full[:hit] if full is not None else range(hit)
@@ -121,7 +121,7 @@ def build_allocators(pool: CachePool, groups: Sequence[tuple[str, list[int]]], w
                      keep_tails: bool = False) -> tuple[CacheAllocator, list[LayerGroup]]:
     """One allocator per attention type over `pool` for the model's layer `groups` (see
     `cache_pool.layer_groups`): the allocator the scheduler sees (the only one, or a
-    `HybridCacheAllocator` over all; over a sharing sliding window always), and per group its allocator
+    `HybridCacheAllocator` over all; always where a sliding or state type shares), and per group its allocator
     and index within it. `windows`: the ring of every type but full attention, in slots
     (`CausalLM.cache_windows`). `prefix_key` and `keep_tails` as `FullAttentionCacheAllocator` takes them
     (tails: full attention alone)."""
