@@ -578,6 +578,27 @@ def assert_next_turn_resumes(model: TinyModel, config: dict) -> None:
     assert_greedy_match(runs[True][1], ref, logits, "next turn")
 
 
+def assert_state_kept_at_intervals(model: TinyModel) -> None:
+    """A model with state layers (page 4, passes of 24 tokens, a state kept every 8 tokens): a prompt's passes
+    end at 8, 16, 24 and 30, and a second prompt sharing its first 20 tokens resumes at 16 (without the
+    interval, at nothing: the first prompt's passes end at 24 and 30); tokens equal transformers'."""
+    first, other = random_prompts([30, 10], seed=9)
+    second = first[:20] + other
+    llm = model.llm(page_size=4, max_batch_tokens=24)
+    assert llm.engine.allocator.state_interval == 512  # (the default, past these prompts)
+    llm.engine.allocator.state_interval = 8
+    passes = []
+    run = llm.engine.runner.run
+    llm.engine.runner.run = lambda step: passes.append(int(step.input_ids.numel())) or run(step)
+    outs = llm.generate([first], greedy(4), use_tqdm=False) + llm.generate([second], greedy(4), use_tqdm=False)
+    assert passes[:4] == [8, 8, 8, 6]
+    assert llm.stats().prefix_cache_hit_tokens == 16
+    for prompt, out in zip((first, second), outs):
+        ref, logits = hf_greedy(model.reference, prompt, 4)
+        assert_greedy_match(out.token_ids, ref, logits, "state kept at intervals")
+    assert all_free(llm)
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
 
 

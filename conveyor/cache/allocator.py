@@ -73,6 +73,11 @@ class CacheAllocator:
         """Chunks a sequence of `num_tokens` tokens occupies (and a pass over it reads)."""
         raise NotImplementedError
 
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk planned over `[start, end)` stops (`end`, unless the cache wants a pass to end
+        sooner: `hybrid_allocator`)."""
+        return end
+
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """New chunks a request needs so that its first `num_tokens` tokens have slots."""
         raise NotImplementedError

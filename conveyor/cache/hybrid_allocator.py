@@ -19,6 +19,10 @@ from .pool import CachePool
 from .prefix_cache import PrefixCache
 from .sliding_allocator import SlidingAttentionCacheAllocator, StateCacheAllocator
 
+# With state layers, prefill passes end on multiples of this many tokens (rounded down to pages), where their
+# state is kept: a prompt that shares only its beginning with an earlier one (a system prompt) resumes there.
+STATE_INTERVAL = 512
+
 
 class HybridCacheAllocator(CacheAllocator):
     """Several attention types' allocators over one pool, seen as one: admission is all or nothing
@@ -44,6 +48,12 @@ class HybridCacheAllocator(CacheAllocator):
         self._order = sorted(self.allocators, key=lambda a: a is not self.full)
         # request -> the hit `match_prefix` found (in blocks) and each ring's snapshots for it, for `allocate`
         self._hits: dict[str, tuple[int, list[list[int]]]] = {}
+        states = self.block_sharing and any(isinstance(a, StateCacheAllocator) for a in allocators)
+        self.state_interval = max(self.page_size, STATE_INTERVAL // self.page_size * self.page_size) if states else 0
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """With state layers, a chunk stops at the next multiple of `state_interval` (a state kept there)."""
+        return min(end, (start // self.state_interval + 1) * self.state_interval) if self.state_interval else end
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return sum(a.blocks_for_tokens(num_tokens) for a in self.allocators)

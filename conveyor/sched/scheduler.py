@@ -143,7 +143,7 @@ class Scheduler:
         if request.state is RequestState.PREFILLING:
             # A running prefill may shrink its chunk to what its blocks plus the free pool can hold.
             start = request.num_computed_tokens
-            n = self.allocator.max_tokens(request.request_id, start, start + n) - start
+            n = self.allocator.max_tokens(request.request_id, start, self.allocator.chunk_end(start, start + n)) - start
         if n <= 0:
             out.stalled.append((request, self.allocator.blocks_needed(
                 request.request_id, request.num_computed_tokens + 1)))
@@ -183,7 +183,7 @@ class Scheduler:
         tail = self.allocator.match_tail(request, len(cached)) if looked_up else None  # copied, not computed
         hit = len(cached) * self.allocator.page_size + (tail[1] if tail else 0)
         start = request.num_computed_tokens + hit
-        n = min(request.num_tokens - start, budget.tokens)
+        n = self.allocator.chunk_end(start, start + min(request.num_tokens - start, budget.tokens)) - start
         if request.whole_prompt and start + n < request.num_tokens:
             return False  # an encoder's prompt goes in one pass (the input processor checked that it fits one)
         end = start + n

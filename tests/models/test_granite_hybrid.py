@@ -26,6 +26,7 @@ from tests.gguf_writer import write_gguf
 from tests.utils import (BF16_TOLERANCE, MOE_CONFIGS, QUANT_MODES, TINY_CONFIGS, TinyModel, all_free,
                          PAGE, assert_greedy_match, assert_mode_within_tolerance, assert_next_turn_resumes,
                          assert_offloads_resume, assert_prefix_scenario_matches, assert_prefix_sharing_keeps_outputs,
+                         assert_state_kept_at_intervals,
                          compare_greedy, greedy, greedy_ids, hf_greedy, make_lora_adapter, next_token_logprobs,
                          random_prompts)
 
@@ -208,6 +209,10 @@ def test_prefix_caching_resumes_from_mamba_state_snapshots(models: dict[str, Tin
                          ids=["page3-chunk5", "page4-async"])
 def test_a_next_turn_resumes_from_the_mamba_state(models: dict[str, TinyModel], config: dict) -> None:
     assert_next_turn_resumes(models["dense"], config)
+
+
+def test_a_shared_beginning_resumes_where_a_state_was_kept(models: dict[str, TinyModel]) -> None:
+    assert_state_kept_at_intervals(models["dense"])
 
 
 def test_layer_types_by_either_name_and_unknown_ones_refused() -> None:

@@ -19,7 +19,7 @@ from conveyor.models.sharding import plan_shards
 
 from tests.utils import (MOE_CONFIGS, PAGE, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
                          assert_mode_within_tolerance, assert_next_turn_resumes, assert_offloads_resume,
-                         assert_prefix_sharing_keeps_outputs, compare_greedy, greedy, hf_greedy, make_lora_adapter,
+                         assert_prefix_sharing_keeps_outputs, assert_state_kept_at_intervals, compare_greedy, greedy, hf_greedy, make_lora_adapter,
                          random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
@@ -80,6 +80,10 @@ def test_prefix_caching_resumes_from_conv_state_snapshots(tiny_models: dict[str,
 def test_a_next_turn_resumes_from_the_conv_state(tiny_models: dict[str, TinyModel], two_slot_rows: TinyModel,
                                                  config: dict) -> None:
     assert_next_turn_resumes(two_slot_rows if config["page_size"] == 3 else tiny_models["lfm2"], config)
+
+
+def test_a_shared_beginning_resumes_where_a_state_was_kept(tiny_models: dict[str, TinyModel]) -> None:
+    assert_state_kept_at_intervals(tiny_models["lfm2"])
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["soft-reset", "swap"])
