@@ -214,6 +214,11 @@ class AttentionTypeAllocator(CacheAllocator):
     def holds(self, request_id: str) -> bool:
         return request_id in self.block_tables
 
+    @property
+    def num_held_chunks(self) -> int:
+        """Chunks its requests hold (their tables', and snapshots being filled): O(held blocks)."""
+        return sum(1 + len(self._siblings.get(block, ())) for block in self.ref_counts)
+
     def chunk(self, block: int, group: int) -> int:
         """A held block's chunk in one of this allocator's layer groups."""
         return block if group == 0 else self._siblings[block][group - 1]

@@ -257,7 +257,7 @@ class Engine:
         models have several types), reclaimable prefix-cached blocks, the pool's bytes and resident bytes."""
         allocators = getattr(self.allocator, "allocators", [self.allocator])
         return {"groups": [{"type": a.attention_type, "layer_groups": a.num_groups,
-                            "used": len(a.ref_counts) * a.num_groups} for a in allocators],
+                            "used": a.num_held_chunks} for a in allocators],
                 "cached": getattr(self.allocator, "num_cached_blocks", 0),
                 "bytes": self.pool.nbytes, "resident_bytes": self.pool.resident_bytes()}
 

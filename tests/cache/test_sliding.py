@@ -178,6 +178,20 @@ def test_a_hit_holds_its_blocks_before_any_type_reclaims_the_cache():
     assert hybrid.pool.num_free == hybrid.pool.num_usable
 
 
+def test_a_state_snapshot_is_the_whole_run_and_counts_so():
+    """A pass ending on a page boundary snapshots the whole state run (3 blocks x 2 groups here): held,
+    counted and freed as all its chunks, whatever the one block that stands for it."""
+    pool, cache, digests = make_pool(40 + NUM_RESERVED_CHUNKS, page_size=2), PrefixCache(), RequestDigests(2)
+    state = StateCacheAllocator(pool, 6, 2, "mamba", True, cache, digests)
+    request = Request("a", list(range(10, 19)), SamplingParams(max_new_tokens=1))
+    assert state.allocate("a", 9) and state.num_held_chunks == 6
+    assert state.take_snapshots(request, 0, 7) == {}  # (not on a page boundary)
+    taken = state.take_snapshots(request, 7, 8)
+    assert list(taken) == [3] and len(state.snapshot_chunks(taken[3])) == 6
+    assert state.num_held_chunks == state.exclusive_blocks("a") == 12 == pool.num_usable - pool.num_free
+    assert state.free("a") == 12 and pool.num_free == pool.num_usable and not cache.num_cached
+
+
 BASES = [list(range(10, 40)), list(range(10, 20)) + list(range(50, 70)), list(range(80, 110))]
 sharing_ops = st.lists(st.tuples(st.sampled_from(["admit", "step", "free"]), st.sampled_from(REQUESTS),
                                  st.integers(0, 2), st.integers(1, 30)), max_size=60)
