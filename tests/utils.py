@@ -530,20 +530,22 @@ def assert_prefix_scenario_matches(llm: LLM, reference: transformers.PreTrainedM
     assert all_free(llm)
 
 
-def assert_prefix_sharing_keeps_outputs(model: TinyModel, hits: int) -> None:
-    """`shared_prefix_scenario` with prefix caching on and off: `hits` prompt tokens found in the cache (none
-    off), the rest computed; outputs equal each other's and transformers', log-probabilities too (fp32);
-    every block back."""
-    outputs, logprobs = {}, {}
+def assert_prefix_sharing_keeps_outputs(model: TinyModel, hits: int) -> LLM:
+    """`shared_prefix_scenario` with prefix caching on and off: every prompt token looked up (none off), `hits`
+    found in the cache (none off), the rest computed, nothing offloaded; outputs equal each other's and
+    transformers', log-probabilities too (fp32); every block back. Returns the engine with caching on."""
+    outputs, logprobs, llms = {}, {}, {}
     for sharing in (True, False):
-        llm = model.llm(page_size=PAGE, max_batch_tokens=24, allow_block_sharing=sharing)
+        llm = llms[sharing] = model.llm(page_size=PAGE, max_batch_tokens=24, allow_block_sharing=sharing)
         assert llm.engine.block_sharing is sharing and llm.engine.allocator.block_sharing is sharing
         logprobs[sharing] = {}
         outputs[sharing] = shared_prefix_scenario(llm, model.reference, logprobs[sharing])
         stats = llm.stats()
         query = sum(len(p) for p in outputs[sharing]["prompts"].values())
         expected = hits if sharing else 0
-        assert (stats.prefix_cache_hit_tokens, stats.prefill_tokens) == (expected, query - expected)
+        assert (stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens, stats.prefill_tokens) == (
+            query if sharing else 0, expected, query - expected)
+        assert stats.soft_resets == 0
         assert all_free(llm) and (llm.engine.allocator.num_cached_blocks > 0) is sharing
     on, off = outputs[True], outputs[False]
     for name, prompt in on.pop("prompts").items():
@@ -552,6 +554,7 @@ def assert_prefix_sharing_keeps_outputs(model: TinyModel, hits: int) -> None:
                                    rtol=0, atol=1e-4, msg=f"request {name}")
         ref, logits = hf_greedy(model.reference, prompt, len(on[name]))
         assert_greedy_match(on[name], ref, logits, f"request {name}")
+    return llms[True]
 
 
 def assert_next_turn_resumes(model: TinyModel, config: dict) -> None:

@@ -12,8 +12,8 @@ from conveyor.cache.prefix_cache import BlockHashes, PrefixCache, block_digest
 from conveyor.engine.engine import Engine
 from conveyor.request import Request
 
-from tests.utils import (PAGE, TinyModel, assert_greedy_match, check_allocator_invariants, greedy, hf_greedy,
-                         random_prompts, shared_prefix_scenario)
+from tests.utils import (PAGE, TinyModel, assert_greedy_match, assert_prefix_sharing_keeps_outputs,
+                         check_allocator_invariants, greedy, hf_greedy, random_prompts)
 
 
 def chain(tokens: list[int], num_blocks: int, page_size: int = PAGE) -> list[bytes]:
@@ -78,31 +78,9 @@ def test_prefix_cache_index_and_lifo_eviction():
 # -- outputs and savings -----------------------------------------------------------------------
 
 def test_outputs_identical_with_and_without_prefix_caching(tiny_llama: TinyModel) -> None:
-    results = {}
-    for sharing in (True, False):
-        llm = tiny_llama.llm(page_size=PAGE, max_batch_tokens=24, allow_block_sharing=sharing)
-        assert llm.engine.block_sharing is sharing
-        results[sharing] = shared_prefix_scenario(llm, tiny_llama.reference)
-        stats = llm.stats()
-        query = sum(len(p) for p in results[sharing]["prompts"].values())  # 50 + 47 + 50 + 48 + 60
-        if sharing:
-            # b: 10 blocks; c: 12 (of 12.5); d: 11 (its last block recomputed); e: 14 (a's generated tokens too).
-            hits = (10 + 12 + 11 + 14) * PAGE
-            assert (stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens) == (query, hits)
-            assert stats.prefill_tokens == query - hits
-            assert_all_free(llm.engine)
-            assert llm.engine.allocator.num_cached_blocks > 0
-        else:
-            assert (stats.prefix_cache_query_tokens, stats.prefix_cache_hit_tokens) == (0, 0)
-            assert stats.prefill_tokens == query
-            assert llm.engine.allocator.num_cached_blocks == 0
-            assert llm.engine.pool.num_free == llm.engine.pool.num_usable
-        assert stats.soft_resets == 0
-    on, off = results[True], results[False]
-    for name, prompt in on.pop("prompts").items():
-        assert on[name] == off[name], f"request {name}: prefix caching changed the output"
-        ref, logits = hf_greedy(tiny_llama.reference, prompt, len(on[name]))
-        assert_greedy_match(on[name], ref, logits, f"request {name}")
+    # b: 10 blocks; c: 12 (of 12.5); d: 11 (its last block recomputed); e: 14 (a's generated tokens too).
+    llm = assert_prefix_sharing_keeps_outputs(tiny_llama, (10 + 12 + 11 + 14) * PAGE)
+    assert_all_free(llm.engine)
 
 
 def test_second_request_prefills_only_its_new_tokens(tiny_llama: TinyModel) -> None:

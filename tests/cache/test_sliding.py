@@ -16,11 +16,10 @@ from conveyor.cache.hybrid_allocator import HybridCacheAllocator
 from conveyor.cache.sliding_allocator import SlidingAttentionCacheAllocator, StateCacheAllocator
 from conveyor.cache.pool import NUM_RESERVED_CHUNKS, layer_groups
 from conveyor.cache.prefix_cache import PrefixCache
-from conveyor.engine.engine import Engine
 from conveyor.models.base import attention_layer_types
 from conveyor.request import Request
 
-from tests.utils import (PAGE, TINY_COMMON, WINDOW, TinyModel, assert_greedy_match, assert_next_turn_resumes,
+from tests.utils import (PAGE, TINY_COMMON, WINDOW, TinyModel, all_free, assert_greedy_match, assert_next_turn_resumes,
                          assert_prefix_sharing_keeps_outputs, greedy, hf_greedy, make_pool, random_prompts)
 
 SLIDING_KINDS = ["mistral_sliding", "gemma2", "gemma3"]
@@ -39,11 +38,6 @@ def references(tiny_models: dict[str, TinyModel]) -> dict[str, list[tuple[list[i
 def assert_matches(kind: str, outputs: list[list[int]], references: dict, label: str) -> None:
     for i, (ours, (ref, logits)) in enumerate(zip(outputs, references[kind])):
         assert_greedy_match(ours, ref, logits, f"{kind} {label} prompt {i}")
-
-
-def assert_nothing_held(engine: Engine) -> None:
-    assert engine.allocator.num_free_blocks == engine.allocator.num_total_blocks
-    assert engine.pool.num_free + engine.allocator.num_cached_blocks == engine.pool.num_usable
 
 
 # -- layer groups and allocators ----------------------------------------------------------------
@@ -257,7 +251,7 @@ def test_sliding_and_hybrid_models_match_transformers(kind, config, tiny_models,
     llm = tiny_models[kind].llm(**config)
     outs = llm.generate(PROMPTS, greedy(MAX_NEW), use_tqdm=False)
     assert_matches(kind, [o.token_ids for o in outs], references, str(config))
-    assert_nothing_held(llm.engine)
+    assert all_free(llm)
 
 
 @pytest.mark.parametrize("kind", ["mistral_sliding", "gemma2"])
@@ -283,7 +277,7 @@ def test_sliding_pages_stay_bounded_while_generating(kind, tiny_models):
         if sliding.holds("long"):
             lengths.append(len(sliding.block_table("long")))
     assert max(lengths) == sliding.ring_blocks  # 91 tokens, never more than the window's pages
-    assert_nothing_held(engine)
+    assert all_free(llm)
 
 
 @pytest.mark.parametrize("kind", SLIDING_KINDS)
@@ -323,7 +317,7 @@ def test_hybrid_offloading_keeps_outputs(scheduler_type, swap, tiny_models, refe
     assert stats.offloads > 0
     assert (stats.swap_ins > 0) == swap and (stats.soft_resets > 0) == (not swap)
     assert_matches("gemma2", [o.token_ids for o in outs], references, f"offload {scheduler_type}")
-    assert_nothing_held(llm.engine)
+    assert all_free(llm)
     if swap:
         assert llm.engine.swap.num_free == llm.engine.swap.num_slots
 
@@ -336,4 +330,4 @@ def test_hybrid_request_larger_than_the_pool_fails_alone(tiny_models, references
         llm.generate([too_long], greedy(1), use_tqdm=False)
     outs = llm.generate(PROMPTS[:2], greedy(MAX_NEW), use_tqdm=False)
     assert_matches("gemma2", [o.token_ids for o in outs], references, "after a refused request")
-    assert_nothing_held(llm.engine)
+    assert all_free(llm)

@@ -33,7 +33,7 @@ from conveyor.models.sharding import plan_shards
 from tests.attention_utils import interpreter_only, ragged_metadata
 from tests.gguf_writer import write_gpt_oss_gguf
 from tests.utils import (GPT_OSS_LIMIT, LENGTHS, MAX_NEW, PAGE, QUANT_MODES, WINDOW, TinyModel, all_free,
-                         assert_grouped_equals_loop, assert_mode_within_tolerance, assert_prefix_scenario_matches,
+                         assert_grouped_equals_loop, assert_mode_within_tolerance, assert_prefix_sharing_keeps_outputs,
                          gpt_oss_config, make_gpt_oss, make_smooth_gpt_oss, next_token_logprobs, random_prompts,
                          run_and_compare, tiny_tokenizer)
 
@@ -77,10 +77,7 @@ def test_gpt_oss_matches_transformers(gpt_oss: TinyModel, backend: str) -> None:
 
 def test_gpt_oss_prefix_caching_keeps_outputs(gpt_oss: TinyModel) -> None:
     """Its sliding layers resume from the windows' snapshots: the hits full attention alone would get."""
-    llm = gpt_oss.llm(page_size=PAGE, max_batch_tokens=24)
-    assert llm.engine.block_sharing
-    assert_prefix_scenario_matches(llm, gpt_oss.reference)
-    assert llm.stats().prefix_cache_hit_tokens == (10 + 12 + 11 + 14) * PAGE  # as tests/cache/test_sliding.py's
+    assert_prefix_sharing_keeps_outputs(gpt_oss, (10 + 12 + 11 + 14) * PAGE)  # as tests/cache/test_sliding.py's
 
 
 def test_gpt_oss_is_batch_invariant(gpt_oss: TinyModel) -> None:
