@@ -43,13 +43,14 @@ class SlidingAttentionCacheAllocator(AttentionTypeAllocator):
     completed blocks are kept as snapshots (see the module's docstring)."""
 
     attention_type = "sliding_attention"
+    per_block_snapshots = True  # a snapshot per block of the window (a state's is its whole run: no page minimum)
 
     def __init__(self, pool: CachePool, window: int, num_groups: int = 1, block_sharing: bool = False,
                  prefix_cache: PrefixCache | None = None, digests: RequestDigests | None = None) -> None:
         super().__init__(pool, num_groups, block_sharing, prefix_cache, digests)
         if window < 1:
             raise ValueError(f"sliding window must be >= 1 token, got {window}")
-        if block_sharing and window < self.page_size:
+        if block_sharing and self.per_block_snapshots and window < self.page_size:
             raise ValueError(f"sliding-window snapshots need a window of at least a page ({self.page_size} tokens), "
                              f"got {window}")
         self.window = window
@@ -160,11 +161,12 @@ class StateCacheAllocator(SlidingAttentionCacheAllocator):
     snapshot's block, the others its siblings), indexed under the last block's digest; a hit must end
     exactly where a snapshot is, and the new run is a copy of it."""
 
+    per_block_snapshots = False
+
     def __init__(self, pool: CachePool, window: int, num_groups: int = 1, attention_type: str = "conv",
                  block_sharing: bool = False, prefix_cache: PrefixCache | None = None,
                  digests: RequestDigests | None = None) -> None:
-        super().__init__(pool, window, num_groups, block_sharing=False, prefix_cache=prefix_cache, digests=digests)
-        self.block_sharing = block_sharing  # (a run of any length: no page minimum)
+        super().__init__(pool, window, num_groups, block_sharing, prefix_cache, digests)
         self.attention_type = attention_type
 
     def table_length(self, num_tokens: int) -> int:
