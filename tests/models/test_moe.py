@@ -137,7 +137,9 @@ def test_native_routing_equals_pytorchs(form: dict) -> None:
     block = SparseMoe(64, 32, num_experts=6, top_k=3, shared_intermediate_size=32, **form)
     assert block.route_name == ("sigmoid" if "sigmoid_scale" in form else "biased" if "selection_bias" in form
                                 else "topk_softmax" if "topk_softmax" in form else "softmax")
-    assert_grouped_equals_loop(block, torch.float32, f32_rows)  # (which leaves the block on PyTorch's ops)
+    # (which leaves the block on PyTorch's ops; 1e-5: PyTorch's vectorized softmax takes its own e^x, an ulp off
+    # libm's for about half the values on AVX2, and the routing weights scale the experts' outputs)
+    assert_grouped_equals_loop(block, torch.float32, f32_rows, fp32_tol=1e-5)
     assert block.group_experts()
     x = torch.randn(40, 64)
     counts: list[list[int]] = []
