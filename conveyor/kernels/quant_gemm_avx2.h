@@ -79,13 +79,29 @@ inline void scale_into(const __m256i* dot, __m256 wd, const float* xd, __m256* a
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(wd, _mm256_set1_ps(xd[i])), acc[i]);
 }
 
+// The next tile, fetched into L2 while this one computes: the two halves' `steps` iterations each take
+// their share of its lines, so the memory stays busy while the second half reads the tile from cache
+// (a prefetch ahead within the tile leaves it idle then). The last tile, and tiles that several passes
+// read (more rows than a pass), prefetch themselves ahead instead.
+struct NextTile {
+    const uint8_t* tile;  // null: none
+    int64_t bytes, steps;
+    void fetch(int64_t i) const {
+        if (!tile) return;
+        for (int64_t off = (i * bytes / steps + 63) & ~int64_t{63}; off < (i + 1) * bytes / steps; off += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(tile + off), _MM_HINT_T1);
+    }
+};
+
 template <typename W, int MR>
-void dense_half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* acc) {
+void dense_half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* acc,
+                     const NextTile& next) {
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     const float* x = a.f.data() + m0 * a.K;
     const uint8_t* w = tile + 8 * sizeof(W) * half;
     for (int64_t k = 0; k < a.K; ++k, x += MR, w += sizeof(W) * kTileRows) {
         if (prefetch && (sizeof(W) == 4 || k % 2 == 0)) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+        next.fetch(half * a.K + k);
         const __m256 wv = sizeof(W) == 4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(w))
                                          : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16b(w)), 16));
         for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_set1_ps(x[i]), acc[i]);
@@ -93,7 +109,8 @@ void dense_half_pass(const uint8_t* tile, int half, const Activations& a, int64_
 }
 
 template <int64_t T, int MR>
-void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* result) {
+void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* result,
+               const NextTile& next) {
     const int64_t nb = a.nb;
     __m256 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
@@ -104,7 +121,8 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
     __m256 hd = _mm256_setzero_ps(), hm = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xstart += MR * (has_half_scales(T) ? 2 : 1)) {
         const uint8_t* blk = tile_block(T, tile, b);
-        if (prefetch) prefetch_group(T, blk);  // the second half reads the tile again, from cache by then
+        if (prefetch) prefetch_group(T, blk);
+        next.fetch(half * nb + b);
         if constexpr (has_superblocks(T)) {
             if (b % group_blocks(T) == 0) {
                 const uint8_t* head = tile_header(T, tile, b);
@@ -257,11 +275,16 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
                const TileOut& out) {
     if (n0 + kTileRows < N)  // as in the AVX-512 kernel: the next tile's output lines
         for (int i = 0; i < MR; ++i) _mm_prefetch(out.address(m0 + i, n0 + kTileRows), _MM_HINT_T0);
+    // The first pass over the tile (m0 = 0) streams it from memory; where it is the only one (decode-sized
+    // products, bound by the memory), the next tile with it.
+    const int64_t tb = a.M <= kPassRows ? tile_bytes(T, a.K) : 0;
+    const NextTile next{tb && n0 + kTileRows < N ? tile + tb : nullptr, tb, 2 * (T == BF16 || T == F32 ? a.K : a.nb)};
+    const bool ahead = m0 == 0 && !next.tile;
     for (int half = 0; half < 2; ++half) {
         __m256 res[MR];
-        if constexpr (T == BF16) dense_half_pass<bf16, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
-        else if constexpr (T == F32) dense_half_pass<float, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
-        else half_pass<T, MR>(tile, half, a, m0, m0 == 0 && half == 0, res);
+        if constexpr (T == BF16) dense_half_pass<bf16, MR>(tile, half, a, m0, ahead && half == 0, res, next);
+        else if constexpr (T == F32) dense_half_pass<float, MR>(tile, half, a, m0, ahead && half == 0, res, next);
+        else half_pass<T, MR>(tile, half, a, m0, ahead && half == 0, res, next);
         const int64_t base = n0 + 8 * half, valid = std::min<int64_t>(8, N - base);
         if (valid <= 0) break;
         for (int i = 0; i < MR; ++i) {
