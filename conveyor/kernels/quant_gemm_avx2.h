@@ -47,12 +47,14 @@ template <int MR>
 inline void dot8(const uint8_t* blk, int half, const int8_t* x, __m256i* dot) {
 #if defined(__AVXVNNI__)
     const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half)), bias);
         for (int i = 0; i < MR; ++i) dot[i] = _mm256_dpbusd_avx_epi32(dot[i], w, bcast4(x + (j * MR + i) * 4));
     }
 #else
     const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
         const __m256i u = _mm256_sign_epi8(w, w);
@@ -79,29 +81,35 @@ inline void scale_into(const __m256i* dot, __m256 wd, const float* xd, __m256* a
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(wd, _mm256_set1_ps(xd[i])), acc[i]);
 }
 
-// The next tile, fetched into L2 while this one computes: the two halves' `steps` iterations each take
-// their share of its lines, so the memory stays busy while the second half reads the tile from cache
+// The next tile, fetched into L2 while this one computes: each of the two halves' `steps` iterations
+// takes its share of the lines, so the memory stays busy while the second half reads the tile from cache
 // (a prefetch ahead within the tile leaves it idle then). The last tile, and tiles that several passes
 // read (more rows than a pass), prefetch themselves ahead instead.
-struct NextTile {
-    const uint8_t* tile;  // null: none
-    int64_t bytes, steps;
-    void fetch(int64_t i) const {
-        if (!tile) return;
-        for (int64_t off = (i * bytes / steps + 63) & ~int64_t{63}; off < (i + 1) * bytes / steps; off += 64)
-            _mm_prefetch(reinterpret_cast<const char*>(tile + off), _MM_HINT_T1);
+class NextTile {
+  public:
+    NextTile(const uint8_t* tile, int64_t bytes, int64_t steps)
+        : tile_(tile), bytes_(bytes), share_(tile ? (bytes + steps - 1) / steps : 0) {}
+    bool active() const { return tile_ != nullptr; }
+    void fetch() {
+        if (!tile_) return;
+        end_ = std::min(end_ + share_, bytes_);
+        for (; off_ < end_; off_ += 64) _mm_prefetch(reinterpret_cast<const char*>(tile_ + off_), _MM_HINT_T1);
     }
+
+  private:
+    const uint8_t* tile_;
+    int64_t bytes_, share_, off_ = 0, end_ = 0;
 };
 
 template <typename W, int MR>
 void dense_half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* acc,
-                     const NextTile& next) {
+                     NextTile& next) {
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
     const float* x = a.f.data() + m0 * a.K;
     const uint8_t* w = tile + 8 * sizeof(W) * half;
     for (int64_t k = 0; k < a.K; ++k, x += MR, w += sizeof(W) * kTileRows) {
         if (prefetch && (sizeof(W) == 4 || k % 2 == 0)) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-        next.fetch(half * a.K + k);
+        next.fetch();
         const __m256 wv = sizeof(W) == 4 ? _mm256_loadu_ps(reinterpret_cast<const float*>(w))
                                          : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16b(w)), 16));
         for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(wv, _mm256_set1_ps(x[i]), acc[i]);
@@ -110,7 +118,7 @@ void dense_half_pass(const uint8_t* tile, int half, const Activations& a, int64_
 
 template <int64_t T, int MR>
 void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, bool prefetch, __m256* result,
-               const NextTile& next) {
+               NextTile& next) {
     const int64_t nb = a.nb;
     __m256 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
@@ -122,7 +130,7 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
     for (int64_t b = 0; b < nb; ++b, x += MR * QK, xd += MR, xs += MR, xstart += MR * (has_half_scales(T) ? 2 : 1)) {
         const uint8_t* blk = tile_block(T, tile, b);
         if (prefetch) prefetch_group(T, blk);
-        next.fetch(half * nb + b);
+        next.fetch();
         if constexpr (has_superblocks(T)) {
             if (b % group_blocks(T) == 0) {
                 const uint8_t* head = tile_header(T, tile, b);
@@ -135,6 +143,7 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
             const __m256i low4 = _mm256_set1_epi8(0x0F);
 #if defined(__AVXVNNI__)
             for (int i = 0; i < MR; ++i) dot[i] = T == Q4_0 || is_iq4(T) ? _mm256_set1_epi32(xstart[i]) : _mm256_setzero_si256();
+#pragma GCC unroll 8
             for (int j = 0; j < 4; ++j) {
                 const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
                 __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
@@ -147,6 +156,7 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
             for (int i = 0; i < MR; ++i) dot[i] = T == Q4_0 ? _mm256_set1_epi32(xstart[i]) : _mm256_setzero_si256();
             if constexpr (is_iq4(T)) {  // signed values: |w| times x carrying w's sign (a pair sum up to
                 // 2 x 127 x 127: each product pair widened on its own, as two would overflow int16)
+#pragma GCC unroll 8
                 for (int j = 0; j < 4; ++j) {
                     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
                     __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
@@ -163,6 +173,7 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
                 // for nibbles, 2 x 2 x 2 x 31 x 127 for Q5_K's 5-bit values.
                 constexpr int kWiden = T == Q5_K ? 2 : 4;
                 __m256i s16[MR];
+#pragma GCC unroll 8
                 for (int j = 0; j < 4; ++j) {
                     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * half));
                     __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
@@ -196,11 +207,13 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 + 32 * half))};
             const __m256i three = _mm256_set1_epi8(3);
             const uint8_t* sc = blk + quant_bytes(T);
+#pragma GCC unroll 8
             for (int h = 0; h < 2; ++h) {
                 for (int i = 0; i < MR; ++i) dot[i] = T == Q3_K ? _mm256_set1_epi32(xstart[h * MR + i] / 32) : _mm256_setzero_si256();
 #if !defined(__AVXVNNI__)
                 __m256i s16[MR];  // pair sums of at most 2 x 7 x 127, four chunks: int16 holds them
 #endif
+#pragma GCC unroll 8
                 for (int j = 4 * h; j < 4 * h + 4; ++j) {
                     __m256i q = _mm256_and_si256(_mm256_srli_epi16(planes[j % 2], 2 * (j / 2)), three);
                     if constexpr (T == Q3_K) q = _mm256_or_si256(q, high_bytes(blk + 128 + 8 * j + 4 * half, 4));
@@ -232,11 +245,13 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 320 + 32 * half))};
             const __m256i low4 = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30);
             const uint8_t* sc = blk + 384;
+#pragma GCC unroll 8
             for (int h = 0; h < 2; ++h) {
                 for (int i = 0; i < MR; ++i) dot[i] = _mm256_set1_epi32(xstart[h * MR + i] / 4);
 #if !defined(__AVXVNNI__)
                 __m256i s16[MR];  // pair sums of at most 2 x 63 x 127, two chunks: int16 holds them
 #endif
+#pragma GCC unroll 8
                 for (int c = 0; c < 4; ++c) {
                     const int j = 4 * h + c, shift = 4 - 2 * (j / 2);
                     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * c + 32 * half));
@@ -278,8 +293,8 @@ void tile_rows(const uint8_t* tile, const float* scales, const Activations& a, i
     // The first pass over the tile (m0 = 0) streams it from memory; where it is the only one (decode-sized
     // products, bound by the memory), the next tile with it.
     const int64_t tb = a.M <= kPassRows ? tile_bytes(T, a.K) : 0;
-    const NextTile next{tb && n0 + kTileRows < N ? tile + tb : nullptr, tb, 2 * (T == BF16 || T == F32 ? a.K : a.nb)};
-    const bool ahead = m0 == 0 && !next.tile;
+    NextTile next(tb && n0 + kTileRows < N ? tile + tb : nullptr, tb, 2 * (T == BF16 || T == F32 ? a.K : a.nb));
+    const bool ahead = m0 == 0 && !next.active();
     for (int half = 0; half < 2; ++half) {
         __m256 res[MR];
         if constexpr (T == BF16) dense_half_pass<bf16, MR>(tile, half, a, m0, ahead && half == 0, res, next);
