@@ -13,7 +13,7 @@ constexpr int kPassRows = kPackRows;
 
 // Opaque to the compiler's reassociation of integer adds: without it GCC computes a whole block's products
 // before summing any (the sums reordered into one chain each), which spills most of them at four rows.
-// The 4-bit types' blocks only: Q6_K's, Q2_K's and Q3_K's ran slower with it.
+// Blocks summed in int16 whole only (4-bit): Q5_K's, Q6_K's, Q2_K's and Q3_K's ran slower with it.
 inline void in_order(__m256i& v) { __asm__("" : "+x"(v)); }
 inline __m256i bcast4(const int8_t* p) { return _mm256_set1_epi32(word(p)); }
 inline __m128i load16b(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
@@ -186,7 +186,7 @@ void half_pass(const uint8_t* tile, int half, const Activations& a, int64_t m0, 
                         const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4(x + (j * MR + i) * 4)),
                                                            _mm256_maddubs_epi16(hi, bcast4(x + ((j + 4) * MR + i) * 4)));
                         s16[i] = j % kWiden == 0 ? p : _mm256_add_epi16(s16[i], p);
-                        in_order(s16[i]);
+                        if constexpr (kWiden == 4) in_order(s16[i]);
                     }
                     if (j % kWiden == kWiden - 1)
                         for (int i = 0; i < MR; ++i) dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(s16[i], ones));
