@@ -87,7 +87,7 @@ constexpr double kFmaLanes =
 
 // The AVX2 kernel's own shape: two weight vectors against four rows' broadcast activations, each row's
 // two products summed into its accumulator (ten registers; with six accumulators of six weights GCC
-// kept half of them on the stack and the loop measured store forwarding, a third of the rate).
+// kept half of them on the stack and the loop timed store forwarding, not the multiplier).
 #define CONVEYOR_BARRIER __asm__ volatile("" : "+x"(w0), "+x"(w1), "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3))
 #define CONVEYOR_ROWS(X) X(0, x0, x1) X(1, x1, x2) X(2, x2, x3) X(3, x3, x0)
 

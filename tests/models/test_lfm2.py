@@ -19,8 +19,8 @@ from conveyor.models.sharding import plan_shards
 
 from tests.utils import (MOE_CONFIGS, PAGE, TINY_CONFIGS, TinyModel, all_free, assert_greedy_match,
                          assert_mode_within_tolerance, assert_next_turn_resumes, assert_offloads_resume,
-                         assert_prefix_sharing_keeps_outputs, assert_state_kept_at_intervals, compare_greedy, greedy, hf_greedy, make_lora_adapter,
-                         random_prompts)
+                         assert_prefix_sharing_keeps_outputs, assert_state_kept_at_intervals, compare_greedy, greedy,
+                         hf_greedy, make_lora_adapter, random_prompts)
 
 PROMPTS = random_prompts([1, 2, 9, 30, 47], seed=7)
 MAX_NEW = 16
