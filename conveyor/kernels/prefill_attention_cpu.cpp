@@ -168,8 +168,9 @@ inline void tile_query_pairs(const bf16* const* rows, int64_t R, int64_t D, int6
             vecw x[W];
             for (int64_t i = 0; i < W; ++i) {
                 x[i] = vecw{};
-                if (r0 + i < R && n > 0)
-                    std::memcpy(&x[i], rows[r0 + i] + 2 * j0, n == W ? sizeof x[i] : n * sizeof(uint32_t));
+                // a whole vector's copy apart: one variable-size copy would compile to `rep movs` for all
+                if (r0 + i < R && n == W) std::memcpy(&x[i], rows[r0 + i] + 2 * j0, sizeof x[i]);
+                else if (r0 + i < R && n > 0) std::memcpy(&x[i], rows[r0 + i] + 2 * j0, n * sizeof(uint32_t));
             }
             transpose(x);
             for (int64_t j = 0; j < std::min<int64_t>(W, np - j0); ++j)
