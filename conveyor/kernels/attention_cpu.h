@@ -106,39 +106,52 @@ inline void value_vectors(const T* row, int64_t D, vecw* v) {
     }
 }
 
-// One block for a query head: its scores s (NV vectors; lanes [lo, hi) hold keys, the rest none)
-// folded into the running max m and sum l, the output o (J vectors) rescaled if m moved; p gets the
-// probabilities (exactly 0 where no key). The order of every operation is attention_blocks.h's.
+// One block for C query heads: head c's scores s[c] (NV vectors; lanes [lo, hi) hold keys, the rest
+// none) folded into its running max m[c] and sum l[c], its output o + c * Dp (J vectors) rescaled if m[c]
+// moved; p + c * kKeyBlock gets its probabilities (exactly 0 where no key). The order of every operation
+// is attention_blocks.h's, head by head; the heads go through each stage together, so that their
+// chains (the max across lanes, the exponentials, the sum) overlap instead of running one after another.
 // J is a loop bound, not a template argument: the scores need not be compiled once per head dim.
-template <int NV>
-inline void block_softmax(vecw* s, int64_t lo, int64_t hi, float cap, float& m, float& l, float* o, int64_t J, float* p) {
+template <int NV, int C>
+inline void block_softmax(vecw (*s)[NV], int64_t lo, int64_t hi, float cap, float* m, float* l, float* o, int64_t Dp,
+                          int64_t J, float* p) {
     ivecw lane;
     for (int i = 0; i < W; ++i) lane[i] = i;
-    vecw mx = splat(kMasked);
     ivecw key[NV];
-    for (int v = 0; v < NV; ++v) {
-        vecw x = s[v];
-        if (cap > 0.f) x = vtanh(x / cap) * cap;
+    for (int v = 0; v < NV; ++v)
         key[v] = (lane + v * W >= static_cast<int32_t>(lo)) & (lane + v * W < static_cast<int32_t>(hi));
-        s[v] = select(key[v], x, splat(kMasked));
-        mx = vmax(mx, s[v]);
+    float m1[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+        vecw mx = splat(kMasked);
+        for (int v = 0; v < NV; ++v) {
+            vecw x = s[c][v];
+            if (cap > 0.f) x = vtanh(x / cap) * cap;
+            s[c][v] = select(key[v], x, splat(kMasked));
+            mx = vmax(mx, s[c][v]);
+        }
+        m1[c] = std::max(lane_max(mx), m[c]);
     }
-    const float bm = lane_max(mx);
-    const bool moved = bm > m;
-    const float m1 = moved ? bm : m;
-    vecw e[NV];
-    for (int v = 0; v < NV; ++v) {
-        e[v] = select(key[v], vexp(s[v] - m1), vecw{});
-        storew(p + v * W, e[v]);
+    float sum[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+        vecw e[NV];
+        for (int v = 0; v < NV; ++v) {
+            e[v] = select(key[v], vexp(s[c][v] - m1[c]), vecw{});
+            storew(p + c * kKeyBlock + v * W, e[v]);
+        }
+        sum[c] = block_sum<NV>(e);
     }
-    const float sum = block_sum<NV>(e);
-    if (moved) {
-        const float alpha = vexp(splat(m - m1))[0];
-        l = fmadd(l, alpha, sum);
-        m = m1;
-        for (int64_t j = 0; j < J; ++j) storew(o + j * W, loadw(o + j * W) * alpha);
-    } else {
-        l = l + sum;
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+        if (m1[c] > m[c]) {
+            const float alpha = vexp(splat(m[c] - m1[c]))[0];
+            l[c] = fmadd(l[c], alpha, sum[c]);
+            m[c] = m1[c];
+            for (int64_t j = 0; j < J; ++j) storew(o + c * Dp + j * W, loadw(o + c * Dp + j * W) * alpha);
+        } else {
+            l[c] = l[c] + sum[c];
+        }
     }
 }
 
@@ -231,8 +244,8 @@ struct PairQuery {
 // One block's scores for `count` (<= GK) query heads of one kv head (queries q, Dp apart; K rows
 // krows[i] + offset), W keys turned by head-dim entry at a time into the chains (int8 keys: by quads
 // into `dot_quads` with the quantized queries qi, then `int8_scores`; bf16 keys: by pairs into
-// `dot_bf16_pairs` with the queries' pairs qp, then the scale), then each head's
-// `block_softmax` (its running max m, sum l, output o of J vectors, Dp apart, probabilities p,
+// `dot_bf16_pairs` with the queries' pairs qp, then the scale), then the heads'
+// `block_softmax` together (each its running max m, sum l, output o of J vectors, Dp apart, probabilities p,
 // kKeyBlock apart). Not inlined and not per head dim: compiled once per cache dtype.
 template <typename T>
 __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset, int64_t D, const float* q, int64_t Dp,
@@ -273,8 +286,7 @@ __attribute__((noinline)) void score_heads(const T* const* krows, int64_t offset
                     for (int c = 0; c < C; ++c) s[c][v] = acc[c];
                 }
             }
-            for (int c = 0; c < C; ++c)
-                block_softmax<NV>(s[c], lo, hi, cap, m[c], l[c], o + c * Dp, J, p + c * kKeyBlock);
+            block_softmax<NV, C>(s, lo, hi, cap, m, l, o, Dp, J, p);
         });
     });
 }
