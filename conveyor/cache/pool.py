@@ -9,8 +9,9 @@ layers and a block (one page per layer) is exactly one chunk. The slot of token 
 is `c * page_size + t`, which lets the model write and gather K/V for a whole ragged batch with
 one index tensor. Chunks 0 and 1 are reserved: padding tokens write into them and padded reads
 point at them, so no request's data is ever touched by padding. They are zeroed; the rest is left
-uninitialised (on CPU the pages are only committed as requests fill them), which is safe because
-nothing reads a slot before it is written except through padding, which reads the reserved chunks.
+uninitialised (on CPU the pages, huge ones where the kernel gives them, are only committed as requests
+fill them), which is safe because nothing reads a slot before it is written except through padding,
+which reads the reserved chunks.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..kernels import host_memory
 
 NUM_RESERVED_CHUNKS = 2
 
@@ -52,8 +54,11 @@ class CachePool:
             raise ValueError(f"the KV pool needs more than {NUM_RESERVED_CHUNKS} chunks, got {num_chunks}")
         self.num_chunks = num_chunks
         self.page_size = page_size
-        self.kv = [torch.empty(2, num_chunks * page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-                   for _ in range(num_layers)]
+        # On the CPU, on huge pages (`host_memory.empty`): decode at depth reads every position's rows of
+        # every layer, a 4 KiB page's worth of positions at a time on small pages, each a TLB miss.
+        shape = (2, num_chunks * page_size, num_kv_heads, head_dim)
+        self.kv = [host_memory.empty(shape, dtype) if device.type == "cpu" else
+                   torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for layer in self.kv:
             layer[:, :NUM_RESERVED_CHUNKS * page_size].zero_()
         # A stack, the lowest chunk on top at first: the most recently freed chunks are taken first, so a

@@ -1,10 +1,11 @@
-"""The CPU process's memory as the kernels want it: huge pages for the weights' tiles, which every
-decode step streams, and glibc's malloc kept from handing the steps' buffers back to the OS.
+"""The CPU process's memory as the kernels want it: huge pages for the weights' tiles and the KV pool,
+which every decode step streams, and glibc's malloc kept from handing the steps' buffers back to the OS.
 
-Huge pages. A decode step reads every weight byte once. On 4 KiB pages that stream crosses a page every
-64 cache lines (a TLB miss each, and the hardware prefetchers stop at each boundary); on 2 MiB
-transparent huge pages it reads faster (docs/benchmarks.md#huge-pages). The KV pool stays on small
-pages: its chunks are committed as requests first touch them, and 2 MiB at a time made prompts slower.
+Huge pages. A decode step reads every weight byte once, and at depth every cached K and V row. On 4 KiB
+pages those streams cross a page every 64 cache lines, or every few positions of the KV cache (a TLB
+miss each, and the hardware prefetchers stop at each boundary); on 2 MiB transparent huge pages they
+read faster (docs/benchmarks.md#huge-pages). The KV pool's pages are still committed as requests first
+write them, 2 MiB at a time.
 Linux backs anonymous memory with huge pages where `/sys/kernel/mm/transparent_hugepage/enabled` is
 `always`, and where it is `madvise` (many distributions' default) only the ranges a process marks
 with madvise(MADV_HUGEPAGE): `empty` marks its tensor's, 2 MiB-aligned, before anything touches them.

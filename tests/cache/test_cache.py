@@ -14,10 +14,11 @@ from conveyor.cache.allocator import FullAttentionCacheAllocator
 from conveyor.cache.sliding_allocator import SlidingAttentionCacheAllocator
 from conveyor.cache.pool import NUM_RESERVED_CHUNKS, CachePool, plan_num_chunks, working_memory_bytes
 from conveyor.cache.prefix_cache import block_digest
+from conveyor.kernels import host_memory
 from conveyor.request import Request
 from conveyor.sampling_params import SamplingParams
 
-from tests.utils import check_allocator_invariants, make_pool
+from tests.utils import check_allocator_invariants, make_pool, smaps_fields
 
 RESERVED = set(range(NUM_RESERVED_CHUNKS))
 
@@ -93,6 +94,19 @@ def test_pool_kv_tensor_shape():
     assert pool.kv[0].shape == (2, 5 * 8, 2, 4)
     assert CachePool.bytes_per_chunk(8, 3, 2, 4, torch.float32) == 2 * 8 * 3 * 2 * 4 * 4
     assert CachePool.bytes_per_chunk(8, 3, 2, 4, torch.float16) == 2 * 8 * 3 * 2 * 4 * 2
+
+
+def test_a_cpu_pool_sits_on_huge_pages_where_the_kernel_gives_them():
+    # decode at depth reads every position's rows: on 4 KiB pages a TLB miss every few positions
+    if host_memory.thp_mode() == "off":
+        pytest.skip("transparent huge pages are off on this machine")
+    pool = CachePool(40, 32, num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16,
+                     device=torch.device("cpu"))  # a layer: 2 x 1,280 slots x 2 KiB, 5 MiB
+    for layer in pool.kv:
+        assert layer.data_ptr() % host_memory.HUGE_PAGE == 0 and layer.is_contiguous()
+        if host_memory.thp_mode() == "madvise":
+            assert "hg" in smaps_fields(layer.data_ptr())["VmFlags"]
+        assert not layer[:, :NUM_RESERVED_CHUNKS * 32].any()  # the reserved chunks zeroed, as on small pages
 
 
 # -- FullAttentionCacheAllocator ---------------------------------------------------------------
