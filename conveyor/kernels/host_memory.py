@@ -5,7 +5,8 @@ Huge pages. A decode step reads every weight byte once, and at depth every cache
 pages those streams cross a page every 64 cache lines, or every few positions of the KV cache (a TLB
 miss each, and the hardware prefetchers stop at each boundary); on 2 MiB transparent huge pages they
 read faster (docs/benchmarks.md#huge-pages). The KV pool's pages are still committed as requests first
-write them, 2 MiB at a time.
+write them, 2 MiB at a time: a pool holds at least a huge page of each layer's K and of its V from the
+start (its reserved chunks are zeroed).
 Linux backs anonymous memory with huge pages where `/sys/kernel/mm/transparent_hugepage/enabled` is
 `always`, and where it is `madvise` (many distributions' default) only the ranges a process marks
 with madvise(MADV_HUGEPAGE): `empty` marks its tensor's, 2 MiB-aligned, before anything touches them.
